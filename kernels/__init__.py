@@ -1,0 +1,1 @@
+"""Kernels (packaged as kvcompile.kernels): each a Triton version beside a torch lowering."""
