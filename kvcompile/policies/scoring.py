@@ -79,3 +79,9 @@ class Decayed:
 @dataclass(frozen=True)
 class KeyNorm:
     """A cheap baseline (Devoto et al., 2024): s[i] = −‖K[i]‖₂ (low key norm = important)."""
+
+
+@part("scoring", "recency")
+@dataclass(frozen=True)
+class Recency:
+    """StreamingLLM: s[i] = i, later tokens matter more (no attention needed)."""
