@@ -1,0 +1,292 @@
+"""KVCompileCache: a paged, head-granular KV cache that holds only what a policy keeps.
+
+Storage (per layer, see docs/INTERNALS.md "Paged cache layout"): pages of `page_size`
+entries, each page owned by one (sequence, KV head); a block table maps a head's
+entry e to page `block_table[b, h, e // S]`, slot `e % S`. Memory held is the pages in
+use, so head-wise and layer-wise budgets free real memory. Residual merge slots (when
+the policy merges) are the first entries of each head; prompt tokens follow in position
+order, then generated tokens. Pads are never stored.
+
+The cache does not store anything in `update()`: the `kvcompile.attend` op receives
+the new keys and values and does prefill compression or decode append itself, so the
+same op serves the eager and the compiled entry.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache
+
+from kvcompile.policy import Policy
+from kvcompile.reference import LayerState
+
+_LIVE: "weakref.WeakValueDictionary[int, KVCompileCache]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+
+
+def lookup_cache(handle: int) -> "KVCompileCache":
+    cache = _LIVE.get(handle)
+    if cache is None:
+        raise RuntimeError(f"kvcompile: no live KVCompileCache with handle {handle}")
+    return cache
+
+
+@dataclass
+class LayerStore:
+    """One layer's pages. Entries carry their key, value, score, logical position
+    (−1 for a residual slot) and merge count (1 for a plain token, 0 for an empty slot)."""
+
+    k_pages: Tensor  # (P, S, d)
+    v_pages: Tensor  # (P, S, d)
+    score_pages: Tensor  # (P, S) float32
+    pos_pages: Tensor  # (P, S) int64
+    count_pages: Tensor  # (P, S) float32
+    block_table: Tensor  # (B, H, M) int64
+    lengths: Tensor  # (B, H) int64: entries stored per head
+    slots: int  # residual slots at the start of every head (0 when the policy drops)
+    next_page: int  # bump allocator: pages [next_page, P) are free
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+    def pages_per_head(self) -> Tensor:
+        return (self.lengths + self.page_size - 1) // self.page_size
+
+    def entries(self) -> tuple[Tensor, Tensor]:
+        """Page and slot of every entry slot (B, H, M·S), and which of them are stored."""
+        s = self.page_size
+        e = torch.arange(self.block_table.shape[-1] * s, device=self.lengths.device)
+        page = self.block_table[..., e // s]
+        return page * s + e % s, e < self.lengths[..., None]
+
+    def gather(self):
+        """The stored entries as dense per-head tensors (B, H, E, ·), padded beyond lengths."""
+        flat, stored = self.entries()
+        d = self.k_pages.shape[-1]
+        k = self.k_pages.reshape(-1, d)[flat]
+        v = self.v_pages.reshape(-1, d)[flat]
+        return (k, v, self.score_pages.reshape(-1)[flat], self.pos_pages.reshape(-1)[flat],
+                self.count_pages.reshape(-1)[flat], stored)
+
+
+@dataclass
+class Entries:
+    """Candidate entries of one layer, per head: `take` (B, H, E) selects what is stored."""
+
+    keys: Tensor  # (B, H, E, d)
+    values: Tensor  # (B, H, E, d)
+    scores: Tensor  # (B, H, E) float
+    positions: Tensor  # (B, H, E) long, −1 for residual slots
+    counts: Tensor  # (B, H, E) float merge counts (1 = plain token, 0 = empty slot)
+    take: Tensor  # (B, H, E) bool
+
+
+def build_store(sources: list[Entries], slots: int, page_size: int, reserve_pages: int) -> LayerStore:
+    """Write the selected entries of `sources`, one after the other per head, into fresh pages.
+
+    Every head gets ceil(n/S) contiguous pages; `reserve_pages` spare pages follow for
+    generation. Only the selected rows are copied (no dense copy of the layer).
+    """
+    first = sources[0]
+    b, h, _, d = first.keys.shape
+    dev = first.keys.device
+    s = page_size
+    counts_per_source = [src.take.sum(-1) for src in sources]  # each (B, H)
+    n = torch.stack(counts_per_source).sum(0)
+    pages = (n + s - 1) // s
+    base = pages.flatten().cumsum(0).reshape(b, h) - pages  # first page of each head
+    m = max(int(pages.max()), 1)
+    cols = torch.arange(m, device=dev)
+    block_table = torch.where(cols < pages[..., None], base[..., None] + cols, 0)
+    total = int(pages.sum())
+    cap = total + reserve_pages
+    store = LayerStore(
+        k_pages=first.keys.new_zeros(cap, s, d),
+        v_pages=first.values.new_zeros(cap, s, d),
+        score_pages=torch.zeros(cap, s, dtype=torch.float32, device=dev),
+        pos_pages=torch.full((cap, s), -1, dtype=torch.long, device=dev),
+        count_pages=torch.zeros(cap, s, dtype=torch.float32, device=dev),
+        block_table=block_table, lengths=n.clone(), slots=slots, next_page=total)
+    offset = torch.zeros_like(n)
+    for src, cnt in zip(sources, counts_per_source):
+        bi, hi, ei = src.take.nonzero(as_tuple=True)  # row-major: grouped per head, in entry order
+        rank = offset[bi, hi] + (src.take.cumsum(-1) - 1)[bi, hi, ei]
+        page, slot = base[bi, hi] + rank // s, rank % s
+        store.k_pages[page, slot] = src.keys[bi, hi, ei]
+        store.v_pages[page, slot] = src.values[bi, hi, ei]
+        store.score_pages[page, slot] = src.scores[bi, hi, ei].float()
+        store.pos_pages[page, slot] = src.positions[bi, hi, ei]
+        store.count_pages[page, slot] = src.counts[bi, hi, ei].float()
+        offset = offset + cnt
+    return store
+
+
+def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    """Append one entry per head: k, v (B, H, d), positions (B,) long. O(1) amortised:
+    a head whose last page is full takes a spare page; the pool grows (rarely) when
+    no spare is left."""
+    b, h, d = k.shape
+    s = store.page_size
+    e = store.lengths  # (B, H)
+    col = e // s
+    need = (e % s) == 0
+    n_new = int(need.sum())
+    if n_new:
+        if store.next_page + n_new > store.k_pages.shape[0]:
+            _grow(store, max(n_new, store.k_pages.shape[0] // 4, b * h))
+        if int(col.max()) >= store.block_table.shape[-1]:
+            store.block_table = torch.nn.functional.pad(store.block_table, (0, 1))
+        bi, hi = need.nonzero(as_tuple=True)
+        store.block_table[bi, hi, col[bi, hi]] = store.next_page + torch.arange(n_new, device=k.device)
+        store.next_page += n_new
+    page = store.block_table.gather(-1, col[..., None]).squeeze(-1)
+    slot = e % s
+    store.k_pages[page, slot] = k
+    store.v_pages[page, slot] = v
+    store.score_pages[page, slot] = 0.0
+    store.pos_pages[page, slot] = positions[:, None].expand(b, h)
+    store.count_pages[page, slot] = 1.0
+    store.lengths = e + 1
+
+
+def _grow(store: LayerStore, extra: int) -> None:
+    """Add `extra` free pages to the layer's pool (copies the compressed pool: amortised O(1))."""
+    for name in ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages"):
+        t = getattr(store, name)
+        fill = -1 if name == "pos_pages" else 0
+        setattr(store, name, torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]))
+
+
+class KVCompileCache(Cache):
+    """A `transformers.Cache` whose layers hold only the entries a policy keeps.
+
+    Args:
+        policy: the validated Policy (`kvcompile.load_spec`).
+        config: the model's (text) config: layers, KV heads, head dim.
+        page_size: entries per page (default 16).
+        headroom: tokens per head to reserve for generation after the prompt
+            (`generate()` passes max_new_tokens); the pool grows when it runs out.
+        record: keep each layer's prefill state (LayerState with every query row) for
+            tests and "prefill once, compress many" sweeps.
+    """
+
+    is_compileable = False
+
+    def __init__(self, policy: Policy, config, page_size: int = 16, headroom: int = 0,
+                 record: bool = False, progress=None):
+        super().__init__(layers=[])
+        self.policy = policy
+        self.dynamic = policy.layer_dynamic  # layer budgets move during prefill: cascade
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.page_size = page_size
+        self.headroom = headroom
+        self.record = record
+        self.progress = progress  # callable(layer_idx) or None
+        self.stores: list[LayerStore | None] = [None] * self.num_layers
+        self.states: list[LayerState | None] = [None] * self.num_layers
+        self.seq_length = 0  # logical length: prompt (pads included) + generated tokens
+        self.prompt_lengths: Tensor | None = None  # (B,) real prompt lengths
+        self.pad: Tensor | None = None  # (B,) left pads
+        self.prompt_width = 0  # N: prompt length with pads
+        self.totals: Tensor | None = None  # (B, L) static layer budgets
+        self.entropy: list[Tensor] = []  # cascade: per-layer (B,) entropies seen so far
+        self.handle = next(_NEXT_HANDLE)
+        _LIVE[self.handle] = self
+
+    # --- transformers.Cache interface -------------------------------------------------
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # The kvcompile.attend op stores the new entries; the model's own code sees them unchanged.
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seq_length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seq_length + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.seq_length
+
+    def get_max_length(self, layer_idx=None) -> int:
+        return -1
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    @property
+    def is_initialized(self) -> bool:  # used by generate() to tell prefill from decode
+        return self.stores[0] is not None
+
+    def reset(self):
+        self.__init__(self.policy, _Dims(self), self.page_size, self.headroom, self.record, self.progress)
+
+    def _unsupported(self, what):
+        raise NotImplementedError(f"KVCompileCache does not support {what} (beam search, cropping, "
+                                  "assisted decoding): its entries are compressed per head")
+
+    def crop(self, max_length):
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, repeats):
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices")
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("reorder_cache")
+
+    # --- reports -------------------------------------------------------------------------
+    def kept(self) -> Tensor:
+        """(B, L, H) entries stored per sequence, layer and KV head (residual slots included)."""
+        return torch.stack([s.lengths for s in self.stores], dim=1)
+
+    def kept_positions(self, layer: int) -> Tensor:
+        """(B, H, N) bool: which prompt positions (padded index) the layer keeps."""
+        store = self.stores[layer]
+        _, _, _, pos, _, stored = store.gather()
+        b, h = store.lengths.shape
+        n = self.prompt_width
+        out = torch.zeros(b, h, n, dtype=torch.bool)
+        ok = stored & (pos >= 0) & (pos < self.prompt_lengths[:, None, None])
+        bi, hi, ei = ok.nonzero(as_tuple=True)
+        out[bi, hi, pos[bi, hi, ei] + self.pad[bi]] = True
+        return out
+
+    def memory_report(self) -> dict:
+        """Bytes and entries held now, against what a full (uncompressed) cache would hold."""
+        if not self.is_initialized:
+            raise RuntimeError("memory_report(): the cache is empty (no prompt processed yet)")
+        store = self.stores[0]
+        elt = store.k_pages.element_size()
+        entry_bytes = 2 * self.head_dim * elt  # K and V
+        pages = torch.stack([s.pages_per_head() for s in self.stores], dim=1)  # (B, L, H)
+        kept = self.kept()
+        b = kept.shape[0]
+        pool_pages = sum(s.k_pages.shape[0] for s in self.stores)
+        meta = sum(s.score_pages.nbytes + s.pos_pages.nbytes + s.count_pages.nbytes
+                   + s.block_table.nbytes for s in self.stores)
+        return {
+            "bytes_held": int(pages.sum()) * self.page_size * entry_bytes,
+            "bytes_entries": int(kept.sum()) * entry_bytes,
+            "bytes_allocated": pool_pages * self.page_size * entry_bytes,
+            "bytes_metadata": meta,
+            "bytes_full": b * self.seq_length * self.num_layers * self.num_heads * entry_bytes,
+            "kept": kept,
+            "pages": pages,
+            "page_size": self.page_size,
+        }
+
+
+class _Dims:
+    def __init__(self, cache):
+        self.num_hidden_layers = cache.num_layers
+        self.num_key_value_heads = cache.num_heads
+        self.head_dim = cache.head_dim

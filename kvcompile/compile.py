@@ -1,0 +1,117 @@
+"""`kvcompile.compile(model, spec)`: make a transformers causal LM run a policy.
+
+Eager entry: registers the "kvcompile" attention and mask functions in transformers'
+AttentionInterface / AttentionMaskInterface (new names only; nothing else changes
+globally), switches this model to them, and wraps this model's `forward` and
+`generate` so every call without a cache gets a fresh KVCompileCache. Nothing happens
+at import time; `uncompile(model)` restores the model.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvcompile.cache import KVCompileCache
+from kvcompile.policy import Policy
+from kvcompile.runtime import kvcompile_attention, kvcompile_mask
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+_STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
+
+
+class CompileError(ValueError):
+    """The model cannot be compiled (unsupported architecture or attention)."""
+
+
+def _check_model(model) -> None:
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported: {', '.join(SUPPORTED)}")
+    if not hasattr(model, "generate") or not hasattr(model, "model"):
+        raise CompileError("kvcompile: expected a *ForCausalLM model (with .model and .generate)")
+    layers = getattr(model.model, "layers", None)
+    if not layers or not all(hasattr(layer.self_attn, "layer_idx") for layer in layers):
+        raise CompileError("kvcompile: every decoder layer must have self_attn.layer_idx")
+    impl = config._attn_implementation
+    if impl not in ("sdpa", "eager", "kvcompile", None):
+        raise CompileError(f"kvcompile: the model uses attn_implementation={impl!r}; load it with "
+                           "attn_implementation='sdpa' (or 'eager')")
+    if getattr(config, "attention_chunk_size", None) or getattr(config, "layer_types", None) and \
+            any(t != "full_attention" for t in config.layer_types):
+        raise CompileError("kvcompile: sliding-window or chunked attention layers are not supported")
+
+
+def compile(model, spec, *, page_size: int = 16, progress: bool = False, **overrides):
+    """Return `model` with its attention rewritten to run `spec` (path, name, mapping or Policy).
+
+    `model.generate(...)` and `model(...)` then use a fresh KVCompileCache per call unless
+    one is passed. Errors (bad spec, unsupported model) are raised before anything changes.
+    """
+    if isinstance(spec, Policy) and not overrides:
+        policy = spec
+    else:
+        from kvcompile.spec import load_spec
+
+        policy = load_spec(spec, **overrides)
+    _check_model(model)
+    if page_size < 1:
+        raise ValueError(f"kvcompile: page_size must be >= 1, got {page_size}")
+    if hasattr(model, _STATE):
+        uncompile(model)
+    AttentionInterface.register("kvcompile", kvcompile_attention)
+    AttentionMaskInterface.register("kvcompile", kvcompile_mask)
+    config = model.config
+    saved = {"attn": config._attn_implementation, "policy": policy}
+    forward, generate = model.forward, model.generate
+
+    def new_cache(headroom: int = 0) -> KVCompileCache:
+        return KVCompileCache(policy, config, page_size=page_size, headroom=headroom, progress=progress)
+
+    @functools.wraps(forward)
+    def compiled_forward(*args, past_key_values=None, use_cache=None, **kwargs):
+        if past_key_values is None and use_cache is not False:
+            past_key_values = new_cache()
+        if isinstance(past_key_values, KVCompileCache):
+            kwargs["kvcompile_cache"] = past_key_values
+        return forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+
+    @functools.wraps(generate)
+    def compiled_generate(*args, past_key_values=None, **kwargs):
+        if past_key_values is None and kwargs.get("use_cache", True) is not False:
+            gen = kwargs.get("generation_config") or model.generation_config
+            headroom = kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 0
+            past_key_values = new_cache(headroom)
+        return generate(*args, past_key_values=past_key_values, **kwargs)
+
+    model.set_attn_implementation("kvcompile")
+    model.forward = compiled_forward
+    model.generate = compiled_generate
+    model.kvcompile_policy = policy
+    setattr(model, _STATE, saved)
+    return model
+
+
+def uncompile(model):
+    """Undo `compile`: the model's own forward, generate and attention come back."""
+    saved = getattr(model, _STATE, None)
+    if saved is None:
+        return model
+    for name in ("forward", "generate", "kvcompile_policy"):
+        model.__dict__.pop(name, None)
+    model.set_attn_implementation(saved["attn"] or "sdpa")
+    delattr(model, _STATE)
+    return model
+
+
+@contextmanager
+def compiled(model, spec, **kwargs):
+    """`with kvcompile.compiled(model, "lava"): ...` compiles for the block only."""
+    compile(model, spec, **kwargs)
+    try:
+        yield model
+    finally:
+        uncompile(model)

@@ -1,0 +1,48 @@
+"""Tiny random-weight transformers models for tests (no downloads)."""
+from __future__ import annotations
+
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+ARCHS = ("llama", "mistral", "qwen2")
+
+
+def tiny_model(arch: str = "llama", layers: int = 3, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+               seed: int = 0):
+    common = dict(vocab_size=96, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=1024, attn_implementation="sdpa", pad_token_id=0, eos_token_id=1,
+                  bos_token_id=2)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(sliding_window=None, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
+    else:
+        raise ValueError(arch)
+    # Larger random weights than the default init give peaked, varied attention, so that
+    # policies disagree about which tokens matter (the default init attends almost uniformly).
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def prompt(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 96, (batch, n), generator=g)
+
+
+def left_pad(seqs: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad, dtype=torch.long)
+    mask = torch.zeros(len(seqs), n, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, n - len(s):] = s
+        mask[i, n - len(s):] = 1
+    return ids, mask
