@@ -2,13 +2,158 @@
 
 Every scorer maps one layer's state to scores (B, H, N): higher = more important.
 The eager reference of each part is written for clarity; kernels are tested against it.
+
+Each scorer has two methods:
+  query_rows(n) -> how many of the last prompt queries it reads (R of LayerState);
+  score(state)  -> (B, H, N) float32 scores, −inf at pad positions.
+
+Conventions shared by every scorer (DESIGN.md §2 "Scoring"):
+  * A[j, i] is the softmax of query j over keys i, scaled by the model's scale, with the
+    causal mask (query j at absolute index N−R+j sees keys i ≤ that index) and the
+    padding mask (pads are never attended). A pad query's row is all zeros.
+  * Inputs are upcast to float32; the math is float32 throughout.
+  * GQA: a score is computed per query head, then the G heads of a group reduce to
+    their KV head (`gqa`: mean | max). KV head h owns query heads h·G … h·G+G−1, the
+    order of transformers' `repeat_kv`.
+  * Left padding: a sequence's real tokens get exactly the scores they would get if
+    the sequence ran alone, unpadded (the property batching relies on).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from kvcompile.policies.registry import part
+
+if TYPE_CHECKING:  # reference.py may import the part library: no import cycle at run time
+    from kvcompile.reference import LayerState
+
+NEG_INF = float("-inf")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_gqa(gqa: str) -> None:
+    _check(gqa in ("mean", "max"), f"gqa must be 'mean' or 'max', got {gqa!r}")
+
+
+def _check_window(window: int) -> None:
+    _check(isinstance(window, int) and not isinstance(window, bool) and window >= 1,
+           f"window must be an integer >= 1, got {window!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def real_tokens(state: LayerState) -> Tensor:
+    """(B, N) bool, True = real token (all True when the state has no mask)."""
+    b, _, n, _ = state.keys.shape
+    if state.mask is None:
+        return torch.ones(b, n, dtype=torch.bool, device=state.keys.device)
+    return state.mask.to(device=state.keys.device, dtype=torch.bool)
+
+
+def attention_rows(state: LayerState, rows: int) -> Tensor:
+    """A for the last `rows` prompt queries: (B, Hq, rows, N) float32.
+
+    Row j is query N−rows+j; it attends to the real keys i ≤ N−rows+j (causal + padding
+    masks), with the model's scale (None = d^−½). Rows of pad queries are zeros.
+    """
+    queries, keys = state.queries, state.keys
+    b, hq, r, d = queries.shape
+    h, n = keys.shape[1], keys.shape[2]
+    _check(hq % h == 0, f"{hq} query heads do not split into groups over {h} KV heads")
+    _check(1 <= rows <= min(r, n), f"need 1 <= rows <= min(R={r}, N={n}), got rows={rows}")
+    scale = d ** -0.5 if state.scale is None else state.scale
+
+    q = queries[:, :, r - rows:].float()  # (B, Hq, rows, d)
+    k = keys.float().repeat_interleave(hq // h, dim=1)  # (B, Hq, N, d), repeat_kv order
+    logits = torch.einsum("bhjd,bhid->bhji", q, k) * scale
+
+    real = real_tokens(state)  # (B, N)
+    query_pos = torch.arange(n - rows, n, device=keys.device)  # absolute index of each row
+    key_pos = torch.arange(n, device=keys.device)
+    causal = key_pos[None, :] <= query_pos[:, None]  # (rows, N)
+    visible = causal[None, None] & real[:, None, None, :]  # (B, 1, rows, N)
+    probs = torch.softmax(logits.masked_fill(~visible, NEG_INF), dim=-1)
+
+    real_query = real[:, None, n - rows:, None]  # (B, 1, rows, 1)
+    return torch.where(real_query, probs, 0.0)  # a pad query sees no key: its row is 0
+
+
+def reduce_gqa(a: Tensor, num_kv_heads: int, how: str) -> Tensor:
+    """Reduce query heads (dim 1, Hq = H·G) to KV heads by mean or max over each group.
+
+    KV head h owns query heads h·G … h·G+G−1 (transformers' repeat_kv order).
+    """
+    _check_gqa(how)
+    b, hq = a.shape[:2]
+    _check(hq % num_kv_heads == 0, f"{hq} query heads do not split over {num_kv_heads} KV heads")
+    grouped = a.reshape(b, num_kv_heads, hq // num_kv_heads, *a.shape[2:])
+    return grouped.mean(dim=2) if how == "mean" else grouped.amax(dim=2)
+
+
+def pool_scores(scores: Tensor, real: Tensor, pooling: "Pooling") -> Tensor:
+    """1-D pooling over tokens, stride 1, kernel k, k//2 on each side: same length (SnapKV §4.3).
+
+    Only real tokens enter a window: avg divides the sum of the real tokens in the window
+    by their count (what F.avg_pool1d(count_include_pad=False) does on an unpadded
+    sequence), max takes the max over them. Left pads and the ends of the sequence never
+    count, so a padded sequence pools exactly as it would alone. Output at pads: −inf.
+    scores (B, H, N), real (B, N) bool.
+    """
+    if pooling.kind == "none" or pooling.kernel == 1:
+        return scores.masked_fill(~real[:, None], NEG_INF)
+    half = pooling.kernel // 2
+    real_h = real[:, None].expand_as(scores)
+
+    def windows(x: Tensor, fill: float) -> Tensor:  # (B, H, N) -> (B, H, N, k)
+        return F.pad(x, (half, half), value=fill).unfold(-1, pooling.kernel, 1)
+
+    if pooling.kind == "max":
+        pooled = windows(scores.masked_fill(~real_h, NEG_INF), NEG_INF).amax(dim=-1)
+    else:
+        total = windows(scores.masked_fill(~real_h, 0.0), 0.0).sum(dim=-1)
+        count = windows(real_h.float(), 0.0).sum(dim=-1)
+        pooled = total / count.clamp(min=1.0)
+    return pooled.masked_fill(~real[:, None], NEG_INF)
+
+
+def window_scores(state: LayerState, window: int, pooling: "Pooling", gqa: str) -> Tensor:
+    """SnapKV's observation-window score, (B, H, N), −inf at pads.
+
+    Per query head: s[i] = mean over the real rows among the last w' = min(window, N)
+    queries of A[j, i] (a padded sequence shorter than the window counts only its real
+    rows: min(window, n_b) of them). Then reduce GQA, then pool. Order: reduce, then pool
+    (pooling runs on H rows, not H·G); for gqa=mean with avg pooling and for gqa=max with
+    max pooling the two orders are identical, for mixed choices they differ slightly.
+    """
+    n = state.keys.shape[2]
+    rows = min(window, n)
+    real = real_tokens(state)
+    a = attention_rows(state, rows)  # (B, Hq, rows, N)
+    real_rows = real[:, n - rows:].sum(dim=-1).clamp(min=1)  # (B,)
+    per_query_head = a.sum(dim=2) / real_rows[:, None, None]
+    per_kv_head = reduce_gqa(per_query_head, state.keys.shape[1], gqa)
+    return pool_scores(per_kv_head, real, pooling)
+
+
+def mask_pads(scores: Tensor, state: LayerState) -> Tensor:
+    """Set the scores of pad tokens to −inf. scores (B, H, N)."""
+    return scores.masked_fill(~real_tokens(state)[:, None], NEG_INF)
+
+
+# ---------------------------------------------------------------------------------------
+# Parts
 
 
 @dataclass(frozen=True)
@@ -20,6 +165,13 @@ class Pooling:
 
     kind: Literal["avg", "max", "none"] = "none"
     kernel: int = 1
+
+    def __post_init__(self):
+        _check(self.kind in ("avg", "max", "none"),
+               f"pooling kind must be 'avg', 'max' or 'none', got {self.kind!r}")
+        _check(isinstance(self.kernel, int) and not isinstance(self.kernel, bool)
+               and self.kernel >= 1 and self.kernel % 2 == 1,
+               f"pooling kernel must be an odd integer >= 1, got {self.kernel!r}")
 
 
 @part("scoring", "window_attention")
@@ -36,6 +188,16 @@ class WindowAttention:
     pooling: Pooling = field(default_factory=Pooling)
     gqa: Literal["mean", "max"] = "mean"
 
+    def __post_init__(self):
+        _check_window(self.window)
+        _check_gqa(self.gqa)
+
+    def query_rows(self, n: int) -> int:
+        return min(self.window, n)
+
+    def score(self, state: LayerState) -> Tensor:
+        return window_scores(state, self.window, self.pooling, self.gqa)
+
 
 @part("scoring", "lava")
 @dataclass(frozen=True)
@@ -49,6 +211,21 @@ class Lava:
     pooling: Pooling = field(default_factory=Pooling)
     gqa: Literal["mean", "max"] = "max"
 
+    def __post_init__(self):
+        _check_window(self.window)
+        _check_gqa(self.gqa)
+
+    def query_rows(self, n: int) -> int:
+        return min(self.window, n)
+
+    def score(self, state: LayerState) -> Tensor:
+        """s_h[i] = window_attention_h[i] · max over real k of ‖V_h[k]‖₁ (LAVa Eq. 6)."""
+        attention = window_scores(state, self.window, self.pooling, self.gqa)
+        value_l1 = state.values.float().abs().sum(dim=-1)  # (B, H, N)
+        value_l1 = value_l1.masked_fill(~real_tokens(state)[:, None], 0.0)
+        v_bar = value_l1.amax(dim=-1, keepdim=True)  # (B, H, 1)
+        return mask_pads(attention * v_bar, state)  # re-mask: −inf · 0 would be NaN
+
 
 @part("scoring", "last_token")
 @dataclass(frozen=True)
@@ -57,6 +234,16 @@ class LastToken:
 
     gqa: Literal["mean", "max"] = "mean"
 
+    def __post_init__(self):
+        _check_gqa(self.gqa)
+
+    def query_rows(self, n: int) -> int:
+        return 1
+
+    def score(self, state: LayerState) -> Tensor:
+        last = attention_rows(state, 1)[:, :, 0]  # (B, Hq, N)
+        return mask_pads(reduce_gqa(last, state.keys.shape[1], self.gqa), state)
+
 
 @part("scoring", "accumulated")
 @dataclass(frozen=True)
@@ -64,6 +251,16 @@ class Accumulated:
     """H2O: s[i] = Σ over all queries j ≥ i of A[j, i] (accumulated attention)."""
 
     gqa: Literal["mean", "max"] = "mean"
+
+    def __post_init__(self):
+        _check_gqa(self.gqa)
+
+    def query_rows(self, n: int) -> int:
+        return n
+
+    def score(self, state: LayerState) -> Tensor:
+        a = attention_rows(state, state.keys.shape[2])  # every query; pad rows are 0
+        return mask_pads(reduce_gqa(a.sum(dim=2), state.keys.shape[1], self.gqa), state)
 
 
 @part("scoring", "decayed")
@@ -74,14 +271,66 @@ class Decayed:
     decay: float = 0.98
     gqa: Literal["mean", "max"] = "mean"
 
+    def __post_init__(self):
+        _check(isinstance(self.decay, (int, float)) and not isinstance(self.decay, bool)
+               and math.isfinite(self.decay) and 0.0 <= self.decay <= 1.0,
+               f"decay must be a number in [0, 1], got {self.decay!r}")
+        _check_gqa(self.gqa)
+
+    def query_rows(self, n: int) -> int:
+        return n
+
+    def score(self, state: LayerState) -> Tensor:
+        n = state.keys.shape[2]
+        a = attention_rows(state, n)  # (B, Hq, N, N); pad rows are 0
+        age = torch.arange(n - 1, -1, -1, device=a.device, dtype=torch.float32)  # N−1−j
+        weight = float(self.decay) ** age  # λ^(N−1−j), with λ^0 = 1 (also for λ = 0)
+        summed = torch.einsum("bhji,j->bhi", a, weight)
+        return mask_pads(reduce_gqa(summed, state.keys.shape[1], self.gqa), state)
+
 
 @part("scoring", "key_norm")
 @dataclass(frozen=True)
 class KeyNorm:
     """A cheap baseline (Devoto et al., 2024): s[i] = −‖K[i]‖₂ (low key norm = important)."""
 
+    def query_rows(self, n: int) -> int:
+        return 0
+
+    def score(self, state: LayerState) -> Tensor:
+        return mask_pads(-torch.linalg.vector_norm(state.keys.float(), dim=-1), state)
+
 
 @part("scoring", "recency")
 @dataclass(frozen=True)
 class Recency:
-    """StreamingLLM: s[i] = i, later tokens matter more (no attention needed)."""
+    """StreamingLLM: s[i] = i, later tokens matter more (no attention needed).
+
+    i is the position among the sequence's real tokens (0 … n_b − 1), pads excluded.
+    """
+
+    def query_rows(self, n: int) -> int:
+        return 0
+
+    def score(self, state: LayerState) -> Tensor:
+        real = real_tokens(state)
+        position = (real.long().cumsum(dim=-1) - 1).float()  # (B, N)
+        h = state.keys.shape[1]
+        return mask_pads(position[:, None].expand(-1, h, -1), state)
+
+
+def entropy(scores: Tensor, valid: Tensor) -> Tensor:
+    """LAVa Eq. 7–8: the normalized entropy of one layer's scores, (B,).
+
+    ŝ = s / Σ_{h, i valid} s (Eq. 7), e = −Σ_{h, i valid} ŝ log ŝ / (number of valid
+    entries) (Eq. 8, H × N without padding), with 0·log 0 = 0. scores (B, H, N) must be
+    ≥ 0 on valid entries (LAVa scores are); valid (B, H, N) bool. A layer whose valid
+    scores are all 0, or with no valid entry, has entropy 0.
+    """
+    s = torch.where(valid, scores.float(), 0.0)
+    _check(bool((s >= 0).all()), "entropy needs scores >= 0 on valid entries")
+    total = s.sum(dim=(1, 2), keepdim=True)
+    p = torch.where(total > 0, s / total, 0.0)
+    p_log_p = torch.where(p > 0, p * p.log(), 0.0)  # 0·log 0 = 0
+    count = valid.sum(dim=(1, 2)).clamp(min=1).float()
+    return -p_log_p.sum(dim=(1, 2)) / count
