@@ -1,0 +1,638 @@
+"""The spec language: YAML policy files → a validated, frozen `Policy` (and back).
+
+Grammar (docs/SPECS.md is the full reference, docs/INTERNALS.md "YAML" the contract):
+
+    name: <string>                  default: the file's stem
+    scoring: <part>                 required
+    ranking: <part>                 default: by_score
+    budget: {per_head: n | ratio: r, layers: <part>, heads: <part>,
+             threshold: <part>, split: {proximity, context, residual}}   required
+    merge: <part>                   default: drop
+    schedule: prefill | cascade | {cascade: bool, decode: <part>}       default: prefill
+
+    <part> = name                   all fields at their defaults
+           | {name: {field: value, ...}}
+           | {name: value}          shorthand for a part with exactly one field
+
+A part's fields are the fields of its registered dataclass (`kvcompile.policies.PARTS`):
+nothing else is accepted, so a typo is an error, never silently ignored. Every error is a
+`SpecError` naming the file, the line, the dotted field and what is allowed; the Policy
+is built only when everything is valid (nothing is half-applied).
+
+Line numbers come from PyYAML (already a dependency): `yaml.SafeLoader` composes the
+document into nodes whose `start_mark.line` (0-based) locates every key, and constructs
+the plain data from those same nodes.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.resources
+import math
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Literal, Union
+
+import yaml
+
+import kvcompile
+from kvcompile.policies import PARTS
+from kvcompile.policies.budgets import Budget, Split
+from kvcompile.policies.schedule import Schedule
+from kvcompile.policy import Policy
+
+SECTIONS = ("name", "scoring", "ranking", "budget", "merge", "schedule")
+REQUIRED = ("scoring", "budget")
+BUDGET_KEYS = ("per_head", "ratio", "layers", "heads", "threshold", "split")
+SCHEDULE_KEYS = ("cascade", "decode")
+SCHEDULE_FORMS = "prefill | cascade | {cascade: bool, decode: part}"
+SPLIT_TOLERANCE = 1e-6
+
+KeyPath = tuple[str, ...]
+
+
+class SpecError(ValueError):
+    """A spec that cannot be a policy. The message names the file (or "<mapping>",
+    "<policy>", "<string>", "override"), the 1-based line, the dotted field, what was
+    wrong and what is allowed; the parts are kept as attributes."""
+
+    def __init__(self, file: str, line: int | None, field: str | None, problem: str,
+                 allowed: str | None = None):
+        self.file, self.line, self.field = file, line, field
+        self.problem, self.allowed = problem, allowed
+        where = file if line is None else f"{file}:{line}"
+        text = f"{where}: {field}: {problem}" if field else f"{where}: {problem}"
+        if allowed:
+            text += f" (allowed: {allowed})"
+        super().__init__(text)
+
+    def __reduce__(self):  # picklable across processes despite the custom signature
+        return SpecError, (self.file, self.line, self.field, self.problem, self.allowed)
+
+
+# ---------------------------------------------------------------------------------------
+# Value rules beyond the type: checked before a part's dataclass is built.
+# Keys: "family.name.field", "family.*.field" (any part of the family) or "Class.field"
+# (nested dataclasses). A part with no entry here is checked by type only (and by its own
+# __post_init__, whose ValueError becomes a SpecError).
+
+def _unit(v):
+    return 0 <= v <= 1
+
+
+RULES: dict[str, tuple[typing.Callable, str]] = {
+    "scoring.*.window": (lambda v: v >= 1, "an integer >= 1"),
+    "ranking.*.sinks": (lambda v: v >= 0, "an integer >= 0"),
+    "ranking.*.window": (lambda v: v >= 0, "an integer >= 0"),
+    "scoring.decayed.decay": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "layers.pyramid.beta": (lambda v: v >= 1, "a number >= 1"),
+    "heads.pooled.floor": (_unit, "a number in [0, 1]"),
+    "threshold.attention_norm.t": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "threshold.attention_norm.keep_layers": (lambda v: v >= 0, "an integer >= 0"),
+    "merge.residual.alpha": (_unit, "a number in [0, 1]"),
+    "decode.every.n": (lambda v: v >= 1, "an integer >= 1"),
+    "Pooling.kernel": (lambda v: v >= 1 and v % 2 == 1, "an odd integer >= 1"),
+    "Split.proximity": (_unit, "a fraction in [0, 1]"),
+    "Split.context": (_unit, "a fraction in [0, 1]"),
+    "Split.residual": (_unit, "a fraction in [0, 1]"),
+}
+
+# PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string: accept it for float fields.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+# ---------------------------------------------------------------------------------------
+# Where a value came from: file lines and overridden paths, for error messages.
+
+@dataclasses.dataclass
+class _Source:
+    file: str
+    lines: dict[KeyPath, int] = dataclasses.field(default_factory=dict)  # path -> 1-based line
+    overridden: set[KeyPath] = dataclasses.field(default_factory=set)
+
+    def line(self, path: KeyPath) -> int | None:
+        for k in range(len(path), -1, -1):  # the nearest enclosing key the file wrote
+            if path[:k] in self.lines:
+                return self.lines[path[:k]]
+        return None
+
+    def from_override(self, path: KeyPath) -> bool:
+        return any(path[:k] in self.overridden for k in range(1, len(path) + 1))
+
+    def error(self, path: KeyPath, problem: str, allowed: str | None = None, *,
+              line_at: KeyPath | None = None, blame: tuple[KeyPath, ...] = ()) -> SpecError:
+        field = ".".join(path) or None
+        if any(self.from_override(p) for p in (path, *blame)):
+            return SpecError("override", None, field, problem, allowed)
+        return SpecError(self.file, self.line(line_at or path), field, problem, allowed)
+
+
+def _describe(value) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             dict: "a mapping", list: "a list", type(None): "null"}
+    return f"{value!r} ({kinds.get(type(value), type(value).__name__)})"
+
+
+def _rule(owners: list[str], field: str):
+    for owner in owners:
+        if f"{owner}.{field}" in RULES:
+            return RULES[f"{owner}.{field}"]
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Values and parts
+
+def _value(hint, value, path: KeyPath, src: _Source, allowed: str | None = None):
+    """Check `value` against a field's type hint; return it converted (int → float)."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        return _value(rest[0], value, path, src, allowed) if len(rest) == 1 else value
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if any(value == c and type(value) is type(c) for c in choices):
+            return value
+        raise src.error(path, f"{_describe(value)} is not allowed",
+                        " | ".join(str(c) for c in choices))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise src.error(path, f"expected a boolean, got {_describe(value)}", "true | false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise src.error(path, f"expected an integer, got {_describe(value)}",
+                        allowed or "an integer")
+    if hint is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            value = float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:  # an int too large for a float
+                number = math.inf
+            if math.isfinite(number):
+                return number
+        raise src.error(path, f"expected a finite number, got {_describe(value)}",
+                        allowed or "a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise src.error(path, f"expected a string, got {_describe(value)}", "a string")
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            names = ", ".join(f.name for f in dataclasses.fields(hint) if f.init)
+            raise src.error(path, f"expected a mapping, got {_describe(value)}", f"{{{names}}}")
+        return _dataclass(hint, value, path, src, [hint.__name__])
+    return value
+
+
+def _dataclass(cls, fields, path: KeyPath, src: _Source, owners: list[str]):
+    """Build `cls` from a mapping of its fields: unknown keys, types and RULES checked."""
+    known = [f for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in known]
+    if fields is None:
+        fields = {}
+    if not isinstance(fields, dict):
+        raise src.error(path, f"expected a mapping of fields, got {_describe(fields)}",
+                        ", ".join(names) or "no fields")
+    for key in fields:
+        if key not in names:
+            raise src.error(path + (str(key),), f"unknown field {key!r}",
+                            ", ".join(names) or "none: this part has no fields")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in known:
+        fpath = path + (f.name,)
+        if f.name not in fields:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise src.error(fpath, f"missing required field {f.name!r}",
+                                ", ".join(names), line_at=path)
+            continue
+        rule = _rule(owners, f.name)
+        value = _value(hints[f.name], fields[f.name], fpath, src, rule and rule[1])
+        if rule is not None and value is not None and not rule[0](value):
+            raise src.error(fpath, f"{value!r} is out of range", rule[1])
+        kwargs[f.name] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:  # the part's own __post_init__ checks
+        raise src.error(path, str(exc)) from None
+
+
+def _part(family: str, value, path: KeyPath, src: _Source):
+    """A part: `name`, `{name: {field: value}}` or `{name: value}` (one-field parts)."""
+    registered = ", ".join(sorted(PARTS[family])) or "none"
+    if isinstance(value, str):
+        name, fields, line_at = value, {}, path
+    elif isinstance(value, dict) and len(value) == 1:
+        ((name, fields),) = value.items()
+        line_at = path + (str(name),)
+    else:
+        raise src.error(path, f"expected a {family} part, got {_describe(value)}",
+                        f"a name or a one-key mapping {{name: {{field: value}}}}; "
+                        f"{family} parts: {registered}")
+    cls = PARTS[family].get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise src.error(path, f"unknown {family} part {name!r}", registered, line_at=line_at)
+    known = [f.name for f in dataclasses.fields(cls) if f.init]
+    if fields is not None and not isinstance(fields, dict) and len(known) == 1:
+        fields = {known[0]: fields}  # {every: 16} is {every: {n: 16}}
+    return _dataclass(cls, fields, path + (name,), src, [f"{family}.{name}", f"{family}.*"])
+
+
+def _budget(value, src: _Source) -> Budget:
+    path = ("budget",)
+    if not isinstance(value, dict):
+        raise src.error(path, f"expected a mapping, got {_describe(value)}",
+                        "{per_head: n | ratio: r, layers, heads, threshold, split}")
+    for key in value:
+        if key not in BUDGET_KEYS:
+            raise src.error(path + (str(key),), f"unknown budget key {key!r}", ", ".join(BUDGET_KEYS))
+    per_head, ratio = value.get("per_head"), value.get("ratio")
+    if per_head is not None:
+        per_head = _value(int, per_head, path + ("per_head",), src,
+                          "an integer > 0 (tokens per KV head per layer)")
+        if per_head <= 0:
+            raise src.error(path + ("per_head",), f"{per_head} is not a budget",
+                            "an integer > 0 (tokens per KV head per layer)")
+    if ratio is not None:
+        ratio = _value(float, ratio, path + ("ratio",), src, "a number in (0, 1]")
+        if not 0 < ratio <= 1:
+            raise src.error(path + ("ratio",), f"{ratio!r} is out of range", "a number in (0, 1]")
+    if per_head is not None and ratio is not None:
+        raise src.error(path + ("ratio",), "both per_head and ratio are given",
+                        "exactly one of per_head | ratio", blame=(path + ("per_head",),))
+    layers = _part("layers", value.get("layers", "uniform"), path + ("layers",), src)
+    heads = _part("heads", value.get("heads", "uniform"), path + ("heads",), src)
+    threshold = value.get("threshold")
+    if threshold is not None:
+        threshold = _part("threshold", threshold, path + ("threshold",), src)
+    split = value.get("split")
+    if split is not None:
+        split = _dataclass(Split, split, path + ("split",), src, ["Split"])
+        total = split.proximity + split.context + split.residual
+        if abs(total - 1.0) > SPLIT_TOLERANCE:
+            raise src.error(path + ("split",), f"the fractions add up to {total:g}, not 1",
+                            "proximity + context + residual = 1")
+
+    tpath = path + ("threshold",)
+    if threshold is not None:
+        itself = "a threshold decides the budget itself"
+        total_path = path + ("per_head" if per_head is not None else "ratio",)
+        if per_head is not None or ratio is not None:
+            raise src.error(tpath, f"{itself}: per_head / ratio cannot be given with it",
+                            "threshold without per_head and ratio", blame=(total_path,))
+        if layers.name != "uniform" or heads.name != "uniform":
+            raise src.error(tpath, f"{itself}: layers and heads cannot allocate it "
+                            f"(got layers: {layers.name}, heads: {heads.name})",
+                            "layers: uniform, heads: uniform",
+                            blame=(path + ("layers",), path + ("heads",)))
+        if split is not None:
+            raise src.error(tpath, f"{itself}: there is no preset head budget to split",
+                            "threshold without split", blame=(path + ("split",),))
+    elif per_head is None and ratio is None:
+        raise src.error(path, "no budget total", "per_head: n | ratio: r (or a threshold)")
+    return Budget(per_head=per_head, ratio=ratio, layers=layers, heads=heads,
+                  threshold=threshold, split=split)
+
+
+def _schedule(value, src: _Source) -> Schedule:
+    path = ("schedule",)
+    if value == "prefill":
+        return Schedule()
+    if value == "cascade":
+        return Schedule(cascade=True)
+    if not isinstance(value, dict):
+        raise src.error(path, f"unknown schedule {_describe(value)}", SCHEDULE_FORMS)
+    for key in value:
+        if key not in SCHEDULE_KEYS:
+            raise src.error(path + (str(key),), f"unknown schedule key {key!r}", ", ".join(SCHEDULE_KEYS))
+    cascade = _value(bool, value.get("cascade", False), path + ("cascade",), src)
+    decode = value.get("decode")
+    if decode is not None:
+        decode = _part("decode", decode, path + ("decode",), src)
+    return Schedule(cascade=cascade, decode=decode)
+
+
+def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _Source) -> None:
+    """Rules that involve more than one section."""
+    sinks, window = getattr(ranking, "sinks", 0), getattr(ranking, "window", 0)
+    rpath = ("ranking", ranking.name, "window" if window else "sinks")
+    if budget.per_head is not None and sinks + window > budget.per_head:
+        raise src.error(rpath, f"window or sinks larger than the budget: sinks {sinks} + "
+                        f"window {window} > per_head {budget.per_head}",
+                        f"sinks + window <= per_head ({budget.per_head})",
+                        blame=(("budget", "per_head"),))
+    split = budget.split
+    if split is not None and window > 0:
+        raise src.error(("budget", "split"), f"split together with ranking window {window}: "
+                        "the split's proximity part is the recent window",
+                        "ranking window: 0 with a split", blame=(rpath,))
+    residual = split.residual if split is not None else 0.0
+    if residual > 0 and merge.name != "residual":
+        raise src.error(("budget", "split", "residual"),
+                        f"{residual:g} of the budget are residual slots but merge is "
+                        f"{merge.name!r}", "residual: 0, or merge: residual",
+                        blame=(("merge",),))
+    if merge.name == "residual" and residual <= 0:
+        raise src.error(("merge",), "merge: residual needs residual slots",
+                        "budget.split with residual > 0",
+                        blame=(("budget", "split"), ("budget",)))
+    if schedule.decode is not None and schedule.decode.name == "online" and split is None:
+        raise src.error(("schedule", "decode"), "decode: online moves tokens between the "
+                        "parts of a split, and there is no budget.split",
+                        "budget.split with decode: online", blame=(("budget",),))
+
+
+def _build(data, src: _Source, default_name: str, description: str, source) -> Policy:
+    if not isinstance(data, dict):
+        raise src.error((), f"the top level must be a mapping, got {_describe(data)}",
+                        "a mapping with " + ", ".join(SECTIONS))
+    for key in data:
+        if key not in SECTIONS:
+            raise src.error((str(key),), f"unknown section {key!r}", ", ".join(SECTIONS))
+    for key in REQUIRED:
+        if key not in data:
+            raise src.error((key,), f"missing required section {key!r}",
+                            "a spec with the sections " + " and ".join(REQUIRED))
+    name = _value(str, data.get("name", default_name), ("name",), src)
+    scoring = _part("scoring", data["scoring"], ("scoring",), src)
+    ranking = _part("ranking", data.get("ranking", "by_score"), ("ranking",), src)
+    budget = _budget(data["budget"], src)
+    merge = _part("merge", data.get("merge", "drop"), ("merge",), src)
+    schedule = _schedule(data.get("schedule", "prefill"), src)
+    _check_together(ranking, budget, merge, schedule, src)
+    return Policy(name=name, scoring=scoring, ranking=ranking, budget=budget, merge=merge,
+                  schedule=schedule, description=description, source=source)
+
+
+# ---------------------------------------------------------------------------------------
+# Overrides: load_spec("lava", per_head=64, scoring={"lava": {"window": 16}})
+
+def _as_part(value):
+    """(name, fields) of a part written in any form; (None, None) if it is not one."""
+    if isinstance(value, str):
+        return value, {}
+    if isinstance(value, dict) and len(value) == 1:
+        ((name, fields),) = value.items()
+        return name, {} if fields is None else fields
+    return None, None
+
+
+def _deep_merge(old: dict, new: dict, path: KeyPath, touched: set) -> dict:
+    merged = dict(old)
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value, path + (str(key),), touched)
+        else:
+            merged[key] = value
+            touched.add(path + (str(key),))
+    return merged
+
+
+def _merge_part(old, new, path: KeyPath, touched: set):
+    """Same part name: merge the fields; another part (or None): replace."""
+    old_name, old_fields = _as_part(old)
+    new_name, new_fields = _as_part(new)
+    if (new is not None and old_name is not None and old_name == new_name
+            and isinstance(old_fields, dict) and isinstance(new_fields, dict)):
+        return {new_name: _deep_merge(old_fields, new_fields, path + (str(new_name),), touched)}
+    touched.add(path)
+    return new
+
+
+def _merge_budget(old, new, touched: set):
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        touched.add(("budget",))
+        return new
+    merged = dict(old)
+    for key, value in new.items():
+        path = ("budget", str(key))
+        if key in ("per_head", "ratio") and value is not None:
+            merged.pop("ratio" if key == "per_head" else "per_head", None)
+        if value is None:  # None removes the key: back to its default
+            merged.pop(key, None)
+            touched.add(path)
+        elif key in ("layers", "heads", "threshold"):
+            merged[key] = _merge_part(merged.get(key), value, path, touched)
+        elif key == "split" and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value, path, touched)
+        else:
+            merged[key] = value
+            touched.add(path)
+    return merged
+
+
+def _schedule_mapping(value):
+    forms = {"prefill": {}, "cascade": {"cascade": True}}
+    if isinstance(value, str):
+        return forms.get(value)
+    return dict(value) if isinstance(value, dict) else None
+
+
+def _merge_schedule(old, new, touched: set):
+    """A mapping merges into the file's schedule; a name (prefill, cascade) replaces it."""
+    old_map = _schedule_mapping(old if old is not None else "prefill")
+    new_map = dict(new) if isinstance(new, dict) else None
+    if old_map is None or new_map is None:
+        touched.add(("schedule",))
+        return new
+    for key, value in new_map.items():
+        if key == "decode":
+            old_map[key] = _merge_part(old_map.get(key), value, ("schedule", "decode"), touched)
+        else:
+            old_map[key] = value
+            touched.add(("schedule", str(key)))
+    return old_map
+
+
+def _apply_overrides(data: dict, overrides: dict) -> tuple[dict, set]:
+    """A new mapping with the overrides merged in, and the paths they wrote."""
+    data, touched = copy.deepcopy(data), set()
+    if "per_head" in overrides and "ratio" in overrides:
+        raise SpecError("override", None, "budget", "both per_head= and ratio= are given",
+                        "one of per_head= | ratio=")
+    for key, value in overrides.items():
+        value = copy.deepcopy(value)
+        if key in ("per_head", "ratio"):
+            budget = data.get("budget", {})
+            if isinstance(budget, dict):
+                data["budget"] = _merge_budget(budget, {key: value}, touched)
+            else:  # leave the file's malformed budget for _build to report
+                continue
+        elif key == "name":
+            data[key] = value
+            touched.add((key,))
+        elif key in ("scoring", "ranking", "merge"):
+            data[key] = _merge_part(data.get(key), value, (key,), touched)
+        elif key == "budget":
+            data[key] = _merge_budget(data.get(key), value, touched)
+        elif key == "schedule":
+            data[key] = _merge_schedule(data.get(key), value, touched)
+        else:
+            raise SpecError("override", None, key, f"unknown override {key!r}",
+                            "per_head, ratio, " + ", ".join(SECTIONS))
+    return data, touched
+
+
+# ---------------------------------------------------------------------------------------
+# Reading YAML
+
+def _line_map(node, path: KeyPath, lines: dict, file: str) -> None:
+    """Record the 1-based line of every mapping key; a duplicate key is an error."""
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                field = ".".join(path + (key,))
+                raise SpecError(file, line, field, f"duplicate key {key!r}", "each key once")
+            seen.add(key)
+            lines[path + (key,)] = line
+            _line_map(value_node, path + (key,), lines, file)
+
+
+def _leading_comment(text: str) -> str:
+    """The description: the `#` comment lines at the top of the file, without the `# `."""
+    out = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped.startswith("#"):
+            break
+        body = stripped[1:]
+        out.append(body[1:] if body.startswith(" ") else body)
+    return "\n".join(out).strip("\n")
+
+
+def _load_text(text: str, file: str, default_name: str, source, overrides: dict) -> Policy:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = f"YAML syntax error: {exc.problem or exc.context}"
+        raise SpecError(file, mark.line + 1 if mark else None, None, problem,
+                        "valid YAML (see docs/SPECS.md)") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(file, None, None, f"YAML error: {exc}", "valid YAML") from None
+    finally:
+        loader.dispose()
+    src = _Source(file, {(): 1})  # an empty file: line 1
+    if node is not None:
+        src.lines[()] = node.start_mark.line + 1
+        _line_map(node, (), src.lines, file)
+    if overrides and isinstance(data, dict):
+        data, src.overridden = _apply_overrides(data, overrides)
+    return _build(data, src, default_name, _leading_comment(text), source)
+
+
+def specs_dir():
+    """The shipped specs: `specs/` of a source checkout, else package data kvcompile.specs."""
+    checkout = Path(kvcompile.__file__).resolve().parent.parent / "specs"
+    if checkout.is_dir():
+        return checkout
+    return importlib.resources.files("kvcompile.specs")
+
+
+def available_specs() -> list[str]:
+    """Names of the shipped specs (what load_spec accepts as a bare name)."""
+    return sorted(p.name[:-5] for p in specs_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def _read(spec) -> tuple[str, str, str]:
+    """(text, file label, stem) of a path or a bare spec name."""
+    path = Path(spec)
+    if path.is_file():
+        return path.read_text(encoding="utf-8"), str(path), path.stem
+    if isinstance(spec, str) and re.fullmatch(r"[A-Za-z0-9_\-]+", spec):
+        shipped = specs_dir() / f"{spec}.yaml"
+        if shipped.is_file():
+            return shipped.read_text(encoding="utf-8"), str(shipped), spec
+        raise SpecError(spec, None, None, f"no spec named {spec!r}",
+                        "a path to a .yaml file or a shipped spec: " + ", ".join(available_specs()))
+    raise SpecError(str(spec), None, None, "no such spec file",
+                    "a path to an existing .yaml file or a shipped spec name")
+
+
+# ---------------------------------------------------------------------------------------
+# Public API
+
+def load_spec(spec, **overrides) -> Policy:
+    """A validated Policy from a YAML file path, a shipped spec name ("lava"), a mapping,
+    or a Policy; `overrides` (per_head=, ratio=, or any section) are merged in first.
+
+    per_head= / ratio= replace the budget total (the other one is dropped); a section
+    override deep-merges: the same part name merges fields, another part replaces it.
+    """
+    if isinstance(spec, Policy):
+        if not overrides:
+            return spec
+        src = _Source("<policy>")
+        data, src.overridden = _apply_overrides(policy_to_mapping(spec), overrides)
+        return _build(data, src, spec.name, spec.description, spec.source)
+    if isinstance(spec, dict):
+        src = _Source("<mapping>")
+        data = spec
+        if overrides:
+            data, src.overridden = _apply_overrides(spec, overrides)
+        return _build(data, src, "policy", "", None)
+    if isinstance(spec, (str, Path)):
+        text, file, stem = _read(spec)
+        return _load_text(text, file, stem, file, overrides)
+    raise TypeError(f"load_spec takes a path, a spec name, a mapping or a Policy, "
+                    f"not {type(spec).__name__}")
+
+
+def loads_spec(text: str, **overrides) -> Policy:
+    """A validated Policy from YAML text (errors name the file "<string>")."""
+    return _load_text(text, "<string>", "policy", None, overrides)
+
+
+def _fields(obj) -> dict:
+    return {f.name: _fields(v) if dataclasses.is_dataclass(v) else v
+            for f in dataclasses.fields(obj) if f.init for v in [getattr(obj, f.name)]}
+
+
+def _part_mapping(part) -> dict | None:
+    return None if part is None else {type(part).name: _fields(part)}
+
+
+def policy_to_mapping(policy: Policy) -> dict:
+    """The explicit full form of a policy as plain data: every section, every field."""
+    budget, schedule = policy.budget, policy.schedule
+    return {
+        "name": policy.name,
+        "scoring": _part_mapping(policy.scoring),
+        "ranking": _part_mapping(policy.ranking),
+        "budget": {
+            "per_head": budget.per_head,
+            "ratio": budget.ratio,
+            "layers": _part_mapping(budget.layers),
+            "heads": _part_mapping(budget.heads),
+            "threshold": _part_mapping(budget.threshold),
+            "split": None if budget.split is None else _fields(budget.split),
+        },
+        "merge": _part_mapping(policy.merge),
+        "schedule": {"cascade": schedule.cascade, "decode": _part_mapping(schedule.decode)},
+    }
+
+
+def policy_to_yaml(policy: Policy) -> str:
+    """The policy as a spec file in explicit full form (one flow mapping per section),
+    its description as the leading comment. load_spec of the result equals the policy."""
+    description = "\n".join(line.rstrip() for line in policy.description.splitlines()).strip("\n")
+    out = [f"# {line}".rstrip() for line in description.splitlines()]
+    for key, value in policy_to_mapping(policy).items():
+        dumped = yaml.safe_dump({key: value}, default_flow_style=True, sort_keys=False,
+                                width=math.inf).strip()
+        out.append(dumped[1:-1])  # "{key: value}" -> "key: value"
+    return "\n".join(out) + "\n"
