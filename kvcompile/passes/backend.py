@@ -1,0 +1,177 @@
+"""Pass 4 and the compiled entry (DESIGN.md §3 "Two entries, one op").
+
+`backend(gm, example_inputs)` is a torch.compile backend: it runs the passes (find the
+attention calls, rewrite them into `kvcompile.attend`, remove what became dead) over the
+graph dynamo captured, then hands it to Inductor, which fuses norms, RoPE and MLPs
+around the opaque op.
+
+`compile_forward(model)` wraps a transformers causal LM's forward (attn_implementation
+"sdpa") in `torch.compile(backend=...)`. Two choices keep the graph independent of the
+cache, so generating never recompiles:
+
+- The handle. The op's `handle` argument is the constant ACTIVE_HANDLE, and the forward
+  wrapper binds the call's KVCompileCache to it for the duration of the call
+  (`bind_cache`). A 0-d tensor input would make the graph self-contained, but dynamo
+  drops graph inputs the model's code never reads, so it would have to be threaded
+  through the model; a baked per-cache int would recompile for every new cache. The
+  price of the binding: one model call at a time per process (calls on several threads
+  at once would share the binding); nested calls are fine (the binding is restored).
+- The cache object. The traced forward gets a stateless stand-in (`GraphCache`): the
+  real cache's `seq_length` is a Python int that dynamo would specialise on (one graph
+  per generated token), and its mask sizes would give SDPA a (B, 1, T, past + T) mask
+  against T new keys. The stand-in reports no past, so transformers builds a (B, 1, T, T)
+  mask that the rewrite leaves dead; positions come from `position_ids`, which the
+  wrapper computes from the real cache when the caller gives none.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from contextlib import contextmanager
+
+import torch
+from torch.fx import GraphModule
+from transformers.cache_utils import Cache
+
+from kvcompile import cache as cache_module
+from kvcompile.cache import KVCompileCache
+from kvcompile.passes.dead import remove_dead
+from kvcompile.passes.find import PassError, find_attention
+from kvcompile.passes.rewrite import ACTIVE_HANDLE, rewrite_attention
+
+COMPILES: list[dict] = []  # one record per graph the backend compiled (layers, nodes removed, seconds)
+
+
+@contextmanager
+def bind_cache(cache: KVCompileCache):
+    """Make `cache` the one `kvcompile.attend(..., handle=ACTIVE_HANDLE, ...)` works on."""
+    live = cache_module._LIVE
+    previous = live.get(ACTIVE_HANDLE)
+    live[ACTIVE_HANDLE] = cache
+    try:
+        yield cache
+    finally:
+        if previous is None:
+            live.pop(ACTIVE_HANDLE, None)
+        else:
+            live[ACTIVE_HANDLE] = previous
+
+
+def run_passes(gm: GraphModule, kv_heads: int | None = None, num_layers: int | None = None) -> dict:
+    """find_attention → rewrite_attention → remove_dead, in place. With `num_layers`, every
+    layer 0 … L−1 must have its attention call (none may run uncompressed)."""
+    found = find_attention(gm)
+    layers = sorted(layer for _, layer in found)
+    if num_layers is not None and layers != list(range(num_layers)):
+        raise PassError(f"kvcompile: attention found in layers {layers}, expected layers 0 … {num_layers - 1} "
+                        "(a graph break? compile with fullgraph=True)")
+    rewrite_attention(gm, found, ACTIVE_HANDLE, kv_heads=kv_heads)
+    removed = remove_dead(gm)
+    return {"layers": layers, "removed": removed}
+
+
+def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num_layers: int | None = None,
+            inductor: bool = True):
+    """torch.compile backend: the kvcompile passes, then Inductor (`inductor=False`: the
+    rewritten graph runs as is, for tests and debugging)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    start = time.perf_counter()
+    record = run_passes(gm, kv_heads, num_layers)
+    compiled = compile_fx(gm, example_inputs) if inductor else gm.forward
+    record["seconds"] = time.perf_counter() - start
+    record["inductor"] = inductor
+    COMPILES.append(record)
+    return compiled
+
+
+@functools.cache
+def make_backend(kv_heads: int | None = None, num_layers: int | None = None, inductor: bool = True):
+    """One backend object per model shape, so dynamo reuses compiled graphs across
+    compile_forward calls (a new backend object would compile again)."""
+    return functools.partial(backend, kv_heads=kv_heads, num_layers=num_layers, inductor=inductor)
+
+
+class GraphCache(Cache):
+    """The cache the traced forward sees: stores nothing, reports no past (see module doc)."""
+
+    is_compileable = False
+
+    def __init__(self):
+        super().__init__(layers=[])
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+_GRAPH_CACHE = GraphCache()
+
+
+def _with_cache(out, stand_in, cache):
+    if hasattr(out, "past_key_values"):
+        out.past_key_values = cache
+    elif isinstance(out, tuple):
+        out = tuple(cache if item is stand_in else item for item in out)
+    return out
+
+
+def _mark_lengths_dynamic(args, kwargs) -> None:
+    """Sequence lengths (dim 1 of the ids, mask and positions) become symbolic from the
+    first call, so prompts of new lengths and a growing mask reuse the graph. A length-1
+    dim stays static (dynamo specialises 0 and 1): decode has its own graph."""
+    tensors = [args[0]] if args else []
+    tensors += [kwargs.get(name) for name in ("input_ids", "inputs_embeds", "attention_mask", "position_ids")]
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
+def compile_forward(model, forward=None, *, dynamic: bool | None = None, inductor: bool = True):
+    """`forward` (default: the model class's forward) compiled with the kvcompile backend.
+
+    The returned function takes the model's forward arguments. With a KVCompileCache as
+    `past_key_values` it runs the compiled graph (inference only, under no_grad) with that
+    cache bound; otherwise (no cache, use_cache=False) it runs `forward` as is — plain
+    attention, what the eager entry does then. The model must keep
+    attn_implementation="sdpa". `dynamic` is torch.compile's; the default (None) keeps
+    everything static but the sequence lengths (a float made symbolic, as dynamic=True
+    does with the model's eps and scaling, would be read at run time).
+    """
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        raise PassError(f"kvcompile: the compiled entry needs attn_implementation='sdpa', the model has "
+                        f"{config._attn_implementation!r}")
+    forward = forward or type(model).forward.__get__(model)
+    compiled = torch.compile(forward, dynamic=dynamic, fullgraph=True,
+                             backend=make_backend(config.num_key_value_heads, config.num_hidden_layers, inductor))
+
+    @functools.wraps(forward)
+    def compiled_forward(*args, past_key_values=None, **kwargs):
+        kwargs.pop("kvcompile_cache", None)
+        if not isinstance(past_key_values, KVCompileCache):
+            return forward(*args, past_key_values=past_key_values, **kwargs)
+        tokens = args[0] if args else kwargs.get("input_ids")
+        if tokens is None:
+            tokens = kwargs["inputs_embeds"]
+        t, start = tokens.shape[1], past_key_values.seq_length
+        if kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = (torch.arange(t, device=tokens.device) + start)[None]
+        _mark_lengths_dynamic(args, kwargs)
+        with torch.no_grad(), bind_cache(past_key_values):
+            out = compiled(*args, past_key_values=_GRAPH_CACHE, **kwargs)
+        if past_key_values.seq_length != start + t:  # e.g. dynamo fell back to eager (recompile limit)
+            raise PassError("kvcompile: the compiled forward did not run kvcompile.attend in every layer; "
+                            "the cache was not updated")
+        return _with_cache(out, _GRAPH_CACHE, past_key_values)
+
+    compiled_forward.kvcompile_compiled = compiled
+    return compiled_forward
