@@ -1,20 +1,82 @@
-"""Budget allocation parts: how many tokens each (layer, KV head) keeps.
+"""Budget allocation parts: how many cache entries each (layer, KV head) keeps.
 
-Totals count retained tokens per sequence, protected tokens included:
-`per_head: n` means n·H·L tokens (the papers' "nHL"), `ratio: r` means r·N·H·L.
+Totals count cache entries per sequence, protected tokens included (and the residual
+merge slots when the policy merges): `per_head: n` means n·H·L entries (the papers'
+"nHL"), `ratio: r` means max(1, round(r·n_b))·H·L (n_b = the sequence's real length).
 A budget never exceeds what exists; the excess is redistributed (water-filling).
+All integer budgets come from `apportion` (water-filling, then largest remainder), in
+exact rational arithmetic so that ties are decided by the rule, not by float noise.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
 
 from kvcompile.policies.registry import part
 
+
+def exact(x) -> Fraction:
+    """A number as the exact fraction the user wrote (0.29 → 29/100, not the nearest float)."""
+    return x if isinstance(x, Fraction) else Fraction(str(x))
+
+
+def round_half_up(x) -> int:
+    """Round to the nearest integer, halves up (Python's round() sends 2.5 to 2)."""
+    return math.floor(exact(x) + Fraction(1, 2))
+
+
+def apportion(total: int, weights: Sequence, caps: Sequence[int]) -> list[int]:
+    """Integers proportional to `weights`, none above its cap, summing to min(total, Σ caps).
+
+    Water-filling: an entry whose share exceeds its cap gets its cap, and what it cannot
+    take goes to the others in proportion to their weights (repeated until none exceeds).
+    Then largest remainder: every entry gets the floor of its share, the remaining units
+    go to the largest fractional parts, ties to the lower index. If the uncapped entries
+    all have weight 0, they share equally. No share exceeds its cap, since caps are integers.
+    """
+    weights = [exact(w) for w in weights]
+    if any(w < 0 for w in weights):
+        raise ValueError(f"negative allocation weight in {weights}")
+    target = max(0, min(int(total), sum(int(c) for c in caps)))
+    share = [Fraction(0)] * len(weights)
+    active = list(range(len(weights)))
+    remaining = Fraction(target)
+    while active:
+        w = {i: weights[i] for i in active}
+        if sum(w.values()) == 0:
+            w = {i: Fraction(1) for i in active}
+        level = remaining / sum(w.values())
+        over = [i for i in active if level * w[i] > caps[i]]
+        if not over:
+            for i in active:
+                share[i] = level * w[i]
+            break
+        for i in over:
+            share[i] = Fraction(int(caps[i]))
+            remaining -= share[i]
+            active.remove(i)
+    counts = [math.floor(s) for s in share]
+    left = target - sum(counts)
+    by_remainder = sorted(range(len(share)), key=lambda i: (-(share[i] - counts[i]), i))
+    for i in by_remainder[:left]:
+        counts[i] += 1
+    return counts
+
+
+# --- layers ------------------------------------------------------------------------------
 
 @part("layers", "uniform")
 @dataclass(frozen=True)
 class UniformLayers:
     """B_l = B / L."""
+
+    def shares(self, num_layers: int, entropy: Sequence[float] | None = None) -> list[Fraction]:
+        return [Fraction(1)] * num_layers
 
 
 @part("layers", "pyramid")
@@ -24,6 +86,17 @@ class PyramidLayers:
 
     beta: float = 20.0
 
+    def shares(self, num_layers: int, entropy: Sequence[float] | None = None) -> list[Fraction]:
+        """The fractions B_l / B of PyramidKV Eq. 1 (they add up to 1; one layer gets all)."""
+        L = num_layers
+        if L == 1:
+            return [Fraction(1)]
+        top = 1 / (exact(self.beta) * L)
+        bottom = Fraction(2, L) - top
+        if bottom < 0:
+            raise ValueError(f"pyramid beta {self.beta} < 1/2 gives the bottom layer a negative budget")
+        return [bottom - (bottom - top) / (L - 1) * l for l in range(L)]
+
 
 @part("layers", "entropy")
 @dataclass(frozen=True)
@@ -31,11 +104,39 @@ class EntropyLayers:
     """LAVa (Eq. 7–8, Alg. 2): B_l = e_l / Σ e · B, e_l the normalized entropy of the
     layer's scores over heads × tokens. Computed as a cascade during prefill."""
 
+    def shares(self, num_layers: int, entropy: Sequence[float] | None = None) -> list[Fraction]:
+        """e_l over the layers seen (LAVa Alg. 2 line 10); all zeros → uniform."""
+        if entropy is None or len(entropy) != num_layers:
+            raise ValueError("layers: entropy needs the entropy of every layer it allocates")
+        return [Fraction(float(e)) for e in entropy]  # apportion: all-zero weights share equally
+
+
+# --- heads -------------------------------------------------------------------------------
+
+def _best(rank: Tensor, candidates: Tensor, count: int) -> Tensor:
+    """The `count` candidates with the lowest rank (best first), as a mask like `rank`."""
+    picked = torch.zeros_like(candidates)
+    if count <= 0:
+        return picked
+    idx = candidates.nonzero(as_tuple=True)
+    best = rank[idx].argsort()[:count]
+    picked[tuple(i[best] for i in idx)] = True
+    return picked
+
 
 @part("heads", "uniform")
 @dataclass(frozen=True)
 class UniformHeads:
     """B_{l,h} = B_l / H."""
+
+    def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, tokens: Tensor, total) -> Tensor:
+        """One sequence: rank, protected, valid (H, M); tokens (H,) tokens per head.
+        Each head keeps its protected set, then its best entries up to its token budget."""
+        kept = protected & valid
+        for h in range(rank.shape[0]):
+            need = int(tokens[h]) - int(kept[h].sum())
+            kept[h] |= _best(rank[h], valid[h] & ~kept[h], need)
+        return kept
 
 
 @part("heads", "pooled")
@@ -46,6 +147,20 @@ class PooledHeads:
 
     floor: float = 0.0
 
+    def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, tokens: Tensor, total) -> Tensor:
+        """One sequence: the protected entries of every head; then each head's best entries
+        up to ⌊floor·B_l/H⌋ (B_l = total); then one top-k over the remaining entries of all
+        heads (LAVa Alg. 1 line 9), k = Σ tokens − what is already kept. `rank` orders all
+        heads' entries together, so this top-k is a single sort of the layer."""
+        kept = protected & valid
+        num_heads = rank.shape[0]
+        guaranteed = math.floor(exact(self.floor) * int(total) / num_heads)
+        for h in range(num_heads):
+            kept[h] |= _best(rank[h], valid[h] & ~kept[h], guaranteed - int(kept[h].sum()))
+        return kept | _best(rank, valid & ~kept, int(tokens.sum()) - int(kept.sum()))
+
+
+# --- threshold ---------------------------------------------------------------------------
 
 @part("threshold", "attention_norm")
 @dataclass(frozen=True)
@@ -58,6 +173,33 @@ class AttentionNorm:
     t: float = 0.01
     keep_layers: int = 2
 
+    def norm_change(self, evict_order: Tensor, scores: Tensor, valid: Tensor) -> Tensor:
+        """One head: 1 − ‖s_kept‖₂/‖s_all‖₂ after evicting the first j entries of
+        `evict_order`, for j = 0 … len (DBudgetKV Eq. 2: suffix sums of squares, in float64).
+        Norms run over all valid entries; a head whose scores are all 0 changes by 0."""
+        sq = torch.where(valid, scores.double(), 0.0) ** 2
+        staying = valid.clone()
+        staying[evict_order] = False  # the entries this order never evicts (protected)
+        staying = sq[staying].sum()
+        suffix = torch.cat([sq[evict_order].flip(0).cumsum(0).flip(0), sq.new_zeros(1)])
+        kept_norm = (staying + suffix).clamp(min=0).sqrt()
+        full = kept_norm[0]
+        return 1 - kept_norm / full if full > 0 else torch.zeros_like(kept_norm)
+
+    def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, scores: Tensor) -> Tensor:
+        """One sequence, (H, M) each: per head, evict the longest least-important-first
+        prefix of the unprotected entries whose norm change stays ≤ t."""
+        kept = valid.clone()
+        for h in range(rank.shape[0]):
+            candidates = (valid[h] & ~protected[h]).nonzero(as_tuple=True)[0]
+            evict_order = candidates[rank[h, candidates].argsort(descending=True)]  # least important first
+            change = self.norm_change(evict_order, scores[h], valid[h])
+            cut = int((change <= self.t).sum()) - 1  # change is non-decreasing in j; change[0] = 0
+            kept[h, evict_order[:cut]] = False
+        return kept
+
+
+# --- split and the budget ----------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Split:
@@ -68,6 +210,15 @@ class Split:
     proximity: float
     context: float
     residual: float = 0.0
+
+
+class HeadLayout(NamedTuple):
+    """One head's share of a layer budget (cache entries)."""
+
+    entries: int  # B_{l,h}: tokens + residual slots
+    tokens: int  # prompt tokens kept (protected included)
+    slots: int  # residual merge slots
+    proximity: int  # the latest tokens, protected (split proximity)
 
 
 @dataclass(frozen=True)
@@ -81,3 +232,45 @@ class Budget:
     heads: object = field(default_factory=UniformHeads)
     threshold: object | None = None
     split: Split | None = None
+
+    def total(self, length: int, num_heads: int, num_layers: int) -> int | None:
+        """Entries per sequence of n_b = `length` real tokens: n·H·L with n = per_head, or
+        n = max(1, round(ratio·n_b)); None when a threshold decides (no preset total)."""
+        if self.threshold is not None:
+            return None
+        if self.per_head is not None:
+            n = self.per_head
+        elif self.ratio is not None:
+            n = max(1, round_half_up(exact(self.ratio) * int(length)))
+        else:
+            raise ValueError("a budget needs per_head, ratio or a threshold")
+        return n * num_heads * num_layers
+
+    def layer_totals(self, total: int, caps: Sequence[int], entropy: Sequence[float] | None = None) -> list[int]:
+        """B_l for the len(caps) layers that share `total`, water-filled under `caps`."""
+        return apportion(total, self.layers.shares(len(caps), entropy), caps)
+
+    def head_layout(self, total: int, tokens: Sequence[int], slots: Sequence[int], merges: bool) -> list[HeadLayout]:
+        """Split a layer's entries `total` over its heads (uniform shares, largest remainder,
+        water-filled at what each head holds: `tokens` candidates + `slots` used merge slots).
+
+        A head whose share covers all it holds keeps it all. Otherwise (ZSMerge Eq. 3)
+        slots = round(residual·B_{l,h}) when the policy merges, proximity = round(proximity·B_{l,h}),
+        tokens = the rest (the context part plus proximity); if that is more tokens than
+        the head has, it keeps them all and the remaining entries stay slots.
+        The heads part decides which tokens (uniform: per head; pooled: Σ tokens over the layer).
+        """
+        held = [int(t) + int(s) for t, s in zip(tokens, slots)]
+        entries = apportion(total, [1] * len(held), held)
+        layout = []
+        for b, n, used, have in zip(entries, tokens, slots, held):
+            n, used = int(n), int(used)
+            if b >= have:
+                layout.append(HeadLayout(b, n, used, 0))
+                continue
+            split = self.split
+            r = round_half_up(exact(split.residual) * b) if (split is not None and merges) else 0
+            p = round_half_up(exact(split.proximity) * b) if split is not None else 0
+            keep = min(b - r, n)
+            layout.append(HeadLayout(b, keep, b - keep, min(p, keep)))
+        return layout
