@@ -47,7 +47,7 @@ class LayerStore:
     count_pages: Tensor  # (P, S) float32
     block_table: Tensor  # (B, H, M) int64
     lengths: Tensor  # (B, H) int64: entries stored per head
-    slots: int  # residual slots at the start of every head (0 when the policy drops)
+    slots: Tensor  # (B, H) occupied residual slots at the start of each head (0 when the policy drops)
     next_page: int  # bump allocator: pages [next_page, P) are free
 
     @property
@@ -86,7 +86,7 @@ class Entries:
     take: Tensor  # (B, H, E) bool
 
 
-def build_store(sources: list[Entries], slots: int, page_size: int, reserve_pages: int) -> LayerStore:
+def build_store(sources: list[Entries], slots: Tensor, page_size: int, reserve_pages: int) -> LayerStore:
     """Write the selected entries of `sources`, one after the other per head, into fresh pages.
 
     Every head gets ceil(n/S) contiguous pages; `reserve_pages` spare pages follow for

@@ -22,7 +22,6 @@ from torch import Tensor
 
 from kvcompile import reference
 from kvcompile.cache import Entries, KVCompileCache, append, build_store, lookup_cache
-from kvcompile.policies import scoring as scoring_parts
 
 
 def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
@@ -85,22 +84,17 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     positions = (torch.arange(n, device=q.device)[None, :] - cache.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)
     if cache.dynamic:
-        cache.entropy.append(scoring_parts.entropy(scores, valid_h))
+        cache.entropy.append(reference.layer_entropy(scores, valid_h))
+        held = torch.stack([store.lengths.sum(-1) for store in cache.stores[:layer]]
+                           + [valid.sum(-1) * h], dim=1)
         totals = reference.layer_totals(policy, cache.prompt_lengths, cache.num_layers, cache.num_heads,
-                                        entropy=torch.stack(cache.entropy, dim=1))
+                                        entropy=torch.stack(cache.entropy, dim=1), capacity=held)
     else:
         totals = cache.totals
     total = None if totals is None else totals[:, layer]
-    kept = reference.select(policy, scores, positions, valid_h, cache.prompt_lengths, total, layer)
-    ones = torch.ones_like(scores)
-    sources = []
-    slots = 0
-    if policy.merges:
-        merged = reference.merge_evicted(policy, k, v, scores, valid_h & ~kept, None)
-        sources.append(_slot_entries(merged))
-        slots = merged.counts.shape[-1]
-    sources.append(Entries(k, v, scores, positions, ones, kept))
-    cache.stores[layer] = build_store(sources, slots, cache.page_size, _reserve(cache, b, h))
+    kept, merged = reference.select_and_merge(policy, k, v, scores, positions, valid_h, cache.prompt_lengths,
+                                              total, layer, None)
+    cache.stores[layer] = _store(cache, Entries(k, v, scores, positions, torch.ones_like(scores), kept), merged)
     if cache.dynamic:
         for lower in range(layer):
             _recompress(cache, lower, totals[:, lower])
@@ -111,11 +105,18 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     return out
 
 
-def _slot_entries(merged: reference.Merged) -> Entries:
-    counts = merged.counts.float()
-    return Entries(merged.keys, merged.values, torch.zeros_like(counts),
-                   torch.full_like(merged.counts, -1, dtype=torch.long), counts,
-                   torch.ones_like(merged.counts, dtype=torch.bool))
+def _store(cache: KVCompileCache, tokens: Entries, merged: reference.Merged | None):
+    """Pages for one layer: the occupied residual slots of each head first, then its kept tokens."""
+    b, h = tokens.take.shape[:2]
+    sources = [tokens]
+    slots = torch.zeros(b, h, dtype=torch.long, device=tokens.take.device)
+    if merged is not None:
+        counts = merged.counts
+        occupied = counts > 0
+        slots = occupied.sum(-1)
+        sources.insert(0, Entries(merged.keys, merged.values, torch.zeros_like(counts, dtype=torch.float32),
+                                  torch.full_like(counts, -1), counts.float(), occupied))
+    return build_store(sources, slots, cache.page_size, _reserve(cache, b, h))
 
 
 def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
@@ -123,19 +124,17 @@ def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
     policy = cache.policy
     store = cache.stores[layer]
     k, v, scores, pos, counts, stored = store.gather()
-    slots = store.slots
     e = torch.arange(k.shape[2], device=k.device)
-    is_token = stored & (e >= slots)
-    cand_scores = scores.masked_fill(~is_token, float("-inf"))
-    kept = reference.select(policy, cand_scores, pos.clamp(min=0), is_token, cache.prompt_lengths, total, layer)
-    sources = []
+    is_slot = stored & (e < store.slots[..., None])
+    is_token = stored & ~is_slot
+    slots = None
     if policy.merges:
-        old = reference.Merged(k[:, :, :slots], v[:, :, :slots], counts[:, :, :slots].long())
-        merged = reference.merge_evicted(policy, k, v, cand_scores, is_token & ~kept, old)
-        sources.append(_slot_entries(merged))
-    sources.append(Entries(k, v, scores, pos, counts, kept))
-    b, h = store.lengths.shape
-    cache.stores[layer] = build_store(sources, slots, cache.page_size, _reserve(cache, b, h))
+        width = int(store.slots.max())
+        slots = reference.Merged(k[:, :, :width], v[:, :, :width],
+                                 torch.where(is_slot[:, :, :width], counts[:, :, :width], 0).long())
+    kept, merged = reference.select_and_merge(policy, k, v, scores.masked_fill(~is_token, float("-inf")),
+                                              pos, is_token, cache.prompt_lengths, total, layer, slots)
+    cache.stores[layer] = _store(cache, Entries(k, v, scores, pos, counts, kept), merged)
 
 
 # --- decode ----------------------------------------------------------------------------
@@ -196,7 +195,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
 
 @attend.register_fake
 def _(q, k, v, mask, layer, handle, scale):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 # --- transformers' attention and mask interfaces ------------------------------------------

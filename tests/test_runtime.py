@@ -79,15 +79,18 @@ def test_kept_equals_reference(llama, name):
         kept = cache.kept_positions(layer)
         assert torch.equal(kept, selection.kept[layer]), f"layer {layer}"
         evicted += int((~kept).sum())
-        if policy.merges:
+        if policy.merges:  # the occupied residual slots, in order, with their counts
             merged = selection.merged[layer]
             store = cache.stores[layer]
-            k, v, _, pos, counts, stored = store.gather()
-            slots = store.slots
-            assert slots == merged.counts.shape[-1]
-            assert torch.equal(counts[:, :, :slots].long(), merged.counts)
-            assert_close(k[:, :, :slots], merged.keys)
-            assert_close(v[:, :, :slots], merged.values)
+            k, v, _, _, counts, _ = store.gather()
+            occupied = merged.counts > 0
+            assert torch.equal(store.slots, occupied.sum(-1))
+            for b in range(k.shape[0]):
+                for h in range(k.shape[1]):
+                    n = int(store.slots[b, h])
+                    assert torch.equal(counts[b, h, :n].long(), merged.counts[b, h][occupied[b, h]])
+                    assert_close(k[b, h, :n], merged.keys[b, h][occupied[b, h]])
+                    assert_close(v[b, h, :n], merged.values[b, h][occupied[b, h]])
     assert evicted > 0, "the budget should evict something"
 
 
@@ -98,8 +101,9 @@ def test_memory_report_matches_budgets(llama, name):
     cache = run_recorded(llama, policy, ids)
     selection = reference.compress(policy, cache.states)
     report = cache.memory_report()
-    slots = cache.stores[0].slots
-    assert torch.equal(report["kept"], selection.budgets + slots)
+    slots = [torch.zeros_like(selection.budgets[:, 0]) if m is None else (m.counts > 0).sum(-1)
+             for m in selection.merged]
+    assert torch.equal(report["kept"], selection.budgets + torch.stack(slots, dim=1))
     pages = (report["kept"] + cache.page_size - 1) // cache.page_size
     assert torch.equal(report["pages"], pages)
     entry = 2 * llama.config.head_dim * 4
