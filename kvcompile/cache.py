@@ -49,6 +49,11 @@ class LayerStore:
     lengths: Tensor  # (B, H) int64: entries stored per head
     slots: Tensor  # (B, H) occupied residual slots at the start of each head (0 when the policy drops)
     next_page: int  # bump allocator: pages [next_page, P) are free
+    free: list = None  # pages given back by evictions while decoding, reused first
+
+    def __post_init__(self):
+        if self.free is None:
+            self.free = []
 
     @property
     def page_size(self) -> int:
@@ -137,13 +142,17 @@ def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor) -> None:
     need = (e % s) == 0
     n_new = int(need.sum())
     if n_new:
-        if store.next_page + n_new > store.k_pages.shape[0]:
-            _grow(store, max(n_new, store.k_pages.shape[0] // 4, b * h))
+        reuse = [store.free.pop() for _ in range(min(n_new, len(store.free)))]
+        fresh = n_new - len(reuse)
+        if store.next_page + fresh > store.k_pages.shape[0]:
+            _grow(store, max(fresh, store.k_pages.shape[0] // 4, b * h))
         if int(col.max()) >= store.block_table.shape[-1]:
             store.block_table = torch.nn.functional.pad(store.block_table, (0, 1))
         bi, hi = need.nonzero(as_tuple=True)
-        store.block_table[bi, hi, col[bi, hi]] = store.next_page + torch.arange(n_new, device=k.device)
-        store.next_page += n_new
+        ids = torch.tensor(reuse, dtype=torch.long, device=k.device)
+        ids = torch.cat([ids, store.next_page + torch.arange(fresh, device=k.device)])
+        store.block_table[bi, hi, col[bi, hi]] = ids
+        store.next_page += fresh
     page = store.block_table.gather(-1, col[..., None]).squeeze(-1)
     slot = e % s
     store.k_pages[page, slot] = k
@@ -152,6 +161,22 @@ def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor) -> None:
     store.pos_pages[page, slot] = positions[:, None].expand(b, h)
     store.count_pages[page, slot] = 1.0
     store.lengths = e + 1
+
+
+def remove(store: LayerStore, b: int, h: int, e: int) -> None:
+    """Remove entry e of head (b, h) in O(1): the head's last entry moves into its place
+    (order within a head does not matter to attention); an emptied page returns to the pool."""
+    s = store.page_size
+    last = int(store.lengths[b, h]) - 1
+    if e != last:
+        src = int(store.block_table[b, h, last // s]), last % s
+        dst = int(store.block_table[b, h, e // s]), e % s
+        for t in (store.k_pages, store.v_pages, store.score_pages, store.pos_pages, store.count_pages):
+            t[dst] = t[src]
+    store.lengths[b, h] = last
+    if last % s == 0:
+        store.free.append(int(store.block_table[b, h, last // s]))
+        store.block_table[b, h, last // s] = 0
 
 
 def _grow(store: LayerStore, extra: int) -> None:
@@ -197,6 +222,9 @@ class KVCompileCache(Cache):
         self.prompt_width = 0  # N: prompt length with pads
         self.totals: Tensor | None = None  # (B, L) static layer budgets
         self.entropy: list[Tensor] = []  # cascade: per-layer (B,) entropies seen so far
+        self.budgets: Tensor | None = None  # (B, L, H) decode budgets, fixed after the prompt
+        self.split: Tensor | None = None  # (B, L, H, 3) ZSMerge proximity, context, residual
+        self.rings: list[Tensor | None] = [None] * self.num_layers  # latest query rows (decode: every)
         self.handle = next(_NEXT_HANDLE)
         _LIVE[self.handle] = self
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from kvcompile.policies import ranking as ranking_parts
+from kvcompile.policies.budgets import apportion, exact, round_half_up
 from kvcompile.policies import scoring as scoring_parts
 
 
@@ -315,3 +316,215 @@ def compressed_cache(policy, state: LayerState, kept: Tensor, merged: Merged | N
         b, h = divmod(i, h_)
         keys[b, h, :len(k)], values[b, h, :len(k)], bias[b, h, :len(k)], lengths[b, h] = k, v, c, len(k)
     return keys, values, (bias if merged is not None else None), lengths
+
+
+# --- decoding: policies that act while tokens are generated (DESIGN.md §2 "Schedule") ------------
+
+@dataclass
+class HeadEntries:
+    """One (sequence, layer, KV head) cache while decoding: its entries, in no particular order.
+
+    A token has its position (0, 1, … among the sequence's real tokens), count 1 and a
+    running score; residual slot r has position −1 − r and count w (tokens merged in)."""
+
+    keys: Tensor  # (E, d)
+    values: Tensor  # (E, d)
+    positions: Tensor  # (E,) long
+    scores: Tensor  # (E,) float32
+    counts: Tensor  # (E,) float32
+
+    def tokens(self) -> Tensor:
+        return self.positions >= 0
+
+    def drop(self, e: int) -> None:
+        keep = torch.arange(len(self.positions)) != e
+        for name in ("keys", "values", "positions", "scores", "counts"):
+            setattr(self, name, getattr(self, name)[keep])
+
+    def add(self, key: Tensor, value: Tensor, position: int, score: float, count: float) -> None:
+        self.keys = torch.cat([self.keys, key[None]])
+        self.values = torch.cat([self.values, value[None]])
+        self.positions = torch.cat([self.positions, self.positions.new_tensor([position])])
+        self.scores = torch.cat([self.scores, self.scores.new_tensor([score])])
+        self.counts = torch.cat([self.counts, self.counts.new_tensor([count])])
+
+
+def decode_heads(policy, state: LayerState, kept: Tensor, merged: Merged | None, scores: Tensor
+                 ) -> list[list[HeadEntries]]:
+    """The [b][h] HeadEntries of one layer after its prefill compression."""
+    b_, h_, n_, _ = state.keys.shape
+    mask = torch.ones(b_, n_, dtype=torch.bool) if state.mask is None else state.mask.bool()
+    positions = mask.long().cumsum(-1) - 1
+    heads = []
+    for b in range(b_):
+        row = []
+        for h in range(h_):
+            keep = kept[b, h]
+            entry = HeadEntries(state.keys[b, h, keep], state.values[b, h, keep], positions[b, keep],
+                                scores[b, h, keep].float(), torch.ones(int(keep.sum())))
+            if merged is not None:
+                for r in range(merged.counts.shape[-1]):
+                    if merged.counts[b, h, r] > 0:
+                        entry.add(merged.keys[b, h, r], merged.values[b, h, r], -1 - r, 0.0,
+                                  float(merged.counts[b, h, r]))
+            row.append(entry)
+        heads.append(row)
+    return heads
+
+
+def running_update(scoring, scores: Tensor, attention: Tensor) -> Tensor | None:
+    """The running score of a token after one more query (None: the scorer has none).
+    H2O: s ← s + a (accumulated); ZSMerge Eq. 5: s ← λ·s + a (decayed)."""
+    if scoring.name == "accumulated":
+        return scores + attention
+    if scoring.name == "decayed":
+        return scoring.decay * scores + attention
+    return None
+
+
+def head_split(policy, entries: int) -> tuple[int, int, int]:
+    """ZSMerge Eq. 3 for one head of `entries` = B_{l,h}: (B_p, B_c, B_r)."""
+    split = policy.budget.split
+    r = round_half_up(exact(split.residual) * entries) if policy.merges else 0
+    p = round_half_up(exact(split.proximity) * entries)
+    return p, entries - p - r, r
+
+
+def decode_budgets(policy, lengths: Tensor, num_layers: int, num_heads: int, held: Tensor) -> Tensor:
+    """(B, L, H) entries each head may hold while decoding: its share of the policy's total
+    without the prompt-length cap (a short prompt does not shrink the budget generation may
+    fill), and never less than what it holds after prefill (layer-dynamic and threshold
+    budgets keep their prefill result)."""
+    budget = policy.budget
+    out = held.clone()
+    if budget.threshold is not None or policy.layer_dynamic:
+        return out
+    big = 2 ** 40
+    for b, n in enumerate(lengths.tolist()):
+        layers = budget.layer_totals(budget.total(n, num_heads, num_layers), [big] * num_layers, None)
+        for layer, total in enumerate(layers):
+            shares = apportion(total, [1] * num_heads, [big] * num_heads)
+            out[b, layer] = torch.maximum(out[b, layer], torch.tensor(shares))
+    return out
+
+
+def _merge_one(policy, head: HeadEntries, e: int, slots: int) -> None:
+    """Evict entry e of the head: it fills a free slot, or merges into the slot with the largest
+    key dot product (ZSMerge Alg. 1 lines 11–15); dropped when the head has no slot."""
+    key, value = head.keys[e], head.values[e]
+    head.drop(e)
+    if slots == 0:
+        return
+    is_slot = ~head.tokens()
+    order = (-1 - head.positions[is_slot]).argsort()
+    idx = is_slot.nonzero().squeeze(1)[order]
+    pad = slots - len(idx)
+    k_r = torch.cat([head.keys[idx], head.keys.new_zeros(pad, key.shape[-1])])
+    v_r = torch.cat([head.values[idx], head.values.new_zeros(pad, value.shape[-1])])
+    w = torch.cat([head.counts[idx].long(), torch.zeros(pad, dtype=torch.long)])
+    k_r, v_r, w = policy.merge.merge(k_r, v_r, w, key[None], value[None])
+    for r in range(slots):
+        if r < len(idx):
+            i = idx[r]
+            head.keys[i], head.values[i], head.counts[i] = k_r[r], v_r[r], float(w[r])
+        elif w[r] > 0:
+            head.add(k_r[r], v_r[r], -1 - r, 0.0, float(w[r]))
+
+
+def decode_step(policy, heads: list[list[HeadEntries]], q: Tensor, k: Tensor, v: Tensor, position: Tensor,
+                budgets: Tensor, scale: float | None = None) -> Tensor:
+    """One generated token at one layer: append it, attend, update running scores, and
+    (decode: online, ZSMerge Alg. 1) evict the lowest-scored context token into the slots.
+
+    q (B, Hq, d), k, v (B, H, d), position (B,) the new token's position, budgets (B, H)
+    entries per head (decode_budgets). Returns the attention output (B, Hq, d).
+    """
+    b_, hq, d = q.shape
+    h_ = k.shape[1]
+    g = hq // h_
+    scale = d ** -0.5 if scale is None else scale
+    online = policy.schedule.decode is not None and policy.schedule.decode.name == "online"
+    out = q.new_zeros(b_, hq, d, dtype=torch.float32)
+    for b in range(b_):
+        for h in range(h_):
+            head = heads[b][h]
+            head.add(k[b, h], v[b, h], int(position[b]), 0.0, 1.0)
+            bias = torch.zeros(len(head.counts))
+            if policy.merges:
+                bias = torch.where(head.tokens(), 0.0, policy.merge.bias(head.counts))
+            logits = q[b, h * g:(h + 1) * g].float() @ head.keys.float().T * scale + bias
+            probs = torch.softmax(logits, dim=-1)  # (G, E)
+            out[b, h * g:(h + 1) * g] = probs @ head.values.float()
+            gqa = getattr(policy.scoring, "gqa", "mean")
+            a = probs.mean(0) if gqa == "mean" else probs.amax(0)
+            new = running_update(policy.scoring, head.scores, a)
+            if new is not None:
+                head.scores = torch.where(head.tokens(), new, head.scores)
+            if online:
+                prox, context, slots = head_split(policy, int(budgets[b, h]))
+                while int(head.tokens().sum()) > prox + context:
+                    tok = head.tokens()
+                    recent = latest(head.positions[None], tok[None], torch.tensor([prox]))[0]
+                    cand = (tok & ~recent).nonzero().squeeze(1)
+                    cand = cand[head.positions[cand].argsort(stable=True)]  # ties: earliest position …
+                    e = int(cand[head.scores[cand].argsort(stable=True)[0]])  # … lowest running score
+                    _merge_one(policy, head, e, slots)
+    return out.to(q.dtype)
+
+
+def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: Tensor, budgets: Tensor,
+                 layer: int, scale: float | None = None) -> None:
+    """`decode: every n`: re-score a layer's cached tokens and prune it back to its budget.
+
+    Scores: the scorer's running score when it has one (H2O, ZSMerge); otherwise the scorer
+    applied to the cached tokens in position order with `ring` (B, Hq, R, d), the queries of
+    the latest R tokens (always cached: the spec requires ranking.window ≥ R). Then the
+    prefill selection (select_and_merge) with the layer's total Σ_h budgets[b, h]; lengths
+    (B,) are the sequences' current real lengths.
+    """
+    b_, h_ = len(heads), len(heads[0])
+    g = ring.shape[1] // h_
+    width = max(int(head.tokens().sum()) for row in heads for head in row)
+    d = heads[0][0].keys.shape[-1]
+    keys = ring.new_zeros(b_, h_, width, d)
+    values = torch.zeros_like(keys)
+    scores = torch.full((b_, h_, width), float("-inf"))
+    positions = torch.full((b_, h_, width), -1, dtype=torch.long)
+    valid = torch.zeros(b_, h_, width, dtype=torch.bool)
+    slot_width = max(int((~head.tokens()).sum()) for row in heads for head in row)
+    slots = Merged(ring.new_zeros(b_, h_, slot_width, d), ring.new_zeros(b_, h_, slot_width, d),
+                   torch.zeros(b_, h_, slot_width, dtype=torch.long))
+    running = running_update(policy.scoring, torch.zeros(1), torch.zeros(1)) is not None
+    for b in range(b_):
+        for h in range(h_):
+            head = heads[b][h]
+            tok = head.tokens().nonzero().squeeze(1)
+            tok = tok[head.positions[tok].argsort()]
+            m = len(tok)
+            keys[b, h, :m], values[b, h, :m] = head.keys[tok], head.values[tok]
+            positions[b, h, :m], valid[b, h, :m] = head.positions[tok], True
+            if running:
+                scores[b, h, :m] = head.scores[tok]
+            else:
+                state = LayerState(ring[b:b + 1, h * g:(h + 1) * g], head.keys[tok][None, None],
+                                   head.values[tok][None, None], None, scale)
+                scores[b, h, :m] = policy.scoring.score(state)[0, 0]
+            sl = (~head.tokens()).nonzero().squeeze(1)
+            sl = sl[(-1 - head.positions[sl]).argsort()]
+            n = len(sl)
+            slots.keys[b, h, :n], slots.values[b, h, :n] = head.keys[sl], head.values[sl]
+            slots.counts[b, h, :n] = head.counts[sl].long()
+    total = None if policy.budget.threshold is not None else budgets.sum(-1)
+    kept, merged = select_and_merge(policy, keys, values, scores, positions, valid, lengths, total, layer,
+                                    slots if policy.merges else None)
+    for b in range(b_):
+        for h in range(h_):
+            keep = kept[b, h]
+            head = HeadEntries(keys[b, h, keep], values[b, h, keep], positions[b, h, keep], scores[b, h, keep],
+                               torch.ones(int(keep.sum())))
+            if merged is not None:
+                for r in range(merged.counts.shape[-1]):
+                    if merged.counts[b, h, r] > 0:
+                        head.add(merged.keys[b, h, r], merged.values[b, h, r], -1 - r, 0.0,
+                                 float(merged.counts[b, h, r]))
+            heads[b][h] = head

@@ -52,6 +52,8 @@ def _start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, de
     cache.pad = n - cache.prompt_lengths
     cache.prompt_width = n
     cache.entropy = []
+    cache.budgets = None
+    cache.rings = [None] * cache.num_layers
     policy = cache.policy
     cache.totals = None
     if policy.budget.threshold is None and not cache.dynamic:
@@ -95,6 +97,9 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     kept, merged = reference.select_and_merge(policy, k, v, scores, positions, valid_h, cache.prompt_lengths,
                                               total, layer, None)
     cache.stores[layer] = _store(cache, Entries(k, v, scores, positions, torch.ones_like(scores), kept), merged)
+    decode = policy.schedule.decode
+    if decode is not None and decode.name == "every":  # the latest query rows the scorer reads, for pruning
+        cache.rings[layer] = q[:, :, n - min(policy.scoring.query_rows(n), n):].clone()
     if cache.dynamic:
         for lower in range(layer):
             _recompress(cache, lower, totals[:, lower])
@@ -140,15 +145,168 @@ def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
 # --- decode ----------------------------------------------------------------------------
 
 def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> Tensor:
-    """Append T new tokens and attend over the pages (new token t sees entries up to itself)."""
+    """Append T new tokens and attend over the pages (new token t sees entries up to itself);
+    then the decode schedule: running scores, ZSMerge online eviction, periodic pruning."""
+    policy = cache.policy
     store = cache.stores[layer]
-    t = q.shape[2]
+    if cache.budgets is None:
+        _start_decode(cache)
+    schedule = policy.schedule.decode
+    running = reference.running_update(policy.scoring, torch.zeros(1), torch.zeros(1)) is not None
+    online = schedule is not None and schedule.name == "online"
+    every = schedule.n if schedule is not None and schedule.name == "every" else 0
     outs = []
-    for i in range(t):
+    for i in range(q.shape[2]):
         position = cache.seq_length + i - cache.pad  # logical position among real tokens
         append(store, k[:, :, i], v[:, :, i], position)
-        outs.append(paged_attention(cache, store, q[:, :, i], scale))
+        if running or online:
+            out, probs = _attend_with_probs(cache, store, q[:, :, i], scale)
+            if running:
+                _update_scores(cache, store, probs)
+            if online:
+                _evict_online(cache, store, layer)
+        else:
+            out = paged_attention(cache, store, q[:, :, i], scale)
+        outs.append(out)
+        if every:
+            rows = policy.scoring.query_rows(2 ** 30)  # the ring keeps the latest `rows` queries
+            if rows:
+                cache.rings[layer] = torch.cat([cache.rings[layer], q[:, :, i, None]], dim=2)[:, :, -rows:]
+            generated = cache.seq_length - cache.prompt_width + i + 1
+            if generated % every == 0:
+                _prune(cache, layer, position + 1, scale)
+                store = cache.stores[layer]
     return torch.stack(outs, dim=2)
+
+
+def _start_decode(cache: KVCompileCache) -> None:
+    """Per-head decode budgets (and the ZSMerge split of each), fixed after the prompt."""
+    policy = cache.policy
+    cache.budgets = reference.decode_budgets(policy, cache.prompt_lengths, cache.num_layers, cache.num_heads,
+                                             cache.kept())
+    if policy.budget.split is not None:
+        cache.split = torch.tensor([[[reference.head_split(policy, int(n)) for n in row] for row in per_b]
+                                    for per_b in cache.budgets.tolist()], dtype=torch.long)  # (B, L, H, 3)
+
+
+def _gather(store):
+    flat, stored = store.entries()
+    d = store.k_pages.shape[-1]
+    return flat, stored, store.k_pages.reshape(-1, d)[flat], store.v_pages.reshape(-1, d)[flat]
+
+
+def _attend_with_probs(cache: KVCompileCache, store, q: Tensor, scale: float):
+    """Decode attention over the gathered entries, also returning the attention of every entry
+    reduced over each GQA group by the scorer's `gqa` (B, H, E): the running scores need it."""
+    policy = cache.policy
+    flat, stored, keys, values = _gather(store)
+    b, hq, d = q.shape
+    h = keys.shape[1]
+    g = hq // h
+    logits = torch.einsum("bhgd,bhed->bhge", q.float().view(b, h, g, d), keys.float()) * scale
+    if policy.merges:
+        counts = store.count_pages.reshape(-1)[flat]
+        logits = logits + policy.merge.bias(counts)[:, :, None, :]
+    logits = logits.masked_fill(~stored[:, :, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhge,bhed->bhgd", probs, values.float()).reshape(b, hq, d).to(q.dtype)
+    gqa = getattr(policy.scoring, "gqa", "mean")
+    return out, (probs.mean(2) if gqa == "mean" else probs.amax(2))
+
+
+def _update_scores(cache: KVCompileCache, store, probs: Tensor) -> None:
+    flat, stored = store.entries()
+    pos = store.pos_pages.reshape(-1)[flat]
+    old = store.score_pages.reshape(-1)[flat]
+    new = reference.running_update(cache.policy.scoring, old, probs)
+    tokens = stored & (pos >= 0)
+    store.score_pages.reshape(-1)[flat[tokens]] = new[tokens]
+
+
+def _evict_online(cache: KVCompileCache, store, layer: int) -> None:
+    """ZSMerge Alg. 1: while a head holds more tokens than proximity + context, its lowest
+    running score outside the latest B_p tokens leaves into the residual slots."""
+    policy = cache.policy
+    prox, context, slots = cache.split[:, layer].unbind(-1)  # (B, H) each
+    flat, stored = store.entries()
+    pos = store.pos_pages.reshape(-1)[flat]
+    over = (stored & (pos >= 0)).sum(-1) > prox + context
+    for b, h in over.nonzero().tolist():
+        while True:
+            n = int(store.lengths[b, h])
+            f = flat[b, h, :n]
+            pos = store.pos_pages.reshape(-1)[f]
+            tok = pos >= 0
+            if int(tok.sum()) <= int(prox[b, h] + context[b, h]):
+                break
+            recent = reference.latest(pos[None], tok[None], prox[b, h].view(1))[0]
+            cand = (tok & ~recent).nonzero().squeeze(1)
+            cand = cand[pos[cand].argsort(stable=True)]
+            e = int(cand[store.score_pages.reshape(-1)[f][cand].argsort(stable=True)[0]])
+            _merge_entry(cache, store, b, h, e, int(slots[b, h]), f, pos)
+
+
+def _merge_entry(cache: KVCompileCache, store, b: int, h: int, e: int, slots: int, f: Tensor, pos: Tensor) -> None:
+    """Entry e leaves: it becomes a new slot in place, merges into a slot, or is dropped."""
+    from kvcompile.cache import remove
+
+    if slots == 0:
+        remove(store, b, h, e)
+        return
+    d = store.k_pages.shape[-1]
+    kf, vf = store.k_pages.view(-1, d), store.v_pages.view(-1, d)
+    idx = (pos < 0).nonzero().squeeze(1)
+    idx = idx[(-1 - pos[idx]).argsort()]
+    pad = slots - len(idx)
+    k_r = torch.cat([kf[f[idx]], kf.new_zeros(pad, d)])
+    v_r = torch.cat([vf[f[idx]], vf.new_zeros(pad, d)])
+    w = torch.cat([store.count_pages.view(-1)[f[idx]].long(), torch.zeros(pad, dtype=torch.long)])
+    k_r, v_r, w = cache.policy.merge.merge(k_r, v_r, w, kf[f[e]][None], vf[f[e]][None])
+    if len(idx) < slots and w[len(idx)] > 0:  # a free slot took the token: the entry becomes that slot
+        store.pos_pages.view(-1)[f[e]] = -1 - len(idx)
+        store.score_pages.view(-1)[f[e]] = 0.0
+        store.slots[b, h] += 1
+        return
+    for r in range(len(idx)):
+        kf[f[idx[r]]], vf[f[idx[r]]] = k_r[r], v_r[r]
+        store.count_pages.view(-1)[f[idx[r]]] = float(w[r])
+    remove(store, b, h, e)
+
+
+def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> None:
+    """`decode: every n`: re-score the layer with the ring of latest queries and prune it back
+    to its budget (reference.decode_prune), then write it into fresh pages."""
+    heads = store_heads(cache.stores[layer])
+    reference.decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.budgets[:, layer], layer, scale)
+    cache.stores[layer] = heads_store(cache, heads)
+
+
+def store_heads(store) -> list[list[reference.HeadEntries]]:
+    """A layer's pages as reference HeadEntries (entry order kept)."""
+    k, v, scores, pos, counts, stored = store.gather()
+    return [[reference.HeadEntries(k[b, h, :n], v[b, h, :n], pos[b, h, :n], scores[b, h, :n], counts[b, h, :n])
+             for h, n in enumerate(row)] for b, row in enumerate(store.lengths.tolist())]
+
+
+def heads_store(cache: KVCompileCache, heads) -> "LayerStore":
+    b, h = len(heads), len(heads[0])
+    width = max(1, max(len(x.positions) for row in heads for x in row))
+    first = heads[0][0]
+    d = first.keys.shape[-1]
+    keys = first.keys.new_zeros(b, h, width, d)
+    values = first.values.new_zeros(b, h, width, d)
+    scores = torch.zeros(b, h, width)
+    pos = torch.full((b, h, width), -1, dtype=torch.long)
+    counts = torch.zeros(b, h, width)
+    take = torch.zeros(b, h, width, dtype=torch.bool)
+    for i, row in enumerate(heads):
+        for j, x in enumerate(row):
+            n = len(x.positions)
+            keys[i, j, :n], values[i, j, :n], scores[i, j, :n] = x.keys, x.values, x.scores
+            pos[i, j, :n], counts[i, j, :n], take[i, j, :n] = x.positions, x.counts, True
+    store = build_store([Entries(keys, values, scores, pos, counts, take)], (take & (pos < 0)).sum(-1),
+                        cache.page_size, _reserve(cache, b, h))
+    return store
 
 
 def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:

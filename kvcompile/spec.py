@@ -321,7 +321,7 @@ def _schedule(value, src: _Source) -> Schedule:
     return Schedule(cascade=cascade, decode=decode)
 
 
-def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _Source) -> None:
+def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _Source, scoring=None) -> None:
     """Rules that involve more than one section."""
     sinks, window = getattr(ranking, "sinks", 0), getattr(ranking, "window", 0)
     rpath = ("ranking", ranking.name, "window" if window else "sinks")
@@ -349,6 +349,20 @@ def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _So
         raise src.error(("schedule", "decode"), "decode: online moves tokens between the "
                         "parts of a split, and there is no budget.split",
                         "budget.split with decode: online", blame=(("budget",),))
+    decode = schedule.decode
+    if decode is not None and decode.name == "every" and split is not None:
+        raise src.error(("schedule", "decode"), "decode: every prunes back to the budget, and a split's "
+                        "parts are kept while decoding by decode: online", "decode: online with a split",
+                        blame=(("budget", "split"),))
+    if (decode is not None and decode.name == "every" and scoring is not None
+            and scoring.name not in ("accumulated", "decayed")):
+        rows = scoring.query_rows(2 ** 30)
+        if window < rows:
+            raise src.error(("ranking", ranking.name, "window"),
+                            f"decode: every re-scores with the queries of the latest {rows} tokens, "
+                            f"which must stay cached, but ranking window is {window}",
+                            f"ranking window >= {rows} (the scorer's observation window)",
+                            blame=(("schedule", "decode"),))
 
 
 def _build(data, src: _Source, default_name: str, description: str, source) -> Policy:
@@ -368,7 +382,7 @@ def _build(data, src: _Source, default_name: str, description: str, source) -> P
     budget = _budget(data["budget"], src)
     merge = _part("merge", data.get("merge", "drop"), ("merge",), src)
     schedule = _schedule(data.get("schedule", "prefill"), src)
-    _check_together(ranking, budget, merge, schedule, src)
+    _check_together(ranking, budget, merge, schedule, src, scoring)
     return Policy(name=name, scoring=scoring, ranking=ranking, budget=budget, merge=merge,
                   schedule=schedule, description=description, source=source)
 

@@ -1,0 +1,181 @@
+"""Decode-time compression: the runtime equals reference.decode_step / decode_prune token by
+token, memory stays bounded, and the schedules run inside generate()."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+import kvcompile
+from kvcompile import reference
+from kvcompile.cache import KVCompileCache
+from kvcompile.runtime import store_heads
+from tiny import prompt, tiny_model
+
+POLICIES = {
+    "zsmerge": dict(name="zsmerge"),
+    "zsmerge_no_slots": dict(name="zsmerge", budget={"split": {"proximity": 0.25, "context": 0.75, "residual": 0.0}},
+                             merge="drop"),
+    "snapkv_every": dict(name="snapkv", ranking={"by_score": {"window": 4}},
+                         scoring={"window_attention": {"window": 4}}, schedule={"decode": {"every": {"n": 3}}}),
+    "adakv_every": dict(name="adakv", ranking={"by_score": {"window": 4}},
+                        scoring={"window_attention": {"window": 4}}, schedule={"decode": {"every": {"n": 2}}}),
+    "h2o_every": dict(name="h2o", ranking={"by_score": {"window": 3}}, schedule={"decode": {"every": {"n": 4}}}),
+    "lava_every": dict(name="lava", ranking={"by_score": {"window": 4}}, scoring={"lava": {"window": 4}},
+                       schedule={"cascade": True, "decode": {"every": {"n": 3}}}),
+    "dbudgetkv_every": dict(name="dbudgetkv", budget={"threshold": {"attention_norm": {"keep_layers": 0}}},
+                            ranking={"by_position": {"window": 1}}, schedule={"decode": {"every": {"n": 2}}}),
+}
+
+
+def policy_for(key: str, per_head: int):
+    spec = dict(POLICIES[key])
+    name = spec.pop("name")
+    if kvcompile.load_spec(name).budget.threshold is None:
+        spec["per_head"] = per_head
+    return kvcompile.load_spec(name, **spec)
+
+
+def contents(heads):
+    """Per head: tokens sorted by position (position, key, score) and slots by index (key, count)."""
+    out = []
+    for row in heads:
+        for x in row:
+            tok = (x.positions >= 0).nonzero().squeeze(1)
+            tok = tok[x.positions[tok].argsort()]
+            sl = (x.positions < 0).nonzero().squeeze(1)
+            sl = sl[(-1 - x.positions[sl]).argsort()]
+            out.append((x.positions[tok], x.keys[tok], x.scores[tok], x.positions[sl], x.keys[sl], x.values[sl],
+                        x.counts[sl]))
+    return out
+
+
+def assert_same_cache(runtime_heads, reference_heads):
+    for got, want in zip(contents(runtime_heads), contents(reference_heads)):
+        assert torch.equal(got[0], want[0])  # the same tokens
+        assert_close(got[1], want[1])
+        assert_close(got[2], want[2], rtol=1e-4, atol=1e-6)  # running scores
+        assert torch.equal(got[3], want[3])  # the same slots
+        assert_close(got[4], want[4], rtol=1e-4, atol=1e-5)
+        assert_close(got[5], want[5], rtol=1e-4, atol=1e-5)
+        assert torch.equal(got[6], want[6])  # merge counts
+
+
+@settings(max_examples=12, deadline=None)
+@given(key=st.sampled_from(sorted(POLICIES)), b=st.integers(1, 2), h=st.integers(1, 2), g=st.integers(1, 2),
+       n=st.integers(6, 24), steps=st.integers(1, 14), per_head=st.integers(8, 14), page=st.sampled_from([2, 4]),
+       pad=st.integers(0, 3), seed=st.integers(0, 2 ** 16))
+def test_runtime_equals_reference_token_by_token(key, b, h, g, n, steps, per_head, page, pad, seed):
+    policy = policy_for(key, per_head)
+    d = 8
+    gen = torch.Generator().manual_seed(seed)
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
+                             hidden_size=h * g * d)
+    cache = KVCompileCache(policy, config, page_size=page, record=True)
+    rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
+    q, k, v = rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d)
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, :min(pad, n - 4)] = False
+    scale = d ** -0.5
+    torch.ops.kvcompile.attend(q, k, v, mask if pad else None, 0, cache.handle, scale)
+    state = cache.states[0]
+    selection = reference.compress(policy, [state])
+    heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
+    assert_same_cache(store_heads(cache.stores[0]), heads)
+    lengths = mask.sum(-1)
+    held = torch.tensor([[[len(x.positions) for x in row] for row in heads]]).transpose(0, 1)
+    budgets = reference.decode_budgets(policy, lengths, 1, h, held)
+    every = policy.schedule.decode.n if policy.schedule.decode.name == "every" else 0
+    ring = q[:, :, n - min(policy.scoring.query_rows(n), n):]
+    for step in range(steps):
+        qn, kn, vn = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
+        got = torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.handle, scale)
+        position = lengths + step
+        want = reference.decode_step(policy, heads, qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], position, budgets[:, 0],
+                                     scale)
+        if every:
+            rows = policy.scoring.query_rows(2 ** 30)
+            if rows:
+                ring = torch.cat([ring, qn], dim=2)[:, :, -rows:]
+            if (step + 1) % every == 0:
+                reference.decode_prune(policy, heads, ring, position + 1, budgets[:, 0], 0, scale)
+        assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-5)
+        assert_same_cache(store_heads(cache.stores[0]), heads)
+    assert torch.equal(cache.budgets, budgets)
+
+
+@pytest.mark.parametrize("key", ["zsmerge", "zsmerge_no_slots"])
+def test_online_counts_and_bounded_memory_over_500_tokens(key):
+    """ZSMerge online: counts add up to the merged tokens, and a head never holds more than
+    its budget plus one page."""
+    policy = policy_for(key, 16)
+    b, h, g, d, n, page = 2, 2, 2, 8, 40, 4
+    gen = torch.Generator().manual_seed(0)
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
+                             hidden_size=h * g * d)
+    cache = KVCompileCache(policy, config, page_size=page)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.handle, 1.0)
+    for step in range(500):
+        torch.ops.kvcompile.attend(rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d), None, 0, cache.handle,
+                                   1.0)
+        store = cache.stores[0]
+        assert bool((store.lengths <= cache.budgets[:, 0]).all())
+        pages = (store.lengths + page - 1) // page
+        assert bool((pages <= (cache.budgets[:, 0] + page - 1) // page + 1).all())
+        in_use = int(pages.sum())
+        assert store.next_page - len(store.free) == in_use or store.next_page - len(store.free) <= in_use + b * h
+    heads = store_heads(cache.stores[0])
+    for row in heads:
+        for x in row:
+            tokens = int((x.positions >= 0).sum())
+            merged = int(x.counts[x.positions < 0].sum())
+            if key == "zsmerge":
+                assert tokens + merged == n + 500  # every token is kept or merged into a slot
+            else:
+                assert merged == 0
+
+
+def test_every_n_with_budget_above_length_changes_nothing():
+    model = tiny_model("llama")
+    ids = prompt(30, batch=2)
+    policy = kvcompile.load_spec("snapkv", per_head=200, schedule={"decode": {"every": {"n": 5}}})
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=24, do_sample=False)
+        with kvcompile.compiled(model, policy):
+            got = model.generate(ids, max_new_tokens=24, do_sample=False)
+    assert got.tolist() == expected.tolist()
+
+
+class MemoryCeiling:
+    """A logits processor that records the cache's pages after every generated token."""
+
+    def __init__(self, cache):
+        self.cache, self.pages = cache, []
+
+    def __call__(self, input_ids, scores):
+        if self.cache.budgets is not None:
+            self.pages.append(self.cache.memory_report()["pages"].clone())
+        return scores
+
+
+@pytest.mark.parametrize("spec", ["zsmerge", "snapkv_every"])
+def test_generate_few_hundred_tokens_with_fixed_memory_ceiling(spec):
+    model = tiny_model("llama")  # GQA: 4 query heads, 2 KV heads
+    policy = policy_for(spec, 24) if spec != "zsmerge" else kvcompile.load_spec("zsmerge", per_head=24)
+    ids = prompt(64, batch=2)
+    cache = KVCompileCache(policy, model.config)
+    watch = MemoryCeiling(cache)
+    with kvcompile.compiled(model, policy), torch.no_grad():
+        out = model.generate(ids, max_new_tokens=300, min_new_tokens=300, do_sample=False, past_key_values=cache,
+                             logits_processor=[watch])
+    assert out.shape[1] == 64 + 300
+    ceiling = (cache.budgets + cache.page_size - 1) // cache.page_size + 1
+    assert len(watch.pages) >= 299
+    for pages in watch.pages:
+        assert bool((pages <= ceiling).all())
+    assert cache.memory_report()["bytes_held"] < cache.memory_report()["bytes_full"] / 4
