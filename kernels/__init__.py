@@ -1,1 +1,9 @@
-"""Kernels (packaged as kvcompile.kernels): each a Triton version beside a torch lowering."""
+"""Kernels (packaged as kvcompile.kernels): each a Triton version beside a torch lowering.
+
+- `paged_attention`: decode attention over the paged cache (flash-decoding).
+- `window_scores`: fused window scoring of one layer (SnapKV / LAVa).
+- `merge`: the ZSMerge residual merge update.
+
+Submodules are imported on demand: importing one imports triton, and without a GPU
+TRITON_INTERPRET must be set before that (tests/conftest.py does it).
+"""

@@ -456,11 +456,16 @@ def valid_specs(draw) -> dict:
     if split:
         budget["split"] = split
     merges = split is not None and split["residual"] > 0
-    decodes = [None, "every"] + (["online"] if split else [])
+    scoring = pick("scoring")
+    name, fields = (scoring, {}) if isinstance(scoring, str) else next(iter(scoring.items()))
+    rows = PARTS["scoring"][name](**(fields or {})).query_rows(2 ** 30)
+    # decode: every needs the scorer's window queries cached (ranking window >= them) and no split
+    every = split is None and (name in ("accumulated", "decayed") or window >= rows)
+    decodes = [None] + (["every"] if every else []) + (["online"] if split else [])
     decode = draw(st.sampled_from(decodes))
     return {
         "name": draw(st.text(string.ascii_letters + "_", min_size=1, max_size=12)),
-        "scoring": pick("scoring"),
+        "scoring": scoring,
         "ranking": {draw(st.sampled_from(sorted(PARTS["ranking"]))): {"sinks": sinks, "window": window}},
         "budget": budget,
         "merge": pick("merge", ["residual"]) if merges else "drop",
@@ -483,3 +488,12 @@ def test_round_trip_random_policies(mapping, description):
     assert load_spec(yaml.safe_load(text)) == policy  # the parsed mapping, too
     assert policy_to_yaml(again) == text  # the full form is a fixed point
     assert text == policy.to_yaml()
+
+
+def test_every_needs_cached_window_queries_and_no_split():
+    with pytest.raises(SpecError, match="ranking window >= 32") as err:
+        load_spec("snapkv", ranking={"by_score": {"window": 8}}, schedule={"decode": {"every": 4}})
+    assert err.value.field == "ranking.by_score.window"
+    with pytest.raises(SpecError, match="decode: online with a split"):
+        load_spec("zsmerge", schedule={"decode": {"every": 4}})
+    assert load_spec("h2o", ranking={"by_score": {"window": 0}}, schedule={"decode": {"every": 4}})

@@ -1,0 +1,108 @@
+"""Decode attention over the paged cache on the CPU, against the memory bandwidth.
+
+For each retained size T (tokens per layer, split raggedly over the KV heads), one decode
+step's attention over the pages: the torch lowering compiled by Inductor, the same run
+eagerly, and F.scaled_dot_product_attention on a dense cache of the same size. Prints
+time per call, the K+V bytes retained, bytes ÷ time, and the ratio of the time to the
+bound bytes ÷ copy bandwidth, the copy bandwidth measured in the same run (DESIGN.md §5).
+
+    python3 benchmarks/bench_decode.py [--tokens 8192 16384 32768 65536] [--repeat 15]
+                                       [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvcompile.kernels.paged_attention import paged_attention
+
+
+def timed(fn, repeat: int) -> float:
+    """Best seconds per call over `repeat` calls, after two warm-up calls (the minimum
+    is the least disturbed by other processes on a shared machine)."""
+    fn(), fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_bandwidth(megabytes: int, repeat: int) -> float:
+    """Bytes moved (read + write) per second by a torch copy of a large fp32 tensor."""
+    src = torch.randn(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), repeat)
+
+
+def paged_cache(tokens: int, heads: int, group: int, dim: int, page: int, gen: torch.Generator):
+    """A cache of `tokens` entries split raggedly over the heads, pages in random order."""
+    share = torch.rand(heads, generator=gen) + 0.5
+    lengths = (share / share.sum() * tokens).long()
+    lengths[0] += tokens - lengths.sum()
+    pages = (lengths + page - 1) // page
+    pool, width = int(pages.sum()), int(pages.max())
+    k_pages = torch.randn(pool, page, dim, generator=gen)
+    v_pages = torch.randn(pool, page, dim, generator=gen)
+    order = torch.randperm(pool, generator=gen)
+    table = torch.zeros(1, heads, width, dtype=torch.int32)
+    start = 0
+    for h in range(heads):
+        table[0, h, : pages[h]] = order[start: start + pages[h]].int()
+        start += int(pages[h])
+    q = torch.randn(1, heads * group, dim, generator=gen)
+    return q, k_pages, v_pages, table, lengths.view(1, heads).int()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--heads", type=int, default=3, help="KV heads")
+    parser.add_argument("--group", type=int, default=3, help="query heads per KV head")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--page", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--copy-mb", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's); 1 is steadier on a busy machine")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+
+    bandwidth = copy_bandwidth(args.copy_mb, args.repeat)
+    print(f"threads {torch.get_num_threads()}, H={args.heads} KV heads, G={args.group}, "
+          f"d={args.dim}, page {args.page}, fp32; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"(read + write of {args.copy_mb} MB)")
+    print(f"{'tokens':>7} {'method':<22} {'ms/call':>8} {'K+V MB':>7} {'GB/s':>6} {'× bound':>8}")
+    for tokens in args.tokens:
+        q, k_pages, v_pages, table, lengths = paged_cache(tokens, args.heads, args.group,
+                                                          args.dim, args.page, gen)
+        per_head = tokens // args.heads
+        dense_k = torch.randn(1, args.heads, per_head, args.dim, generator=gen)
+        dense_v = torch.randn(1, args.heads, per_head, args.dim, generator=gen)
+        expected = paged_attention(q, k_pages, v_pages, table, lengths, impl="torch")
+        compiled = paged_attention(q, k_pages, v_pages, table, lengths, impl="compiled")
+        torch.testing.assert_close(compiled, expected)
+        methods = {
+            "paged, compiled": lambda: paged_attention(q, k_pages, v_pages, table, lengths,
+                                                       impl="compiled"),
+            "paged, eager": lambda: paged_attention(q, k_pages, v_pages, table, lengths,
+                                                    impl="torch"),
+            "dense SDPA (equal size)": lambda: F.scaled_dot_product_attention(
+                q[:, :, None], dense_k, dense_v, enable_gqa=True),
+        }
+        nbytes = 2 * tokens * args.dim * 4
+        for name, fn in methods.items():
+            seconds = timed(fn, args.repeat)
+            ratio = seconds / (nbytes / bandwidth)
+            print(f"{tokens:>7} {name:<22} {seconds * 1e3:>8.2f} {nbytes / 1e6:>7.1f} "
+                  f"{nbytes / seconds / 1e9:>6.1f} {ratio:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

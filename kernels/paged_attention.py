@@ -1,0 +1,309 @@
+"""Decode attention over a paged, head-granular KV cache (flash-decoding).
+
+Layout (docs/INTERNALS.md "Paged cache layout"): `k_pages`, `v_pages` (P, S, d) hold
+S-token pages from a pool; `block_table` (B, H, M) int32 lists the pages of each
+(sequence, KV head) in order; entry t of a head lives at slot t % S of page
+block_table[b, h, t // S] and is valid when t < lengths[b, h]. `bias_pages` (P, S) is
+the per-entry logit bias α·log w of ZSMerge Eq. 8 (None = no bias). Query head
+h·G + g attends over KV head h (GQA, G = Hq / H). Entries past a head's length, and
+block-table entries past its last page, are never read, so they may hold anything.
+
+The result equals `kvcompile.reference.attend(q[:, :, None], K, V, bias, lengths)` on
+the gathered cache; a head with no entry gives zeros.
+
+Two implementations and a dispatcher:
+- `paged_attention_triton`: flash-decoding (Dao et al., 2023, "Flash-Decoding for
+  long-context inference"). Each program takes one (sequence, KV head) and one chunk of
+  its entries, loads the G query heads of the group once, streams K/V of the chunk
+  through an online softmax (Milakov & Gimelshein, 2018) and writes partials
+  (running max m, denominator l, unnormalized output); a second kernel reduces the
+  chunks of a head. Each retained K/V byte is read once.
+- `paged_attention_torch`: the lowering used on CPU, written so that Inductor fuses the
+  block-table indexing into its reductions (see its docstring); run eagerly it takes a
+  plain gather + matmul path.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+try:  # Triton is optional: the torch lowering covers machines without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+
+
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                    lengths: Tensor, bias_pages: Tensor | None = None,
+                    scale: float | None = None, *, impl: str | None = None) -> Tensor:
+    """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d).
+
+    impl: "triton" | "torch" (eager) | "compiled" (the torch lowering through Inductor) |
+    None = Triton on CUDA tensors, else the torch lowering. Called from inside an opaque
+    custom op, the torch lowering runs eagerly: ask for "compiled" to get the fused kernel.
+    """
+    _check(q, k_pages, v_pages, block_table, lengths, bias_pages)
+    if impl is None:
+        impl = "triton" if q.is_cuda and triton is not None else "torch"
+    if impl == "triton":
+        return paged_attention_triton(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+    if impl == "torch":
+        return paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+    if impl == "compiled":
+        return compiled_paged_attention_torch(q, k_pages, v_pages, block_table, lengths,
+                                              bias_pages, scale)
+    raise ValueError(f"paged_attention: unknown impl {impl!r} (triton | torch | compiled)")
+
+
+def _check(q, k_pages, v_pages, block_table, lengths, bias_pages) -> None:
+    b, hq, d = q.shape
+    bt, h, _ = block_table.shape
+    if bt != b or lengths.shape != (b, h) or hq % h:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)}, block_table "
+                         f"{tuple(block_table.shape)}, lengths {tuple(lengths.shape)} do not match")
+    if k_pages.shape != v_pages.shape or k_pages.shape[-1] != d:
+        raise ValueError(f"paged_attention: k_pages {tuple(k_pages.shape)}, v_pages "
+                         f"{tuple(v_pages.shape)} must be (P, S, {d})")
+    if bias_pages is not None and bias_pages.shape != k_pages.shape[:2]:
+        raise ValueError(f"paged_attention: bias_pages {tuple(bias_pages.shape)} must be "
+                         f"{tuple(k_pages.shape[:2])}")
+
+
+# --------------------------------------------------------------------------- torch
+
+def paged_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                          lengths: Tensor, bias_pages: Tensor | None = None,
+                          scale: float | None = None) -> Tensor:
+    """The torch lowering: eager = gather + matmul; under torch.compile = fused reductions.
+
+    Compiled (`compiled_paged_attention_torch`), the logits are written as a broadcast
+    product summed over d and the output as a probability-weighted sum over entries,
+    not as matmuls: Inductor then inlines the page gather `k_pages[table]` (an indirect
+    load) into its two reduction loops, so K and V are read once from the pages and no
+    gathered copy is written, whereas a matmul would force the gathered operand to be
+    materialized for the BLAS call. Checked by reading the generated C++ (one fused
+    kernel; its only buffers are the (B, H, C, G, Pc, S) logits and the per-chunk partials)
+    and timed by benchmarks/bench_decode.py. The gather is page-granular (one block-table
+    load per S·d contiguous elements) and the entries are split into chunks of `chunk`
+    tokens whose softmax partials are combined at the end (flash-decoding): a chunk's
+    K/V stays in L2 while the G query heads of the group use it, and the chunks give
+    Inductor an outer loop to run on all cores even when B·H is small.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if torch.compiler.is_compiling():
+        return _fused(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+    return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+
+
+def _live_pages(block_table: Tensor, lengths: Tensor, page_size: int) -> Tensor:
+    """The block table with every page past a head's last entry replaced by page 0, so
+    block-table entries past a head's length are never used as indices."""
+    m = block_table.shape[-1]
+    live = torch.arange(m, device=block_table.device) < (lengths[..., None] + page_size - 1) // page_size
+    return torch.where(live, block_table, 0).long()
+
+
+def _valid(lengths: Tensor, tokens: int) -> Tensor:
+    """(B, H, tokens) bool: entry t of a head is valid when t < its length."""
+    return torch.arange(tokens, device=lengths.device) < lengths[..., None]
+
+
+def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
+    """Eager path: gather each head's pages, then grouped attention by matmul."""
+    b, hq, d = q.shape
+    h, m = block_table.shape[1:]
+    s = k_pages.shape[1]
+    table = _live_pages(block_table, lengths, s)
+    valid = _valid(lengths, m * s)  # (B, H, T)
+    keys = k_pages[table].view(b, h, m * s, d).float()
+    values = v_pages[table].view(b, h, m * s, d).float().masked_fill(~valid[..., None], 0.0)
+    qg = q.float().view(b, h, hq // h, d)
+    logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # (B, H, G, T)
+    if bias_pages is not None:
+        logits = logits + bias_pages[table].view(b, h, 1, m * s).float()
+    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # an empty head gives zeros
+    return torch.matmul(weights, values).view(b, hq, d).to(q.dtype)
+
+
+def _fused(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, chunk: int = 256):
+    """Compiled path: per-chunk online-softmax partials, every page gather inlined."""
+    b, hq, d = q.shape
+    h, m = block_table.shape[1:]
+    s = k_pages.shape[1]
+    g = hq // h
+    per_chunk = max(1, chunk // s)  # pages per chunk
+    chunks = -(-m // per_chunk)
+    table = torch.nn.functional.pad(block_table, (0, chunks * per_chunk - m))
+    table = _live_pages(table, lengths, s).view(b, h, chunks, per_chunk)
+    valid = _valid(lengths, chunks * per_chunk * s).view(b, h, chunks, 1, per_chunk, s)
+    keys = k_pages[table][:, :, :, None].float()  # (B, H, C, 1, Pc, S, d): never stored
+    qg = q.float().view(b, h, 1, g, 1, 1, d)
+    logits = (qg * keys).sum(-1) * scale  # (B, H, C, G, Pc, S)
+    if bias_pages is not None:
+        logits = logits + bias_pages[table][:, :, :, None].float()
+    logits = logits.masked_fill(~valid, float("-inf"))
+    m_c = logits.amax((-1, -2))  # (B, H, C, G), -inf for an empty chunk
+    p = torch.exp(logits - _finite(m_c)[..., None, None])  # 0 at invalid entries
+    l_c = p.sum((-1, -2))
+    values = torch.where(valid[..., None], v_pages[table][:, :, :, None].float(), 0.0)
+    acc_c = (p[..., None] * values).sum((-2, -3))  # (B, H, C, G, d)
+    w = torch.exp(m_c - _finite(m_c.amax(2, keepdim=True)))  # chunk weights, 0 when empty
+    den = (w * l_c).sum(2)  # (B, H, G), 0 for an empty head
+    out = (w[..., None] * acc_c).sum(2) / torch.where(den > 0, den, 1.0)[..., None]
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def _finite(m: Tensor) -> Tensor:
+    """A running max with -inf (nothing seen) replaced by 0, so exp(x - m) stays defined."""
+    return torch.where(m == float("-inf"), 0.0, m)
+
+
+@functools.cache
+def _compiled():
+    return torch.compile(paged_attention_torch)
+
+
+def compiled_paged_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor,
+                                   block_table: Tensor, lengths: Tensor,
+                                   bias_pages: Tensor | None = None,
+                                   scale: float | None = None) -> Tensor:
+    """The torch lowering compiled by Inductor. Only the sizes that grow with the cache
+    (pages per head M, pool size P) are dynamic: one graph serves every cache length,
+    while d, S, G stay static so the inner loops have constant trip counts (fully
+    dynamic shapes measured about 3x slower here)."""
+    torch._dynamo.maybe_mark_dynamic(block_table, 2)
+    for pages in (k_pages, v_pages) + (() if bias_pages is None else (bias_pages,)):
+        torch._dynamo.maybe_mark_dynamic(pages, 0)
+    return _compiled()(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+
+
+# -------------------------------------------------------------------------- triton
+
+def paged_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                           lengths: Tensor, bias_pages: Tensor | None = None,
+                           scale: float | None = None, *, block_n: int = 64,
+                           chunk_tokens: int | None = None) -> Tensor:
+    """Flash-decoding in Triton: grid (B·H, chunks) of partials, then a (B·H,) reduce.
+
+    block_n: entries per inner step; chunk_tokens: entries per program (a multiple of
+    block_n; default splits each head's capacity M·S into at most 16 chunks).
+    """
+    if triton is None:
+        raise RuntimeError("paged_attention_triton needs triton")
+    b, hq, d = q.shape
+    h, m = block_table.shape[1:]
+    s = k_pages.shape[1]
+    g = hq // h
+    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError("paged_attention_triton: pages must be contiguous in d")
+    scale = d ** -0.5 if scale is None else scale
+    capacity = max(m * s, 1)
+    if chunk_tokens is None:
+        chunk_tokens = max(block_n, triton.next_power_of_2(-(-capacity // 16)))
+    chunk_tokens = -(-chunk_tokens // block_n) * block_n
+    chunks = -(-capacity // chunk_tokens)
+    q = q.contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    lens = lengths.to(torch.int32).contiguous()
+    m_part = torch.empty(b * h, chunks, g, device=q.device, dtype=torch.float32)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(b * h, chunks, g, d, device=q.device, dtype=torch.float32)
+    has_bias = bias_pages is not None
+    bias = bias_pages if has_bias else k_pages  # a dummy pointer when there is no bias
+    block_g, block_d = triton.next_power_of_2(g), triton.next_power_of_2(d)
+    _partials_kernel[(b * h, chunks)](
+        q, k_pages, v_pages, table, lens, bias, m_part, l_part, acc_part,
+        scale, m, chunks,
+        k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
+        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
+        G=g, D=d, S=s, HAS_BIAS=has_bias, CHUNK=chunk_tokens,
+        BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
+    out = torch.empty_like(q)
+    _reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, chunks,
+                             G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partials_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, bias_ptr,
+                         m_ptr, l_ptr, acc_ptr, scale, M, num_chunks,
+                         stride_kp, stride_ks, stride_vp, stride_vs, stride_bp, stride_bs,
+                         G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Online-softmax partials of one (sequence·KV head, chunk) for its G query heads."""
+        bh = tl.program_id(0)
+        chunk = tl.program_id(1)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < G
+        mask_d = offs_d < D
+        q = tl.load(q_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        length = tl.load(len_ptr + bh)
+        lo = chunk * CHUNK
+        hi = tl.minimum(lo + CHUNK, length)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)
+            valid = t < hi
+            page = tl.load(table_ptr + bh * M + t // S, mask=valid, other=0).to(tl.int64)
+            slot = t % S
+            kv_mask = valid[:, None] & mask_d[None, :]
+            k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(tl.float32)
+            logits = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (BLOCK_G, BLOCK_N)
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + page * stride_bp + slot * stride_bs, mask=valid, other=0.0)
+                logits += bias.to(tl.float32)[None, :]
+            logits = tl.where(valid[None, :], logits, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(logits - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        part = (bh * num_chunks + chunk) * G + offs_g
+        tl.store(m_ptr + part, m_i, mask=mask_g)
+        tl.store(l_ptr + part, l_i, mask=mask_g)
+        tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc,
+                 mask=mask_g[:, None] & mask_d[None, :])
+
+    @triton.jit
+    def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, num_chunks,
+                       G: tl.constexpr, D: tl.constexpr,
+                       BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Combine the chunk partials of one (sequence·KV head): rescale to a common max."""
+        bh = tl.program_id(0)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < G
+        mask_gd = mask_g[:, None] & (offs_d < D)[None, :]
+        m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for c in range(num_chunks):
+            m_c = tl.load(m_ptr + (bh * num_chunks + c) * G + offs_g, mask=mask_g,
+                          other=float("-inf"))
+            m_all = tl.maximum(m_all, m_c)
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        den = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for c in range(num_chunks):
+            part = (bh * num_chunks + c) * G + offs_g
+            w = tl.exp(tl.load(m_ptr + part, mask=mask_g, other=float("-inf")) - m_safe)
+            den += w * tl.load(l_ptr + part, mask=mask_g, other=0.0)
+            acc += w[:, None] * tl.load(acc_ptr + part[:, None] * D + offs_d[None, :],
+                                        mask=mask_gd, other=0.0)
+        out = acc / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(out_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_gd)

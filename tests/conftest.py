@@ -1,0 +1,12 @@
+"""Shared test setup.
+
+Without a CUDA GPU, Triton kernels run in its interpreter, which must be switched on
+before triton is first imported (DESIGN.md §3 "Triton without a GPU"). torch does not
+import triton, so asking torch about CUDA here is safe.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
