@@ -198,12 +198,15 @@ class KVCompileCache(Cache):
             (`generate()` passes max_new_tokens); the pool grows when it runs out.
         record: keep each layer's prefill state (LayerState with every query row) for
             tests and "prefill once, compress many" sweeps.
+        kernels: which decode attention kernel runs: None (Triton on a GPU, else the
+            eager torch lowering), "torch", "compiled" (the torch lowering through
+            Inductor, the fast path on a CPU) or "triton".
     """
 
     is_compileable = False
 
     def __init__(self, policy: Policy, config, page_size: int = 16, headroom: int = 0,
-                 record: bool = False, progress=None):
+                 record: bool = False, progress=None, kernels: str | None = None):
         super().__init__(layers=[])
         self.policy = policy
         self.dynamic = policy.layer_dynamic  # layer budgets move during prefill: cascade
@@ -213,6 +216,7 @@ class KVCompileCache(Cache):
         self.page_size = page_size
         self.headroom = headroom
         self.record = record
+        self.kernels = kernels
         self.progress = progress  # callable(layer_idx) or None
         self.stores: list[LayerStore | None] = [None] * self.num_layers
         self.states: list[LayerState | None] = [None] * self.num_layers
@@ -253,7 +257,8 @@ class KVCompileCache(Cache):
         return self.stores[0] is not None
 
     def reset(self):
-        self.__init__(self.policy, _Dims(self), self.page_size, self.headroom, self.record, self.progress)
+        self.__init__(self.policy, _Dims(self), self.page_size, self.headroom, self.record, self.progress,
+                      self.kernels)
 
     def _unsupported(self, what):
         raise NotImplementedError(f"KVCompileCache does not support {what} (beam search, cropping, "

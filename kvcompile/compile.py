@@ -45,12 +45,21 @@ def _check_model(model) -> None:
         raise CompileError("kvcompile: sliding-window or chunked attention layers are not supported")
 
 
-def compile(model, spec, *, page_size: int = 16, progress: bool = False, **overrides):
+def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
+            kernels: str | None = None, **overrides):
     """Return `model` with its attention rewritten to run `spec` (path, name, mapping or Policy).
 
     `model.generate(...)` and `model(...)` then use a fresh KVCompileCache per call unless
     one is passed. Errors (bad spec, unsupported model) are raised before anything changes.
+
+    mode: "eager" (transformers' AttentionInterface routes to the kvcompile op) or
+    "compiled" (torch.compile with the kvcompile backend: FX passes rewrite the captured
+    SDPA calls into the op, Inductor fuses the rest; see kvcompile.passes).
+    kernels: the decode attention kernel (KVCompileCache); "compiled" by default in
+    compiled mode, the eager torch lowering otherwise (Triton on a GPU).
     """
+    if mode not in ("eager", "compiled"):
+        raise ValueError(f"kvcompile: mode must be 'eager' or 'compiled', got {mode!r}")
     if isinstance(spec, Policy) and not overrides:
         policy = spec
     else:
@@ -62,14 +71,23 @@ def compile(model, spec, *, page_size: int = 16, progress: bool = False, **overr
         raise ValueError(f"kvcompile: page_size must be >= 1, got {page_size}")
     if hasattr(model, _STATE):
         uncompile(model)
-    AttentionInterface.register("kvcompile", kvcompile_attention)
-    AttentionMaskInterface.register("kvcompile", kvcompile_mask)
     config = model.config
-    saved = {"attn": config._attn_implementation, "policy": policy}
+    saved = {"attn": config._attn_implementation, "policy": policy, "mode": mode}
     forward, generate = model.forward, model.generate
+    if mode == "compiled":
+        from kvcompile.passes import compile_forward
+
+        kernels = kernels or "compiled"
+        model.set_attn_implementation("sdpa")
+        forward = compile_forward(model, forward)
+    else:
+        AttentionInterface.register("kvcompile", kvcompile_attention)
+        AttentionMaskInterface.register("kvcompile", kvcompile_mask)
+        model.set_attn_implementation("kvcompile")
 
     def new_cache(headroom: int = 0) -> KVCompileCache:
-        return KVCompileCache(policy, config, page_size=page_size, headroom=headroom, progress=progress)
+        return KVCompileCache(policy, config, page_size=page_size, headroom=headroom, progress=progress,
+                              kernels=kernels)
 
     @functools.wraps(forward)
     def compiled_forward(*args, past_key_values=None, use_cache=None, **kwargs):
@@ -87,7 +105,6 @@ def compile(model, spec, *, page_size: int = 16, progress: bool = False, **overr
             past_key_values = new_cache(headroom)
         return generate(*args, past_key_values=past_key_values, **kwargs)
 
-    model.set_attn_implementation("kvcompile")
     model.forward = compiled_forward
     model.generate = compiled_generate
     model.kvcompile_policy = policy

@@ -316,19 +316,10 @@ def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Te
         alpha = cache.policy.merge.alpha
         counts = store.count_pages
         bias = torch.where(counts > 0, alpha * counts.clamp(min=1).log(), float("-inf"))
-    try:
-        from kvcompile.kernels.paged_attention import paged_attention as kernel
-    except ImportError:  # kernels not built yet: gather, then the reference
-        kernel = None
-    if kernel is not None:
-        return kernel(q, store.k_pages, store.v_pages, store.block_table.int(), store.lengths.int(),
-                      bias, scale)
-    flat, stored = store.entries()
-    d = store.k_pages.shape[-1]
-    keys = store.k_pages.reshape(-1, d)[flat]
-    values = store.v_pages.reshape(-1, d)[flat]
-    b_all = None if bias is None else bias.reshape(-1)[flat]
-    return reference.attend(q[:, :, None], keys, values, b_all, store.lengths, scale)[:, :, 0]
+    from kvcompile.kernels.paged_attention import paged_attention as kernel
+
+    return kernel(q, store.k_pages, store.v_pages, store.block_table, store.lengths, bias, scale,
+                  impl=cache.kernels)
 
 
 # --- the op ----------------------------------------------------------------------------
