@@ -24,13 +24,28 @@ from kvcompile import reference
 from kvcompile.cache import Entries, KVCompileCache, append, build_store, lookup_cache
 
 
+def _flash_attn():
+    """flash-attn's function when it is installed (optional, GPU only), imported lazily."""
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
 def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
                      offset: int = 0) -> Tensor:
     """The model's causal attention (SDPA) with left padding: query i (at index offset + i)
-    sees real keys j <= offset + i. A pad query attends to itself only, so no NaN appears."""
+    sees real keys j <= offset + i. A pad query attends to itself only, so no NaN appears.
+    On a GPU with flash-attn installed, an unpadded prompt runs through flash-attn."""
     b, hq, t, d = q.shape
     n = k.shape[2]
     gqa = hq != k.shape[1]
+    if q.is_cuda and mask is None and offset == 0 and t == n and q.dtype in (torch.float16, torch.bfloat16):
+        flash = _flash_attn()
+        if flash is not None:  # flash-attn takes (B, T, H, d) and handles GQA itself
+            out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=True)
+            return out.transpose(1, 2)
     if mask is None and offset == 0 and t == n:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     rows = torch.arange(t, device=q.device)[:, None] + offset

@@ -179,3 +179,57 @@ def test_generate_few_hundred_tokens_with_fixed_memory_ceiling(spec):
     for pages in watch.pages:
         assert bool((pages <= ceiling).all())
     assert cache.memory_report()["bytes_held"] < cache.memory_report()["bytes_full"] / 4
+
+
+@settings(max_examples=15, deadline=None)
+@given(alpha=st.floats(0.0, 1.0), steps=st.integers(1, 30), seed=st.integers(0, 2 ** 16))
+def test_theorem_3_1_while_decoding(alpha, steps, seed):
+    """ZSMerge Theorem 3.1: with α ≤ 1, the attention of every unmerged cached token is at least
+    its attention over the full cache (every token ever seen), at every step of online decoding."""
+    policy = kvcompile.load_spec("zsmerge", per_head=10, merge={"residual": {"alpha": alpha}})
+    b, h, g, d, n = 1, 2, 2, 8, 12
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    state = reference.LayerState(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d))
+    selection = reference.compress(policy, [state])
+    heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
+    held = torch.tensor([[[len(x.positions) for x in row] for row in heads]]).transpose(0, 1)
+    budgets = reference.decode_budgets(policy, torch.tensor([n]), 1, h, held)
+    all_keys = state.keys[0]  # (H, T, d): every token seen so far
+    for step in range(steps):
+        q, k, v = rand(b, h * g, d), rand(b, h, d), rand(b, h, d)
+        all_keys = torch.cat([all_keys, k[0, :, None]], dim=1)
+        reference.decode_step(policy, heads, q, k, v, torch.tensor([n + step]), budgets[:, 0])
+        probe = rand(h * g, d)  # a later query
+        for hh in range(h):
+            x = heads[0][hh]
+            bias = torch.where(x.positions >= 0, 0.0, policy.merge.bias(x.counts))
+            compressed = torch.softmax(probe[hh * g:(hh + 1) * g] @ x.keys.T * d ** -0.5 + bias, dim=-1)
+            full = torch.softmax(probe[hh * g:(hh + 1) * g] @ all_keys[hh].T * d ** -0.5, dim=-1)
+            tok = x.positions >= 0
+            assert bool((compressed[:, tok] >= full[:, x.positions[tok]] * (1 - 1e-5)).all())
+
+
+def test_alpha_zero_bias_path_is_exactly_the_plain_attention():
+    """α = 0: the merge-bias path adds exactly nothing (0·log w is 0, never NaN, for every entry),
+    so decoding attends exactly as the drop path over the same entries."""
+    policy = kvcompile.load_spec("zsmerge", per_head=12, merge={"residual": {"alpha": 0.0}})
+    b, h, g, d, n = 2, 2, 2, 8, 30
+    gen = torch.Generator().manual_seed(3)
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
+                             hidden_size=h * g * d)
+    cache = KVCompileCache(policy, config, page_size=4)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.handle, 0.3)
+    from kvcompile.kernels.paged_attention import paged_attention
+
+    for _ in range(20):
+        torch.ops.kvcompile.attend(rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d), None, 0, cache.handle,
+                                   0.3)
+    store = cache.stores[0]
+    assert int(store.slots.sum()) > 0 and float(store.count_pages.max()) > 1  # slots hold merged tokens
+    q = rand(b, h * g, d)
+    bias = policy.merge.bias(store.count_pages)
+    with_bias = paged_attention(q, store.k_pages, store.v_pages, store.block_table, store.lengths, bias, 0.3)
+    plain = paged_attention(q, store.k_pages, store.v_pages, store.block_table, store.lengths, None, 0.3)
+    assert torch.equal(with_bias, plain)

@@ -178,3 +178,15 @@ def test_bad_spec_changes_nothing(llama):
     with pytest.raises(kvcompile.SpecError):
         kvcompile.compile(llama, {"scoring": "no_such_scorer", "budget": {"per_head": 8}})
     assert llama.config._attn_implementation == "sdpa" and "forward" not in llama.__dict__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn runs only on a CUDA GPU; none here")
+def test_flash_attn_prefill_matches_sdpa():
+    pytest.importorskip("flash_attn", reason="flash-attn is an optional extra (pip install kvcompile[flash])")
+    from kvcompile.runtime import prompt_attention
+
+    q = torch.randn(2, 8, 64, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert_close(prompt_attention(q, k, v, None, 64 ** -0.5), expected, rtol=2e-3, atol=2e-3)
