@@ -109,8 +109,7 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     else:
         totals = cache.totals
     total = None if totals is None else totals[:, layer]
-    kept, merged = reference.select_and_merge(policy, k, v, scores, positions, valid_h, cache.prompt_lengths,
-                                              total, layer, None)
+    kept, merged = _select_and_merge(cache, k, v, scores, positions, valid_h, total, layer)
     cache.stores[layer] = _store(cache, Entries(k, v, scores, positions, torch.ones_like(scores), kept), merged)
     decode = policy.schedule.decode
     if decode is not None and decode.name == "every":  # the latest query rows the scorer reads, for pruning
@@ -123,6 +122,29 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
         if layer == cache.num_layers - 1:
             cache.bar.close()
     return out
+
+
+def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, total, layer):
+    """A layer's first compression: reference.select, then the evicted tokens merged by the
+    residual-merge kernel (kvcompile.kernels.merge: the same sequential rule, bit for bit)."""
+    policy = cache.policy
+    lengths = cache.prompt_lengths
+    if not policy.merges or total is None:
+        return reference.select_and_merge(policy, k, v, scores, positions, valid, lengths, total, layer, None)
+    from kvcompile.kernels.merge import merge_order, residual_merge
+
+    kept = reference.select(policy, scores, positions, valid, lengths, total, layer)
+    num_slots = reference.head_budgets(policy, valid, total).slots
+    keys, values, num = merge_order(k, v, scores, valid & ~kept, positions)
+    b, h, _, d = k.shape
+    size = int(num_slots.max())
+    impl = cache.kernels
+    if impl is None and not k.is_cuda:  # a long walk: Inductor's one-time compile pays for itself
+        impl = "compiled" if int(num.max()) > 2048 else "torch"
+    sk, sv, counts = residual_merge(k.new_zeros(b, h, size, d), v.new_zeros(b, h, size, v.shape[-1]),
+                                    torch.zeros(b, h, size, dtype=torch.long, device=k.device), keys, values,
+                                    num, num_slots, impl=impl)
+    return kept, reference.Merged(sk, sv, counts)
 
 
 def _store(cache: KVCompileCache, tokens: Entries, merged: reference.Merged | None):
