@@ -86,15 +86,23 @@ def _reserve(cache: KVCompileCache, b: int, h: int) -> int:
 def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
             layer: int, scale: float) -> Tensor:
     b, hq, n, d = q.shape
-    h = k.shape[1]
     if layer == 0:
         _start_prompt(cache, mask, b, n, q.device)
     valid = cache.valid
     out = prompt_attention(q, k, v, None if bool(valid.all()) else valid, scale)
+    compress_prompt_layer(cache, q, k, v, layer, scale)
+    return out
 
+
+def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> None:
+    """Scoring, selection and merging of one layer's prompt entries, written into pages
+    (and the cascade over the layers below). q holds the last R ≥ query_rows prompt queries."""
+    b, hq, r, d = q.shape
+    h, n = k.shape[1], k.shape[2]
+    valid = cache.valid
     policy = cache.policy
-    rows = n if cache.record else policy.scoring.query_rows(n)
-    state = reference.LayerState(q[:, :, n - rows:], k, v, None if bool(valid.all()) else valid, scale)
+    rows = r if cache.record else policy.scoring.query_rows(n)
+    state = reference.LayerState(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
     if cache.record:
         cache.states[layer] = state
     scores = reference.score_layer(policy, state)
@@ -113,7 +121,7 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     cache.stores[layer] = _store(cache, Entries(k, v, scores, positions, torch.ones_like(scores), kept), merged)
     decode = policy.schedule.decode
     if decode is not None and decode.name == "every":  # the latest query rows the scorer reads, for pruning
-        cache.rings[layer] = q[:, :, n - min(policy.scoring.query_rows(n), n):].clone()
+        cache.rings[layer] = q[:, :, r - min(policy.scoring.query_rows(n), n):].clone()
     if cache.dynamic:
         for lower in range(layer):
             _recompress(cache, lower, totals[:, lower])
@@ -121,7 +129,6 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
         cache.bar.update(1)
         if layer == cache.num_layers - 1:
             cache.bar.close()
-    return out
 
 
 def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, total, layer):

@@ -1,0 +1,71 @@
+"""Prefill once, compress many (issue 6): prefill-time policies do not change the prompt's
+forward pass, so each layer's queries, keys and values are captured once per prompt and
+every spec and budget is applied to them; then each policy decodes its own answer.
+
+    states, logits = capture(model, ids)                 # one forward pass, nothing evicted
+    for spec in ("snapkv", "lava"):
+        cache = replay(kvcompile.load_spec(spec, per_head=64), model.config, states)
+        tokens = greedy(model, cache, logits, max_new_tokens=16)
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvcompile.cache import KVCompileCache
+from kvcompile.compile import compiled
+from kvcompile.policy import Policy
+from kvcompile.reference import LayerState
+from kvcompile.runtime import _start_prompt, compress_prompt_layer
+
+KEEP_ALL = {"name": "capture", "scoring": "recency", "budget": {"ratio": 1.0}}
+
+
+@torch.no_grad()
+def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[list[LayerState], Tensor]:
+    """Every layer's prefill state (all query rows, keys, values, padding) and the logits of
+    the last prompt position, from one forward pass that keeps everything."""
+    from kvcompile.spec import load_spec
+
+    policy = load_spec(KEEP_ALL)
+    cache = KVCompileCache(policy, model.config, record=True)
+    positions = None if attention_mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with compiled(model, policy):  # positions as generate() gives them to a left-padded batch
+        out = model(input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache)
+    return cache.states, out.logits[:, -1]
+
+
+def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16, headroom: int = 0,
+           kernels: str | None = None) -> KVCompileCache:
+    """A KVCompileCache holding what `policy` keeps of the captured prompt, exactly as if the
+    prompt had been prefilled with the policy compiled in (the same per-layer code runs)."""
+    cache = KVCompileCache(policy, config, page_size=page_size, headroom=headroom, kernels=kernels)
+    first = states[0]
+    b, _, n, _ = first.keys.shape
+    _start_prompt(cache, first.mask, b, n, first.keys.device)
+    for layer, state in enumerate(states):
+        compress_prompt_layer(cache, state.queries, state.keys, state.values, layer, state.scale)
+    cache.seq_length = n
+    return cache
+
+
+@torch.no_grad()
+def greedy(model, cache: KVCompileCache, last_logits: Tensor, max_new_tokens: int, eos_token_id=None) -> Tensor:
+    """Greedy continuation (B, max_new_tokens) from a prefilled cache: the first token is the
+    argmax of the prompt's last logits, then one token per step through the compiled model.
+    Sequences that produced `eos_token_id` continue with it (as generate() pads)."""
+    policy = cache.policy
+    out = []
+    token = last_logits.argmax(-1, keepdim=True)
+    done = torch.zeros(token.shape[0], dtype=torch.bool)
+    with compiled(model, policy):
+        for step in range(max_new_tokens):
+            out.append(token)
+            if eos_token_id is not None:
+                done |= token[:, 0] == eos_token_id
+            if step == max_new_tokens - 1 or bool(done.all()):
+                break
+            position = (cache.seq_length - cache.pad)[:, None]
+            logits = model(token, position_ids=position, past_key_values=cache).logits[:, -1]
+            token = torch.where(done[:, None], token, logits.argmax(-1, keepdim=True))
+    return torch.cat(out, dim=1)
