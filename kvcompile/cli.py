@@ -214,8 +214,13 @@ def cmd_run(args) -> None:
 
 # --- kvcompile eval ------------------------------------------------------------------------
 
-def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int, full: bool = True):
-    """Needle answers for every prompt x (full cache, spec x budget); one dict per run."""
+def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int, full: bool = True,
+                 reuse_prefill: bool = True):
+    """Needle answers for every prompt x (full cache, spec x budget); one dict per run.
+
+    reuse_prefill: prefill once, compress many (kvcompile.sweep): each prompt's layer states
+    are captured once and every policy is replayed on them, then decodes its own answer;
+    the runs then have no timings (see `kvcompile bench` for those)."""
     from tqdm.auto import tqdm
 
     from kvcompile.data import answer_found
@@ -232,7 +237,30 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
     runs += [(p, policy) for p in prompts for policy in policies]
     generate(model, tokenizer, prompts[0].input_ids[:64], 2)  # warm-up: weights paged in, first-call costs
     records = []
+    captured = {}
     for prompt, policy in tqdm(runs, desc="needle runs", unit="run"):
+        if policy is not None and reuse_prefill:
+            import torch
+
+            from kvcompile.sweep import capture, greedy, replay
+
+            key = id(prompt)
+            if key not in captured:
+                captured.clear()  # one prompt's states at a time
+                captured[key] = capture(model, torch.as_tensor(prompt.input_ids).reshape(1, -1))
+            states, logits = captured[key]
+            cache = replay(policy, model.config, states)
+            new = greedy(model, cache, logits, max_new_tokens, tokenizer.eos_token_id)[0].tolist()
+            text = tokenizer.decode(new, skip_special_tokens=True).strip()
+            report = cache.memory_report()
+            records.append({"spec": policy.name,
+                            "per_head": policy.budget.per_head if policy.budget.threshold is None else None,
+                            "kv_bytes": report["bytes_held"], "kv_bytes_full": report["bytes_full"],
+                            "needle_kept": needle_kept(cache, prompt.needle_span), "length": prompt.target,
+                            "tokens": prompt.length, "depth": prompt.depth, "expected": prompt.answer, "answer": text,
+                            "correct": answer_found(text, prompt.answer), "prefill_s": None, "decode_tok_s": None,
+                            "peak_bytes": None})
+            continue
         if policy is None:
             g = generate(model, tokenizer, prompt.input_ids, max_new_tokens)
             held = full_kv_bytes(model, prompt.length + len(g.new_tokens) - 1)
