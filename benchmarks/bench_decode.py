@@ -5,6 +5,9 @@ step's attention over the pages: the torch lowering compiled by Inductor, the sa
 eagerly, and F.scaled_dot_product_attention on a dense cache of the same size. Prints
 time per call, the K+V bytes retained, bytes ÷ time, and the ratio of the time to the
 bound bytes ÷ copy bandwidth, the copy bandwidth measured in the same run (DESIGN.md §5).
+The compiled lowering runs on one thread below PARALLEL_WORK multiply-adds per call
+(kvcompile.kernels.paged_attention), on all of torch's threads above; the method name says
+which ran.
 
     python3 benchmarks/bench_decode.py [--tokens 8192 16384 32768 65536] [--repeat 15]
                                        [--threads N]
@@ -17,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvcompile.kernels import paged_attention as kernels
 from kvcompile.kernels.paged_attention import paged_attention
 
 
@@ -78,7 +82,7 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, H={args.heads} KV heads, G={args.group}, "
           f"d={args.dim}, page {args.page}, fp32; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(read + write of {args.copy_mb} MB)")
-    print(f"{'tokens':>7} {'method':<22} {'ms/call':>8} {'K+V MB':>7} {'GB/s':>6} {'× bound':>8}")
+    print(f"{'tokens':>7} {'method':<28} {'ms/call':>8} {'K+V MB':>7} {'GB/s':>6} {'× bound':>8}")
     for tokens in args.tokens:
         q, k_pages, v_pages, table, lengths = paged_cache(tokens, args.heads, args.group,
                                                           args.dim, args.page, gen)
@@ -88,9 +92,11 @@ def main() -> None:
         expected = paged_attention(q, k_pages, v_pages, table, lengths, impl="torch")
         compiled = paged_attention(q, k_pages, v_pages, table, lengths, impl="compiled")
         torch.testing.assert_close(compiled, expected)
+        work = table.shape[-1] * args.page * q.numel()  # as compiled_paged_attention_torch counts
+        parallel = work >= kernels.PARALLEL_WORK and torch.get_num_threads() > 1
         methods = {
-            "paged, compiled": lambda: paged_attention(q, k_pages, v_pages, table, lengths,
-                                                       impl="compiled"),
+            f"paged, compiled ({'parallel' if parallel else '1 thread'})": lambda: paged_attention(
+                q, k_pages, v_pages, table, lengths, impl="compiled"),
             "paged, eager": lambda: paged_attention(q, k_pages, v_pages, table, lengths,
                                                     impl="torch"),
             "dense SDPA (equal size)": lambda: F.scaled_dot_product_attention(
@@ -100,7 +106,7 @@ def main() -> None:
         for name, fn in methods.items():
             seconds = timed(fn, args.repeat)
             ratio = seconds / (nbytes / bandwidth)
-            print(f"{tokens:>7} {name:<22} {seconds * 1e3:>8.2f} {nbytes / 1e6:>7.1f} "
+            print(f"{tokens:>7} {name:<28} {seconds * 1e3:>8.2f} {nbytes / 1e6:>7.1f} "
                   f"{nbytes / seconds / 1e9:>6.1f} {ratio:>8.1f}")
 
 

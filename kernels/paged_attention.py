@@ -76,7 +76,7 @@ def _check(q, k_pages, v_pages, block_table, lengths, bias_pages) -> None:
 
 def paged_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                           lengths: Tensor, bias_pages: Tensor | None = None,
-                          scale: float | None = None) -> Tensor:
+                          scale: float | None = None, *, chunk: int = 256) -> Tensor:
     """The torch lowering: eager = gather + matmul; under torch.compile = fused reductions.
 
     Compiled (`compiled_paged_attention_torch`), the logits are written as a broadcast
@@ -90,11 +90,14 @@ def paged_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tab
     load per S·d contiguous elements) and the entries are split into chunks of `chunk`
     tokens whose softmax partials are combined at the end (flash-decoding): a chunk's
     K/V stays in L2 while the G query heads of the group use it, and the chunks give
-    Inductor an outer loop to run on all cores even when B·H is small.
+    Inductor an outer loop to run on all cores even when B·H is small. A block table
+    shorter than one chunk is one chunk of its own length (not padded to `chunk`). The
+    one-thread variant uses chunks of 4096 entries: a float sum over more than 4096
+    terms makes Inductor sum in a cascade for accuracy, twice as slow here.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if torch.compiler.is_compiling():
-        return _fused(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+        return _fused(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, chunk)
     return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
 
 
@@ -130,12 +133,15 @@ def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
 
 
 def _fused(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, chunk: int = 256):
-    """Compiled path: per-chunk online-softmax partials, every page gather inlined."""
+    """Compiled path: per-chunk online-softmax partials, every page gather inlined
+    (chunk: entries per chunk; a shorter table is one chunk of its own length)."""
     b, hq, d = q.shape
     h, m = block_table.shape[1:]
     s = k_pages.shape[1]
     g = hq // h
     per_chunk = max(1, chunk // s)  # pages per chunk
+    if m <= per_chunk:  # under compile: a guard, and one graph for each side of it
+        per_chunk = m
     chunks = -(-m // per_chunk)
     table = torch.nn.functional.pad(block_table, (0, chunks * per_chunk - m))
     table = _live_pages(table, lengths, s).view(b, h, chunks, per_chunk)
@@ -162,9 +168,25 @@ def _finite(m: Tensor) -> Tensor:
     return torch.where(m == float("-inf"), 0.0, m)
 
 
+# Inductor opens an OpenMP parallel region once a loop has cpp.min_chunk_size (512)
+# elements per thread, and decides it at compile time from the first call's sizes. A
+# decode step over a compressed cache (4k prompt, 128 per head: 10^5 multiply-adds) is
+# far below anything worth splitting, and while another process holds a core each
+# region's join waits for a time slice (a 30 ms call instead of 50 us on the shared
+# 2-core machine). So there are two compiled variants, chosen per call by the work, as
+# ATen chooses by its grain size: one thread below PARALLEL_WORK multiply-adds
+# (entries x query heads x d, about a millisecond on one core), Inductor's parallel
+# loops above.
+PARALLEL_WORK = 1 << 22
+SERIAL = {"cpp.threads": 1}
+SERIAL_CHUNK = 4096  # entries per chunk on one thread (see paged_attention_torch)
+
+
 @functools.cache
-def _compiled():
-    return torch.compile(paged_attention_torch)
+def _compiled(parallel: bool):
+    if parallel:
+        return torch.compile(paged_attention_torch)
+    return torch.compile(functools.partial(paged_attention_torch, chunk=SERIAL_CHUNK), options=SERIAL)
 
 
 def compiled_paged_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor,
@@ -174,11 +196,23 @@ def compiled_paged_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor,
     """The torch lowering compiled by Inductor. Only the sizes that grow with the cache
     (pages per head M, pool size P) are dynamic: one graph serves every cache length,
     while d, S, G stay static so the inner loops have constant trip counts (fully
-    dynamic shapes measured about 3x slower here)."""
+    dynamic shapes measured about 3x slower here). A second graph is compiled once a
+    head outgrows one chunk (4096 entries on one thread).
+
+    The call runs without grad and below autograd and ADInplaceOrView, whatever the
+    caller's state, so one graph serves every caller: dynamo guards on grad mode and on
+    the inputs' dispatch keys seen through the thread's excluded keys, and the first run
+    of an AOTAutograd graph (its custom-op aliasing check, a dispatch mode) calls the
+    opaque op with those keys excluded while later runs do not, which compiled this
+    kernel twice. It computes no gradient (the op it serves has none)."""
+    if block_table.shape[-1] == 1:  # dynamo specialises a size of 1: a second graph
+        block_table = torch.nn.functional.pad(block_table, (0, 1))  # a page past every length
     torch._dynamo.maybe_mark_dynamic(block_table, 2)
     for pages in (k_pages, v_pages) + (() if bias_pages is None else (bias_pages,)):
         torch._dynamo.maybe_mark_dynamic(pages, 0)
-    return _compiled()(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+    work = block_table.shape[-1] * k_pages.shape[1] * q.shape[0] * q.shape[1] * q.shape[2]
+    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+        return _compiled(work >= PARALLEL_WORK)(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
 
 
 # -------------------------------------------------------------------------- triton

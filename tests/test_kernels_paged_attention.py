@@ -82,13 +82,46 @@ def test_compiled_torch_lowering_matches_reference_without_recompiling():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # other tests' graphs
     compiled = functools.partial(pa.paged_attention, impl="compiled")
-    # Page counts that equal no other size (dynamo's duck sizing would add a guard).
-    for seed, pages in enumerate([3, 5, 7]):
+    # Page counts that equal no other size (dynamo's duck sizing would add a guard); one
+    # page (a size of 1, which dynamo specialises); 70 pages of 4 outgrow a 256-entry chunk.
+    for seed, pages in enumerate([3, 5, 1, 7, 70]):
         args, expected = paged_case(seed, 2, 2, 3, 16, 4, pages, torch.float32, bias=True)
+        if seed == 0:  # as the first run of an AOTAutograd graph calls the op: keys excluded
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                assert_close(compiled(*args), expected)
         assert_close(compiled(*args), expected)
+        with torch.inference_mode():  # inference tensors
+            args, expected = paged_case(seed, 2, 2, 3, 16, 4, pages, torch.float32, bias=True)
+            assert_close(compiled(*args), expected)
     # Growing caches reuse one graph (dynamic shapes): one frame compiled, no recompiles.
     stats = torch._dynamo.utils.counters["stats"]
     assert stats["unique_graphs"] == 1, dict(stats)
+    # Heads outgrowing one 4096-entry chunk (one thread) take a second graph, once.
+    for seed, pages in enumerate([1100, 1500]):
+        args, expected = paged_case(seed, 1, 2, 3, 16, 4, pages, torch.float32, bias=True)
+        assert_close(compiled(*args), expected)
+    assert stats["unique_graphs"] == 2, dict(stats)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [False, True])
+def test_compiled_variant_follows_the_work(monkeypatch, parallel):
+    """Below PARALLEL_WORK the one-thread variant runs (no OpenMP region: on a shared
+    machine each region's join can wait a time slice), above it Inductor's parallel loops
+    over 256-entry chunks (70 pages of 4 entries: two chunks); both equal the reference."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(pa, "PARALLEL_WORK", 0 if parallel else 2**62)
+    args, expected = paged_case(1, 1, 2, 3, 16, 4, 70, torch.float32, bias=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            out, code = run_and_get_code(pa.paged_attention, *args, impl="compiled")
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(out, expected)
+    assert ("#pragma omp parallel" in "".join(code)) == parallel
 
 
 def test_scale_is_used():

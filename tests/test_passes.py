@@ -322,6 +322,45 @@ def test_backend_refuses_graphs_without_attention_and_non_sdpa_models():
         compile_forward(eager)
 
 
+class WithPointwise(nn.Module):
+    """Two attention layers beside a wide pointwise op (as a decode step's 1536-wide SiLU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = Stack(2)
+
+    def forward(self, q, k, v, attention_mask, wide):
+        return self.attn(q, k, v, attention_mask), F.silu(wide) * wide
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_static_graphs_get_no_parallel_region_for_small_loops(dynamic):
+    """Inductor code generated through the backend on two threads: a static graph (decode)
+    has no OpenMP region around a 4096-element loop (each region's join stalls when
+    another process holds a core); a graph with a symbolic length (prefill) keeps
+    Inductor's default, which splits that loop over the threads."""
+    from torch._inductor.utils import run_and_get_code
+
+    from kvcompile.passes.backend import SERIAL_WORK, make_backend
+
+    args = (*inputs(), torch.randn(1, 4096))
+    expected = WithPointwise()(*args)
+    dims = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=H, head_dim=D)
+    fn = torch.compile(WithPointwise(), backend=make_backend(H, 2), dynamic=dynamic, fullgraph=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                bind_cache(KVCompileCache(full_budget_policy(T), dims)), torch.no_grad():
+            (out, wide), code = run_and_get_code(fn, *args)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(out, expected[0])
+    assert_close(wide, expected[1])
+    assert COMPILES[-1]["options"] == ({} if dynamic else {"cpp.min_chunk_size": SERIAL_WORK})
+    assert ("#pragma omp parallel" in "".join(code)) == dynamic
+
+
 # --- a graph dynamo captured from a tiny Llama ----------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import is_symbolic
 from transformers.cache_utils import Cache
 
 from kvcompile import cache as cache_module
@@ -40,6 +41,24 @@ from kvcompile.passes.find import PassError, find_attention
 from kvcompile.passes.rewrite import ACTIVE_HANDLE, rewrite_attention
 
 COMPILES: list[dict] = []  # one record per graph the backend compiled (layers, nodes removed, seconds)
+
+# Inductor's C++ kernels open an OpenMP parallel region as soon as a loop has
+# cpp.min_chunk_size (default 512) elements per thread. A decode step is made of such
+# tiny kernels (a 1536-wide SiLU, a 576-wide norm): each region forks and joins every
+# thread, and while another process holds a core the join waits for a time slice, so
+# on the shared 2-core machine the decode graph ran 10-40x slower than eager (whose ATen
+# ops only go parallel past 32768 elements). Static graphs (decode) go parallel only past
+# SERIAL_WORK elements per thread. Graphs with a symbolic length (prefill) keep
+# Inductor's default: their kernels grow with the prompt, and the parallel choice is
+# made once, at compile time, from the first prompt's length.
+SERIAL_WORK = 1 << 18
+
+
+def inductor_options(example_inputs) -> dict:
+    """Inductor config for one graph (see SERIAL_WORK)."""
+    sizes = [s for x in example_inputs for s in (x.shape if isinstance(x, torch.Tensor) else (x,))]
+    symbolic = any(isinstance(s, torch.SymInt) and is_symbolic(s) for s in sizes)
+    return {} if symbolic else {"cpp.min_chunk_size": SERIAL_WORK}
 
 
 @contextmanager
@@ -78,7 +97,12 @@ def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num
 
     start = time.perf_counter()
     record = run_passes(gm, kv_heads, num_layers)
-    compiled = compile_fx(gm, example_inputs) if inductor else gm.forward
+    if inductor:
+        record["options"] = inductor_options(example_inputs)
+        with torch._inductor.config.patch(record["options"]):
+            compiled = compile_fx(gm, example_inputs)
+    else:
+        compiled = gm.forward
     record["seconds"] = time.perf_counter() - start
     record["inductor"] = inductor
     COMPILES.append(record)
