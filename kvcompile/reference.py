@@ -372,6 +372,9 @@ def decode_heads(policy, state: LayerState, kept: Tensor, merged: Merged | None,
     return heads
 
 
+RUNNING_SCORERS = ("accumulated", "decayed")  # scorers whose score keeps running while decoding
+
+
 def running_update(scoring, scores: Tensor, attention: Tensor) -> Tensor | None:
     """The running score of a token after one more query (None: the scorer has none).
     H2O: s ← s + a (accumulated); ZSMerge Eq. 5: s ← λ·s + a (decayed)."""
@@ -494,7 +497,7 @@ def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: 
     slot_width = max(int((~head.tokens()).sum()) for row in heads for head in row)
     slots = Merged(ring.new_zeros(b_, h_, slot_width, d), ring.new_zeros(b_, h_, slot_width, d),
                    torch.zeros(b_, h_, slot_width, dtype=torch.long))
-    running = running_update(policy.scoring, torch.zeros(1), torch.zeros(1)) is not None
+    running = policy.scoring.name in RUNNING_SCORERS
     for b in range(b_):
         for h in range(h_):
             head = heads[b][h]

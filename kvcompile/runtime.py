@@ -196,7 +196,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     if cache.budgets is None:
         _start_decode(cache)
     schedule = policy.schedule.decode
-    running = reference.running_update(policy.scoring, torch.zeros(1), torch.zeros(1)) is not None
+    running = policy.scoring.name in reference.RUNNING_SCORERS
     online = schedule is not None and schedule.name == "online"
     every = schedule.n if schedule is not None and schedule.name == "every" else 0
     outs = []

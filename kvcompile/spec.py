@@ -321,6 +321,12 @@ def _schedule(value, src: _Source) -> Schedule:
     return Schedule(cascade=cascade, decode=decode)
 
 
+def _running_scorers() -> tuple[str, ...]:
+    from kvcompile.reference import RUNNING_SCORERS  # lazy: the reference engine imports the part library
+
+    return RUNNING_SCORERS
+
+
 def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _Source, scoring=None) -> None:
     """Rules that involve more than one section."""
     sinks, window = getattr(ranking, "sinks", 0), getattr(ranking, "window", 0)
@@ -355,7 +361,7 @@ def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _So
                         "parts are kept while decoding by decode: online", "decode: online with a split",
                         blame=(("budget", "split"),))
     if (decode is not None and decode.name == "every" and scoring is not None
-            and scoring.name not in ("accumulated", "decayed")):
+            and scoring.name not in _running_scorers()):
         rows = scoring.query_rows(2 ** 30)
         if window < rows:
             raise src.error(("ranking", ranking.name, "window"),
