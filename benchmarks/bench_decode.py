@@ -1,12 +1,12 @@
 """Decode attention over the paged cache on the CPU, against the memory bandwidth.
 
 For each retained size T (tokens per layer, split raggedly over the KV heads), one decode
-step's attention over the pages: the torch lowering compiled by Inductor, the same run
-eagerly, and F.scaled_dot_product_attention on a dense cache of the same size. Prints
+step's attention over the pages: the C++ kernel, the torch lowering compiled by Inductor,
+the same run eagerly, and F.scaled_dot_product_attention on a dense cache of the same size. Prints
 time per call, the K+V bytes retained, bytes ÷ time, and the ratio of the time to the
 bound bytes ÷ copy bandwidth, the copy bandwidth measured in the same run (DESIGN.md §5).
-The compiled lowering runs on one thread below PARALLEL_WORK multiply-adds per call
-(kvcompile.kernels.paged_attention), on all of torch's threads above; the method name says
+The C++ kernel (the CPU default) and the compiled lowering run on one thread below their
+PARALLEL_WORK multiply-adds per call, on all of torch's threads above; the method name says
 which ran.
 
     python3 benchmarks/bench_decode.py [--tokens 8192 16384 32768 65536] [--repeat 15]
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcompile.kernels import paged_attention as kernels
+from kvcompile.kernels import paged_attention_cpp as cpp
 from kvcompile.kernels.paged_attention import paged_attention
 
 
@@ -94,7 +95,13 @@ def main() -> None:
         torch.testing.assert_close(compiled, expected)
         work = table.shape[-1] * args.page * q.numel()  # as compiled_paged_attention_torch counts
         parallel = work >= kernels.PARALLEL_WORK and torch.get_num_threads() > 1
+        torch.testing.assert_close(paged_attention(q, k_pages, v_pages, table, lengths, impl="cpp"),
+                                   expected)
+        cpp_threads = (torch.get_num_threads()
+                       if int(lengths.sum()) * args.group * args.dim >= cpp.PARALLEL_WORK else 1)
         methods = {
+            f"paged, C++ ({cpp_threads} thread{'s' * (cpp_threads > 1)})": lambda: paged_attention(
+                q, k_pages, v_pages, table, lengths, impl="cpp"),
             f"paged, compiled ({'parallel' if parallel else '1 thread'})": lambda: paged_attention(
                 q, k_pages, v_pages, table, lengths, impl="compiled"),
             "paged, eager": lambda: paged_attention(q, k_pages, v_pages, table, lengths,
@@ -106,7 +113,7 @@ def main() -> None:
         for name, fn in methods.items():
             seconds = timed(fn, args.repeat)
             ratio = seconds / (nbytes / bandwidth)
-            print(f"{tokens:>7} {name:<28} {seconds * 1e3:>8.2f} {nbytes / 1e6:>7.1f} "
+            print(f"{tokens:>7} {name:<28} {seconds * 1e3:>8.3f} {nbytes / 1e6:>7.1f} "
                   f"{nbytes / seconds / 1e9:>6.1f} {ratio:>8.1f}")
 
 

@@ -1,6 +1,7 @@
 """Kernels (packaged as kvcompile.kernels): each a Triton version beside a torch lowering.
 
-- `paged_attention`: decode attention over the paged cache (flash-decoding).
+- `paged_attention`: decode attention over the paged cache (flash-decoding); its CPU
+  kernel in C++ is `paged_attention_cpp`.
 - `window_scores`: fused window scoring of one layer (SnapKV / LAVa).
 - `merge`: the ZSMerge residual merge update.
 

@@ -11,7 +11,7 @@ block-table entries past its last page, are never read, so they may hold anythin
 The result equals `kvcompile.reference.attend(q[:, :, None], K, V, bias, lengths)` on
 the gathered cache; a head with no entry gives zeros.
 
-Two implementations and a dispatcher:
+Three implementations and a dispatcher:
 - `paged_attention_triton`: flash-decoding (Dao et al., 2023, "Flash-Decoding for
   long-context inference"). Each program takes one (sequence, KV head) and one chunk of
   its entries, loads the G query heads of the group once, streams K/V of the chunk
@@ -21,6 +21,10 @@ Two implementations and a dispatcher:
 - `paged_attention_torch`: the lowering used on CPU, written so that Inductor fuses the
   block-table indexing into its reductions (see its docstring); run eagerly it takes a
   plain gather + matmul path.
+- `paged_attention_cpp` (kernels/paged_attention_cpp.py): the same flash-decoding
+  kernel hand-written in C++ for the CPU, compiled by Inductor's C++ toolchain; the
+  default on a CPU for fp32 (it reads the cache at close to the memory bandwidth, which
+  the Inductor-compiled torch lowering does not: benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ import functools
 
 import torch
 from torch import Tensor
+
+from kvcompile.kernels.paged_attention_cpp import paged_attention_cpp, supported as cpp_supported
 
 try:  # Triton is optional: the torch lowering covers machines without it.
     import triton
@@ -41,13 +47,20 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
                     scale: float | None = None, *, impl: str | None = None) -> Tensor:
     """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d).
 
-    impl: "triton" | "torch" (eager) | "compiled" (the torch lowering through Inductor) |
-    None = Triton on CUDA tensors, else the torch lowering. Called from inside an opaque
-    custom op, the torch lowering runs eagerly: ask for "compiled" to get the fused kernel.
+    impl: "triton" | "cpp" (the C++ CPU kernel) | "torch" (eager) | "compiled" (the torch
+    lowering through Inductor) | None = Triton on CUDA tensors, else the C++ kernel where
+    it applies (fp32, head dim a multiple of 16), else the torch lowering. Called from
+    inside an opaque custom op, the torch lowering runs eagerly: ask for "compiled" to get
+    the fused kernel.
     """
     _check(q, k_pages, v_pages, block_table, lengths, bias_pages)
     if impl is None:
-        impl = "triton" if q.is_cuda and triton is not None else "torch"
+        if q.is_cuda:
+            impl = "triton" if triton is not None else "torch"
+        else:
+            impl = "cpp" if cpp_supported(q, k_pages) else "torch"
+    if impl == "cpp":
+        return paged_attention_cpp(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
     if impl == "triton":
         return paged_attention_triton(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
     if impl == "torch":
@@ -55,7 +68,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
     if impl == "compiled":
         return compiled_paged_attention_torch(q, k_pages, v_pages, block_table, lengths,
                                               bias_pages, scale)
-    raise ValueError(f"paged_attention: unknown impl {impl!r} (triton | torch | compiled)")
+    raise ValueError(f"paged_attention: unknown impl {impl!r} (triton | cpp | torch | compiled)")
 
 
 def _check(q, k_pages, v_pages, block_table, lengths, bias_pages) -> None:

@@ -142,3 +142,30 @@ def test_bad_shapes_raise():
         pa.paged_attention(q, k, v, table, lengths, torch.zeros(3, 3))
     with pytest.raises(ValueError, match="impl"):
         pa.paged_attention(q, k, v, table, lengths, impl="cuda")
+
+
+cpp_shapes = dict(shapes, dim=st.sampled_from([16, 64]), group=st.sampled_from([1, 3]),
+                  dtype=st.just(torch.float32),  # (group, dim) pairs: one C++ build each
+                  page=st.sampled_from([1, 2, 4, 16]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(**cpp_shapes, threads=st.sampled_from([1, 2]), chunk=st.sampled_from([None, 1, 4, 16]))
+def test_cpp_kernel_matches_reference(seed, batch, heads, group, dim, page, pages, dtype, bias,
+                                      threads, chunk):
+    args, expected = paged_case(seed, batch, heads, group, dim, page, pages, dtype, bias)
+    # chunk: entries per work item, so one head spans several items (their partials combined)
+    # and a work item starts or ends inside a page.
+    assert_close(pa.paged_attention_cpp(*args, threads=threads, chunk=chunk), expected)
+    assert_close(pa.paged_attention(*args), expected)  # the CPU default for fp32
+
+
+def test_cpu_default_is_the_cpp_kernel_for_fp32_only(monkeypatch):
+    args, expected = paged_case(0, 1, 2, 2, 16, 4, 3, torch.float32, True)
+    calls = []
+    monkeypatch.setattr(pa, "paged_attention_cpp", lambda *a, **k: calls.append(1) or expected)
+    pa.paged_attention(*args)
+    assert calls == [1]
+    half, expected_half = paged_case(0, 1, 2, 2, 16, 4, 3, torch.float16, True)
+    assert_close(pa.paged_attention(*half), expected_half)  # fp16: the torch lowering
+    assert calls == [1]

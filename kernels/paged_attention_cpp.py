@@ -1,0 +1,222 @@
+"""Paged decode attention on the CPU: a hand-written flash-decoding kernel in C++.
+
+Same contract as `kvcompile.kernels.paged_attention` (layout in its docstring): one
+query per head against that head's pages, per-entry bias, per-head lengths, the result
+equal to `kvcompile.reference.attend` on the gathered cache.
+
+Why C++ and not only the torch lowering: Inductor compiles the torch lowering into
+correct loops, but it recomputes the page index (an indirect load, a bounds check) for
+every vector it loads and walks V once per 16 lanes of d per query head, so it stays at
+2-5x the bandwidth bound (benchmarks/RESULTS.md). This kernel does what the Triton one
+does on a GPU: each work item is one (sequence, KV head, run of pages); it looks a page
+up once, computes the G query heads' logits of that page's S entries, takes one
+vectorised exp per query head and page (online softmax, Milakov & Gimelshein 2018), and
+accumulates P·V with G·D/lanes accumulators held in registers. Every retained K/V byte
+is read once. Work items run on OpenMP threads (flash-decoding's split over pages,
+Dao et al. 2023), and a second loop combines the partials of each head.
+
+It is compiled by Inductor's own C++ toolchain (`CppPythonBindingsCodeCache`: the
+compiler, flags, vector ISA and OpenMP runtime of the kernels Inductor generates, and its
+on-disk cache), once per (G, D): compile-time constants, so the G·D/lanes accumulators
+stay in registers. fp32 only; other dtypes use the torch lowering.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+constexpr int64_t G = %(G)d, D = %(D)d;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t L = Vec::size();
+static_assert(D %% L == 0, "head dim must be a multiple of the vector width");
+constexpr int64_t DV = D / L;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// One work item: entries [lo, hi) of head bh. Writes m (G), l (G), acc (G, D).
+static void partial(const float* q, const float* kp, const float* vp, const int32_t* table,
+                    const float* bias, int64_t bh, int64_t M, int64_t S, int64_t lo, int64_t hi,
+                    float* logit, float* m_out, float* l_out, float* acc_out) {
+    Vec qv[G][DV];
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t j = 0; j < DV; ++j) qv[g][j] = Vec::loadu(q + (bh * G + g) * D + j * L);
+    Vec acc[G][DV];
+    float m[G], l[G];
+    for (int64_t g = 0; g < G; ++g) {
+        m[g] = NEG_INF; l[g] = 0.f;
+        for (int64_t j = 0; j < DV; ++j) acc[g][j] = Vec(0.f);
+    }
+    for (int64_t start = lo; start < hi; ) {
+        const int64_t page = table[bh * M + start / S];
+        const int64_t first = start %% S;
+        const int64_t last = std::min<int64_t>(S, first + (hi - start));
+        const float* kpage = kp + page * S * D;
+        const float* vpage = vp + page * S * D;
+        for (int64_t s = first; s < last; ++s) {
+            Vec dot[G];
+            for (int64_t g = 0; g < G; ++g) dot[g] = Vec(0.f);
+            for (int64_t j = 0; j < DV; ++j) {
+                Vec k = Vec::loadu(kpage + s * D + j * L);
+                for (int64_t g = 0; g < G; ++g) dot[g] = at::vec::fmadd(qv[g][j], k, dot[g]);
+            }
+            const float b = bias ? bias[page * S + s] : 0.f;
+            for (int64_t g = 0; g < G; ++g)
+                logit[g * S + s] = at::vec::vec_reduce_all<float>(
+                    [](Vec& x, Vec& y) { return x + y; }, dot[g]) + b;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            float page_max = NEG_INF;
+            for (int64_t s = first; s < last; ++s) page_max = std::max(page_max, logit[g * S + s]);
+            const float m_new = std::max(m[g], page_max);
+            if (m_new == NEG_INF) continue;  // nothing finite yet (bias -inf): no weight
+            const float rescale = std::exp(m[g] - m_new);  // 0 when m[g] = -inf
+            for (int64_t s = first; s < last; ++s) logit[g * S + s] = std::exp(logit[g * S + s] - m_new);
+            float sum = 0.f;
+            for (int64_t s = first; s < last; ++s) sum += logit[g * S + s];
+            l[g] = l[g] * rescale + sum;
+            m[g] = m_new;
+            Vec r(rescale);
+            for (int64_t j = 0; j < DV; ++j) acc[g][j] = acc[g][j] * r;
+        }
+        for (int64_t s = first; s < last; ++s) {
+            for (int64_t j = 0; j < DV; ++j) {
+                Vec v = Vec::loadu(vpage + s * D + j * L);
+                for (int64_t g = 0; g < G; ++g)
+                    if (m[g] != NEG_INF) acc[g][j] = at::vec::fmadd(Vec(logit[g * S + s]), v, acc[g][j]);
+            }
+        }
+        start += last - first;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        m_out[g] = m[g]; l_out[g] = l[g];
+        for (int64_t j = 0; j < DV; ++j) acc[g][j].store(acc_out + g * D + j * L);
+    }
+}
+
+extern "C" void kernel(const float* q, const float* kp, const float* vp, const int32_t* table,
+                       const int32_t* lengths, const float* bias, float* part_m, float* part_l,
+                       float* part_acc, float* out, const int64_t BH, const int64_t M,
+                       const int64_t S, const int64_t chunks, const int64_t chunk,
+                       const int64_t has_bias, const int64_t threads) {
+    const float* b = has_bias ? bias : nullptr;
+    #pragma omp parallel for num_threads(threads) schedule(static) if(threads > 1)
+    for (int64_t item = 0; item < BH * chunks; ++item) {
+        const int64_t bh = item / chunks, c = item %% chunks;
+        const int64_t lo = c * chunk, hi = std::min<int64_t>(lo + chunk, lengths[bh]);
+        float* pm = part_m + item * G;
+        float* pl = part_l + item * G;
+        float* pa = part_acc + item * G * D;
+        if (lo >= hi) {
+            for (int64_t g = 0; g < G; ++g) { pm[g] = NEG_INF; pl[g] = 0.f; }
+            for (int64_t i = 0; i < G * D; ++i) pa[i] = 0.f;
+            continue;
+        }
+        std::vector<float> logit(G * S);  // one page's logits, then its exp
+        partial(q, kp, vp, table, b, bh, M, S, lo, hi, logit.data(), pm, pl, pa);
+    }
+    // Combine the chunk partials of each head (rescaled to the head's max).
+    for (int64_t bh = 0; bh < BH; ++bh) {
+        for (int64_t g = 0; g < G; ++g) {
+            float m_all = NEG_INF;
+            for (int64_t c = 0; c < chunks; ++c) m_all = std::max(m_all, part_m[(bh * chunks + c) * G + g]);
+            float* o = out + (bh * G + g) * D;
+            for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
+            if (m_all == NEG_INF) continue;  // an empty head gives zeros
+            float den = 0.f;
+            for (int64_t c = 0; c < chunks; ++c) {
+                const int64_t p = (bh * chunks + c) * G + g;
+                if (part_m[p] == NEG_INF) continue;
+                const float w = std::exp(part_m[p] - m_all);
+                den += w * part_l[p];
+                for (int64_t i = 0; i < D; ++i) o[i] += w * part_acc[p * D + i];
+            }
+            for (int64_t i = 0; i < D; ++i) o[i] /= den;
+        }
+    }
+}
+"""
+
+_ARGTYPES = ["const float*", "const float*", "const float*", "const int32_t*", "const int32_t*",
+             "const float*", "float*", "float*", "float*", "float*",
+             "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
+             "const int64_t", "const int64_t"]
+
+# Below this many multiply-adds a call stays on one thread (see paged_attention.PARALLEL_WORK:
+# an OpenMP fork/join costs more than the work, and much more on a shared machine).
+PARALLEL_WORK = 1 << 21
+
+
+@functools.cache
+def _kernel(g: int, d: int):
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE % {"G": g, "D": d})
+
+
+def supported(q: Tensor, k_pages: Tensor) -> bool:
+    """fp32 on the CPU, head dim a multiple of 16 (the widest vector)."""
+    return (not q.is_cuda and q.dtype == k_pages.dtype == torch.float32
+            and q.shape[-1] % 16 == 0)
+
+
+def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                        lengths: Tensor, bias_pages: Tensor | None = None,
+                        scale: float | None = None, *, threads: int | None = None,
+                        chunk: int | None = None) -> Tensor:
+    """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d), fp32 on CPU.
+
+    threads: OpenMP threads (default: torch's when the call has at least PARALLEL_WORK
+    multiply-adds, else 1); chunk: entries per work item (default: each head split into
+    as many runs as threads, in whole pages)."""
+    if not supported(q, k_pages):
+        raise ValueError("paged_attention_cpp: fp32 CPU tensors with head dim a multiple of 16")
+    b, hq, d = q.shape
+    h, m = block_table.shape[1:]
+    s = k_pages.shape[1]
+    g = hq // h
+    scale = d ** -0.5 if scale is None else scale
+    lens = lengths.to(torch.int32).contiguous()
+    longest = int(lens.max()) if lens.numel() else 0
+    if threads is None:
+        work = int(lens.sum()) * g * d
+        threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
+    if chunk is None:  # whole pages; with threads, about two runs per thread over all heads
+        splits = max(1, -(-2 * threads // (b * h))) if threads > 1 else 1
+        chunk = max(s, -(-(-(-longest // splits)) // s) * s)
+    chunks = max(1, -(-longest // chunk))
+    qs = (q.float() * scale).contiguous()
+    kp, vp = k_pages.contiguous(), v_pages.contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    bias = bias_pages.float().contiguous() if bias_pages is not None else kp
+    part_m = torch.empty(b * h * chunks * g)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(b * h * chunks * g * d)
+    out = torch.empty(b, hq, d)
+    _kernel(g, d)(qs, kp, vp, table, lens, bias, part_m, part_l, part_acc, out,
+                  b * h, m, s, chunks, chunk, int(bias_pages is not None), threads)
+    return out
+
+
+def main() -> None:
+    """Compare with the torch lowering on a small ragged cache."""
+    from kvcompile.kernels.paged_attention import paged_attention_torch
+
+    gen = torch.Generator().manual_seed(0)
+    k_pages, v_pages = torch.randn(8, 16, 64, generator=gen), torch.randn(8, 16, 64, generator=gen)
+    table = torch.tensor([[[3, 1, 0], [5, 7, 2]]], dtype=torch.int32)
+    lengths = torch.tensor([[40, 17]])
+    q = torch.randn(1, 6, 64, generator=gen)
+    out = paged_attention_cpp(q, k_pages, v_pages, table, lengths)
+    torch.testing.assert_close(out, paged_attention_torch(q, k_pages, v_pages, table, lengths))
+    print("paged_attention_cpp matches the torch lowering:", tuple(out.shape))
+
+
+if __name__ == "__main__":
+    main()
