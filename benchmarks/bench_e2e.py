@@ -10,7 +10,10 @@ stamps every step. Columns:
   same tokens;
 - GB/s: bytes one decode step must read (the weights once, tied embedding counted once, plus
   the stored K+V entries) per second of the step;
-- × bound: step time ÷ (those bytes ÷ the read bandwidth measured at the start of the run).
+- × bound: step time ÷ (those bytes ÷ the read bandwidth measured at the start of the run);
+- speed-up: the full cache's step time ÷ this step time (same run);
+- ideal: (weights + full KV bytes) ÷ (weights + this run's K+V bytes read per step), the
+  speed-up if a step were bound by the bytes it reads (issue 6); % ideal = speed-up ÷ ideal.
 
 The compiled entry is compiled once, on a short prompt, before the first compiled row; the
 line after the table gives that compile time and the graphs it made, then whether the 4k
@@ -103,20 +106,25 @@ def main() -> None:
           f"{args.per_head} per KV head, {args.new_tokens} new tokens (greedy); weights "
           f"{weights / 1e6:.0f} MB; read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     header = (f"{'run':<22} {'prefill s':>9} {'ms/token':>9} {'tok/s':>6} {'KV MB':>7} {'% full':>7} "
-              f"{'GB/s':>6} {'× bound':>8}  same tokens as eager")
+              f"{'GB/s':>6} {'× bound':>8} {'speed-up':>8} {'ideal':>6} {'% ideal':>7}  same tokens as eager")
     print(header + "\n" + "-" * len(header), flush=True)
+
+    full_step = None
 
     def row(name, prefill, step, kv_held, kv_read, same=""):
         read = weights + kv_read
+        ratios = "" if full_step is None else (f"{full_step / step:>8.2f} {(weights + full_bytes) / read:>6.2f} "
+                                               f"{100 * full_step / step / ((weights + full_bytes) / read):>6.0f}%")
         print(f"{name:<22} {prefill:>9.2f} {step * 1e3:>9.1f} {1 / step:>6.1f} {kv_held / 1e6:>7.1f} "
               f"{100 * kv_held / full_bytes:>6.1f}% {read / step / 1e9:>6.1f} "
-              f"{step / (read / bandwidth):>8.1f}  {same}", flush=True)
+              f"{step / (read / bandwidth):>8.1f} {ratios:>23}  {same}", flush=True)
 
     compile_note = None
     with torch.no_grad():
         if not args.no_full:
             prefill, step, _, _ = run(model, ids, args.new_tokens)
             row("full cache", prefill, step, full_bytes, full_bytes)
+            full_step = step
         for spec in args.specs:
             tokens = {}
             for mode in args.modes:
