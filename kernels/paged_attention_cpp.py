@@ -160,10 +160,26 @@ def _kernel(g: int, d: int):
     return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE % {"G": g, "D": d})
 
 
+@functools.cache
+def _toolchain() -> bool:
+    """Inductor's C++ code cache is importable (an internal API: torch is pinned to 2.13.0,
+    and another version without it falls back to the torch lowering) and a C++ compiler
+    is on the PATH."""
+    import shutil
+
+    try:
+        from torch._inductor import config
+        from torch._inductor.codecache import CppPythonBindingsCodeCache  # noqa: F401
+    except ImportError:
+        return False
+    cxx = config.cpp.cxx[-1] if isinstance(config.cpp.cxx, tuple) else config.cpp.cxx
+    return shutil.which(cxx or "g++") is not None
+
+
 def supported(q: Tensor, k_pages: Tensor) -> bool:
-    """fp32 on the CPU, head dim a multiple of 16 (the widest vector)."""
+    """fp32 on the CPU, head dim a multiple of 16 (the widest vector), and a toolchain."""
     return (not q.is_cuda and q.dtype == k_pages.dtype == torch.float32
-            and q.shape[-1] % 16 == 0)
+            and q.shape[-1] % 16 == 0 and _toolchain())
 
 
 def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
