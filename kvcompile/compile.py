@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 
+import torch
+
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -45,6 +47,33 @@ def _check_model(model) -> None:
         raise CompileError("kvcompile: sliding-window or chunked attention layers are not supported")
 
 
+def sliding_window(config) -> int | None:
+    """The window every layer applies when the config sets one for the whole model (Mistral's
+    `sliding_window` without `layer_types`), else None. A query then sees the keys less
+    than `window` positions behind it, so a sequence of at most `window` tokens attends
+    to all of them, which is what kvcompile computes."""
+    window = getattr(config, "sliding_window", None)
+    return window if window and not getattr(config, "layer_types", None) else None
+
+
+def check_length(config, length: int) -> None:
+    """Refuse a sequence the model's sliding window would cut (kvcompile attends to every
+    kept entry; it does not implement sliding-window attention)."""
+    window = sliding_window(config)
+    if window is not None and length > window:
+        raise CompileError(f"kvcompile: a sequence of {length} tokens is longer than the model's sliding window "
+                           f"({window} tokens), which kvcompile does not implement; sequences up to {window} "
+                           "tokens run exactly")
+
+
+def _length(args, kwargs) -> int | None:
+    """The number of tokens a forward / generate call gets (ids or embeddings, dim 1)."""
+    tokens = args[0] if args else kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    return tokens.shape[1] if tokens is not None and tokens.dim() >= 2 else None
+
+
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
             kernels: str | None = None, **overrides):
     """Return `model` with its attention rewritten to run `spec` (path, name, mapping or Policy).
@@ -55,8 +84,8 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     mode: "eager" (transformers' AttentionInterface routes to the kvcompile op) or
     "compiled" (torch.compile with the kvcompile backend: FX passes rewrite the captured
     SDPA calls into the op, Inductor fuses the rest; see kvcompile.passes).
-    kernels: the decode attention kernel (KVCompileCache); "compiled" by default in
-    compiled mode, the eager torch lowering otherwise (Triton on a GPU).
+    kernels: the decode attention kernel (KVCompileCache); by default Triton on a GPU,
+    the C++ kernel on a CPU for fp32, else the torch lowering ("compiled" in compiled mode).
     """
     if mode not in ("eager", "compiled"):
         raise ValueError(f"kvcompile: mode must be 'eager' or 'compiled', got {mode!r}")
@@ -77,7 +106,8 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     if mode == "compiled":
         from kvcompile.passes import compile_forward
 
-        kernels = kernels or "compiled"
+        if kernels is None and model.dtype != torch.float32:  # the C++ kernel is fp32 only
+            kernels = "compiled"
         model.set_attn_implementation("sdpa")
         forward = compile_forward(model, forward)
     else:
@@ -91,6 +121,9 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
     @functools.wraps(forward)
     def compiled_forward(*args, past_key_values=None, use_cache=None, **kwargs):
+        t = _length(args, kwargs)
+        if t is not None:
+            check_length(config, t + (past_key_values.get_seq_length() if past_key_values is not None else 0))
         if past_key_values is None and use_cache is not False:
             past_key_values = new_cache()
         if isinstance(past_key_values, KVCompileCache):
@@ -102,6 +135,9 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         if past_key_values is None and kwargs.get("use_cache", True) is not False:
             gen = kwargs.get("generation_config") or model.generation_config
             headroom = kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 0
+            t = _length(args, kwargs)
+            if t is not None and kwargs.get("max_new_tokens") is not None:  # fail before the prompt runs
+                check_length(config, t + kwargs["max_new_tokens"])
             past_key_values = new_cache(headroom)
         return generate(*args, past_key_values=past_key_values, **kwargs)
 

@@ -1,6 +1,11 @@
 """The compiled entry through the public API: kvcompile.compile(model, spec, mode="compiled")
-gives the eager entry's greedy tokens for every spec (Inductor, one set of graphs reused
-across specs), and generating more tokens adds no graph."""
+gives the eager entry's greedy tokens for every spec on tiny GQA Llama, Mistral (with a
+sliding window longer than every sequence here, as Mistral-7B-v0.1 configures one) and
+Qwen2 (q/k/v biases), and generating more tokens adds no graph.
+
+One set of Inductor graphs per architecture (prefill and decode) serves every spec:
+the graph does not depend on the policy (DESIGN.md §3 "Two entries, one op"), so the
+specs run one after another on one model without recompiling."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,11 +13,24 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.testing import assert_close
 
 import kvcompile
-from tiny import left_pad, prompt, tiny_model
+from kvcompile.passes.backend import COMPILES
+from tiny import ARCHS, left_pad, prompt, tiny_model
 
 SPECS = sorted(p.stem for p in (Path(__file__).parent.parent / "specs").glob("*.yaml"))
+WINDOW = 256  # Mistral's sliding window: above the longest sequence generated here (150 + 64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes on one intra-op thread (as in test_passes.py): two threads on the shared
+    2-core machine spin-wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def small(name):
@@ -22,11 +40,21 @@ def small(name):
     return kvcompile.load_spec(name, per_head=max(48, policy.ranking.sinks + policy.ranking.window + 16))
 
 
+def model_of(arch: str):
+    return tiny_model(arch, sliding_window=WINDOW) if arch == "mistral" else tiny_model(arch)
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
 @pytest.mark.slow
-def test_compiled_entry_equals_eager_for_every_spec():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_entry_equals_eager_for_every_spec(arch):
+    model = model_of(arch)
     ids, mask = left_pad([prompt(150, seed=11)[0], prompt(120, seed=12)[0]])
     eager, compiled = {}, {}
+    COMPILES.clear()
     with torch.no_grad():
         for name in SPECS:
             with kvcompile.compiled(model, small(name)):
@@ -35,10 +63,40 @@ def test_compiled_entry_equals_eager_for_every_spec():
             with kvcompile.compiled(model, small(name), mode="compiled"):
                 compiled[name] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         assert model.config._attn_implementation == "sdpa" and "forward" not in model.__dict__
+        # the model's graphs: prefill (symbolic length) and decode, shared by every spec
+        assert [c["inductor"] and c["layers"] for c in COMPILES] == [[0, 1, 2]] * 2
         # after warm-up, 64 more generated tokens add no graph
         with kvcompile.compiled(model, small("snapkv"), mode="compiled"):
-            graphs = counters["stats"]["unique_graphs"]
+            warm = graphs()
             model.generate(ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False)
-            assert counters["stats"]["unique_graphs"] == graphs
+            assert graphs() == warm
+    print(f"\n{arch}: graphs compiled in " + ", ".join(f"{c['seconds']:.1f} s" for c in COMPILES))
     for name in SPECS:
         assert compiled[name].tolist() == eager[name].tolist(), name
+    # the policies disagree here, so equal tokens are evidence that each spec ran
+    assert len({str(tokens.tolist()) for tokens in eager.values()}) > len(SPECS) // 2
+
+
+def test_sliding_window_runs_up_to_the_window_and_refuses_longer_sequences():
+    """kvcompile attends to every kept entry: under Mistral's sliding window that is the
+    model's own attention for sequences of at most `window` tokens; a longer one is
+    refused in both entries (before anything is compiled or generated)."""
+    model = tiny_model("mistral", sliding_window=32)
+    policy = kvcompile.load_spec("snapkv", per_head=64)  # keeps every token: the model's own logits
+    ids = prompt(40, seed=3)
+    with torch.no_grad():
+        expected = model(ids[:, :32]).logits
+        with kvcompile.compiled(model, policy):
+            assert_close(model(ids[:, :32]).logits, expected)
+            with pytest.raises(kvcompile.CompileError, match="sliding window \\(32 tokens\\)"):
+                model(ids)
+            with pytest.raises(kvcompile.CompileError, match="33 tokens"):
+                model.generate(ids[:, :30], max_new_tokens=3, do_sample=False)
+            cache = kvcompile.KVCompileCache(policy, model.config)
+            model(ids[:, :31], past_key_values=cache)
+            with pytest.raises(kvcompile.CompileError, match="33 tokens"):
+                model(ids[:, 31:33], past_key_values=cache)
+            assert model.generate(ids[:, :30], max_new_tokens=2, do_sample=False).shape == (1, 32)
+        with kvcompile.compiled(model, policy, mode="compiled"):
+            with pytest.raises(kvcompile.CompileError, match="40 tokens"):
+                model(ids)

@@ -9,7 +9,8 @@ ARCHS = ("llama", "mistral", "qwen2")
 
 
 def tiny_model(arch: str = "llama", layers: int = 3, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-               seed: int = 0):
+               seed: int = 0, sliding_window: int | None = None):
+    """`sliding_window` (Mistral only): the config's window, as Mistral-7B-v0.1 sets 4096."""
     common = dict(vocab_size=96, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   max_position_embeddings=1024, attn_implementation="sdpa", pad_token_id=0, eos_token_id=1,
@@ -18,7 +19,7 @@ def tiny_model(arch: str = "llama", layers: int = 3, heads: int = 4, kv_heads: i
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(sliding_window=None, **common))
+        model = MistralForCausalLM(MistralConfig(sliding_window=sliding_window, **common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
     else:
