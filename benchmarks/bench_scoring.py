@@ -4,8 +4,10 @@ At N prompt tokens (default 4096; H=3 KV heads, G=3, d=64, fp32, as SmolLM2-135M
 times the layer's causal prefill attention (F.scaled_dot_product_attention) and, beside
 it, what compression adds: window scoring (SnapKV's and LAVa's, by the eager reference,
 the torch lowering and the lowering compiled by Inductor), selection of 128 tokens per
-head (the reference `select` and a plain top-k + gather of the kept rows), and the
-ZSMerge residual merge of the evicted tokens. Prints ms per call and % of the SDPA time.
+head (the reference `select`, a plain top-k + gather of the kept rows, and the selection
+kernels' torch lowering + the gather into pages, kvcompile.kernels.select, for SnapKV's
+uniform heads, AdaKV's pooled top-k and DBudgetKV's threshold), and the ZSMerge residual
+merge of the evicted tokens. Prints ms per call and % of the SDPA time.
 
     python3 benchmarks/bench_scoring.py [--tokens 4096] [--repeat 7] [--threads N]
 """
@@ -18,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from kvcompile import reference
+from kvcompile.cache import Entries, build_store
+from kvcompile.kernels import select as ks
 from kvcompile.kernels.merge import merge_order, residual_merge
 from kvcompile.kernels.window_scores import score_fused
 from kvcompile.policies.scoring import Lava, Pooling, WindowAttention
@@ -44,6 +48,20 @@ def topk_gather(scores, keys, values, budget: int, window: int):
     return keys.gather(2, index), values.gather(2, index)
 
 
+def select_gather(policy, scores, keys, values, positions, valid, lengths, total, impl="torch"):
+    """The prefill path's selection kernel, then the kept rows written into fresh pages."""
+    kept = ks.select(policy, scores, positions, valid, lengths, total, 2, impl=impl)
+    rows = Entries(keys, values, scores, positions, torch.ones_like(scores), kept)
+    return ks.build_pages([rows], 16, 0, impl=impl)
+
+
+def reference_select_store(policy, scores, keys, values, positions, valid, lengths, total):
+    """The same with reference.select and cache.build_store (the path before the kernel)."""
+    kept = reference.select(policy, scores, positions, valid, lengths, total, 2)
+    rows = Entries(keys, values, scores, positions, torch.ones_like(scores), kept)
+    return build_store([rows], torch.zeros_like(lengths), 16, 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -66,6 +84,7 @@ def main() -> None:
     lava = Lava(window=32, pooling=Pooling(kind="max", kernel=7), gqa="max")
     state = reference.LayerState(queries=q[:, :, -32:], keys=k, values=v)
     policy = load_spec("specs/snapkv.yaml")
+    adakv, dbudgetkv = load_spec("specs/adakv.yaml"), load_spec("specs/dbudgetkv.yaml")
     scores = snapkv.score(state)
     positions = torch.arange(n).expand(1, h, n)
     valid = torch.ones(1, h, n, dtype=torch.bool)
@@ -87,6 +106,18 @@ def main() -> None:
             policy, scores, positions, valid, lengths, total, 0),
         f"select {args.budget}/head: top-k + gather": lambda: topk_gather(
             scores, k, v, args.budget, 32),
+        f"select + store {args.budget}/head: reference": lambda: reference_select_store(
+            policy, scores, k, v, positions, valid, lengths, total),
+        f"select + gather {args.budget}/head: kernel": lambda: select_gather(
+            policy, scores, k, v, positions, valid, lengths, total),
+        f"  adakv pooled {args.budget}/head: kernel": lambda: select_gather(
+            adakv, scores, k, v, positions, valid, lengths, total),
+        "  adakv pooled: reference": lambda: reference_select_store(
+            adakv, scores, k, v, positions, valid, lengths, total),
+        "  dbudgetkv threshold: kernel": lambda: select_gather(
+            dbudgetkv, scores, k, v, positions, valid, lengths, None),
+        "  dbudgetkv threshold: reference": lambda: reference_select_store(
+            dbudgetkv, scores, k, v, positions, valid, lengths, None),
         f"merge {int(num.max())}/head, {args.slots} slots: eager": lambda: residual_merge(
             *empty, evicted_k, evicted_v, num),
         f"merge {int(num.max())}/head, {args.slots} slots: compiled": lambda: residual_merge(

@@ -4,6 +4,8 @@
   kernel in C++ is `paged_attention_cpp`.
 - `window_scores`: fused window scoring of one layer (SnapKV / LAVa).
 - `merge`: the ZSMerge residual merge update.
+- `select`: prefill selection (top-k per head, pooled top-k, DBudgetKV threshold) and
+  the gather of the kept rows into pages.
 
 Submodules are imported on demand: importing one imports triton, and without a GPU
 TRITON_INTERPRET must be set before that (tests/conftest.py does it).

@@ -1,0 +1,448 @@
+"""Selection and gather of one layer's prefill compression (DESIGN.md §3 "Kernels").
+
+Selection: which of the M candidate entries (B, H, M) of a layer stay. The order is the
+reference's: `ranks` (B, H, M) long from `kvcompile.policies.ranking.rank`, a permutation
+of 0 … H·M − 1 per sequence (0 = kept first; ties already broken: key, later position,
+lower head), so a top-k is "every candidate whose rank is below the k-th smallest" and no
+kernel ever compares scores or breaks a tie itself.
+- `keep_best`: the entries already kept (protected), plus the best `budget − |kept|`
+  other valid entries of each head (heads: uniform; the per-head floor of pooled) or of
+  each sequence over all its heads (heads: pooled, AdaKV Alg. 1 / LAVa Alg. 1 line 9).
+- `keep_threshold`: DBudgetKV (Ni et al., 2025, §3.2–3.3, Alg. 1, Eq. 2) per head: evict
+  the longest least-important-first prefix of the unprotected entries whose removal keeps
+  1 − ‖s_kept‖₂ / ‖s‖₂ ≤ t, in float64 (`AttentionNorm.keep`).
+- `select`: `kvcompile.reference.select` through these two (same arguments, same result).
+
+Gather: `gather_pages` writes the `take` (B, H, E) rows of each head — key, value, score,
+position, count — into its pages (docs/INTERNALS.md "Paged cache layout": entry e of head
+(b, h) at slot e % S of page block_table[b, h, e // S]), in entry order, from entry
+`start` (B, H) on; `page_table` lays pages out as `kvcompile.cache.build_store` does
+(each head ceil(n/S) consecutive pages, heads in row-major order) and `build_pages` is
+build_store through the gather (the runtime's prefill path).
+
+Implementations (dispatchers take impl = "triton" | "torch" | "compiled" | None = Triton
+on CUDA, else torch):
+- Triton, no sort: a k-th-value search by bisection over the integer rank range
+  (ceil(log2(H·M + 1)) counting passes over a head or a sequence), and for the threshold
+  the same bisection on the cut, with the float64 norm of the entries below it; the
+  gather compacts by a cumulative sum of `take` block by block.
+- torch lowering (CPU; Inductor compiles the selection): one sort of the candidates' ranks
+  per head or sequence, a gather of the k-th; the threshold by a sort and a reverse
+  cumulative sum as the reference; the gather by index_put. No Python loop over heads
+  or sequences.
+Exactness: top-k masks are equal to the reference's by construction (distinct integer
+ranks). The threshold's float64 sums may associate differently from the reference's
+cumsum (Triton: blocked sums), which can only matter when a norm change equals t to the
+last bit (never for scores whose squares add exactly, e.g. small integers).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvcompile.policies import ranking as ranking_parts
+from kvcompile.policies.budgets import exact
+
+try:  # Triton is optional: the torch lowering covers machines without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+
+
+def _impl(impl: str | None, like: Tensor) -> str:
+    if impl is None:
+        return "triton" if like.is_cuda and triton is not None else "torch"
+    if impl not in ("triton", "torch", "compiled"):
+        raise ValueError(f"select kernels: unknown impl {impl!r} (triton | torch | compiled)")
+    return impl
+
+
+@contextlib.contextmanager
+def _serial(impl: str, like: Tensor):
+    """The eager torch lowering on a CPU runs on one thread: its ops touch a few thousand
+    elements, less work than an OpenMP fork/join on a shared machine (N = 4096, H = 3 under
+    load: select + gather 2 ms on one thread, 40 ms on two)."""
+    threads = torch.get_num_threads()
+    if impl != "torch" or like.is_cuda or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- the policy
+
+def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor, total: Tensor | None,
+           layer: int, used_slots: Tensor | None = None, *, impl: str | None = None) -> Tensor:
+    """`kvcompile.reference.select` by the kernels: kept (B, H, M) bool.
+
+    The ranking (one stable sort order), protected sets and head budgets (exact integer
+    arithmetic, `reference.head_budgets`) are the reference's own functions; the top-k
+    over each head or over the layer, and the threshold cut, are the kernels."""
+    impl = _impl(impl, scores)
+    with _serial(impl, scores):
+        return _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl)
+
+
+def _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl):
+    from kvcompile import reference  # the budget arithmetic and the protected sets
+
+    valid = valid.bool()
+    ranks = ranking_parts.rank(policy.ranking, scores, positions, valid)
+    protected = policy.ranking.protected(positions, lengths.view(-1, 1, 1)) & valid
+    threshold = policy.budget.threshold
+    if threshold is not None:
+        if layer < threshold.keep_layers:
+            return valid.clone()
+        return keep_threshold(ranks, protected, valid, scores, threshold.t, impl=impl)
+    if total is None:
+        raise ValueError("select needs the layer's total unless the policy has a threshold")
+    heads = reference.head_budgets(policy, valid, total, used_slots)
+    protected |= reference.latest(positions, valid, heads.proximity)
+    part = policy.budget.heads.name
+    if part == "uniform":
+        return keep_best(ranks, protected, valid, heads.tokens, impl=impl)
+    if part == "pooled":  # floor per head first, then one top-k over the layer
+        b, h = heads.tokens.shape
+        share = exact(policy.budget.heads.floor)
+        floor = torch.tensor([math.floor(share * t / h) for t in total.tolist()], dtype=torch.long,
+                             device=valid.device)
+        kept = keep_best(ranks, protected, valid, floor[:, None].expand(b, h), impl=impl)
+        return keep_best(ranks, kept, valid, heads.tokens.sum(-1), pooled=True, impl=impl)
+    raise NotImplementedError(f"select kernels: no kernel for heads part {part!r}")
+
+
+# --------------------------------------------------------------------------- top-k
+
+def keep_best(ranks: Tensor, kept: Tensor, valid: Tensor, budget: Tensor, *, pooled: bool = False,
+              impl: str | None = None) -> Tensor:
+    """kept (B, H, M) bool, plus the lowest-ranked valid entries not yet kept, up to `budget`
+    entries in all: per head with budget (B, H), or per sequence over all heads (pooled)
+    with budget (B,). ranks (B, H, M) distinct in [0, H·M) per sequence."""
+    b, h, m = ranks.shape
+    if budget.shape != ((b,) if pooled else (b, h)):
+        raise ValueError(f"keep_best: budget {tuple(budget.shape)} for ranks {tuple(ranks.shape)}, pooled={pooled}")
+    impl = _impl(impl, ranks)
+    if b * h * m == 0:
+        return kept.clone()
+    if impl == "triton":
+        return keep_best_triton(ranks, kept, valid, budget, pooled)
+    fn = keep_best_torch if impl == "torch" else _compiled(keep_best_torch)
+    return fn(ranks, kept, valid, budget, pooled)
+
+
+def keep_best_torch(ranks: Tensor, kept: Tensor, valid: Tensor, budget: Tensor, pooled: bool = False) -> Tensor:
+    """The lowering: in each group (a head, or a sequence when pooled) the candidates' ranks
+    sorted once; the candidates ranked at or above the need-th one are added."""
+    b, h, m = ranks.shape
+    groups, width = (b, h * m) if pooled else (b * h, m)
+    rank = ranks.reshape(groups, width)
+    held = kept.reshape(groups, width)
+    candidate = valid.reshape(groups, width) & ~held
+    need = budget.reshape(groups) - held.sum(-1)
+    ordered = torch.where(candidate, rank, h * m).sort(dim=-1).values  # h·m = "no candidate"
+    kth = ordered.gather(-1, (need - 1).clamp(0, width - 1)[:, None])
+    added = candidate & (rank <= kth) & (need > 0)[:, None]
+    return (held | added).view(b, h, m)
+
+
+def keep_best_triton(ranks: Tensor, kept: Tensor, valid: Tensor, budget: Tensor, pooled: bool = False) -> Tensor:
+    """One program per group (a head, or a sequence when pooled): bisection on the rank τ."""
+    if triton is None:
+        raise RuntimeError("keep_best_triton needs triton")
+    b, h, m = ranks.shape
+    groups, width = (b, h * m) if pooled else (b * h, m)
+    out = torch.empty(b, h, m, dtype=torch.int8, device=ranks.device)
+    bound = h * m
+    _keep_best_kernel[(groups,)](
+        ranks.to(torch.int32).contiguous(), kept.to(torch.int8).contiguous(), valid.to(torch.int8).contiguous(),
+        budget.reshape(groups).to(torch.int32).contiguous(), out, width, bound,
+        STEPS=max(1, math.ceil(math.log2(bound + 1))), BLOCK=min(1024, triton.next_power_of_2(width)))
+    return out.bool()
+
+
+# --------------------------------------------------------------------------- threshold
+
+def keep_threshold(ranks: Tensor, protected: Tensor, valid: Tensor, scores: Tensor, t: float, *,
+                   impl: str | None = None) -> Tensor:
+    """DBudgetKV Alg. 1 per head: valid entries minus the longest prefix of the unprotected
+    ones, taken least important (highest rank) first, whose eviction changes the score norm
+    by at most t: 1 − ‖s_kept‖₂ / ‖s‖₂ ≤ t (norms over valid entries, float64; a head whose
+    scores are all 0 changes by 0). ranks, protected, valid, scores (B, H, M)."""
+    impl = _impl(impl, ranks)
+    if ranks.numel() == 0:
+        return valid.clone()
+    if impl == "triton":
+        return keep_threshold_triton(ranks, protected, valid, scores, t)
+    fn = keep_threshold_torch if impl == "torch" else _compiled(keep_threshold_torch)
+    return fn(ranks, protected, valid, scores, t)
+
+
+def keep_threshold_torch(ranks: Tensor, protected: Tensor, valid: Tensor, scores: Tensor, t: float) -> Tensor:
+    """The lowering: candidates sorted least important first (non-candidates after them, as
+    zeros), the reference's reverse cumulative sum of squares, the cut where the change of
+    norm after evicting entries 0 … j first exceeds t (it is non-decreasing in j)."""
+    candidate = valid & ~protected
+    squares = torch.where(valid, scores.double(), 0.0) ** 2
+    staying = torch.where(valid & protected, squares, 0.0).sum(-1, keepdim=True)
+    order = torch.where(candidate, ranks, -1).argsort(dim=-1, descending=True)
+    evictable = torch.where(candidate, squares, 0.0).gather(-1, order)
+    suffix = evictable.flip(-1).cumsum(-1).flip(-1)  # Σ of the entries from j on
+    full = (staying + suffix[..., :1]).clamp(min=0).sqrt()
+    left = (staying + F.pad(suffix[..., 1:], (0, 1))).clamp(min=0).sqrt()  # once 0 … j are evicted
+    change = torch.where(full > 0, 1 - left / full, 0.0)
+    evict = (change <= t) & candidate.gather(-1, order)
+    return valid & ~torch.zeros_like(evict).scatter(-1, order, evict)
+
+
+def keep_threshold_triton(ranks: Tensor, protected: Tensor, valid: Tensor, scores: Tensor, t: float) -> Tensor:
+    """One program per (sequence, KV head): bisection on the rank ρ from which candidates go."""
+    if triton is None:
+        raise RuntimeError("keep_threshold_triton needs triton")
+    b, h, m = ranks.shape
+    out = torch.empty(b, h, m, dtype=torch.int8, device=ranks.device)
+    bound = h * m
+    t64 = torch.tensor([float(t)], dtype=torch.float64, device=ranks.device)  # a float argument would be fp32
+    _threshold_kernel[(b * h,)](
+        ranks.to(torch.int32).contiguous(), protected.to(torch.int8).contiguous(),
+        valid.to(torch.int8).contiguous(), scores.contiguous(), t64, out, m, bound,
+        STEPS=max(1, math.ceil(math.log2(bound + 1))), BLOCK=min(1024, triton.next_power_of_2(m)))
+    return out.bool()
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+# --------------------------------------------------------------------------- gather
+
+def page_table(counts: Tensor, page_size: int) -> tuple[Tensor, int]:
+    """build_store's layout for heads of `counts` (B, H) entries: block table (B, H, max(1, most
+    pages)) long, head (b, h) owning ceil(n/S) consecutive pages in row-major head order
+    (unused columns 0), and the pages used in all."""
+    pages = (counts + page_size - 1) // page_size
+    base = pages.flatten().cumsum(0).reshape(counts.shape) - pages
+    cols = torch.arange(max(int(pages.max()), 1) if pages.numel() else 1, device=counts.device)
+    return torch.where(cols < pages[..., None], base[..., None] + cols, 0), int(pages.sum())
+
+
+class Pages(NamedTuple):
+    """One layer's pages, as `kvcompile.cache.LayerStore` holds them (without `slots`)."""
+
+    k_pages: Tensor  # (P, S, d)
+    v_pages: Tensor  # (P, S, d)
+    score_pages: Tensor  # (P, S) float32
+    pos_pages: Tensor  # (P, S) long, −1 where nothing is stored
+    count_pages: Tensor  # (P, S) float32
+    block_table: Tensor  # (B, H, ·) long
+    lengths: Tensor  # (B, H) long entries per head
+    next_page: int  # pages [next_page, P) are free
+
+
+def build_pages(sources, page_size: int, reserve_pages: int, *, impl: str | None = None) -> Pages:
+    """`kvcompile.cache.build_store` by the gather kernel: the taken rows of `sources` (each
+    with keys, values, scores, positions, counts, take like `cache.Entries`), one source after
+    the other per head, in fresh pages laid out by `page_table`, `reserve_pages` spare."""
+    first = sources[0]
+    d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
+    taken = [src.take.sum(-1) for src in sources]  # each (B, H)
+    lengths = torch.stack(taken).sum(0)
+    block_table, used = page_table(lengths, page_size)
+    cap = used + reserve_pages
+    pages = Pages(first.keys.new_zeros(cap, page_size, d), first.values.new_zeros(cap, page_size, dv),
+                  torch.zeros(cap, page_size, dtype=torch.float32, device=dev),
+                  torch.full((cap, page_size), -1, dtype=torch.long, device=dev),
+                  torch.zeros(cap, page_size, dtype=torch.float32, device=dev), block_table, lengths.clone(), used)
+    start = torch.zeros_like(lengths)
+    impl = _impl(impl, first.keys)
+    with _serial(impl, first.keys):
+        for src, count in zip(sources, taken):
+            gather_pages(*pages[:6], start, src.keys, src.values, src.scores, src.positions, src.counts,
+                         src.take, impl=impl)
+            start = start + count
+    return pages
+
+
+def gather_pages(k_pages: Tensor, v_pages: Tensor, score_pages: Tensor, pos_pages: Tensor, count_pages: Tensor,
+                 block_table: Tensor, start: Tensor, keys: Tensor, values: Tensor, scores: Tensor,
+                 positions: Tensor, counts: Tensor, take: Tensor, *, impl: str | None = None) -> None:
+    """Write the taken rows of each head into its pages, in place.
+
+    Pages: k_pages, v_pages (P, S, d), score_pages, count_pages (P, S) float32, pos_pages
+    (P, S) long; block_table (B, H, ·). Rows: keys, values (B, H, E, d), scores, counts
+    (B, H, E) float, positions (B, H, E) long, take (B, H, E) bool. The i-th taken row of
+    head (b, h) (entry order) becomes its entry start[b, h] + i. "compiled" runs the torch
+    lowering (the copy is memory-bound: nothing to fuse)."""
+    impl = _impl(impl, keys)
+    if take.numel() == 0:
+        return
+    if impl == "triton":
+        gather_pages_triton(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
+                            keys, values, scores, positions, counts, take)
+    else:
+        gather_pages_torch(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
+                           keys, values, scores, positions, counts, take)
+
+
+def gather_pages_torch(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
+                       keys, values, scores, positions, counts, take) -> None:
+    """The lowering: entry = start + (running count of take) − 1, then one index_put per field."""
+    s = k_pages.shape[1]
+    bi, hi, ei = take.nonzero(as_tuple=True)  # row-major: per head, in entry order
+    entry = start[bi, hi] + (take.cumsum(-1) - 1)[bi, hi, ei]
+    page, slot = block_table[bi, hi, entry // s].long(), entry % s
+    k_pages[page, slot] = keys[bi, hi, ei].to(k_pages.dtype)
+    v_pages[page, slot] = values[bi, hi, ei].to(v_pages.dtype)
+    score_pages[page, slot] = scores[bi, hi, ei].to(score_pages.dtype)
+    pos_pages[page, slot] = positions[bi, hi, ei].to(pos_pages.dtype)
+    count_pages[page, slot] = counts[bi, hi, ei].to(count_pages.dtype)
+
+
+def gather_pages_triton(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
+                        keys, values, scores, positions, counts, take) -> None:
+    """One program per (sequence, KV head): blocks of rows compacted by a cumulative sum."""
+    if triton is None:
+        raise RuntimeError("gather_pages_triton needs triton")
+    b, h, e, d = keys.shape
+    dv = values.shape[-1]
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages), ("score_pages", score_pages),
+                        ("pos_pages", pos_pages), ("count_pages", count_pages)):
+        if not pages.is_contiguous():
+            raise ValueError(f"gather_pages: {name} must be contiguous (written in place)")
+    table = block_table.to(torch.int64).contiguous()
+    _gather_kernel[(b * h,)](
+        k_pages, v_pages, score_pages, pos_pages, count_pages, table, start.to(torch.int64).contiguous(),
+        keys.contiguous(), values.contiguous(), scores.contiguous(), positions.to(torch.int64).contiguous(),
+        counts.contiguous(), take.to(torch.int8).contiguous(), e, table.shape[-1],
+        S=k_pages.shape[1], D=d, DV=dv, BLOCK_E=min(64, triton.next_power_of_2(e)),
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv))
+
+
+# -------------------------------------------------------------------------- triton
+
+if triton is not None:
+
+    @triton.jit
+    def _count_below(rank_ptr, held_ptr, valid_ptr, base, width, tau, BLOCK: tl.constexpr):
+        """Candidates (valid, not held) of the group whose rank is below tau."""
+        count = tl.zeros([], tl.int32)
+        for start in range(0, width, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < width
+            rank = tl.load(rank_ptr + base + offs, mask=inside, other=0)
+            held = tl.load(held_ptr + base + offs, mask=inside, other=1) != 0
+            valid = tl.load(valid_ptr + base + offs, mask=inside, other=0) != 0
+            count += tl.sum((valid & ~held & (rank < tau)).to(tl.int32), axis=0)
+        return count
+
+    @triton.jit
+    def _keep_best_kernel(rank_ptr, held_ptr, valid_ptr, budget_ptr, out_ptr, width, bound,
+                          STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        """Group g keeps its held entries and every candidate ranked below τ, the smallest
+        τ in [0, bound] with budget − |held| candidates below it (bound: all of them)."""
+        g = tl.program_id(0)
+        base = g.to(tl.int64) * width
+        held_count = tl.zeros([], tl.int32)
+        for start in range(0, width, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            held = tl.load(held_ptr + base + offs, mask=offs < width, other=0) != 0
+            held_count += tl.sum(held.to(tl.int32), axis=0)
+        need = tl.load(budget_ptr + g) - held_count
+        lo = tl.zeros([], tl.int32)
+        hi = lo + bound
+        for _ in range(STEPS):  # invariant: the answer lies in [lo, hi]
+            mid = (lo + hi) // 2
+            enough = _count_below(rank_ptr, held_ptr, valid_ptr, base, width, mid, BLOCK) >= need
+            hi = tl.where(enough, mid, hi)
+            lo = tl.where(enough, lo, mid + 1)
+        for start in range(0, width, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < width
+            rank = tl.load(rank_ptr + base + offs, mask=inside, other=0)
+            held = tl.load(held_ptr + base + offs, mask=inside, other=0) != 0
+            valid = tl.load(valid_ptr + base + offs, mask=inside, other=0) != 0
+            keep = held | (valid & (rank < lo))
+            tl.store(out_ptr + base + offs, keep.to(tl.int8), mask=inside)
+
+    @triton.jit
+    def _norm_below(rank_ptr, prot_ptr, valid_ptr, score_ptr, base, width, rho, BLOCK: tl.constexpr):
+        """float64 Σ s² over the valid entries kept when candidates ranked ≥ rho are evicted."""
+        total = tl.zeros([], tl.float64)
+        for start in range(0, width, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < width
+            valid = tl.load(valid_ptr + base + offs, mask=inside, other=0) != 0
+            prot = tl.load(prot_ptr + base + offs, mask=inside, other=0) != 0
+            rank = tl.load(rank_ptr + base + offs, mask=inside, other=0)
+            s = tl.load(score_ptr + base + offs, mask=valid, other=0.0).to(tl.float64)
+            stays = valid & (prot | (rank < rho))
+            total += tl.sum(tl.where(stays, s * s, 0.0), axis=0)
+        return total
+
+    @triton.jit
+    def _threshold_kernel(rank_ptr, prot_ptr, valid_ptr, score_ptr, t_ptr, out_ptr, width, bound,
+                          STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        """Head g evicts its candidates ranked ≥ ρ, the smallest ρ in [0, bound] whose
+        eviction keeps 1 − ‖s_kept‖/‖s‖ ≤ t (DBudgetKV Alg. 1; the norm grows with ρ)."""
+        g = tl.program_id(0)
+        base = g.to(tl.int64) * width
+        t = tl.load(t_ptr)  # float64 sqrt and division round to nearest (PTX sqrt.rn.f64, div.rn.f64)
+        full = tl.sqrt(tl.maximum(_norm_below(rank_ptr, prot_ptr, valid_ptr, score_ptr, base, width,
+                                                 bound, BLOCK), 0.0))
+        lo = tl.zeros([], tl.int32)
+        hi = lo + bound
+        for _ in range(STEPS):
+            mid = (lo + hi) // 2
+            left = tl.sqrt(tl.maximum(_norm_below(rank_ptr, prot_ptr, valid_ptr, score_ptr, base, width,
+                                                     mid, BLOCK), 0.0))
+            change = tl.where(full > 0, 1.0 - left / tl.where(full > 0, full, 1.0), 0.0)
+            small = change <= t
+            hi = tl.where(small, mid, hi)
+            lo = tl.where(small, lo, mid + 1)
+        for start in range(0, width, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < width
+            valid = tl.load(valid_ptr + base + offs, mask=inside, other=0) != 0
+            prot = tl.load(prot_ptr + base + offs, mask=inside, other=0) != 0
+            rank = tl.load(rank_ptr + base + offs, mask=inside, other=0)
+            keep = valid & (prot | (rank < lo))
+            tl.store(out_ptr + base + offs, keep.to(tl.int8), mask=inside)
+
+    @triton.jit
+    def _gather_kernel(kp_ptr, vp_ptr, sp_ptr, pp_ptr, cp_ptr, table_ptr, start_ptr,
+                       k_ptr, v_ptr, s_ptr, p_ptr, c_ptr, take_ptr, E, WIDTH,
+                       S: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """Head bh: its taken rows, block by block, to entries start + running count."""
+        bh = tl.program_id(0)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_v = tl.arange(0, BLOCK_DV)
+        next_entry = tl.load(start_ptr + bh)
+        for first in range(0, E, BLOCK_E):
+            offs = first + tl.arange(0, BLOCK_E)
+            row = bh.to(tl.int64) * E + offs
+            take = tl.load(take_ptr + row, mask=offs < E, other=0) != 0
+            entry = next_entry + tl.cumsum(take.to(tl.int64), axis=0) - 1
+            page = tl.load(table_ptr + bh.to(tl.int64) * WIDTH + entry // S, mask=take, other=0)
+            dest = page * S + entry % S
+            k = tl.load(k_ptr + row[:, None] * D + offs_d[None, :], mask=take[:, None] & (offs_d < D)[None, :])
+            tl.store(kp_ptr + dest[:, None] * D + offs_d[None, :], k.to(kp_ptr.dtype.element_ty),
+                     mask=take[:, None] & (offs_d < D)[None, :])
+            v = tl.load(v_ptr + row[:, None] * DV + offs_v[None, :], mask=take[:, None] & (offs_v < DV)[None, :])
+            tl.store(vp_ptr + dest[:, None] * DV + offs_v[None, :], v.to(vp_ptr.dtype.element_ty),
+                     mask=take[:, None] & (offs_v < DV)[None, :])
+            tl.store(sp_ptr + dest, tl.load(s_ptr + row, mask=take).to(sp_ptr.dtype.element_ty), mask=take)
+            tl.store(pp_ptr + dest, tl.load(p_ptr + row, mask=take), mask=take)
+            tl.store(cp_ptr + dest, tl.load(c_ptr + row, mask=take).to(cp_ptr.dtype.element_ty), mask=take)
+            next_entry += tl.sum(take.to(tl.int64), axis=0)
