@@ -14,7 +14,6 @@ merge of the evicted tokens. Prints ms per call and % of the SDPA time.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,16 +26,7 @@ from kvcompile.kernels.window_scores import score_fused
 from kvcompile.policies.scoring import Lava, Pooling, WindowAttention
 from kvcompile.spec import load_spec
 
-
-def timed(fn, repeat: int) -> float:
-    """Best seconds per call over `repeat` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+from bench_decode import timed  # benchmarks/ is the script's folder, so on sys.path
 
 
 def topk_gather(scores, keys, values, budget: int, window: int):
