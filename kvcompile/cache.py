@@ -163,20 +163,25 @@ def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor) -> None:
     store.lengths = e + 1
 
 
-def remove(store: LayerStore, b: int, h: int, e: int) -> None:
+def remove(store: LayerStore, b, h, e) -> None:
     """Remove entry e of head (b, h) in O(1): the head's last entry moves into its place
-    (order within a head does not matter to attention); an emptied page returns to the pool."""
+    (order within a head does not matter to attention); an emptied page returns to the pool.
+    b, h, e are ints, or 1-D long tensors naming distinct heads (one entry each, removed at once)."""
     s = store.page_size
-    last = int(store.lengths[b, h]) - 1
-    if e != last:
-        src = int(store.block_table[b, h, last // s]), last % s
-        dst = int(store.block_table[b, h, e // s]), e % s
-        for t in (store.k_pages, store.v_pages, store.score_pages, store.pos_pages, store.count_pages):
-            t[dst] = t[src]
+    dev = store.lengths.device
+    b, h, e = (x if isinstance(x, Tensor) else torch.tensor([x], dtype=torch.long, device=dev) for x in (b, h, e))
+    last = store.lengths[b, h] - 1
+    ends = torch.stack([last, e])  # (2, K): the head's last entry and the removed one
+    src, dst = store.block_table[b, h, ends // s] * s + ends % s
+    for t in (store.k_pages, store.v_pages, store.score_pages, store.pos_pages, store.count_pages):
+        entries = t.view(-1, *t.shape[2:])
+        entries[dst] = entries[src]  # e == last copies the entry onto itself
     store.lengths[b, h] = last
-    if last % s == 0:
-        store.free.append(int(store.block_table[b, h, last // s]))
-        store.block_table[b, h, last // s] = 0
+    emptied = last % s == 0
+    if bool(emptied.any()):
+        b, h, col = b[emptied], h[emptied], (last // s)[emptied]
+        store.free.extend(store.block_table[b, h, col].tolist())
+        store.block_table[b, h, col] = 0
 
 
 def _grow(store: LayerStore, extra: int) -> None:
@@ -198,9 +203,9 @@ class KVCompileCache(Cache):
             (`generate()` passes max_new_tokens); the pool grows when it runs out.
         record: keep each layer's prefill state (LayerState with every query row) for
             tests and "prefill once, compress many" sweeps.
-        kernels: which decode attention kernel runs: None (Triton on a GPU, else the
-            eager torch lowering), "torch", "compiled" (the torch lowering through
-            Inductor, the fast path on a CPU) or "triton".
+        kernels: which decode attention kernel runs: None (Triton on a GPU; on a CPU
+            the C++ kernel for fp32, else the eager torch lowering), "cpp", "torch",
+            "compiled" (the torch lowering through Inductor) or "triton".
     """
 
     is_compileable = False

@@ -105,7 +105,7 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     state = reference.LayerState(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
     if cache.record:
         cache.states[layer] = state
-    scores = reference.score_layer(policy, state)
+    scores = _prompt_scores(policy, state)
     positions = (torch.arange(n, device=q.device)[None, :] - cache.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)
     if cache.dynamic:
@@ -131,19 +131,33 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
             cache.bar.close()
 
 
+def _prompt_scores(policy, state: reference.LayerState) -> Tensor:
+    """reference.score_layer, through the scorer's memory-bounded path when it has one
+    (`score_chunked`: ZSMerge's decayed score in query chunks, never the N×N attention)."""
+    chunked = getattr(policy.scoring, "score_chunked", None)
+    return reference.score_layer(policy, state) if chunked is None else chunked(state)
+
+
 def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, total, layer):
-    """A layer's first compression: reference.select, then the evicted tokens merged by the
-    residual-merge kernel (kvcompile.kernels.merge: the same sequential rule, bit for bit)."""
+    """A layer's first compression: the selection kernels (kvcompile.kernels.select: equal to
+    reference.select), then the evicted tokens merged by the residual-merge kernel
+    (kvcompile.kernels.merge: the same sequential rule, bit for bit)."""
+    from kvcompile.kernels.select import select
+
     policy = cache.policy
     lengths = cache.prompt_lengths
-    if not policy.merges or total is None:
-        return reference.select_and_merge(policy, k, v, scores, positions, valid, lengths, total, layer, None)
+    impl = cache.kernels if cache.kernels in (None, "triton") else "torch"  # eager lowering on a CPU: a few sorts
+    kept = select(policy, scores, positions, valid, lengths, total, layer, impl=impl)
+    if not policy.merges:
+        return kept, None
     from kvcompile.kernels.merge import merge_order, residual_merge
 
-    kept = reference.select(policy, scores, positions, valid, lengths, total, layer)
+    b, h, _, d = k.shape
+    if total is None:  # a threshold gives no slots: the evicted tokens are dropped
+        return kept, reference.Merged(k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, v.shape[-1]),
+                                      torch.zeros(b, h, 0, dtype=torch.long, device=k.device))
     num_slots = reference.head_budgets(policy, valid, total).slots
     keys, values, num = merge_order(k, v, scores, valid & ~kept, positions)
-    b, h, _, d = k.shape
     size = int(num_slots.max())
     impl = cache.kernels
     if impl is None and not k.is_cuda:  # a long walk: Inductor's one-time compile pays for itself
@@ -155,7 +169,11 @@ def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, tot
 
 
 def _store(cache: KVCompileCache, tokens: Entries, merged: reference.Merged | None):
-    """Pages for one layer: the occupied residual slots of each head first, then its kept tokens."""
+    """Pages for one layer: the occupied residual slots of each head first, then its kept tokens,
+    written by the gather kernel (kvcompile.kernels.select.build_pages, build_store's layout)."""
+    from kvcompile.cache import LayerStore
+    from kvcompile.kernels.select import build_pages
+
     b, h = tokens.take.shape[:2]
     sources = [tokens]
     slots = torch.zeros(b, h, dtype=torch.long, device=tokens.take.device)
@@ -164,8 +182,11 @@ def _store(cache: KVCompileCache, tokens: Entries, merged: reference.Merged | No
         occupied = counts > 0
         slots = occupied.sum(-1)
         sources.insert(0, Entries(merged.keys, merged.values, torch.zeros_like(counts, dtype=torch.float32),
-                                  torch.full_like(counts, -1), counts.float(), occupied))
-    return build_store(sources, slots, cache.page_size, _reserve(cache, b, h))
+                                  -1 - torch.arange(counts.shape[-1], device=counts.device).expand_as(counts),  # slot r at -1 - r
+                                  counts.float(), occupied))
+    impl = cache.kernels if cache.kernels in (None, "triton") else "torch"  # a memory-bound copy: nothing to fuse
+    pages = build_pages(sources, cache.page_size, _reserve(cache, b, h), impl=impl)
+    return LayerStore(**pages._asdict(), slots=slots)
 
 
 def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
@@ -268,53 +289,68 @@ def _update_scores(cache: KVCompileCache, store, probs: Tensor) -> None:
 
 
 def _evict_online(cache: KVCompileCache, store, layer: int) -> None:
-    """ZSMerge Alg. 1: while a head holds more tokens than proximity + context, its lowest
-    running score outside the latest B_p tokens leaves into the residual slots."""
-    policy = cache.policy
+    """ZSMerge Alg. 1, every (sequence, head) at once: while a head holds more tokens than
+    proximity + context, its lowest running score outside the latest B_p tokens (ties: the
+    earliest position, as reference.decode_step) leaves into the residual slots. Each round
+    takes one victim from every head over its budget; a decode step appends one token per
+    head, so one round is the rule (more only right after a prompt that filled the cache)."""
     prox, context, slots = cache.split[:, layer].unbind(-1)  # (B, H) each
     flat, stored = store.entries()
     pos = store.pos_pages.reshape(-1)[flat]
-    over = (stored & (pos >= 0)).sum(-1) > prox + context
-    for b, h in over.nonzero().tolist():
-        while True:
-            n = int(store.lengths[b, h])
-            f = flat[b, h, :n]
-            pos = store.pos_pages.reshape(-1)[f]
-            tok = pos >= 0
-            if int(tok.sum()) <= int(prox[b, h] + context[b, h]):
-                break
-            recent = reference.latest(pos[None], tok[None], prox[b, h].view(1))[0]
-            cand = (tok & ~recent).nonzero().squeeze(1)
-            cand = cand[pos[cand].argsort(stable=True)]
-            e = int(cand[store.score_pages.reshape(-1)[f][cand].argsort(stable=True)[0]])
-            _merge_entry(cache, store, b, h, e, int(slots[b, h]), f, pos)
+    tokens = stored & (pos >= 0)
+    excess = tokens.sum(-1) - prox - context  # (B, H) tokens to evict: at most 1 after a full step
+    for done in range(int(excess.max())):
+        if done:  # entries moved: look again
+            flat, stored = store.entries()
+            pos = store.pos_pages.reshape(-1)[flat]
+            tokens = stored & (pos >= 0)
+        candidates = tokens & ~reference.latest(pos, tokens, prox)
+        scores = store.score_pages.reshape(-1)[flat].masked_fill(~candidates, float("inf"))
+        lowest = candidates & (scores == scores.amin(-1, keepdim=True))
+        victim = pos.masked_fill(~lowest, torch.iinfo(pos.dtype).max).argmin(-1)  # (B, H) entry index
+        _merge_victims(cache, store, excess > done, victim, slots, flat, pos, stored)
 
 
-def _merge_entry(cache: KVCompileCache, store, b: int, h: int, e: int, slots: int, f: Tensor, pos: Tensor) -> None:
-    """Entry e leaves: it becomes a new slot in place, merges into a slot, or is dropped."""
+def _merge_victims(cache: KVCompileCache, store, leaving: Tensor, victim: Tensor, slots: Tensor, flat: Tensor,
+                   pos: Tensor, stored: Tensor) -> None:
+    """Entry victim[b, h] of every head with leaving[b, h] leaves (reference._merge_one, ZSMerge
+    Alg. 1 lines 11–15), all heads at once: with no slot it is dropped; with a free slot it
+    becomes that slot in place (its key and value are the slot's mean, count 1); else it folds
+    into the slot r of largest k_r·k (ties: lowest r), k_r ← (w·k_r + k)/(w + 1), the same for
+    v, w ← w + 1 (Eq. 6–7, computed as Residual.merge does), and is removed. slots (B, H) is each
+    head's B_r; slot r of a head is its entry at position −1 − r."""
     from kvcompile.cache import remove
 
-    if slots == 0:
-        remove(store, b, h, e)
-        return
-    d = store.k_pages.shape[-1]
-    kf, vf = store.k_pages.view(-1, d), store.v_pages.view(-1, d)
-    idx = (pos < 0).nonzero().squeeze(1)
-    idx = idx[(-1 - pos[idx]).argsort()]
-    pad = slots - len(idx)
-    k_r = torch.cat([kf[f[idx]], kf.new_zeros(pad, d)])
-    v_r = torch.cat([vf[f[idx]], vf.new_zeros(pad, d)])
-    w = torch.cat([store.count_pages.view(-1)[f[idx]].long(), torch.zeros(pad, dtype=torch.long)])
-    k_r, v_r, w = cache.policy.merge.merge(k_r, v_r, w, kf[f[e]][None], vf[f[e]][None])
-    if len(idx) < slots and w[len(idx)] > 0:  # a free slot took the token: the entry becomes that slot
-        store.pos_pages.view(-1)[f[e]] = -1 - len(idx)
-        store.score_pages.view(-1)[f[e]] = 0.0
-        store.slots[b, h] += 1
-        return
-    for r in range(len(idx)):
-        kf[f[idx[r]]], vf[f[idx[r]]] = k_r[r], v_r[r]
-        store.count_pages.view(-1)[f[idx[r]]] = float(w[r])
-    remove(store, b, h, e)
+    is_slot = stored & (pos < 0)
+    held = is_slot.sum(-1)  # (B, H) occupied slots
+    if bool((leaving & (held > slots)).any()):
+        raise RuntimeError("kvcompile: a head holds more residual slots than its ZSMerge split allows")
+    entry = flat.gather(-1, victim[..., None]).squeeze(-1)  # (B, H) page·S + slot of each victim
+    fresh = leaving & (slots > 0) & (held < slots)
+    if bool(fresh.any()):
+        store.pos_pages.view(-1)[entry[fresh]] = -1 - held[fresh]
+        store.score_pages.view(-1)[entry[fresh]] = 0.0
+        store.slots += fresh
+    fold = leaving & (slots > 0) & (held == slots)
+    if bool(fold.any()):
+        d = store.k_pages.shape[-1]
+        kf, vf, cf = store.k_pages.view(-1, d), store.v_pages.view(-1, d), store.count_pages.view(-1)
+        compute = torch.promote_types(kf.dtype, torch.float32)
+        key = kf[entry].to(compute)  # (B, H, d)
+        dots = torch.matmul(kf[flat].to(compute), key[..., None]).squeeze(-1).masked_fill(~is_slot, float("-inf"))
+        closest = is_slot & (dots == dots.amax(-1, keepdim=True))
+        target = pos.masked_fill(~closest, torch.iinfo(pos.dtype).min).argmax(-1)  # highest −1 − r: lowest r
+        slot = flat.gather(-1, target[..., None]).squeeze(-1)  # (B, H)
+        if not bool(fold.all()):
+            slot, entry, key = slot[fold], entry[fold], key[fold]
+        w = cf[slot][..., None]  # the slot's count, exact in float32
+        kf[slot] = ((w * kf[slot].to(compute) + key) / (w + 1)).to(kf.dtype)
+        vf[slot] = ((w * vf[slot].to(compute) + vf[entry].to(compute)) / (w + 1)).to(vf.dtype)
+        cf[slot] = w.squeeze(-1) + 1
+    gone = leaving & ~fresh  # dropped (no slot) or folded into a slot
+    if bool(gone.any()):
+        bi, hi = gone.nonzero(as_tuple=True)
+        remove(store, bi, hi, victim[bi, hi])
 
 
 def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> None:

@@ -201,22 +201,13 @@ class WindowAttention:
 
 @part("scoring", "lava")
 @dataclass(frozen=True)
-class Lava:
+class Lava(WindowAttention):
     """LAVa (Eq. 6): window attention × max over all tokens k of ‖V[k]‖₁ of that KV head.
 
-    GQA: max over the group (LAVa §4.3).
+    The fields, checks and query rows of WindowAttention; GQA: max over the group (LAVa §4.3).
     """
 
-    window: int = 32
-    pooling: Pooling = field(default_factory=Pooling)
     gqa: Literal["mean", "max"] = "max"
-
-    def __post_init__(self):
-        _check_window(self.window)
-        _check_gqa(self.gqa)
-
-    def query_rows(self, n: int) -> int:
-        return min(self.window, n)
 
     def score(self, state: LayerState) -> Tensor:
         """s_h[i] = window_attention_h[i] · max over real k of ‖V_h[k]‖₁ (LAVa Eq. 6)."""
@@ -262,6 +253,10 @@ class Accumulated:
         a = attention_rows(state, state.keys.shape[2])  # every query; pad rows are 0
         return mask_pads(reduce_gqa(a.sum(dim=2), state.keys.shape[1], self.gqa), state)
 
+    def score_chunked(self, state: LayerState, chunk: int = 256) -> Tensor:
+        """`score` in O(chunk·N) memory (the runtime's path): the decayed sum with λ = 1."""
+        return decayed_scores_chunked(state, 1.0, self.gqa, chunk)
+
 
 @part("scoring", "decayed")
 @dataclass(frozen=True)
@@ -287,6 +282,62 @@ class Decayed:
         weight = float(self.decay) ** age  # λ^(N−1−j), with λ^0 = 1 (also for λ = 0)
         summed = torch.einsum("bhji,j->bhi", a, weight)
         return mask_pads(reduce_gqa(summed, state.keys.shape[1], self.gqa), state)
+
+    def score_chunked(self, state: LayerState, chunk: int = 256) -> Tensor:
+        """`score`, computed `chunk` query rows at a time in O(chunk·N) memory (the runtime's path)."""
+        return decayed_scores_chunked(state, float(self.decay), self.gqa, chunk)
+
+
+def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256) -> Tensor:
+    """ZSMerge Eq. 5 over the prompt, s[i] = Σ_j λ^(N−1−j) A[j, i], without the N×N matrix.
+
+    Equal to `Decayed(decay, gqa).score(state)` (λ = 1: `Accumulated`), up to float
+    summation order. Rows j are taken `chunk` at a time: the causal softmax of those rows
+    against the keys they can see (i < end of the chunk), weighted by λ^(N−1−j) and summed
+    into a (B, Hq, N) accumulator, so memory is O(chunk·N) per head. The G query heads of
+    a group share one matmul against their KV head (no repeat of K); the scale multiplies
+    the dot products, as in the reference (baddbmm's alpha). Rows whose weight
+    underflows to exactly 0, and leading rows that are pads in every sequence, add exactly
+    0 and are skipped.
+    """
+    _check(isinstance(chunk, int) and chunk >= 1, f"chunk must be an integer >= 1, got {chunk!r}")
+    _check_gqa(gqa)
+    queries, keys = state.queries, state.keys
+    b, hq, r, d = queries.shape
+    h, n = keys.shape[1], keys.shape[2]
+    _check(hq % h == 0, f"{hq} query heads do not split into groups over {h} KV heads")
+    _check(r >= n, f"the decayed score reads all N={n} query rows, got R={r}")
+    g = hq // h
+    scale = d ** -0.5 if state.scale is None else state.scale
+    device = keys.device
+    real = real_tokens(state)  # (B, N)
+    age = torch.arange(n - 1, -1, -1, device=device, dtype=torch.float32)
+    weight = float(decay) ** age  # λ^(N−1−j), the reference's float32 weights
+    nonzero = (weight > 0).nonzero()
+    first_real = int(real.long().argmax(dim=-1).min()) if bool(real.any()) else n
+    start = max(int(nonzero[0]) if len(nonzero) else n, first_real)
+
+    q_all = queries[:, :, r - n:]  # (B, Hq, N, d); query head h·G+g belongs to KV head h
+    k = keys.float().reshape(b * h, n, d)
+    padded = not bool(real.all())
+    acc = torch.zeros(b, h, g, n, dtype=torch.float32, device=device)
+    for lo in range(start, n, chunk):
+        hi = min(lo + chunk, n)  # rows lo … hi−1 see keys 0 … hi−1 at most
+        c = hi - lo
+        q = q_all[:, :, lo:hi].float().reshape(b * h, g * c, d)  # a group's rows share one matmul
+        logits = torch.baddbmm(q.new_zeros(1, 1, 1), q, k[:, :hi].transpose(1, 2), beta=0.0, alpha=scale)
+        logits = logits.view(b, h, g, c, hi)
+        future = torch.ones(c, c, dtype=torch.bool, device=device).triu(1)  # key after the query
+        logits[..., lo:hi].masked_fill_(future, NEG_INF)  # the causal mask lies in the last c keys
+        if padded:
+            logits.masked_fill_(~real[:, None, None, None, :hi], NEG_INF)
+        probs = torch.softmax(logits, dim=-1)
+        real_rows = real[:, lo:hi]  # (B, c)
+        if not bool(real_rows.all()):  # a pad query's row is 0 (it may be NaN: it sees no key)
+            probs = torch.where(real_rows[:, None, None, :, None], probs, 0.0)
+        acc[..., :hi] += torch.matmul(weight[lo:hi], probs)  # Σ_j λ^(N−1−j) A[j, i]
+    per_kv_head = acc.mean(dim=2) if gqa == "mean" else acc.amax(dim=2)
+    return per_kv_head.masked_fill(~real[:, None], NEG_INF)
 
 
 @part("scoring", "key_norm")
