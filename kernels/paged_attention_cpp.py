@@ -33,7 +33,7 @@ _SOURCE = r"""
 #include <limits>
 #include <vector>
 
-constexpr int64_t G = %(G)d, D = %(D)d;
+constexpr int64_t G = %(G)d, D = %(D)d, AHEAD = %(AHEAD)d;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t L = Vec::size();
 static_assert(D %% L == 0, "head dim must be a multiple of the vector width");
@@ -59,6 +59,15 @@ static void partial(const float* q, const float* kp, const float* vp, const int3
         const int64_t last = std::min<int64_t>(S, first + (hi - start));
         const float* kpage = kp + page * S * D;
         const float* vpage = vp + page * S * D;
+        // Pages are scattered over the pool, which defeats the hardware prefetcher at every
+        // page boundary: start the loads of the page AHEAD pages further on in this run.
+        if (start / S + AHEAD < (hi + S - 1) / S) {
+            const int64_t next = table[bh * M + start / S + AHEAD];
+            for (int64_t line = 0; line < S * D; line += 64 / sizeof(float)) {
+                __builtin_prefetch(kp + next * S * D + line);
+                __builtin_prefetch(vp + next * S * D + line);
+            }
+        }
         for (int64_t s = first; s < last; ++s) {
             Vec dot[G];
             for (int64_t g = 0; g < G; ++g) dot[g] = Vec(0.f);
@@ -106,7 +115,7 @@ extern "C" void kernel(const float* q, const float* kp, const float* vp, const i
                        const int64_t S, const int64_t chunks, const int64_t chunk,
                        const int64_t has_bias, const int64_t threads) {
     const float* b = has_bias ? bias : nullptr;
-    #pragma omp parallel for num_threads(threads) schedule(static) if(threads > 1)
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if(threads > 1)
     for (int64_t item = 0; item < BH * chunks; ++item) {
         const int64_t bh = item / chunks, c = item %% chunks;
         const int64_t lo = c * chunk, hi = std::min<int64_t>(lo + chunk, lengths[bh]);
@@ -150,14 +159,20 @@ _ARGTYPES = ["const float*", "const float*", "const float*", "const int32_t*", "
 
 # Below this many multiply-adds a call stays on one thread (see paged_attention.PARALLEL_WORK:
 # an OpenMP fork/join costs more than the work, and much more on a shared machine).
-PARALLEL_WORK = 1 << 21
+PARALLEL_WORK = 1 << 20
+# Work items per thread when parallel: ragged heads make equal splits unequal, so several
+# smaller items per thread, handed out as threads free up (OpenMP dynamic schedule).
+ITEMS_PER_THREAD = 8
+
+
+PREFETCH_AHEAD = 2  # pages
 
 
 @functools.cache
 def _kernel(g: int, d: int):
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE % {"G": g, "D": d})
+    return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE % {"G": g, "D": d, "AHEAD": PREFETCH_AHEAD})
 
 
 @functools.cache
@@ -203,8 +218,8 @@ def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
     if threads is None:
         work = int(lens.sum()) * g * d
         threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
-    if chunk is None:  # whole pages; with threads, about two runs per thread over all heads
-        splits = max(1, -(-2 * threads // (b * h))) if threads > 1 else 1
+    if chunk is None:  # whole pages; with threads, about ITEMS_PER_THREAD runs per thread
+        splits = max(1, -(-ITEMS_PER_THREAD * threads // (b * h))) if threads > 1 else 1
         chunk = max(s, -(-(-(-longest // splits)) // s) * s)
     chunks = max(1, -(-longest // chunk))
     qs = (q.float() * scale).contiguous()
