@@ -38,6 +38,7 @@ from torch._dynamo.utils import counters
 
 import kvcompile
 from kvcompile.models import full_kv_bytes, load_model
+from kvcompile.spec import load_spec
 
 
 class Clock:
@@ -128,7 +129,8 @@ def main() -> None:
         for spec in args.specs:
             tokens = {}
             for mode in args.modes:
-                kvcompile.compile(model, spec, per_head=args.per_head, mode=mode)
+                budget = {} if load_spec(spec).budget.threshold else {"per_head": args.per_head}  # a threshold sets its own
+                kvcompile.compile(model, spec, mode=mode, **budget)
                 if mode == "compiled" and compile_note is None:
                     before = graphs()
                     seconds = _seconds(lambda: run(model, ids[:, :100], 4))
