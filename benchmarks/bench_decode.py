@@ -1,7 +1,9 @@
 """Decode attention over the paged cache on the CPU, against the memory bandwidth.
 
 For each retained size T (tokens per layer, split raggedly over the KV heads), one decode
-step's attention over the pages: the C++ kernel, the torch lowering compiled by Inductor,
+step's attention over the pages (scattered at random over the pool; the C++ kernel also with
+each head's pages in order, the layout of a freshly compressed prompt): the C++ kernel, the
+torch lowering compiled by Inductor,
 the same run eagerly, and F.scaled_dot_product_attention on a dense cache of the same size. Prints
 time per call, the K+V bytes retained, bytes ÷ time, and the ratio of the time to the
 bound bytes ÷ copy bandwidth, the copy bandwidth measured in the same run (DESIGN.md §5).
@@ -44,8 +46,11 @@ def copy_bandwidth(megabytes: int, repeat: int) -> float:
     return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), repeat)
 
 
-def paged_cache(tokens: int, heads: int, group: int, dim: int, page: int, gen: torch.Generator):
-    """A cache of `tokens` entries split raggedly over the heads, pages in random order."""
+def paged_cache(tokens: int, heads: int, group: int, dim: int, page: int, gen: torch.Generator,
+                shuffle: bool = True):
+    """A cache of `tokens` entries split raggedly over the heads, pages in random order (the
+    worst case: every page boundary a jump), or each head's pages in order (as build_store
+    lays out a compressed prompt) when not `shuffle`."""
     share = torch.rand(heads, generator=gen) + 0.5
     lengths = (share / share.sum() * tokens).long()
     lengths[0] += tokens - lengths.sum()
@@ -53,7 +58,7 @@ def paged_cache(tokens: int, heads: int, group: int, dim: int, page: int, gen: t
     pool, width = int(pages.sum()), int(pages.max())
     k_pages = torch.randn(pool, page, dim, generator=gen)
     v_pages = torch.randn(pool, page, dim, generator=gen)
-    order = torch.randperm(pool, generator=gen)
+    order = torch.randperm(pool, generator=gen) if shuffle else torch.arange(pool)
     table = torch.zeros(1, heads, width, dtype=torch.int32)
     start = 0
     for h in range(heads):
@@ -96,9 +101,11 @@ def main() -> None:
                                    expected)
         cpp_threads = (torch.get_num_threads()
                        if int(lengths.sum()) * args.group * args.dim >= cpp.PARALLEL_WORK else 1)
+        ordered = paged_cache(tokens, args.heads, args.group, args.dim, args.page, gen, shuffle=False)
         methods = {
             f"paged, C++ ({cpp_threads} thread{'s' * (cpp_threads > 1)})": lambda: paged_attention(
                 q, k_pages, v_pages, table, lengths, impl="cpp"),
+            "  same, pages in head order": lambda: paged_attention(*ordered, impl="cpp"),
             f"paged, compiled ({'parallel' if parallel else '1 thread'})": lambda: paged_attention(
                 q, k_pages, v_pages, table, lengths, impl="compiled"),
             "paged, eager": lambda: paged_attention(q, k_pages, v_pages, table, lengths,
