@@ -41,6 +41,24 @@ def markdown_table(records) -> str:
     return "\n".join(lines)
 
 
+def merged(paths) -> dict:
+    """The needle and continuation records of several result files (runs split by seed or spec)."""
+    result = {"needle": [], "continuation": [], "files": [str(p) for p in paths]}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        result["needle"] += part.get("needle", [])
+        result["continuation"] += part.get("continuation", [])
+    return result
+
+
+def print_continuation(records, tokens) -> None:
+    print(f"\nContinuation of {tokens} tokens: perplexity / next-token agreement with the full cache\n")
+    print("| spec | per head | length | perplexity | agreement |\n|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['spec']} | {r['per_head'] or '-'} | {r['length']} | {r['perplexity']:.2f} | "
+              f"{r['agreement']:.0%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--specs", type=cli.names, default=cli.names(SPECS))
@@ -49,37 +67,51 @@ def main() -> None:
     parser.add_argument("--depths", type=cli.fractions, default=[0.1, 0.3, 0.5, 0.7, 0.9])
     parser.add_argument("--max-new-tokens", type=int, default=20)
     parser.add_argument("--continuation", type=int, default=32, help="continuation tokens (0: skip)")
+    parser.add_argument("--texts", type=cli.positive, default=1, help="continuation passages per length")
+    parser.add_argument("--no-needle", action="store_true", help="only the continuation")
+    parser.add_argument("--no-full", action="store_true", help="no full-cache needle runs (another file has them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--threads", type=cli.positive, default=None, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--name", default="needle", help="writes OUT/NAME.json, NAME_heatmap.png, NAME_quality.png")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="no runs: merge these result files into OUT/NAME.json, print the tables, draw the plots")
     args = parser.parse_args()
-
-    filler = cli.haystack()
-    model, tokenizer = load_model(args.model)
-    prompts = needle_suite(tokenizer, filler, args.lengths, args.depths, seed=args.seed)
-    start = time.perf_counter()
-    records = cli.eval_records(model, tokenizer, prompts, args.specs, args.budgets, args.max_new_tokens)
-    result = {"date": time.strftime("%Y-%m-%d"), "model": model.config.name_or_path,
-              "torch_threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()},
-              "needle": records}
-    if args.continuation:
-        result["continuation"] = cli.continuation_records(model, tokenizer, filler, args.lengths, args.specs,
-                                                          args.budgets, args.continuation, args.seed)
-    result["seconds"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "needle.json").write_text(json.dumps(result, indent=1))
-    cli.plot_needle(records, args.out / "needle_heatmap.png")
-    cli.plot_quality(records, args.out / "quality_vs_budget.png")
-    print(f"## Needle in a haystack ({result['date']}, {len(prompts)} prompts of "
-          f"{', '.join(map(str, args.lengths))} tokens)\n")
-    print(markdown_table(records))
-    if args.continuation:
-        print(f"\nContinuation of {args.continuation} tokens: perplexity (full cache) / agreement with it\n")
-        print("| spec | per head | length | perplexity | agreement |\n|---|---|---|---|---|")
-        for r in result["continuation"]:
-            print(f"| {r['spec']} | {r['per_head'] or '-'} | {r['length']} | {r['perplexity']:.2f} | "
-                  f"{r['agreement']:.0%} |")
-    print(f"\nfiles: {args.out}/needle.json, needle_heatmap.png, quality_vs_budget.png")
+    if args.merge:
+        result = merged(args.merge)
+    else:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        filler = cli.haystack()
+        model, tokenizer = load_model(args.model)
+        start = time.perf_counter()
+        result = {"date": time.strftime("%Y-%m-%d"), "model": model.config.name_or_path,
+                  "torch_threads": torch.get_num_threads(), "args": {k: str(v) for k, v in vars(args).items()},
+                  "needle": []}
+        if not args.no_needle:
+            prompts = needle_suite(tokenizer, filler, args.lengths, args.depths, seed=args.seed)
+            result["needle"] = cli.eval_records(model, tokenizer, prompts, args.specs, args.budgets,
+                                                args.max_new_tokens, full=not args.no_full)
+        if args.continuation:
+            result["continuation"] = cli.continuation_records(model, tokenizer, filler, args.lengths, args.specs,
+                                                              args.budgets, args.continuation, args.seed,
+                                                              texts=args.texts)
+        result["seconds"] = time.perf_counter() - start
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    records = result["needle"]
+    if records:
+        cli.plot_needle(records, args.out / f"{args.name}_heatmap.png")
+        cli.plot_quality(records, args.out / f"{args.name}_quality.png")
+        lengths = sorted({r["length"] for r in records})
+        print(f"## Needle in a haystack ({result.get('date', 'merged')}, "
+              f"{len({(r['length'], r['depth'], r['expected']) for r in records})} prompts of "
+              f"{', '.join(map(str, lengths))} tokens)\n")
+        print(markdown_table(records))
+    if result.get("continuation"):
+        print_continuation(result["continuation"], args.continuation)
+    print(f"\nfiles: {args.out}/{args.name}.json (+ _heatmap.png, _quality.png)")
 
 
 if __name__ == "__main__":

@@ -249,8 +249,11 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
                 captured.clear()  # one prompt's states at a time
                 captured[key] = capture(model, torch.as_tensor(prompt.input_ids).reshape(1, -1))
             states, logits = captured[key]
+            started = time.perf_counter()
             cache = replay(policy, model.config, states)
+            replayed = time.perf_counter()
             new = greedy(model, cache, logits, max_new_tokens, tokenizer.eos_token_id)[0].tolist()
+            decoded = time.perf_counter()
             text = tokenizer.decode(new, skip_special_tokens=True).strip()
             report = cache.memory_report()
             records.append({"spec": policy.name,
@@ -259,7 +262,7 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
                             "needle_kept": needle_kept(cache, prompt.needle_span), "length": prompt.target,
                             "tokens": prompt.length, "depth": prompt.depth, "expected": prompt.answer, "answer": text,
                             "correct": answer_found(text, prompt.answer), "prefill_s": None, "decode_tok_s": None,
-                            "peak_bytes": None})
+                            "peak_bytes": None, "replay_s": replayed - started, "greedy_s": decoded - replayed})
             continue
         if policy is None:
             g = generate(model, tokenizer, prompt.input_ids, max_new_tokens)
@@ -278,48 +281,49 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
     return records
 
 
-def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets, tokens: int, seed: int):
+def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets, tokens: int, seed: int,
+                         texts: int = 1):
     """Perplexity and next-token agreement of a continuation under compression.
 
     The prompt is `length` tokens of plain filler; the next `tokens` tokens of the same text
     are fed one at a time (teacher forcing) after the prompt was compressed.  Agreement is
-    the share of steps whose arg-max matches the full cache's."""
+    the share of steps whose arg-max matches the full cache's.  Prefill once, compress many:
+    the prompt is captured once and every policy is replayed on it (kvcompile.sweep); the
+    full cache is the model's own uncompressed forward.  `texts` passages per length, each
+    at its own place in the filler (drawn from `seed`)."""
+    import random
+
     import torch
     from tqdm.auto import tqdm
 
-    import kvcompile
+    from kvcompile.sweep import capture, replay, teacher_forced
 
-    text_ids = tokenizer(filler[: 40 * (max(lengths) + tokens)], add_special_tokens=False)["input_ids"]
-    policies = [None] + [p for s in specs for p in
-                         ([policy_for(s, None)] if policy_for(s, None).budget.threshold is not None
-                          else [policy_for(s, b) for b in budgets])]
+    rng = random.Random(seed)
+    text_ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
+    policies = [p for s in specs for p in
+                ([policy_for(s, None)] if policy_for(s, None).budget.threshold is not None
+                 else [policy_for(s, b) for b in budgets])]
     records = []
     for length in lengths:
-        start = seed * 101 % max(len(text_ids) - length - tokens, 1)
-        ids = torch.tensor([text_ids[start:start + length + tokens]])
-        full_logits = None
-        for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy"):
-            if policy is not None:
-                kvcompile.compile(model, policy)
-            try:
-                with torch.inference_mode():
-                    out = model(ids[:, :length], use_cache=True)
-                    cache, logits = out.past_key_values, [out.logits[:, -1]]
-                    for t in range(length, length + tokens - 1):
-                        out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-                        logits.append(out.logits[:, -1])
-            finally:
-                kvcompile.uncompile(model)
-            logits = torch.cat(logits).float()  # (tokens, V): predictions of ids[length:]
-            target = ids[0, length:length + tokens]
-            nll = torch.nn.functional.cross_entropy(logits, target)
-            if policy is None:
-                full_logits = logits
-            agree = (logits.argmax(-1) == full_logits.argmax(-1)).float().mean()
-            records.append({"spec": FULL if policy is None else policy.name,
-                            "per_head": None if policy is None or policy.budget.threshold is not None
-                            else policy.budget.per_head,
-                            "length": length, "perplexity": float(nll.exp()), "agreement": float(agree)})
+        for _ in range(texts):
+            start = rng.randrange(max(len(text_ids) - length - tokens, 1))
+            ids = torch.tensor([text_ids[start:start + length + tokens]])
+            prompt, target = ids[:, :length], ids[:, length:]
+            with torch.inference_mode():  # the full cache: the model's own forward, no kvcompile
+                out = model(ids[:, :-1], use_cache=False)
+            full_logits = out.logits[0, length - 1:].float()
+            states, last = capture(model, prompt)
+            runs = [(None, full_logits)]
+            for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy"):
+                cache = replay(policy, model.config, states)
+                runs.append((policy, teacher_forced(model, cache, last, target)[0].float()))
+            for policy, logits in runs:
+                nll = torch.nn.functional.cross_entropy(logits, target[0])
+                agree = (logits.argmax(-1) == full_logits.argmax(-1)).float().mean()
+                records.append({"spec": FULL if policy is None else policy.name,
+                                "per_head": None if policy is None or policy.budget.threshold is not None
+                                else policy.budget.per_head, "length": length, "start": start,
+                                "perplexity": float(nll.exp()), "agreement": float(agree)})
     return records
 
 

@@ -149,7 +149,10 @@ def needle_prompt(tokenizer, filler: str, length: int, depth: float, needle: Nee
 
 
 def answer_found(generated: str, answer: str) -> bool:
-    """The needle test's score: the expected answer appears in the generated text."""
+    """The needle test's score: the expected answer appears in the generated text, as a whole
+    number when it is one (a made-up "1234567890" does not contain the needle "2345")."""
+    if answer.isdigit():
+        return re.search(rf"(?<!\d){answer}(?!\d)", generated) is not None
     return answer.lower() in generated.lower()
 
 

@@ -69,3 +69,17 @@ def greedy(model, cache: KVCompileCache, last_logits: Tensor, max_new_tokens: in
             logits = model(token, position_ids=position, past_key_values=cache).logits[:, -1]
             token = torch.where(done[:, None], token, logits.argmax(-1, keepdim=True))
     return torch.cat(out, dim=1)
+
+
+@torch.no_grad()
+def teacher_forced(model, cache: KVCompileCache, last_logits: Tensor, continuation: Tensor) -> Tensor:
+    """Logits (B, T, V) predicting each token of `continuation` (B, T) from a prefilled cache:
+    the first row is the prompt's last logits, then the continuation is fed one token at a
+    time through the compiled model (teacher forcing; the policy's decode rules run)."""
+    rows = [last_logits]
+    with compiled(model, cache.policy):
+        for t in range(continuation.shape[1] - 1):
+            position = (cache.seq_length - cache.pad)[:, None]
+            out = model(continuation[:, t:t + 1], position_ids=position, past_key_values=cache)
+            rows.append(out.logits[:, -1])
+    return torch.stack(rows, dim=1)

@@ -123,3 +123,14 @@ def test_run_demo_on_the_real_model(capsys):
     cells = re.findall(r"L(\d+)\s+\[([\d ]+)\]", out)
     assert [int(layer) for layer, _ in cells] == list(range(30))
     assert all(row.split() == ["32", "32", "32"] for _, row in cells)
+
+
+def test_needle_number_must_stand_alone():
+    """A hallucinated digit run that merely contains the needle's number is not an answer."""
+    from kvcompile.data import answer_found
+
+    assert answer_found("The secret number of the old library is 8298.", "8298")
+    assert answer_found("8298", "8298")
+    assert not answer_found("The secret number is 1234567890.", "2345")
+    assert not answer_found("It is 82981.", "8298")
+    assert answer_found("The password is BLUE.", "blue")

@@ -34,3 +34,25 @@ def test_replay_equals_live_prefill_and_generate(captured, name):
     tokens = greedy(model, cache, logits, max_new_tokens=6)
     assert tokens.tolist() == live.sequences[:, ids.shape[1]:].tolist()
     assert torch.equal(cache.kept(), live.past_key_values.kept())
+
+
+@pytest.mark.parametrize("name", ["snapkv", "lava", "zsmerge", "streamingllm"])
+def test_teacher_forced_on_replay_equals_live_prefill(name):
+    """The continuation scores (kvcompile eval --continuation) from a replayed cache are the
+    logits of a live compiled prefill fed the same continuation token by token."""
+    from kvcompile.sweep import teacher_forced
+
+    model = tiny_model("llama")
+    ids = prompt(130, seed=31)
+    prompt_ids, continuation = ids[:, :110], ids[:, 110:]
+    policy = kvcompile.load_spec(name, per_head=max(40, kvcompile.load_spec(name).ranking.window + 16))
+    states, last = capture(model, prompt_ids)
+    replayed = teacher_forced(model, replay(policy, model.config, states), last, continuation)
+    with kvcompile.compiled(model, policy), torch.no_grad():
+        out = model(prompt_ids, use_cache=True)
+        cache, rows = out.past_key_values, [out.logits[:, -1]]
+        for t in range(continuation.shape[1] - 1):
+            out = model(continuation[:, t:t + 1], past_key_values=cache, use_cache=True)
+            rows.append(out.logits[:, -1])
+    torch.testing.assert_close(replayed, torch.stack(rows, dim=1))
+    assert replayed.shape == (1, 20, model.config.vocab_size)
