@@ -41,12 +41,12 @@ constexpr int64_t DV = D / L;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // One work item: entries [lo, hi) of head bh. Writes m (G), l (G), acc (G, D).
-static void partial(const float* q, const float* kp, const float* vp, const int32_t* table,
+static void partial(const float* q, float scale, const float* kp, const float* vp, const int64_t* table,
                     const float* bias, int64_t bh, int64_t M, int64_t S, int64_t lo, int64_t hi,
                     float* logit, float* m_out, float* l_out, float* acc_out) {
     Vec qv[G][DV];
     for (int64_t g = 0; g < G; ++g)
-        for (int64_t j = 0; j < DV; ++j) qv[g][j] = Vec::loadu(q + (bh * G + g) * D + j * L);
+        for (int64_t j = 0; j < DV; ++j) qv[g][j] = Vec::loadu(q + (bh * G + g) * D + j * L) * Vec(scale);
     Vec acc[G][DV];
     float m[G], l[G];
     for (int64_t g = 0; g < G; ++g) {
@@ -109,12 +109,27 @@ static void partial(const float* q, const float* kp, const float* vp, const int3
     }
 }
 
-extern "C" void kernel(const float* q, const float* kp, const float* vp, const int32_t* table,
-                       const int32_t* lengths, const float* bias, float* part_m, float* part_l,
-                       float* part_acc, float* out, const int64_t BH, const int64_t M,
-                       const int64_t S, const int64_t chunks, const int64_t chunk,
-                       const int64_t has_bias, const int64_t threads) {
+// The launch: threads = max_threads when the call has at least parallel_work multiply-adds,
+// else 1 (an OpenMP fork/join costs more than small work); runs of `chunk` entries (0: whole
+// pages, about items_per_thread runs per thread over all heads); the partials in `work`,
+// sized by the caller for BH * max(1, ceil(items_per_thread * max_threads / BH)) runs.
+extern "C" void kernel(const float* q, const float* kp, const float* vp, const int64_t* table,
+                       const int64_t* lengths, const float* bias, float* work, float* out,
+                       const int64_t BH, const int64_t M, const int64_t S, const int64_t has_bias,
+                       const float scale, const int64_t max_threads, const int64_t items_per_thread,
+                       const int64_t parallel_work, int64_t chunk) {
     const float* b = has_bias ? bias : nullptr;
+    int64_t longest = 0, total = 0;
+    for (int64_t bh = 0; bh < BH; ++bh) { longest = std::max(longest, lengths[bh]); total += lengths[bh]; }
+    const int64_t threads = total * G * D >= parallel_work ? max_threads : 1;
+    if (chunk <= 0) {
+        const int64_t splits = threads > 1 ? std::max<int64_t>(1, (items_per_thread * threads + BH - 1) / BH) : 1;
+        chunk = std::max(S, ((longest + splits - 1) / splits + S - 1) / S * S);
+    }
+    const int64_t chunks = std::max<int64_t>(1, (longest + chunk - 1) / chunk);
+    float* part_m = work;
+    float* part_l = part_m + BH * chunks * G;
+    float* part_acc = part_l + BH * chunks * G;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if(threads > 1)
     for (int64_t item = 0; item < BH * chunks; ++item) {
         const int64_t bh = item / chunks, c = item %% chunks;
@@ -128,7 +143,7 @@ extern "C" void kernel(const float* q, const float* kp, const float* vp, const i
             continue;
         }
         std::vector<float> logit(G * S);  // one page's logits, then its exp
-        partial(q, kp, vp, table, b, bh, M, S, lo, hi, logit.data(), pm, pl, pa);
+        partial(q, scale, kp, vp, table, b, bh, M, S, lo, hi, logit.data(), pm, pl, pa);
     }
     // Combine the chunk partials of each head (rescaled to the head's max).
     for (int64_t bh = 0; bh < BH; ++bh) {
@@ -152,10 +167,10 @@ extern "C" void kernel(const float* q, const float* kp, const float* vp, const i
 }
 """
 
-_ARGTYPES = ["const float*", "const float*", "const float*", "const int32_t*", "const int32_t*",
-             "const float*", "float*", "float*", "float*", "float*",
-             "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
-             "const int64_t", "const int64_t"]
+_ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "const int64_t*",
+             "const float*", "float*", "float*", "const int64_t", "const int64_t", "const int64_t",
+             "const int64_t", "const float", "const int64_t", "const int64_t", "const int64_t",
+             "int64_t"]
 
 # Below this many multiply-adds a call stays on one thread (see paged_attention.PARALLEL_WORK:
 # an OpenMP fork/join costs more than the work, and much more on a shared machine).
@@ -197,6 +212,11 @@ def supported(q: Tensor, k_pages: Tensor) -> bool:
             and q.shape[-1] % 16 == 0 and _toolchain())
 
 
+def _dense(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """x as a contiguous tensor of `dtype` (no copy when it already is one)."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
 def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                         lengths: Tensor, bias_pages: Tensor | None = None,
                         scale: float | None = None, *, threads: int | None = None,
@@ -213,25 +233,16 @@ def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
     s = k_pages.shape[1]
     g = hq // h
     scale = d ** -0.5 if scale is None else scale
-    lens = lengths.to(torch.int32).contiguous()
-    longest = int(lens.max()) if lens.numel() else 0
-    if threads is None:
-        work = int(lens.sum()) * g * d
-        threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
-    if chunk is None:  # whole pages; with threads, about ITEMS_PER_THREAD runs per thread
-        splits = max(1, -(-ITEMS_PER_THREAD * threads // (b * h))) if threads > 1 else 1
-        chunk = max(s, -(-(-(-longest // splits)) // s) * s)
-    chunks = max(1, -(-longest // chunk))
-    qs = (q.float() * scale).contiguous()
-    kp, vp = k_pages.contiguous(), v_pages.contiguous()
-    table = block_table.to(torch.int32).contiguous()
-    bias = bias_pages.float().contiguous() if bias_pages is not None else kp
-    part_m = torch.empty(b * h * chunks * g)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(b * h * chunks * g * d)
+    max_threads = torch.get_num_threads() if threads is None else threads
+    work = PARALLEL_WORK if threads is None else 0  # given threads: always that many
+    runs = max(1, -(-ITEMS_PER_THREAD * max_threads // (b * h))) if chunk is None else \
+        max(1, -(-m * s // chunk))  # bounds the runs per head the C++ side can choose
+    workspace = torch.empty(b * h * runs * g * (d + 2))
     out = torch.empty(b, hq, d)
-    _kernel(g, d)(qs, kp, vp, table, lens, bias, part_m, part_l, part_acc, out,
-                  b * h, m, s, chunks, chunk, int(bias_pages is not None), threads)
+    _kernel(g, d)(_dense(q), _dense(k_pages), _dense(v_pages), _dense(block_table, torch.long),
+                  _dense(lengths, torch.long), _dense(bias_pages) if bias_pages is not None else k_pages,
+                  workspace, out, b * h, m, s, int(bias_pages is not None), float(scale), max_threads,
+                  ITEMS_PER_THREAD, work, chunk or 0)
     return out
 
 
