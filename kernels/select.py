@@ -46,7 +46,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcompile.policies import ranking as ranking_parts
 from kvcompile.policies.budgets import exact
 
 try:  # Triton is optional: the torch lowering covers machines without it.
@@ -97,9 +96,7 @@ def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Te
 def _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl):
     from kvcompile import reference  # the budget arithmetic and the protected sets
 
-    valid = valid.bool()
-    ranks = ranking_parts.rank(policy.ranking, scores, positions, valid)
-    protected = policy.ranking.protected(positions, lengths.view(-1, 1, 1)) & valid
+    valid, ranks, protected = reference.ranked(policy, scores, positions, valid, lengths)
     threshold = policy.budget.threshold
     if threshold is not None:
         if layer < threshold.keep_layers:

@@ -152,6 +152,14 @@ def latest(positions: Tensor, valid: Tensor, count: Tensor) -> Tensor:
     return valid & (recency < count[..., None])
 
 
+def ranked(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor):
+    """What every selection starts from: valid as bool, the ranking part's order of the
+    candidates (B, H, M) long, and the protected set (sinks, window) among the valid."""
+    valid = valid.bool()
+    ranks = ranking_parts.rank(policy.ranking, scores, positions, valid)
+    return valid, ranks, policy.ranking.protected(positions, lengths.view(-1, 1, 1)) & valid
+
+
 def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor, total: Tensor | None,
            layer: int, used_slots: Tensor | None = None) -> Tensor:
     """The entries a layer keeps, (B, H, M) bool, among M candidates per head.
@@ -164,9 +172,7 @@ def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Te
     best up to its budget; pooled: one top-k over the layer, LAVa Alg. 1 / AdaKV).
     The candidates may be a compressed set: the cascade re-selects the kept entries.
     """
-    valid = valid.bool()
-    ranks = ranking_parts.rank(policy.ranking, scores, positions, valid)
-    protected = policy.ranking.protected(positions, lengths.view(-1, 1, 1)) & valid
+    valid, ranks, protected = ranked(policy, scores, positions, valid, lengths)
     threshold = policy.budget.threshold
     if threshold is not None:
         if layer < threshold.keep_layers:
