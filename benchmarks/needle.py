@@ -77,10 +77,16 @@ def main() -> None:
     parser.add_argument("--name", default="needle", help="writes OUT/NAME.json, NAME_heatmap.png, NAME_quality.png")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="no runs: merge these result files into OUT/NAME.json, print the tables, draw the plots")
+    parser.add_argument("--keep-specs", type=cli.names, default=None,
+                        help="with --merge: only these specs' needle records (full is kept too)")
+    parser.add_argument("--keep-lengths", type=cli.ints, default=None, help="with --merge: only these lengths")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         result = merged(args.merge)
+        result["needle"] = [r for r in result["needle"]
+                            if (args.keep_specs is None or r["spec"] in args.keep_specs + [cli.FULL])
+                            and (args.keep_lengths is None or r["length"] in args.keep_lengths)]
     else:
         if args.threads:
             torch.set_num_threads(args.threads)
