@@ -178,9 +178,7 @@ PARALLEL_WORK = 1 << 20
 # Work items per thread when parallel: ragged heads make equal splits unequal, so several
 # smaller items per thread, handed out as threads free up (OpenMP dynamic schedule).
 ITEMS_PER_THREAD = 8
-
-
-PREFETCH_AHEAD = 2  # pages
+PREFETCH_AHEAD = 2  # pages: how far ahead the kernel starts loading a run's next page
 
 
 @functools.cache
@@ -224,8 +222,9 @@ def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
     """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d), fp32 on CPU.
 
     threads: OpenMP threads (default: torch's when the call has at least PARALLEL_WORK
-    multiply-adds, else 1); chunk: entries per work item (default: each head split into
-    as many runs as threads, in whole pages)."""
+    multiply-adds, else 1; the C++ side decides); chunk: entries per work item (default:
+    whole pages, about ITEMS_PER_THREAD runs per thread over all heads, one run per head
+    on one thread)."""
     if not supported(q, k_pages):
         raise ValueError("paged_attention_cpp: fp32 CPU tensors with head dim a multiple of 16")
     b, hq, d = q.shape
