@@ -71,7 +71,7 @@ def test_triton_matches_reference(seed, batch, heads, group, dim, page, pages, d
 def test_torch_lowering_matches_reference(seed, batch, heads, group, dim, page, pages, dtype,
                                           bias, chunk):
     args, expected = paged_case(seed, batch, heads, group, dim, page, pages, dtype, bias)
-    assert_close(pa.paged_attention(*args), expected)  # dispatcher: torch on CPU, eager path
+    assert_close(pa.paged_attention(*args, impl="torch"), expected)  # the eager path (not the CPU default for fp32)
     scale = dim ** -0.5
     # The compiled path's math, run eagerly, at several chunk sizes.
     assert_close(pa._fused(*args, scale, chunk=chunk), expected)
