@@ -17,7 +17,7 @@ Gather: `gather_pages` writes the `take` (B, H, E) rows of each head — key, va
 position, count — into its pages (docs/INTERNALS.md "Paged cache layout": entry e of head
 (b, h) at slot e % S of page block_table[b, h, e // S]), in entry order, from entry
 `start` (B, H) on; `page_table` lays pages out as `kvcompile.cache.build_store` does
-(each head ceil(n/S) consecutive pages, heads in row-major order) and `build_pages` is
+(each head ceil(n/S) consecutive pages and its spares, heads in row-major order) and `build_pages` is
 build_store through the gather (the runtime's prefill path).
 
 Implementations (dispatchers take impl = "triton" | "torch" | "compiled" | None = Triton
@@ -224,14 +224,14 @@ def _compiled(fn):
 
 # --------------------------------------------------------------------------- gather
 
-def page_table(counts: Tensor, page_size: int) -> tuple[Tensor, int]:
+def page_table(counts: Tensor, page_size: int, spare_pages: int = 0) -> tuple[Tensor, Tensor]:
     """build_store's layout for heads of `counts` (B, H) entries: block table (B, H, max(1, most
-    pages)) long, head (b, h) owning ceil(n/S) consecutive pages in row-major head order
-    (unused columns 0), and the pages used in all."""
-    pages = (counts + page_size - 1) // page_size
-    base = pages.flatten().cumsum(0).reshape(counts.shape) - pages
-    cols = torch.arange(max(int(pages.max()), 1) if pages.numel() else 1, device=counts.device)
-    return torch.where(cols < pages[..., None], base[..., None] + cols, 0), int(pages.sum())
+    pages)) long, head (b, h) owning ceil(n/S) + spare_pages consecutive pages in row-major
+    head order (unused columns 0), and the pages each head owns (B, H)."""
+    owned = (counts + page_size - 1) // page_size + spare_pages
+    base = owned.flatten().cumsum(0).reshape(counts.shape) - owned
+    cols = torch.arange(max(int(owned.max()), 1) if owned.numel() else 1, device=counts.device)
+    return torch.where(cols < owned[..., None], base[..., None] + cols, 0), owned
 
 
 class Pages(NamedTuple):
@@ -245,22 +245,24 @@ class Pages(NamedTuple):
     block_table: Tensor  # (B, H, ·) long
     lengths: Tensor  # (B, H) long entries per head
     next_page: int  # pages [next_page, P) are free
+    owned: Tensor  # (B, H) long pages each head owns (its entries' and its spares)
 
 
-def build_pages(sources, page_size: int, reserve_pages: int, *, impl: str | None = None) -> Pages:
+def build_pages(sources, page_size: int, spare_pages: int, *, impl: str | None = None) -> Pages:
     """`kvcompile.cache.build_store` by the gather kernel: the taken rows of `sources` (each
     with keys, values, scores, positions, counts, take like `cache.Entries`), one source after
-    the other per head, in fresh pages laid out by `page_table`, `reserve_pages` spare."""
+    the other per head, in fresh pages laid out by `page_table`, `spare_pages` per head."""
     first = sources[0]
     d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
     taken = [src.take.sum(-1) for src in sources]  # each (B, H)
     lengths = torch.stack(taken).sum(0)
-    block_table, used = page_table(lengths, page_size)
-    cap = used + reserve_pages
+    block_table, owned = page_table(lengths, page_size, spare_pages)
+    cap = int(owned.sum())
     pages = Pages(first.keys.new_zeros(cap, page_size, d), first.values.new_zeros(cap, page_size, dv),
                   torch.zeros(cap, page_size, dtype=torch.float32, device=dev),
                   torch.full((cap, page_size), -1, dtype=torch.long, device=dev),
-                  torch.zeros(cap, page_size, dtype=torch.float32, device=dev), block_table, lengths.clone(), used)
+                  torch.zeros(cap, page_size, dtype=torch.float32, device=dev), block_table, lengths.clone(), cap,
+                  owned)
     start = torch.zeros_like(lengths)
     impl = _impl(impl, first.keys)
     with _serial(impl, first.keys):

@@ -49,11 +49,8 @@ class LayerStore:
     lengths: Tensor  # (B, H) int64: entries stored per head
     slots: Tensor  # (B, H) occupied residual slots at the start of each head (0 when the policy drops)
     next_page: int  # bump allocator: pages [next_page, P) are free
-    free: list = None  # pages given back by evictions while decoding, reused first
-
-    def __post_init__(self):
-        if self.free is None:
-            self.free = []
+    owned: Tensor  # (B, H) int64: pages a head owns, block_table[b, h, :owned]; those past its
+    #                 entries are its spares, consecutive after its last page where the pool allows
 
     @property
     def page_size(self) -> int:
@@ -91,11 +88,13 @@ class Entries:
     take: Tensor  # (B, H, E) bool
 
 
-def build_store(sources: list[Entries], slots: Tensor, page_size: int, reserve_pages: int) -> LayerStore:
+def build_store(sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int) -> LayerStore:
     """Write the selected entries of `sources`, one after the other per head, into fresh pages.
 
-    Every head gets ceil(n/S) contiguous pages; `reserve_pages` spare pages follow for
-    generation. Only the selected rows are copied (no dense copy of the layer).
+    Every head gets ceil(n/S) + `spare_pages` consecutive pages, the spares for the tokens it
+    generates: its decode appends then stay in order in the pool, which the decode kernel
+    reads at streaming speed (benchmarks/bench_decode.py). Only the selected rows are copied
+    (no dense copy of the layer).
     """
     first = sources[0]
     b, h, _, d = first.keys.shape
@@ -103,20 +102,19 @@ def build_store(sources: list[Entries], slots: Tensor, page_size: int, reserve_p
     s = page_size
     counts_per_source = [src.take.sum(-1) for src in sources]  # each (B, H)
     n = torch.stack(counts_per_source).sum(0)
-    pages = (n + s - 1) // s
-    base = pages.flatten().cumsum(0).reshape(b, h) - pages  # first page of each head
-    m = max(int(pages.max()), 1)
+    owned = (n + s - 1) // s + spare_pages
+    base = owned.flatten().cumsum(0).reshape(b, h) - owned  # first page of each head
+    m = max(int(owned.max()), 1)
     cols = torch.arange(m, device=dev)
-    block_table = torch.where(cols < pages[..., None], base[..., None] + cols, 0)
-    total = int(pages.sum())
-    cap = total + reserve_pages
+    block_table = torch.where(cols < owned[..., None], base[..., None] + cols, 0)
+    cap = total = int(owned.sum())
     store = LayerStore(
         k_pages=first.keys.new_zeros(cap, s, d),
         v_pages=first.values.new_zeros(cap, s, d),
         score_pages=torch.zeros(cap, s, dtype=torch.float32, device=dev),
         pos_pages=torch.full((cap, s), -1, dtype=torch.long, device=dev),
         count_pages=torch.zeros(cap, s, dtype=torch.float32, device=dev),
-        block_table=block_table, lengths=n.clone(), slots=slots, next_page=total)
+        block_table=block_table, lengths=n.clone(), slots=slots, next_page=total, owned=owned)
     offset = torch.zeros_like(n)
     for src, cnt in zip(sources, counts_per_source):
         bi, hi, ei = src.take.nonzero(as_tuple=True)  # row-major: grouped per head, in entry order
@@ -133,25 +131,22 @@ def build_store(sources: list[Entries], slots: Tensor, page_size: int, reserve_p
 
 def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor) -> None:
     """Append one entry per head: k, v (B, H, d), positions (B,) long. O(1) amortised:
-    a head whose last page is full takes a spare page; the pool grows (rarely) when
-    no spare is left."""
+    a head whose last page is full moves on to its next spare page; one without spares
+    takes a fresh page from the pool, which grows (rarely) when none is left."""
     b, h, d = k.shape
     s = store.page_size
     e = store.lengths  # (B, H)
     col = e // s
-    need = (e % s) == 0
-    n_new = int(need.sum())
-    if n_new:
-        reuse = [store.free.pop() for _ in range(min(n_new, len(store.free)))]
-        fresh = n_new - len(reuse)
+    need = (col >= store.owned) & (e % s == 0)
+    fresh = int(need.sum())
+    if fresh:
         if store.next_page + fresh > store.k_pages.shape[0]:
             _grow(store, max(fresh, store.k_pages.shape[0] // 4, b * h))
         if int(col.max()) >= store.block_table.shape[-1]:
             store.block_table = torch.nn.functional.pad(store.block_table, (0, 1))
         bi, hi = need.nonzero(as_tuple=True)
-        ids = torch.tensor(reuse, dtype=torch.long, device=k.device)
-        ids = torch.cat([ids, store.next_page + torch.arange(fresh, device=k.device)])
-        store.block_table[bi, hi, col[bi, hi]] = ids
+        store.block_table[bi, hi, col[bi, hi]] = store.next_page + torch.arange(fresh, device=k.device)
+        store.owned = torch.where(need, col + 1, store.owned)
         store.next_page += fresh
     page = store.block_table.gather(-1, col[..., None]).squeeze(-1)
     slot = e % s
@@ -165,7 +160,8 @@ def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor) -> None:
 
 def remove(store: LayerStore, b, h, e) -> None:
     """Remove entry e of head (b, h) in O(1): the head's last entry moves into its place
-    (order within a head does not matter to attention); an emptied page returns to the pool.
+    (order within a head does not matter to attention); an emptied page stays the head's, a
+    spare for its next appends (memory held counts only pages with entries).
     b, h, e are ints, or 1-D long tensors naming distinct heads (one entry each, removed at once)."""
     s = store.page_size
     dev = store.lengths.device
@@ -177,11 +173,6 @@ def remove(store: LayerStore, b, h, e) -> None:
         entries = t.view(-1, *t.shape[2:])
         entries[dst] = entries[src]  # e == last copies the entry onto itself
     store.lengths[b, h] = last
-    emptied = last % s == 0
-    if bool(emptied.any()):
-        b, h, col = b[emptied], h[emptied], (last // s)[emptied]
-        store.free.extend(store.block_table[b, h, col].tolist())
-        store.block_table[b, h, col] = 0
 
 
 def _grow(store: LayerStore, extra: int) -> None:

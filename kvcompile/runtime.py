@@ -79,8 +79,9 @@ def _start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, de
         cache.bar = tqdm(total=cache.num_layers, desc="prompt: attention + compression", unit="layer")
 
 
-def _reserve(cache: KVCompileCache, b: int, h: int) -> int:
-    return b * h * math.ceil(cache.headroom / cache.page_size) if cache.headroom else b * h
+def _spare(cache: KVCompileCache) -> int:
+    """Spare pages per head for the tokens it will generate (one when nothing is known)."""
+    return math.ceil(cache.headroom / cache.page_size) if cache.headroom else 1
 
 
 def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
@@ -185,7 +186,7 @@ def _store(cache: KVCompileCache, tokens: Entries, merged: reference.Merged | No
                                   -1 - torch.arange(counts.shape[-1], device=counts.device).expand_as(counts),  # slot r at -1 - r
                                   counts.float(), occupied))
     impl = cache.kernels if cache.kernels in (None, "triton") else "torch"  # a memory-bound copy: nothing to fuse
-    pages = build_pages(sources, cache.page_size, _reserve(cache, b, h), impl=impl)
+    pages = build_pages(sources, cache.page_size, _spare(cache), impl=impl)
     return LayerStore(**pages._asdict(), slots=slots)
 
 
@@ -385,7 +386,7 @@ def heads_store(cache: KVCompileCache, heads) -> "LayerStore":
             keys[i, j, :n], values[i, j, :n], scores[i, j, :n] = x.keys, x.values, x.scores
             pos[i, j, :n], counts[i, j, :n], take[i, j, :n] = x.positions, x.counts, True
     store = build_store([Entries(keys, values, scores, pos, counts, take)], (take & (pos < 0)).sum(-1),
-                        cache.page_size, _reserve(cache, b, h))
+                        cache.page_size, _spare(cache))
     return store
 
 

@@ -127,8 +127,9 @@ def test_online_counts_and_bounded_memory_over_500_tokens(key):
         assert bool((store.lengths <= cache.budgets[:, 0]).all())
         pages = (store.lengths + page - 1) // page
         assert bool((pages <= (cache.budgets[:, 0] + page - 1) // page + 1).all())
-        in_use = int(pages.sum())
-        assert store.next_page - len(store.free) == in_use or store.next_page - len(store.free) <= in_use + b * h
+        # Pages a head owns (its entries' and its spares): never more than its budget's and one spare.
+        assert store.next_page == int(store.owned.sum())
+        assert bool((store.owned <= (cache.budgets[:, 0] + page - 1) // page + 1).all())
     heads = store_heads(cache.stores[0])
     for row in heads:
         for x in row:
@@ -179,6 +180,24 @@ def test_generate_few_hundred_tokens_with_fixed_memory_ceiling(spec):
     for pages in watch.pages:
         assert bool((pages <= ceiling).all())
     assert cache.memory_report()["bytes_held"] < cache.memory_report()["bytes_full"] / 4
+
+
+def test_decode_appends_stay_in_order_within_the_headroom():
+    """Each head's spare pages follow its prompt pages, so the tokens generated within the
+    headroom keep every head's pages consecutive in the pool: the layout the decode kernel
+    streams without jumps (benchmarks/bench_decode.py, "pages in head order")."""
+    model = tiny_model("llama")
+    policy = kvcompile.load_spec("snapkv", per_head=40)
+    cache = KVCompileCache(policy, model.config, headroom=50)
+    with kvcompile.compiled(model, policy), torch.no_grad():
+        model.generate(prompt(64, batch=2), max_new_tokens=50, min_new_tokens=50, do_sample=False,
+                       past_key_values=cache)
+    for store in cache.stores:
+        assert int(store.lengths.min()) >= 40 + 49  # the prompt's entries and the generated ones
+        cols = torch.arange(store.block_table.shape[-1])
+        live = cols < store.pages_per_head()[..., None]
+        assert torch.equal(store.block_table[live], (store.block_table[..., :1] + cols)[live])
+        assert store.next_page == store.k_pages.shape[0]  # the pool never grew
 
 
 @settings(max_examples=15, deadline=None)

@@ -191,12 +191,13 @@ def page_cases(draw):
 
 
 def check_pages(impl, case):
-    sources, page_size, reserve = case
+    sources, page_size, spare = case
     slots = sources[0].take.sum(-1)
-    expected = build_store(sources, slots, page_size, reserve)
-    got = ks.build_pages(sources, page_size, reserve, impl=impl)
+    expected = build_store(sources, slots, page_size, spare)
+    got = ks.build_pages(sources, page_size, spare, impl=impl)
     assert got.next_page == expected.next_page
-    for field in ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages", "block_table", "lengths"):
+    for field in ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages", "block_table", "lengths",
+                  "owned"):
         mine, ref = getattr(got, field), getattr(expected, field)
         assert mine.dtype == ref.dtype, field
         assert_close(mine, ref, rtol=0, atol=0, msg=field)  # a copy: bitwise
