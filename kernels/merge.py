@@ -95,11 +95,22 @@ def residual_merge_torch(slot_keys: Tensor, slot_values: Tensor, counts: Tensor,
     `compiled_step`, UNROLL consecutive steps are traced as one graph that Inductor
     compiles into a single C++ function (the steps stay sequential inside it), about
     10x faster; the token blocks are padded with inactive steps. It runs on one thread:
-    a step touches S·d elements, too few to pay for an OpenMP barrier."""
+    a step touches S·d elements, too few to pay for an OpenMP barrier. The compiled graph
+    is static and guards on its inputs' strides and dispatch keys, so every block it gets
+    is a fresh contiguous tensor made in inference mode: one graph per (B, H, S, d),
+    whatever the prompt length or the way the op is called (the first run of an
+    AOTAutograd graph calls custom ops below ADInplaceOrView)."""
+    if not compiled_step:
+        return _merge_blocks(slot_keys, slot_values, counts, keys, values, num, num_slots, 1, _merge_block)
+    with torch.inference_mode():
+        out = _merge_blocks(slot_keys.clone(), slot_values.clone(), counts.clone(), keys, values, num, num_slots,
+                            UNROLL, _compiled_block())
+    return tuple(t.clone() for t in out)  # ordinary tensors again, for in-place updates later
+
+
+def _merge_blocks(slot_keys, slot_values, counts, keys, values, num, num_slots, block, run):
     usable = torch.arange(slot_keys.shape[2], device=counts.device) < num_slots[..., None]
     steps = int(num.max()) if num.numel() and slot_keys.shape[2] else 0  # no slot: drop all
-    block = UNROLL if compiled_step else 1
-    run = _compiled_block() if compiled_step else _merge_block
     for start in range(0, steps, block):
         e = torch.arange(start, start + block, device=num.device)
         active = (e < num[..., None]) & (num_slots > 0)[..., None]  # (B, H, block)
@@ -107,6 +118,7 @@ def residual_merge_torch(slot_keys: Tensor, slot_values: Tensor, counts: Tensor,
         if k.shape[2] < block:  # the last block: pad with inactive steps
             k = torch.nn.functional.pad(k, (0, 0, 0, block - k.shape[2]))
             v = torch.nn.functional.pad(v, (0, 0, 0, block - v.shape[2]))
+        k, v = (t.clone(memory_format=torch.contiguous_format) for t in (k, v))  # see residual_merge_torch
         slot_keys, slot_values, counts = run(slot_keys, slot_values, counts, k, v, usable, active)
     return slot_keys, slot_values, counts
 

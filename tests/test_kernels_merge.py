@@ -66,9 +66,20 @@ def test_torch_lowering_matches_merge_evicted(**case):
 
 
 @pytest.mark.slow
-def test_compiled_step_matches_merge_evicted():
-    check("compiled", seed=1, batch=2, heads=3, tokens=40, slots=4, dim=8, value_dim=8,
-          dtype=torch.float32, positions=True)
+def test_compiled_step_matches_merge_evicted_in_one_graph():
+    """Bitwise equal to the reference, and one Inductor graph for every number of evicted
+    tokens (the blocks' strides) and every call mode (below ADInplaceOrView, as the first run
+    of an AOTAutograd graph calls the op)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    case = dict(batch=2, heads=3, slots=4, dim=8, value_dim=8, dtype=torch.float32, positions=True)
+    check("compiled", seed=1, tokens=40, **case)
+    check("compiled", seed=2, tokens=57, **case)
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        check("compiled", seed=3, tokens=33, **case)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
