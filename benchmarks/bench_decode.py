@@ -75,7 +75,7 @@ def paged_cache(tokens: int, heads: int, group: int, dim: int, page: int, gen: t
     pool, width = int(pages.sum()), int(pages.max())
     k_pages = torch.randn(pool, page, dim, generator=gen)
     v_pages = torch.randn(pool, page, dim, generator=gen)
-    table = torch.zeros(1, heads, width, dtype=torch.int32)
+    table = torch.zeros(1, heads, width, dtype=torch.long)  # int64, as the cache keeps it
     if layout == "interleaved":  # page i of head h: the i-th turn among the heads still growing
         turns = [(i, h) for i in range(width) for h in range(heads) if i < pages[h]]
         for number, (i, h) in enumerate(turns):
@@ -84,10 +84,10 @@ def paged_cache(tokens: int, heads: int, group: int, dim: int, page: int, gen: t
         order = torch.randperm(pool, generator=gen) if layout == "scattered" else torch.arange(pool)
         start = 0
         for h in range(heads):
-            table[0, h, : pages[h]] = order[start: start + pages[h]].int()
+            table[0, h, : pages[h]] = order[start: start + pages[h]]
             start += int(pages[h])
     q = torch.randn(1, heads * group, dim, generator=gen)
-    return q, k_pages, v_pages, table, lengths.view(1, heads).int()
+    return q, k_pages, v_pages, table, lengths.view(1, heads)
 
 
 def main() -> None:

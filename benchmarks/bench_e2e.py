@@ -158,7 +158,8 @@ def sweep(model, specs: list[str], per_head: int, lengths: list[int]) -> None:
         for n in lengths:
             ids = torch.randint(100, 40000, (1, n))
             for spec in specs:
-                with kvcompile.compiled(model, spec, per_head=per_head, mode="compiled"):
+                budget = {} if load_spec(spec).budget.threshold else {"per_head": per_head}  # a threshold sets its own
+                with kvcompile.compiled(model, spec, mode="compiled", **budget):
                     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                                    do_sample=False)
             counts.append(f"{n}: {graphs()}")
