@@ -333,15 +333,22 @@ def gather_pages_triton(k_pages, v_pages, score_pages, pos_pages, count_pages, b
 if triton is not None:
 
     @triton.jit
+    def _entries(rank_ptr, held_ptr, valid_ptr, base, start, width, BLOCK: tl.constexpr):
+        """One block of a group's entries: offsets, in range, rank, held (or protected), valid
+        (0 outside the group)."""
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < width
+        rank = tl.load(rank_ptr + base + offs, mask=inside, other=0)
+        held = tl.load(held_ptr + base + offs, mask=inside, other=0) != 0
+        valid = tl.load(valid_ptr + base + offs, mask=inside, other=0) != 0
+        return offs, inside, rank, held, valid
+
+    @triton.jit
     def _count_below(rank_ptr, held_ptr, valid_ptr, base, width, tau, BLOCK: tl.constexpr):
         """Candidates (valid, not held) of the group whose rank is below tau."""
         count = tl.zeros([], tl.int32)
         for start in range(0, width, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            inside = offs < width
-            rank = tl.load(rank_ptr + base + offs, mask=inside, other=0)
-            held = tl.load(held_ptr + base + offs, mask=inside, other=1) != 0
-            valid = tl.load(valid_ptr + base + offs, mask=inside, other=0) != 0
+            _, _, rank, held, valid = _entries(rank_ptr, held_ptr, valid_ptr, base, start, width, BLOCK)
             count += tl.sum((valid & ~held & (rank < tau)).to(tl.int32), axis=0)
         return count
 
@@ -366,11 +373,7 @@ if triton is not None:
             hi = tl.where(enough, mid, hi)
             lo = tl.where(enough, lo, mid + 1)
         for start in range(0, width, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            inside = offs < width
-            rank = tl.load(rank_ptr + base + offs, mask=inside, other=0)
-            held = tl.load(held_ptr + base + offs, mask=inside, other=0) != 0
-            valid = tl.load(valid_ptr + base + offs, mask=inside, other=0) != 0
+            offs, inside, rank, held, valid = _entries(rank_ptr, held_ptr, valid_ptr, base, start, width, BLOCK)
             keep = held | (valid & (rank < lo))
             tl.store(out_ptr + base + offs, keep.to(tl.int8), mask=inside)
 
@@ -379,11 +382,7 @@ if triton is not None:
         """float64 Σ s² over the valid entries kept when candidates ranked ≥ rho are evicted."""
         total = tl.zeros([], tl.float64)
         for start in range(0, width, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            inside = offs < width
-            valid = tl.load(valid_ptr + base + offs, mask=inside, other=0) != 0
-            prot = tl.load(prot_ptr + base + offs, mask=inside, other=0) != 0
-            rank = tl.load(rank_ptr + base + offs, mask=inside, other=0)
+            offs, _, rank, prot, valid = _entries(rank_ptr, prot_ptr, valid_ptr, base, start, width, BLOCK)
             s = tl.load(score_ptr + base + offs, mask=valid, other=0.0).to(tl.float64)
             stays = valid & (prot | (rank < rho))
             total += tl.sum(tl.where(stays, s * s, 0.0), axis=0)
@@ -410,11 +409,7 @@ if triton is not None:
             hi = tl.where(small, mid, hi)
             lo = tl.where(small, lo, mid + 1)
         for start in range(0, width, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            inside = offs < width
-            valid = tl.load(valid_ptr + base + offs, mask=inside, other=0) != 0
-            prot = tl.load(prot_ptr + base + offs, mask=inside, other=0) != 0
-            rank = tl.load(rank_ptr + base + offs, mask=inside, other=0)
+            offs, inside, rank, prot, valid = _entries(rank_ptr, prot_ptr, valid_ptr, base, start, width, BLOCK)
             keep = valid & (prot | (rank < lo))
             tl.store(out_ptr + base + offs, keep.to(tl.int8), mask=inside)
 
