@@ -250,7 +250,7 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
                 captured[key] = capture(model, torch.as_tensor(prompt.input_ids).reshape(1, -1))
             states, logits = captured[key]
             started = time.perf_counter()
-            cache = replay(policy, model.config, states)
+            cache = replay(policy, model.config, states, headroom=max_new_tokens)  # as generate() reserves
             replayed = time.perf_counter()
             new = greedy(model, cache, logits, max_new_tokens, tokenizer.eos_token_id)[0].tolist()
             decoded = time.perf_counter()
@@ -315,7 +315,7 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
             states, last = capture(model, prompt)
             runs = [(None, full_logits)]
             for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy"):
-                cache = replay(policy, model.config, states)
+                cache = replay(policy, model.config, states, headroom=tokens)
                 runs.append((policy, teacher_forced(model, cache, last, target)[0].float()))
             for policy, logits in runs:
                 nll = torch.nn.functional.cross_entropy(logits, target[0])
