@@ -80,8 +80,17 @@ def _start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, de
 
 
 def _spare(cache: KVCompileCache) -> int:
-    """Spare pages per head for the tokens it will generate (one when nothing is known)."""
-    return math.ceil(cache.headroom / cache.page_size) if cache.headroom else 1
+    """Spare pages per head for the tokens it will store while decoding: the headroom the
+    caller announced (generate(): max_new_tokens), but no more than the decode schedule lets a
+    head grow (online: one token, then it evicts; every n: n tokens, then a prune writes fresh
+    pages); one page when nothing is known."""
+    decode = cache.policy.schedule.decode
+    growth = cache.headroom
+    if decode is not None and decode.name == "online":
+        growth = min(growth, 1)
+    elif decode is not None and decode.name == "every":
+        growth = min(growth, decode.n) if growth else decode.n
+    return max(1, math.ceil(growth / cache.page_size))
 
 
 def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
