@@ -11,7 +11,10 @@ every vector it loads and walks V once per 16 lanes of d per query head, so it s
 does on a GPU: each work item is one (sequence, KV head, run of pages); it looks a page
 up once, computes the G query heads' logits of that page's S entries, takes one
 vectorised exp per query head and page (online softmax, Milakov & Gimelshein 2018), and
-accumulates P·V with G·D/lanes accumulators held in registers. Every retained K/V byte
+accumulates P·V with G·D/lanes accumulators held in registers. With AVX-512 and 16-entry
+pages (the default), a page's 16 dot-product vectors are summed into one vector of logits
+by a transpose-and-add tree; other widths take one horizontal sum and a scalar exp per
+entry. Every retained K/V byte
 is read once. Work items run on OpenMP threads (flash-decoding's split over pages,
 Dao et al. 2023), and a second loop combines the partials of each head.
 
