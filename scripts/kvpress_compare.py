@@ -267,8 +267,10 @@ def cmd_kvcompile(args) -> None:
                 g = generate(model, tokenizer, ids, data["max_new_tokens"])
                 kv, kept = full_kv_bytes(model, len(ids) + len(g.new_tokens) - 1), None
             else:
-                kvcompile.compile(model, name, per_head=budget,
-                                  **({} if args.as_shipped else matched(data["scoring"][name])))
+                overrides = {} if args.as_shipped else matched(data["scoring"][name])
+                if args.uniform_layers:
+                    overrides["budget"] = {"layers": "uniform"}
+                kvcompile.compile(model, name, per_head=budget, **overrides)
                 try:
                     g = generate(model, tokenizer, ids, data["max_new_tokens"])
                 finally:
@@ -354,6 +356,9 @@ def main(argv=None) -> None:
             q.add_argument("--kvpress", required=True, help="the kvpress step's JSON")
             q.add_argument("--as-shipped", action="store_true",
                            help="run our specs as shipped (max pooling where they say so), not matched to kvpress")
+            q.add_argument("--uniform-layers", action="store_true",
+                           help="give every layer the same budget (layers: uniform): what kvpress's "
+                                "PyramidKVPress does when a layer's budget / beta is below its window")
         q.set_defaults(func=func)
     args = parser.parse_args(argv)
     args.func(args)
