@@ -191,7 +191,9 @@ class KVCompileCache(Cache):
         config: the model's (text) config: layers, KV heads, head dim.
         page_size: entries per page (default 16).
         headroom: tokens per head to reserve for generation after the prompt
-            (`generate()` passes max_new_tokens); the pool grows when it runs out.
+            (`generate()` passes max_new_tokens), as spare pages right after each head's
+            pages (at most what the decode schedule lets a head grow); the pool grows
+            when they run out.
         record: keep each layer's prefill state (LayerState with every query row) for
             tests and "prefill once, compress many" sweeps.
         kernels: which decode attention kernel runs: None (Triton on a GPU; on a CPU
