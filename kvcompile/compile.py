@@ -132,13 +132,16 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
     @functools.wraps(generate)
     def compiled_generate(*args, past_key_values=None, **kwargs):
+        gen = kwargs.get("generation_config") or model.generation_config
+        headroom = kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 0
         if past_key_values is None and kwargs.get("use_cache", True) is not False:
-            gen = kwargs.get("generation_config") or model.generation_config
-            headroom = kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 0
             t = _length(args, kwargs)
             if t is not None and kwargs.get("max_new_tokens") is not None:  # fail before the prompt runs
                 check_length(config, t + kwargs["max_new_tokens"])
             past_key_values = new_cache(headroom)
+        elif (isinstance(past_key_values, KVCompileCache) and not past_key_values.is_initialized
+              and not past_key_values.headroom):
+            past_key_values.headroom = headroom  # a fresh cache of the caller's: spares for what generate() adds
         return generate(*args, past_key_values=past_key_values, **kwargs)
 
     model.forward = compiled_forward

@@ -185,13 +185,15 @@ def test_generate_few_hundred_tokens_with_fixed_memory_ceiling(spec):
     assert report["bytes_allocated"] <= int((ceiling + 1).sum()) * cache.page_size * 2 * cache.head_dim * 4
 
 
-def test_decode_appends_stay_in_order_within_the_headroom():
+@pytest.mark.parametrize("headroom", [50, 0])
+def test_decode_appends_stay_in_order_within_the_headroom(headroom):
     """Each head's spare pages follow its prompt pages, so the tokens generated within the
     headroom keep every head's pages consecutive in the pool: the layout the decode kernel
-    streams without jumps (benchmarks/bench_decode.py, "pages in head order")."""
+    streams without jumps (benchmarks/bench_decode.py, "pages in head order"). A fresh cache
+    given without headroom gets generate()'s max_new_tokens."""
     model = tiny_model("llama")
     policy = kvcompile.load_spec("snapkv", per_head=40)
-    cache = KVCompileCache(policy, model.config, headroom=50)
+    cache = KVCompileCache(policy, model.config, headroom=headroom)
     with kvcompile.compiled(model, policy), torch.no_grad():
         model.generate(prompt(64, batch=2), max_new_tokens=50, min_new_tokens=50, do_sample=False,
                        past_key_values=cache)
