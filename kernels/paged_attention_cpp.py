@@ -71,10 +71,16 @@ constexpr bool TREE = false;
 
 // Online-softmax step of query head g over one page's logits [first, last) (in row[0..S)):
 // row becomes the page's exp(logit - m_new) (zeros while m is -inf); m, l and the
-// accumulators are rescaled.
-static inline void softmax_step(float* row, int64_t first, int64_t last, float& m, float& l, Vec* acc) {
+// accumulators are rescaled. whole: row is one vector (S == L) whose lanes outside
+// [first, last) hold -inf, so max, exp and sum run on the vector.
+static inline void softmax_step(float* row, int64_t first, int64_t last, bool whole, float& m, float& l,
+                                Vec* acc) {
     float page_max = NEG_INF;
-    for (int64_t s = first; s < last; ++s) page_max = std::max(page_max, row[s]);
+    if (whole)
+        page_max = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); },
+                                                  Vec::loadu(row));
+    else
+        for (int64_t s = first; s < last; ++s) page_max = std::max(page_max, row[s]);
     const float m_new = std::max(m, page_max);
     if (m_new == NEG_INF) {  // nothing finite yet (bias -inf): no weight
         for (int64_t s = first; s < last; ++s) row[s] = 0.f;
@@ -82,7 +88,13 @@ static inline void softmax_step(float* row, int64_t first, int64_t last, float& 
     }
     const float rescale = std::exp(m - m_new);  // 0 when m = -inf
     float sum = 0.f;
-    for (int64_t s = first; s < last; ++s) { row[s] = std::exp(row[s] - m_new); sum += row[s]; }
+    if (whole) {  // one vectorised exp per page; the -inf lanes give 0
+        const Vec p = (Vec::loadu(row) - Vec(m_new)).exp();
+        p.store(row);
+        sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, p);
+    } else {
+        for (int64_t s = first; s < last; ++s) { row[s] = std::exp(row[s] - m_new); sum += row[s]; }
+    }
     l = l * rescale + sum;
     m = m_new;
     for (int64_t j = 0; j < DV; ++j) acc[j] = acc[j] * Vec(rescale);
@@ -145,22 +157,11 @@ static void partial(const float* q, float scale, const float* kp, const float* v
             for (int64_t g = 0; g < G; ++g) {
                 Vec row = Vec(lane_sums16(dots + g * S * L));
                 if (bias) row = row + Vec::loadu(bias + page * S);
-                row = Vec::blendv(Vec(NEG_INF), row, valid);
-                const float m_new = std::max(m[g], at::vec::vec_reduce_all<float>(
-                    [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, row));
-                if (m_new == NEG_INF) { Vec(0.f).store(logit + g * S); continue; }
-                const float rescale = std::exp(m[g] - m_new);  // 0 when m = -inf
-                const Vec p = (row - Vec(m_new)).exp();  // one vectorised exp per page
-                p.store(logit + g * S);
-                l[g] = l[g] * rescale + at::vec::vec_reduce_all<float>(
-                    [](Vec& x, Vec& y) { return x + y; }, p);
-                m[g] = m_new;
-                for (int64_t j = 0; j < DV; ++j) acc[g][j] = acc[g][j] * Vec(rescale);
+                Vec::blendv(Vec(NEG_INF), row, valid).store(logit + g * S);
             }
         }
 #endif
-        if (!tree)
-            for (int64_t g = 0; g < G; ++g) softmax_step(logit + g * S, first, last, m[g], l[g], acc[g]);
+        for (int64_t g = 0; g < G; ++g) softmax_step(logit + g * S, first, last, tree, m[g], l[g], acc[g]);
         for (int64_t s = first; s < last; ++s) {
             for (int64_t j = 0; j < DV; ++j) {
                 Vec v = Vec::loadu(vpage + s * D + j * L);
