@@ -38,7 +38,7 @@ from torch._dynamo.utils import counters
 
 import kvcompile
 from kvcompile.models import full_kv_bytes, load_model
-from kvcompile.spec import load_spec
+from kvcompile.cli import policy_for  # --per-head, unless the spec's threshold sets its own budget
 
 
 class Clock:
@@ -129,8 +129,7 @@ def main() -> None:
         for spec in args.specs:
             tokens = {}
             for mode in args.modes:
-                budget = {} if load_spec(spec).budget.threshold else {"per_head": args.per_head}  # a threshold sets its own
-                kvcompile.compile(model, spec, mode=mode, **budget)
+                kvcompile.compile(model, policy_for(spec, args.per_head), mode=mode)
                 if mode == "compiled" and compile_note is None:
                     before = graphs()
                     seconds = _seconds(lambda: run(model, ids[:, :100], 4))
@@ -158,8 +157,7 @@ def sweep(model, specs: list[str], per_head: int, lengths: list[int]) -> None:
         for n in lengths:
             ids = torch.randint(100, 40000, (1, n))
             for spec in specs:
-                budget = {} if load_spec(spec).budget.threshold else {"per_head": per_head}  # a threshold sets its own
-                with kvcompile.compiled(model, spec, mode="compiled", **budget):
+                with kvcompile.compiled(model, policy_for(spec, per_head), mode="compiled"):
                     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                                    do_sample=False)
             counts.append(f"{n}: {graphs()}")
