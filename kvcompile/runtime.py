@@ -148,6 +148,13 @@ def _prompt_scores(policy, state: reference.LayerState) -> Tensor:
     return reference.score_layer(policy, state) if chunked is None else chunked(state)
 
 
+def _selection_impl(cache: KVCompileCache) -> str | None:
+    """The selection and gather kernels' impl: Triton where the cache asks for it (or on a
+    GPU by default), else the eager torch lowering: a few sorts and a memory-bound copy, with
+    nothing for Inductor to fuse."""
+    return cache.kernels if cache.kernels in (None, "triton") else "torch"
+
+
 def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, total, layer):
     """A layer's first compression: the selection kernels (kvcompile.kernels.select: equal to
     reference.select), then the evicted tokens merged by the residual-merge kernel
@@ -156,7 +163,7 @@ def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, tot
 
     policy = cache.policy
     lengths = cache.prompt_lengths
-    impl = cache.kernels if cache.kernels in (None, "triton") else "torch"  # eager lowering on a CPU: a few sorts
+    impl = _selection_impl(cache)
     kept = select(policy, scores, positions, valid, lengths, total, layer, impl=impl)
     if not policy.merges:
         return kept, None
@@ -194,7 +201,7 @@ def _store(cache: KVCompileCache, tokens: Entries, merged: reference.Merged | No
         sources.insert(0, Entries(merged.keys, merged.values, torch.zeros_like(counts, dtype=torch.float32),
                                   -1 - torch.arange(counts.shape[-1], device=counts.device).expand_as(counts),  # slot r at -1 - r
                                   counts.float(), occupied))
-    impl = cache.kernels if cache.kernels in (None, "triton") else "torch"  # a memory-bound copy: nothing to fuse
+    impl = _selection_impl(cache)
     pages = build_pages(sources, cache.page_size, _spare(cache), impl=impl)
     return LayerStore(**pages._asdict(), slots=slots)
 
