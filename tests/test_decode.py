@@ -130,6 +130,7 @@ def test_online_counts_and_bounded_memory_over_500_tokens(key):
         # Pages a head owns (its entries' and its spares): never more than its budget's and one spare.
         assert store.next_page == int(store.owned.sum())
         assert bool((store.owned <= (cache.budgets[:, 0] + page - 1) // page + 1).all())
+        assert bool((store.owned <= pages + 1).all())  # at most one page beyond what it holds
     heads = store_heads(cache.stores[0])
     for row in heads:
         for x in row:
