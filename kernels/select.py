@@ -11,7 +11,8 @@ kernel ever compares scores or breaks a tie itself.
 - `keep_threshold`: DBudgetKV (Ni et al., 2025, §3.2–3.3, Alg. 1, Eq. 2) per head: evict
   the longest least-important-first prefix of the unprotected entries whose removal keeps
   1 − ‖s_kept‖₂ / ‖s‖₂ ≤ t, in float64 (`AttentionNorm.keep`).
-- `select`: `kvcompile.reference.select` through these two (same arguments, same result).
+- `select`: `kvcompile.selection.select` through these two (same arguments, same result);
+  each heads and threshold part composes its selection from them (`keep_ranked`).
 
 Gather: `gather_pages` writes the `take` (B, H, E) rows of each head — key, value, score,
 position, count — into its pages (docs/INTERNALS.md "Paged cache layout": entry e of head
@@ -45,8 +46,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from kvcompile.policies.budgets import exact
 
 try:  # Triton is optional: the torch lowering covers machines without it.
     import triton
@@ -94,29 +93,21 @@ def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Te
 
 
 def _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl):
-    from kvcompile import reference  # the budget arithmetic and the protected sets
+    from kvcompile.allocation import head_budgets, latest, ranked  # the budget arithmetic, protected sets
 
-    valid, ranks, protected = reference.ranked(policy, scores, positions, valid, lengths)
+    valid, ranks, protected = ranked(policy, scores, positions, valid, lengths)
     threshold = policy.budget.threshold
     if threshold is not None:
-        if layer < threshold.keep_layers:
+        if threshold.keeps_whole(layer):
             return valid.clone()
-        return keep_threshold(ranks, protected, valid, scores, threshold.t, impl=impl)
+        return threshold.keep_ranked(ranks, protected, valid, scores, functools.partial(keep_threshold, impl=impl))
     if total is None:
         raise ValueError("select needs the layer's total unless the policy has a threshold")
-    heads = reference.head_budgets(policy, valid, total, used_slots)
-    protected |= reference.latest(positions, valid, heads.proximity)
-    part = policy.budget.heads.name
-    if part == "uniform":
-        return keep_best(ranks, protected, valid, heads.tokens, impl=impl)
-    if part == "pooled":  # floor per head first, then one top-k over the layer
-        b, h = heads.tokens.shape
-        share = exact(policy.budget.heads.floor)
-        floor = torch.tensor([math.floor(share * t / h) for t in total.tolist()], dtype=torch.long,
-                             device=valid.device)
-        kept = keep_best(ranks, protected, valid, floor[:, None].expand(b, h), impl=impl)
-        return keep_best(ranks, kept, valid, heads.tokens.sum(-1), pooled=True, impl=impl)
-    raise NotImplementedError(f"select kernels: no kernel for heads part {part!r}")
+    heads = head_budgets(policy, valid, total, used_slots)
+    protected |= latest(positions, valid, heads.proximity)
+    # the heads part says how its selection is made of top-k's (its reference, per sequence, otherwise)
+    return policy.budget.heads.keep_ranked(ranks, protected, valid, heads.tokens, total,
+                                           functools.partial(keep_best, impl=impl))
 
 
 # --------------------------------------------------------------------------- top-k

@@ -65,14 +65,13 @@ def window_scores(queries: Tensor, keys: Tensor, values: Tensor | None, mask: Te
 
 
 def score_fused(scorer, state, impl: str | None = None) -> Tensor:
-    """`scorer.score(state)` through the fused kernel, for the parts it covers:
-    `WindowAttention` and `Lava` (kvcompile/policies/scoring.py)."""
-    name = getattr(scorer, "name", None)
-    if name not in ("window_attention", "lava"):
-        raise ValueError(f"window_scores covers window_attention and lava, not {name!r}")
-    return window_scores(state.queries, state.keys, state.values, state.mask, state.scale,
-                         window=scorer.window, gqa=scorer.gqa, pooling=scorer.pooling.kind,
-                         kernel=scorer.pooling.kernel, value_weight=name == "lava", impl=impl)
+    """`scorer.score(state)` through the fused kernel, for the parts that are window scorers
+    (their `fused_window()` gives the kernel's arguments: `WindowAttention`, `Lava`)."""
+    fused = scorer.fused_window() if hasattr(scorer, "fused_window") else None
+    if fused is None:
+        raise ValueError(f"window_scores covers the window scorers (window_attention, lava), "
+                         f"not {getattr(scorer, 'name', scorer)!r}")
+    return window_scores(state.queries, state.keys, state.values, state.mask, state.scale, **fused, impl=impl)
 
 
 def _check(queries, keys, values, mask, window, gqa, pooling, kernel, value_weight) -> None:

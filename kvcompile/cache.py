@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
+from kvcompile.layer_state import LayerState
+from kvcompile.plan import Plan, build_plan
 from kvcompile.policy import Policy
-from kvcompile.reference import LayerState
 
 _LIVE: "weakref.WeakValueDictionary[int, KVCompileCache]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
@@ -183,6 +184,27 @@ def _grow(store: LayerStore, extra: int) -> None:
         setattr(store, name, torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]))
 
 
+@dataclass
+class PromptState:
+    """What every layer's prompt compression reads; made by `runtime.start_prompt` at layer 0."""
+
+    valid: Tensor  # (B, N) bool: real prompt tokens (left pads False)
+    lengths: Tensor  # (B,) real prompt lengths n_b
+    pad: Tensor  # (B,) left pads
+    width: int  # N: prompt length with pads
+    totals: Tensor | None  # (B, L) layer totals known from the lengths (None: threshold or cascade)
+    entropy: list[Tensor]  # cascade: the (B,) entropy of every layer compressed so far
+    progress: object | None = None  # a tqdm bar over the layers, or None
+
+
+@dataclass
+class DecodeState:
+    """What decoding reads; made by `runtime.start_decode` at the first generated token."""
+
+    budgets: Tensor  # (B, L, H) entries each head may hold while decoding
+    split: Tensor | None  # (B, L, H, 3) ZSMerge proximity, context, residual per head (None: no split)
+
+
 class KVCompileCache(Cache):
     """A `transformers.Cache` whose layers hold only the entries a policy keeps.
 
@@ -196,39 +218,57 @@ class KVCompileCache(Cache):
             when they run out.
         record: keep each layer's prefill state (LayerState with every query row) for
             tests and "prefill once, compress many" sweeps.
-        kernels: which decode attention kernel runs: None (Triton on a GPU; on a CPU
-            the C++ kernel for fp32, else the eager torch lowering), "cpp", "torch",
-            "compiled" (the torch lowering through Inductor) or "triton".
+        kernels: which kernels run: None (Triton on a GPU; on a CPU the C++ decode kernel
+            for fp32, else the eager torch lowering), "cpp", "torch", "compiled" (the torch
+            lowering through Inductor) or "triton".
+        plan: a `kvcompile.plan.Plan` (what compile() builds); instead of policy and config.
+
+    The runtime's state lives in declared fields: `stores` (one LayerStore per layer),
+    `prompt` (PromptState, while and after the prompt runs), `decoding` (DecodeState, once
+    tokens are generated), `rings` (latest queries per layer, for `decode: every`),
+    `states` (recorded LayerStates) and `seq_length`.
     """
 
     is_compileable = False
 
-    def __init__(self, policy: Policy, config, page_size: int = 16, headroom: int = 0,
-                 record: bool = False, progress=None, kernels: str | None = None):
+    def __init__(self, policy: Policy | None = None, config=None, page_size: int = 16, headroom: int = 0,
+                 record: bool = False, progress=None, kernels: str | None = None, *, plan: Plan | None = None):
         super().__init__(layers=[])
-        self.policy = policy
-        self.dynamic = policy.layer_dynamic  # layer budgets move during prefill: cascade
-        self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.page_size = page_size
-        self.headroom = headroom
+        if plan is None:
+            if policy is None or config is None:
+                raise TypeError("KVCompileCache needs a policy and the model's config, or a plan")
+            plan = build_plan(policy, config, kernels=kernels, page_size=page_size, headroom=headroom)
+        self.plan = plan
         self.record = record
-        self.kernels = kernels
-        self.progress = progress  # callable(layer_idx) or None
-        self.stores: list[LayerStore | None] = [None] * self.num_layers
-        self.states: list[LayerState | None] = [None] * self.num_layers
+        self.progress = progress  # show a progress bar over the prompt's layers
+        self.stores: list[LayerStore | None] = [None] * plan.num_layers
+        self.states: list[LayerState | None] = [None] * plan.num_layers
+        self.rings: list[Tensor | None] = [None] * plan.num_layers  # latest query rows (decode: every)
         self.seq_length = 0  # logical length: prompt (pads included) + generated tokens
-        self.prompt_lengths: Tensor | None = None  # (B,) real prompt lengths
-        self.pad: Tensor | None = None  # (B,) left pads
-        self.prompt_width = 0  # N: prompt length with pads
-        self.totals: Tensor | None = None  # (B, L) static layer budgets
-        self.entropy: list[Tensor] = []  # cascade: per-layer (B,) entropies seen so far
-        self.budgets: Tensor | None = None  # (B, L, H) decode budgets, fixed after the prompt
-        self.split: Tensor | None = None  # (B, L, H, 3) ZSMerge proximity, context, residual
-        self.rings: list[Tensor | None] = [None] * self.num_layers  # latest query rows (decode: every)
+        self.prompt: PromptState | None = None
+        self.decoding: DecodeState | None = None
         self.handle = next(_NEXT_HANDLE)
         _LIVE[self.handle] = self
+
+    @classmethod
+    def from_plan(cls, plan: Plan, record: bool = False, progress=None) -> "KVCompileCache":
+        return cls(plan=plan, record=record, progress=progress)
+
+    # --- what the plan fixed ------------------------------------------------------------
+    policy = property(lambda self: self.plan.policy)
+    num_layers = property(lambda self: self.plan.num_layers)
+    num_heads = property(lambda self: self.plan.num_heads)
+    head_dim = property(lambda self: self.plan.head_dim)
+    page_size = property(lambda self: self.plan.page_size)
+    headroom = property(lambda self: self.plan.headroom)
+    kernels = property(lambda self: self.plan.kernels)
+
+    # --- the prompt and decode state, by their usual names ----------------------------------
+    prompt_lengths = property(lambda self: None if self.prompt is None else self.prompt.lengths)  # (B,)
+    pad = property(lambda self: None if self.prompt is None else self.prompt.pad)  # (B,) left pads
+    prompt_width = property(lambda self: 0 if self.prompt is None else self.prompt.width)
+    budgets = property(lambda self: None if self.decoding is None else self.decoding.budgets)  # (B, L, H)
+    split = property(lambda self: None if self.decoding is None else self.decoding.split)
 
     # --- transformers.Cache interface -------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -255,8 +295,7 @@ class KVCompileCache(Cache):
         return self.stores[0] is not None
 
     def reset(self):
-        self.__init__(self.policy, _Dims(self), self.page_size, self.headroom, self.record, self.progress,
-                      self.kernels)
+        self.__init__(plan=self.plan, record=self.record, progress=self.progress)
 
     def _unsupported(self, what):
         raise NotImplementedError(f"KVCompileCache does not support {what} (beam search, cropping, "
@@ -314,10 +353,3 @@ class KVCompileCache(Cache):
             "pages": pages,
             "page_size": self.page_size,
         }
-
-
-class _Dims:
-    def __init__(self, cache):
-        self.num_hidden_layers = cache.num_layers
-        self.num_key_value_heads = cache.num_heads
-        self.head_dim = cache.head_dim

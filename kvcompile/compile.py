@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
+from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
 from kvcompile.runtime import kvcompile_attention, kvcompile_mask
 
@@ -84,8 +85,13 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     mode: "eager" (transformers' AttentionInterface routes to the kvcompile op) or
     "compiled" (torch.compile with the kvcompile backend: FX passes rewrite the captured
     SDPA calls into the op, Inductor fuses the rest; see kvcompile.passes).
-    kernels: the decode attention kernel (KVCompileCache); by default Triton on a GPU,
-    the C++ kernel on a CPU for fp32, else the torch lowering ("compiled" in compiled mode).
+    kernels: the kernels (KVCompileCache); by default Triton on a GPU, the C++ decode kernel
+    on a CPU for fp32, else the torch lowering ("compiled" in compiled mode).
+
+    The decisions are made here, once, into a `kvcompile.plan.Plan` (`model.kvcompile_plan`):
+    which scorer, selection, merge and decode implementations run, what decoding does, the
+    spare pages. A choice that cannot run here (an unknown kernel, a policy part without an
+    implementation on this path) raises CompileError before the model is touched.
     """
     if mode not in ("eager", "compiled"):
         raise ValueError(f"kvcompile: mode must be 'eager' or 'compiled', got {mode!r}")
@@ -98,6 +104,13 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     _check_model(model)
     if page_size < 1:
         raise ValueError(f"kvcompile: page_size must be >= 1, got {page_size}")
+    if mode == "compiled" and kernels is None and model.dtype != torch.float32:  # the C++ kernel is fp32 only
+        kernels = "compiled"
+    try:
+        plan = build_plan(policy, model.config, device=model.device, dtype=model.dtype, kernels=kernels,
+                          page_size=page_size)
+    except PlanError as exc:
+        raise CompileError(str(exc)) from None
     if hasattr(model, _STATE):
         uncompile(model)
     config = model.config
@@ -106,8 +119,6 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     if mode == "compiled":
         from kvcompile.passes import compile_forward
 
-        if kernels is None and model.dtype != torch.float32:  # the C++ kernel is fp32 only
-            kernels = "compiled"
         model.set_attn_implementation("sdpa")
         forward = compile_forward(model, forward)
     else:
@@ -116,8 +127,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         model.set_attn_implementation("kvcompile")
 
     def new_cache(headroom: int = 0) -> KVCompileCache:
-        return KVCompileCache(policy, config, page_size=page_size, headroom=headroom, progress=progress,
-                              kernels=kernels)
+        return KVCompileCache.from_plan(plan.with_headroom(headroom), progress=progress)
 
     @functools.wraps(forward)
     def compiled_forward(*args, past_key_values=None, use_cache=None, **kwargs):
@@ -140,13 +150,14 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
                 check_length(config, t + kwargs["max_new_tokens"])
             past_key_values = new_cache(headroom)
         elif (isinstance(past_key_values, KVCompileCache) and not past_key_values.is_initialized
-              and not past_key_values.headroom):
-            past_key_values.headroom = headroom  # a fresh cache of the caller's: spares for what generate() adds
+              and not past_key_values.headroom):  # a fresh cache of the caller's: spares for what generate() adds
+            past_key_values.plan = past_key_values.plan.with_headroom(headroom)
         return generate(*args, past_key_values=past_key_values, **kwargs)
 
     model.forward = compiled_forward
     model.generate = compiled_generate
     model.kvcompile_policy = policy
+    model.kvcompile_plan = plan
     setattr(model, _STATE, saved)
     return model
 
@@ -156,7 +167,7 @@ def uncompile(model):
     saved = getattr(model, _STATE, None)
     if saved is None:
         return model
-    for name in ("forward", "generate", "kvcompile_policy"):
+    for name in ("forward", "generate", "kvcompile_policy", "kvcompile_plan"):
         model.__dict__.pop(name, None)
     model.set_attn_implementation(saved["attn"] or "sdpa")
     delattr(model, _STATE)

@@ -1,7 +1,11 @@
 """The validated policy: what a spec file means, as frozen dataclasses (the IR)."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+
+import yaml
 
 from kvcompile.policies.budgets import Budget
 from kvcompile.policies.merge import Drop
@@ -26,13 +30,53 @@ class Policy:
     @property
     def layer_dynamic(self) -> bool:
         """Layer budgets depend on the scores of other layers (cascade during prefill)."""
-        return self.budget.layers.name == "entropy" or self.schedule.cascade
+        return self.budget.layers.needs_scores or self.schedule.cascade
 
     @property
     def merges(self) -> bool:
-        return self.merge.name == "residual"
+        """Evicted tokens are kept in merge slots (the merge rule says)."""
+        return self.merge.merges
 
     def to_yaml(self) -> str:
-        from kvcompile.spec import policy_to_yaml
-
         return policy_to_yaml(self)
+
+
+def _fields(obj) -> dict:
+    return {f.name: _fields(v) if dataclasses.is_dataclass(v) else v
+            for f in dataclasses.fields(obj) if f.init for v in [getattr(obj, f.name)]}
+
+
+def _part_mapping(part) -> dict | None:
+    return None if part is None else {type(part).name: _fields(part)}
+
+
+def policy_to_mapping(policy: Policy) -> dict:
+    """The explicit full form of a policy as plain data: every section, every field."""
+    budget, schedule = policy.budget, policy.schedule
+    return {
+        "name": policy.name,
+        "scoring": _part_mapping(policy.scoring),
+        "ranking": _part_mapping(policy.ranking),
+        "budget": {
+            "per_head": budget.per_head,
+            "ratio": budget.ratio,
+            "layers": _part_mapping(budget.layers),
+            "heads": _part_mapping(budget.heads),
+            "threshold": _part_mapping(budget.threshold),
+            "split": None if budget.split is None else _fields(budget.split),
+        },
+        "merge": _part_mapping(policy.merge),
+        "schedule": {"cascade": schedule.cascade, "decode": _part_mapping(schedule.decode)},
+    }
+
+
+def policy_to_yaml(policy: Policy) -> str:
+    """The policy as a spec file in explicit full form (one flow mapping per section),
+    its description as the leading comment. load_spec of the result equals the policy."""
+    description = "\n".join(line.rstrip() for line in policy.description.splitlines()).strip("\n")
+    out = [f"# {line}".rstrip() for line in description.splitlines()]
+    for key, value in policy_to_mapping(policy).items():
+        dumped = yaml.safe_dump({key: value}, default_flow_style=True, sort_keys=False,
+                                width=math.inf).strip()
+        out.append(dumped[1:-1])  # "{key: value}" -> "key: value"
+    return "\n".join(out) + "\n"

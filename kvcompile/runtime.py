@@ -7,21 +7,26 @@ model never holds the whole prompt's KV for all layers. Layer-dynamic budgets (L
 re-compress the lower layers as a cascade.
 
 Decode: append the new entries to their heads' pages, then attention over the pages
-with the per-entry bias α·log w (ZSMerge Eq. 8) when the policy merges.
+with the merge rule's per-entry bias (ZSMerge Eq. 8: α·log w) when the policy merges.
+
+Every choice (which scorer, selection, merge and decode kernels, what decoding does, spare
+pages) was made by the plan (kvcompile.plan) that the cache carries: this module reads it.
 
 The op is an opaque `torch.library.custom_op` with a fake implementation, so compiled
 graphs treat it as one call and do not recompile as the cache grows.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcompile import reference
-from kvcompile.cache import Entries, KVCompileCache, append, build_store, lookup_cache
+from kvcompile.allocation import decode_budgets, head_budgets, head_split, latest, layer_totals
+from kvcompile.cache import (DecodeState, Entries, KVCompileCache, LayerStore, PromptState, append, build_store,
+                             lookup_cache)
+from kvcompile.layer_state import LayerState
+from kvcompile.policies.scoring import entropy
+from kvcompile.selection import HeadEntries, Merged, decode_prune, merge_evicted, select_and_merge
 
 
 def _flash_attn():
@@ -60,45 +65,32 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
 
 # --- prefill ---------------------------------------------------------------------------
 
-def _start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, device) -> None:
-    valid = torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask[:, -n:].bool()
-    cache.valid = valid
-    cache.prompt_lengths = valid.sum(-1)
-    cache.pad = n - cache.prompt_lengths
-    cache.prompt_width = n
-    cache.entropy = []
-    cache.budgets = None
-    cache.rings = [None] * cache.num_layers
-    policy = cache.policy
-    cache.totals = None
-    if policy.budget.threshold is None and not cache.dynamic:
-        cache.totals = reference.layer_totals(policy, cache.prompt_lengths, cache.num_layers, cache.num_heads)
+def start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, like: Tensor) -> PromptState:
+    """The prompt's state, read by every layer's compression (and a fresh decode state):
+    real tokens, lengths, pads and, where they follow from the lengths alone, the layer totals.
+    `like`: a tensor of the model's (device, dtype: the plan is checked against them)."""
+    cache.plan = cache.plan.for_tensors(like)
+    plan = cache.plan
+    valid = torch.ones(b, n, dtype=torch.bool, device=like.device) if mask is None else mask[:, -n:].bool()
+    lengths = valid.sum(-1)
+    totals = layer_totals(plan.policy, lengths, plan.num_layers, plan.num_heads) if plan.static_totals else None
+    bar = None
     if cache.progress:
         from tqdm.auto import tqdm
 
-        cache.bar = tqdm(total=cache.num_layers, desc="prompt: attention + compression", unit="layer")
-
-
-def _spare(cache: KVCompileCache) -> int:
-    """Spare pages per head for the tokens it will store while decoding: the headroom the
-    caller announced (generate(): max_new_tokens), but no more than the decode schedule lets a
-    head grow (online: one token, then it evicts; every n: n tokens, then a prune writes fresh
-    pages); one page when nothing is known."""
-    decode = cache.policy.schedule.decode
-    growth = cache.headroom
-    if decode is not None and decode.name == "online":
-        growth = min(growth, 1)
-    elif decode is not None and decode.name == "every":
-        growth = min(growth, decode.n) if growth else decode.n
-    return max(1, math.ceil(growth / cache.page_size))
+        bar = tqdm(total=plan.num_layers, desc="prompt: attention + compression", unit="layer")
+    cache.prompt = PromptState(valid, lengths, n - lengths, n, totals, [], bar)
+    cache.decoding = None
+    cache.rings = [None] * plan.num_layers
+    return cache.prompt
 
 
 def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
             layer: int, scale: float) -> Tensor:
     b, hq, n, d = q.shape
     if layer == 0:
-        _start_prompt(cache, mask, b, n, q.device)
-    valid = cache.valid
+        start_prompt(cache, mask, b, n, q)
+    valid = cache.prompt.valid
     out = prompt_attention(q, k, v, None if bool(valid.all()) else valid, scale)
     compress_prompt_layer(cache, q, k, v, layer, scale)
     return out
@@ -109,86 +101,74 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     (and the cascade over the layers below). q holds the last R ≥ query_rows prompt queries."""
     b, hq, r, d = q.shape
     h, n = k.shape[1], k.shape[2]
-    valid = cache.valid
-    policy = cache.policy
+    plan, prompt = cache.plan, cache.prompt
+    valid = prompt.valid
+    policy = plan.policy
     rows = r if cache.record else policy.scoring.query_rows(n)
-    state = reference.LayerState(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
+    state = LayerState(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
     if cache.record:
         cache.states[layer] = state
-    scores = _prompt_scores(policy, state)
-    positions = (torch.arange(n, device=q.device)[None, :] - cache.pad[:, None])[:, None, :].expand(b, h, n)
+    scores = plan.score(state)
+    positions = (torch.arange(n, device=q.device)[None, :] - prompt.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)
-    if cache.dynamic:
-        cache.entropy.append(reference.layer_entropy(scores, valid_h))
+    if plan.cascade:
+        prompt.entropy.append(entropy(scores, valid_h))
         held = torch.stack([store.lengths.sum(-1) for store in cache.stores[:layer]]
                            + [valid.sum(-1) * h], dim=1)
-        totals = reference.layer_totals(policy, cache.prompt_lengths, cache.num_layers, cache.num_heads,
-                                        entropy=torch.stack(cache.entropy, dim=1), capacity=held)
+        totals = layer_totals(policy, prompt.lengths, plan.num_layers, plan.num_heads,
+                              entropy=torch.stack(prompt.entropy, dim=1), capacity=held)
     else:
-        totals = cache.totals
+        totals = prompt.totals
     total = None if totals is None else totals[:, layer]
     kept, merged = _select_and_merge(cache, k, v, scores, positions, valid_h, total, layer)
     cache.stores[layer] = _store(cache, Entries(k, v, scores, positions, torch.ones_like(scores), kept), merged)
-    decode = policy.schedule.decode
-    if decode is not None and decode.name == "every":  # the latest query rows the scorer reads, for pruning
-        cache.rings[layer] = q[:, :, r - min(policy.scoring.query_rows(n), n):].clone()
-    if cache.dynamic:
+    if plan.ring_rows:  # the latest query rows the scorer reads, for pruning while decoding
+        cache.rings[layer] = q[:, :, r - min(plan.ring_rows, n):].clone()
+    if plan.cascade:
         for lower in range(layer):
             _recompress(cache, lower, totals[:, lower])
-    if cache.progress:
-        cache.bar.update(1)
-        if layer == cache.num_layers - 1:
-            cache.bar.close()
-
-
-def _prompt_scores(policy, state: reference.LayerState) -> Tensor:
-    """reference.score_layer, through the scorer's memory-bounded path when it has one
-    (`score_chunked`: ZSMerge's decayed score in query chunks, never the N×N attention)."""
-    chunked = getattr(policy.scoring, "score_chunked", None)
-    return reference.score_layer(policy, state) if chunked is None else chunked(state)
-
-
-def _selection_impl(cache: KVCompileCache) -> str | None:
-    """The selection and gather kernels' impl: Triton where the cache asks for it (or on a
-    GPU by default), else the eager torch lowering: a few sorts and a memory-bound copy, with
-    nothing for Inductor to fuse."""
-    return cache.kernels if cache.kernels in (None, "triton") else "torch"
+    if prompt.progress is not None:
+        prompt.progress.update(1)
+        if layer == plan.num_layers - 1:
+            prompt.progress.close()
 
 
 def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, total, layer):
     """A layer's first compression: the selection kernels (kvcompile.kernels.select: equal to
-    reference.select), then the evicted tokens merged by the residual-merge kernel
-    (kvcompile.kernels.merge: the same sequential rule, bit for bit)."""
+    selection.select), then the evicted tokens merged into the merge slots: by the merge
+    kernel the plan names (kvcompile.kernels.merge: the same sequential rule, bit for bit),
+    else by the merge rule itself, head by head (selection.merge_evicted)."""
     from kvcompile.kernels.select import select
 
-    policy = cache.policy
-    lengths = cache.prompt_lengths
-    impl = _selection_impl(cache)
-    kept = select(policy, scores, positions, valid, lengths, total, layer, impl=impl)
+    plan = cache.plan
+    policy = plan.policy
+    lengths = cache.prompt.lengths
+    kept = select(policy, scores, positions, valid, lengths, total, layer, impl=plan.select_impl)
     if not policy.merges:
         return kept, None
-    from kvcompile.kernels.merge import merge_order, residual_merge
-
     b, h, _, d = k.shape
     if total is None:  # a threshold gives no slots: the evicted tokens are dropped
-        return kept, reference.Merged(k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, v.shape[-1]),
-                                      torch.zeros(b, h, 0, dtype=torch.long, device=k.device))
-    num_slots = reference.head_budgets(policy, valid, total).slots
+        return kept, Merged(k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, v.shape[-1]),
+                            torch.zeros(b, h, 0, dtype=torch.long, device=k.device))
+    num_slots = head_budgets(policy, valid, total).slots
+    if plan.merge_impl is None:
+        return kept, merge_evicted(policy, k, v, scores, valid & ~kept, None, num_slots, positions)
+    from kvcompile.kernels.merge import merge_order, residual_merge
+
     keys, values, num = merge_order(k, v, scores, valid & ~kept, positions)
     size = int(num_slots.max())
-    impl = cache.kernels
-    if impl is None and not k.is_cuda:  # a long walk: Inductor's one-time compile pays for itself
-        impl = "compiled" if int(num.max()) > 2048 else "torch"
+    impl = plan.merge_impl
+    if plan.merge_compile_above is not None and int(num.max()) > plan.merge_compile_above:
+        impl = "compiled"
     sk, sv, counts = residual_merge(k.new_zeros(b, h, size, d), v.new_zeros(b, h, size, v.shape[-1]),
                                     torch.zeros(b, h, size, dtype=torch.long, device=k.device), keys, values,
                                     num, num_slots, impl=impl)
-    return kept, reference.Merged(sk, sv, counts)
+    return kept, Merged(sk, sv, counts)
 
 
-def _store(cache: KVCompileCache, tokens: Entries, merged: reference.Merged | None):
+def _store(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
     """Pages for one layer: the occupied residual slots of each head first, then its kept tokens,
     written by the gather kernel (kvcompile.kernels.select.build_pages, build_store's layout)."""
-    from kvcompile.cache import LayerStore
     from kvcompile.kernels.select import build_pages
 
     b, h = tokens.take.shape[:2]
@@ -201,8 +181,7 @@ def _store(cache: KVCompileCache, tokens: Entries, merged: reference.Merged | No
         sources.insert(0, Entries(merged.keys, merged.values, torch.zeros_like(counts, dtype=torch.float32),
                                   -1 - torch.arange(counts.shape[-1], device=counts.device).expand_as(counts),  # slot r at -1 - r
                                   counts.float(), occupied))
-    impl = _selection_impl(cache)
-    pages = build_pages(sources, cache.page_size, _spare(cache), impl=impl)
+    pages = build_pages(sources, cache.page_size, cache.plan.spare_pages, impl=cache.plan.select_impl)
     return LayerStore(**pages._asdict(), slots=slots)
 
 
@@ -217,10 +196,10 @@ def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
     slots = None
     if policy.merges:
         width = int(store.slots.max())
-        slots = reference.Merged(k[:, :, :width], v[:, :, :width],
-                                 torch.where(is_slot[:, :, :width], counts[:, :, :width], 0).long())
-    kept, merged = reference.select_and_merge(policy, k, v, scores.masked_fill(~is_token, float("-inf")),
-                                              pos, is_token, cache.prompt_lengths, total, layer, slots)
+        slots = Merged(k[:, :, :width], v[:, :, :width],
+                       torch.where(is_slot[:, :, :width], counts[:, :, :width], 0).long())
+    kept, merged = select_and_merge(policy, k, v, scores.masked_fill(~is_token, float("-inf")),
+                                    pos, is_token, cache.prompt.lengths, total, layer, slots)
     cache.stores[layer] = _store(cache, Entries(k, v, scores, pos, counts, kept), merged)
 
 
@@ -229,17 +208,15 @@ def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
 def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> Tensor:
     """Append T new tokens and attend over the pages (new token t sees entries up to itself);
     then the decode schedule: running scores, ZSMerge online eviction, periodic pruning."""
-    policy = cache.policy
+    plan = cache.plan
     store = cache.stores[layer]
-    if cache.budgets is None:
-        _start_decode(cache)
-    schedule = policy.schedule.decode
-    running = policy.scoring.name in reference.RUNNING_SCORERS
-    online = schedule is not None and schedule.name == "online"
-    every = schedule.n if schedule is not None and schedule.name == "every" else 0
+    if cache.decoding is None:
+        cache.decoding = start_decode(cache)
+    running, online, every = plan.running_scores, plan.online_eviction, plan.prune_every
+    pad, width = cache.prompt.pad, cache.prompt.width
     outs = []
     for i in range(q.shape[2]):
-        position = cache.seq_length + i - cache.pad  # logical position among real tokens
+        position = cache.seq_length + i - pad  # logical position among real tokens
         append(store, k[:, :, i], v[:, :, i], position)
         if running or online:
             out, probs = _attend_with_probs(cache, store, q[:, :, i], scale)
@@ -251,24 +228,25 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
             out = paged_attention(cache, store, q[:, :, i], scale)
         outs.append(out)
         if every:
-            rows = policy.scoring.query_rows(2 ** 30)  # the ring keeps the latest `rows` queries
-            if rows:
-                cache.rings[layer] = torch.cat([cache.rings[layer], q[:, :, i, None]], dim=2)[:, :, -rows:]
-            generated = cache.seq_length - cache.prompt_width + i + 1
+            if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries
+                cache.rings[layer] = torch.cat([cache.rings[layer], q[:, :, i, None]], dim=2)[:, :, -plan.ring_rows:]
+            generated = cache.seq_length - width + i + 1
             if generated % every == 0:
                 _prune(cache, layer, position + 1, scale)
                 store = cache.stores[layer]
     return torch.stack(outs, dim=2)
 
 
-def _start_decode(cache: KVCompileCache) -> None:
+def start_decode(cache: KVCompileCache) -> DecodeState:
     """Per-head decode budgets (and the ZSMerge split of each), fixed after the prompt."""
-    policy = cache.policy
-    cache.budgets = reference.decode_budgets(policy, cache.prompt_lengths, cache.num_layers, cache.num_heads,
-                                             cache.kept())
+    plan = cache.plan
+    policy = plan.policy
+    budgets = decode_budgets(policy, cache.prompt.lengths, plan.num_layers, plan.num_heads, cache.kept())
+    split = None
     if policy.budget.split is not None:
-        cache.split = torch.tensor([[[reference.head_split(policy, int(n)) for n in row] for row in per_b]
-                                    for per_b in cache.budgets.tolist()], dtype=torch.long)  # (B, L, H, 3)
+        split = torch.tensor([[[head_split(policy, int(n)) for n in row] for row in per_b]
+                              for per_b in budgets.tolist()], dtype=torch.long)  # (B, L, H, 3)
+    return DecodeState(budgets, split)
 
 
 def _gather(store):
@@ -279,28 +257,27 @@ def _gather(store):
 
 def _attend_with_probs(cache: KVCompileCache, store, q: Tensor, scale: float):
     """Decode attention over the gathered entries, also returning the attention of every entry
-    reduced over each GQA group by the scorer's `gqa` (B, H, E): the running scores need it."""
-    policy = cache.policy
+    reduced over each GQA group as the scorer reduces it (B, H, E): the running scores need it."""
+    plan = cache.plan
     flat, stored, keys, values = _gather(store)
     b, hq, d = q.shape
     h = keys.shape[1]
     g = hq // h
     logits = torch.einsum("bhgd,bhed->bhge", q.float().view(b, h, g, d), keys.float()) * scale
-    if policy.merges:
-        counts = store.count_pages.reshape(-1)[flat]
-        logits = logits + policy.merge.bias(counts)[:, :, None, :]
+    bias = plan.merge_bias(store.count_pages.reshape(-1)[flat])
+    if bias is not None:
+        logits = logits + bias[:, :, None, :]
     logits = logits.masked_fill(~stored[:, :, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhge,bhed->bhgd", probs, values.float()).reshape(b, hq, d).to(q.dtype)
-    gqa = getattr(policy.scoring, "gqa", "mean")
-    return out, (probs.mean(2) if gqa == "mean" else probs.amax(2))
+    return out, plan.policy.scoring.reduce_group(probs, 2)
 
 
 def _update_scores(cache: KVCompileCache, store, probs: Tensor) -> None:
     flat, stored = store.entries()
     pos = store.pos_pages.reshape(-1)[flat]
     old = store.score_pages.reshape(-1)[flat]
-    new = reference.running_update(cache.policy.scoring, old, probs)
+    new = cache.policy.scoring.running_update(old, probs)
     tokens = stored & (pos >= 0)
     store.score_pages.reshape(-1)[flat[tokens]] = new[tokens]
 
@@ -311,7 +288,7 @@ def _evict_online(cache: KVCompileCache, store, layer: int) -> None:
     earliest position, as reference.decode_step) leaves into the residual slots. Each round
     takes one victim from every head over its budget; a decode step appends one token per
     head, so one round is the rule (more only right after a prompt that filled the cache)."""
-    prox, context, slots = cache.split[:, layer].unbind(-1)  # (B, H) each
+    prox, context, slots = cache.decoding.split[:, layer].unbind(-1)  # (B, H) each
     flat, stored = store.entries()
     pos = store.pos_pages.reshape(-1)[flat]
     tokens = stored & (pos >= 0)
@@ -321,7 +298,7 @@ def _evict_online(cache: KVCompileCache, store, layer: int) -> None:
             flat, stored = store.entries()
             pos = store.pos_pages.reshape(-1)[flat]
             tokens = stored & (pos >= 0)
-        candidates = tokens & ~reference.latest(pos, tokens, prox)
+        candidates = tokens & ~latest(pos, tokens, prox)
         scores = store.score_pages.reshape(-1)[flat].masked_fill(~candidates, float("inf"))
         lowest = candidates & (scores == scores.amin(-1, keepdim=True))
         victim = pos.masked_fill(~lowest, torch.iinfo(pos.dtype).max).argmin(-1)  # (B, H) entry index
@@ -334,7 +311,8 @@ def _merge_victims(cache: KVCompileCache, store, leaving: Tensor, victim: Tensor
     Alg. 1 lines 11–15), all heads at once: with no slot it is dropped; with a free slot it
     becomes that slot in place (its key and value are the slot's mean, count 1); else it folds
     into the slot r of largest k_r·k (ties: lowest r), k_r ← (w·k_r + k)/(w + 1), the same for
-    v, w ← w + 1 (Eq. 6–7, computed as Residual.merge does), and is removed. slots (B, H) is each
+    v, w ← w + 1 (Eq. 6–7, computed as Residual.merge does), and is removed. (The plan admits
+    online eviction only for the merge rules this implements: Residual, and Drop with no slots.) slots (B, H) is each
     head's B_r; slot r of a head is its entry at position −1 − r."""
     from kvcompile.cache import remove
 
@@ -372,20 +350,20 @@ def _merge_victims(cache: KVCompileCache, store, leaving: Tensor, victim: Tensor
 
 def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> None:
     """`decode: every n`: re-score the layer with the ring of latest queries and prune it back
-    to its budget (reference.decode_prune), then write it into fresh pages."""
+    to its budget (selection.decode_prune), then write it into fresh pages."""
     heads = store_heads(cache.stores[layer])
-    reference.decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.budgets[:, layer], layer, scale)
+    decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale)
     cache.stores[layer] = heads_store(cache, heads)
 
 
-def store_heads(store) -> list[list[reference.HeadEntries]]:
-    """A layer's pages as reference HeadEntries (entry order kept)."""
+def store_heads(store) -> list[list[HeadEntries]]:
+    """A layer's pages as HeadEntries (entry order kept)."""
     k, v, scores, pos, counts, stored = store.gather()
-    return [[reference.HeadEntries(k[b, h, :n], v[b, h, :n], pos[b, h, :n], scores[b, h, :n], counts[b, h, :n])
+    return [[HeadEntries(k[b, h, :n], v[b, h, :n], pos[b, h, :n], scores[b, h, :n], counts[b, h, :n])
              for h, n in enumerate(row)] for b, row in enumerate(store.lengths.tolist())]
 
 
-def heads_store(cache: KVCompileCache, heads) -> "LayerStore":
+def heads_store(cache: KVCompileCache, heads) -> LayerStore:
     b, h = len(heads), len(heads[0])
     width = max(1, max(len(x.positions) for row in heads for x in row))
     first = heads[0][0]
@@ -401,22 +379,17 @@ def heads_store(cache: KVCompileCache, heads) -> "LayerStore":
             n = len(x.positions)
             keys[i, j, :n], values[i, j, :n], scores[i, j, :n] = x.keys, x.values, x.scores
             pos[i, j, :n], counts[i, j, :n], take[i, j, :n] = x.positions, x.counts, True
-    store = build_store([Entries(keys, values, scores, pos, counts, take)], (take & (pos < 0)).sum(-1),
-                        cache.page_size, _spare(cache))
-    return store
+    return build_store([Entries(keys, values, scores, pos, counts, take)], (take & (pos < 0)).sum(-1),
+                       cache.page_size, cache.plan.spare_pages)
 
 
 def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:
-    """Attention of one query per head over that head's pages, with the merge bias."""
-    bias = None
-    if cache.policy.merges:
-        alpha = cache.policy.merge.alpha
-        counts = store.count_pages
-        bias = torch.where(counts > 0, alpha * counts.clamp(min=1).log(), float("-inf"))
+    """Attention of one query per head over that head's pages, with the merge rule's bias."""
     from kvcompile.kernels.paged_attention import paged_attention as kernel
 
+    bias = cache.plan.merge_bias(store.count_pages)
     return kernel(q, store.k_pages, store.v_pages, store.block_table, store.lengths, bias, scale,
-                  impl=cache.kernels)
+                  impl=cache.plan.decode_impl)
 
 
 # --- the op ----------------------------------------------------------------------------

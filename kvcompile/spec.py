@@ -40,8 +40,9 @@ import yaml
 import kvcompile
 from kvcompile.policies import PARTS
 from kvcompile.policies.budgets import Budget, Split
+from kvcompile.policies.fields import field_range
 from kvcompile.policies.schedule import Schedule
-from kvcompile.policy import Policy
+from kvcompile.policy import Policy, policy_to_mapping, policy_to_yaml  # noqa: F401  (public here too)
 
 SECTIONS = ("name", "scoring", "ranking", "budget", "merge", "schedule")
 REQUIRED = ("scoring", "budget")
@@ -72,32 +73,9 @@ class SpecError(ValueError):
         return SpecError, (self.file, self.line, self.field, self.problem, self.allowed)
 
 
-# ---------------------------------------------------------------------------------------
-# Value rules beyond the type: checked before a part's dataclass is built.
-# Keys: "family.name.field", "family.*.field" (any part of the family) or "Class.field"
-# (nested dataclasses). A part with no entry here is checked by type only (and by its own
-# __post_init__, whose ValueError becomes a SpecError).
-
-def _unit(v):
-    return 0 <= v <= 1
-
-
-RULES: dict[str, tuple[typing.Callable, str]] = {
-    "scoring.*.window": (lambda v: v >= 1, "an integer >= 1"),
-    "ranking.*.sinks": (lambda v: v >= 0, "an integer >= 0"),
-    "ranking.*.window": (lambda v: v >= 0, "an integer >= 0"),
-    "scoring.decayed.decay": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "layers.pyramid.beta": (lambda v: v >= 1, "a number >= 1"),
-    "heads.pooled.floor": (_unit, "a number in [0, 1]"),
-    "threshold.attention_norm.t": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    "threshold.attention_norm.keep_layers": (lambda v: v >= 0, "an integer >= 0"),
-    "merge.residual.alpha": (_unit, "a number in [0, 1]"),
-    "decode.every.n": (lambda v: v >= 1, "an integer >= 1"),
-    "Pooling.kernel": (lambda v: v >= 1 and v % 2 == 1, "an odd integer >= 1"),
-    "Split.proximity": (_unit, "a fraction in [0, 1]"),
-    "Split.context": (_unit, "a fraction in [0, 1]"),
-    "Split.residual": (_unit, "a fraction in [0, 1]"),
-}
+# Value ranges are declared once, on the part's dataclass fields (kvcompile.policies.fields.bounded),
+# and checked here before the part is built, so errors name the file and line; a part's own
+# __post_init__ checks (a ValueError) become SpecErrors too.
 
 # PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string: accept it for float fields.
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -133,13 +111,6 @@ def _describe(value) -> str:
     kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
              dict: "a mapping", list: "a list", type(None): "null"}
     return f"{value!r} ({kinds.get(type(value), type(value).__name__)})"
-
-
-def _rule(owners: list[str], field: str):
-    for owner in owners:
-        if f"{owner}.{field}" in RULES:
-            return RULES[f"{owner}.{field}"]
-    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -189,12 +160,12 @@ def _value(hint, value, path: KeyPath, src: _Source, allowed: str | None = None)
         if not isinstance(value, dict):
             names = ", ".join(f.name for f in dataclasses.fields(hint) if f.init)
             raise src.error(path, f"expected a mapping, got {_describe(value)}", f"{{{names}}}")
-        return _dataclass(hint, value, path, src, [hint.__name__])
+        return _dataclass(hint, value, path, src)
     return value
 
 
-def _dataclass(cls, fields, path: KeyPath, src: _Source, owners: list[str]):
-    """Build `cls` from a mapping of its fields: unknown keys, types and RULES checked."""
+def _dataclass(cls, fields, path: KeyPath, src: _Source):
+    """Build `cls` from a mapping of its fields: unknown keys, types and declared ranges checked."""
     known = [f for f in dataclasses.fields(cls) if f.init]
     names = [f.name for f in known]
     if fields is None:
@@ -215,10 +186,11 @@ def _dataclass(cls, fields, path: KeyPath, src: _Source, owners: list[str]):
                 raise src.error(fpath, f"missing required field {f.name!r}",
                                 ", ".join(names), line_at=path)
             continue
-        rule = _rule(owners, f.name)
-        value = _value(hints[f.name], fields[f.name], fpath, src, rule and rule[1])
-        if rule is not None and value is not None and not rule[0](value):
-            raise src.error(fpath, f"{value!r} is out of range", rule[1])
+        rng = field_range(f)
+        allowed = rng.describe(hints[f.name] is int) if rng is not None else None
+        value = _value(hints[f.name], fields[f.name], fpath, src, allowed)
+        if rng is not None and value is not None and not rng.contains(value):
+            raise src.error(fpath, f"{value!r} is out of range", allowed)
         kwargs[f.name] = value
     try:
         return cls(**kwargs)
@@ -244,7 +216,7 @@ def _part(family: str, value, path: KeyPath, src: _Source):
     known = [f.name for f in dataclasses.fields(cls) if f.init]
     if fields is not None and not isinstance(fields, dict) and len(known) == 1:
         fields = {known[0]: fields}  # {every: 16} is {every: {n: 16}}
-    return _dataclass(cls, fields, path + (name,), src, [f"{family}.{name}", f"{family}.*"])
+    return _dataclass(cls, fields, path + (name,), src)
 
 
 def _budget(value, src: _Source) -> Budget:
@@ -276,7 +248,7 @@ def _budget(value, src: _Source) -> Budget:
         threshold = _part("threshold", threshold, path + ("threshold",), src)
     split = value.get("split")
     if split is not None:
-        split = _dataclass(Split, split, path + ("split",), src, ["Split"])
+        split = _dataclass(Split, split, path + ("split",), src)
         total = split.proximity + split.context + split.residual
         if abs(total - 1.0) > SPLIT_TOLERANCE:
             raise src.error(path + ("split",), f"the fractions add up to {total:g}, not 1",
@@ -321,12 +293,6 @@ def _schedule(value, src: _Source) -> Schedule:
     return Schedule(cascade=cascade, decode=decode)
 
 
-def _running_scorers() -> tuple[str, ...]:
-    from kvcompile.reference import RUNNING_SCORERS  # lazy: the reference engine imports the part library
-
-    return RUNNING_SCORERS
-
-
 def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _Source, scoring=None) -> None:
     """Rules that involve more than one section."""
     sinks, window = getattr(ranking, "sinks", 0), getattr(ranking, "window", 0)
@@ -342,26 +308,25 @@ def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _So
                         "the split's proximity part is the recent window",
                         "ranking window: 0 with a split", blame=(rpath,))
     residual = split.residual if split is not None else 0.0
-    if residual > 0 and merge.name != "residual":
+    if residual > 0 and not merge.merges:
         raise src.error(("budget", "split", "residual"),
                         f"{residual:g} of the budget are residual slots but merge is "
                         f"{merge.name!r}", "residual: 0, or merge: residual",
                         blame=(("merge",),))
-    if merge.name == "residual" and residual <= 0:
-        raise src.error(("merge",), "merge: residual needs residual slots",
+    if merge.merges and residual <= 0:
+        raise src.error(("merge",), f"merge: {merge.name} needs residual slots",
                         "budget.split with residual > 0",
                         blame=(("budget", "split"), ("budget",)))
-    if schedule.decode is not None and schedule.decode.name == "online" and split is None:
-        raise src.error(("schedule", "decode"), "decode: online moves tokens between the "
+    if schedule.decode is not None and schedule.decode.online and split is None:
+        raise src.error(("schedule", "decode"), f"decode: {schedule.decode.name} moves tokens between the "
                         "parts of a split, and there is no budget.split",
                         "budget.split with decode: online", blame=(("budget",),))
     decode = schedule.decode
-    if decode is not None and decode.name == "every" and split is not None:
-        raise src.error(("schedule", "decode"), "decode: every prunes back to the budget, and a split's "
+    if decode is not None and decode.prune_every and split is not None:
+        raise src.error(("schedule", "decode"), f"decode: {decode.name} prunes back to the budget, and a split's "
                         "parts are kept while decoding by decode: online", "decode: online with a split",
                         blame=(("budget", "split"),))
-    if (decode is not None and decode.name == "every" and scoring is not None
-            and scoring.name not in _running_scorers()):
+    if decode is not None and decode.prune_every and scoring is not None and not scoring.running:
         rows = scoring.query_rows(2 ** 30)
         if window < rows:
             raise src.error(("ranking", ranking.name, "window"),
@@ -615,44 +580,3 @@ def load_spec(spec, **overrides) -> Policy:
 def loads_spec(text: str, **overrides) -> Policy:
     """A validated Policy from YAML text (errors name the file "<string>")."""
     return _load_text(text, "<string>", "policy", None, overrides)
-
-
-def _fields(obj) -> dict:
-    return {f.name: _fields(v) if dataclasses.is_dataclass(v) else v
-            for f in dataclasses.fields(obj) if f.init for v in [getattr(obj, f.name)]}
-
-
-def _part_mapping(part) -> dict | None:
-    return None if part is None else {type(part).name: _fields(part)}
-
-
-def policy_to_mapping(policy: Policy) -> dict:
-    """The explicit full form of a policy as plain data: every section, every field."""
-    budget, schedule = policy.budget, policy.schedule
-    return {
-        "name": policy.name,
-        "scoring": _part_mapping(policy.scoring),
-        "ranking": _part_mapping(policy.ranking),
-        "budget": {
-            "per_head": budget.per_head,
-            "ratio": budget.ratio,
-            "layers": _part_mapping(budget.layers),
-            "heads": _part_mapping(budget.heads),
-            "threshold": _part_mapping(budget.threshold),
-            "split": None if budget.split is None else _fields(budget.split),
-        },
-        "merge": _part_mapping(policy.merge),
-        "schedule": {"cascade": schedule.cascade, "decode": _part_mapping(schedule.decode)},
-    }
-
-
-def policy_to_yaml(policy: Policy) -> str:
-    """The policy as a spec file in explicit full form (one flow mapping per section),
-    its description as the leading comment. load_spec of the result equals the policy."""
-    description = "\n".join(line.rstrip() for line in policy.description.splitlines()).strip("\n")
-    out = [f"# {line}".rstrip() for line in description.splitlines()]
-    for key, value in policy_to_mapping(policy).items():
-        dumped = yaml.safe_dump({key: value}, default_flow_style=True, sort_keys=False,
-                                width=math.inf).strip()
-        out.append(dumped[1:-1])  # "{key: value}" -> "key: value"
-    return "\n".join(out) + "\n"

@@ -15,8 +15,8 @@ from torch import Tensor
 from kvcompile.cache import KVCompileCache
 from kvcompile.compile import compiled
 from kvcompile.policy import Policy
-from kvcompile.reference import LayerState
-from kvcompile.runtime import _start_prompt, compress_prompt_layer
+from kvcompile.layer_state import LayerState
+from kvcompile.runtime import compress_prompt_layer, start_prompt
 
 KEEP_ALL = {"name": "capture", "scoring": "recency", "budget": {"ratio": 1.0}}
 
@@ -42,7 +42,7 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
     cache = KVCompileCache(policy, config, page_size=page_size, headroom=headroom, kernels=kernels)
     first = states[0]
     b, _, n, _ = first.keys.shape
-    _start_prompt(cache, first.mask, b, n, first.keys.device)
+    start_prompt(cache, first.mask, b, n, first.keys)
     for layer, state in enumerate(states):
         compress_prompt_layer(cache, state.queries, state.keys, state.values, layer, state.scale)
     cache.seq_length = n

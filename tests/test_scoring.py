@@ -89,7 +89,7 @@ scorers = st.one_of(
     st.builds(Lava, window=windows, pooling=poolings, gqa=gqas),
     st.builds(LastToken, gqa=gqas),
     st.builds(Accumulated, gqa=gqas),
-    st.builds(Decayed, decay=st.floats(0.0, 1.0), gqa=gqas),
+    st.builds(Decayed, decay=st.floats(0.0, 1.0, exclude_min=True), gqa=gqas),
     st.just(KeyNorm()),
     st.just(Recency()),
 )
@@ -98,7 +98,7 @@ attention_scorers = st.one_of(
     st.builds(Lava, window=windows, gqa=gqas),
     st.builds(LastToken, gqa=gqas),
     st.builds(Accumulated, gqa=gqas),
-    st.builds(Decayed, decay=st.floats(0.0, 1.0), gqa=gqas),
+    st.builds(Decayed, decay=st.floats(0.0, 1.0, exclude_min=True), gqa=gqas),
 )
 
 

@@ -230,7 +230,7 @@ def test_part_post_init_errors_become_spec_errors(tmp_path, monkeypatch):
             if self.low > self.high:
                 raise ValueError(f"low {self.low} > high {self.high}")
 
-    Clip.family, Clip.name = "merge", "clip"
+    Clip.family, Clip.name, Clip.merges = "merge", "clip", False  # a part says whether it merges
     monkeypatch.setitem(PARTS["merge"], "clip", Clip)  # a part nobody wrote a RULES entry for
     assert load_spec({**MINI, "merge": {"clip": {"low": 0.5}}}).merge == Clip(low=0.5)
     path = write(tmp_path, S + B + "merge:\n  clip: {low: 2, high: 1}\n")

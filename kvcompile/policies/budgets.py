@@ -17,6 +17,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from kvcompile.policies.fields import FRACTION, Part, bounded
 from kvcompile.policies.registry import part
 
 
@@ -70,9 +71,19 @@ def apportion(total: int, weights: Sequence, caps: Sequence[int]) -> list[int]:
 
 # --- layers ------------------------------------------------------------------------------
 
+class LayersRule(Part):
+    """Base of the layer allocation parts. `needs_scores`: the shares depend on the layers'
+    scores (computed as a cascade during prefill)."""
+
+    needs_scores = False
+
+    def shares(self, num_layers: int, entropy: Sequence[float] | None = None) -> list[Fraction]:
+        raise NotImplementedError
+
+
 @part("layers", "uniform")
 @dataclass(frozen=True)
-class UniformLayers:
+class UniformLayers(LayersRule):
     """B_l = B / L."""
 
     def shares(self, num_layers: int, entropy: Sequence[float] | None = None) -> list[Fraction]:
@@ -81,10 +92,11 @@ class UniformLayers:
 
 @part("layers", "pyramid")
 @dataclass(frozen=True)
-class PyramidLayers:
+class PyramidLayers(LayersRule):
     """PyramidKV (Eq. 1): B_{L−1} = B/(β·L), B_0 = 2B/L − B_{L−1}, linear in between."""
 
-    beta: float = 20.0
+    beta: float = bounded(20.0, low=1, why="below 1 the pyramid is inverted; below 1/2 the bottom layer "
+                                           "gets a negative budget")
 
     def shares(self, num_layers: int, entropy: Sequence[float] | None = None) -> list[Fraction]:
         """The fractions B_l / B of PyramidKV Eq. 1 (they add up to 1; one layer gets all)."""
@@ -100,9 +112,11 @@ class PyramidLayers:
 
 @part("layers", "entropy")
 @dataclass(frozen=True)
-class EntropyLayers:
+class EntropyLayers(LayersRule):
     """LAVa (Eq. 7–8, Alg. 2): B_l = e_l / Σ e · B, e_l the normalized entropy of the
     layer's scores over heads × tokens. Computed as a cascade during prefill."""
+
+    needs_scores = True
 
     def shares(self, num_layers: int, entropy: Sequence[float] | None = None) -> list[Fraction]:
         """e_l over the layers seen (LAVa Alg. 2 line 10); all zeros → uniform."""
@@ -124,9 +138,25 @@ def _best(rank: Tensor, candidates: Tensor, count: int) -> Tensor:
     return picked
 
 
+class HeadsRule(Part):
+    """Base of the head allocation parts: `keep` is the reference (one sequence at a time);
+    `keep_ranked` is the runtime's path over a batch, given the selection kernel `keep_best`
+    (kvcompile.kernels.select.keep_best with its impl bound). A part without a kernel
+    formulation runs its reference per sequence."""
+
+    def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, tokens: Tensor, total) -> Tensor:
+        raise NotImplementedError
+
+    def keep_ranked(self, ranks: Tensor, protected: Tensor, valid: Tensor, tokens: Tensor, total: Tensor,
+                    keep_best) -> Tensor:
+        """ranks, protected, valid (B, H, M); tokens (B, H) token budgets; total (B,) the layer's."""
+        return torch.stack([self.keep(ranks[b], protected[b], valid[b], tokens[b], int(total[b]))
+                            for b in range(len(valid))])
+
+
 @part("heads", "uniform")
 @dataclass(frozen=True)
-class UniformHeads:
+class UniformHeads(HeadsRule):
     """B_{l,h} = B_l / H."""
 
     def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, tokens: Tensor, total) -> Tensor:
@@ -138,14 +168,21 @@ class UniformHeads:
             kept[h] |= _best(rank[h], valid[h] & ~kept[h], need)
         return kept
 
+    def keep_ranked(self, ranks, protected, valid, tokens, total, keep_best):
+        return keep_best(ranks, protected, valid, tokens)
+
 
 @part("heads", "pooled")
 @dataclass(frozen=True)
-class PooledHeads:
+class PooledHeads(HeadsRule):
     """AdaKV / LAVa Alg. 1: one top-k over all heads of the layer, so head budgets follow
     the scores; each head keeps at least floor·B_l/H tokens."""
 
-    floor: float = 0.0
+    floor: float = bounded(0.0, **FRACTION)
+
+    def guaranteed(self, total: int, num_heads: int) -> int:
+        """⌊floor·B_l/H⌋: the tokens every head keeps before the pooled top-k."""
+        return math.floor(exact(self.floor) * int(total) / num_heads)
 
     def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, tokens: Tensor, total) -> Tensor:
         """One sequence: the protected entries of every head; then each head's best entries
@@ -154,24 +191,52 @@ class PooledHeads:
         heads' entries together, so this top-k is a single sort of the layer."""
         kept = protected & valid
         num_heads = rank.shape[0]
-        guaranteed = math.floor(exact(self.floor) * int(total) / num_heads)
+        guaranteed = self.guaranteed(total, num_heads)
         for h in range(num_heads):
             kept[h] |= _best(rank[h], valid[h] & ~kept[h], guaranteed - int(kept[h].sum()))
         return kept | _best(rank, valid & ~kept, int(tokens.sum()) - int(kept.sum()))
 
+    def keep_ranked(self, ranks, protected, valid, tokens, total, keep_best):
+        """The floor per head first, then one top-k over the layer (keep_best pooled)."""
+        b, h = tokens.shape
+        floor = torch.tensor([self.guaranteed(t, h) for t in total.tolist()], dtype=torch.long, device=valid.device)
+        kept = keep_best(ranks, protected, valid, floor[:, None].expand(b, h))
+        return keep_best(ranks, kept, valid, tokens.sum(-1), pooled=True)
+
 
 # --- threshold ---------------------------------------------------------------------------
 
+class ThresholdRule(Part):
+    """Base of the threshold parts (no preset budget): `keep` is the reference for one
+    sequence; `keep_ranked` the runtime's path over a batch given the threshold kernel
+    `cut(ranks, protected, valid, scores, t)` (kvcompile.kernels.select.keep_threshold);
+    the first `keep_layers` layers are kept whole."""
+
+    keep_layers = 0
+
+    def keeps_whole(self, layer: int) -> bool:
+        return layer < self.keep_layers
+
+    def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, scores: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def keep_ranked(self, ranks: Tensor, protected: Tensor, valid: Tensor, scores: Tensor, cut) -> Tensor:
+        return torch.stack([self.keep(ranks[b], protected[b], valid[b], scores[b]) for b in range(len(valid))])
+
+
 @part("threshold", "attention_norm")
 @dataclass(frozen=True)
-class AttentionNorm:
+class AttentionNorm(ThresholdRule):
     """DBudgetKV (§3.2–3.3, Alg. 1): no preset budget. Tokens ordered least important
     first; evict the longest prefix whose removal changes ‖s‖₂ (s = the policy's scores,
     the last token's attention for DBudgetKV) by at most t, relatively:
     1 − ‖s_kept‖₂ / ‖s‖₂ ≤ t. The first `keep_layers` layers are kept whole."""
 
-    t: float = 0.01
-    keep_layers: int = 2
+    t: float = bounded(0.01, low=0, high=1, high_open=True)
+    keep_layers: int = bounded(2, low=0)
+
+    def keep_ranked(self, ranks, protected, valid, scores, cut):
+        return cut(ranks, protected, valid, scores, self.t)
 
     def norm_change(self, evict_order: Tensor, scores: Tensor, valid: Tensor) -> Tensor:
         """One head: 1 − ‖s_kept‖₂/‖s_all‖₂ after evicting the first j entries of
@@ -202,14 +267,21 @@ class AttentionNorm:
 # --- split and the budget ----------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Split:
+class Split(Part):
     """ZSMerge (Eq. 3): each head's budget B = B_p + B_c + B_r, given as fractions of B
     that add up to 1: the latest B_p tokens (proximity), the top B_c by score (context),
     B_r residual merge slots (with `merge: residual`)."""
 
-    proximity: float
-    context: float
-    residual: float = 0.0
+    proximity: float = bounded(**FRACTION, noun="a fraction")
+    context: float = bounded(**FRACTION, noun="a fraction")
+    residual: float = bounded(0.0, **FRACTION, noun="a fraction")
+
+    def parts(self, entries: int, merges: bool) -> tuple[int, int, int]:
+        """(B_p, B_c, B_r) of a head with `entries` = B (Eq. 3; rounded half up; no slots
+        when the policy does not merge)."""
+        r = round_half_up(exact(self.residual) * entries) if merges else 0
+        p = round_half_up(exact(self.proximity) * entries)
+        return p, entries - p - r, r
 
 
 class HeadLayout(NamedTuple):
@@ -268,9 +340,7 @@ class Budget:
             if b >= have:
                 layout.append(HeadLayout(b, n, used, 0))
                 continue
-            split = self.split
-            r = round_half_up(exact(split.residual) * b) if (split is not None and merges) else 0
-            p = round_half_up(exact(split.proximity) * b) if split is not None else 0
+            p, _, r = self.split.parts(b, merges) if self.split is not None else (0, b, 0)
             keep = min(b - r, n)
             layout.append(HeadLayout(b, keep, b - keep, min(p, keep)))
         return layout

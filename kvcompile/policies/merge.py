@@ -6,13 +6,45 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvcompile.policies.fields import FRACTION, Part, bounded
 from kvcompile.policies.registry import part
+
+
+class MergeRule(Part):
+    """Base of the merge rules: what becomes of evicted tokens.
+
+    `merges`: the rule keeps evicted tokens in merge slots (the budget's split.residual share
+    of each head's entries). `bias(counts)`: the logit bias of every cache entry from its
+    merge count (plain tokens have count 1), added by every attention over the cache.
+    `merge` folds evicted tokens into one head's slots, in order; `shrink` cuts a head's
+    slots to fewer (the cascade lowered its budget). The runtime asks the rule for all of
+    this; a rule with a batched kernel is named in the plan (kvcompile.plan)."""
+
+    merges = True
+
+    def bias(self, counts: Tensor) -> Tensor:
+        """No bias for any entry held (count ≥ 1); empty slots (count 0) are masked (−inf)."""
+        return torch.where(counts > 0, 0.0, float("-inf"))
+
+    def merge(self, slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys: Tensor, values: Tensor):
+        raise NotImplementedError
+
+    def shrink(self, slot_keys: Tensor, slot_values: Tensor, counts: Tensor, size: int):
+        raise NotImplementedError
 
 
 @part("merge", "drop")
 @dataclass(frozen=True)
-class Drop:
+class Drop(MergeRule):
     """Evicted tokens are gone."""
+
+    merges = False
+
+    def merge(self, slot_keys, slot_values, counts, keys, values):
+        return slot_keys, slot_values, counts
+
+    def shrink(self, slot_keys, slot_values, counts, size: int):
+        return slot_keys[:size], slot_values[:size], counts[:size]
 
 
 def _target(slot_keys: Tensor, counts: Tensor, key: Tensor) -> int:
@@ -38,14 +70,14 @@ def _fold(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, r: int, key: T
 
 @part("merge", "residual")
 @dataclass(frozen=True)
-class Residual:
+class Residual(MergeRule):
     """ZSMerge (§3.4–3.5, Eq. 6–8): B_r residual slots (budget.split.residual). An evicted
     (k, v) fills a free slot, else merges into the slot with the largest k_r·k, which
     becomes the count-weighted mean; its count w grows by 1. Attention adds α·log w to
     every entry's logit (w = 1 for plain tokens). Evicted tokens merge one at a time
     in ascending score order."""
 
-    alpha: float = 0.6
+    alpha: float = bounded(0.6, **FRACTION)
 
     def bias(self, counts: Tensor) -> Tensor:
         """ZSMerge Eq. 8: α·log w for a slot holding w tokens; empty slots (w = 0) are masked (−inf)."""

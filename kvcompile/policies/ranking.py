@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvcompile.policies.fields import Part, bounded
 from kvcompile.policies.registry import part
 
 
-class _Protects:
+class _Protects(Part):
     """The protected set shared by every ranking: sinks and the recent window."""
 
     sinks: int
@@ -30,8 +31,8 @@ class _Protects:
 class ByScore(_Protects):
     """Keep the highest scores first (SnapKV, PyramidKV, AdaKV, LAVa, H2O, TOVA)."""
 
-    sinks: int = 0
-    window: int = 0
+    sinks: int = bounded(0, low=0)
+    window: int = bounded(0, low=0)
 
     def key(self, scores: Tensor, positions: Tensor) -> Tensor:
         """Higher = kept first: the score itself."""
@@ -43,8 +44,8 @@ class ByScore(_Protects):
 class ByPosition(_Protects):
     """DBudgetKV §3.2 / StreamingLLM: the first `sinks` tokens, then the rest most recent first."""
 
-    sinks: int = 4
-    window: int = 0
+    sinks: int = bounded(4, low=0)
+    window: int = bounded(0, low=0)
 
     def key(self, scores: Tensor, positions: Tensor) -> Tensor:
         """Higher = kept first: x_1 … x_m, then x_n, x_{n−1}, … x_{m+1} (DBudgetKV §3.2)."""

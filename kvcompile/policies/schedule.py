@@ -3,23 +3,53 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcompile.policies.fields import Part, bounded
 from kvcompile.policies.registry import part
+
+
+class DecodeRule(Part):
+    """Base of the decode schedules: what happens to a layer's cache while tokens are generated.
+
+    `spare_growth(headroom)`: the most tokens a head can grow by between two compactions,
+    for spare pages (a generation of `headroom` tokens). `prune_every`: re-score and prune
+    back to the budget every so many generated tokens (0: never). `online`: evict one
+    token per head and step, moving it through a split's parts (needs budget.split)."""
+
+    prune_every = 0
+    online = False
+
+    def spare_growth(self, headroom: int) -> int:
+        return headroom
 
 
 @part("decode", "every")
 @dataclass(frozen=True)
-class Every:
+class Every(DecodeRule):
     """Re-score and prune back to the budget every n generated tokens (window queries
     kept in a small ring buffer per layer)."""
 
-    n: int = 16
+    n: int = bounded(16, low=1)
+
+    @property
+    def prune_every(self) -> int:
+        return self.n
+
+    def spare_growth(self, headroom: int) -> int:
+        """n tokens, then a prune writes fresh pages."""
+        return min(headroom, self.n) if headroom else self.n
 
 
 @part("decode", "online")
 @dataclass(frozen=True)
-class Online:
+class Online(DecodeRule):
     """ZSMerge Alg. 1: each generated token may push one token out of the proximity part
     into context, and one out of context into the residual slots."""
+
+    online = True
+
+    def spare_growth(self, headroom: int) -> int:
+        """One token, then the head evicts."""
+        return min(headroom, 1)
 
 
 @dataclass(frozen=True)

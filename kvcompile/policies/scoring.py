@@ -20,18 +20,16 @@ Conventions shared by every scorer (DESIGN.md §2 "Scoring"):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvcompile.layer_state import LayerState
+from kvcompile.policies.fields import Part, bounded
 from kvcompile.policies.registry import part
-
-if TYPE_CHECKING:  # reference.py may import the part library: no import cycle at run time
-    from kvcompile.reference import LayerState
 
 NEG_INF = float("-inf")
 
@@ -43,11 +41,6 @@ def _check(ok: bool, message: str) -> None:
 
 def _check_gqa(gqa: str) -> None:
     _check(gqa in ("mean", "max"), f"gqa must be 'mean' or 'max', got {gqa!r}")
-
-
-def _check_window(window: int) -> None:
-    _check(isinstance(window, int) and not isinstance(window, bool) and window >= 1,
-           f"window must be an integer >= 1, got {window!r}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,26 +150,53 @@ def mask_pads(scores: Tensor, state: LayerState) -> Tensor:
 
 
 @dataclass(frozen=True)
-class Pooling:
+class Pooling(Part):
     """1-D pooling of the scores over tokens, same length out (SnapKV §4.3 "clustering").
 
     kind: avg | max | none;  kernel: odd window size (1 = no pooling).
     """
 
     kind: Literal["avg", "max", "none"] = "none"
-    kernel: int = 1
+    kernel: int = bounded(1, low=1, odd=True)
 
-    def __post_init__(self):
-        _check(self.kind in ("avg", "max", "none"),
-               f"pooling kind must be 'avg', 'max' or 'none', got {self.kind!r}")
-        _check(isinstance(self.kernel, int) and not isinstance(self.kernel, bool)
-               and self.kernel >= 1 and self.kernel % 2 == 1,
-               f"pooling kernel must be an odd integer >= 1, got {self.kernel!r}")
+
+class Scorer(Part):
+    """Base of the scoring parts: what the runtime asks of a scorer besides `score`.
+
+    `gqa`: how the G query heads of a group reduce to their KV head (a field on the parts
+    that let a spec choose). `running`: the score keeps running while decoding
+    (`running_update`, called with each new query's attention). `score_prompt`: the
+    runtime's path to `score` (a scorer that would build the N×N attention gives a
+    memory-bounded one). `fused_window`: the arguments of the fused window-scoring kernel
+    when the scorer is one (kvcompile.kernels.window_scores), else None."""
+
+    gqa = "mean"
+    running = False
+
+    def query_rows(self, n: int) -> int:
+        raise NotImplementedError
+
+    def score(self, state: LayerState) -> Tensor:
+        raise NotImplementedError
+
+    def score_prompt(self, state: LayerState) -> Tensor:
+        return self.score(state)
+
+    def reduce_group(self, probs: Tensor, dim: int) -> Tensor:
+        """Attention of a GQA group's query heads (along `dim`) reduced to the KV head."""
+        return probs.mean(dim) if self.gqa == "mean" else probs.amax(dim)
+
+    def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
+        """The running score after one more query whose (group-reduced) attention is `attention`."""
+        raise NotImplementedError(f"scoring {type(self).__name__} keeps no running score")
+
+    def fused_window(self) -> dict | None:
+        return None
 
 
 @part("scoring", "window_attention")
 @dataclass(frozen=True)
-class WindowAttention:
+class WindowAttention(Scorer):
     """SnapKV / PyramidKV / AdaKV: s[i] = mean over the last `window` queries j of A[j, i].
 
     A is the model's softmax attention (own scaling, causal mask, queries after RoPE).
@@ -184,19 +204,19 @@ class WindowAttention:
     then `pooling` smooths the scores over tokens.
     """
 
-    window: int = 32
+    window: int = bounded(32, low=1)
     pooling: Pooling = field(default_factory=Pooling)
     gqa: Literal["mean", "max"] = "mean"
-
-    def __post_init__(self):
-        _check_window(self.window)
-        _check_gqa(self.gqa)
 
     def query_rows(self, n: int) -> int:
         return min(self.window, n)
 
     def score(self, state: LayerState) -> Tensor:
         return window_scores(state, self.window, self.pooling, self.gqa)
+
+    def fused_window(self) -> dict | None:
+        return dict(window=self.window, gqa=self.gqa, pooling=self.pooling.kind, kernel=self.pooling.kernel,
+                    value_weight=False)
 
 
 @part("scoring", "lava")
@@ -217,16 +237,16 @@ class Lava(WindowAttention):
         v_bar = value_l1.amax(dim=-1, keepdim=True)  # (B, H, 1)
         return mask_pads(attention * v_bar, state)  # re-mask: −inf · 0 would be NaN
 
+    def fused_window(self) -> dict | None:
+        return {**super().fused_window(), "value_weight": True}
+
 
 @part("scoring", "last_token")
 @dataclass(frozen=True)
-class LastToken:
+class LastToken(Scorer):
     """TOVA / DBudgetKV (k = 1): s[i] = A[N-1, i], the attention of the last prompt token."""
 
     gqa: Literal["mean", "max"] = "mean"
-
-    def __post_init__(self):
-        _check_gqa(self.gqa)
 
     def query_rows(self, n: int) -> int:
         return 1
@@ -238,13 +258,12 @@ class LastToken:
 
 @part("scoring", "accumulated")
 @dataclass(frozen=True)
-class Accumulated:
-    """H2O: s[i] = Σ over all queries j ≥ i of A[j, i] (accumulated attention)."""
+class Accumulated(Scorer):
+    """H2O: s[i] = Σ over all queries j ≥ i of A[j, i] (accumulated attention); while
+    decoding s ← s + a (H2O Alg. 1)."""
 
     gqa: Literal["mean", "max"] = "mean"
-
-    def __post_init__(self):
-        _check_gqa(self.gqa)
+    running = True
 
     def query_rows(self, n: int) -> int:
         return n
@@ -257,20 +276,20 @@ class Accumulated:
         """`score` in O(chunk·N) memory (the runtime's path): the decayed sum with λ = 1."""
         return decayed_scores_chunked(state, 1.0, self.gqa, chunk)
 
+    score_prompt = score_chunked
+
+    def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
+        return scores + attention
+
 
 @part("scoring", "decayed")
 @dataclass(frozen=True)
-class Decayed:
+class Decayed(Scorer):
     """ZSMerge (Eq. 5): s ← λ·s + a at every step; over the prompt s[i] = Σ_j λ^(N−1−j) A[j, i]."""
 
-    decay: float = 0.98
+    decay: float = bounded(0.98, low=0, high=1, low_open=True)
     gqa: Literal["mean", "max"] = "mean"
-
-    def __post_init__(self):
-        _check(isinstance(self.decay, (int, float)) and not isinstance(self.decay, bool)
-               and math.isfinite(self.decay) and 0.0 <= self.decay <= 1.0,
-               f"decay must be a number in [0, 1], got {self.decay!r}")
-        _check_gqa(self.gqa)
+    running = True
 
     def query_rows(self, n: int) -> int:
         return n
@@ -279,13 +298,18 @@ class Decayed:
         n = state.keys.shape[2]
         a = attention_rows(state, n)  # (B, Hq, N, N); pad rows are 0
         age = torch.arange(n - 1, -1, -1, device=a.device, dtype=torch.float32)  # N−1−j
-        weight = float(self.decay) ** age  # λ^(N−1−j), with λ^0 = 1 (also for λ = 0)
+        weight = float(self.decay) ** age  # λ^(N−1−j)
         summed = torch.einsum("bhji,j->bhi", a, weight)
         return mask_pads(reduce_gqa(summed, state.keys.shape[1], self.gqa), state)
 
     def score_chunked(self, state: LayerState, chunk: int = 256) -> Tensor:
         """`score`, computed `chunk` query rows at a time in O(chunk·N) memory (the runtime's path)."""
         return decayed_scores_chunked(state, float(self.decay), self.gqa, chunk)
+
+    score_prompt = score_chunked
+
+    def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
+        return self.decay * scores + attention
 
 
 def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256) -> Tensor:
@@ -342,7 +366,7 @@ def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int
 
 @part("scoring", "key_norm")
 @dataclass(frozen=True)
-class KeyNorm:
+class KeyNorm(Scorer):
     """A cheap baseline (Devoto et al., 2024): s[i] = −‖K[i]‖₂ (low key norm = important)."""
 
     def query_rows(self, n: int) -> int:
@@ -354,7 +378,7 @@ class KeyNorm:
 
 @part("scoring", "recency")
 @dataclass(frozen=True)
-class Recency:
+class Recency(Scorer):
     """StreamingLLM: s[i] = i, later tokens matter more (no attention needed).
 
     i is the position among the sequence's real tokens (0 … n_b − 1), pads excluded.

@@ -1,0 +1,99 @@
+"""Budgets in integers, shared by the reference engine and the runtime: layer totals, head
+budgets, decode budgets, ZSMerge's split, and the protected / latest sets every selection
+starts from. Exact arithmetic (kvcompile.policies.budgets.apportion); the parts decide
+(DESIGN.md §2 "Budget allocation"), these functions lay their answers out as tensors.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from kvcompile.policies import ranking as ranking_parts
+from kvcompile.policies.budgets import apportion
+
+
+def layer_totals(policy, lengths: Tensor, num_layers: int, num_heads: int, entropy: Tensor | None = None,
+                 capacity: Tensor | None = None) -> Tensor:
+    """Entries kept per layer, (B, L') long: integers adding up to the sequence's total
+    (Budget.total over all `num_layers` layers), capped at min(total, L'·H·n_b).
+
+    L' = num_layers, or for a cascade step the L' layers seen so far: `entropy` (B, L')
+    (LAVa Alg. 2 line 10: the full total spread over the layers seen; uniform and pyramid
+    layers then spread it over L' layers too). Water-filling: no layer exceeds H·n_b, nor
+    its `capacity` (B, L') when given (the cascade passes what each seen layer still
+    holds, so a layer is never given back entries it has already evicted).
+    """
+    budget = policy.budget
+    if budget.threshold is not None:
+        raise ValueError("a threshold decides its budget itself: there are no layer totals")
+    seen = num_layers if entropy is None else entropy.shape[1]
+    rows = []
+    for b, n in enumerate(lengths.tolist()):
+        caps = [num_heads * n] * seen
+        if capacity is not None:
+            caps = [min(cap, int(c)) for cap, c in zip(caps, capacity[b].tolist())]
+        e = None if entropy is None else entropy[b].tolist()
+        rows.append(budget.layer_totals(budget.total(n, num_heads, num_layers), caps, e))
+    return torch.tensor(rows, dtype=torch.long, device=lengths.device).view(len(rows), seen)
+
+
+class HeadBudgets(NamedTuple):
+    """Per (sequence, KV head), (B, H) long each: see Budget.head_layout."""
+
+    entries: Tensor  # B_{l,h}: tokens + residual slots
+    tokens: Tensor  # prompt tokens kept
+    slots: Tensor  # residual merge slots
+    proximity: Tensor  # latest tokens protected by the split
+
+
+def head_budgets(policy, valid: Tensor, total: Tensor, used_slots: Tensor | None = None) -> HeadBudgets:
+    """Split each sequence's layer total (B,) over its heads: uniform shares, water-filled at
+    what each head holds (valid (B, H, M) candidates + used_slots (B, H) occupied slots)."""
+    tokens = valid.sum(-1)
+    used = torch.zeros_like(tokens) if used_slots is None else used_slots
+    rows = [policy.budget.head_layout(int(t), n, u, policy.merges)
+            for t, n, u in zip(total.tolist(), tokens.tolist(), used.tolist())]
+    table = torch.tensor(rows, dtype=torch.long, device=valid.device).view(*tokens.shape, 4)
+    return HeadBudgets(*table.unbind(-1))
+
+
+def latest(positions: Tensor, valid: Tensor, count: Tensor) -> Tensor:
+    """The `count` (B, H) valid entries of each head with the largest positions (B, H, M)."""
+    before_all = torch.iinfo(positions.dtype).min
+    latest_first = torch.where(valid, positions, before_all).argsort(dim=-1, descending=True)
+    recency = torch.empty_like(latest_first)
+    recency.scatter_(-1, latest_first, torch.arange(positions.shape[-1], device=positions.device).expand_as(positions))
+    return valid & (recency < count[..., None])
+
+
+def ranked(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor):
+    """What every selection starts from: valid as bool, the ranking part's order of the
+    candidates (B, H, M) long, and the protected set (sinks, window) among the valid."""
+    valid = valid.bool()
+    ranks = ranking_parts.rank(policy.ranking, scores, positions, valid)
+    return valid, ranks, policy.ranking.protected(positions, lengths.view(-1, 1, 1)) & valid
+
+
+def head_split(policy, entries: int) -> tuple[int, int, int]:
+    """ZSMerge Eq. 3 for one head of `entries` = B_{l,h}: (B_p, B_c, B_r)."""
+    return policy.budget.split.parts(entries, policy.merges)
+
+
+def decode_budgets(policy, lengths: Tensor, num_layers: int, num_heads: int, held: Tensor) -> Tensor:
+    """(B, L, H) entries each head may hold while decoding: its share of the policy's total
+    without the prompt-length cap (a short prompt does not shrink the budget generation may
+    fill), and never less than what it holds after prefill (layer-dynamic and threshold
+    budgets keep their prefill result)."""
+    budget = policy.budget
+    out = held.clone()
+    if budget.threshold is not None or policy.layer_dynamic:
+        return out
+    big = 2 ** 40
+    for b, n in enumerate(lengths.tolist()):
+        layers = budget.layer_totals(budget.total(n, num_heads, num_layers), [big] * num_layers, None)
+        for layer, total in enumerate(layers):
+            shares = apportion(total, [1] * num_heads, [big] * num_heads)
+            out[b, layer] = torch.maximum(out[b, layer], torch.tensor(shares))
+    return out

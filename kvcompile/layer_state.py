@@ -1,0 +1,18 @@
+"""LayerState: one layer's prefill state, what every scorer reads (shared by the part
+library, the reference engine and the runtime; it depends on nothing of kvcompile)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class LayerState:
+    """One layer's prefill state, as the model computed it."""
+
+    queries: Tensor  # (B, Hq, R, d): the last R prompt queries, after RoPE
+    keys: Tensor  # (B, H, N, d), after RoPE
+    values: Tensor  # (B, H, N, d)
+    mask: Tensor | None = None  # (B, N) bool, True = real token; None = no padding
+    scale: float | None = None  # softmax scale; None = d ** -0.5

@@ -1,0 +1,175 @@
+"""The plan: what `compile()` decides once, and the runtime only reads (DESIGN.md §6).
+
+    plan = build_plan(policy, model.config, device=..., dtype=..., kernels=None, page_size=16)
+    cache = KVCompileCache.from_plan(plan.with_headroom(max_new_tokens))
+
+From the Policy, the model's config, the device and dtype, the kernel choice, the page
+size, the generation headroom (and, later, the process group) the plan names:
+- the implementations: the prompt scorer (the fused window-scoring kernel, or the
+  scorer part's own memory-bounded path), the selection and gather kernels, the batched
+  merge of the prompt's evicted tokens, the decode attention kernel;
+- what decoding does: running scores, online eviction, pruning every n tokens, the ring
+  of latest queries that pruning re-scores with, the spare pages per head;
+- whether the prompt runs as a cascade, and which KV heads this process holds.
+
+This module and the part classes are the only places that look at which parts a policy
+has; the runtime reads the fields below. Kernel names are resolved here, once
+(`kvcompile.kernels.choice.resolve`), so a bad choice fails at compile(), not mid-generation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvcompile.layer_state import LayerState
+from kvcompile.policies.merge import Drop, Residual
+from kvcompile.policy import Policy
+
+
+class PlanError(ValueError):
+    """The policy cannot run on this model, device or kernel choice (said before anything runs)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the runtime needs to run one policy on one model, decided once."""
+
+    policy: Policy
+    num_layers: int
+    num_heads: int  # KV heads of the model
+    head_dim: int
+    kv_heads: tuple[int, ...]  # the KV heads whose pages this process holds (all of them on one process)
+    device: torch.device | None  # None: decided by the first prompt's tensors
+    dtype: torch.dtype | None
+    kernels: str | None  # what the caller asked for (None = the defaults below)
+    page_size: int
+    headroom: int  # tokens per head generation may add after the prompt
+    # implementations
+    score_impl: str  # "part" (the scorer's own score_prompt) | "fused:<impl>" (kernels.window_scores)
+    select_impl: str  # selection and gather kernels (kernels.select)
+    merge_impl: str | None  # the prompt's residual merge kernel (kernels.merge); None: the rule's own merge
+    merge_compile_above: int | None  # CPU default: the merge walk goes through Inductor above this many tokens
+    decode_impl: str | None  # paged decode attention (kernels.paged_attention); None: per call
+    # decoding
+    running_scores: bool  # scores keep running while decoding (H2O, ZSMerge)
+    online_eviction: bool  # one token per head and step leaves through the split (ZSMerge Alg. 1)
+    prune_every: int  # re-score and prune every n generated tokens (0: never)
+    ring_rows: int  # latest queries kept per layer for that re-scoring (0: none)
+    spare_pages: int  # pages each head gets beyond its prompt pages, for its decode appends
+    # prefill
+    cascade: bool  # layer budgets move with the scores of later layers (LAVa Alg. 2)
+    static_totals: bool  # layer totals are known from the prompt lengths alone
+
+    def with_headroom(self, headroom: int) -> "Plan":
+        """The same plan for a generation of `headroom` new tokens (its spare pages)."""
+        return dataclasses.replace(self, headroom=headroom,
+                                   spare_pages=spare_pages(self.policy, headroom, self.page_size))
+
+    def for_tensors(self, like: Tensor) -> "Plan":
+        """The plan for the device and dtype the model actually runs in (a cache built without
+        them, or a model moved after compile()): the kernels are chosen again."""
+        if self.device == like.device and self.dtype == like.dtype:
+            return self
+        return build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
+                          page_size=self.page_size, headroom=self.headroom)
+
+    def score(self, state: LayerState) -> Tensor:
+        """The prompt scores of one layer (B, H, N), by the implementation the plan chose."""
+        if self.score_impl == "part":
+            return self.policy.scoring.score_prompt(state)
+        from kvcompile.kernels.window_scores import score_fused
+
+        return score_fused(self.policy.scoring, state, impl=self.score_impl.split(":", 1)[1])
+
+    def merge_bias(self, counts: Tensor) -> Tensor | None:
+        """The logit bias of every cache entry from its merge count (None: the policy drops)."""
+        return self.policy.merge.bias(counts) if self.policy.merges else None
+
+    def describe(self) -> str:
+        """One line per decision, for logs and `kvcompile run --verbose`."""
+        fields = ("score_impl", "select_impl", "merge_impl", "decode_impl", "running_scores", "online_eviction",
+                  "prune_every", "ring_rows", "spare_pages", "cascade", "kv_heads")
+        return "\n".join(f"{name}: {getattr(self, name)}" for name in fields)
+
+
+class _Dims:
+    """The config fields a plan needs, from a plan (to build another one)."""
+
+    def __init__(self, plan: Plan):
+        self.num_hidden_layers = plan.num_layers
+        self.num_key_value_heads = plan.num_heads
+        self.head_dim = plan.head_dim
+
+
+def spare_pages(policy: Policy, headroom: int, page_size: int) -> int:
+    """Spare pages per head for the tokens it stores while decoding: the headroom, but no more
+    than the decode schedule lets a head grow between compactions; one page when nothing is known."""
+    decode = policy.schedule.decode
+    growth = headroom if decode is None else decode.spare_growth(headroom)
+    return max(1, math.ceil(growth / page_size))
+
+
+# Prompt merges with a batched kernel (kernels.merge.residual_merge: the sequential rule, bit for bit);
+# other merge rules run their own `merge` per head. Online eviction is vectorised for these rules.
+_MERGE_KERNELS = (Residual,)
+_ONLINE_MERGES = (Residual, Drop)
+
+
+def _resolve(op: str, requested: str | None, device, dtype, head_dim: int) -> str | None:
+    from kvcompile.kernels.choice import resolve
+
+    return resolve(op, requested, device, dtype, head_dim=head_dim)
+
+
+def build_plan(policy: Policy, config, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+               kernels: str | None = None, page_size: int = 16, headroom: int = 0) -> Plan:
+    """The plan for `policy` on a model with this `config` (layers, KV heads, head dim).
+    Raises PlanError for what cannot run (a kernel that does not exist here, a merge rule
+    that has no online path), before anything runs."""
+    if page_size < 1:
+        raise PlanError(f"kvcompile: page_size must be >= 1, got {page_size}")
+    if headroom < 0:
+        raise PlanError(f"kvcompile: headroom must be >= 0, got {headroom}")
+    device = torch.device(device) if device is not None else None
+    num_layers = config.num_hidden_layers
+    num_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    scoring, decode = policy.scoring, policy.schedule.decode
+    cuda = device is not None and device.type == "cuda"
+    try:
+        decode_impl = _resolve("paged_attention", kernels, device, dtype, head_dim)
+        # the selection / gather kernels: Triton where asked (or on a GPU), else the eager torch
+        # lowering (a few sorts and a copy: nothing for Inductor to fuse)
+        select_impl = _resolve("select", kernels if kernels in (None, "triton") else "torch", device, dtype,
+                               head_dim)
+        merge_impl, merge_compile_above = None, None
+        if isinstance(policy.merge, _MERGE_KERNELS):
+            merge_impl = _resolve("merge", kernels if kernels != "cpp" else None, device, dtype, head_dim)
+            if kernels is None and not cuda:  # a long walk: Inductor's one-time compile pays for itself
+                merge_compile_above = 2048
+        score_impl = "part"
+        if scoring.fused_window() is not None and cuda:
+            score_impl = "fused:" + _resolve("window_scores", kernels if kernels in (None, "triton") else "torch",
+                                             device, dtype, head_dim)
+    except ValueError as exc:
+        raise PlanError(f"kvcompile: {exc}") from None
+    online = decode is not None and decode.online
+    if online and not isinstance(policy.merge, _ONLINE_MERGES):
+        raise PlanError(f"kvcompile: decode: {decode.name} with merge: {policy.merge.name} has no online "
+                        f"eviction path (supported merge rules: "
+                        f"{', '.join(c.name for c in _ONLINE_MERGES)})")
+    prune_every = decode.prune_every if decode is not None else 0
+    ring_rows = scoring.query_rows(2 ** 30) if prune_every and not scoring.running else 0
+    cascade = policy.layer_dynamic and policy.budget.threshold is None
+    return Plan(
+        policy=policy, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
+        kv_heads=tuple(range(num_heads)), device=device, dtype=dtype, kernels=kernels, page_size=page_size,
+        headroom=headroom, score_impl=score_impl, select_impl=select_impl, merge_impl=merge_impl,
+        merge_compile_above=merge_compile_above, decode_impl=decode_impl, running_scores=scoring.running, online_eviction=online,
+        prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
+        cascade=cascade, static_totals=policy.budget.threshold is None and not cascade)
+
