@@ -122,7 +122,7 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     total = None if totals is None else totals[:, layer]
     kept, merged = _select_and_merge(cache, k, v, scores, positions, valid_h, total, layer)
     cache.stores[layer] = _store(cache, Entries(k, v, scores, positions, torch.ones_like(scores), kept), merged)
-    if plan.ring_rows:  # the latest query rows the scorer reads, for pruning while decoding
+    if plan.prune_every:  # the latest query rows the scorer reads, for pruning while decoding (maybe none)
         cache.rings[layer] = q[:, :, r - min(plan.ring_rows, n):].clone()
     if plan.cascade:
         for lower in range(layer):
