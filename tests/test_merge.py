@@ -20,7 +20,9 @@ FEW = settings(max_examples=40, deadline=None)
 
 def merging_policy(alpha=0.6, residual=0.5, per_head=4):
     split = Split(proximity=0.0, context=1 - residual, residual=residual)
-    return Policy(budget=Budget(per_head=per_head, split=split), merge=Residual(alpha=alpha))
+    merge = Residual()
+    object.__setattr__(merge, "alpha", alpha)  # past the declared range α ∈ [0, 1], to show why it is there
+    return Policy(budget=Budget(per_head=per_head, split=split), merge=merge)
 
 
 def simulate(keys, scores, evicted, num_slots):
