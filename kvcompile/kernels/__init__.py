@@ -1,4 +1,4 @@
-"""Kernels (packaged as kvcompile.kernels): each a Triton version beside a torch lowering.
+"""kvcompile.kernels: each kernel a Triton version beside a torch lowering.
 
 - `paged_attention`: decode attention over the paged cache (flash-decoding); its CPU
   kernel in C++ is `paged_attention_cpp`.

@@ -21,7 +21,7 @@ Three implementations and a dispatcher:
 - `paged_attention_torch`: the lowering used on CPU, written so that Inductor fuses the
   block-table indexing into its reductions (see its docstring); run eagerly it takes a
   plain gather + matmul path.
-- `paged_attention_cpp` (kernels/paged_attention_cpp.py): the same flash-decoding
+- `paged_attention_cpp` (kvcompile/kernels/paged_attention_cpp.py): the same flash-decoding
   kernel hand-written in C++ for the CPU, compiled by Inductor's C++ toolchain; the
   default on a CPU for fp32 (it reads the cache at close to the memory bandwidth, which
   the Inductor-compiled torch lowering does not: benchmarks/RESULTS.md).
