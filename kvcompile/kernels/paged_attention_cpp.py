@@ -77,10 +77,15 @@ def _toolchain() -> bool:
     return shutil.which(cxx or "g++") is not None
 
 
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """The kernel runs here: fp32 on the CPU, head dim a multiple of 16 (the widest vector),
+    and a toolchain."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and _toolchain()
+
+
 def supported(q: Tensor, k_pages: Tensor) -> bool:
-    """fp32 on the CPU, head dim a multiple of 16 (the widest vector), and a toolchain."""
-    return (not q.is_cuda and q.dtype == k_pages.dtype == torch.float32
-            and q.shape[-1] % 16 == 0 and _toolchain())
+    """`supports` for these queries and pages (both of one dtype)."""
+    return q.dtype == k_pages.dtype and supports(q.device, q.dtype, q.shape[-1])
 
 
 def _dense(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
