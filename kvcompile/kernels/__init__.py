@@ -6,6 +6,8 @@
 - `merge`: the ZSMerge residual merge update.
 - `select`: prefill selection (top-k per head, pooled top-k, DBudgetKV threshold) and
   the gather of the kept rows into pages.
+- `choice`: `resolve`, which implementation of each of these runs (the `impl=` names,
+  their defaults per device and dtype, and the errors for names that cannot run).
 
 Submodules are imported on demand: importing one imports triton, and without a GPU
 TRITON_INTERPRET must be set before that (tests/conftest.py does it).
