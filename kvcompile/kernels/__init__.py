@@ -9,6 +9,6 @@
 - `choice`: `resolve`, which implementation of each of these runs (the `impl=` names,
   their defaults per device and dtype, and the errors for names that cannot run).
 
-Submodules are imported on demand: importing one imports triton, and without a GPU
+Submodules are imported on demand: importing a kernel module imports triton, and without a GPU
 TRITON_INTERPRET must be set before that (tests/conftest.py does it).
 """
