@@ -55,6 +55,16 @@ def test_triton_matches_score(**case):
     check("triton", **case)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scorer", [
+    WindowAttention(window=8, pooling=Pooling(kind="avg", kernel=7), gqa="mean"),  # snapkv's parts
+    Lava(window=8, pooling=Pooling(kind="avg", kernel=7), gqa="max")], ids=["snapkv", "lava"])
+def test_triton_matches_score_at_model_shapes(scorer, dtype):
+    """SmolLM2-135M's group of 3 query heads per KV head and head dim 64, both dtypes, padded."""
+    check("triton", scorer, seed=5, batch=2, heads=1, group=3, dim=64, tokens=40, extra_rows=0,
+          padded=True, dtype=dtype)
+
+
 @settings(max_examples=80, deadline=None)
 @given(**cases)
 def test_torch_lowering_matches_score(**case):

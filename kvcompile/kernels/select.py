@@ -22,7 +22,7 @@ position, count — into its pages (docs/INTERNALS.md "Paged cache layout": entr
 build_store through the gather (the runtime's prefill path).
 
 Implementations (dispatchers take impl = "triton" | "torch" | "compiled" | None = Triton
-on CUDA, else torch):
+on CUDA, else torch; `kvcompile.kernels.choice.resolve("select", ...)`):
 - Triton, no sort: a k-th-value search by bisection over the integer rank range
   (ceil(log2(H·M + 1)) counting passes over a head or a sequence), and for the threshold
   the same bisection on the cut, with the float64 norm of the entries below it; the
@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvcompile.kernels.choice import resolve
+
 try:  # Triton is optional: the torch lowering covers machines without it.
     import triton
     import triton.language as tl
@@ -55,11 +57,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 
 
 def _impl(impl: str | None, like: Tensor) -> str:
-    if impl is None:
-        return "triton" if like.is_cuda and triton is not None else "torch"
-    if impl not in ("triton", "torch", "compiled"):
-        raise ValueError(f"select kernels: unknown impl {impl!r} (triton | torch | compiled)")
-    return impl
+    """`kvcompile.kernels.choice.resolve` for the selection and gather kernels on `like`'s device."""
+    return resolve("select", impl, like.device, like.dtype)
 
 
 @contextlib.contextmanager

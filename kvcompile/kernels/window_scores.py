@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvcompile.kernels.choice import resolve
+
 try:  # Triton is optional: the torch lowering covers machines without it.
     import triton
     import triton.language as tl
@@ -48,20 +50,18 @@ def window_scores(queries: Tensor, keys: Tensor, values: Tensor | None, mask: Te
     keys, values (B, H, N, d); mask (B, N) bool True = real token (None = no padding);
     pooling: none | avg | max with odd `kernel`; value_weight: multiply by LAVa's
     max_k ‖V[k]‖₁. impl: "triton" | "torch" (eager) | "compiled" (the torch lowering
-    through Inductor) | None (Triton on CUDA, else torch).
+    through Inductor) | None (Triton on CUDA, else torch), resolved by
+    `kvcompile.kernels.choice.resolve("window_scores", ...)`.
     """
     _check(queries, keys, values, mask, window, gqa, pooling, kernel, value_weight)
-    if impl is None:
-        impl = "triton" if queries.is_cuda and triton is not None else "torch"
+    impl = resolve("window_scores", impl, queries.device, queries.dtype)
     args = (queries, keys, values, mask, scale)
     options = dict(window=window, gqa=gqa, pooling=pooling, kernel=kernel, value_weight=value_weight)
     if impl == "triton":
         return window_scores_triton(*args, **options)
     if impl == "torch":
         return window_scores_torch(*args, **options)
-    if impl == "compiled":
-        return _compiled()(*args, **options)
-    raise ValueError(f"window_scores: unknown impl {impl!r} (triton | torch | compiled)")
+    return _compiled()(*args, **options)
 
 
 def score_fused(scorer, state, impl: str | None = None) -> Tensor:

@@ -23,6 +23,8 @@ import functools
 import torch
 from torch import Tensor
 
+from kvcompile.kernels.choice import resolve
+
 try:  # Triton is optional: the torch lowering covers machines without it.
     import triton
     import triton.language as tl
@@ -62,7 +64,8 @@ def residual_merge(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys:
     slot_keys, slot_values (B, H, S, d), counts (B, H, S) long; num (B, H) (None = E);
     num_slots (B, H): slots usable per head (None = S; slots ≥ num_slots are left as
     they are). Returns new (slot_keys, slot_values, counts).
-    impl: "triton" | "torch" | "compiled" | None (Triton on CUDA, else torch).
+    impl: "triton" | "torch" | "compiled" | None (Triton on CUDA, else torch), resolved by
+    `kvcompile.kernels.choice.resolve("merge", ...)`.
     """
     b, h, s, d = slot_keys.shape
     if (slot_values.shape[:3] != (b, h, s) or counts.shape != (b, h, s)
@@ -74,14 +77,11 @@ def residual_merge(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys:
     e = keys.shape[2]
     num = torch.full((b, h), e, device=keys.device) if num is None else num
     num_slots = torch.full((b, h), s, device=keys.device) if num_slots is None else num_slots
-    if impl is None:
-        impl = "triton" if slot_keys.is_cuda and triton is not None else "torch"
+    impl = resolve("merge", impl, slot_keys.device, slot_keys.dtype)
     args = (slot_keys, slot_values, counts, keys, values, num, num_slots)
     if impl == "triton":
         return residual_merge_triton(*args)
-    if impl in ("torch", "compiled"):
-        return residual_merge_torch(*args, compiled_step=impl == "compiled")
-    raise ValueError(f"residual_merge: unknown impl {impl!r} (triton | torch | compiled)")
+    return residual_merge_torch(*args, compiled_step=impl == "compiled")
 
 
 # --------------------------------------------------------------------------- torch

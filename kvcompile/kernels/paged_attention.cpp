@@ -1,45 +1,17 @@
-"""Paged decode attention on the CPU: a hand-written flash-decoding kernel in C++.
-
-Same contract as `kvcompile.kernels.paged_attention` (layout in its docstring): one
-query per head against that head's pages, per-entry bias, per-head lengths, the result
-equal to `kvcompile.reference.attend` on the gathered cache.
-
-Why C++ and not only the torch lowering: Inductor compiles the torch lowering into
-correct loops, but it recomputes the page index (an indirect load, a bounds check) for
-every vector it loads and walks V once per 16 lanes of d per query head, so it stays at
-2-5x the bandwidth bound (benchmarks/RESULTS.md). This kernel does what the Triton one
-does on a GPU: each work item is one (sequence, KV head, run of pages); it looks a page
-up once, computes the G query heads' logits of that page's S entries, takes one
-vectorised exp per query head and page (online softmax, Milakov & Gimelshein 2018), and
-accumulates P·V with G·D/lanes accumulators held in registers. With AVX-512 and 16-entry
-pages (the default), a page's 16 dot-product vectors are summed into one vector of logits
-by a transpose-and-add tree; other widths take one horizontal sum and a scalar exp per
-entry. Every retained K/V byte
-is read once. Work items run on OpenMP threads (flash-decoding's split over pages,
-Dao et al. 2023), and a second loop combines the partials of each head.
-
-It is compiled by Inductor's own C++ toolchain (`CppPythonBindingsCodeCache`: the
-compiler, flags, vector ISA and OpenMP runtime of the kernels Inductor generates, and its
-on-disk cache), once per (G, D): compile-time constants, so the G·D/lanes accumulators
-stay in registers. fp32 only; other dtypes use the torch lowering.
-"""
-from __future__ import annotations
-
-import functools
-
-import torch
-from torch import Tensor
-
-_SOURCE = r"""
+// Paged decode attention on the CPU: flash-decoding over each head's pages (fp32).
+// Built by kvcompile/kernels/paged_attention_cpp.py through Inductor's C++ toolchain;
+// the contract and the design are in that module's docstring.
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <cmath>
 #include <limits>
 #include <vector>
 
-constexpr int64_t G = %(G)d, D = %(D)d, AHEAD = %(AHEAD)d;
+// The loader (paged_attention_cpp.py) defines KVCOMPILE_G, KVCOMPILE_D and KVCOMPILE_AHEAD before
+// this file: one build per (G, D), so the G * D / L accumulators stay in registers.
+constexpr int64_t G = KVCOMPILE_G, D = KVCOMPILE_D, AHEAD = KVCOMPILE_AHEAD;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t L = Vec::size();
-static_assert(D %% L == 0, "head dim must be a multiple of the vector width");
+static_assert(D % L == 0, "head dim must be a multiple of the vector width");
 constexpr int64_t DV = D / L;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -117,7 +89,7 @@ static void partial(const float* q, float scale, const float* kp, const float* v
     const bool tree = TREE && S == L;  // a page's logits fill exactly one vector
     for (int64_t start = lo; start < hi; ) {
         const int64_t page = table[bh * M + start / S];
-        const int64_t first = start %% S;
+        const int64_t first = start % S;
         const int64_t last = std::min<int64_t>(S, first + (hi - start));
         const float* kpage = kp + page * S * D;
         const float* vpage = vp + page * S * D;
@@ -199,7 +171,7 @@ extern "C" void kernel(const float* q, const float* kp, const float* vp, const i
     float* part_acc = part_l + BH * chunks * G;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if(threads > 1)
     for (int64_t item = 0; item < BH * chunks; ++item) {
-        const int64_t bh = item / chunks, c = item %% chunks;
+        const int64_t bh = item / chunks, c = item % chunks;
         const int64_t lo = c * chunk, hi = std::min<int64_t>(lo + chunk, lengths[bh]);
         float* pm = part_m + item * G;
         float* pl = part_l + item * G;
@@ -232,99 +204,3 @@ extern "C" void kernel(const float* q, const float* kp, const float* vp, const i
         }
     }
 }
-"""
-
-_ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "const int64_t*",
-             "const float*", "float*", "float*", "const int64_t", "const int64_t", "const int64_t",
-             "const int64_t", "const float", "const int64_t", "const int64_t", "const int64_t",
-             "int64_t"]
-
-# Below this many multiply-adds a call stays on one thread (see paged_attention.PARALLEL_WORK:
-# an OpenMP fork/join costs more than the work, and much more on a shared machine).
-PARALLEL_WORK = 1 << 20
-# Work items per thread when parallel: ragged heads make equal splits unequal, so several
-# smaller items per thread, handed out as threads free up (OpenMP dynamic schedule).
-ITEMS_PER_THREAD = 8
-PREFETCH_AHEAD = 2  # pages: how far ahead the kernel starts loading a run's next page
-
-
-@functools.cache
-def _kernel(g: int, d: int):
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, _SOURCE % {"G": g, "D": d, "AHEAD": PREFETCH_AHEAD})
-
-
-@functools.cache
-def _toolchain() -> bool:
-    """Inductor's C++ code cache is importable (an internal API: torch is pinned to 2.13.0,
-    and another version without it falls back to the torch lowering) and a C++ compiler
-    is on the PATH."""
-    import shutil
-
-    try:
-        from torch._inductor import config
-        from torch._inductor.codecache import CppPythonBindingsCodeCache  # noqa: F401
-    except ImportError:
-        return False
-    cxx = config.cpp.cxx[-1] if isinstance(config.cpp.cxx, tuple) else config.cpp.cxx
-    return shutil.which(cxx or "g++") is not None
-
-
-def supported(q: Tensor, k_pages: Tensor) -> bool:
-    """fp32 on the CPU, head dim a multiple of 16 (the widest vector), and a toolchain."""
-    return (not q.is_cuda and q.dtype == k_pages.dtype == torch.float32
-            and q.shape[-1] % 16 == 0 and _toolchain())
-
-
-def _dense(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """x as a contiguous tensor of `dtype` (no copy when it already is one)."""
-    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
-
-
-def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
-                        lengths: Tensor, bias_pages: Tensor | None = None,
-                        scale: float | None = None, *, threads: int | None = None,
-                        chunk: int | None = None) -> Tensor:
-    """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d), fp32 on CPU.
-
-    threads: OpenMP threads (default: torch's when the call has at least PARALLEL_WORK
-    multiply-adds, else 1; the C++ side decides); chunk: entries per work item (default:
-    whole pages, about ITEMS_PER_THREAD runs per thread over all heads, one run per head
-    on one thread)."""
-    if not supported(q, k_pages):
-        raise ValueError("paged_attention_cpp: fp32 CPU tensors with head dim a multiple of 16")
-    b, hq, d = q.shape
-    h, m = block_table.shape[1:]
-    s = k_pages.shape[1]
-    g = hq // h
-    scale = d ** -0.5 if scale is None else scale
-    max_threads = torch.get_num_threads() if threads is None else threads
-    work = PARALLEL_WORK if threads is None else 0  # given threads: always that many
-    runs = max(1, -(-ITEMS_PER_THREAD * max_threads // (b * h))) if chunk is None else \
-        max(1, -(-m * s // chunk))  # bounds the runs per head the C++ side can choose
-    workspace = torch.empty(b * h * runs * g * (d + 2))
-    out = torch.empty(b, hq, d)
-    _kernel(g, d)(_dense(q), _dense(k_pages), _dense(v_pages), _dense(block_table, torch.long),
-                  _dense(lengths, torch.long), _dense(bias_pages) if bias_pages is not None else k_pages,
-                  workspace, out, b * h, m, s, int(bias_pages is not None), float(scale), max_threads,
-                  ITEMS_PER_THREAD, work, chunk or 0)
-    return out
-
-
-def main() -> None:
-    """Compare with the torch lowering on a small ragged cache."""
-    from kvcompile.kernels.paged_attention import paged_attention_torch
-
-    gen = torch.Generator().manual_seed(0)
-    k_pages, v_pages = torch.randn(8, 16, 64, generator=gen), torch.randn(8, 16, 64, generator=gen)
-    table = torch.tensor([[[3, 1, 0], [5, 7, 2]]], dtype=torch.int32)
-    lengths = torch.tensor([[40, 17]])
-    q = torch.randn(1, 6, 64, generator=gen)
-    out = paged_attention_cpp(q, k_pages, v_pages, table, lengths)
-    torch.testing.assert_close(out, paged_attention_torch(q, k_pages, v_pages, table, lengths))
-    print("paged_attention_cpp matches the torch lowering:", tuple(out.shape))
-
-
-if __name__ == "__main__":
-    main()

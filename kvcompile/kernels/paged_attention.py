@@ -21,7 +21,7 @@ Three implementations and a dispatcher:
 - `paged_attention_torch`: the lowering used on CPU, written so that Inductor fuses the
   block-table indexing into its reductions (see its docstring); run eagerly it takes a
   plain gather + matmul path.
-- `paged_attention_cpp` (kernels/paged_attention_cpp.py): the same flash-decoding
+- `paged_attention_cpp` (kvcompile/kernels/paged_attention_cpp.py): the same flash-decoding
   kernel hand-written in C++ for the CPU, compiled by Inductor's C++ toolchain; the
   default on a CPU for fp32 (it reads the cache at close to the memory bandwidth, which
   the Inductor-compiled torch lowering does not: benchmarks/RESULTS.md).
@@ -33,7 +33,8 @@ import functools
 import torch
 from torch import Tensor
 
-from kvcompile.kernels.paged_attention_cpp import paged_attention_cpp, supported as cpp_supported
+from kvcompile.kernels.choice import resolve
+from kvcompile.kernels.paged_attention_cpp import paged_attention_cpp
 
 try:  # Triton is optional: the torch lowering covers machines without it.
     import triton
@@ -49,26 +50,22 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
 
     impl: "triton" | "cpp" (the C++ CPU kernel) | "torch" (eager) | "compiled" (the torch
     lowering through Inductor) | None = Triton on CUDA tensors, else the C++ kernel where
-    it applies (fp32, head dim a multiple of 16), else the torch lowering. Called from
+    it applies (fp32, head dim a multiple of 16), else the torch lowering
+    (`kvcompile.kernels.choice.resolve`, which raises ValueError for a name that cannot
+    run on these tensors). Called from
     inside an opaque custom op, the torch lowering runs eagerly: ask for "compiled" to get
     the fused kernel.
     """
     _check(q, k_pages, v_pages, block_table, lengths, bias_pages)
-    if impl is None:
-        if q.is_cuda:
-            impl = "triton" if triton is not None else "torch"
-        else:
-            impl = "cpp" if cpp_supported(q, k_pages) else "torch"
+    impl = resolve("paged_attention", impl, q.device, q.dtype if q.dtype == k_pages.dtype else None,
+                   head_dim=q.shape[-1])
     if impl == "cpp":
         return paged_attention_cpp(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
     if impl == "triton":
         return paged_attention_triton(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
     if impl == "torch":
         return paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
-    if impl == "compiled":
-        return compiled_paged_attention_torch(q, k_pages, v_pages, block_table, lengths,
-                                              bias_pages, scale)
-    raise ValueError(f"paged_attention: unknown impl {impl!r} (triton | cpp | torch | compiled)")
+    return compiled_paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
 
 
 def _check(q, k_pages, v_pages, block_table, lengths, bias_pages) -> None:

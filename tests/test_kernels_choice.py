@@ -1,0 +1,65 @@
+"""kvcompile.kernels.choice.resolve: each op's defaults per device and dtype, and clear
+errors for names that do not exist or cannot run."""
+import pytest
+import torch
+
+from kvcompile.kernels import choice
+from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name needs no GPU
+f32, f16 = torch.float32, torch.float16
+
+
+def test_defaults():
+    cpp = "cpp" if cpp_supports(CPU, f32, 64) else "torch"  # "cpp" wherever g++ is on the PATH
+    assert choice.resolve("paged_attention", None, CPU, f32, head_dim=64) == cpp
+    assert choice.resolve("paged_attention", None, "cpu", f16, head_dim=64) == "torch"
+    assert choice.resolve("paged_attention", None, CPU, f32, head_dim=20) == "torch"  # not a multiple of 16
+    assert choice.resolve("paged_attention", None, CPU, None, head_dim=64) == "torch"  # mixed dtypes
+    for op in ("select", "merge", "window_scores"):
+        assert choice.resolve(op, None, CPU, f32) == "torch"
+    for op in choice.IMPLS:  # triton is installed for the tests
+        assert choice.resolve(op, None, CUDA, f16, head_dim=64) == "triton"
+
+
+def test_requested_names_pass_through():
+    for op, names in choice.IMPLS.items():
+        for name in ("torch", "compiled", "triton"):  # triton: the interpreter is on (conftest)
+            assert name in names and choice.resolve(op, name, CPU, f32, head_dim=64) == name
+
+
+@pytest.mark.parametrize("op", list(choice.IMPLS))
+def test_unknown_impl_names_the_op_and_its_impls(op):
+    with pytest.raises(ValueError, match=rf"{op}: unknown impl 'cuda'; one of triton \| .*compiled"):
+        choice.resolve(op, "cuda", CPU, f32, head_dim=64)
+    if op != "paged_attention":
+        with pytest.raises(ValueError, match=rf"{op}: unknown impl 'cpp'"):
+            choice.resolve(op, "cpp", CPU, f32)
+
+
+def test_unknown_op():
+    with pytest.raises(ValueError, match="unknown op 'attention'; one of paged_attention, select"):
+        choice.resolve("attention", None, CPU, f32)
+
+
+def test_triton_off_the_gpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="select: impl 'triton' needs triton and a CUDA device"):
+        choice.resolve("select", "triton", CPU, f32)
+    assert choice.resolve("select", "triton", CUDA, f32) == "triton"
+
+
+def test_triton_missing(monkeypatch):
+    monkeypatch.setattr(choice, "_triton_imports", lambda: False)
+    with pytest.raises(ValueError, match="merge: impl 'triton' needs triton.*triton missing"):
+        choice.resolve("merge", "triton", CUDA, f32)
+    assert choice.resolve("merge", None, CUDA, f32) == "torch"
+    assert choice.resolve("paged_attention", None, CUDA, f32, head_dim=64) == "torch"
+
+
+def test_cpp_only_where_it_runs():
+    for device, dtype, d in ((CPU, f16, 64), (CPU, f32, 20), (CUDA, f32, 64), (CPU, None, 64)):
+        with pytest.raises(ValueError, match="paged_attention: impl 'cpp' needs fp32 CPU tensors"):
+            choice.resolve("paged_attention", "cpp", device, dtype, head_dim=d)
+    with pytest.raises(ValueError, match="needs head_dim"):
+        choice.resolve("paged_attention", None, CPU, f32)
