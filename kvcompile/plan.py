@@ -120,8 +120,12 @@ _ONLINE_MERGES = (Residual, Drop)
 
 
 def _resolve(op: str, requested: str | None, device, dtype, head_dim: int) -> str | None:
-    from kvcompile.kernels.choice import resolve
+    from kvcompile.kernels.choice import IMPLS, resolve
 
+    if device is None:  # decided by the first prompt's tensors (Plan.for_tensors); the name is checked now
+        if requested is not None and requested not in IMPLS[op]:
+            raise ValueError(f"{op}: unknown impl {requested!r}; one of {' | '.join(IMPLS[op])}")
+        return requested
     return resolve(op, requested, device, dtype, head_dim=head_dim)
 
 
