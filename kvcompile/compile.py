@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 
-import torch
 
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -104,11 +103,9 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     _check_model(model)
     if page_size < 1:
         raise ValueError(f"kvcompile: page_size must be >= 1, got {page_size}")
-    if mode == "compiled" and kernels is None and model.dtype != torch.float32:  # the C++ kernel is fp32 only
-        kernels = "compiled"
     try:
         plan = build_plan(policy, model.config, device=model.device, dtype=model.dtype, kernels=kernels,
-                          page_size=page_size)
+                          page_size=page_size, compiled_entry=mode == "compiled")
     except PlanError as exc:
         raise CompileError(str(exc)) from None
     if hasattr(model, _STATE):

@@ -46,6 +46,7 @@ class Plan:
     device: torch.device | None  # None: decided by the first prompt's tensors
     dtype: torch.dtype | None
     kernels: str | None  # what the caller asked for (None = the defaults below)
+    compiled_entry: bool  # the model runs through the compiled entry (torch.compile + the kvcompile passes)
     page_size: int
     headroom: int  # tokens per head generation may add after the prompt
     # implementations
@@ -75,7 +76,7 @@ class Plan:
         if self.device == like.device and self.dtype == like.dtype:
             return self
         return build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
-                          page_size=self.page_size, headroom=self.headroom)
+                          page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry)
 
     def score(self, state: LayerState) -> Tensor:
         """The prompt scores of one layer (B, H, N), by the implementation the plan chose."""
@@ -130,10 +131,20 @@ def _resolve(op: str, requested: str | None, device, dtype, head_dim: int) -> st
 
 
 def build_plan(policy: Policy, config, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-               kernels: str | None = None, page_size: int = 16, headroom: int = 0) -> Plan:
+               kernels: str | None = None, page_size: int = 16, headroom: int = 0,
+               compiled_entry: bool = False) -> Plan:
     """The plan for `policy` on a model with this `config` (layers, KV heads, head dim).
     Raises PlanError for what cannot run (a kernel that does not exist here, a merge rule
-    that has no online path), before anything runs."""
+    that has no online path), before anything runs.
+
+    kernels: None (the defaults: Triton on a GPU; on a CPU the C++ decode kernel for fp32
+    and the eager torch lowerings), or one name for every kernel that has it ("triton",
+    "cpp", "torch", "compiled"). The prompt scorer: on a GPU the fused window-scoring kernel;
+    on a CPU the scorer part's own path unless kernels="compiled" asks for the fused kernel
+    through Inductor (benchmarks/bench_window_scores.py: 0.3–0.6× the part's time warm, but
+    5–8 s of Inductor compile on first use and again for a new length, more than it saves
+    on one 4k prompt). compiled_entry: the model runs the compiled entry; on a CPU its
+    decode kernel for other dtypes than fp32 is then the Inductor-compiled lowering."""
     if page_size < 1:
         raise PlanError(f"kvcompile: page_size must be >= 1, got {page_size}")
     if headroom < 0:
@@ -144,8 +155,11 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     scoring, decode = policy.scoring, policy.schedule.decode
     cuda = device is not None and device.type == "cuda"
+    decode_kernels = kernels
+    if compiled_entry and kernels is None and not cuda and dtype is not None and dtype != torch.float32:
+        decode_kernels = "compiled"  # the C++ kernel is fp32 only
     try:
-        decode_impl = _resolve("paged_attention", kernels, device, dtype, head_dim)
+        decode_impl = _resolve("paged_attention", decode_kernels, device, dtype, head_dim)
         # the selection / gather kernels: Triton where asked (or on a GPU), else the eager torch
         # lowering (a few sorts and a copy: nothing for Inductor to fuse)
         select_impl = _resolve("select", kernels if kernels in (None, "triton") else "torch", device, dtype,
@@ -156,9 +170,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             if kernels is None and not cuda:  # a long walk: Inductor's one-time compile pays for itself
                 merge_compile_above = 2048
         score_impl = "part"
-        if scoring.fused_window() is not None and cuda:
-            score_impl = "fused:" + _resolve("window_scores", kernels if kernels in (None, "triton") else "torch",
-                                             device, dtype, head_dim)
+        if scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
+            score_impl = "fused:" + _resolve("window_scores", kernels, device, dtype, head_dim)
     except ValueError as exc:
         raise PlanError(f"kvcompile: {exc}") from None
     online = decode is not None and decode.online
@@ -171,7 +184,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     cascade = policy.layer_dynamic and policy.budget.threshold is None
     return Plan(
         policy=policy, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
-        kv_heads=tuple(range(num_heads)), device=device, dtype=dtype, kernels=kernels, page_size=page_size,
+        kv_heads=tuple(range(num_heads)), device=device, dtype=dtype, kernels=kernels,
+        compiled_entry=compiled_entry, page_size=page_size,
         headroom=headroom, score_impl=score_impl, select_impl=select_impl, merge_impl=merge_impl,
         merge_compile_above=merge_compile_above, decode_impl=decode_impl, running_scores=scoring.running, online_eviction=online,
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),

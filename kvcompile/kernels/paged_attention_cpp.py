@@ -121,21 +121,3 @@ def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
                   workspace, out, b * h, m, s, int(bias_pages is not None), float(scale), max_threads,
                   ITEMS_PER_THREAD, work, chunk or 0)
     return out
-
-
-def main() -> None:
-    """Compare with the torch lowering on a small ragged cache."""
-    from kvcompile.kernels.paged_attention import paged_attention_torch
-
-    gen = torch.Generator().manual_seed(0)
-    k_pages, v_pages = torch.randn(8, 16, 64, generator=gen), torch.randn(8, 16, 64, generator=gen)
-    table = torch.tensor([[[3, 1, 0], [5, 7, 2]]], dtype=torch.int32)
-    lengths = torch.tensor([[40, 17]])
-    q = torch.randn(1, 6, 64, generator=gen)
-    out = paged_attention_cpp(q, k_pages, v_pages, table, lengths)
-    torch.testing.assert_close(out, paged_attention_torch(q, k_pages, v_pages, table, lengths))
-    print("paged_attention_cpp matches the torch lowering:", tuple(out.shape))
-
-
-if __name__ == "__main__":
-    main()
