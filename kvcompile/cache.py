@@ -13,6 +13,8 @@ same op serves the eager and the compiled entry.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -130,10 +132,11 @@ def build_store(sources: list[Entries], slots: Tensor, page_size: int, spare_pag
     return store
 
 
-def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor) -> None:
+def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor, step: int = 1) -> None:
     """Append one entry per head: k, v (B, H, d), positions (B,) long. O(1) amortised:
     a head whose last page is full moves on to its next spare page; one without spares
-    takes a fresh page from the pool, which grows (rarely) when none is left."""
+    takes a run of `step` fresh consecutive pages from the pool (its next spares, so its
+    pages stay in runs the decode kernel streams), which grows (rarely) when none is left."""
     b, h, d = k.shape
     s = store.page_size
     e = store.lengths  # (B, H)
@@ -141,14 +144,17 @@ def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor) -> None:
     need = (col >= store.owned) & (e % s == 0)
     fresh = int(need.sum())
     if fresh:
-        if store.next_page + fresh > store.k_pages.shape[0]:
-            _grow(store, max(fresh, store.k_pages.shape[0] // 4, b * h))
-        if int(col.max()) >= store.block_table.shape[-1]:
-            store.block_table = torch.nn.functional.pad(store.block_table, (0, 1))
+        if store.next_page + fresh * step > store.k_pages.shape[0]:
+            _grow(store, max(fresh * step, store.k_pages.shape[0] // 4, b * h))
+        width = int(col.max()) + step
+        if width > store.block_table.shape[-1]:
+            store.block_table = torch.nn.functional.pad(store.block_table, (0, width - store.block_table.shape[-1]))
         bi, hi = need.nonzero(as_tuple=True)
-        store.block_table[bi, hi, col[bi, hi]] = store.next_page + torch.arange(fresh, device=k.device)
-        store.owned = torch.where(need, col + 1, store.owned)
-        store.next_page += fresh
+        first = store.next_page + torch.arange(fresh, device=k.device) * step  # each head's run
+        run = torch.arange(step, device=k.device)
+        store.block_table[bi[:, None], hi[:, None], col[bi, hi][:, None] + run] = first[:, None] + run
+        store.owned = torch.where(need, col + step, store.owned)
+        store.next_page += fresh * step
     page = store.block_table.gather(-1, col[..., None]).squeeze(-1)
     slot = e % s
     store.k_pages[page, slot] = k
@@ -157,6 +163,17 @@ def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor) -> None:
     store.pos_pages[page, slot] = positions[:, None].expand(b, h)
     store.count_pages[page, slot] = 1.0
     store.lengths = e + 1
+
+
+def writable(store: LayerStore) -> None:
+    """Make a store made under torch.inference_mode() updatable outside it (its inference
+    tensors are copied once into ordinary ones; DynamicCache concatenates, we write in place)."""
+    if not store.k_pages.is_inference():
+        return
+    for f in dataclasses.fields(store):
+        value = getattr(store, f.name)
+        if isinstance(value, Tensor) and value.is_inference():
+            setattr(store, f.name, value.clone())
 
 
 def remove(store: LayerStore, b, h, e) -> None:
@@ -184,6 +201,26 @@ def _grow(store: LayerStore, extra: int) -> None:
         setattr(store, name, torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]))
 
 
+def select_rows(store: LayerStore, index: Tensor, spare_pages: int) -> LayerStore:
+    """A new store whose row i is a copy of row index[i] of `store` (entries in the same order,
+    merge slots first), each head on fresh pages with its spares."""
+    k, v, scores, pos, counts, stored = store.gather()
+    taken = Entries(k[index], v[index], scores[index], pos[index], counts[index], stored[index])
+    return build_store([taken], store.slots[index], store.page_size, spare_pages)
+
+
+def _rows(state, index: Tensor):
+    """A copy of a state dataclass with every batch-first tensor (lists of them too) indexed by rows."""
+    def take(x):
+        if isinstance(x, Tensor) and x.dim() >= 1:
+            return x[index.to(x.device)]
+        if isinstance(x, list):
+            return [take(y) for y in x]
+        return x
+
+    return dataclasses.replace(state, **{f.name: take(getattr(state, f.name)) for f in dataclasses.fields(state)})
+
+
 @dataclass
 class PromptState:
     """What every layer's prompt compression reads; made by `runtime.start_prompt` at layer 0."""
@@ -195,6 +232,18 @@ class PromptState:
     totals: Tensor | None  # (B, L) layer totals known from the lengths (None: threshold or cascade)
     entropy: list[Tensor]  # cascade: the (B,) entropy of every layer compressed so far
     progress: object | None = None  # a tqdm bar over the layers, or None
+
+
+@dataclass
+class PromptChunks:
+    """A prompt that arrives in chunks (generate(prefill_chunk_size=...)): every layer's keys
+    and values (and the queries the scorer will read) are held until the chunk that ends the
+    prompt, which then compresses the layer exactly as one pass over the prompt would."""
+
+    length: int  # the whole prompt's length, pads included
+    queries: list[Tensor | None]  # per layer: the latest query rows so far (B, Hq, ≤R, d)
+    keys: list[Tensor | None]  # per layer: (B, H, seen, d)
+    values: list[Tensor | None]
 
 
 @dataclass
@@ -247,8 +296,34 @@ class KVCompileCache(Cache):
         self.seq_length = 0  # logical length: prompt (pads included) + generated tokens
         self.prompt: PromptState | None = None
         self.decoding: DecodeState | None = None
+        self.chunks: PromptChunks | None = None
         self.handle = next(_NEXT_HANDLE)
         _LIVE[self.handle] = self
+
+    def expect_prompt(self, length: int) -> None:
+        """The next `length` tokens (pads included) are one prompt, given in several forward
+        calls: it is compressed when its last token arrives, exactly as in one call."""
+        if self.is_initialized or self.seq_length:
+            raise RuntimeError("kvcompile: expect_prompt() on a cache that already holds a prompt")
+        n = self.plan.num_layers
+        self.chunks = PromptChunks(int(length), [None] * n, [None] * n, [None] * n)
+
+    def __deepcopy__(self, memo):
+        """An independent cache (transformers' prefix-caching recipe deep-copies a prefilled
+        cache per question): its own pages and state, and its own handle, so the op writes
+        into the copy, never into the original. The plan is immutable and shared."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        memo[id(self.plan)] = self.plan
+        bar = self.prompt.progress if self.prompt is not None else None
+        if bar is not None:
+            memo[id(bar)] = None  # a progress bar is not copied
+        for key, value in self.__dict__.items():
+            if key != "handle":
+                setattr(new, key, copy.deepcopy(value, memo))
+        new.handle = next(_NEXT_HANDLE)
+        _LIVE[new.handle] = new
+        return new
 
     @classmethod
     def from_plan(cls, plan: Plan, record: bool = False, progress=None) -> "KVCompileCache":
@@ -297,21 +372,57 @@ class KVCompileCache(Cache):
     def reset(self):
         self.__init__(plan=self.plan, record=self.record, progress=self.progress)
 
-    def _unsupported(self, what):
-        raise NotImplementedError(f"KVCompileCache does not support {what} (beam search, cropping, "
-                                  "assisted decoding): its entries are compressed per head")
+    # --- rows: beam search, contrastive search, expanded inputs ---------------------------
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Row i continues row beam_idx[i]'s compressed cache (beam search): each row gets a
+        copy of its parent's pages, scores, counts and state, so beams never share a page."""
+        self._select_rows(beam_idx.to(dtype=torch.long))
 
-    def crop(self, max_length):
-        self._unsupported("crop")
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices, dtype=torch.long))
 
-    def batch_repeat_interleave(self, repeats):
-        self._unsupported("batch_repeat_interleave")
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        b = self.prompt.lengths.shape[0] if self.prompt is not None else None
+        if b is None:
+            return
+        self._select_rows(torch.arange(b).repeat_interleave(repeats))
 
-    def batch_select_indices(self, indices):
-        self._unsupported("batch_select_indices")
+    def _select_rows(self, index: Tensor) -> None:
+        if self.chunks is not None:
+            raise RuntimeError("kvcompile: a cache cannot change its rows in the middle of a chunked prompt")
+        if self.prompt is None:
+            return
+        index = index.to(self.prompt.lengths.device)
+        self.stores = [None if store is None else select_rows(store, index, self.plan.spare_pages)
+                       for store in self.stores]
+        self.prompt = _rows(self.prompt, index)
+        self.decoding = None if self.decoding is None else _rows(self.decoding, index)
+        self.rings = [None if ring is None else ring[index.to(ring.device)] for ring in self.rings]
+        self.states = [None] * self.plan.num_layers
 
-    def reorder_cache(self, beam_idx):
-        self._unsupported("reorder_cache")
+    def crop(self, max_length: int) -> None:
+        """Drop the latest entries so the cache holds `max_length` tokens (negative: drop that
+        many), as assisted and prompt-lookup decoding do with rejected candidates. Exact only
+        where the policy evicts nothing and updates no score while decoding (the plan says);
+        refused otherwise (compile()'s generate refuses those decoding modes up front)."""
+        plan = self.plan
+        if plan.prune_every or plan.online_eviction or plan.running_scores:
+            raise NotImplementedError(
+                f"kvcompile: crop() is exact only for policies that evict nothing and update no score while "
+                f"decoding; {plan.policy.name} does (assisted and prompt-lookup decoding are not supported)")
+        if max_length < 0:
+            max_length = self.seq_length + max_length
+        if max_length >= self.seq_length:
+            return
+        if self.prompt is None or max_length < self.prompt.width:
+            raise NotImplementedError("kvcompile: crop() into the compressed prompt is not possible: its "
+                                      "evicted entries are gone")
+        cutoff = (max_length - self.prompt.pad)[:, None, None]  # (B, 1, 1) logical positions kept
+        for store in self.stores:
+            _, _, _, pos, _, stored = store.gather()
+            # decode appends sit after a head's prompt entries, in order: what is cut is a suffix
+            store.lengths = (stored & ((pos < cutoff) | (pos < 0))).sum(-1)
+        self.seq_length = max_length
 
     # --- reports -------------------------------------------------------------------------
     def kept(self) -> Tensor:

@@ -8,6 +8,7 @@ at import time; `uncompile(model)` restores the model.
 """
 from __future__ import annotations
 
+import copy
 import functools
 from contextlib import contextmanager
 
@@ -74,6 +75,48 @@ def _length(args, kwargs) -> int | None:
     return tokens.shape[1] if tokens is not None and tokens.dim() >= 2 else None
 
 
+def check_left_padded(attention_mask) -> None:
+    """Refuse a right-padded batch (a pad after a real token): kvcompile stores and positions a
+    sequence's tokens as if its pads were all on the left, as generate() pads decoder-only models."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] < 2:
+        return
+    mask = attention_mask.bool()
+    if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+        raise CompileError("kvcompile: the batch is right-padded (a pad after a real token); pad on the left "
+                           "(tokenizer.padding_side = 'left'), as generate() expects of decoder-only models")
+
+
+def _refuse_outputs(kwargs, config) -> None:
+    """output_attentions: the attention of a compressed cache is not the model's attention matrix,
+    and kvcompile's kernels never build it; refused in both entries, before anything runs."""
+    if kwargs.get("output_attentions") or (kwargs.get("output_attentions") is None
+                                           and getattr(config, "output_attentions", False)):
+        raise CompileError("kvcompile: output_attentions=True is not supported on a compiled model (the kernels "
+                           "never build the attention matrix); call kvcompile.uncompile(model) first")
+
+
+def _no_cache_implementation(kwargs: dict, gen) -> dict:
+    """generate(cache_implementation=...) asks for another cache than kvcompile's: refused. A
+    checkpoint's generation_config that sets one is overridden (compile() asked for kvcompile's)."""
+    if kwargs.get("cache_implementation") is not None:
+        raise CompileError(f"kvcompile: generate(cache_implementation={kwargs['cache_implementation']!r}) asks "
+                           "for another cache; a compiled model generates with its KVCompileCache (leave "
+                           "cache_implementation unset)")
+    if getattr(gen, "cache_implementation", None) is not None:
+        gen = copy.deepcopy(gen)
+        gen.cache_implementation = None
+        kwargs = {**kwargs, "generation_config": gen}
+    return kwargs
+
+
+def _check_crop(plan) -> None:
+    """Assisted and prompt-lookup decoding crop rejected candidates: exact only where the
+    policy evicts nothing and updates no score while decoding (refused before the prompt runs)."""
+    if plan.prune_every or plan.online_eviction or plan.running_scores:
+        raise CompileError(f"kvcompile: assisted / prompt-lookup decoding needs crop(), which {plan.policy.name} "
+                           "cannot do exactly (it evicts or re-scores while decoding)")
+
+
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
             kernels: str | None = None, **overrides):
     """Return `model` with its attention rewritten to run `spec` (path, name, mapping or Policy).
@@ -111,7 +154,9 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     if hasattr(model, _STATE):
         uncompile(model)
     config = model.config
-    saved = {"attn": config._attn_implementation, "policy": policy, "mode": mode}
+    saved = {"attn": config._attn_implementation, "policy": policy, "mode": mode,
+             # an accelerate hook (device_map, offload) lives on the instance: restored by uncompile()
+             "instance": {name: model.__dict__[name] for name in ("forward", "generate") if name in model.__dict__}}
     forward, generate = model.forward, model.generate
     if mode == "compiled":
         from kvcompile.passes import compile_forward
@@ -128,27 +173,48 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
     @functools.wraps(forward)
     def compiled_forward(*args, past_key_values=None, use_cache=None, **kwargs):
+        _refuse_outputs(kwargs, config)
         t = _length(args, kwargs)
         if t is not None:
             check_length(config, t + (past_key_values.get_seq_length() if past_key_values is not None else 0))
+        if model.training:  # training computes no cache: the plain attention, differentiable
+            if isinstance(past_key_values, KVCompileCache):
+                raise CompileError("kvcompile: a KVCompileCache in training mode; call model.eval() to generate")
+            return forward(*args, past_key_values=past_key_values, use_cache=False, **kwargs)
         if past_key_values is None and use_cache is not False:
             past_key_values = new_cache()
         if isinstance(past_key_values, KVCompileCache):
+            if not past_key_values.seq_length:
+                check_left_padded(kwargs.get("attention_mask"))
             kwargs["kvcompile_cache"] = past_key_values
         return forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
 
     @functools.wraps(generate)
     def compiled_generate(*args, past_key_values=None, **kwargs):
         gen = kwargs.get("generation_config") or model.generation_config
+        _refuse_outputs(kwargs, gen)
+        kwargs = _no_cache_implementation(kwargs, gen)
         headroom = kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 0
-        if past_key_values is None and kwargs.get("use_cache", True) is not False:
-            t = _length(args, kwargs)
+        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") or \
+                getattr(gen, "prompt_lookup_num_tokens", None):
+            _check_crop(plan)
+        uses_cache = kwargs.get("use_cache", getattr(gen, "use_cache", True)) is not False
+        t = _length(args, kwargs)
+        fresh = past_key_values is None or (isinstance(past_key_values, KVCompileCache)
+                                            and not past_key_values.seq_length)
+        if fresh and uses_cache:
+            check_left_padded(kwargs.get("attention_mask"))
             if t is not None and kwargs.get("max_new_tokens") is not None:  # fail before the prompt runs
                 check_length(config, t + kwargs["max_new_tokens"])
+        if past_key_values is None and uses_cache:
             past_key_values = new_cache(headroom)
         elif (isinstance(past_key_values, KVCompileCache) and not past_key_values.is_initialized
               and not past_key_values.headroom):  # a fresh cache of the caller's: spares for what generate() adds
             past_key_values.plan = past_key_values.plan.with_headroom(headroom)
+        chunk = kwargs.get("prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))
+        if chunk and t is not None and t > chunk and isinstance(past_key_values, KVCompileCache) \
+                and not past_key_values.seq_length:
+            past_key_values.expect_prompt(t)  # the chunks are one prompt: compressed when it is whole
         return generate(*args, past_key_values=past_key_values, **kwargs)
 
     model.forward = compiled_forward
@@ -166,6 +232,7 @@ def uncompile(model):
         return model
     for name in ("forward", "generate", "kvcompile_policy", "kvcompile_plan"):
         model.__dict__.pop(name, None)
+    model.__dict__.update(saved.get("instance", {}))
     model.set_attn_implementation(saved["attn"] or "sdpa")
     delattr(model, _STATE)
     return model

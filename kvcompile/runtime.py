@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kvcompile.allocation import decode_budgets, head_budgets, head_split, latest, layer_totals
 from kvcompile.cache import (DecodeState, Entries, KVCompileCache, LayerStore, PromptState, append, build_store,
-                             lookup_cache)
+                             lookup_cache, writable)
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.scoring import entropy
 from kvcompile.selection import HeadEntries, Merged, decode_prune, merge_evicted, select_and_merge
@@ -87,12 +87,44 @@ def start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, lik
 
 def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
             layer: int, scale: float) -> Tensor:
-    b, hq, n, d = q.shape
+    """The prompt's attention and the layer's compression (q, k, v: the whole prompt)."""
+    b, hq, t, d = q.shape
+    n = k.shape[2]
     if layer == 0:
         start_prompt(cache, mask, b, n, q)
     valid = cache.prompt.valid
-    out = prompt_attention(q, k, v, None if bool(valid.all()) else valid, scale)
+    out = prompt_attention(q, k, v, None if bool(valid.all()) else valid, scale, offset=n - t)
     compress_prompt_layer(cache, q, k, v, layer, scale)
+    return out
+
+
+def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
+                 scale: float) -> Tensor:
+    """One chunk of a prompt given in several calls (KVCompileCache.expect_prompt): attention
+    of the chunk's queries over the prompt so far (causal, as in one pass), the layer's keys,
+    values and the query rows the scorer will read held; the chunk that ends the prompt
+    compresses the layer over all of it, exactly as `prefill` does for the prompt in one call."""
+    chunks = cache.chunks
+    t = q.shape[2]
+    keys = k if chunks.keys[layer] is None else torch.cat([chunks.keys[layer], k], dim=2)
+    values = v if chunks.values[layer] is None else torch.cat([chunks.values[layer], v], dim=2)
+    seen = keys.shape[2]
+    rows = seen if cache.record else cache.policy.scoring.query_rows(chunks.length)
+    queries = q if chunks.queries[layer] is None else torch.cat([chunks.queries[layer], q], dim=2)
+    queries = queries[:, :, queries.shape[2] - min(rows, queries.shape[2]):]
+    if seen < chunks.length:
+        chunks.keys[layer], chunks.values[layer], chunks.queries[layer] = keys, values, queries
+        padding = None if mask is None or bool(mask[:, :seen].all()) else mask[:, :seen].bool()
+        return prompt_attention(q, keys, values, padding, scale, offset=seen - t)
+    chunks.keys[layer] = chunks.values[layer] = chunks.queries[layer] = None
+    if layer == cache.plan.num_layers - 1:
+        cache.chunks = None
+    b = q.shape[0]
+    if layer == 0:
+        start_prompt(cache, mask, b, seen, q)
+    valid = cache.prompt.valid
+    out = prompt_attention(q, keys, values, None if bool(valid.all()) else valid, scale, offset=seen - t)
+    compress_prompt_layer(cache, queries, keys, values, layer, scale)
     return out
 
 
@@ -217,7 +249,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     outs = []
     for i in range(q.shape[2]):
         position = cache.seq_length + i - pad  # logical position among real tokens
-        append(store, k[:, :, i], v[:, :, i], position)
+        append(store, k[:, :, i], v[:, :, i], position, step=plan.spare_pages)
         if running or online:
             out, probs = _attend_with_probs(cache, store, q[:, :, i], scale)
             if running:
@@ -404,8 +436,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
     """
     cache = lookup_cache(handle)
     if cache.stores[layer] is None:
-        out = prefill(cache, q, k, v, mask, layer, scale)
+        if cache.chunks is not None:
+            out = prompt_chunk(cache, q, k, v, mask, layer, scale)
+        else:
+            out = prefill(cache, q, k, v, mask, layer, scale)
     else:
+        if not torch.is_inference_mode_enabled():
+            writable(cache.stores[layer])  # a cache made under inference_mode, used outside it
         out = decode(cache, q, k, v, layer, scale)
     if layer == cache.num_layers - 1:
         cache.seq_length += q.shape[2]
