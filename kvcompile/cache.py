@@ -400,20 +400,28 @@ class KVCompileCache(Cache):
         self.rings = [None if ring is None else ring[index.to(ring.device)] for ring in self.rings]
         self.states = [None] * self.plan.num_layers
 
-    def crop(self, max_length: int) -> None:
-        """Drop the latest entries so the cache holds `max_length` tokens (negative: drop that
-        many), as assisted and prompt-lookup decoding do with rejected candidates. Exact only
-        where the policy evicts nothing and updates no score while decoding (the plan says);
-        refused otherwise (compile()'s generate refuses those decoding modes up front)."""
+    @property
+    def is_croppable(self) -> bool:
+        """crop() is exact only where the policy evicts nothing and updates no score while decoding."""
         plan = self.plan
-        if plan.prune_every or plan.online_eviction or plan.running_scores:
+        return not (plan.prune_every or plan.online_eviction or plan.running_scores)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the latest `-tokens_to_remove` generated entries (transformers' convention: 0 or a
+        negative count), as assisted and prompt-lookup decoding do with rejected candidates.
+        Exact only where the policy evicts nothing and updates no score while decoding
+        (`is_croppable`); refused otherwise (compile()'s generate refuses those decoding modes
+        before the prompt runs)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop() takes the number of tokens to remove as a negative int (or 0), got "
+                             f"{tokens_to_remove}")
+        if tokens_to_remove == 0:
+            return
+        if not self.is_croppable:
             raise NotImplementedError(
                 f"kvcompile: crop() is exact only for policies that evict nothing and update no score while "
-                f"decoding; {plan.policy.name} does (assisted and prompt-lookup decoding are not supported)")
-        if max_length < 0:
-            max_length = self.seq_length + max_length
-        if max_length >= self.seq_length:
-            return
+                f"decoding; {self.plan.policy.name} does (assisted and prompt-lookup decoding are not supported)")
+        max_length = self.seq_length + tokens_to_remove
         if self.prompt is None or max_length < self.prompt.width:
             raise NotImplementedError("kvcompile: crop() into the compressed prompt is not possible: its "
                                       "evicted entries are gone")

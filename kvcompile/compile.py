@@ -110,11 +110,17 @@ def _no_cache_implementation(kwargs: dict, gen) -> dict:
 
 
 def _check_crop(plan) -> None:
-    """Assisted and prompt-lookup decoding crop rejected candidates: exact only where the
-    policy evicts nothing and updates no score while decoding (refused before the prompt runs)."""
-    if plan.prune_every or plan.online_eviction or plan.running_scores:
+    """Assisted and prompt-lookup decoding send candidate tokens with the prompt and crop the
+    rejected ones: exact only where the policy evicts nothing and updates no score while
+    decoding, and where a layer's compression is final when the layer has run (not a cascade,
+    which shrinks lower layers as later ones run). Refused before the prompt runs otherwise."""
+    if plan.prune_every or plan.online_eviction or plan.running_scores:  # KVCompileCache.is_croppable
         raise CompileError(f"kvcompile: assisted / prompt-lookup decoding needs crop(), which {plan.policy.name} "
                            "cannot do exactly (it evicts or re-scores while decoding)")
+    if plan.cascade:
+        raise CompileError(f"kvcompile: assisted / prompt-lookup decoding sends candidate tokens with the prompt, "
+                           f"and {plan.policy.name}'s cascade changes a layer's cache after those tokens attended "
+                           "to it (not exact); generate without an assistant")
 
 
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
@@ -144,6 +150,9 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
         policy = load_spec(spec, **overrides)
     _check_model(model)
+    if mode == "compiled" and hasattr(model, "_hf_hook"):
+        raise CompileError("kvcompile: the compiled entry cannot trace accelerate's hooks on model.forward "
+                           "(device_map dispatch, offload); compile with mode='eager', which keeps them running")
     if page_size < 1:
         raise ValueError(f"kvcompile: page_size must be >= 1, got {page_size}")
     try:
@@ -195,8 +204,9 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         _refuse_outputs(kwargs, gen)
         kwargs = _no_cache_implementation(kwargs, gen)
         headroom = kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 0
-        if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") or \
-                getattr(gen, "prompt_lookup_num_tokens", None):
+        assisted = kwargs.get("assistant_model") is not None or bool(
+            kwargs.get("prompt_lookup_num_tokens", getattr(gen, "prompt_lookup_num_tokens", None)))
+        if assisted:
             _check_crop(plan)
         uses_cache = kwargs.get("use_cache", getattr(gen, "use_cache", True)) is not False
         t = _length(args, kwargs)
@@ -212,9 +222,11 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
               and not past_key_values.headroom):  # a fresh cache of the caller's: spares for what generate() adds
             past_key_values.plan = past_key_values.plan.with_headroom(headroom)
         chunk = kwargs.get("prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))
-        if chunk and t is not None and t > chunk and isinstance(past_key_values, KVCompileCache) \
+        if (chunk or assisted) and t is not None and isinstance(past_key_values, KVCompileCache) \
                 and not past_key_values.seq_length:
-            past_key_values.expect_prompt(t)  # the chunks are one prompt: compressed when it is whole
+            # the prompt is compressed whole, as in one pass: over its chunks, and without the
+            # candidate tokens that assisted decoding sends along with it
+            past_key_values.expect_prompt(t)
         return generate(*args, past_key_values=past_key_values, **kwargs)
 
     model.forward = compiled_forward

@@ -237,18 +237,25 @@ def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
 
 # --- decode ----------------------------------------------------------------------------
 
-def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> Tensor:
+def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float,
+           start: int | None = None) -> Tensor:
     """Append T new tokens and attend over the pages (new token t sees entries up to itself);
-    then the decode schedule: running scores, ZSMerge online eviction, periodic pruning."""
+    then the decode schedule: running scores, ZSMerge online eviction, periodic pruning.
+    `start`: the sequence index of the first new token (default: what the cache holds)."""
     plan = cache.plan
+    start = cache.seq_length if start is None else start
     store = cache.stores[layer]
-    if cache.decoding is None:
-        cache.decoding = start_decode(cache)
     running, online, every = plan.running_scores, plan.online_eviction, plan.prune_every
+    if cache.decoding is None:
+        if all(s is not None for s in cache.stores):
+            cache.decoding = start_decode(cache)
+        elif online or every:  # tokens after a prompt that ends inside this call: later layers are not compressed yet
+            raise RuntimeError("kvcompile: the decode schedule needs every layer compressed before tokens follow "
+                               "the prompt in the same call")
     pad, width = cache.prompt.pad, cache.prompt.width
     outs = []
     for i in range(q.shape[2]):
-        position = cache.seq_length + i - pad  # logical position among real tokens
+        position = start + i - pad  # logical position among real tokens
         append(store, k[:, :, i], v[:, :, i], position, step=plan.spare_pages)
         if running or online:
             out, probs = _attend_with_probs(cache, store, q[:, :, i], scale)
@@ -262,7 +269,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
         if every:
             if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries
                 cache.rings[layer] = torch.cat([cache.rings[layer], q[:, :, i, None]], dim=2)[:, :, -plan.ring_rows:]
-            generated = cache.seq_length - width + i + 1
+            generated = start - width + i + 1
             if generated % every == 0:
                 _prune(cache, layer, position + 1, scale)
                 store = cache.stores[layer]
@@ -436,10 +443,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
     """
     cache = lookup_cache(handle)
     if cache.stores[layer] is None:
-        if cache.chunks is not None:
-            out = prompt_chunk(cache, q, k, v, mask, layer, scale)
-        else:
+        chunks = cache.chunks
+        if chunks is None:
             out = prefill(cache, q, k, v, mask, layer, scale)
+        elif cache.seq_length + q.shape[2] <= chunks.length:
+            out = prompt_chunk(cache, q, k, v, mask, layer, scale)
+        else:  # the prompt ends inside this call (assisted decoding sends it with candidate tokens)
+            end = chunks.length
+            cut = end - cache.seq_length
+            head = prompt_chunk(cache, q[:, :, :cut], k[:, :, :cut], v[:, :, :cut],
+                                None if mask is None else mask[:, :end], layer, scale)
+            tail = decode(cache, q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], layer, scale, start=end)
+            out = torch.cat([head, tail], dim=2)
     else:
         if not torch.is_inference_mode_enabled():
             writable(cache.stores[layer])  # a cache made under inference_mode, used outside it
