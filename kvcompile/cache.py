@@ -232,6 +232,9 @@ class PromptState:
     totals: Tensor | None  # (B, L) layer totals known from the lengths (None: threshold or cascade)
     entropy: list[Tensor]  # cascade: the (B,) entropy of every layer compressed so far
     progress: object | None = None  # a tqdm bar over the layers, or None
+    held: list[Tensor] = dataclasses.field(default_factory=list)  # cascade: (B,) entries each layer holds
+    #   as the cascade defines it (a lazy cascade's pages may still hold more, see Plan.lazy_cascade)
+    protected: Tensor | None = None  # cascade: (B,) protected entries of a layer (the same in every layer)
 
 
 @dataclass

@@ -63,6 +63,7 @@ class Plan:
     spare_pages: int  # pages each head gets beyond its prompt pages, for its decode appends
     # prefill
     cascade: bool  # layer budgets move with the scores of later layers (LAVa Alg. 2)
+    lazy_cascade: bool  # the cascade's re-selections may wait: the heads rule is nested (see HeadsRule)
     static_totals: bool  # layer totals are known from the prompt lengths alone
 
     def with_headroom(self, headroom: int) -> "Plan":
@@ -93,7 +94,7 @@ class Plan:
     def describe(self) -> str:
         """One line per decision, for logs and `kvcompile run --verbose`."""
         fields = ("score_impl", "select_impl", "merge_impl", "decode_impl", "running_scores", "online_eviction",
-                  "prune_every", "ring_rows", "spare_pages", "cascade", "kv_heads")
+                  "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade", "kv_heads")
         return "\n".join(f"{name}: {getattr(self, name)}" for name in fields)
 
 
@@ -182,6 +183,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     prune_every = decode.prune_every if decode is not None else 0
     ring_rows = scoring.query_rows(2 ** 30) if prune_every and not scoring.running else 0
     cascade = policy.layer_dynamic and policy.budget.threshold is None
+    lazy = cascade and policy.budget.heads.nested and not policy.merges and policy.budget.split is None
     return Plan(
         policy=policy, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
         kv_heads=tuple(range(num_heads)), device=device, dtype=dtype, kernels=kernels,
@@ -189,5 +191,5 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         headroom=headroom, score_impl=score_impl, select_impl=select_impl, merge_impl=merge_impl,
         merge_compile_above=merge_compile_above, decode_impl=decode_impl, running_scores=scoring.running, online_eviction=online,
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
-        cascade=cascade, static_totals=policy.budget.threshold is None and not cascade)
+        cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade)
 

@@ -145,8 +145,7 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     valid_h = valid[:, None, :].expand(b, h, n)
     if plan.cascade:
         prompt.entropy.append(entropy(scores, valid_h))
-        held = torch.stack([store.lengths.sum(-1) for store in cache.stores[:layer]]
-                           + [valid.sum(-1) * h], dim=1)
+        held = torch.stack(prompt.held + [valid.sum(-1) * h], dim=1)
         totals = layer_totals(policy, prompt.lengths, plan.num_layers, plan.num_heads,
                               entropy=torch.stack(prompt.entropy, dim=1), capacity=held)
     else:
@@ -157,12 +156,33 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     if plan.prune_every:  # the latest query rows the scorer reads, for pruning while decoding (maybe none)
         cache.rings[layer] = q[:, :, r - min(plan.ring_rows, n):].clone()
     if plan.cascade:
-        for lower in range(layer):
-            _recompress(cache, lower, totals[:, lower])
+        prompt.held.append(cache.stores[layer].lengths.sum(-1))
+        if prompt.protected is None:
+            prompt.protected = (policy.ranking.protected(positions, prompt.lengths.view(-1, 1, 1)) & valid_h).sum((1, 2))
+        _cascade(cache, layer, totals)
     if prompt.progress is not None:
         prompt.progress.update(1)
         if layer == plan.num_layers - 1:
             prompt.progress.close()
+
+
+def _cascade(cache: KVCompileCache, layer: int, totals: Tensor) -> None:
+    """LAVa Alg. 2 after `layer`: every lower layer is re-selected among what it holds with its
+    new total. A lazy cascade (a nested heads rule: Plan.lazy_cascade) only counts what each
+    layer would hold, max(protected, min(total, held)), and re-selects its pages when they hold
+    more than twice that, and once more after the last layer: what it keeps is the same, in
+    O(L log L) re-selections instead of L(L − 1)/2 (pages up to twice the budget meanwhile)."""
+    plan, prompt = cache.plan, cache.prompt
+    last = layer == plan.num_layers - 1
+    for lower in range(layer):
+        if not plan.lazy_cascade:
+            _recompress(cache, lower, totals[:, lower])
+            prompt.held[lower] = cache.stores[lower].lengths.sum(-1)
+            continue
+        prompt.held[lower] = torch.maximum(prompt.protected, torch.minimum(totals[:, lower], prompt.held[lower]))
+        pages_hold = cache.stores[lower].lengths.sum(-1)
+        if bool((pages_hold > prompt.held[lower]).any()) and (last or bool((pages_hold > 2 * prompt.held[lower]).any())):
+            _recompress(cache, lower, totals[:, lower])
 
 
 def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, total, layer):

@@ -142,7 +142,13 @@ class HeadsRule(Part):
     """Base of the head allocation parts: `keep` is the reference (one sequence at a time);
     `keep_ranked` is the runtime's path over a batch, given the selection kernel `keep_best`
     (kvcompile.kernels.select.keep_best with its impl bound). A part without a kernel
-    formulation runs its reference per sequence."""
+    formulation runs its reference per sequence.
+
+    `nested`: re-selecting what the rule kept, with a smaller total, keeps exactly what one
+    selection with that total keeps from the first candidates (so a cascade may defer its
+    re-selections: kvcompile.plan.Plan.lazy_cascade). False unless a part proves it."""
+
+    nested = False
 
     def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, tokens: Tensor, total) -> Tensor:
         raise NotImplementedError
@@ -179,6 +185,12 @@ class PooledHeads(HeadsRule):
     the scores; each head keeps at least floor·B_l/H tokens."""
 
     floor: float = bounded(0.0, **FRACTION)
+
+    @property
+    def nested(self) -> bool:
+        """With no floor the layer keeps its protected entries and the best of the rest by one
+        ranking, min(total, held) in all: the best k of the best k' ≥ k are the best k."""
+        return self.floor == 0
 
     def guaranteed(self, total: int, num_heads: int) -> int:
         """⌊floor·B_l/H⌋: the tokens every head keeps before the pooled top-k."""
