@@ -129,7 +129,7 @@ def main() -> None:
         for spec in args.specs:
             tokens = {}
             for mode in args.modes:
-                kvcompile.compile(model, policy_for(spec, args.per_head), mode=mode)
+                kvcompile.compile(model, policy_for(spec, args.per_head, own_budget_wins=True), mode=mode)
                 if mode == "compiled" and compile_note is None:
                     before = graphs()
                     seconds = _seconds(lambda: run(model, ids[:, :100], 4))
@@ -157,7 +157,7 @@ def sweep(model, specs: list[str], per_head: int, lengths: list[int]) -> None:
         for n in lengths:
             ids = torch.randint(100, 40000, (1, n))
             for spec in specs:
-                with kvcompile.compiled(model, policy_for(spec, per_head), mode="compiled"):
+                with kvcompile.compiled(model, policy_for(spec, per_head, own_budget_wins=True), mode="compiled"):
                     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
                                    do_sample=False)
             counts.append(f"{n}: {graphs()}")

@@ -4,11 +4,60 @@
     model = kvcompile.compile(model, "lava", per_head=128)   # a spec name, path, mapping or Policy
     out = model.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
     out.past_key_values.memory_report()
-"""
-from kvcompile.cache import KVCompileCache
-from kvcompile.compile import CompileError, compile, compiled, uncompile
-from kvcompile.policy import Policy
-from kvcompile.spec import SpecError, load_spec
 
-__all__ = ["CompileError", "KVCompileCache", "Policy", "SpecError", "compile", "compiled", "load_spec",
-           "uncompile"]
+The public names below are imported on first use (PEP 562 module `__getattr__`), so that
+`import kvcompile` and `kvcompile --help` do not pay for importing torch and transformers.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+import typing
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "CompileError": "kvcompile.compile",
+    "KVCompileCache": "kvcompile.cache",
+    "Policy": "kvcompile.policy",
+    "SpecError": "kvcompile.spec",
+    "compile": "kvcompile.compile",
+    "compiled": "kvcompile.compile",
+    "load_spec": "kvcompile.spec",
+    "uncompile": "kvcompile.compile",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if typing.TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
+    from kvcompile.cache import KVCompileCache
+    from kvcompile.compile import CompileError, compile, compiled, uncompile
+    from kvcompile.policy import Policy
+    from kvcompile.spec import SpecError, load_spec
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcompile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """`kvcompile.compile` is the function, as the eager package had it, even once the
+    submodule of the same name is imported (the import system would set the package
+    attribute to the submodule; the submodule stays in sys.modules["kvcompile.compile"])."""
+
+    def __setattr__(self, name, value):
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -15,11 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 
+# Only the standard library at import time: `kvcompile --help` and argument errors stay fast.
+# torch, transformers and the library are imported inside the commands.
+
 DEFAULT_SPEC = "lava"
+DEMO_PER_HEAD = 384  # `kvcompile run`'s budget for DEFAULT_SPEC: benchmarks/RESULTS.md, "Demo default budget"
 FULL = "full"  # the uncompressed baseline in tables and results
 EVAL_SPECS = "snapkv,pyramidkv,adakv,lava"
 
@@ -63,12 +70,24 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def quiet_libraries() -> None:
+    """--quiet: no progress bars (transformers' "Loading weights", huggingface_hub's) and only
+    errors from transformers' logging."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def load(args):
     """(model, tokenizer) from --model, or the embedded SmolLM2; errors name the fix."""
     import torch
 
     from kvcompile.models import load_model
 
+    if getattr(args, "quiet", False):
+        quiet_libraries()
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
@@ -77,17 +96,23 @@ def load(args):
         fail(str(exc))
 
 
-def policy_for(spec: str, per_head: int | None):
-    """The validated policy, with --per-head applied unless the spec sets no budget
-    (a threshold spec such as dbudgetkv decides its own)."""
+def policy_for(spec: str, per_head: int | None, *, own_budget_wins: bool = False):
+    """The validated policy with --per-head applied, or a clear exit (code 2).
+
+    A spec whose threshold decides its own budget (dbudgetkv) refuses --per-head, as
+    `load_spec(spec, per_head=n)` does; `own_budget_wins` is for commands that run a list
+    of specs at one budget (eval, bench), where such a spec runs at its own budget instead."""
     import kvcompile
 
     try:
         policy = kvcompile.load_spec(spec)
-        if per_head is not None and policy.budget.threshold is None:
-            policy = kvcompile.load_spec(policy, per_head=per_head)
     except (kvcompile.SpecError, TypeError) as exc:
         fail(str(exc))
+    if per_head is not None and not (own_budget_wins and policy.budget.threshold is not None):
+        try:
+            policy = kvcompile.load_spec(policy, per_head=per_head)
+        except (kvcompile.SpecError, TypeError) as exc:
+            fail(f"--per-head {per_head} with spec {policy.name}: {exc}")
     return policy
 
 
@@ -155,11 +180,66 @@ def print_budgets(kept) -> None:
 
 # --- kvcompile run -------------------------------------------------------------------------
 
+def demo_per_head(spec: str, per_head: int | None) -> int | None:
+    """--per-head of `kvcompile run`: the given one, else DEMO_PER_HEAD for the default spec
+    (the budget at which it answers the demo prompt: benchmarks/RESULTS.md, "Demo default
+    budget"), else None (the spec's own budget)."""
+    return DEMO_PER_HEAD if per_head is None and spec == DEFAULT_SPEC else per_head
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def verdict(text: str, expected: str | None) -> str:
+    from kvcompile.data import answer_found
+
+    if expected is None:
+        return ""
+    return f"   [{'correct' if answer_found(text, expected) else 'wrong'}: expected {expected}]"
+
+
+def print_answer(g, expected: str | None) -> None:
+    """One run's answer and timings (`kvcompile run --spec full` or --no-compare)."""
+    print(f"answer   {one_line(g.text)}{verdict(g.text, expected)}")
+    print(f"time     prompt {g.prefill_seconds:.1f} s, decode {g.decode_tokens_per_second:.1f} tok/s "
+          f"({len(g.new_tokens)} tokens)")
+
+
+def side_by_side(model, tokenizer, ids, policy, max_new_tokens: int, progress: bool = False):
+    """(full cache Generation, policy Generation) on the same prompt, after a short warm-up so
+    that neither run pays the process's first-call costs."""
+    from kvcompile.models import generate
+
+    generate(model, tokenizer, ids[:64], 2)  # warm-up: weights paged in, first-call costs
+    full = generate(model, tokenizer, ids, max_new_tokens)
+    return full, run_policy(model, tokenizer, ids, policy, max_new_tokens, progress=progress)
+
+
+def print_comparison(model, n_prompt: int, full, result, label: str, expected: str | None) -> None:
+    """Answer, KV bytes held, decode speed and prompt time of the full cache and the policy."""
+    from kvcompile.models import full_kv_bytes
+
+    width = max(len(label), len("full cache")) + 2
+    print(f"answer   {'full cache:':<{width}}{one_line(full.text)}{verdict(full.text, expected)}")
+    print(f"         {label + ':':<{width}}{one_line(result.text)}{verdict(result.text, expected)}")
+    full_bytes = full_kv_bytes(model, n_prompt + len(full.new_tokens) - 1)
+    held = result.report["bytes_held"]
+    col = max(len(label), 12) + 2
+    print(f"\n{'':<18}{'full cache':>{col}}{label:>{col}}")
+    print(f"{'KV bytes held':<18}{megabytes(full_bytes):>{col}}{megabytes(held):>{col}}"
+          f"   ({held / full_bytes:.1%} of the full cache)")
+    print(f"{'decode':<18}{full.decode_tokens_per_second:>{col - 6}.1f} tok/s"
+          f"{result.decode_tokens_per_second:>{col - 6}.1f} tok/s   "
+          f"({len(full.new_tokens)} and {len(result.new_tokens)} tokens)")
+    print(f"{'prompt':<18}{full.prefill_seconds:>{col - 2}.1f} s{result.prefill_seconds:>{col - 2}.1f} s\n")
+
+
 def cmd_run(args) -> None:
-    from kvcompile.data import answer_found, user_turn
+    from kvcompile.data import user_turn
     from kvcompile.models import full_kv_bytes, generate, model_summary
 
-    policy = None if args.spec == FULL else policy_for(args.spec, args.per_head)
+    policy = None if args.spec == FULL else policy_for(args.spec, demo_per_head(args.spec, args.per_head))
     filler = None if args.prompt_file else haystack()
     model, tokenizer = load(args)
     info = model_summary(model)
@@ -184,38 +264,37 @@ def cmd_run(args) -> None:
     if policy is None:
         print("spec     full (no compression)")
         result = generate(model, tokenizer, ids, args.max_new_tokens)
-    else:
-        print(f"spec     {policy.name} ({budget_label(policy)}): "
-              f"{(policy.description or '').splitlines()[0] if policy.description else ''}")
-        result = run_policy(model, tokenizer, ids, policy, args.max_new_tokens, progress=not args.quiet)
-    verdict = ""
-    if expected is not None:
-        verdict = f"   [{'correct' if answer_found(result.text, expected) else 'wrong'}: expected {expected}]"
-    print(f"answer   {result.text}{verdict}")
-    print(f"time     prompt {result.prefill_seconds:.1f} s, decode {result.decode_tokens_per_second:.1f} tok/s "
-          f"({len(result.new_tokens)} tokens)")
-    rep = result.report
-    if rep is None:
+        print_answer(result, expected)
         print(f"memory   KV cache {megabytes(full_kv_bytes(model, len(ids) + len(result.new_tokens) - 1))} (full)")
+        return
+    label = f"{policy.name} {budget_label(policy)}"
+    print(f"spec     {policy.name} ({budget_label(policy)}): "
+          f"{(policy.description or '').splitlines()[0] if policy.description else ''}")
+    if args.compare:
+        full, result = side_by_side(model, tokenizer, ids, policy, args.max_new_tokens, progress=not args.quiet)
+        print_comparison(model, len(ids), full, result, label, expected)
     else:
-        share = rep["bytes_held"] / rep["bytes_full"] if rep["bytes_full"] else float("nan")
-        print(f"memory   KV held {megabytes(rep['bytes_held'])} of {megabytes(rep['bytes_full'])} for a full "
-              f"cache ({share:.1%}): {int(rep['pages'].sum())} pages of {rep.get('page_size', '?')} entries, "
-              f"the generated tokens included")
-        if expected is not None:
-            share = needle_kept(result.cache, prompt.needle_span)
-            print(f"needle   {share:.0%} of the hidden sentence's tokens kept, over all layers and heads")
-        kept = prompt_kept(result)
-        print_budgets(kept)
-        if args.plot:
-            plot_budget_map(kept, f"{policy.name} ({budget_label(policy)}), {len(ids)}-token prompt", args.plot)
-            print(f"plot     {args.plot}")
+        result = run_policy(model, tokenizer, ids, policy, args.max_new_tokens, progress=not args.quiet)
+        print_answer(result, expected)
+    rep = result.report
+    share = rep["bytes_held"] / rep["bytes_full"] if rep["bytes_full"] else float("nan")
+    print(f"memory   KV held {megabytes(rep['bytes_held'])} of {megabytes(rep['bytes_full'])} for a full "
+          f"cache ({share:.1%}): {int(rep['pages'].sum())} pages of {rep.get('page_size', '?')} entries, "
+          f"the generated tokens included")
+    if expected is not None:
+        share = needle_kept(result.cache, prompt.needle_span)
+        print(f"needle   {share:.0%} of the hidden sentence's tokens kept, over all layers and heads")
+    kept = prompt_kept(result)
+    print_budgets(kept)
+    if args.plot:
+        plot_budget_map(kept, f"{policy.name} ({budget_label(policy)}), {len(ids)}-token prompt", args.plot)
+        print(f"plot     {args.plot}")
 
 
 # --- kvcompile eval ------------------------------------------------------------------------
 
 def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int, full: bool = True,
-                 reuse_prefill: bool = True):
+                 reuse_prefill: bool = True, quiet: bool = False):
     """Needle answers for every prompt x (full cache, spec x budget); one dict per run.
 
     reuse_prefill: prefill once, compress many (kvcompile.sweep): each prompt's layer states
@@ -232,13 +311,13 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
         if base.budget.threshold is not None:
             policies.append(base)  # sets its own budget: one run, whatever --budgets says
         else:
-            policies.extend(policy_for(spec, b) for b in budgets)
+            policies.extend(policy_for(spec, b, own_budget_wins=True) for b in budgets)
     runs = [(p, None) for p in prompts] if full else []
     runs += [(p, policy) for p in prompts for policy in policies]
     generate(model, tokenizer, prompts[0].input_ids[:64], 2)  # warm-up: weights paged in, first-call costs
     records = []
     captured = {}
-    for prompt, policy in tqdm(runs, desc="needle runs", unit="run"):
+    for prompt, policy in tqdm(runs, desc="needle runs", unit="run", disable=quiet):
         if policy is not None and reuse_prefill:
             import torch
 
@@ -282,7 +361,7 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
 
 
 def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets, tokens: int, seed: int,
-                         texts: int = 1):
+                         texts: int = 1, quiet: bool = False):
     """Perplexity and next-token agreement of a continuation under compression.
 
     The prompt is `length` tokens of plain filler; the next `tokens` tokens of the same text
@@ -302,7 +381,7 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
     text_ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
     policies = [p for s in specs for p in
                 ([policy_for(s, None)] if policy_for(s, None).budget.threshold is not None
-                 else [policy_for(s, b) for b in budgets])]
+                 else [policy_for(s, b, own_budget_wins=True) for b in budgets])]
     records = []
     for length in lengths:
         for _ in range(texts):
@@ -314,7 +393,7 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
             full_logits = out.logits[0, length - 1:].float()
             states, last = capture(model, prompt)
             runs = [(None, full_logits)]
-            for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy"):
+            for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy", disable=quiet):
                 cache = replay(policy, model.config, states, headroom=tokens)
                 runs.append((policy, teacher_forced(model, cache, last, target)[0].float()))
             for policy, logits in runs:
@@ -350,13 +429,14 @@ def cmd_eval(args) -> None:
     filler = haystack()
     model, tokenizer = load(args)
     prompts = needle_suite(tokenizer, filler, args.lengths, args.depths, seed=args.seed)
-    records = eval_records(model, tokenizer, prompts, args.specs, args.budgets, args.max_new_tokens)
+    records = eval_records(model, tokenizer, prompts, args.specs, args.budgets, args.max_new_tokens,
+                           quiet=args.quiet)
     print_accuracy_table(records)
     result = {"model": model.config.name_or_path, "date": time.strftime("%Y-%m-%d"),
               "args": {k: v for k, v in vars(args).items() if k != "func"}, "needle": records}
     if args.continuation:
         cont = continuation_records(model, tokenizer, filler, args.lengths, args.specs, args.budgets,
-                                    args.continuation, args.seed)
+                                    args.continuation, args.seed, quiet=args.quiet)
         result["continuation"] = cont
         print(f"\ncontinuation of {args.continuation} tokens (teacher-forced):")
         print(f"{'spec':<16}{'per head':>10}{'length':>8}{'perplexity':>12}{'agreement':>11}")
@@ -380,7 +460,7 @@ def cmd_eval(args) -> None:
 def cmd_bench(args) -> None:
     from kvcompile.models import full_kv_bytes, generate, model_summary
 
-    policies = [policy_for(s, args.per_head) for s in args.specs]
+    policies = [policy_for(s, args.per_head, own_budget_wins=True) for s in args.specs]
     filler = haystack()
     model, tokenizer = load(args)
     weights = model_summary(model)["weight_bytes"]
@@ -390,13 +470,15 @@ def cmd_bench(args) -> None:
     runs = [None] + policies
     for policy in runs:
         label = FULL if policy is None else f"{policy.name} {budget_label(policy)}"
-        print(f"bench    {label} ...", file=sys.stderr)
+        if not args.quiet:
+            print(f"bench    {label} ...", file=sys.stderr)
         tries = []
         for _ in range(args.repeat):
             if policy is None:
                 tries.append(generate(model, tokenizer, prompt.input_ids, args.new_tokens))
             else:
-                tries.append(run_policy(model, tokenizer, prompt.input_ids, policy, args.new_tokens, progress=True))
+                tries.append(run_policy(model, tokenizer, prompt.input_ids, policy, args.new_tokens,
+                                        progress=not args.quiet))
         g = max(tries, key=lambda t: t.decode_tokens_per_second)  # the least disturbed run
         if policy is None:
             held = full = full_kv_bytes(model, prompt.length + len(g.new_tokens) - 1)
@@ -508,7 +590,7 @@ def cmd_plot(args) -> None:
         filler = haystack()
         model, tokenizer = load(args)
         prompt = demo_prompt(tokenizer, filler, args.length, 0.5, args.seed)
-        g = run_policy(model, tokenizer, prompt.input_ids, policy, 1, progress=True)
+        g = run_policy(model, tokenizer, prompt.input_ids, policy, 1, progress=not args.quiet)
         plot_budget_map(prompt_kept(g), f"{policy.name} ({budget_label(policy)}), "
                         f"{prompt.length}-token prompt", args.out)
     else:
@@ -527,25 +609,36 @@ def cmd_specs(args) -> None:
     import kvcompile
     from kvcompile.spec import available_specs
 
+    width = max(shutil.get_terminal_size().columns, 60)
     for name in available_specs():
         policy = kvcompile.load_spec(name)
         first = (policy.description or "").splitlines()[0] if policy.description else ""
-        print(f"{name:<16}{budget_label(policy):<12}{first[:100]}")
+        head = f"{name:<16}{budget_label(policy):<12}"
+        if not first:
+            print(head.rstrip())
+        elif args.short:  # one line per spec, shortened at a word boundary
+            print(head + textwrap.shorten(first, width=width - len(head), placeholder=" ..."))
+        else:  # the whole first line, wrapped at word boundaries under its column
+            print(textwrap.fill(first, width=width, initial_indent=head, subsequent_indent=" " * len(head),
+                                break_on_hyphens=False))
     print("\nUse a name with --spec, or a path to your own YAML file (see docs/SPECS.md).")
 
 
 # --- argument parsing ----------------------------------------------------------------------
 
-def add_common(p, spec: bool = True) -> None:
+def add_common(p, spec: bool = True, per_head_default: str = "the spec's own") -> None:
     p.add_argument("--model", metavar="PATH", default=None,
                    help="a local transformers checkpoint folder (default: the embedded SmolLM2-135M)")
     p.add_argument("--threads", type=positive, default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="picks the hidden fact and the filler text (default 0)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars (weight loading, compression) and no transformers warnings")
     if spec:
         p.add_argument("--spec", default=DEFAULT_SPEC,
                        help=f"a shipped policy name (see `kvcompile specs`) or a YAML file (default {DEFAULT_SPEC})")
         p.add_argument("--per-head", type=positive, default=None, metavar="N",
-                       help="budget: average tokens kept per KV head and layer (default: the spec's own)")
+                       help=f"budget: average tokens kept per KV head and layer (default: {per_head_default}); "
+                            "refused for a spec whose threshold decides its own budget (dbudgetkv)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -561,14 +654,16 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Process a prompt with a compressed KV cache and print the answer, the KV "
                                      "bytes held against a full cache and the tokens kept per layer and head. "
                                      "Without --prompt-file: a demo with a fact hidden in a long English text.")
-    add_common(run)
+    add_common(run, per_head_default=f"{DEMO_PER_HEAD} for {DEFAULT_SPEC}, else the spec's own")
     run.add_argument("--prompt-file", metavar="FILE", help="a text file to use as the user's message")
     run.add_argument("--raw", action="store_true", help="send the file as is, without the chat template")
     run.add_argument("--max-new-tokens", type=positive, default=32, metavar="N", help="tokens to generate (default 32)")
     run.add_argument("--length", type=positive, default=2000, metavar="N", help="demo prompt length in tokens (default 2000)")
     run.add_argument("--depth", type=float, default=0.5, metavar="F", help="demo: where the fact is hidden, 0 = start, 1 = end")
     run.add_argument("--plot", metavar="PNG", help="also draw the budget map (kept tokens per layer x head)")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                     help="also run the full cache on the same prompt and show both side by side: answer, "
+                          "KV bytes held, decode speed (default: on)")
     run.set_defaults(func=cmd_run)
 
     ev = sub.add_parser("eval", help="needle-in-a-haystack accuracy across specs, budgets, lengths, depths",
@@ -594,7 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "speed-up is the ratio of bytes a decode step reads (weights + KV).")
     add_common(bench, spec=False)
     bench.add_argument("--specs", type=names, default=[DEFAULT_SPEC], help="comma-separated (default lava)")
-    bench.add_argument("--per-head", type=positive, default=128, metavar="N", help="tokens per KV head (default 128)")
+    bench.add_argument("--per-head", type=positive, default=128, metavar="N",
+                       help="tokens per KV head (default 128); a spec whose threshold decides its own budget "
+                            "(dbudgetkv) runs at that budget")
     bench.add_argument("--length", type=positive, default=4000, help="prompt tokens (default 4000)")
     bench.add_argument("--new-tokens", type=positive, default=32, help="tokens to decode (default 32)")
     bench.add_argument("--repeat", type=positive, default=1,
@@ -611,7 +708,10 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", metavar="PNG", default=None, help="output file (default KIND.png)")
     plot.set_defaults(func=cmd_plot)
 
-    specs = sub.add_parser("specs", help="list the shipped policies", description="List the shipped specs.")
+    specs = sub.add_parser("specs", help="list the shipped policies",
+                           description="List the shipped specs: name, budget and the first line of the description.")
+    specs.add_argument("--short", action="store_true",
+                       help="one line per spec, the description shortened at a word boundary to the terminal width")
     specs.set_defaults(func=cmd_specs)
     return parser
 
@@ -620,9 +720,23 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) == "plot" and args.out is None:
         args.out = f"{args.kind}.png"
-    if getattr(args, "command", None) == "run" and not 0.0 <= args.depth <= 1.0:
-        fail(f"--depth is a fraction between 0 and 1, got {args.depth}")
-    args.func(args)
+    if getattr(args, "command", None) == "run":
+        if not 0.0 <= args.depth <= 1.0:
+            fail(f"--depth is a fraction between 0 and 1, got {args.depth}")
+        if args.spec == FULL and args.per_head is not None:
+            fail(f"--per-head {args.per_head} does not apply to --spec {FULL} (the uncompressed cache keeps everything)")
+        if args.spec == FULL and args.plot:
+            fail(f"--plot draws a policy's budget map; --spec {FULL} keeps every token")
+    try:
+        args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`kvcompile specs | head -1`): no traceback. As the Python docs
+        # recommend (signal module, "Note on SIGPIPE"), point stdout at devnull so the flush
+        # at interpreter exit does not raise again, and exit 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ import copy
 import dataclasses
 import importlib.resources
 import math
+import numbers
 import re
 import types
 import typing
+import unicodedata
 from pathlib import Path
 from typing import Literal, Union
 
@@ -50,6 +52,7 @@ BUDGET_KEYS = ("per_head", "ratio", "layers", "heads", "threshold", "split")
 SCHEDULE_KEYS = ("cascade", "decode")
 SCHEDULE_FORMS = "prefill | cascade | {cascade: bool, decode: part}"
 SPLIT_TOLERANCE = 1e-6
+MAX_NODES = 10_000  # YAML nodes a spec may expand to through aliases (specs/ use < 100)
 
 KeyPath = tuple[str, ...]
 
@@ -110,11 +113,38 @@ class _Source:
 def _describe(value) -> str:
     kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
              dict: "a mapping", list: "a list", type(None): "null"}
-    return f"{value!r} ({kinds.get(type(value), type(value).__name__)})"
+    kind = kinds.get(type(value))
+    if kind is None:  # numpy scalars and other number types
+        kind = ("a boolean" if _is_numpy_bool(value) else "an integer" if isinstance(value, numbers.Integral)
+                else "a number" if isinstance(value, numbers.Real) else type(value).__name__)
+    return f"{value!r} ({kind})"
 
 
 # ---------------------------------------------------------------------------------------
 # Values and parts
+
+def _is_number(value) -> bool:
+    """A real number: int, float or a numpy scalar (numbers.Real), but never a boolean."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not _is_numpy_bool(value)
+
+
+def _is_numpy_bool(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
+def _integral(value) -> int | None:
+    """`value` as a plain int if it is an integer (numpy's included) or an integral float
+    (64.0), else None: 64.5, booleans, strings and non-finite numbers are not integers."""
+    if not _is_number(value):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return int(number) if math.isfinite(number) and number.is_integer() else None
+
 
 def _value(hint, value, path: KeyPath, src: _Source, allowed: str | None = None):
     """Check `value` against a field's type hint; return it converted (int → float)."""
@@ -132,18 +162,19 @@ def _value(hint, value, path: KeyPath, src: _Source, allowed: str | None = None)
         raise src.error(path, f"{_describe(value)} is not allowed",
                         " | ".join(str(c) for c in choices))
     if hint is bool:
-        if isinstance(value, bool):
-            return value
+        if isinstance(value, bool) or _is_numpy_bool(value):
+            return bool(value)
         raise src.error(path, f"expected a boolean, got {_describe(value)}", "true | false")
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        number = _integral(value)
+        if number is not None:
+            return number
         raise src.error(path, f"expected an integer, got {_describe(value)}",
                         allowed or "an integer")
     if hint is float:
         if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
             value = float(value)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if _is_number(value):
             try:
                 number = float(value)
             except OverflowError:  # an int too large for a float
@@ -497,11 +528,61 @@ def _leading_comment(text: str) -> str:
     return "\n".join(out).strip("\n")
 
 
+def _check_expansion(root, file: str) -> None:
+    """Refuse a document whose aliases expand it beyond MAX_NODES nodes (a "billion laughs"
+    alias bomb: each level of `&a [*b, *b, ...]` multiplies the size) or make it recursive.
+
+    PyYAML composes an alias as the very node of its anchor, so the composed graph stays
+    small while everything that walks the plain data (line map, deep copy, messages) would
+    pay for the expanded tree. Sizes are counted once per node (linear in the text); the
+    error names the line of the first collection that alone expands past the limit."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if isinstance(node, yaml.ScalarNode) or (not done and id(node) in size):
+            continue
+        children = (node.value if isinstance(node, yaml.SequenceNode)
+                    else [n for pair in node.value for n in pair])
+        if not done:
+            if id(node) in on_path:
+                raise SpecError(file, node.start_mark.line + 1, None,
+                                "a recursive alias: the node contains itself",
+                                "aliases to nodes defined before and outside them")
+            on_path.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in reversed(children))
+            continue
+        on_path.discard(id(node))
+        size[id(node)] = 1 + sum(size.get(id(c), 1) for c in children)
+        if size[id(node)] > MAX_NODES:
+            raise SpecError(file, node.start_mark.line + 1, None,
+                            f"this node expands to more than {MAX_NODES} nodes through aliases "
+                            "(a YAML alias bomb?)", f"a spec of at most {MAX_NODES} nodes, aliases expanded")
+
+
+def _reader_error(exc: yaml.reader.ReaderError, text: str, file: str) -> SpecError:
+    """A character YAML refuses (NUL, BEL, other control characters): its line and column."""
+    before = text[:exc.position] if isinstance(text, str) else ""
+    line = before.count("\n") + 1
+    column = exc.position - (before.rfind("\n") + 1) + 1
+    char = exc.character if isinstance(exc.character, str) else chr(exc.character)
+    kind = "control character" if unicodedata.category(char) == "Cc" else "non-printable character"
+    return SpecError(file, line, None, f"column {column}: the {kind} U+{ord(char):04X} ({char!r}) "
+                     "cannot appear in YAML", "printable characters, tab and line breaks")
+
+
 def _load_text(text: str, file: str, default_name: str, source, overrides: dict) -> Policy:
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # the reader checks every character here
         node = loader.get_single_node()
+        if node is not None:
+            _check_expansion(node, file)
         data = loader.construct_document(node) if node is not None else None
+    except yaml.reader.ReaderError as exc:
+        raise _reader_error(exc, text, file) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = f"YAML syntax error: {exc.problem or exc.context}"
@@ -509,8 +590,12 @@ def _load_text(text: str, file: str, default_name: str, source, overrides: dict)
                         "valid YAML (see docs/SPECS.md)") from None
     except yaml.YAMLError as exc:
         raise SpecError(file, None, None, f"YAML error: {exc}", "valid YAML") from None
+    except RecursionError:
+        raise SpecError(file, None, None, "the document is nested too deeply",
+                        "a spec nested a few levels deep") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     src = _Source(file, {(): 1})  # an empty file: line 1
     if node is not None:
         src.lines[()] = node.start_mark.line + 1
@@ -537,7 +622,14 @@ def _read(spec) -> tuple[str, str, str]:
     """(text, file label, stem) of a path or a bare spec name."""
     path = Path(spec)
     if path.is_file():
-        return path.read_text(encoding="utf-8"), str(path), path.stem
+        raw = path.read_bytes()
+        try:
+            return raw.decode("utf-8"), str(path), path.stem
+        except UnicodeDecodeError as exc:
+            line = raw[:exc.start].count(b"\n") + 1
+            column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+            raise SpecError(str(path), line, None, f"column {column}: the byte 0x{raw[exc.start]:02X} "
+                            "is not UTF-8 text", "a UTF-8 text file") from None
     if isinstance(spec, str) and re.fullmatch(r"[A-Za-z0-9_\-]+", spec):
         shipped = specs_dir() / f"{spec}.yaml"
         if shipped.is_file():

@@ -50,11 +50,88 @@ def test_subcommand_help(command, words, capsys):
     (["eval", "--specs", "snapkv,no_such_policy"], "no_such_policy"),
     (["plot", "needle"], "--results"),
     (["plot", "heatmap"], "invalid choice"),
+    # a threshold spec decides its own budget: --per-head is refused as load_spec(per_head=) refuses it
+    (["run", "--spec", "dbudgetkv", "--per-head", "64"], "a threshold decides the budget itself"),
+    (["plot", "budget-map", "--spec", "dbudgetkv", "--per-head", "64"], "--per-head 64 with spec dbudgetkv"),
+    (["run", "--spec", "full", "--per-head", "64"], "does not apply to --spec full"),
 ])
 def test_argument_errors(argv, message, capsys):
     code, text = exit_code(argv, capsys)
     assert code == 2
     assert message in text
+
+
+def test_per_head_error_is_the_python_apis(capsys):
+    import kvcompile
+
+    with pytest.raises(kvcompile.SpecError) as info:
+        kvcompile.load_spec("dbudgetkv", per_head=64)
+    code, text = exit_code(["run", "--spec", "dbudgetkv", "--per-head", "64"], capsys)
+    assert code == 2 and str(info.value) in text and "Traceback" not in text
+
+
+def imported_modules(*argv):
+    """Top-level modules a fresh `python -m kvcompile ARGV` imports (from -X importtime)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvcompile", *argv],
+                          capture_output=True, text=True, timeout=120)
+    names = {line.rsplit("|", 1)[1].strip().split(".")[0]
+             for line in done.stderr.splitlines() if line.startswith("import time:") and "|" in line}
+    return done, names
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["run", "--per-head", "0"], []])
+def test_help_and_argument_errors_import_no_torch(argv):
+    """`kvcompile --help` and argument errors are fast: torch and transformers (seconds to
+    import) load inside the commands, not before the arguments are parsed."""
+    done, names = imported_modules(*argv)
+    assert done.returncode == (0 if "--help" in argv else 2), done.stderr[-2000:]
+    assert "kvcompile" in names
+    assert not names & {"torch", "transformers", "numpy", "yaml"}, sorted(names & {"torch", "transformers"})
+
+
+def test_package_names_load_lazily_and_compile_is_the_function():
+    """`import kvcompile` stays light; its public names load on first use, and
+    `kvcompile.compile` is the function even after the submodule of that name is imported."""
+    code = ("import sys, kvcompile\n"
+            "assert 'torch' not in sys.modules\n"
+            "import kvcompile.compile, kvcompile.models\n"
+            "from kvcompile import compile as f, load_spec, SpecError, KVCompileCache, Policy\n"
+            "assert callable(kvcompile.compile) and kvcompile.compile is f and f.__module__ == 'kvcompile.compile'\n"
+            "assert kvcompile.load_spec('lava').budget.per_head == 128\n"
+            "assert set(kvcompile.__all__) <= set(dir(kvcompile))\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_specs_into_a_closed_pipe_prints_no_traceback():
+    """`kvcompile specs | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvcompile", "specs"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command writes anything (it first loads every spec)
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=300)
+    assert proc.returncode == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.parametrize("command", ["run", "eval", "bench", "plot"])
+def test_quiet_on_every_command_that_loads_a_model(command, capsys):
+    code, text = exit_code([command, "--help"], capsys)
+    assert code == 0 and "--quiet" in text
+
+
+def test_quiet_silences_transformers():
+    from transformers.utils import logging
+
+    before = (logging.is_progress_bar_enabled(), logging.get_verbosity())
+    try:
+        cli.quiet_libraries()
+        assert not logging.is_progress_bar_enabled()
+        assert logging.get_verbosity() == logging.ERROR
+    finally:
+        (logging.enable_progress_bar if before[0] else logging.disable_progress_bar)()
+        logging.set_verbosity(before[1])
 
 
 def test_missing_haystack_names_setup(tmp_path, monkeypatch, capsys):
@@ -69,6 +146,45 @@ def test_specs_lists_the_papers(capsys):
     for name in ("snapkv", "pyramidkv", "adakv", "lava", "dbudgetkv", "zsmerge", "streamingllm"):
         assert re.search(rf"^{name}\s", text, re.M), name
     assert re.search(r"^dbudgetkv\s+threshold", text, re.M)
+
+
+def first_lines():
+    import kvcompile
+    from kvcompile.spec import available_specs
+
+    return {name: kvcompile.load_spec(name).description.splitlines()[0] for name in available_specs()}
+
+
+def test_specs_wraps_descriptions_at_word_boundaries(capsys, monkeypatch):
+    """Each description's first line is printed whole, wrapped between words (no word cut)."""
+    monkeypatch.setenv("COLUMNS", "72")
+    cli.main(["specs"])
+    lines = capsys.readouterr().out.splitlines()
+    for name, first in first_lines().items():
+        start = next(i for i, line in enumerate(lines) if line.split()[:1] == [name])
+        block = [lines[start][28:]]
+        for line in lines[start + 1:]:  # continuation lines, indented under the description column
+            if not line.startswith(" " * 28) or not line.strip():
+                break
+            block.append(line[28:])
+        assert all(len(line) <= 72 for line in lines[start:start + len(block)])
+        assert " ".join(block) == " ".join(first.split()), name
+
+
+def test_specs_short_cuts_between_words(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "90")
+    cli.main(["specs", "--short"])
+    out = capsys.readouterr().out
+    for name, first in first_lines().items():
+        line = re.search(rf"^{name}\s.*$", out, re.M).group(0)
+        assert len(line) <= 90
+        shown = line[28:]
+        words = " ".join(first.split())
+        if shown.endswith(" ..."):
+            kept = shown[:-4]
+            assert words.startswith(kept) and words[len(kept)] == " ", (name, shown)  # a whole word ends there
+        else:
+            assert shown == words, name
 
 
 def records():
@@ -116,8 +232,16 @@ def test_run_demo_on_the_real_model(capsys):
         pytest.skip(f"SmolLM2 or the haystack not prepared: run `{SETUP_COMMAND}`")
     cli.main(["run", "--spec", "snapkv", "--per-head", "32", "--length", "500", "--max-new-tokens", "4",
               "--quiet", "--threads", "1"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert re.search(r"^answer\s+\S", out, re.M)
+    assert "Loading weights" not in captured.err and "%|" not in captured.err  # --quiet: no progress bars
+    # the full cache beside the policy on the same prompt: answers, KV bytes, decode speed
+    assert re.search(r"^answer\s+full cache:\s+\S", out, re.M)
+    assert re.search(r"^\s+snapkv 32/head:\s+\S", out, re.M)
+    kv_full, kv_held = (float(x) for x in re.search(r"^KV bytes held\s+([\d.]+) MiB\s+([\d.]+) MiB", out, re.M).groups())
+    assert kv_held < kv_full / 4
+    assert re.search(r"^decode\s+[\d.]+ tok/s\s+[\d.]+ tok/s", out, re.M)
     held, full = (float(x) for x in re.search(r"KV held ([\d.]+) MiB of ([\d.]+) MiB", out).groups())
     assert held < full / 4
     cells = re.findall(r"L(\d+)\s+\[([\d ]+)\]", out)

@@ -385,6 +385,30 @@ def test_overrides_apply_nothing_on_error_and_never_mutate():
     assert load_spec(mapping).scoring == PARTS["scoring"]["lava"](window=8)
 
 
+def test_numpy_scalars_and_integral_floats_are_numbers():
+    """per_head=np.int64(64) and per_head=64.0 are the integer 64 (a plain int, so the policy
+    round-trips); numpy floats fill float fields; fractions and booleans stay refused."""
+    np = pytest.importorskip("numpy")
+    for value in (np.int64(64), np.int32(64), np.uint16(64), 64.0, np.float64(64.0)):
+        budget = load_spec("lava", per_head=value).budget
+        assert budget.per_head == 64 and type(budget.per_head) is int, value
+    for value in (np.float32(0.5), np.float64(0.5), np.int64(1)):
+        ratio = load_spec("lava", ratio=value).budget.ratio
+        assert ratio == float(value) and type(ratio) is float, value
+    scoring = load_spec("lava", scoring={"lava": {"window": np.int64(16)}}).scoring
+    assert scoring.window == 16 and type(scoring.window) is int
+    assert loads_spec(S + "budget: {per_head: 64.0}\n").budget.per_head == 64
+    for value, shown in ((64.5, "64.5"), (True, "True (a boolean)"), (np.True_, "np.True_ (a boolean)"),
+                         (np.float64(64.5), "np.float64(64.5) (a number)"), (float("inf"), "inf"), ("64", "'64'")):
+        with pytest.raises(SpecError) as info:
+            load_spec("lava", per_head=value)
+        assert_names(info.value, "override", None, "budget.per_head", f"expected an integer, got {shown}",
+                     "an integer > 0")
+    with pytest.raises(SpecError) as info:
+        load_spec("lava", ratio=np.True_)
+    assert_names(info.value, "override", None, "budget.ratio", "expected a finite number", "(a boolean)")
+
+
 def test_policy_in_policy_out():
     policy = load_spec("zsmerge")
     assert load_spec(policy) is policy
@@ -497,3 +521,70 @@ def test_every_needs_cached_window_queries_and_no_split():
     with pytest.raises(SpecError, match="decode: online with a split"):
         load_spec("zsmerge", schedule={"decode": {"every": 4}})
     assert load_spec("h2o", ranking={"by_score": {"window": 0}}, schedule={"decode": {"every": 4}})
+
+
+# ---------------------------------------------------------------------------------------
+# Hostile YAML: characters YAML refuses, alias bombs, recursion, deep nesting, bad bytes
+
+@pytest.mark.parametrize("char", ["\0", "\a", "\x1b", "\ufffe"])
+def test_unprintable_character_names_file_line_and_column(tmp_path, char):
+    text = GOOD.replace("merge: drop", f"merge: dr{char}op")
+    path = write(tmp_path, text)
+    line = text.splitlines().index(f"merge: dr{char}op") + 1
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert_names(info.value, str(path), line, None, "column 10", f"U+{ord(char):04X}", "cannot appear in YAML")
+    with pytest.raises(SpecError) as info:
+        loads_spec(text)
+    assert_names(info.value, "<string>", line, None, "column 10")
+
+
+def test_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(GOOD.encode() + "name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert_names(info.value, str(path), GOOD.count("\n") + 1, None, "column 10", "0xE9", "not UTF-8")
+
+
+def alias_bomb(levels: int, mapping: bool) -> str:
+    """"Billion laughs": each level is ten aliases of the level below (10**levels leaves)."""
+    if mapping:
+        lines = ["a0: &a0 {" + ", ".join(f"k{j}: lol" for j in range(10)) + "}"]
+        lines += [f"a{i}: &a{i} {{" + ", ".join(f"k{j}: *a{i - 1}" for j in range(10)) + "}"
+                  for i in range(1, levels + 1)]
+    else:
+        lines = ["a0: &a0 [" + ", ".join(["lol"] * 10) + "]"]
+        lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + f"\nscoring: *a{levels}\nbudget: {{per_head: 64}}\n"
+
+
+@pytest.mark.parametrize("mapping", [False, True], ids=["lists", "mappings"])
+def test_alias_bomb_is_refused_fast(mapping):
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(SpecError) as info:
+        loads_spec(alias_bomb(10, mapping))
+    elapsed = time.perf_counter() - started
+    # The first level past 10,000 nodes is a3 (line 4): named as the place that blows up.
+    assert_names(info.value, "<string>", 4, None, "more than 10000 nodes through aliases")
+    assert elapsed < 1.0, elapsed  # exponential before: 6 levels took seconds, 10 would take days
+
+
+def test_small_aliases_still_work():
+    text = "scoring: &s {window_attention: {window: 8}}\nbudget: {per_head: 64}\n" \
+        "ranking: {by_score: {window: 8, sinks: 0}}\n"
+    assert loads_spec(text).scoring == WindowAttention(window=8)
+    one_part = {"budget": {"per_head": 64, "layers": "uniform", "heads": "uniform"}, "scoring": "recency"}
+    aliased = "budget: {per_head: 64, layers: &u uniform, heads: *u}\nscoring: recency\n"
+    assert loads_spec(aliased) == load_spec(one_part, name="policy")
+
+
+def test_recursive_alias_and_deep_nesting():
+    with pytest.raises(SpecError) as info:
+        loads_spec("scoring: &a [x, *a]\n" + B)
+    assert_names(info.value, "<string>", 1, None, "recursive alias")
+    with pytest.raises(SpecError) as info:
+        loads_spec("scoring: " + "[" * 5000 + "]" * 5000 + "\n" + B)
+    assert_names(info.value, "<string>", None, None, "nested too deeply")
