@@ -107,12 +107,18 @@ class _Dims:
         self.head_dim = plan.head_dim
 
 
+SPARE_RUN = 4  # pages: the most spares a head gets at once (64 tokens at the default page size)
+
+
 def spare_pages(policy: Policy, headroom: int, page_size: int) -> int:
-    """Spare pages per head for the tokens it stores while decoding: the headroom, but no more
-    than the decode schedule lets a head grow between compactions; one page when nothing is known."""
+    """Spare pages per head for the tokens it stores while decoding, allocated in runs of this
+    many pages right after its last page (cache.append): enough for the headroom, but no more
+    than the decode schedule lets a head grow between compactions, and at most SPARE_RUN
+    (generate()'s max_new_tokens can be 1024 where a head keeps 128: its spares would
+    outweigh what it keeps); one page when nothing is known."""
     decode = policy.schedule.decode
     growth = headroom if decode is None else decode.spare_growth(headroom)
-    return max(1, math.ceil(growth / page_size))
+    return max(1, min(math.ceil(growth / page_size), SPARE_RUN))
 
 
 # Prompt merges with a batched kernel (kernels.merge.residual_merge: the sequential rule, bit for bit);
