@@ -86,15 +86,17 @@ def start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, lik
 
 
 def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-            layer: int, scale: float) -> Tensor:
-    """The prompt's attention and the layer's compression (q, k, v: the whole prompt)."""
+            layer: int, scale: float, rows: Tensor | None = None) -> Tensor:
+    """The prompt's attention and the layer's compression: k, v (B, H, N, d) the whole prompt,
+    q its last T ≤ N queries (whose attention is returned), `rows` the last query rows the
+    scorer reads (default q)."""
     b, hq, t, d = q.shape
     n = k.shape[2]
     if layer == 0:
         start_prompt(cache, mask, b, n, q)
     valid = cache.prompt.valid
     out = prompt_attention(q, k, v, None if bool(valid.all()) else valid, scale, offset=n - t)
-    compress_prompt_layer(cache, q, k, v, layer, scale)
+    compress_prompt_layer(cache, q if rows is None else rows, k, v, layer, scale)
     return out
 
 
@@ -119,13 +121,7 @@ def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: T
     chunks.keys[layer] = chunks.values[layer] = chunks.queries[layer] = None
     if layer == cache.plan.num_layers - 1:
         cache.chunks = None
-    b = q.shape[0]
-    if layer == 0:
-        start_prompt(cache, mask, b, seen, q)
-    valid = cache.prompt.valid
-    out = prompt_attention(q, keys, values, None if bool(valid.all()) else valid, scale, offset=seen - t)
-    compress_prompt_layer(cache, queries, keys, values, layer, scale)
-    return out
+    return prefill(cache, q, keys, values, mask, layer, scale, rows=queries)
 
 
 def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> None:
