@@ -95,16 +95,21 @@ PROGRESS = True  # one line on stderr before and after each Inductor compile
 SERIAL_WORK = 1 << 18
 
 
-def inductor_options(example_inputs, tokens=None) -> dict:
-    """Inductor config for one graph (see SERIAL_WORK). `tokens`: the number of new tokens
-    per sequence (the attention calls' query length); a graph whose token count is static
-    (decode) gets serial small loops, whatever else is symbolic (the batch, the mask's
-    length). Without `tokens`, any symbolic input size counts as a growing graph."""
-    if tokens is not None:
-        symbolic = isinstance(tokens, torch.SymInt) and is_symbolic(tokens)
-    else:
-        sizes = [s for x in example_inputs for s in (x.shape if isinstance(x, torch.Tensor) else (x,))]
-        symbolic = any(isinstance(s, torch.SymInt) and is_symbolic(s) for s in sizes)
+def _symbols(size) -> set:
+    return set(size.node.expr.free_symbols) if isinstance(size, torch.SymInt) and is_symbolic(size) else set()
+
+
+def inductor_options(example_inputs, tokens=None, fixed_work=()) -> dict:
+    """Inductor config for one graph (see SERIAL_WORK). A graph whose work grows with a
+    symbolic size keeps Inductor's default; a static graph gets serial small loops.
+    `tokens`: the attention calls' query length (new tokens per sequence); when it is
+    static (decode), the sizes in `fixed_work` (the batch, the padding mask's sizes: the
+    mask only feeds the op) do not count as growing work."""
+    if tokens is not None and _symbols(tokens):
+        return {}
+    exempt = set().union(*(_symbols(size) for size in fixed_work)) if tokens is not None else set()
+    sizes = [s for x in example_inputs for s in (x.shape if isinstance(x, torch.Tensor) else (x,))]
+    symbolic = any(_symbols(size) - exempt for size in sizes)
     return {} if symbolic else {"cpp.min_chunk_size": SERIAL_WORK}
 
 
@@ -134,7 +139,9 @@ def run_passes(gm: GraphModule, kv_heads: int | None = None, num_layers: int | N
     new = rewrite_attention(gm, found, ACTIVE_HANDLE, kv_heads=kv_heads)
     removed = remove_dead(gm)
     q = shape(new[0].args[0]) if new else None
-    return {"layers": layers, "removed": removed, "tokens": q[2] if q else None}
+    mask = shape(new[0].args[3]) if new and new[0].args[3] is not None else None
+    fixed_work = ((q[0],) if q else ()) + (tuple(mask) if mask else ())
+    return {"layers": layers, "removed": removed, "tokens": q[2] if q else None, "fixed_work": fixed_work}
 
 
 def graph_kind(tokens) -> str:
@@ -161,9 +168,11 @@ def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num
 
     start = time.perf_counter()
     record = run_passes(gm, kv_heads, num_layers)
+    if not inductor:
+        record.pop("fixed_work")
     record["kind"] = kind = graph_kind(record["tokens"])
     if inductor:
-        record["options"] = inductor_options(example_inputs, record["tokens"])
+        record["options"] = inductor_options(example_inputs, record["tokens"], record.pop("fixed_work"))
         before = _cache_counts()
         _say(f"kvcompile: compiling the {kind} graph ({len(record['layers'])} layers) with Inductor …")
         with torch._inductor.config.patch(record["options"]):
