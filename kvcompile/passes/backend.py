@@ -38,8 +38,9 @@ use. Three ways out were weighed:
 - `torch.fx.experimental._config.backed_size_oblivious` (chosen): a marked size-1 dimension
   gets a backed symbol (range [0, ∞), hint 1), and the framework's size tests (broadcast,
   contiguity, "is this dim 1?") are decided as for a general size, without a guard. It is
-  patched only while the compiled forward runs (tracing happens inside that call), so
-  nothing else in the process sees it.
+  patched only while the compiled forward traces (the graph itself runs with it off:
+  `_plain_shapes`), so nothing else in the process sees it, the kernels that the op
+  compiles on first use included.
 Guards that remain are true for every batch: batch of ids = batch of positions, mask
 length ≤ ids length at prefill. One size test of the model's own code still asked "is B
 1?" with a guard: `hidden_states[:, -k:, :]` (transformers' `logits_to_keep`) is a view
@@ -48,8 +49,10 @@ wrapper passes `logits_to_keep` as an index tensor `arange(-k, 0)` instead (the 
 gathered into a contiguous tensor), which folds for every B. A call without an
 attention_mask gets an all-ones one (the op treats both alike: `prefill` drops a mask
 without pads), so that a batch-1 generate() without a mask and a padded batch share the
-graph. With that, generate() at batch 1, 2, 3, 5 and any prompt length compiles one
-prefill and one decode graph in all (tests/test_compiled.py).
+graph, and an input made in another autograd mode than the call's is cloned into it
+(`_same_kind`: dynamo guards on dispatch keys). With that, generate() at batch 1, 2, 3, 5
+and any prompt length compiles one prefill and one decode graph in all
+(tests/test_compiled.py); calls under no_grad and under inference_mode get a pair each.
 
 Progress: every Inductor compile prints one line to stderr before it starts ("kvcompile:
 compiling the prefill graph (30 layers) with Inductor …") and one with the time after;
@@ -174,7 +177,8 @@ def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num
     if inductor:
         record["options"] = inductor_options(example_inputs, record["tokens"], record.pop("fixed_work"))
         before = _cache_counts()
-        _say(f"kvcompile: compiling the {kind} graph ({len(record['layers'])} layers) with Inductor …")
+        layers = len(record["layers"])
+        _say(f"kvcompile: compiling the {kind} graph ({layers} layer{'s' * (layers != 1)}) with Inductor …")
         with torch._inductor.config.patch(record["options"]):
             compiled = compile_fx(gm, example_inputs)
         after = _cache_counts()
@@ -188,7 +192,19 @@ def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num
     if inductor:
         note = {"hit": " (Inductor cache hit)", "aot_hit": " (AOTAutograd cache hit)"}.get(record["cache"], "")
         _say(f"kvcompile: compiled the {kind} graph in {record['seconds']:.1f} s{note}")
-    return compiled
+    return _plain_shapes(compiled)
+
+
+def _plain_shapes(compiled):
+    """`compiled`, run with backed_size_oblivious off: the flag is for tracing the model
+    (compile_forward), not for what the op compiles while it runs (the kernels'
+    torch.compile'd lowerings keep torch's default 0/1 specialisation)."""
+    def run(*args):
+        with fx_config.patch(backed_size_oblivious=False):
+            return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
 
 
 @functools.cache
@@ -230,6 +246,27 @@ def _with_cache(out, stand_in, cache):
     return out
 
 
+_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
+
+
+def _same_kind(args, kwargs) -> tuple:
+    """The graph's tensor inputs as tensors of the caller's autograd mode. Dynamo guards on
+    each input's dispatch keys, which differ between an inference tensor (made under
+    torch.inference_mode) and a normal one: a mask made outside inference_mode beside ids
+    that generate() made inside it would give the graph another variant. A mismatched
+    input is cloned (B × N integers at most). The mode itself stays part of the guards:
+    calls under no_grad and under inference_mode get a graph pair each."""
+    inference = torch.is_inference_mode_enabled()
+
+    def fix(t):
+        return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() != inference else t
+
+    for name in _INPUTS:
+        if name in kwargs:
+            kwargs[name] = fix(kwargs[name])
+    return (fix(args[0]), *args[1:]) if args else args
+
+
 def _mark_dynamic(args, kwargs) -> None:
     """The batch (dim 0) and sequence lengths (dim 1 of the ids, embeddings, mask and
     positions) become symbolic from the first call (size 1 included, under
@@ -237,7 +274,7 @@ def _mark_dynamic(args, kwargs) -> None:
     marked static: dynamo would otherwise carry the prefill's dynamic length over to it
     and, with 0/1 specialisation off, trace decode with a symbolic query length."""
     tensors = [args[0]] if args else []
-    tensors += [kwargs.get(name) for name in ("input_ids", "inputs_embeds", "attention_mask", "position_ids")]
+    tensors += [kwargs.get(name) for name in _INPUTS]
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             continue
@@ -286,6 +323,7 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
         keep = kwargs.get("logits_to_keep")
         if isinstance(keep, int) and not isinstance(keep, bool) and 0 < keep <= t:  # B-free folding (module doc)
             kwargs["logits_to_keep"] = torch.arange(-keep, 0, device=tokens.device)
+        args = _same_kind(args, kwargs)
         _mark_dynamic(args, kwargs)
         with torch.no_grad(), bind_cache(past_key_values), \
                 fx_config.patch(backed_size_oblivious=True):
