@@ -149,7 +149,7 @@ from tiny import left_pad, prompt, tiny_model
 torch.set_num_threads(1)
 model = tiny_model("llama", layers=1)
 ids, mask = left_pad([prompt(40, seed=1)[0], prompt(25, seed=2)[0]])
-with torch.no_grad(), kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=24), mode="compiled"):
+with torch.no_grad(), kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=36), mode="compiled"):
     logits = model(ids, attention_mask=mask).logits
 print("RESULT", json.dumps({{"cache": [c["cache"] for c in COMPILES], "hit": counters["inductor"]["fxgraph_cache_hit"],
                             "logits": logits[:, -1].tolist()}}))
