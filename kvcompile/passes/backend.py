@@ -32,9 +32,10 @@ specialisation), so a first generate() at batch 1 would give graphs that batch 2
 use. Three ways out were weighed:
 - marking dim 0 dynamic only from batch 2 on: batch 1 gets its own prefill + decode pair
   (what automatic dynamic shapes gave before, 117–133 s more on SmolLM2);
-- `mark_unbacked(dim 0)`: an unbacked size turns every size test in transformers' mask and
-  RoPE code into a data-dependent error under fullgraph=True, or needs torch._check hints
-  we cannot put into the model's code;
+- `mark_unbacked(dim 0)`: an unbacked size makes size tests in the model's code
+  data-dependent; tried here, tracing the tiny Llama fails under fullgraph=True in
+  transformers' sdpa_attention_forward ("Could not guard on data-dependent expression
+  Ne(16*s27*u1, 0)"), and the torch._check hints that would help belong in the model's code;
 - `torch.fx.experimental._config.backed_size_oblivious` (chosen): a marked size-1 dimension
   gets a backed symbol (range [0, ∞), hint 1), and the framework's size tests (broadcast,
   contiguity, "is this dim 1?") are decided as for a general size, without a guard. It is
@@ -59,8 +60,9 @@ compiling the prefill graph (30 layers) with Inductor …") and one with the tim
 a reused graph prints nothing. `PROGRESS = False` silences them.
 
 Warm start: Inductor's on-disk caches (FX graph cache and AOTAutograd cache, under
-TORCHINDUCTOR_CACHE_DIR) serve a second process: dynamo still traces and the passes
-still run (a second or two), Inductor's code generation and C++ compile are skipped.
+TORCHINDUCTOR_CACHE_DIR) serve a second process: dynamo still traces the model and the
+passes still run, Inductor's code generation and C++ compile are skipped (the custom op
+hashes by name; nothing here makes a graph uncacheable: benchmarks/bench_compile.py).
 `COMPILES[i]["cache"]` records what Inductor's counters said for each graph.
 """
 from __future__ import annotations
