@@ -108,12 +108,17 @@ def test_new_batch_sizes_and_prompt_lengths_compile_nothing_new(capsys):
     new prompt lengths: the first prefill + decode pair serves them all (the batch is
     symbolic from the first call, size 1 included: backend.py "Shapes"), the tokens are the
     eager entry's, and each Inductor compile printed one line before and one after on
-    stderr, none for a reused graph."""
+    stderr, none for a reused graph. Batch 3's tensors are made under inference_mode and
+    used under no_grad (dynamo guards on dispatch keys: the wrapper clones them)."""
+    from kvcompile.passes.backend import SERIAL_WORK
+
     model = tiny_model("llama")
     policy = kvcompile.load_spec("snapkv", per_head=40)
+    with torch.inference_mode():
+        third = left_pad([prompt(70, seed=24)[0], prompt(31, seed=25)[0], prompt(95, seed=26)[0]])
     batches = [(prompt(57, seed=21), None),
                left_pad([prompt(83, seed=22)[0], prompt(46, seed=23)[0]]),
-               left_pad([prompt(70, seed=24)[0], prompt(31, seed=25)[0], prompt(95, seed=26)[0]])]
+               third]
     torch._dynamo.reset()
     COMPILES.clear()
     counts, lines = [], []
@@ -130,6 +135,8 @@ def test_new_batch_sizes_and_prompt_lengths_compile_nothing_new(capsys):
             assert compiled.tolist() == eager.tolist(), ids.shape
     assert counts == [2, 2, 2]
     assert [c["kind"] for c in COMPILES] == ["prefill", "decode"]
+    # decode (static query length) keeps small loops serial though its batch is symbolic
+    assert [c["options"] for c in COMPILES] == [{}, {"cpp.min_chunk_size": SERIAL_WORK}]
     first, *rest = lines
     assert first[0] == "kvcompile: compiling the prefill graph (3 layers) with Inductor …"
     assert first[1].startswith("kvcompile: compiled the prefill graph in ")
