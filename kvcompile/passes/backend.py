@@ -93,8 +93,9 @@ PROGRESS = True  # one line on stderr before and after each Inductor compile
 # tiny kernels (a 1536-wide SiLU, a 576-wide norm): each region forks and joins every
 # thread, and while another process holds a core the join waits for a time slice: on
 # the shared 2-core machine a decode step took up to 1.6 s instead of 40 ms (ATen ops only
-# go parallel past 32768 elements). Static graphs (decode) go parallel only past
-# SERIAL_WORK elements per thread. Graphs with a symbolic length (prefill) keep
+# go parallel past 32768 elements). Graphs with a static query length (decode, whose
+# batch and mask length are symbolic but only feed the op or stay small) go parallel only
+# past SERIAL_WORK elements per thread. Graphs with a symbolic length (prefill) keep
 # Inductor's default: their kernels grow with the prompt, and the parallel choice is
 # made once, at compile time, from the first prompt's length.
 SERIAL_WORK = 1 << 18
