@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,8 @@ def main(argv=None):
         if proc.returncode or not lines:
             sys.exit(f"{label} run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         rows.append((label, wall, json.loads(lines[-1][len("RESULT "):])))
+    if not args.cache_dir:
+        shutil.rmtree(cache_dir, ignore_errors=True)
     print()
     print("| run | process s | first token s | compile s | graphs | after batches | FX hit / miss / bypass "
           "| AOT hit / miss | per graph (kind, s, cache) |")
