@@ -100,3 +100,89 @@ def test_sliding_window_runs_up_to_the_window_and_refuses_longer_sequences():
         with kvcompile.compiled(model, policy, mode="compiled"):
             with pytest.raises(kvcompile.CompileError, match="40 tokens"):
                 model(ids)
+
+
+@pytest.mark.slow
+def test_new_batch_sizes_and_prompt_lengths_compile_nothing_new(capsys):
+    """generate() at batch 1 (no mask), then 2 and 3 (left padding, attention_mask), each with
+    new prompt lengths: the first prefill + decode pair serves them all (the batch is
+    symbolic from the first call, size 1 included: backend.py "Shapes"), the tokens are the
+    eager entry's, and each Inductor compile printed one line before and one after on
+    stderr, none for a reused graph. Batch 3's tensors are made under inference_mode and
+    used under no_grad (dynamo guards on dispatch keys: the wrapper clones them)."""
+    from kvcompile.passes.backend import SERIAL_WORK
+
+    model = tiny_model("llama")
+    policy = kvcompile.load_spec("snapkv", per_head=40)
+    with torch.inference_mode():
+        third = left_pad([prompt(70, seed=24)[0], prompt(31, seed=25)[0], prompt(95, seed=26)[0]])
+    batches = [(prompt(57, seed=21), None),
+               left_pad([prompt(83, seed=22)[0], prompt(46, seed=23)[0]]),
+               third]
+    torch._dynamo.reset()
+    COMPILES.clear()
+    counts, lines = [], []
+    with torch.no_grad():
+        for ids, mask in batches:
+            kw = {} if mask is None else {"attention_mask": mask}
+            with kvcompile.compiled(model, policy):
+                eager = model.generate(ids, max_new_tokens=6, do_sample=False, **kw)
+            capsys.readouterr()
+            with kvcompile.compiled(model, policy, mode="compiled"):
+                compiled = model.generate(ids, max_new_tokens=6, do_sample=False, **kw)
+            lines.append([line for line in capsys.readouterr().err.splitlines() if line.startswith("kvcompile:")])
+            counts.append(len(COMPILES))
+            assert compiled.tolist() == eager.tolist(), ids.shape
+    assert counts == [2, 2, 2]
+    assert [c["kind"] for c in COMPILES] == ["prefill", "decode"]
+    # decode (static query length) keeps small loops serial though its batch is symbolic
+    assert [c["options"] for c in COMPILES] == [{}, {"cpp.min_chunk_size": SERIAL_WORK}]
+    first, *rest = lines
+    assert first[0] == "kvcompile: compiling the prefill graph (3 layers) with Inductor …"
+    assert first[1].startswith("kvcompile: compiled the prefill graph in ")
+    assert first[2] == "kvcompile: compiling the decode graph (3 layers) with Inductor …"
+    assert first[3].startswith("kvcompile: compiled the decode graph in ") and len(first) == 4
+    assert rest == [[], []]
+
+
+WARM_START = """
+import json, sys
+import torch
+sys.path[:0] = [{root!r}, {tests!r}]
+import kvcompile
+from torch._dynamo.utils import counters
+from kvcompile.passes.backend import COMPILES
+from tiny import left_pad, prompt, tiny_model
+torch.set_num_threads(1)
+model = tiny_model("llama", layers=1)
+ids, mask = left_pad([prompt(40, seed=1)[0], prompt(25, seed=2)[0]])
+with torch.no_grad(), kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=36), mode="compiled"):
+    logits = model(ids, attention_mask=mask).logits
+print("RESULT", json.dumps({{"cache": [c["cache"] for c in COMPILES], "hit": counters["inductor"]["fxgraph_cache_hit"],
+                            "logits": logits[:, -1].tolist()}}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_reuses_the_inductor_cache(tmp_path):
+    """Two fresh processes compile the same tiny model (one prefill graph) into one Inductor
+    cache directory: the first misses, the second hits Inductor's FX graph cache (the
+    kvcompile.attend op and the backend's settings hash the same) and computes the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = Path(__file__).parent
+    script = WARM_START.format(root=str(tests.parent), tests=str(tests))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    results = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(proc.stdout.split("RESULT", 1)[1]))
+        assert "kvcompile: compiling the prefill graph (1 layer) with Inductor …" in proc.stderr
+    cold, warm = results
+    assert cold["cache"] == ["miss"] and cold["hit"] == 0
+    assert warm["cache"] == ["hit"] and warm["hit"] == 1
+    assert warm["logits"] == cold["logits"]

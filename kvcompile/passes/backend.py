@@ -22,14 +22,59 @@ cache, so generating never recompiles:
   against T new keys. The stand-in reports no past, so transformers builds a (B, 1, T, T)
   mask that the rewrite leaves dead; positions come from `position_ids`, which the
   wrapper computes from the real cache when the caller gives none.
+
+Shapes: one prefill graph and one decode graph serve every batch size and prompt length
+(`_mark_dynamic`). The batch (dim 0) and the sequence lengths (dim 1 of the ids, mask and
+positions) are symbolic from the first call; dim 1 of a one-token call stays static, which
+is what separates the decode graph from the prefill graph. Batch 1 is the hard case:
+dynamo turns a size-1 dimension into the constant 1 even when it is marked dynamic (0/1
+specialisation), so a first generate() at batch 1 would give graphs that batch 2 cannot
+use. Three ways out were weighed:
+- marking dim 0 dynamic only from batch 2 on: batch 1 gets its own prefill + decode pair
+  (what automatic dynamic shapes gave before, 117–133 s more on SmolLM2);
+- `mark_unbacked(dim 0)`: an unbacked size makes size tests in the model's code
+  data-dependent; tried here, tracing the tiny Llama fails under fullgraph=True in
+  transformers' sdpa_attention_forward ("Could not guard on data-dependent expression
+  Ne(16*s27*u1, 0)"), and the torch._check hints that would help belong in the model's code;
+- `torch.fx.experimental._config.backed_size_oblivious` (chosen): a marked size-1 dimension
+  gets a backed symbol (range [0, ∞), hint 1), and the framework's size tests (broadcast,
+  contiguity, "is this dim 1?") are decided as for a general size, without a guard. It is
+  patched only while the compiled forward traces (the graph itself runs with it off:
+  `_plain_shapes`), so nothing else in the process sees it, the kernels that the op
+  compiles on first use included.
+Guards that remain are true for every batch: batch of ids = batch of positions, mask
+length ≤ ids length at prefill. One size test of the model's own code still asked "is B
+1?" with a guard: `hidden_states[:, -k:, :]` (transformers' `logits_to_keep`) is a view
+that the LM head's matmul can fold into (B·k, hidden) without a copy only when B = 1. The
+wrapper passes `logits_to_keep` as an index tensor `arange(-k, 0)` instead (the same rows,
+gathered into a contiguous tensor), which folds for every B. A call without an
+attention_mask gets an all-ones one (the op treats both alike: `prefill` drops a mask
+without pads), so that a batch-1 generate() without a mask and a padded batch share the
+graph, and an input made in another autograd mode than the call's is cloned into it
+(`_same_kind`: dynamo guards on dispatch keys). With that, generate() at batch 1, 2, 3, 5
+and any prompt length compiles one prefill and one decode graph in all
+(tests/test_compiled.py); calls under no_grad and under inference_mode get a pair each.
+
+Progress: every Inductor compile prints one line to stderr before it starts ("kvcompile:
+compiling the prefill graph (30 layers) with Inductor …") and one with the time after;
+a reused graph prints nothing. `PROGRESS = False` silences them.
+
+Warm start: Inductor's on-disk caches (FX graph cache and AOTAutograd cache, under
+TORCHINDUCTOR_CACHE_DIR) serve a second process: dynamo still traces the model and the
+passes still run, Inductor's code generation and C++ compile are skipped (the custom op
+hashes by name; nothing here makes a graph uncacheable: benchmarks/bench_compile.py).
+`COMPILES[i]["cache"]` records what Inductor's counters said for each graph.
 """
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from contextlib import contextmanager
 
 import torch
+import torch.fx.experimental._config as fx_config
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import is_symbolic
 from transformers.cache_utils import Cache
@@ -38,26 +83,39 @@ from kvcompile import cache as cache_module
 from kvcompile.cache import KVCompileCache
 from kvcompile.passes.dead import remove_dead
 from kvcompile.passes.find import PassError, find_attention
-from kvcompile.passes.rewrite import ACTIVE_HANDLE, rewrite_attention
+from kvcompile.passes.rewrite import ACTIVE_HANDLE, rewrite_attention, shape
 
-COMPILES: list[dict] = []  # one record per graph the backend compiled (layers, nodes removed, seconds)
+COMPILES: list[dict] = []  # one record per graph the backend compiled (layers, nodes removed, seconds, ...)
+PROGRESS = True  # one line on stderr before and after each Inductor compile
 
 # Inductor's C++ kernels open an OpenMP parallel region as soon as a loop has
 # cpp.min_chunk_size (default 512) elements per thread. A decode step is made of such
 # tiny kernels (a 1536-wide SiLU, a 576-wide norm): each region forks and joins every
 # thread, and while another process holds a core the join waits for a time slice: on
 # the shared 2-core machine a decode step took up to 1.6 s instead of 40 ms (ATen ops only
-# go parallel past 32768 elements). Static graphs (decode) go parallel only past
-# SERIAL_WORK elements per thread. Graphs with a symbolic length (prefill) keep
+# go parallel past 32768 elements). Graphs with a static query length (decode, whose
+# batch and mask length are symbolic but only feed the op or stay small) go parallel only
+# past SERIAL_WORK elements per thread. Graphs with a symbolic length (prefill) keep
 # Inductor's default: their kernels grow with the prompt, and the parallel choice is
 # made once, at compile time, from the first prompt's length.
 SERIAL_WORK = 1 << 18
 
 
-def inductor_options(example_inputs) -> dict:
-    """Inductor config for one graph (see SERIAL_WORK)."""
+def _symbols(size) -> set:
+    return set(size.node.expr.free_symbols) if isinstance(size, torch.SymInt) and is_symbolic(size) else set()
+
+
+def inductor_options(example_inputs, tokens=None, fixed_work=()) -> dict:
+    """Inductor config for one graph (see SERIAL_WORK). A graph whose work grows with a
+    symbolic size keeps Inductor's default; a static graph gets serial small loops.
+    `tokens`: the attention calls' query length (new tokens per sequence); when it is
+    static (decode), the sizes in `fixed_work` (the batch, the padding mask's sizes: the
+    mask only feeds the op) do not count as growing work."""
+    if tokens is not None and _symbols(tokens):
+        return {}
+    exempt = set().union(*(_symbols(size) for size in fixed_work)) if tokens is not None else set()
     sizes = [s for x in example_inputs for s in (x.shape if isinstance(x, torch.Tensor) else (x,))]
-    symbolic = any(isinstance(s, torch.SymInt) and is_symbolic(s) for s in sizes)
+    symbolic = any(_symbols(size) - exempt for size in sizes)
     return {} if symbolic else {"cpp.min_chunk_size": SERIAL_WORK}
 
 
@@ -84,9 +142,28 @@ def run_passes(gm: GraphModule, kv_heads: int | None = None, num_layers: int | N
     if num_layers is not None and layers != list(range(num_layers)):
         raise PassError(f"kvcompile: attention found in layers {layers}, expected layers 0 … {num_layers - 1} "
                         "(a graph break? compile with fullgraph=True)")
-    rewrite_attention(gm, found, ACTIVE_HANDLE, kv_heads=kv_heads)
+    new = rewrite_attention(gm, found, ACTIVE_HANDLE, kv_heads=kv_heads)
     removed = remove_dead(gm)
-    return {"layers": layers, "removed": removed}
+    q = shape(new[0].args[0]) if new else None
+    mask = shape(new[0].args[3]) if new and new[0].args[3] is not None else None
+    fixed_work = ((q[0],) if q else ()) + (tuple(mask) if mask else ())
+    return {"layers": layers, "removed": removed, "tokens": q[2] if q else None, "fixed_work": fixed_work}
+
+
+def graph_kind(tokens) -> str:
+    """"decode" for a graph of one new token per sequence, else "prefill"."""
+    return "decode" if isinstance(tokens, int) and tokens == 1 else "prefill"
+
+
+def _cache_counts() -> dict:
+    inductor = counters["inductor"]
+    return {"hit": inductor["fxgraph_cache_hit"], "miss": inductor["fxgraph_cache_miss"],
+            "bypass": inductor["fxgraph_cache_bypass"], "aot_hit": counters["aot_autograd"]["autograd_cache_hit"]}
+
+
+def _say(message: str) -> None:
+    if PROGRESS:
+        print(message, file=sys.stderr, flush=True)
 
 
 def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num_layers: int | None = None,
@@ -97,16 +174,40 @@ def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num
 
     start = time.perf_counter()
     record = run_passes(gm, kv_heads, num_layers)
+    if not inductor:
+        record.pop("fixed_work")
+    record["kind"] = kind = graph_kind(record["tokens"])
     if inductor:
-        record["options"] = inductor_options(example_inputs)
+        record["options"] = inductor_options(example_inputs, record["tokens"], record.pop("fixed_work"))
+        before = _cache_counts()
+        layers = len(record["layers"])
+        _say(f"kvcompile: compiling the {kind} graph ({layers} layer{'s' * (layers != 1)}) with Inductor …")
         with torch._inductor.config.patch(record["options"]):
             compiled = compile_fx(gm, example_inputs)
+        after = _cache_counts()
+        record["cache"] = next((name for name in ("hit", "aot_hit", "bypass", "miss") if after[name] > before[name]),
+                               None)
     else:
         compiled = gm.forward
     record["seconds"] = time.perf_counter() - start
     record["inductor"] = inductor
     COMPILES.append(record)
-    return compiled
+    if inductor:
+        note = {"hit": " (Inductor cache hit)", "aot_hit": " (AOTAutograd cache hit)"}.get(record["cache"], "")
+        _say(f"kvcompile: compiled the {kind} graph in {record['seconds']:.1f} s{note}")
+    return _plain_shapes(compiled)
+
+
+def _plain_shapes(compiled):
+    """`compiled`, run with backed_size_oblivious off: the flag is for tracing the model
+    (compile_forward), not for what the op compiles while it runs (the kernels'
+    torch.compile'd lowerings keep torch's default 0/1 specialisation)."""
+    def run(*args):
+        with fx_config.patch(backed_size_oblivious=False):
+            return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)
+    return run
 
 
 @functools.cache
@@ -148,15 +249,43 @@ def _with_cache(out, stand_in, cache):
     return out
 
 
-def _mark_lengths_dynamic(args, kwargs) -> None:
-    """Sequence lengths (dim 1 of the ids, mask and positions) become symbolic from the
-    first call, so prompts of new lengths and a growing mask reuse the graph. A length-1
-    dim stays static (dynamo specialises 0 and 1): decode has its own graph."""
+_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
+
+
+def _same_kind(args, kwargs) -> tuple:
+    """The graph's tensor inputs as tensors of the caller's autograd mode. Dynamo guards on
+    each input's dispatch keys, which differ between an inference tensor (made under
+    torch.inference_mode) and a normal one: a mask made outside inference_mode beside ids
+    that generate() made inside it would give the graph another variant. A mismatched
+    input is cloned (B × N integers at most). The mode itself stays part of the guards:
+    calls under no_grad and under inference_mode get a graph pair each."""
+    inference = torch.is_inference_mode_enabled()
+
+    def fix(t):
+        return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() != inference else t
+
+    for name in _INPUTS:
+        if name in kwargs:
+            kwargs[name] = fix(kwargs[name])
+    return (fix(args[0]), *args[1:]) if args else args
+
+
+def _mark_dynamic(args, kwargs) -> None:
+    """The batch (dim 0) and sequence lengths (dim 1 of the ids, embeddings, mask and
+    positions) become symbolic from the first call (size 1 included, under
+    backed_size_oblivious: see the module doc). Dim 1 of a one-token call (decode) is
+    marked static: dynamo would otherwise carry the prefill's dynamic length over to it
+    and, with 0/1 specialisation off, trace decode with a symbolic query length."""
     tensors = [args[0]] if args else []
-    tensors += [kwargs.get(name) for name in ("input_ids", "inputs_embeds", "attention_mask", "position_ids")]
+    tensors += [kwargs.get(name) for name in _INPUTS]
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] > 1:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            continue
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        if t.shape[1] > 1:
             torch._dynamo.maybe_mark_dynamic(t, 1)
+        else:
+            torch._dynamo.mark_static(t, 1)
 
 
 def compile_forward(model, forward=None, *, dynamic: bool | None = None, inductor: bool = True):
@@ -167,8 +296,10 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
     cache bound; otherwise (no cache, use_cache=False) it runs `forward` as is — plain
     attention, what the eager entry does then. The model must keep
     attn_implementation="sdpa". `dynamic` is torch.compile's; the default (None) keeps
-    everything static but the sequence lengths (a float made symbolic, as dynamic=True
-    does with the model's eps and scaling, would be read at run time).
+    everything static but the batch and the sequence lengths (a float made symbolic, as
+    dynamic=True does with the model's eps and scaling, would be read at run time). A call
+    without an attention_mask or position_ids gets them here, so that every call has the
+    same graph inputs (module doc, "Shapes").
     """
     config = model.config
     if config._attn_implementation != "sdpa":
@@ -187,10 +318,18 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
         if tokens is None:
             tokens = kwargs["inputs_embeds"]
         t, start = tokens.shape[1], past_key_values.seq_length
+        b = tokens.shape[0]
         if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = (torch.arange(t, device=tokens.device) + start)[None]
-        _mark_lengths_dynamic(args, kwargs)
-        with torch.no_grad(), bind_cache(past_key_values):
+            kwargs["position_ids"] = (torch.arange(t, device=tokens.device) + start)[None].expand(b, t).contiguous()
+        if kwargs.get("attention_mask") is None:
+            kwargs["attention_mask"] = torch.ones(b, start + t, dtype=torch.long, device=tokens.device)
+        keep = kwargs.get("logits_to_keep")
+        if isinstance(keep, int) and not isinstance(keep, bool) and 0 < keep <= t:  # B-free folding (module doc)
+            kwargs["logits_to_keep"] = torch.arange(-keep, 0, device=tokens.device)
+        args = _same_kind(args, kwargs)
+        _mark_dynamic(args, kwargs)
+        with torch.no_grad(), bind_cache(past_key_values), \
+                fx_config.patch(backed_size_oblivious=True):
             out = compiled(*args, past_key_values=_GRAPH_CACHE, **kwargs)
         if past_key_values.seq_length != start + t:  # e.g. dynamo fell back to eager (recompile limit)
             raise PassError("kvcompile: the compiled forward did not run kvcompile.attend in every layer; "
