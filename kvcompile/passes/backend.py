@@ -85,6 +85,12 @@ from kvcompile.passes.dead import remove_dead
 from kvcompile.passes.find import PassError, find_attention
 from kvcompile.passes.rewrite import ACTIVE_HANDLE, rewrite_attention, shape
 
+# transformers wraps every model's forward in one decorator function, so dynamo keeps the graphs
+# of every compiled model (each: prefill and decode, under no_grad and under inference_mode) on
+# one code object, whose default limit of 8 entries two model classes already fill (and with
+# fullgraph=True the ninth is a hard failure). Each compiled model adds at most 4 entries.
+RECOMPILE_LIMIT = 64
+
 COMPILES: list[dict] = []  # one record per graph the backend compiled (layers, nodes removed, seconds, ...)
 PROGRESS = True  # one line on stderr before and after each Inductor compile
 
@@ -329,7 +335,8 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
         args = _same_kind(args, kwargs)
         _mark_dynamic(args, kwargs)
         with torch.no_grad(), bind_cache(past_key_values), \
-                fx_config.patch(backed_size_oblivious=True):
+                fx_config.patch(backed_size_oblivious=True), \
+                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             out = compiled(*args, past_key_values=_GRAPH_CACHE, **kwargs)
         if past_key_values.seq_length != start + t:  # e.g. dynamo fell back to eager (recompile limit)
             raise PassError("kvcompile: the compiled forward did not run kvcompile.attend in every layer; "
