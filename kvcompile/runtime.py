@@ -108,11 +108,12 @@ def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: T
     compresses the layer over all of it, exactly as `prefill` does for the prompt in one call."""
     chunks = cache.chunks
     t = q.shape[2]
-    keys = k if chunks.keys[layer] is None else torch.cat([chunks.keys[layer], k], dim=2)
-    values = v if chunks.values[layer] is None else torch.cat([chunks.values[layer], v], dim=2)
+    # held across calls: copies (a compiled graph reuses the memory of its intermediate tensors)
+    keys = k.clone() if chunks.keys[layer] is None else torch.cat([chunks.keys[layer], k], dim=2)
+    values = v.clone() if chunks.values[layer] is None else torch.cat([chunks.values[layer], v], dim=2)
     seen = keys.shape[2]
     rows = seen if cache.record else cache.policy.scoring.query_rows(chunks.length)
-    queries = q if chunks.queries[layer] is None else torch.cat([chunks.queries[layer], q], dim=2)
+    queries = q.clone() if chunks.queries[layer] is None else torch.cat([chunks.queries[layer], q], dim=2)
     queries = queries[:, :, queries.shape[2] - min(rows, queries.shape[2]):]
     if seen < chunks.length:
         chunks.keys[layer], chunks.values[layer], chunks.queries[layer] = keys, values, queries
@@ -134,8 +135,8 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     policy = plan.policy
     rows = r if cache.record else policy.scoring.query_rows(n)
     state = LayerState(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
-    if cache.record:
-        cache.states[layer] = state
+    if cache.record:  # copies: a compiled graph reuses the memory of its intermediate tensors
+        cache.states[layer] = LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale)
     scores = plan.score(state)
     positions = (torch.arange(n, device=q.device)[None, :] - prompt.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)
