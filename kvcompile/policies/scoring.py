@@ -190,6 +190,11 @@ class Scorer(Part):
         """The running score after one more query whose (group-reduced) attention is `attention`."""
         raise NotImplementedError(f"scoring {type(self).__name__} keeps no running score")
 
+    @property
+    def running_decay(self) -> float | None:
+        """λ when `running_update` is s ← λ·s + a (what a fused decode step computes), else None."""
+        return None
+
     def fused_window(self) -> dict | None:
         return None
 
@@ -281,6 +286,8 @@ class Accumulated(Scorer):
     def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
         return scores + attention
 
+    running_decay = 1.0
+
 
 @part("scoring", "decayed")
 @dataclass(frozen=True)
@@ -310,6 +317,10 @@ class Decayed(Scorer):
 
     def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
         return self.decay * scores + attention
+
+    @property
+    def running_decay(self) -> float:
+        return float(self.decay)
 
 
 def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256) -> Tensor:
