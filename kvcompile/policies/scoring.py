@@ -286,7 +286,9 @@ class Accumulated(Scorer):
     def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
         return scores + attention
 
-    running_decay = 1.0
+    @property
+    def running_decay(self) -> float | None:
+        return 1.0 if type(self).running_update is Accumulated.running_update else None
 
 
 @part("scoring", "decayed")
@@ -319,8 +321,8 @@ class Decayed(Scorer):
         return self.decay * scores + attention
 
     @property
-    def running_decay(self) -> float:
-        return float(self.decay)
+    def running_decay(self) -> float | None:
+        return float(self.decay) if type(self).running_update is Decayed.running_update else None
 
 
 def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256) -> Tensor:
