@@ -226,7 +226,8 @@ def test_the_numbers_are_the_parts_behaviour():
         lam = scorer.running_decay
         assert torch.equal(lam * scores + attention, scorer.running_update(scores, attention))
     counts = torch.tensor([0.0, 1.0, 2.0, 3.0, 17.0])
-    for merge in (kvcompile.load_spec("zsmerge").merge, kvcompile.load_spec("zsmerge", merge={"residual": {"alpha": 0.0}}).merge):
+    merges = [kvcompile.load_spec("zsmerge", merge={"residual": {"alpha": a}}).merge for a in (0.6, 0.0, 1.0)]
+    for merge in merges:
         a = merge.bias_alpha
         assert torch.equal(torch.where(counts > 0, a * counts.clamp(min=1).double().log(), float("-inf")).float(),
                            merge.bias(counts))
