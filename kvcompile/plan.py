@@ -30,6 +30,21 @@ from kvcompile.policies.merge import Drop, Residual
 from kvcompile.policy import Policy
 
 
+@dataclass(frozen=True)
+class StepRule:
+    """What a decode step does besides attention when scores run or tokens leave online, as the
+    numbers the fused step (kvcompile.kernels.online_step) computes with, read off the parts:
+    decay: the running update s ← decay·s + a (Scorer.running_decay: λ; 1 for accumulated),
+        None when the scores do not run; gqa_max: the group reduce of a (Scorer.gqa: max, else
+        mean); alpha: the logit bias α·log w of every entry (MergeRule.bias_alpha), None when the
+        policy does not merge (no bias); evict: online eviction through the split (ZSMerge Alg. 1)."""
+
+    decay: float | None
+    gqa_max: bool
+    alpha: float | None
+    evict: bool
+
+
 class PlanError(ValueError):
     """The policy cannot run on this model, device or kernel choice (said before anything runs)."""
 
@@ -55,6 +70,10 @@ class Plan:
     merge_impl: str | None  # the prompt's residual merge kernel (kernels.merge); None: the rule's own merge
     merge_compile_above: int | None  # CPU default: the merge walk goes through Inductor above this many tokens
     decode_impl: str | None  # paged decode attention (kernels.paged_attention); None: per call
+    online_impl: str | None  # the fused decode step of running scores / online eviction
+    #   (kernels.online_step: "cpp" | "torch"); None: no such step, or parts it cannot express
+    #   (the runtime's own Python path then runs)
+    step_rule: StepRule | None  # what that step computes (with online_impl)
     # decoding
     running_scores: bool  # scores keep running while decoding (H2O, ZSMerge)
     online_eviction: bool  # one token per head and step leaves through the split (ZSMerge Alg. 1)
@@ -93,8 +112,8 @@ class Plan:
 
     def describe(self) -> str:
         """One line per decision, for logs and `kvcompile run --verbose`."""
-        fields = ("score_impl", "select_impl", "merge_impl", "decode_impl", "running_scores", "online_eviction",
-                  "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade", "kv_heads")
+        fields = ("score_impl", "select_impl", "merge_impl", "decode_impl", "online_impl", "running_scores",
+                  "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade", "kv_heads")
         return "\n".join(f"{name}: {getattr(self, name)}" for name in fields)
 
 
@@ -137,6 +156,17 @@ def _resolve(op: str, requested: str | None, device, dtype, head_dim: int) -> st
     return resolve(op, requested, device, dtype, head_dim=head_dim)
 
 
+def _step_rule(policy: Policy, online: bool) -> StepRule | None:
+    """The fused step's numbers for this policy, or None where a part's behaviour is not of the
+    form it computes (a running update other than λ·s + a, a bias other than α·log w)."""
+    scoring = policy.scoring
+    decay = scoring.running_decay if scoring.running else None
+    alpha = policy.merge.bias_alpha if policy.merges else None
+    if (scoring.running and decay is None) or (policy.merges and alpha is None):
+        return None
+    return StepRule(decay, getattr(scoring, "gqa", "mean") == "max", alpha, online)
+
+
 def build_plan(policy: Policy, config, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                kernels: str | None = None, page_size: int = 16, headroom: int = 0,
                compiled_entry: bool = False) -> Plan:
@@ -151,7 +181,10 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     through Inductor (benchmarks/bench_window_scores.py: 0.3–0.6× the part's time warm, but
     5–8 s of Inductor compile on first use and again for a new length, more than it saves
     on one 4k prompt). compiled_entry: the model runs the compiled entry; on a CPU its
-    decode kernel for other dtypes than fp32 is then the Inductor-compiled lowering."""
+    decode kernel for other dtypes than fp32 is then the Inductor-compiled lowering.
+    Where scores run while decoding or tokens leave online, a decode step is one fused call
+    (online_impl, kernels.online_step): the C++ step for fp32 on a CPU with a compiler (or
+    kernels="cpp"), else its torch path (kernels="torch", other devices and dtypes)."""
     if page_size < 1:
         raise PlanError(f"kvcompile: page_size must be >= 1, got {page_size}")
     if headroom < 0:
@@ -186,6 +219,15 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: decode: {decode.name} with merge: {policy.merge.name} has no online "
                         f"eviction path (supported merge rules: "
                         f"{', '.join(c.name for c in _ONLINE_MERGES)})")
+    online_impl, step_rule = None, None
+    if scoring.running or online:
+        step_rule = _step_rule(policy, online)
+        if step_rule is not None:
+            try:
+                online_impl = _resolve("online_step", kernels if kernels in ("cpp", "torch") else None, device,
+                                       dtype, head_dim)
+            except ValueError as exc:
+                raise PlanError(f"kvcompile: {exc}") from None
     prune_every = decode.prune_every if decode is not None else 0
     ring_rows = scoring.query_rows(2 ** 30) if prune_every and not scoring.running else 0
     cascade = policy.layer_dynamic and policy.budget.threshold is None
@@ -195,7 +237,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         kv_heads=tuple(range(num_heads)), device=device, dtype=dtype, kernels=kernels,
         compiled_entry=compiled_entry, page_size=page_size,
         headroom=headroom, score_impl=score_impl, select_impl=select_impl, merge_impl=merge_impl,
-        merge_compile_above=merge_compile_above, decode_impl=decode_impl, running_scores=scoring.running, online_eviction=online,
+        merge_compile_above=merge_compile_above, decode_impl=decode_impl, online_impl=online_impl,
+        step_rule=step_rule, running_scores=scoring.running, online_eviction=online,
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade)
 

@@ -8,6 +8,7 @@ from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name needs no GPU
 f32, f16 = torch.float32, torch.float16
+TRITON_OPS = [op for op, names in choice.IMPLS.items() if "triton" in names]  # online_step: cpp | torch
 
 
 def test_defaults():
@@ -18,17 +19,18 @@ def test_defaults():
     assert choice.resolve("paged_attention", None, CPU, None, head_dim=64) == "torch"  # mixed dtypes
     for op in ("select", "merge", "window_scores"):
         assert choice.resolve(op, None, CPU, f32) == "torch"
-    for op in choice.IMPLS:  # triton is installed for the tests
+    for op in TRITON_OPS:  # triton is installed for the tests
         assert choice.resolve(op, None, CUDA, f16, head_dim=64) == "triton"
 
 
 def test_requested_names_pass_through():
-    for op, names in choice.IMPLS.items():
+    for op in TRITON_OPS:
+        names = choice.IMPLS[op]
         for name in ("torch", "compiled", "triton"):  # triton: the interpreter is on (conftest)
             assert name in names and choice.resolve(op, name, CPU, f32, head_dim=64) == name
 
 
-@pytest.mark.parametrize("op", list(choice.IMPLS))
+@pytest.mark.parametrize("op", TRITON_OPS)
 def test_unknown_impl_names_the_op_and_its_impls(op):
     with pytest.raises(ValueError, match=rf"{op}: unknown impl 'cuda'; one of triton \| .*compiled"):
         choice.resolve(op, "cuda", CPU, f32, head_dim=64)
@@ -63,3 +65,17 @@ def test_cpp_only_where_it_runs():
             choice.resolve("paged_attention", "cpp", device, dtype, head_dim=d)
     with pytest.raises(ValueError, match="needs head_dim"):
         choice.resolve("paged_attention", None, CPU, f32)
+
+
+def test_online_step_is_cpp_where_it_runs_else_torch():
+    cpp = "cpp" if cpp_supports(CPU, f32, 64) else "torch"
+    assert choice.resolve("online_step", None, CPU, f32) == cpp
+    assert choice.resolve("online_step", None, CPU, f32, head_dim=8) == cpp  # any head dim
+    assert choice.resolve("online_step", None, CPU, f16) == "torch"
+    assert choice.resolve("online_step", None, CUDA, f16) == "torch"  # no Triton kernel
+    assert choice.resolve("online_step", "torch", CUDA, f32) == "torch"
+    for device, dtype in ((CPU, f16), (CUDA, f32), (CPU, None)):
+        with pytest.raises(ValueError, match="online_step: impl 'cpp' needs fp32 CPU tensors"):
+            choice.resolve("online_step", "cpp", device, dtype)
+    with pytest.raises(ValueError, match=r"online_step: unknown impl 'triton'; one of cpp \| torch"):
+        choice.resolve("online_step", "triton", CUDA, f16)

@@ -10,9 +10,12 @@ Each kernel op has a few implementations ("impls"), named by strings:
     select            triton | torch | compiled           triton on CUDA, else torch
     merge             triton | torch | compiled           triton on CUDA, else torch
     window_scores     triton | torch | compiled           triton on CUDA, else torch
+    online_step       cpp | torch                         cpp on the CPU for fp32 with a C++
+                                                          compiler (any head dim), else torch
 
 "torch" is the eager torch lowering, "compiled" the same lowering through Inductor
-(torch.compile), "cpp" the hand-written C++ decode kernel (paged_attention_cpp), "triton"
+(torch.compile), "cpp" the hand-written C++ kernels (paged_attention_cpp; online_step: the
+fused decode step of running scores and online eviction), "triton"
 the Triton kernels: on a CUDA device, or on any device under Triton's interpreter
 (TRITON_INTERPRET=1, how the tests run them without a GPU).
 """
@@ -30,6 +33,7 @@ IMPLS: dict[str, tuple[str, ...]] = {
     "select": ("triton", "torch", "compiled"),
     "merge": ("triton", "torch", "compiled"),
     "window_scores": ("triton", "torch", "compiled"),
+    "online_step": ("cpp", "torch"),
 }
 
 
@@ -38,7 +42,7 @@ def resolve(op: str, requested: str | None, device: torch.device | str, dtype: t
     """The impl that runs `op` on tensors of `device` and `dtype`: `requested`, checked, or
     the default for the device and dtype (the table in the module docstring).
 
-    op: "paged_attention" | "select" | "merge" | "window_scores" (the keys of IMPLS).
+    op: "paged_attention" | "select" | "merge" | "window_scores" | "online_step" (the keys of IMPLS).
     requested: an impl name of that op, or None for the default.
     device, dtype: where the op's tensors live and the dtype it reads (for paged_attention
         the queries' and the pages'; None when they differ: then there is no C++ kernel).
@@ -59,6 +63,8 @@ def resolve(op: str, requested: str | None, device: torch.device | str, dtype: t
     device = torch.device(device)
     if op == "paged_attention" and requested in (None, "cpp") and head_dim is None:
         raise ValueError("paged_attention: resolving impl None or 'cpp' needs head_dim")
+    if op == "online_step":
+        return _resolve_online_step(requested, device, dtype)
     if requested is None:
         if device.type == "cuda" and _triton_imports():
             return "triton"
@@ -75,6 +81,20 @@ def resolve(op: str, requested: str | None, device: torch.device | str, dtype: t
         raise ValueError(f"{op}: impl 'cpp' needs fp32 CPU tensors, a head dim that is a multiple of 16 "
                          f"and a C++ compiler; here {device.type}, {dtype}, head dim {head_dim}. "
                          f"Impls: {' | '.join(names)}")
+    return requested
+
+
+def _resolve_online_step(requested: str | None, device: torch.device, dtype: torch.dtype | None) -> str:
+    """online_step has no Triton kernel: cpp where it runs (fp32 on the CPU with a compiler), else torch."""
+    names = IMPLS["online_step"]
+    runs = dtype is not None and cpp_supports(device, dtype, 16)  # its C++ takes any head dim
+    if requested is None:
+        return "cpp" if runs else "torch"
+    if requested not in names:
+        raise ValueError(f"online_step: unknown impl {requested!r}; one of {' | '.join(names)}")
+    if requested == "cpp" and not runs:
+        raise ValueError(f"online_step: impl 'cpp' needs fp32 CPU tensors and a C++ compiler; here "
+                         f"{device.type}, {dtype}. Impls: {' | '.join(names)}")
     return requested
 
 

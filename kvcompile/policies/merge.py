@@ -26,6 +26,12 @@ class MergeRule(Part):
         """No bias for any entry held (count ≥ 1); empty slots (count 0) are masked (−inf)."""
         return torch.where(counts > 0, 0.0, float("-inf"))
 
+    @property
+    def bias_alpha(self) -> float | None:
+        """α when `bias` is α·log w for held entries (w ≥ 1) and −inf for empty slots (what a
+        fused decode step computes), else None. This rule's bias is α = 0."""
+        return 0.0 if type(self).bias is MergeRule.bias else None
+
     def merge(self, slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys: Tensor, values: Tensor):
         raise NotImplementedError
 
@@ -82,6 +88,10 @@ class Residual(MergeRule):
     def bias(self, counts: Tensor) -> Tensor:
         """ZSMerge Eq. 8: α·log w for a slot holding w tokens; empty slots (w = 0) are masked (−inf)."""
         return torch.where(counts > 0, self.alpha * counts.clamp(min=1).double().log(), float("-inf")).float()
+
+    @property
+    def bias_alpha(self) -> float | None:
+        return float(self.alpha) if type(self).bias is Residual.bias else None
 
     def shrink(self, slot_keys: Tensor, slot_values: Tensor, counts: Tensor, size: int):
         """One head's slots (S, d), (S, d), (S,) cut to `size` slots (the cascade lowered its

@@ -190,6 +190,11 @@ class Scorer(Part):
         """The running score after one more query whose (group-reduced) attention is `attention`."""
         raise NotImplementedError(f"scoring {type(self).__name__} keeps no running score")
 
+    @property
+    def running_decay(self) -> float | None:
+        """λ when `running_update` is s ← λ·s + a (what a fused decode step computes), else None."""
+        return None
+
     def fused_window(self) -> dict | None:
         return None
 
@@ -281,6 +286,10 @@ class Accumulated(Scorer):
     def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
         return scores + attention
 
+    @property
+    def running_decay(self) -> float | None:
+        return 1.0 if type(self).running_update is Accumulated.running_update else None
+
 
 @part("scoring", "decayed")
 @dataclass(frozen=True)
@@ -310,6 +319,10 @@ class Decayed(Scorer):
 
     def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
         return self.decay * scores + attention
+
+    @property
+    def running_decay(self) -> float | None:
+        return float(self.decay) if type(self).running_update is Decayed.running_update else None
 
 
 def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256) -> Tensor:
