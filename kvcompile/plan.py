@@ -70,8 +70,9 @@ class Plan:
     merge_impl: str | None  # the prompt's residual merge kernel (kernels.merge); None: the rule's own merge
     merge_compile_above: int | None  # CPU default: the merge walk goes through Inductor above this many tokens
     decode_impl: str | None  # paged decode attention (kernels.paged_attention); None: per call
-    online_impl: str | None  # the fused decode step of running scores / online eviction
-    #   (kernels.online_step: "cpp" | "torch"); None: no such step, or parts it cannot express
+    online_impl: str | None  # the decode step of running scores / online eviction: "cpp" (the fused
+    #   kernels.online_step) | "torch" (the runtime's Python path); None: that path, for parts the
+    #   fused step cannot express
     #   (the runtime's own Python path then runs)
     step_rule: StepRule | None  # what that step computes (with online_impl)
     # decoding
@@ -164,7 +165,7 @@ def _step_rule(policy: Policy, online: bool) -> StepRule | None:
     alpha = policy.merge.bias_alpha if policy.merges else None
     if (scoring.running and decay is None) or (policy.merges and alpha is None):
         return None
-    return StepRule(decay, getattr(scoring, "gqa", "mean") == "max", alpha, online)
+    return StepRule(decay, scoring.gqa == "max", alpha, online)
 
 
 def build_plan(policy: Policy, config, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,

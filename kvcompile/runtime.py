@@ -273,22 +273,24 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     outs = []
     for i in range(q.shape[2]):
         position = start + i - pad  # logical position among real tokens
-        if plan.online_impl is not None:  # append, attention, running scores, online eviction: one fused step
-            from kvcompile.kernels.online_step import online_step
+        out = None
+        if plan.online_impl == "cpp":  # append, attention, running scores, online eviction: one fused step
+            from kvcompile.kernels.online_step import online_step_cpp
 
             split = cache.decoding.split[:, layer] if online else None
-            out = online_step(store, q[:, :, i], k[:, :, i], v[:, :, i], position, split, plan.step_rule, scale,
-                              spare_pages=plan.spare_pages, impl=plan.online_impl)
-        elif running or online:
+            out = online_step_cpp(store, q[:, :, i], k[:, :, i], v[:, :, i], position, split, plan.step_rule, scale)
+        if out is not None:
+            out = out.to(q.dtype)
+        else:  # no fused step, or not its common case (a head taking a fresh page, several to evict)
             append(store, k[:, :, i], v[:, :, i], position, step=plan.spare_pages)
-            out, probs = _attend_with_probs(cache, store, q[:, :, i], scale)
-            if running:
-                _update_scores(cache, store, probs)
-            if online:
-                _evict_online(cache, store, layer)
-        else:
-            append(store, k[:, :, i], v[:, :, i], position, step=plan.spare_pages)
-            out = paged_attention(cache, store, q[:, :, i], scale)
+            if running or online:
+                out, probs = _attend_with_probs(cache, store, q[:, :, i], scale)
+                if running:
+                    _update_scores(cache, store, probs)
+                if online:
+                    _evict_online(cache, store, layer)
+            else:
+                out = paged_attention(cache, store, q[:, :, i], scale)
         outs.append(out)
         if every:
             if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries

@@ -2,7 +2,7 @@
 Alg. 1), fused: what the runtime's Python path does in `append` + `_attend_with_probs` +
 `_update_scores` + `_evict_online` + `_merge_victims` + `cache.remove`, in one call.
 
-    out = online_step(store, q, k, v, position, split, rule, scale, spare_pages=..., impl="cpp")
+    out = online_step_cpp(store, q, k, v, position, split, rule, scale)   # None: not run
 
 store: a layer's `LayerStore` (docs/INTERNALS.md "Paged cache layout"), updated in place;
 q (B, Hq, d), k, v (B, H, d) the new token's query, key and value of every head; position
@@ -24,13 +24,14 @@ attention output (B, Hq, d). Semantics, all heads at once (each head independent
 
 Impls (`kvcompile.kernels.choice.resolve("online_step", ...)`): "cpp" (online_step.cpp beside
 this module, built with Inductor's C++ toolchain once per (G, d), as paged_attention_cpp;
-fp32 CPU, any head dim, one thread, no host sync) and "torch" (the same steps in eager
-torch: the runtime's Python path, with the rule's numbers). The C++ kernel runs the common
-case of a decode step: every head's next entry has a page and at most one token leaves;
-otherwise (a head taking a fresh page, the first step after a prompt that filled the cache:
-several rounds) it changes nothing and the torch path runs that step. The two agree exactly
-on evictions, positions, slots, counts, keys and values (tests/test_online_step.py); scores
-and outputs up to float summation order (the softmax, the GQA mean).
+fp32 CPU, any head dim, one thread, no host sync) and "torch" (the runtime's own Python path,
+kvcompile.runtime: append, _attend_with_probs, _update_scores, _evict_online). The C++ kernel
+runs the common case of a decode step: every head's next entry has a page and at most one
+token leaves; otherwise (a head taking a fresh page, the first step after a prompt that filled
+the cache: several rounds) it changes nothing and returns None, and the runtime's path runs
+that step. The two agree exactly on evictions, positions, slots, counts, keys and values
+(tests/test_online_step.py); scores and outputs up to float summation order (the softmax,
+the GQA mean).
 """
 from __future__ import annotations
 
@@ -40,8 +41,7 @@ from importlib import resources
 import torch
 from torch import Tensor
 
-from kvcompile.allocation import latest
-from kvcompile.cache import LayerStore, append, remove
+from kvcompile.cache import LayerStore
 
 _ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "float*", "float*", "float*",
              "int64_t*", "float*", "const int64_t*", "int64_t*", "int64_t*", "const int64_t*", "const int64_t*",
@@ -105,97 +105,3 @@ def online_step_cpp(store: LayerStore, q: Tensor, k: Tensor, v: Tensor, position
         int(rule.alpha is not None), _alpha(float(rule.alpha or 0.0)), int(rule.evict and split is not None),
         status)
     return None if int(status[0]) else out
-
-
-def online_step_torch(store: LayerStore, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
-                      rule, scale: float, spare_pages: int = 1) -> Tensor:
-    """The same step in eager torch (the runtime's Python path), for every case."""
-    append(store, k, v, position, step=spare_pages)
-    flat, stored = store.entries()
-    d = store.k_pages.shape[-1]
-    keys, values = store.k_pages.reshape(-1, d)[flat], store.v_pages.reshape(-1, d)[flat]
-    b, hq, _ = q.shape
-    h = keys.shape[1]
-    g = hq // h
-    logits = torch.einsum("bhgd,bhed->bhge", q.float().view(b, h, g, d), keys.float()) * scale
-    if rule.alpha is not None:
-        counts = store.count_pages.reshape(-1)[flat]
-        bias = torch.where(counts > 0, rule.alpha * counts.clamp(min=1).double().log(), float("-inf")).float()
-        logits = logits + bias[:, :, None, :]
-    logits = logits.masked_fill(~stored[:, :, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("bhge,bhed->bhgd", probs, values.float()).reshape(b, hq, d).to(q.dtype)
-    pos = store.pos_pages.reshape(-1)[flat]
-    tokens = stored & (pos >= 0)
-    if rule.decay is not None:
-        reduced = probs.amax(2) if rule.gqa_max else probs.mean(2)
-        old = store.score_pages.reshape(-1)[flat]
-        new = rule.decay * old + reduced
-        store.score_pages.reshape(-1)[flat[tokens]] = new[tokens]
-    if rule.evict and split is not None:
-        _evict(store, split, flat, stored, pos, tokens)
-    return out
-
-
-def _evict(store: LayerStore, split: Tensor, flat: Tensor, stored: Tensor, pos: Tensor, tokens: Tensor) -> None:
-    """Step 4 for every head at once; several rounds where a head is more than one token over."""
-    prox, context, slots = split.unbind(-1)  # (B, H) each
-    excess = tokens.sum(-1) - prox - context
-    for done in range(int(excess.max())):
-        if done:  # entries moved: look again
-            flat, stored = store.entries()
-            pos = store.pos_pages.reshape(-1)[flat]
-            tokens = stored & (pos >= 0)
-        candidates = tokens & ~latest(pos, tokens, prox)
-        scores = store.score_pages.reshape(-1)[flat].masked_fill(~candidates, float("inf"))
-        lowest = candidates & (scores == scores.amin(-1, keepdim=True))
-        victim = pos.masked_fill(~lowest, torch.iinfo(pos.dtype).max).argmin(-1)  # (B, H) entry index
-        _leave(store, excess > done, victim, slots, flat, pos, stored)
-
-
-def _leave(store: LayerStore, leaving: Tensor, victim: Tensor, slots: Tensor, flat: Tensor, pos: Tensor,
-           stored: Tensor) -> None:
-    """Entry victim[b, h] of every head with leaving[b, h] goes: to a free slot, folded, or dropped."""
-    is_slot = stored & (pos < 0)
-    held = is_slot.sum(-1)
-    if bool((leaving & (held > slots)).any()):
-        raise RuntimeError("kvcompile: a head holds more residual slots than its ZSMerge split allows")
-    entry = flat.gather(-1, victim[..., None]).squeeze(-1)
-    fresh = leaving & (slots > 0) & (held < slots)
-    if bool(fresh.any()):
-        store.pos_pages.view(-1)[entry[fresh]] = -1 - held[fresh]
-        store.score_pages.view(-1)[entry[fresh]] = 0.0
-        store.slots += fresh
-    fold = leaving & (slots > 0) & (held == slots)
-    if bool(fold.any()):
-        d = store.k_pages.shape[-1]
-        kf, vf, cf = store.k_pages.view(-1, d), store.v_pages.view(-1, d), store.count_pages.view(-1)
-        compute = torch.promote_types(kf.dtype, torch.float32)
-        key = kf[entry].to(compute)
-        dots = torch.matmul(kf[flat].to(compute), key[..., None]).squeeze(-1).masked_fill(~is_slot, float("-inf"))
-        closest = is_slot & (dots == dots.amax(-1, keepdim=True))
-        target = pos.masked_fill(~closest, torch.iinfo(pos.dtype).min).argmax(-1)  # highest −1 − r: lowest r
-        slot = flat.gather(-1, target[..., None]).squeeze(-1)
-        if not bool(fold.all()):
-            slot, entry, key = slot[fold], entry[fold], key[fold]
-        w = cf[slot][..., None]
-        kf[slot] = ((w * kf[slot].to(compute) + key) / (w + 1)).to(kf.dtype)
-        vf[slot] = ((w * vf[slot].to(compute) + vf[entry].to(compute)) / (w + 1)).to(vf.dtype)
-        cf[slot] = w.squeeze(-1) + 1
-    gone = leaving & ~fresh
-    if bool(gone.any()):
-        bi, hi = gone.nonzero(as_tuple=True)
-        remove(store, bi, hi, victim[bi, hi])
-
-
-def online_step(store: LayerStore, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None, rule,
-                scale: float, *, spare_pages: int = 1, impl: str = "torch") -> Tensor:
-    """One decode step (module docstring) by `impl` ("cpp": the C++ kernel, the torch path where
-    its common case does not hold; "torch")."""
-    if impl == "cpp":
-        out = online_step_cpp(store, q, k, v, position, split, rule, scale)
-        if out is not None:
-            return out.to(q.dtype)
-    elif impl != "torch":
-        raise ValueError(f"online_step: unknown impl {impl!r}; one of cpp | torch")
-    return online_step_torch(store, q, k, v, position, split, rule, scale, spare_pages)
