@@ -36,12 +36,12 @@ the GQA mean).
 from __future__ import annotations
 
 import functools
-from importlib import resources
 
 import torch
 from torch import Tensor
 
 from kvcompile.cache import LayerStore
+from kvcompile.kernels.paged_attention_cpp import load_cpp
 
 _ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "float*", "float*", "float*",
              "int64_t*", "float*", "const int64_t*", "int64_t*", "int64_t*", "const int64_t*", "const int64_t*",
@@ -50,18 +50,8 @@ _ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "
              "int64_t*"]
 
 
-def source(g: int, d: int) -> str:
-    """The kernel's C++ for G query heads per KV head and head dim d: online_step.cpp (package
-    data) after the #defines that make G and D constants."""
-    defines = f"#define KVCOMPILE_G {g}\n#define KVCOMPILE_D {d}\n"
-    return defines + resources.files(__package__).joinpath("online_step.cpp").read_text(encoding="utf-8")
-
-
-@functools.cache
 def _kernel(g: int, d: int):
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, source(g, d))
+    return load_cpp(tuple(_ARGTYPES), "online_step.cpp", G=g, D=d)
 
 
 @functools.cache

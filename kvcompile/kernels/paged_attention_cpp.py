@@ -50,15 +50,27 @@ PREFETCH_AHEAD = 2  # pages: how far ahead the kernel starts loading a run's nex
 def source(g: int, d: int) -> str:
     """The kernel's C++ for G query heads per KV head and head dim d: paged_attention.cpp
     (package data) after the #defines that make G, D and the prefetch distance constants."""
-    defines = f"#define KVCOMPILE_G {g}\n#define KVCOMPILE_D {d}\n#define KVCOMPILE_AHEAD {PREFETCH_AHEAD}\n"
-    return defines + resources.files(__package__).joinpath("paged_attention.cpp").read_text(encoding="utf-8")
+    return cpp_source("paged_attention.cpp", G=g, D=d, AHEAD=PREFETCH_AHEAD)
+
+
+def cpp_source(name: str, **constants: int) -> str:
+    """A C++ source shipped beside this module (package data), after `#define KVCOMPILE_<K> v`
+    for each constant."""
+    defines = "".join(f"#define KVCOMPILE_{key} {value}\n" for key, value in constants.items())
+    return defines + resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
 @functools.cache
-def _kernel(g: int, d: int):
+def load_cpp(argtypes: tuple[str, ...], name: str, **constants: int):
+    """The C++ function of `name` built once per constants with Inductor's C++ toolchain (its
+    disk cache keeps the build across processes); argtypes: its C signature."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    return CppPythonBindingsCodeCache.load_pybinding(_ARGTYPES, source(g, d))
+    return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), cpp_source(name, **constants))
+
+
+def _kernel(g: int, d: int):
+    return load_cpp(tuple(_ARGTYPES), "paged_attention.cpp", G=g, D=d, AHEAD=PREFETCH_AHEAD)
 
 
 @functools.cache
