@@ -124,6 +124,27 @@ def test_beam_search(model, name, entry):
         assert gen(model, ids, num_beams=3, num_return_sequences=2).tolist() == eager.tolist()
 
 
+@pytest.mark.parametrize("name", SPECS)
+def test_each_beam_is_its_own_sequence(model, name):
+    """With compression, every returned beam scores what its own tokens score through a fresh
+    compressed cache fed one token at a time (the policy applied to that beam alone): no beam
+    continued another beam's cache."""
+    ids = prompt(N, seed=21)
+    policy = small(name)
+    with kvcompile.compiled(model, policy), torch.no_grad():
+        out = gen(model, ids, num_beams=3, num_return_sequences=3, length_penalty=0.0, bad_words_ids=[[1]],
+                  return_dict_in_generate=True, output_scores=True)
+        for sequence, score in zip(out.sequences, out.sequences_scores):
+            new = sequence[N:]
+            cache = KVCompileCache(policy, model.config)
+            logits = model(ids, past_key_values=cache).logits[0, -1]
+            total = 0.0
+            for token in new:
+                total += float(torch.log_softmax(logits.float(), -1)[token])
+                logits = model(token.view(1, 1), past_key_values=cache).logits[0, -1]
+            assert total == pytest.approx(float(score), rel=1e-4, abs=1e-4)
+
+
 def test_reorder_copies_rows():
     """reorder_cache: row i becomes a copy of row beam_idx[i]; appending to one copy leaves
     the other and the parent's pages alone."""
