@@ -169,13 +169,14 @@ def test_reorder_copies_rows():
     assert not torch.equal(a, b)
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("name", SPECS)
-def test_prompt_lookup_decoding(model, name):
+def test_prompt_lookup_decoding(model, name, entry):
     """Assisted decoding crops rejected candidates: exact for policies that evict nothing and
     update no score while decoding (the same tokens as greedy), refused up front otherwise."""
     ids = torch.cat([prompt(20, seed=13)] * 3, dim=1)  # repeats: lookup finds candidates
     policy = small(name)
-    with kvcompile.compiled(model, policy):
+    with kvcompile.compiled(model, policy, mode=entry):
         plan = model.kvcompile_plan
         if plan.running_scores or plan.online_eviction or plan.prune_every or plan.cascade:
             with pytest.raises(CompileError, match="crop|cascade"):
@@ -238,10 +239,11 @@ def test_unknown_kernel_is_refused_at_compile(model):
     assert "forward" not in model.__dict__
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("name", SPECS)
-def test_training_makes_no_cache(model, name):
+def test_training_makes_no_cache(model, name, entry):
     ids = prompt(N, seed=18)
-    with kvcompile.compiled(model, small(name)):
+    with kvcompile.compiled(model, small(name), mode=entry):
         model.train()
         try:
             out = model(ids, labels=ids)
@@ -276,7 +278,8 @@ def test_accelerate_hook_survives_compile_and_uncompile():
     assert calls, "the hook is back after uncompile()"
 
 
-def test_pipeline(model):
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_pipeline(model, entry):
     """transformers' text-generation pipeline reaches the compiled generate()."""
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import PreTrainedTokenizerFast, pipeline
@@ -288,6 +291,6 @@ def test_pipeline(model):
     text = " ".join(f"w{int(i)}" for i in prompt(N, seed=20)[0])
     pipe = pipeline("text-generation", model=model, tokenizer=tok)
     want = pipe(text, max_new_tokens=NEW, do_sample=False)[0]["generated_text"]
-    with kvcompile.compiled(model, full("lava")):
+    with kvcompile.compiled(model, full("lava"), mode=entry):
         got = pipe(text, max_new_tokens=NEW, do_sample=False)[0]["generated_text"]
     assert got == want
