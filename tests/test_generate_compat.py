@@ -233,6 +233,22 @@ def test_refused_before_the_prompt_runs(model, entry):
     assert not calls
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype, entry):
+    """fp16 / bf16 models: with a budget covering everything, the logits of the prompt and of
+    every generated step are the plain model's up to half-precision rounding."""
+    model = tiny_model("llama", layers=2).to(dtype)
+    ids = prompt(N, seed=22)
+    plain = gen(model, ids, return_dict_in_generate=True, output_logits=True)
+    with kvcompile.compiled(model, full("zsmerge"), mode=entry):
+        got = gen(model, ids, return_dict_in_generate=True, output_logits=True)
+        assert model.kvcompile_plan.decode_impl != "cpp"  # the C++ kernel is fp32 only
+    for a, b in zip(plain.logits, got.logits):
+        torch.testing.assert_close(b.float(), a.float(), atol=0.05, rtol=0.05)
+    assert got.past_key_values.stores[0].k_pages.dtype == dtype
+
+
 def test_unknown_kernel_is_refused_at_compile(model):
     with pytest.raises(CompileError, match="cuda"):
         kvcompile.compile(model, "snapkv", kernels="cuda")
