@@ -71,9 +71,8 @@ class Plan:
     merge_compile_above: int | None  # CPU default: the merge walk goes through Inductor above this many tokens
     decode_impl: str | None  # paged decode attention (kernels.paged_attention); None: per call
     online_impl: str | None  # the decode step of running scores / online eviction: "cpp" (the fused
-    #   kernels.online_step) | "torch" (the runtime's Python path); None: that path, for parts the
-    #   fused step cannot express
-    #   (the runtime's own Python path then runs)
+    #   kernels.online_step) | "torch" (the runtime's Python path); None: that path too, for parts
+    #   whose behaviour the fused step cannot express
     step_rule: StepRule | None  # what that step computes (with online_impl)
     # decoding
     running_scores: bool  # scores keep running while decoding (H2O, ZSMerge)
@@ -185,7 +184,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     decode kernel for other dtypes than fp32 is then the Inductor-compiled lowering.
     Where scores run while decoding or tokens leave online, a decode step is one fused call
     (online_impl, kernels.online_step): the C++ step for fp32 on a CPU with a compiler (or
-    kernels="cpp"), else its torch path (kernels="torch", other devices and dtypes)."""
+    kernels="cpp"), else the runtime's Python path (kernels="torch", other devices and dtypes)."""
     if page_size < 1:
         raise PlanError(f"kvcompile: page_size must be >= 1, got {page_size}")
     if headroom < 0:
