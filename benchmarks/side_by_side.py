@@ -261,7 +261,7 @@ def summarise(job: dict, runs: list[dict]) -> dict:
 def table(rows: list[dict], needle: bool) -> str:
     f = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)  # noqa: E731
     mib = lambda x: "-" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
-    head = ["library", "entry", "method", "prefill s", "decode tok/s", "peak RSS MiB", "KV MiB", "first call s"]
+    head = ["library", "entry", "method", "runs", "prefill s", "decode tok/s", "peak RSS MiB", "KV MiB", "first call s"]
     if needle:
         head.append("correct?")
     head.append("notes")
@@ -273,7 +273,7 @@ def table(rows: list[dict], needle: bool) -> str:
             notes.append(f"{len(r['errors'])}/{r['rounds']} failed: {r['errors'][0]}")
         if r.get("recompiles"):
             notes.append(f"{r['recompiles']:.0f} graphs made during the measured generate")
-        cells = [r["library"], r["entry"], method, f(r["prefill_s"]), f(r["decode_tok_s"], "{:.1f}"),
+        cells = [r["library"], r["entry"], method, str(r["rounds_ok"]), f(r["prefill_s"]), f(r["decode_tok_s"], "{:.1f}"),
                  f(r["peak_rss"] and r["peak_rss"] / 2**20, "{:.0f}"), mib(r["kv_bytes"]), f(r["first_call_s"], "{:.1f}")]
         if needle:
             c = r["correct"]
