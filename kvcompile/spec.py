@@ -292,10 +292,11 @@ def _budget(value, src: _Source) -> Budget:
         if per_head is not None or ratio is not None:
             raise src.error(tpath, f"{itself}: per_head / ratio cannot be given with it",
                             "threshold without per_head and ratio", blame=(total_path,))
-        if layers.name != "uniform" or heads.name != "uniform":
+        default = Budget()  # the allocation parts a budget has when a spec names none
+        if layers != default.layers or heads != default.heads:
             raise src.error(tpath, f"{itself}: layers and heads cannot allocate it "
                             f"(got layers: {layers.name}, heads: {heads.name})",
-                            "layers: uniform, heads: uniform",
+                            f"layers: {default.layers.name}, heads: {default.heads.name}",
                             blame=(path + ("layers",), path + ("heads",)))
         if split is not None:
             raise src.error(tpath, f"{itself}: there is no preset head budget to split",
