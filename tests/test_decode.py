@@ -73,26 +73,38 @@ def test_runtime_equals_reference_token_by_token(key, b, h, g, n, steps, per_hea
     policy = policy_for(key, per_head)
     d = 8
     gen = torch.Generator().manual_seed(seed)
-    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
-                             hidden_size=h * g * d)
-    cache = KVCompileCache(policy, config, page_size=page, record=True)
     rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
     q, k, v = rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d)
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[0, :min(pad, n - 4)] = False
+    cache, _, budgets = token_by_token(policy, q, k, v, mask if pad else None, steps, rand, page)
+    assert torch.equal(cache.budgets, budgets)
+
+
+def token_by_token(policy, q, k, v, mask, steps, rand, page):
+    """One layer through the op: the prompt (q, k, v; mask or None), then `steps` tokens drawn by
+    `rand`. After the prompt and after every token the pages hold what reference.compress,
+    decode_step and decode_prune hold, and the attention outputs agree. Returns the cache,
+    the reference's prompt selection and the decode budgets."""
+    b, hq, n, d = q.shape
+    h = k.shape[1]
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=hq, head_dim=d,
+                             hidden_size=hq * d)
+    cache = KVCompileCache(policy, config, page_size=page, record=True)
     scale = d ** -0.5
-    torch.ops.kvcompile.attend(q, k, v, mask if pad else None, 0, cache.handle, scale)
+    torch.ops.kvcompile.attend(q, k, v, mask, 0, cache.handle, scale)
     state = cache.states[0]
     selection = reference.compress(policy, [state])
     heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
     assert_same_cache(store_heads(cache.stores[0]), heads)
-    lengths = mask.sum(-1)
+    lengths = torch.full((b,), n) if mask is None else mask.sum(-1)
     held = torch.tensor([[[len(x.positions) for x in row] for row in heads]]).transpose(0, 1)
     budgets = reference.decode_budgets(policy, lengths, 1, h, held)
-    every = policy.schedule.decode.n if policy.schedule.decode.name == "every" else 0
+    decode = policy.schedule.decode
+    every = decode.n if decode is not None and decode.name == "every" else 0
     ring = q[:, :, n - min(policy.scoring.query_rows(n), n):]
     for step in range(steps):
-        qn, kn, vn = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
+        qn, kn, vn = rand(b, hq, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
         got = torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.handle, scale)
         position = lengths + step
         want = reference.decode_step(policy, heads, qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], position, budgets[:, 0],
@@ -105,7 +117,7 @@ def test_runtime_equals_reference_token_by_token(key, b, h, g, n, steps, per_hea
                 reference.decode_prune(policy, heads, ring, position + 1, budgets[:, 0], 0, scale)
         assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-5)
         assert_same_cache(store_heads(cache.stores[0]), heads)
-    assert torch.equal(cache.budgets, budgets)
+    return cache, selection, budgets
 
 
 @pytest.mark.parametrize("key", ["zsmerge", "zsmerge_no_slots"])

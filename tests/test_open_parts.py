@@ -3,12 +3,10 @@ registration decorator each, load from YAML and run through the runtime (prefill
 exactly as the reference engine defines them. No kvcompile module knows their names."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import Tensor
-from torch.testing import assert_close
 
 import kvcompile
 from kvcompile import reference
@@ -17,8 +15,7 @@ from kvcompile.policies import PARTS, part
 from kvcompile.policies.budgets import HeadsRule
 from kvcompile.policies.merge import MergeRule
 from kvcompile.policies.scoring import Scorer, mask_pads
-from kvcompile.runtime import store_heads
-from test_decode import assert_same_cache
+from test_decode import token_by_token
 from tiny import prompt, tiny_model
 
 NEW = {"scoring": "value_norm_test", "heads": "round_robin_test", "merge": "fill_then_drop_test"}
@@ -113,36 +110,14 @@ def test_runtime_equals_reference_prefill_and_decode(spec, pad):
     policy = kvcompile.spec.loads_spec(spec)
     b, h, g, d, n, steps = 2, 3, 2, 8, 30, 10
     gen = torch.Generator().manual_seed(7)
-    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
-                             hidden_size=h * g * d)
-    cache = KVCompileCache(policy, config, page_size=4, record=True)
     rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
     q, k, v = rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d)
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[0, :pad] = False
-    scale = d ** -0.5
-    torch.ops.kvcompile.attend(q, k, v, mask if pad else None, 0, cache.handle, scale)
-    state = cache.states[0]
-    selection = reference.compress(policy, [state])
+    _, selection, _ = token_by_token(policy, q, k, v, mask if pad else None, steps, rand, page=4)
     assert int((~selection.kept[0] & mask[:, None, :]).sum()) > 0, "the budget should evict"
     kept = selection.kept[0].sum(-1)
     assert bool((kept[:, 0] < kept[:, -1]).all()), "round robin gives later heads more"
-    heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
-    assert_same_cache(store_heads(cache.stores[0]), heads)
-    lengths = mask.sum(-1)
-    held = torch.tensor([[[len(x.positions) for x in row] for row in heads]]).transpose(0, 1)
-    budgets = reference.decode_budgets(policy, lengths, 1, h, held)
-    every = policy.schedule.decode.n if policy.schedule.decode is not None else 0
-    for step in range(steps):
-        qn, kn, vn = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
-        got = torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.handle, scale)
-        position = lengths + step
-        want = reference.decode_step(policy, heads, qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], position, budgets[:, 0],
-                                     scale)
-        if every and (step + 1) % every == 0:
-            reference.decode_prune(policy, heads, q[:, :, :0], position + 1, budgets[:, 0], 0, scale)
-        assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-5)
-        assert_same_cache(store_heads(cache.stores[0]), heads)
 
 
 @pytest.mark.parametrize("spec", [MERGING, PRUNING], ids=["merging", "pruning"])
