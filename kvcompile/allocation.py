@@ -47,15 +47,24 @@ class HeadBudgets(NamedTuple):
     slots: Tensor  # residual merge slots
     proximity: Tensor  # latest tokens protected by the split
 
+    def heads(self, index: slice) -> "HeadBudgets":
+        """The budgets of some heads (a tensor-parallel rank's), (B, H') each."""
+        return HeadBudgets(*(x[:, index] for x in self))
+
 
 def head_budgets(policy, valid: Tensor, total: Tensor, used_slots: Tensor | None = None) -> HeadBudgets:
     """Split each sequence's layer total (B,) over its heads: uniform shares, water-filled at
     what each head holds (valid (B, H, M) candidates + used_slots (B, H) occupied slots)."""
     tokens = valid.sum(-1)
-    used = torch.zeros_like(tokens) if used_slots is None else used_slots
+    return head_budgets_of(policy, tokens, total, torch.zeros_like(tokens) if used_slots is None else used_slots)
+
+
+def head_budgets_of(policy, tokens: Tensor, total: Tensor, used: Tensor) -> HeadBudgets:
+    """head_budgets from what each head holds: tokens (B, H) candidates, used (B, H) occupied slots
+    (what a tensor-parallel rank gathers instead of every head's candidates)."""
     rows = [policy.budget.head_layout(int(t), n, u, policy.merges)
             for t, n, u in zip(total.tolist(), tokens.tolist(), used.tolist())]
-    table = torch.tensor(rows, dtype=torch.long, device=valid.device).view(*tokens.shape, 4)
+    table = torch.tensor(rows, dtype=torch.long, device=tokens.device).view(*tokens.shape, 4)
     return HeadBudgets(*table.unbind(-1))
 
 
@@ -81,11 +90,13 @@ def head_split(policy, entries: int) -> tuple[int, int, int]:
     return policy.budget.split.parts(entries, policy.merges)
 
 
-def decode_budgets(policy, lengths: Tensor, num_layers: int, num_heads: int, held: Tensor) -> Tensor:
+def decode_budgets(policy, lengths: Tensor, num_layers: int, num_heads: int, held: Tensor,
+                   heads: slice | None = None) -> Tensor:
     """(B, L, H) entries each head may hold while decoding: its share of the policy's total
     without the prompt-length cap (a short prompt does not shrink the budget generation may
     fill), and never less than what it holds after prefill (layer-dynamic and threshold
-    budgets keep their prefill result)."""
+    budgets keep their prefill result). `heads`: the heads `held` (B, L, H') holds, of the
+    model's `num_heads` (a tensor-parallel rank's; default all)."""
     budget = policy.budget
     out = held.clone()
     if budget.threshold is not None or policy.layer_dynamic:
@@ -94,6 +105,6 @@ def decode_budgets(policy, lengths: Tensor, num_layers: int, num_heads: int, hel
     for b, n in enumerate(lengths.tolist()):
         layers = budget.layer_totals(budget.total(n, num_heads, num_layers), [big] * num_layers, None)
         for layer, total in enumerate(layers):
-            shares = apportion(total, [1] * num_heads, [big] * num_heads)
-            out[b, layer] = torch.maximum(out[b, layer], torch.tensor(shares))
+            shares = torch.tensor(apportion(total, [1] * num_heads, [big] * num_heads))
+            out[b, layer] = torch.maximum(out[b, layer], shares if heads is None else shares[heads])
     return out

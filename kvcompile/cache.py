@@ -255,6 +255,8 @@ class DecodeState:
 
     budgets: Tensor  # (B, L, H) entries each head may hold while decoding
     split: Tensor | None  # (B, L, H, 3) ZSMerge proximity, context, residual per head (None: no split)
+    totals: Tensor | None = None  # (B, L) Σ of the budgets over all heads, for `decode: every` pruning on a
+    #   tensor-parallel rank (its `budgets` are its own heads'); None: the sum of `budgets`
 
 
 class KVCompileCache(Cache):
@@ -453,7 +455,9 @@ class KVCompileCache(Cache):
         return out
 
     def memory_report(self) -> dict:
-        """Bytes and entries held now, against what a full (uncompressed) cache would hold."""
+        """Bytes and entries held now, against what a full (uncompressed) cache would hold, in this
+        process: under tensor parallelism, its own KV heads (`kv_heads`; `kept` and `pages` are
+        (B, L, H') over them); `gathered_memory_report()` is the view over all ranks."""
         if not self.is_initialized:
             raise RuntimeError("memory_report(): the cache is empty (no prompt processed yet)")
         store = self.stores[0]
@@ -470,8 +474,27 @@ class KVCompileCache(Cache):
             "bytes_entries": int(kept.sum()) * entry_bytes,
             "bytes_allocated": pool_pages * self.page_size * entry_bytes,
             "bytes_metadata": meta,
-            "bytes_full": b * self.seq_length * self.num_layers * self.num_heads * entry_bytes,
+            "bytes_full": b * self.seq_length * self.num_layers * len(self.plan.kv_heads) * entry_bytes,
             "kept": kept,
             "pages": pages,
             "page_size": self.page_size,
+            "kv_heads": self.plan.kv_heads,
         }
+
+    def gathered_memory_report(self) -> dict:
+        """memory_report() over every rank of a tensor-parallel group (every rank must call it, as
+        any collective): bytes summed over ranks, `kept` and `pages` (B, L, H) over all heads,
+        `per_rank` the byte counts of each rank. With one process, memory_report() itself."""
+        report = self.memory_report()
+        shard = self.plan.shard
+        if shard is None:
+            return report
+        names = ("bytes_held", "bytes_entries", "bytes_allocated", "bytes_metadata", "bytes_full")
+        # all_gather of this rank's five byte counts (P, 5), and of its kept and pages counts (B, L, H/P) each
+        mine = torch.tensor([[report[name] for name in names]], dtype=torch.long)
+        per_rank = shard.gather_heads(mine[:, None])[0]  # (P, 5)
+        counts = torch.stack([report["kept"], report["pages"]], dim=1).permute(0, 3, 1, 2)  # (B, H/P, 2, L)
+        kept, pages = shard.gather_heads(counts).permute(0, 2, 3, 1).unbind(1)  # (B, L, H) each
+        return {**{name: int(per_rank[:, i].sum()) for i, name in enumerate(names)}, "kept": kept, "pages": pages,
+                "page_size": self.page_size, "kv_heads": tuple(range(self.num_heads)),
+                "per_rank": [dict(zip(names, row)) for row in per_rank.tolist()]}

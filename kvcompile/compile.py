@@ -20,6 +20,7 @@ from kvcompile.cache import KVCompileCache
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
 from kvcompile.runtime import kvcompile_attention, kvcompile_mask
+from kvcompile.sharding import ShardingError, model_shard
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
@@ -156,9 +157,10 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     if page_size < 1:
         raise ValueError(f"kvcompile: page_size must be >= 1, got {page_size}")
     try:
+        shard = model_shard(model)
         plan = build_plan(policy, model.config, device=model.device, dtype=model.dtype, kernels=kernels,
-                          page_size=page_size, compiled_entry=mode == "compiled")
-    except PlanError as exc:
+                          page_size=page_size, compiled_entry=mode == "compiled", shard=shard)
+    except (PlanError, ShardingError) as exc:
         raise CompileError(str(exc)) from None
     if hasattr(model, _STATE):
         uncompile(model)

@@ -4,13 +4,14 @@
     cache = KVCompileCache.from_plan(plan.with_headroom(max_new_tokens))
 
 From the Policy, the model's config, the device and dtype, the kernel choice, the page
-size, the generation headroom (and, later, the process group) the plan names:
+size, the generation headroom and the tensor-parallel shard (kvcompile.sharding) the plan names:
 - the implementations: the prompt scorer (the fused window-scoring kernel, or the
   scorer part's own memory-bounded path), the selection and gather kernels, the batched
   merge of the prompt's evicted tokens, the decode attention kernel;
 - what decoding does: running scores, online eviction, pruning every n tokens, the ring
   of latest queries that pruning re-scores with, the spare pages per head;
-- whether the prompt runs as a cascade, and which KV heads this process holds.
+- whether the prompt runs as a cascade, which KV heads this process holds and, under tensor
+  parallelism, what its selections gather from the other ranks (`heads_exchange`).
 
 This module and the part classes are the only places that look at which parts a policy
 has; the runtime reads the fields below. Kernel names are resolved here, once
@@ -28,6 +29,7 @@ from torch import Tensor
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.merge import Drop, Residual
 from kvcompile.policy import Policy
+from kvcompile.sharding import HeadShard
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class Plan:
     num_heads: int  # KV heads of the model
     head_dim: int
     kv_heads: tuple[int, ...]  # the KV heads whose pages this process holds (all of them on one process)
+    shard: HeadShard | None  # tensor parallelism: this rank's heads and the group's collectives (None: one process)
+    heads_exchange: str  # what a tensor-parallel selection gathers: "none" (one process, or a threshold whose
+    #   heads cut alone), "counts" (every head's candidate and slot counts: each head's selection reads its own
+    #   scores given the head budgets), "scores" (every head's scores: pooled heads, entropy layer budgets)
     device: torch.device | None  # None: decided by the first prompt's tensors
     dtype: torch.dtype | None
     kernels: str | None  # what the caller asked for (None = the defaults below)
@@ -96,7 +102,13 @@ class Plan:
         if self.device == like.device and self.dtype == like.dtype:
             return self
         return build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
-                          page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry)
+                          page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
+                          shard=self.shard)
+
+    @property
+    def heads(self) -> slice:
+        """This process's KV heads as a slice of the model's (a contiguous block)."""
+        return slice(self.kv_heads[0], self.kv_heads[-1] + 1)
 
     def score(self, state: LayerState) -> Tensor:
         """The prompt scores of one layer (B, H, N), by the implementation the plan chose."""
@@ -113,7 +125,7 @@ class Plan:
     def describe(self) -> str:
         """One line per decision, for logs and `kvcompile run --verbose`."""
         fields = ("score_impl", "select_impl", "merge_impl", "decode_impl", "online_impl", "running_scores",
-                  "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade", "kv_heads")
+                  "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade", "kv_heads", "heads_exchange")
         return "\n".join(f"{name}: {getattr(self, name)}" for name in fields)
 
 
@@ -167,9 +179,21 @@ def _step_rule(policy: Policy, online: bool) -> StepRule | None:
     return StepRule(decay, scoring.gqa == "max", alpha, online)
 
 
+def _heads_exchange(policy: Policy, shard: HeadShard, num_heads: int, compiled_entry: bool) -> str:
+    """What a tensor-parallel rank gathers for its selections (Plan.heads_exchange); PlanError
+    for what cannot run sharded."""
+    if shard.num_heads != num_heads:
+        raise PlanError(f"kvcompile: the tensor-parallel shard is of {shard.num_heads} KV heads, the model has "
+                        f"{num_heads}")
+    budget = policy.budget
+    if budget.threshold is not None:  # no head budgets, no layer totals: the cut alone
+        return "none" if budget.threshold.head_local else "scores"
+    return "counts" if budget.heads.head_local and not budget.layers.needs_scores else "scores"
+
+
 def build_plan(policy: Policy, config, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                kernels: str | None = None, page_size: int = 16, headroom: int = 0,
-               compiled_entry: bool = False) -> Plan:
+               compiled_entry: bool = False, shard: HeadShard | None = None) -> Plan:
     """The plan for `policy` on a model with this `config` (layers, KV heads, head dim).
     Raises PlanError for what cannot run (a kernel that does not exist here, a merge rule
     that has no online path), before anything runs.
@@ -184,7 +208,9 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     decode kernel for other dtypes than fp32 is then the Inductor-compiled lowering.
     Where scores run while decoding or tokens leave online, a decode step is one fused call
     (online_impl, kernels.online_step): the C++ step for fp32 on a CPU with a compiler (or
-    kernels="cpp"), else the runtime's Python path (kernels="torch", other devices and dtypes)."""
+    kernels="cpp"), else the runtime's Python path (kernels="torch", other devices and dtypes).
+    shard: this process's share of the KV heads under tensor parallelism (kvcompile.sharding.model_shard);
+    the plan names them and what its selections gather across ranks."""
     if page_size < 1:
         raise PlanError(f"kvcompile: page_size must be >= 1, got {page_size}")
     if headroom < 0:
@@ -230,11 +256,15 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                 raise PlanError(f"kvcompile: {exc}") from None
     prune_every = decode.prune_every if decode is not None else 0
     ring_rows = scoring.query_rows(2 ** 30) if prune_every and not scoring.running else 0
+    exchange = "none"
+    if shard is not None:
+        exchange = _heads_exchange(policy, shard, num_heads, compiled_entry)
     cascade = policy.layer_dynamic and policy.budget.threshold is None
     lazy = cascade and policy.budget.heads.nested and not policy.merges and policy.budget.split is None
     return Plan(
         policy=policy, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
-        kv_heads=tuple(range(num_heads)), device=device, dtype=dtype, kernels=kernels,
+        kv_heads=tuple(range(num_heads)) if shard is None else shard.heads, shard=shard,
+        heads_exchange=exchange, device=device, dtype=dtype, kernels=kernels,
         compiled_entry=compiled_entry, page_size=page_size,
         headroom=headroom, score_impl=score_impl, select_impl=select_impl, merge_impl=merge_impl,
         merge_compile_above=merge_compile_above, decode_impl=decode_impl, online_impl=online_impl,

@@ -17,16 +17,18 @@ graphs treat it as one call and do not recompile as the cache grows.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcompile.allocation import decode_budgets, head_budgets, head_split, latest, layer_totals
+from kvcompile.allocation import decode_budgets, head_budgets, head_budgets_of, head_split, latest, layer_totals
 from kvcompile.cache import (DecodeState, Entries, KVCompileCache, LayerStore, PromptState, append, build_store,
                              lookup_cache, writable)
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.scoring import entropy
-from kvcompile.selection import HeadEntries, Merged, decode_prune, merge_evicted, select_and_merge
+from kvcompile.selection import HeadEntries, Merged, decode_prune, merge_evicted, select, select_and_merge
 
 
 def _flash_attn():
@@ -140,22 +142,30 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     scores = plan.score(state)
     positions = (torch.arange(n, device=q.device)[None, :] - prompt.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)
+    every = None  # tensor parallelism: the candidates of every head, where the selection reads them
+    if plan.heads_exchange == "scores":  # positions and validity are the same for every head of a prompt
+        heads = plan.num_heads
+        every = (plan.shard.gather_heads(scores), positions[:, :1].expand(b, heads, n),
+                 valid[:, None, :].expand(b, heads, n), torch.zeros(b, heads, dtype=torch.long, device=q.device))
     if plan.cascade:
-        prompt.entropy.append(entropy(scores, valid_h))
-        held = torch.stack(prompt.held + [valid.sum(-1) * h], dim=1)
+        # LAVa Eq. 7-8 over every head's scores (with a heads rule that reads its own head only, the
+        # layers rule reads no entropy: plan.heads_exchange)
+        prompt.entropy.append(entropy(scores, valid_h) if every is None else entropy(every[0], every[2]))
+        held = torch.stack(prompt.held + [valid.sum(-1) * plan.num_heads], dim=1)
         totals = layer_totals(policy, prompt.lengths, plan.num_layers, plan.num_heads,
                               entropy=torch.stack(prompt.entropy, dim=1), capacity=held)
     else:
         totals = prompt.totals
     total = None if totals is None else totals[:, layer]
-    kept, merged = _select_and_merge(cache, k, v, scores, positions, valid_h, total, layer)
+    kept, merged = _select_and_merge(cache, k, v, scores, positions, valid_h, total, layer, every)
     cache.stores[layer] = _store(cache, Entries(k, v, scores, positions, torch.ones_like(scores), kept), merged)
     if plan.prune_every:  # the latest query rows the scorer reads, for pruning while decoding (maybe none)
         cache.rings[layer] = q[:, :, r - min(plan.ring_rows, n):].clone()
     if plan.cascade:
-        prompt.held.append(cache.stores[layer].lengths.sum(-1))
-        if prompt.protected is None:
-            prompt.protected = (policy.ranking.protected(positions, prompt.lengths.view(-1, 1, 1)) & valid_h).sum((1, 2))
+        prompt.held.append(_over_heads(plan, cache.stores[layer].lengths.sum(-1)))
+        if prompt.protected is None:  # the same in every head of a prompt
+            protected = policy.ranking.protected(positions[:, :1], prompt.lengths.view(-1, 1, 1)) & valid_h[:, :1]
+            prompt.protected = protected.sum((1, 2)) * plan.num_heads
         _cascade(cache, layer, totals)
     if prompt.progress is not None:
         prompt.progress.update(1)
@@ -171,35 +181,38 @@ def _cascade(cache: KVCompileCache, layer: int, totals: Tensor) -> None:
     O(L log L) re-selections instead of L(L − 1)/2 (pages up to twice the budget meanwhile)."""
     plan, prompt = cache.plan, cache.prompt
     last = layer == plan.num_layers - 1
-    for lower in range(layer):
-        if not plan.lazy_cascade:
+    if not plan.lazy_cascade:
+        for lower in range(layer):
             _recompress(cache, lower, totals[:, lower])
-            prompt.held[lower] = cache.stores[lower].lengths.sum(-1)
-            continue
+        if layer:  # what the layers below hold now, over all heads
+            held = _over_heads(plan, torch.stack([cache.stores[lower].lengths.sum(-1) for lower in range(layer)], 1))
+            prompt.held[:layer] = list(held.unbind(1))
+        return
+    if layer:  # what the pages of the layers below hold, over all heads (B, layer)
+        hold = _over_heads(plan, torch.stack([cache.stores[lower].lengths.sum(-1) for lower in range(layer)], 1))
+    for lower in range(layer):
         prompt.held[lower] = torch.maximum(prompt.protected, torch.minimum(totals[:, lower], prompt.held[lower]))
-        pages_hold = cache.stores[lower].lengths.sum(-1)
+        pages_hold = hold[:, lower]
         if bool((pages_hold > prompt.held[lower]).any()) and (last or bool((pages_hold > 2 * prompt.held[lower]).any())):
             _recompress(cache, lower, totals[:, lower])
 
 
-def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, total, layer):
+def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, total, layer, every=None):
     """A layer's first compression: the selection kernels (kvcompile.kernels.select: equal to
     selection.select), then the evicted tokens merged into the merge slots: by the merge
     kernel the plan names (kvcompile.kernels.merge: the same sequential rule, bit for bit),
-    else by the merge rule itself, head by head (selection.merge_evicted)."""
-    from kvcompile.kernels.select import select
-
+    else by the merge rule itself, head by head (selection.merge_evicted). `every`: every
+    head's candidates when a tensor-parallel rank has gathered them (see _choose)."""
     plan = cache.plan
     policy = plan.policy
-    lengths = cache.prompt.lengths
-    kept = select(policy, scores, positions, valid, lengths, total, layer, impl=plan.select_impl)
+    kept, budgets = _choose(cache, scores, positions, valid, total, layer, kernels=True, every=every)
     if not policy.merges:
         return kept, None
     b, h, _, d = k.shape
     if total is None:  # a threshold gives no slots: the evicted tokens are dropped
         return kept, Merged(k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, v.shape[-1]),
                             torch.zeros(b, h, 0, dtype=torch.long, device=k.device))
-    num_slots = head_budgets(policy, valid, total).slots
+    num_slots = budgets.slots
     if plan.merge_impl is None:
         return kept, merge_evicted(policy, k, v, scores, valid & ~kept, None, num_slots, positions)
     from kvcompile.kernels.merge import merge_order, residual_merge
@@ -234,6 +247,42 @@ def _store(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
     return LayerStore(**pages._asdict(), slots=slots)
 
 
+def _over_heads(plan, x: Tensor) -> Tensor:
+    """A count over this process's heads → over all heads (tensor parallelism: a sum over ranks)."""
+    return x if plan.shard is None else plan.shard.total(x)
+
+
+def _choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Tensor, total: Tensor | None,
+            layer: int, used: Tensor | None = None, *, kernels: bool, every=None):
+    """The selection of this process's heads and their HeadBudgets (None under a threshold):
+    kept (B, H', M) bool. With one process, `select` over its heads (the kernels', or
+    kvcompile.selection's where a layer is re-selected). Under tensor parallelism, exactly what
+    one process selects over all heads (Plan.heads_exchange): "counts": every head's candidate
+    and slot counts (B, H, 2) are gathered for the head budgets and each head selects from its
+    own scores; "scores": every head's candidates (`every`: scores, positions, valid, used, when
+    the caller has them; else gathered) and the selection over all heads, of which this rank
+    keeps its heads' part."""
+    from kvcompile.kernels.select import select as kernel_select
+
+    plan = cache.plan
+    policy, lengths, shard = plan.policy, cache.prompt.lengths, plan.shard
+    run = functools.partial(kernel_select, impl=plan.select_impl) if kernels else select
+    if used is None:
+        used = torch.zeros(valid.shape[:2], dtype=torch.long, device=valid.device)
+    if plan.heads_exchange != "scores":
+        budgets = None
+        if total is not None:
+            counts = torch.stack([valid.sum(-1), used], dim=-1)
+            if shard is not None:  # (B, H/P, 2) candidates and used slots of each head → (B, H, 2)
+                counts = shard.gather_heads(counts)
+            budgets = head_budgets_of(policy, counts[..., 0], total, counts[..., 1]).heads(plan.heads)
+        return run(policy, scores, positions, valid, lengths, total, layer, used, budgets=budgets), budgets
+    s, p, v, u = shard.gather_entries(scores, positions, valid, used) if every is None else every
+    budgets = None if total is None else head_budgets(policy, v, total, u)
+    kept = shard.local(run(policy, s, p, v, lengths, total, layer, u, budgets=budgets))[..., :valid.shape[-1]]
+    return kept, None if budgets is None else budgets.heads(plan.heads)
+
+
 def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
     """Cascade step (LAVa Alg. 2): re-select a compressed layer with its new, smaller total."""
     policy = cache.policy
@@ -247,8 +296,9 @@ def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
         width = int(store.slots.max())
         slots = Merged(k[:, :, :width], v[:, :, :width],
                        torch.where(is_slot[:, :, :width], counts[:, :, :width], 0).long())
+    choose = None if cache.plan.shard is None else functools.partial(_choose, cache, kernels=False)
     kept, merged = select_and_merge(policy, k, v, scores.masked_fill(~is_token, float("-inf")),
-                                    pos, is_token, cache.prompt.lengths, total, layer, slots)
+                                    pos, is_token, cache.prompt.lengths, total, layer, slots, choose)
     cache.stores[layer] = _store(cache, Entries(k, v, scores, pos, counts, kept), merged)
 
 
@@ -306,12 +356,15 @@ def start_decode(cache: KVCompileCache) -> DecodeState:
     """Per-head decode budgets (and the ZSMerge split of each), fixed after the prompt."""
     plan = cache.plan
     policy = plan.policy
-    budgets = decode_budgets(policy, cache.prompt.lengths, plan.num_layers, plan.num_heads, cache.kept())
+    budgets = decode_budgets(policy, cache.prompt.lengths, plan.num_layers, plan.num_heads, cache.kept(), plan.heads)
+    totals = None
+    if plan.shard is not None and plan.prune_every and policy.budget.threshold is None:
+        totals = _over_heads(plan, budgets.sum(-1))  # (B, L): what pruning keeps per layer, over all heads
     split = None
     if policy.budget.split is not None:
         split = torch.tensor([[[head_split(policy, int(n)) for n in row] for row in per_b]
                               for per_b in budgets.tolist()], dtype=torch.long)  # (B, L, H, 3)
-    return DecodeState(budgets, split)
+    return DecodeState(budgets, split, totals)
 
 
 def _gather(store):
@@ -417,7 +470,11 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
     """`decode: every n`: re-score the layer with the ring of latest queries and prune it back
     to its budget (selection.decode_prune), then write it into fresh pages."""
     heads = store_heads(cache.stores[layer])
-    decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale)
+    totals, choose = cache.decoding.totals, None
+    if cache.plan.shard is not None:
+        choose = functools.partial(_choose, cache, kernels=False)
+    decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
+                 total=None if totals is None else totals[:, layer], choose=choose)
     cache.stores[layer] = heads_store(cache, heads)
 
 
@@ -468,6 +525,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
     mask (B, ≥T) bool padding mask (True = real token) or None. Returns (B, Hq, T, d).
     """
     cache = lookup_cache(handle)
+    if k.shape[1] != len(cache.plan.kv_heads):
+        raise RuntimeError(
+            f"kvcompile: layer {layer} computes {k.shape[1]} KV heads but the cache's plan holds "
+            f"{len(cache.plan.kv_heads)} (a model sharded by tensor parallelism needs its cache from "
+            "kvcompile.compile(model, ...), or a plan built with shard=kvcompile.sharding.model_shard(model))")
     if cache.stores[layer] is None:
         chunks = cache.chunks
         if chunks is None:

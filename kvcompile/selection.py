@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvcompile.allocation import head_budgets, latest, ranked
+from kvcompile.allocation import HeadBudgets, head_budgets, latest, ranked
 from kvcompile.layer_state import LayerState
 
 
@@ -24,7 +24,7 @@ class Merged:
 
 
 def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor, total: Tensor | None,
-           layer: int, used_slots: Tensor | None = None) -> Tensor:
+           layer: int, used_slots: Tensor | None = None, budgets: HeadBudgets | None = None) -> Tensor:
     """The entries a layer keeps, (B, H, M) bool, among M candidates per head.
 
     scores, positions (original prompt positions), valid: (B, H, M); lengths (B,) real
@@ -34,6 +34,8 @@ def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Te
     threshold (DBudgetKV Alg. 1, per head) or the heads part (uniform: each head its
     best up to its budget; pooled: one top-k over the layer, LAVa Alg. 1 / AdaKV).
     The candidates may be a compressed set: the cascade re-selects the kept entries.
+    `budgets`: the heads' HeadBudgets when the caller has them (a tensor-parallel rank's,
+    computed over all heads); default head_budgets(policy, valid, total, used_slots).
     """
     valid, ranks, protected = ranked(policy, scores, positions, valid, lengths)
     threshold = policy.budget.threshold
@@ -44,7 +46,7 @@ def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Te
                             for b in range(len(valid))])
     if total is None:
         raise ValueError("select needs the layer's total unless the policy has a threshold")
-    heads = head_budgets(policy, valid, total, used_slots)
+    heads = head_budgets(policy, valid, total, used_slots) if budgets is None else budgets
     protected |= latest(positions, valid, heads.proximity)
     return torch.stack([policy.budget.heads.keep(ranks[b], protected[b], valid[b], heads.tokens[b], int(total[b]))
                         for b in range(len(valid))])
@@ -101,16 +103,23 @@ def _held_slots(merged: Merged | None, like: Tensor) -> Tensor:
 
 
 def select_and_merge(policy, keys: Tensor, values: Tensor, scores: Tensor, positions: Tensor, candidates: Tensor,
-                     lengths: Tensor, total: Tensor | None, layer: int, slots: Merged | None = None):
+                     lengths: Tensor, total: Tensor | None, layer: int, slots: Merged | None = None, choose=None):
     """One compression of one layer: select among the candidate tokens (B, H, M), then merge
     the evicted ones into the layer's residual slots (`slots` = those it already holds,
     None at its first compression). The prefill step and every cascade re-selection.
-    Returns kept (B, H, M) bool and the new Merged (None when the policy drops)."""
+    Returns kept (B, H, M) bool and the new Merged (None when the policy drops).
+    `choose(scores, positions, candidates, total, layer, used)` -> (kept, HeadBudgets | None):
+    the selection and head budgets when the caller makes them (a tensor-parallel rank selects
+    over all heads' scores); default `select` and `head_budgets` over these heads."""
     used = _held_slots(slots, candidates)
-    kept = select(policy, scores, positions, candidates, lengths, total, layer, used_slots=used)
+    if choose is None:
+        kept = select(policy, scores, positions, candidates, lengths, total, layer, used_slots=used)
+        budgets = head_budgets(policy, candidates, total, used) if total is not None and policy.merges else None
+    else:
+        kept, budgets = choose(scores, positions, candidates, total, layer, used)
     if not policy.merges:
         return kept, None
-    num_slots = head_budgets(policy, candidates, total, used).slots if total is not None else torch.zeros_like(used)
+    num_slots = budgets.slots if total is not None else torch.zeros_like(used)
     merged = merge_evicted(policy, keys, values, scores, candidates & ~kept, slots, num_slots, positions)
     return kept, merged
 
@@ -148,14 +157,15 @@ class HeadEntries:
 
 
 def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: Tensor, budgets: Tensor,
-                 layer: int, scale: float | None = None) -> None:
+                 layer: int, scale: float | None = None, *, total: Tensor | None = None, choose=None) -> None:
     """`decode: every n`: re-score a layer's cached tokens and prune it back to its budget.
 
     Scores: the scorer's running score when it has one (H2O, ZSMerge); otherwise the scorer
     applied to the cached tokens in position order with `ring` (B, Hq, R, d), the queries of
     the latest R tokens (always cached: the spec requires ranking.window ≥ R). Then the
     prefill selection (select_and_merge) with the layer's total Σ_h budgets[b, h]; lengths
-    (B,) are the sequences' current real lengths.
+    (B,) are the sequences' current real lengths. A tensor-parallel rank passes the layer's
+    `total` over all heads and its `choose` (select_and_merge); `heads` are then its own.
     """
     b_, h_ = len(heads), len(heads[0])
     g = ring.shape[1] // h_
@@ -189,9 +199,12 @@ def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: 
             n = len(sl)
             slots.keys[b, h, :n], slots.values[b, h, :n] = head.keys[sl], head.values[sl]
             slots.counts[b, h, :n] = head.counts[sl].long()
-    total = None if policy.budget.threshold is not None else budgets.sum(-1)
+    if policy.budget.threshold is not None:
+        total = None
+    elif total is None:
+        total = budgets.sum(-1)
     kept, merged = select_and_merge(policy, keys, values, scores, positions, valid, lengths, total, layer,
-                                    slots if policy.merges else None)
+                                    slots if policy.merges else None, choose)
     for b in range(b_):
         for h in range(h_):
             keep = kept[b, h]

@@ -80,18 +80,19 @@ def _serial(impl: str, like: Tensor):
 # --------------------------------------------------------------------------- the policy
 
 def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor, total: Tensor | None,
-           layer: int, used_slots: Tensor | None = None, *, impl: str | None = None) -> Tensor:
-    """`kvcompile.reference.select` by the kernels: kept (B, H, M) bool.
+           layer: int, used_slots: Tensor | None = None, *, impl: str | None = None, budgets=None) -> Tensor:
+    """`kvcompile.reference.select` by the kernels: kept (B, H, M) bool. `budgets`: the heads'
+    HeadBudgets when the caller has them (a tensor-parallel rank: computed over all heads).
 
     The ranking (one stable sort order), protected sets and head budgets (exact integer
     arithmetic, `reference.head_budgets`) are the reference's own functions; the top-k
     over each head or over the layer, and the threshold cut, are the kernels."""
     impl = _impl(impl, scores)
     with _serial(impl, scores):
-        return _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl)
+        return _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl, budgets)
 
 
-def _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl):
+def _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl, budgets=None):
     from kvcompile.allocation import head_budgets, latest, ranked  # the budget arithmetic, protected sets
 
     valid, ranks, protected = ranked(policy, scores, positions, valid, lengths)
@@ -102,7 +103,7 @@ def _select(policy, scores, positions, valid, lengths, total, layer, used_slots,
         return threshold.keep_ranked(ranks, protected, valid, scores, functools.partial(keep_threshold, impl=impl))
     if total is None:
         raise ValueError("select needs the layer's total unless the policy has a threshold")
-    heads = head_budgets(policy, valid, total, used_slots)
+    heads = head_budgets(policy, valid, total, used_slots) if budgets is None else budgets
     protected |= latest(positions, valid, heads.proximity)
     # the heads part says how its selection is made of top-k's (its reference, per sequence, otherwise)
     return policy.budget.heads.keep_ranked(ranks, protected, valid, heads.tokens, total,

@@ -146,9 +146,14 @@ class HeadsRule(Part):
 
     `nested`: re-selecting what the rule kept, with a smaller total, keeps exactly what one
     selection with that total keeps from the first candidates (so a cascade may defer its
-    re-selections: kvcompile.plan.Plan.lazy_cascade). False unless a part proves it."""
+    re-selections: kvcompile.plan.Plan.lazy_cascade). False unless a part proves it.
+
+    `head_local`: given the head budgets (HeadBudgets over all heads), a head's selection reads
+    only its own entries, so a tensor-parallel rank selects its heads from their scores and the
+    heads' counts alone (kvcompile.sharding); False: it reads every head's scores."""
 
     nested = False
+    head_local = False
 
     def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, tokens: Tensor, total) -> Tensor:
         raise NotImplementedError
@@ -164,6 +169,8 @@ class HeadsRule(Part):
 @dataclass(frozen=True)
 class UniformHeads(HeadsRule):
     """B_{l,h} = B_l / H."""
+
+    head_local = True
 
     def keep(self, rank: Tensor, protected: Tensor, valid: Tensor, tokens: Tensor, total) -> Tensor:
         """One sequence: rank, protected, valid (H, M); tokens (H,) tokens per head.
@@ -222,9 +229,11 @@ class ThresholdRule(Part):
     """Base of the threshold parts (no preset budget): `keep` is the reference for one
     sequence; `keep_ranked` the runtime's path over a batch given the threshold kernel
     `cut(ranks, protected, valid, scores, t)` (kvcompile.kernels.select.keep_threshold);
-    the first `keep_layers` layers are kept whole."""
+    the first `keep_layers` layers are kept whole. `head_local`: a head's cut reads only its own
+    entries (a tensor-parallel rank needs nothing of the other ranks' heads); False: all heads'."""
 
     keep_layers = 0
+    head_local = False
 
     def keeps_whole(self, layer: int) -> bool:
         return layer < self.keep_layers
@@ -246,6 +255,8 @@ class AttentionNorm(ThresholdRule):
 
     t: float = bounded(0.01, low=0, high=1, high_open=True)
     keep_layers: int = bounded(2, low=0)
+
+    head_local = True  # DBudgetKV Alg. 1 runs "in parallel for every head"
 
     def keep_ranked(self, ranks, protected, valid, scores, cut):
         return cut(ranks, protected, valid, scores, self.t)
