@@ -173,7 +173,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         from kvcompile.passes import compile_forward
 
         model.set_attn_implementation("sdpa")
-        forward = compile_forward(model, forward)
+        forward = compile_forward(model, forward, kv_heads=len(plan.kv_heads))
     else:
         AttentionInterface.register("kvcompile", kvcompile_attention)
         AttentionMaskInterface.register("kvcompile", kvcompile_mask)

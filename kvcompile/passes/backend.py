@@ -294,7 +294,8 @@ def _mark_dynamic(args, kwargs) -> None:
             torch._dynamo.mark_static(t, 1)
 
 
-def compile_forward(model, forward=None, *, dynamic: bool | None = None, inductor: bool = True):
+def compile_forward(model, forward=None, *, dynamic: bool | None = None, inductor: bool = True,
+                    kv_heads: int | None = None):
     """`forward` (default: the model class's forward) compiled with the kvcompile backend.
 
     The returned function takes the model's forward arguments. With a KVCompileCache as
@@ -305,7 +306,8 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
     everything static but the batch and the sequence lengths (a float made symbolic, as
     dynamic=True does with the model's eps and scaling, would be read at run time). A call
     without an attention_mask or position_ids gets them here, so that every call has the
-    same graph inputs (module doc, "Shapes").
+    same graph inputs (module doc, "Shapes"). `kv_heads`: the KV heads each attention computes
+    (a tensor-parallel rank's; default the config's).
     """
     config = model.config
     if config._attn_implementation != "sdpa":
@@ -313,7 +315,8 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
                         f"{config._attn_implementation!r}")
     forward = forward or type(model).forward.__get__(model)
     compiled = torch.compile(forward, dynamic=dynamic, fullgraph=True,
-                             backend=make_backend(config.num_key_value_heads, config.num_hidden_layers, inductor))
+                             backend=make_backend(kv_heads or config.num_key_value_heads, config.num_hidden_layers,
+                                                  inductor))
 
     @functools.wraps(forward)
     def compiled_forward(*args, past_key_values=None, **kwargs):
