@@ -205,7 +205,8 @@ def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, tot
     head's candidates when a tensor-parallel rank has gathered them (see _choose)."""
     plan = cache.plan
     policy = plan.policy
-    kept, budgets = _choose(cache, scores, positions, valid, total, layer, kernels=True, every=every)
+    kept, budgets = _choose(cache, scores, positions, valid, cache.prompt.lengths, total, layer, kernels=True,
+                            every=every)
     if not policy.merges:
         return kept, None
     b, h, _, d = k.shape
@@ -252,10 +253,10 @@ def _over_heads(plan, x: Tensor) -> Tensor:
     return x if plan.shard is None else plan.shard.total(x)
 
 
-def _choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Tensor, total: Tensor | None,
-            layer: int, used: Tensor | None = None, *, kernels: bool, every=None):
+def _choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor,
+            total: Tensor | None, layer: int, used: Tensor | None = None, *, kernels: bool, every=None):
     """The selection of this process's heads and their HeadBudgets (None under a threshold):
-    kept (B, H', M) bool. With one process, `select` over its heads (the kernels', or
+    kept (B, H', M) bool; lengths (B,) the sequences' real lengths. With one process, `select` over its heads (the kernels', or
     kvcompile.selection's where a layer is re-selected). Under tensor parallelism, exactly what
     one process selects over all heads (Plan.heads_exchange): "counts": every head's candidate
     and slot counts (B, H, 2) are gathered for the head budgets and each head selects from its
@@ -265,7 +266,7 @@ def _choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Ten
     from kvcompile.kernels.select import select as kernel_select
 
     plan = cache.plan
-    policy, lengths, shard = plan.policy, cache.prompt.lengths, plan.shard
+    policy, shard = plan.policy, plan.shard
     run = functools.partial(kernel_select, impl=plan.select_impl) if kernels else select
     if used is None:
         used = torch.zeros(valid.shape[:2], dtype=torch.long, device=valid.device)

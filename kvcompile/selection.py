@@ -108,7 +108,7 @@ def select_and_merge(policy, keys: Tensor, values: Tensor, scores: Tensor, posit
     the evicted ones into the layer's residual slots (`slots` = those it already holds,
     None at its first compression). The prefill step and every cascade re-selection.
     Returns kept (B, H, M) bool and the new Merged (None when the policy drops).
-    `choose(scores, positions, candidates, total, layer, used)` -> (kept, HeadBudgets | None):
+    `choose(scores, positions, candidates, lengths, total, layer, used)` -> (kept, HeadBudgets | None):
     the selection and head budgets when the caller makes them (a tensor-parallel rank selects
     over all heads' scores); default `select` and `head_budgets` over these heads."""
     used = _held_slots(slots, candidates)
@@ -116,7 +116,7 @@ def select_and_merge(policy, keys: Tensor, values: Tensor, scores: Tensor, posit
         kept = select(policy, scores, positions, candidates, lengths, total, layer, used_slots=used)
         budgets = head_budgets(policy, candidates, total, used) if total is not None and policy.merges else None
     else:
-        kept, budgets = choose(scores, positions, candidates, total, layer, used)
+        kept, budgets = choose(scores, positions, candidates, lengths, total, layer, used)
     if not policy.merges:
         return kept, None
     num_slots = budgets.slots if total is not None else torch.zeros_like(used)

@@ -19,11 +19,25 @@ def spec_names() -> list[str]:
     return sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
 
 
+# Decode-time pruning (`decode: every`, in no shipped spec) with pooled heads, a cascade, running scores:
+# spec name and overrides (a window of 4 query rows: the ring of latest queries that pruning re-scores with)
+PRUNING = {
+    "adakv_every": ("adakv", dict(ranking={"by_score": {"window": 4}}, scoring={"window_attention": {"window": 4}},
+                                  schedule={"decode": {"every": {"n": 2}}})),
+    "lava_every": ("lava", dict(ranking={"by_score": {"window": 4}}, scoring={"lava": {"window": 4}},
+                                schedule={"cascade": True, "decode": {"every": {"n": 3}}})),
+    "h2o_every": ("h2o", dict(ranking={"by_score": {"window": 3}}, schedule={"decode": {"every": {"n": 2}}})),
+}
+
+
 def small_budget(name: str):
     """The spec with a budget that evicts most of a 150-token prompt (as tests/test_runtime.py),
-    and, for ZSMerge's online eviction, evicts while decoding too."""
+    and, for ZSMerge's online eviction and `decode: every` pruning, evicts while decoding too."""
     import kvcompile
 
+    if name in PRUNING:
+        base, overrides = PRUNING[name]
+        return kvcompile.load_spec(base, per_head=48, **overrides)
     policy = kvcompile.load_spec(name)
     if policy.budget.threshold is not None:
         return kvcompile.load_spec(name, budget={"threshold": {"attention_norm": {"t": 0.05}}})
