@@ -70,14 +70,14 @@ def entries(cache) -> dict:
     return out
 
 
-def run_specs(model, names) -> dict:
+def run_specs(model, names, mode: str = "eager") -> dict:
     """Every spec on `model`: generated tokens, entries, memory reports (each rank's and gathered)."""
     import kvcompile
 
     ids, mask = inputs()
     results = {}
     for name in names:
-        with torch.no_grad(), kvcompile.compiled(model, small_budget(name)):
+        with torch.no_grad(), kvcompile.compiled(model, small_budget(name), mode=mode):
             out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                                  return_dict_in_generate=True)
         cache = out.past_key_values
@@ -101,8 +101,9 @@ def refused(model, name: str) -> str:
 
 
 def worker(rank: int, world: int, init: str, jobs: list, out: str) -> None:
-    """One rank: for each (key, path) job, load the saved model sharded by tensor parallelism and
-    run every spec; a job whose key starts with "refuse" records compile()'s error instead."""
+    """One rank: for each (key, path, arg) job, load the saved model sharded by tensor parallelism
+    and run the specs `arg` names; a job whose key starts with "refuse" records compile()'s error
+    for spec `arg` instead, one that starts with "compiled" runs the compiled entry."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -115,7 +116,10 @@ def worker(rank: int, world: int, init: str, jobs: list, out: str) -> None:
             model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float64).eval()
             model.generation_config.pad_token_id = 0
             start = time.perf_counter()
-            results[key] = refused(model, arg) if key.startswith("refuse") else run_specs(model, arg)
+            if key.startswith("refuse"):
+                results[key] = refused(model, arg)
+            else:
+                results[key] = run_specs(model, arg, "compiled" if key.startswith("compiled") else "eager")
             results[key + ":seconds"] = time.perf_counter() - start
     except Exception:  # the test process reports it
         results["error"] = traceback.format_exc()
