@@ -202,11 +202,12 @@ def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, tot
     selection.select), then the evicted tokens merged into the merge slots: by the merge
     kernel the plan names (kvcompile.kernels.merge: the same sequential rule, bit for bit),
     else by the merge rule itself, head by head (selection.merge_evicted). `every`: every
-    head's candidates when a tensor-parallel rank has gathered them (see _choose)."""
+    head's candidates when a tensor-parallel rank has gathered them (see _choose); in a prompt every
+    head has the same candidates."""
     plan = cache.plan
     policy = plan.policy
     kept, budgets = _choose(cache, scores, positions, valid, cache.prompt.lengths, total, layer, kernels=True,
-                            every=every)
+                            every=every, same_heads=True)
     if not policy.merges:
         return kept, None
     b, h, _, d = k.shape
@@ -254,14 +255,16 @@ def _over_heads(plan, x: Tensor) -> Tensor:
 
 
 def _choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor,
-            total: Tensor | None, layer: int, used: Tensor | None = None, *, kernels: bool, every=None):
+            total: Tensor | None, layer: int, used: Tensor | None = None, *, kernels: bool, every=None,
+            same_heads: bool = False):
     """The selection of this process's heads and their HeadBudgets (None under a threshold):
     kept (B, H', M) bool; lengths (B,) the sequences' real lengths. With one process, `select` over its heads (the kernels', or
     kvcompile.selection's where a layer is re-selected). Under tensor parallelism, exactly what
     one process selects over all heads (Plan.heads_exchange): "counts": every head's candidate
     and slot counts (B, H, 2) are gathered for the head budgets and each head selects from its
-    own scores; "scores": every head's candidates (`every`: scores, positions, valid, used, when
-    the caller has them; else gathered) and the selection over all heads, of which this rank
+    own scores (`same_heads`: a prompt, where every head has the same candidates and no slots:
+    nothing to gather); "scores": every head's candidates (`every`: scores, positions, valid, used,
+    when the caller has them; else gathered) and the selection over all heads, of which this rank
     keeps its heads' part."""
     from kvcompile.kernels.select import select as kernel_select
 
@@ -274,7 +277,9 @@ def _choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Ten
         budgets = None
         if total is not None:
             counts = torch.stack([valid.sum(-1), used], dim=-1)
-            if shard is not None:  # (B, H/P, 2) candidates and used slots of each head → (B, H, 2)
+            if same_heads:
+                counts = counts[:, :1].expand(-1, plan.num_heads, -1)
+            elif shard is not None:  # (B, H/P, 2) candidates and used slots of each head → (B, H, 2)
                 counts = shard.gather_heads(counts)
             budgets = head_budgets_of(policy, counts[..., 0], total, counts[..., 1]).heads(plan.heads)
         return run(policy, scores, positions, valid, lengths, total, layer, used, budgets=budgets), budgets
