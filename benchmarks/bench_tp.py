@@ -1,15 +1,20 @@
 """Tensor parallelism on this CPU (DESIGN.md §8): SmolLM2-135M (3 KV heads, 9 query heads) sharded
 over 3 gloo ranks with transformers' tp_plan="auto", each spec compiled and generating greedily;
 then rank 0 runs the same specs on the whole model in one process and says whether the tokens
-and the kept entries (per layer and KV head, gathered from the ranks) are the same.
+and the kept entries (per layer and KV head, gathered from the ranks) are the same. The first
+row, "full", is the sharded model's own generate() with transformers' DynamicCache (no kvcompile):
+the cost of the model's own collectives (an all-reduce after o_proj and after down_proj in every
+layer) on this machine.
 
 Per rank and spec: prefill s (call start to the first step: the prompt's attention, its
 compression and the collectives), ms/token (median decode step), KV held by this rank (its
 own KV heads' pages). Every rank runs on `--threads` threads (default 1: 3 ranks on a shared
 2-core machine).
 
-    torchrun --nproc-per-node 3 benchmarks/bench_tp.py [--length 1024] [--per-head 64]
+    PYTHONPATH=. torchrun --nproc-per-node 3 benchmarks/bench_tp.py [--length 1024] [--per-head 64]
         [--new-tokens 16] [--specs snapkv adakv lava zsmerge dbudgetkv] [--no-reference]
+
+(PYTHONPATH=.: torchrun puts benchmarks/ first on sys.path, not the repository.)
 """
 from __future__ import annotations
 
@@ -68,6 +73,14 @@ def main():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, model.config.vocab_size, (1, args.length), generator=g)
     results = {}
+    generate(model, ids[:, :64], 2)
+    prefill, step, full_tokens, _ = generate(model, ids, args.new_tokens)
+    rows = [None] * world
+    dist.all_gather_object(rows, (rank, prefill, step * 1e3))
+    if rank == 0:
+        for r, pre, ms in rows:
+            print(f"{'full':<10} rank {r}: prefill {pre:6.2f} s  decode {ms:6.1f} ms/token (DynamicCache, no kvcompile)",
+                  flush=True)
     for spec in args.specs:
         policy = policy_for(spec, args.per_head, own_budget_wins=True)
         with kvcompile.compiled(model, policy):
@@ -87,6 +100,10 @@ def main():
     dist.barrier()
     if rank == 0 and not args.no_reference:  # the whole model in this one process, same weights
         one = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        generate(one, ids[:, :64], 2)
+        prefill, step, tokens, _ = generate(one, ids, args.new_tokens)
+        print(f"{'full':<10} one process: prefill {prefill:6.2f} s  decode {step * 1e3:6.1f} ms/token; tokens "
+              f"{'equal' if tokens == full_tokens else 'DIFFER'}", flush=True)
         for spec in args.specs:
             with kvcompile.compiled(one, policy_for(spec, args.per_head, own_budget_wins=True)):
                 generate(one, ids[:, :64], 2)
