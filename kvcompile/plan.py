@@ -65,7 +65,8 @@ class Plan:
     page_size: int
     headroom: int  # tokens per head generation may add after the prompt
     # implementations
-    score_impl: str  # "part" (the scorer's own score_prompt) | "fused:<impl>" (kernels.window_scores)
+    score_impl: str  # "part" (the scorer's own score_prompt) | "fused:<impl>" (kernels.window_scores) |
+    #   "column_sums:cpp" (the prompt's attention computes the score: kernels.attention_column_sums)
     select_impl: str  # selection and gather kernels (kernels.select)
     merge_impl: str | None  # the prompt's residual merge kernel (kernels.merge); None: the rule's own merge
     merge_compile_above: int | None  # CPU default: the merge walk goes through Inductor above this many tokens
@@ -98,9 +99,15 @@ class Plan:
         return build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
                           page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry)
 
+    @property
+    def attention_scores(self) -> bool:
+        """The prompt's attention also computes the layer's scores (`score_impl` column_sums:cpp),
+        when the whole prompt comes in one call; otherwise `score` runs the scorer's own pass."""
+        return self.score_impl == "column_sums:cpp"
+
     def score(self, state: LayerState) -> Tensor:
         """The prompt scores of one layer (B, H, N), by the implementation the plan chose."""
-        if self.score_impl == "part":
+        if self.score_impl == "part" or self.attention_scores:
             return self.policy.scoring.score_prompt(state)
         from kvcompile.kernels.window_scores import score_fused
 
@@ -212,6 +219,9 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         score_impl = "part"
         if scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
             score_impl = "fused:" + _resolve("window_scores", kernels, device, dtype, head_dim)
+        if scoring.column_weights(1) is not None and device is not None and kernels in (None, "cpp") \
+                and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
+            score_impl = "column_sums:cpp"  # attention and score in one pass: 0.6-0.8x the attention alone
     except ValueError as exc:
         raise PlanError(f"kvcompile: {exc}") from None
     online = decode is not None and decode.online

@@ -95,7 +95,16 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     if layer == 0:
         start_prompt(cache, mask, b, n, q)
     valid = cache.prompt.valid
-    out = prompt_attention(q, k, v, None if bool(valid.all()) else valid, scale, offset=n - t)
+    padding = None if bool(valid.all()) else valid
+    if cache.plan.attention_scores and rows is None and t == n:  # one pass gives both (the plan's choice)
+        from kvcompile.kernels.attention_column_sums import attention_column_sums
+
+        scoring = cache.plan.policy.scoring
+        out, sums = attention_column_sums(q, k, v, padding, scale, scoring.column_weights(n))
+        scores = scoring.score_from_column_sums(sums, LayerState(q, k, v, padding, scale))
+        compress_prompt_layer(cache, q, k, v, layer, scale, scores=scores)
+        return out.to(q.dtype)
+    out = prompt_attention(q, k, v, padding, scale, offset=n - t)
     compress_prompt_layer(cache, q if rows is None else rows, k, v, layer, scale)
     return out
 
@@ -125,9 +134,11 @@ def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: T
     return prefill(cache, q, keys, values, mask, layer, scale, rows=queries)
 
 
-def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> None:
+def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float,
+                          scores: Tensor | None = None) -> None:
     """Scoring, selection and merging of one layer's prompt entries, written into pages
-    (and the cascade over the layers below). q holds the last R ≥ query_rows prompt queries."""
+    (and the cascade over the layers below). q holds the last R ≥ query_rows prompt queries;
+    `scores` (B, H, N): the layer's scores when the prompt's attention computed them already."""
     b, hq, r, d = q.shape
     h, n = k.shape[1], k.shape[2]
     plan, prompt = cache.plan, cache.prompt
@@ -137,7 +148,7 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     state = LayerState(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
     if cache.record:  # copies: a compiled graph reuses the memory of its intermediate tensors
         cache.states[layer] = LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale)
-    scores = plan.score(state)
+    scores = plan.score(state) if scores is None else scores
     positions = (torch.arange(n, device=q.device)[None, :] - prompt.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)
     if plan.cascade:

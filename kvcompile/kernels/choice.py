@@ -12,10 +12,14 @@ Each kernel op has a few implementations ("impls"), named by strings:
     window_scores     triton | torch | compiled           triton on CUDA, else torch
     online_step       cpp | torch                         cpp on the CPU for fp32 with a C++
                                                           compiler (any head dim), else torch
+    column_sums       cpp | torch                         cpp where the C++ kernel applies (as
+                                                          paged_attention), else torch
 
 "torch" is the eager torch lowering, "compiled" the same lowering through Inductor
 (torch.compile), "cpp" the hand-written C++ kernels (paged_attention_cpp; online_step: the
-fused decode step of running scores and online eviction), "triton"
+fused decode step of running scores and online eviction; column_sums: the prompt's attention
+with the weighted column sums of its probabilities, attention_column_sums; its "torch" is the
+model's attention and the scorer's own pass), "triton"
 the Triton kernels: on a CUDA device, or on any device under Triton's interpreter
 (TRITON_INTERPRET=1, how the tests run them without a GPU).
 """
@@ -34,6 +38,7 @@ IMPLS: dict[str, tuple[str, ...]] = {
     "merge": ("triton", "torch", "compiled"),
     "window_scores": ("triton", "torch", "compiled"),
     "online_step": ("cpp", "torch"),
+    "column_sums": ("cpp", "torch"),
 }
 
 
@@ -42,12 +47,13 @@ def resolve(op: str, requested: str | None, device: torch.device | str, dtype: t
     """The impl that runs `op` on tensors of `device` and `dtype`: `requested`, checked, or
     the default for the device and dtype (the table in the module docstring).
 
-    op: "paged_attention" | "select" | "merge" | "window_scores" | "online_step" (the keys of IMPLS).
+    op: "paged_attention" | "select" | "merge" | "window_scores" | "online_step" | "column_sums"
+        (the keys of IMPLS).
     requested: an impl name of that op, or None for the default.
     device, dtype: where the op's tensors live and the dtype it reads (for paged_attention
         the queries' and the pages'; None when they differ: then there is no C++ kernel).
-    head_dim: the head dim d; paged_attention needs it to decide on the C++ kernel (when
-        `requested` is None or "cpp"), the other ops ignore it.
+    head_dim: the head dim d; paged_attention and column_sums need it to decide on the C++
+        kernel (when `requested` is None or "cpp"), the other ops ignore it.
 
     Returns one of IMPLS[op], which the kernel can run on these tensors. Raises ValueError
     naming the op and its impls for an unknown op or name, or for an impl that cannot run
@@ -61,14 +67,14 @@ def resolve(op: str, requested: str | None, device: torch.device | str, dtype: t
         raise ValueError(f"kernel choice: unknown op {op!r}; one of {', '.join(IMPLS)}")
     names = IMPLS[op]
     device = torch.device(device)
-    if op == "paged_attention" and requested in (None, "cpp") and head_dim is None:
+    if op in ("paged_attention", "column_sums") and requested in (None, "cpp") and head_dim is None:
         raise ValueError("paged_attention: resolving impl None or 'cpp' needs head_dim")
     if op == "online_step":
         return _resolve_online_step(requested, device, dtype)
     if requested is None:
-        if device.type == "cuda" and _triton_imports():
+        if device.type == "cuda" and "triton" in names and _triton_imports():
             return "triton"
-        if op == "paged_attention" and _cpp_runs(device, dtype, head_dim):
+        if op in ("paged_attention", "column_sums") and _cpp_runs(device, dtype, head_dim):
             return "cpp"
         return "torch"
     if requested not in names:
