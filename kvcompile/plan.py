@@ -213,9 +213,9 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                                head_dim)
         merge_impl, merge_compile_above = None, None
         if isinstance(policy.merge, _MERGE_KERNELS):
-            merge_impl = _resolve("merge", kernels if kernels != "cpp" else None, device, dtype, head_dim)
-            if kernels is None and not cuda:  # a long walk: Inductor's one-time compile pays for itself
-                merge_compile_above = 2048
+            merge_impl = _resolve("merge", kernels, device, dtype, head_dim)  # cpp for fp32 on the CPU
+            if kernels is None and merge_impl == "torch" and not cuda:
+                merge_compile_above = 2048  # a long walk: Inductor's one-time compile pays for itself
         score_impl = "part"
         if scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
             score_impl = "fused:" + _resolve("window_scores", kernels, device, dtype, head_dim)

@@ -8,7 +8,8 @@ Each kernel op has a few implementations ("impls"), named by strings:
                                                           kernel applies (CPU, fp32, head dim a
                                                           multiple of 16, a C++ compiler), else torch
     select            triton | torch | compiled           triton on CUDA, else torch
-    merge             triton | torch | compiled           triton on CUDA, else torch
+    merge             triton | cpp | torch | compiled     triton on CUDA; cpp on the CPU for fp32
+                                                          with a C++ compiler (any head dim); else torch
     window_scores     triton | torch | compiled           triton on CUDA, else torch
     online_step       cpp | torch                         cpp on the CPU for fp32 with a C++
                                                           compiler (any head dim), else torch
@@ -35,7 +36,7 @@ from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports
 IMPLS: dict[str, tuple[str, ...]] = {
     "paged_attention": ("triton", "cpp", "torch", "compiled"),
     "select": ("triton", "torch", "compiled"),
-    "merge": ("triton", "torch", "compiled"),
+    "merge": ("triton", "cpp", "torch", "compiled"),
     "window_scores": ("triton", "torch", "compiled"),
     "online_step": ("cpp", "torch"),
     "column_sums": ("cpp", "torch"),
@@ -71,6 +72,8 @@ def resolve(op: str, requested: str | None, device: torch.device | str, dtype: t
         raise ValueError("paged_attention: resolving impl None or 'cpp' needs head_dim")
     if op == "online_step":
         return _resolve_online_step(requested, device, dtype)
+    if op == "merge" and requested in (None, "cpp") and not (device.type == "cuda" and _triton_imports()):
+        return _resolve_any_dim_cpp(op, requested, device, dtype)
     if requested is None:
         if device.type == "cuda" and "triton" in names and _triton_imports():
             return "triton"
@@ -92,14 +95,20 @@ def resolve(op: str, requested: str | None, device: torch.device | str, dtype: t
 
 def _resolve_online_step(requested: str | None, device: torch.device, dtype: torch.dtype | None) -> str:
     """online_step has no Triton kernel: cpp where it runs (fp32 on the CPU with a compiler), else torch."""
-    names = IMPLS["online_step"]
+    return _resolve_any_dim_cpp("online_step", requested, device, dtype)
+
+
+def _resolve_any_dim_cpp(op: str, requested: str | None, device: torch.device, dtype: torch.dtype | None) -> str:
+    """A C++ kernel that takes any head dim: cpp where it runs (fp32 on the CPU with a compiler)
+    when asked for or by default, else torch."""
+    names = IMPLS[op]
     runs = dtype is not None and cpp_supports(device, dtype, 16)  # its C++ takes any head dim
     if requested is None:
         return "cpp" if runs else "torch"
     if requested not in names:
-        raise ValueError(f"online_step: unknown impl {requested!r}; one of {' | '.join(names)}")
+        raise ValueError(f"{op}: unknown impl {requested!r}; one of {' | '.join(names)}")
     if requested == "cpp" and not runs:
-        raise ValueError(f"online_step: impl 'cpp' needs fp32 CPU tensors and a C++ compiler; here "
+        raise ValueError(f"{op}: impl 'cpp' needs fp32 CPU tensors and a C++ compiler; here "
                          f"{device.type}, {dtype}. Impls: {' | '.join(names)}")
     return requested
 
