@@ -71,9 +71,10 @@ class Plan:
     merge_impl: str | None  # the prompt's residual merge kernel (kernels.merge); None: the rule's own merge
     merge_compile_above: int | None  # CPU default: the merge walk goes through Inductor above this many tokens
     decode_impl: str | None  # paged decode attention (kernels.paged_attention); None: per call
-    online_impl: str | None  # the decode step of running scores / online eviction: "cpp" (the fused
-    #   kernels.online_step) | "torch" (the runtime's Python path); None: that path too, for parts
-    #   whose behaviour the fused step cannot express
+    online_impl: str | None  # the decode step (append, attention; running scores, online eviction where
+    #   the policy has them): "cpp" (the fused kernels.online_step; for a policy with neither, only
+    #   where the call would run on one thread anyway: `one_thread`) | "torch" (the runtime's Python
+    #   path); None: that path too, for parts whose behaviour the fused step cannot express
     step_rule: StepRule | None  # what that step computes (with online_impl)
     # decoding
     running_scores: bool  # scores keep running while decoding (H2O, ZSMerge)
@@ -238,6 +239,15 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                                        dtype, head_dim)
             except ValueError as exc:
                 raise PlanError(f"kvcompile: {exc}") from None
+    elif kernels in (None, "cpp") and device is not None:
+        # a plain decode step (append + attention) as one C++ call where it would run on one thread
+        # anyway (the runtime asks `one_thread`): the separate append and paged-attention calls cost
+        # ~0.1 ms a layer in small torch ops, 5-10 % of a SmolLM2 step at 128 entries per head
+        step_rule = _step_rule(policy, False)
+        if step_rule is not None and _resolve("online_step", None, device, dtype, head_dim) == "cpp":
+            online_impl = "cpp"
+        else:
+            step_rule = None
     prune_every = decode.prune_every if decode is not None else 0
     ring_rows = scoring.query_rows(2 ** 30) if prune_every and not scoring.running else 0
     cascade = policy.layer_dynamic and policy.budget.threshold is None

@@ -285,7 +285,8 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     for i in range(q.shape[2]):
         position = start + i - pad  # logical position among real tokens
         out = None
-        if plan.online_impl == "cpp":  # append, attention, running scores, online eviction: one fused step
+        if plan.online_impl == "cpp" and (running or online or one_thread(store, q.shape[1])):
+            # append, attention, running scores, online eviction: one fused step
             from kvcompile.kernels.online_step import online_step_cpp
 
             split = cache.decoding.split[:, layer] if online else None
@@ -311,6 +312,16 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
                 _prune(cache, layer, position + 1, scale)
                 store = cache.stores[layer]
     return torch.stack(outs, dim=2)
+
+
+def one_thread(store, query_heads: int) -> bool:
+    """A decode step over `store` is small enough that the paged-attention kernel would run it on
+    one thread (kernels.paged_attention_cpp.PARALLEL_WORK multiply-adds): the fused one-thread
+    step loses nothing there."""
+    from kvcompile.kernels.paged_attention_cpp import PARALLEL_WORK
+
+    heads = store.lengths.shape[1]
+    return int(store.lengths.sum()) * (query_heads // heads) * store.k_pages.shape[-1] < PARALLEL_WORK
 
 
 def start_decode(cache: KVCompileCache) -> DecodeState:
