@@ -71,14 +71,16 @@ class Plan:
     page_size: int
     headroom: int  # tokens per head generation may add after the prompt
     # implementations
-    score_impl: str  # "part" (the scorer's own score_prompt) | "fused:<impl>" (kernels.window_scores)
+    score_impl: str  # "part" (the scorer's own score_prompt) | "fused:<impl>" (kernels.window_scores) |
+    #   "column_sums:cpp" (the prompt's attention computes the score: kernels.attention_column_sums)
     select_impl: str  # selection and gather kernels (kernels.select)
     merge_impl: str | None  # the prompt's residual merge kernel (kernels.merge); None: the rule's own merge
     merge_compile_above: int | None  # CPU default: the merge walk goes through Inductor above this many tokens
     decode_impl: str | None  # paged decode attention (kernels.paged_attention); None: per call
-    online_impl: str | None  # the decode step of running scores / online eviction: "cpp" (the fused
-    #   kernels.online_step) | "torch" (the runtime's Python path); None: that path too, for parts
-    #   whose behaviour the fused step cannot express
+    online_impl: str | None  # the decode step (append, attention; running scores, online eviction where
+    #   the policy has them): "cpp" (the fused kernels.online_step; for a policy with neither, only
+    #   where the call would run on one thread anyway: `one_thread`) | "torch" (the runtime's Python
+    #   path); None: that path too, for parts whose behaviour the fused step cannot express
     step_rule: StepRule | None  # what that step computes (with online_impl)
     # decoding
     running_scores: bool  # scores keep running while decoding (H2O, ZSMerge)
@@ -110,9 +112,15 @@ class Plan:
         """This process's KV heads as a slice of the model's (a contiguous block)."""
         return slice(self.kv_heads[0], self.kv_heads[-1] + 1)
 
+    @property
+    def attention_scores(self) -> bool:
+        """The prompt's attention also computes the layer's scores (`score_impl` column_sums:cpp),
+        when the whole prompt comes in one call; otherwise `score` runs the scorer's own pass."""
+        return self.score_impl == "column_sums:cpp"
+
     def score(self, state: LayerState) -> Tensor:
         """The prompt scores of one layer (B, H, N), by the implementation the plan chose."""
-        if self.score_impl == "part":
+        if self.score_impl == "part" or self.attention_scores:
             return self.policy.scoring.score_prompt(state)
         from kvcompile.kernels.window_scores import score_fused
 
@@ -232,12 +240,15 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                                head_dim)
         merge_impl, merge_compile_above = None, None
         if isinstance(policy.merge, _MERGE_KERNELS):
-            merge_impl = _resolve("merge", kernels if kernels != "cpp" else None, device, dtype, head_dim)
-            if kernels is None and not cuda:  # a long walk: Inductor's one-time compile pays for itself
-                merge_compile_above = 2048
+            merge_impl = _resolve("merge", kernels, device, dtype, head_dim)  # cpp for fp32 on the CPU
+            if kernels is None and merge_impl == "torch" and not cuda:
+                merge_compile_above = 2048  # a long walk: Inductor's one-time compile pays for itself
         score_impl = "part"
         if scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
             score_impl = "fused:" + _resolve("window_scores", kernels, device, dtype, head_dim)
+        if scoring.column_weights(1) is not None and device is not None and kernels in (None, "cpp") \
+                and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
+            score_impl = "column_sums:cpp"  # attention and score in one pass: 0.6-0.8x the attention alone
     except ValueError as exc:
         raise PlanError(f"kvcompile: {exc}") from None
     online = decode is not None and decode.online
@@ -254,6 +265,15 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                                        dtype, head_dim)
             except ValueError as exc:
                 raise PlanError(f"kvcompile: {exc}") from None
+    elif kernels in (None, "cpp") and device is not None:
+        # a plain decode step (append + attention) as one C++ call where it would run on one thread
+        # anyway (the runtime asks `one_thread`): the separate append and paged-attention calls cost
+        # ~0.1 ms a layer in small torch ops, 5-10 % of a SmolLM2 step at 128 entries per head
+        step_rule = _step_rule(policy, False)
+        if step_rule is not None and _resolve("online_step", None, device, dtype, head_dim) == "cpp":
+            online_impl = "cpp"
+        else:
+            step_rule = None
     prune_every = decode.prune_every if decode is not None else 0
     ring_rows = scoring.query_rows(2 ** 30) if prune_every and not scoring.running else 0
     exchange = "none"

@@ -97,7 +97,16 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     if layer == 0:
         start_prompt(cache, mask, b, n, q)
     valid = cache.prompt.valid
-    out = prompt_attention(q, k, v, None if bool(valid.all()) else valid, scale, offset=n - t)
+    padding = None if bool(valid.all()) else valid
+    if cache.plan.attention_scores and rows is None and t == n:  # one pass gives both (the plan's choice)
+        from kvcompile.kernels.attention_column_sums import attention_column_sums
+
+        scoring = cache.plan.policy.scoring
+        out, sums = attention_column_sums(q, k, v, padding, scale, scoring.column_weights(n))
+        scores = scoring.score_from_column_sums(sums, LayerState(q, k, v, padding, scale))
+        compress_prompt_layer(cache, q, k, v, layer, scale, scores=scores)
+        return out.to(q.dtype)
+    out = prompt_attention(q, k, v, padding, scale, offset=n - t)
     compress_prompt_layer(cache, q if rows is None else rows, k, v, layer, scale)
     return out
 
@@ -127,9 +136,11 @@ def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: T
     return prefill(cache, q, keys, values, mask, layer, scale, rows=queries)
 
 
-def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> None:
+def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float,
+                          scores: Tensor | None = None) -> None:
     """Scoring, selection and merging of one layer's prompt entries, written into pages
-    (and the cascade over the layers below). q holds the last R ≥ query_rows prompt queries."""
+    (and the cascade over the layers below). q holds the last R ≥ query_rows prompt queries;
+    `scores` (B, H, N): the layer's scores when the prompt's attention computed them already."""
     b, hq, r, d = q.shape
     h, n = k.shape[1], k.shape[2]
     plan, prompt = cache.plan, cache.prompt
@@ -139,7 +150,7 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     state = LayerState(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
     if cache.record:  # copies: a compiled graph reuses the memory of its intermediate tensors
         cache.states[layer] = LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale)
-    scores = plan.score(state)
+    scores = plan.score(state) if scores is None else scores
     positions = (torch.arange(n, device=q.device)[None, :] - prompt.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)
     every = None  # tensor parallelism: the candidates of every head, where the selection reads them
@@ -330,7 +341,8 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     for i in range(q.shape[2]):
         position = start + i - pad  # logical position among real tokens
         out = None
-        if plan.online_impl == "cpp":  # append, attention, running scores, online eviction: one fused step
+        if plan.online_impl == "cpp" and (running or online or one_thread(store, q.shape[1])):
+            # append, attention, running scores, online eviction: one fused step
             from kvcompile.kernels.online_step import online_step_cpp
 
             split = cache.decoding.split[:, layer] if online else None
@@ -356,6 +368,16 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
                 _prune(cache, layer, position + 1, scale)
                 store = cache.stores[layer]
     return torch.stack(outs, dim=2)
+
+
+def one_thread(store, query_heads: int) -> bool:
+    """A decode step over `store` is small enough that the paged-attention kernel would run it on
+    one thread (kernels.paged_attention_cpp.PARALLEL_WORK multiply-adds): the fused one-thread
+    step loses nothing there."""
+    from kvcompile.kernels.paged_attention_cpp import PARALLEL_WORK
+
+    heads = store.lengths.shape[1]
+    return int(store.lengths.sum()) * (query_heads // heads) * store.k_pages.shape[-1] < PARALLEL_WORK
 
 
 def start_decode(cache: KVCompileCache) -> DecodeState:

@@ -17,8 +17,11 @@ def test_defaults():
     assert choice.resolve("paged_attention", None, "cpu", f16, head_dim=64) == "torch"
     assert choice.resolve("paged_attention", None, CPU, f32, head_dim=20) == "torch"  # not a multiple of 16
     assert choice.resolve("paged_attention", None, CPU, None, head_dim=64) == "torch"  # mixed dtypes
-    for op in ("select", "merge", "window_scores"):
+    for op in ("select", "window_scores"):
         assert choice.resolve(op, None, CPU, f32) == "torch"
+    assert choice.resolve("merge", None, CPU, f32) == cpp  # the C++ walk, any head dim
+    assert choice.resolve("merge", None, CPU, f32, head_dim=20) == cpp
+    assert choice.resolve("merge", None, CPU, f16) == "torch"
     for op in TRITON_OPS:  # triton is installed for the tests
         assert choice.resolve(op, None, CUDA, f16, head_dim=64) == "triton"
 
@@ -34,7 +37,7 @@ def test_requested_names_pass_through():
 def test_unknown_impl_names_the_op_and_its_impls(op):
     with pytest.raises(ValueError, match=rf"{op}: unknown impl 'cuda'; one of triton \| .*compiled"):
         choice.resolve(op, "cuda", CPU, f32, head_dim=64)
-    if op != "paged_attention":
+    if "cpp" not in choice.IMPLS[op]:
         with pytest.raises(ValueError, match=rf"{op}: unknown impl 'cpp'"):
             choice.resolve(op, "cpp", CPU, f32)
 

@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 from torch.testing import assert_close
 
 from kvcompile.kernels import merge as km
+from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports
 from kvcompile.policies.budgets import Budget, Split
 from kvcompile.policies.merge import Residual
 from kvcompile.policy import Policy
@@ -63,6 +64,20 @@ def test_triton_matches_merge_evicted(**case):
 @given(**cases)
 def test_torch_lowering_matches_merge_evicted(**case):
     check("torch", **case)
+
+
+@pytest.mark.skipif(not cpp_supports(torch.device("cpu"), torch.float32, 16), reason="no C++ toolchain")
+@settings(max_examples=60, deadline=None)
+@given(**{**cases, "dtype": st.just(torch.float32), "dim": st.sampled_from([2, 3, 8, 64])})
+def test_cpp_matches_merge_evicted(**case):
+    check("cpp", **case)
+
+
+def test_cpp_is_fp32_only():
+    keys = torch.randn(1, 1, 3, 8, dtype=torch.float16)
+    slots = torch.zeros(1, 1, 2, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="merge: impl 'cpp' needs fp32 CPU tensors"):
+        km.residual_merge(slots, slots, torch.zeros(1, 1, 2, dtype=torch.long), keys, keys, impl="cpp")
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import kvcompile
 import kvcompile.kernels.online_step as online_step_module
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports
-from kvcompile.plan import PlanError, build_plan
+from kvcompile.plan import PlanError, StepRule, build_plan
 from kvcompile.policies.scoring import Accumulated, Decayed
 from test_decode import token_by_token
 
@@ -47,6 +47,13 @@ def policy(kind: str, per_head: int, alpha: float = 0.6, gqa: str = "mean", resi
     if kind == "h2o":
         return kvcompile.load_spec("h2o", per_head=per_head, ranking={"by_score": {"window": 3}},
                                    scoring={"accumulated": {"gqa": gqa}})
+    if kind == "snapkv":  # a plain step: append and attention only
+        return kvcompile.load_spec("snapkv", per_head=per_head, ranking={"by_score": {"window": 3}},
+                                   scoring={"window_attention": {"window": 4, "gqa": gqa}})
+    if kind == "lava_residual":  # a plain step with the merge bias of the prompt's residual slots
+        return kvcompile.load_spec("lava_residual", per_head=per_head, scoring={"lava": {"window": 4}},
+                                   merge={"residual": {"alpha": alpha}},
+                                   budget={"split": {"proximity": 0.25, "context": 0.5, "residual": 0.25}})
     raise KeyError(kind)
 
 
@@ -86,7 +93,7 @@ def prompt_and_steps(pol, b, h, g, d, page, n, steps, seed, pad):
     return prompt, [(rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)) for _ in range(steps)], mask
 
 
-KINDS = ["zsmerge", "zsmerge_no_slots", "h2o_online", "h2o"]
+KINDS = ["zsmerge", "zsmerge_no_slots", "h2o_online", "h2o", "snapkv", "lava_residual"]
 
 
 @needs_cpp
@@ -192,7 +199,12 @@ def test_the_plan_chooses_the_step():
     assert build_plan(kvcompile.load_spec("zsmerge"), CONFIG, kernels="torch", **cpu).online_impl == "torch"
     assert build_plan(kvcompile.load_spec("zsmerge"), CONFIG, device="cpu", dtype=torch.float16).online_impl \
         == "torch"
-    assert build_plan(kvcompile.load_spec("snapkv"), CONFIG, **cpu).online_impl is None  # nothing runs
+    snapkv = build_plan(kvcompile.load_spec("snapkv"), CONFIG, **cpu)  # nothing runs: append + attention
+    assert snapkv.online_impl == ("cpp" if CPP else None) and not snapkv.running_scores
+    assert snapkv.step_rule == (StepRule(None, False, None, False) if CPP else None)
+    assert build_plan(kvcompile.load_spec("snapkv"), CONFIG, kernels="torch", **cpu).online_impl is None
+    assert build_plan(kvcompile.load_spec("lava_residual"), CONFIG, **cpu).step_rule.alpha == \
+        kvcompile.load_spec("lava_residual").merge.bias_alpha
     h2o = build_plan(kvcompile.load_spec("h2o"), CONFIG, **cpu)
     assert h2o.step_rule.decay == 1.0 and h2o.step_rule.alpha is None and not h2o.step_rule.evict
     no_slots = build_plan(policy("zsmerge_no_slots", 16, gqa="max"), CONFIG, **cpu)

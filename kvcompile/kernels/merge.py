@@ -14,7 +14,9 @@ so each kernel walks the tokens of a head in order, all heads in parallel.
 - `residual_merge`: dispatcher; `residual_merge_triton`: one program per head keeps its
   slots in registers for the whole walk (one read and one write of the slots, one read
   of each evicted token); `residual_merge_torch`: one vectorized step over every head per
-  token, blocks of steps compiled by Inductor into one C++ function for impl="compiled".
+  token, blocks of steps compiled by Inductor into one C++ function for impl="compiled";
+  `residual_merge_cpp`: the walk in C++ (residual_merge.cpp beside this module, package
+  data, built once by Inductor's C++ toolchain), heads on OpenMP threads, fp32 on the CPU.
 """
 from __future__ import annotations
 
@@ -64,8 +66,8 @@ def residual_merge(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys:
     slot_keys, slot_values (B, H, S, d), counts (B, H, S) long; num (B, H) (None = E);
     num_slots (B, H): slots usable per head (None = S; slots ≥ num_slots are left as
     they are). Returns new (slot_keys, slot_values, counts).
-    impl: "triton" | "torch" | "compiled" | None (Triton on CUDA, else torch), resolved by
-    `kvcompile.kernels.choice.resolve("merge", ...)`.
+    impl: "triton" | "cpp" | "torch" | "compiled" | None (Triton on CUDA, cpp for fp32 on the
+    CPU with a C++ compiler, else torch), resolved by `kvcompile.kernels.choice.resolve("merge", ...)`.
     """
     b, h, s, d = slot_keys.shape
     if (slot_values.shape[:3] != (b, h, s) or counts.shape != (b, h, s)
@@ -81,7 +83,36 @@ def residual_merge(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys:
     args = (slot_keys, slot_values, counts, keys, values, num, num_slots)
     if impl == "triton":
         return residual_merge_triton(*args)
+    if impl == "cpp":
+        return residual_merge_cpp(*args)
     return residual_merge_torch(*args, compiled_step=impl == "compiled")
+
+
+# ----------------------------------------------------------------------------- C++
+
+_CPP_ARGTYPES = ("float*", "float*", "int64_t*", "const float*", "const float*", "const int64_t*", "const int64_t*",
+                 "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t")
+
+
+def residual_merge_cpp(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys: Tensor, values: Tensor,
+                       num: Tensor, num_slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The walk in C++ on fresh copies of the slots (fp32 CPU tensors): the same fp32 operations
+    as the torch lowering, each rounded, so the same slots bit for bit (a dot product may sum
+    in another order: a tie within one rounding could pick another slot)."""
+    from kvcompile.kernels.paged_attention_cpp import load_cpp
+
+    b, h, s, d = slot_keys.shape
+    dv, e = slot_values.shape[3], keys.shape[2]
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (slot_keys, slot_values, keys, values)):
+        raise ValueError("residual_merge_cpp: fp32 CPU tensors")
+    out_k, out_v = slot_keys.contiguous().clone(), slot_values.contiguous().clone()
+    out_c = counts.to(torch.long).contiguous().clone()
+    if s and e and b * h:
+        threads = torch.get_num_threads() if b * h > 1 and e * s * d >= 1 << 16 else 1
+        load_cpp(_CPP_ARGTYPES, "residual_merge.cpp")(
+            out_k, out_v, out_c, keys.contiguous(), values.contiguous(), num.to(torch.long).contiguous(),
+            num_slots.to(torch.long).contiguous(), b * h, s, d, dv, e, threads)
+    return out_k, out_v, out_c
 
 
 # --------------------------------------------------------------------------- torch

@@ -198,6 +198,18 @@ class Scorer(Part):
     def fused_window(self) -> dict | None:
         return None
 
+    def column_weights(self, n: int) -> Tensor | None:
+        """The row weights w (N,) float32 when the prompt score is a weighted column sum of the
+        attention, s[i] = reduce_group(Σ_j w_j A[j, i]) (masked at pads): then the runtime may
+        compute it inside the prompt's attention (kvcompile.kernels.attention_column_sums) and
+        hand the sums to `score_from_column_sums`. None (the default): the score is not of that form."""
+        return None
+
+    def score_from_column_sums(self, sums: Tensor, state: LayerState) -> Tensor:
+        """The prompt score from the column sums (B, Hq, N) of `column_weights`: reduced over each
+        GQA group, −inf at pads."""
+        return mask_pads(reduce_gqa(sums, state.keys.shape[1], self.gqa), state)
+
 
 @part("scoring", "window_attention")
 @dataclass(frozen=True)
@@ -283,6 +295,12 @@ class Accumulated(Scorer):
 
     score_prompt = score_chunked
 
+    def column_weights(self, n: int) -> Tensor | None:
+        """w = 1 (a subclass with its own score gives None: its score may be another one)."""
+        if not _own_score(self, Accumulated):
+            return None
+        return torch.ones(n, dtype=torch.float32)
+
     def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
         return scores + attention
 
@@ -317,12 +335,24 @@ class Decayed(Scorer):
 
     score_prompt = score_chunked
 
+    def column_weights(self, n: int) -> Tensor | None:
+        """w_j = λ^(N−1−j), the float32 weights of `score` (None for a subclass with its own score)."""
+        if not _own_score(self, Decayed):
+            return None
+        return float(self.decay) ** torch.arange(n - 1, -1, -1, dtype=torch.float32)
+
     def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
         return self.decay * scores + attention
 
     @property
     def running_decay(self) -> float | None:
         return float(self.decay) if type(self).running_update is Decayed.running_update else None
+
+
+def _own_score(scorer: Scorer, cls: type) -> bool:
+    """`scorer` computes the score `cls` defines (a subclass may redefine it)."""
+    return all(getattr(type(scorer), name) is getattr(cls, name)
+               for name in ("score", "score_prompt", "score_from_column_sums"))
 
 
 def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256) -> Tensor:

@@ -1,0 +1,70 @@
+"""The prompt's attention and the weighted column sums of its probabilities, in one pass.
+
+    out, sums = attention_column_sums(q, k, v, valid, scale, weights)
+
+q (B, Hq, N, d) the prompt's queries, k, v (B, H, N, d) its keys and values (Hq = H·G,
+query head h·G + g belongs to KV head h), valid (B, N) bool or None (every token real),
+weights (N,) float32 the row weights w_j. Returns
+- out (B, Hq, N, d): the model's causal attention, `runtime.prompt_attention(q, k, v,
+  valid, scale)`: query j sees the real keys i ≤ j, and a pad query sees itself only;
+- sums (B, Hq, N) float32: Σ over the real queries j of w_j · A[j, i], with A the causal
+  softmax attention of the scorers (`policies.scoring.attention_rows`: a pad query's row
+  is 0).
+
+This is what the scorers whose prompt score is a weighted column sum of the attention need
+(`Scorer.column_weights`: H2O's accumulated attention, w = 1; ZSMerge's decayed one,
+w_j = λ^(N−1−j)). Computed apart, the score is a second attention pass over the prompt
+(`policies.scoring.decayed_scores_chunked`: the logits and the softmax again) and costs
+1.4–1.5× the attention itself; here the logits are computed once and the score adds one
+multiply-add per probability (attention_column_sums.cpp: each block of QB queries keeps
+its G·QB rows of logits in a stripe, where each row's softmax is exact).
+
+Impl "cpp" only (the plan's `score_impl = "column_sums:cpp"`): fp32 on the CPU, head dim a
+multiple of the vector width, a C++ compiler (Inductor's toolchain, as paged_attention_cpp);
+elsewhere the plan keeps the model's attention and the scorer's own chunked pass.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvcompile.kernels.paged_attention_cpp import load_cpp, supports
+
+_ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*", "const float*", "float*", "float*",
+             "float*", "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
+             "const float", "const int64_t", "const int64_t")
+QUERY_BLOCK = 16  # queries per work item: G·16 rows of logits stay in a core's L2 up to ~8k keys (G = 3)
+LANES = 16  # the widest vector (AVX-512 fp32): keys are padded to a multiple of it
+
+
+def _kernel(d: int):
+    return load_cpp(_ARGTYPES, "attention_column_sums.cpp", D=d, QB=QUERY_BLOCK)
+
+
+def runs_here(device: torch.device, dtype: torch.dtype | None, head_dim: int) -> bool:
+    """The kernel runs on tensors of this device, dtype and head dim."""
+    return dtype is not None and supports(device, dtype, head_dim)
+
+
+def attention_column_sums(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, scale: float,
+                          weights: Tensor, *, threads: int | None = None) -> tuple[Tensor, Tensor]:
+    """(out, sums): the module docstring. threads: OpenMP threads (default: torch's)."""
+    b, hq, n, d = q.shape
+    h = k.shape[1]
+    if not (runs_here(q.device, q.dtype, d) and k.dtype == v.dtype == q.dtype):
+        raise ValueError("attention_column_sums: fp32 CPU tensors with head dim a multiple of 16")
+    if hq % h or k.shape[2] != n or q.shape[2] != n:
+        raise ValueError(f"attention_column_sums: q (B, H·G, N, d), k and v (B, H, N, d); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
+    threads = torch.get_num_threads() if threads is None else threads
+    g = hq // h
+    padded = -(-n // LANES) * LANES
+    kt = k.new_zeros(b, h, d, padded)
+    kt[..., :n] = k.transpose(2, 3)
+    mask = torch.ones(1, dtype=torch.long) if valid is None else valid.to(torch.long).contiguous()
+    out = torch.empty(b, hq, n, d)
+    partial = torch.zeros(threads, b, hq, n)
+    stripe = torch.empty(threads, g * QUERY_BLOCK, padded)
+    _kernel(d)(q.contiguous(), kt, v.contiguous(), mask, weights.to(torch.float32).contiguous(), out, partial,
+               stripe, b, h, g, n, padded, float(scale), int(valid is not None), threads)
+    return out, partial.sum(0)
