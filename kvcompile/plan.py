@@ -187,7 +187,7 @@ def _step_rule(policy: Policy, online: bool) -> StepRule | None:
     return StepRule(decay, scoring.gqa == "max", alpha, online)
 
 
-def _heads_exchange(policy: Policy, shard: HeadShard, num_heads: int, compiled_entry: bool) -> str:
+def _heads_exchange(policy: Policy, shard: HeadShard, num_heads: int) -> str:
     """What a tensor-parallel rank gathers for its selections (Plan.heads_exchange); PlanError
     for what cannot run sharded."""
     if shard.num_heads != num_heads:
@@ -278,7 +278,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     ring_rows = scoring.query_rows(2 ** 30) if prune_every and not scoring.running else 0
     exchange = "none"
     if shard is not None:
-        exchange = _heads_exchange(policy, shard, num_heads, compiled_entry)
+        exchange = _heads_exchange(policy, shard, num_heads)
     cascade = policy.layer_dynamic and policy.budget.threshold is None
     lazy = cascade and policy.budget.heads.nested and not policy.merges and policy.budget.split is None
     return Plan(
