@@ -193,6 +193,10 @@ def _heads_exchange(policy: Policy, shard: HeadShard, num_heads: int) -> str:
     if shard.num_heads != num_heads:
         raise PlanError(f"kvcompile: the tensor-parallel shard is of {shard.num_heads} KV heads, the model has "
                         f"{num_heads}")
+    if not policy.scoring.head_local:
+        raise PlanError(f"kvcompile: scoring: {policy.scoring.name} reads other KV heads than the one it scores; "
+                        f"under tensor parallelism a rank holds only its own heads ({policy.name} cannot run "
+                        "sharded: load the model without tp_plan)")
     budget = policy.budget
     if budget.threshold is not None:  # no head budgets, no layer totals: the cut alone
         return "none" if budget.threshold.head_local else "scores"

@@ -122,6 +122,21 @@ def test_a_shard_is_checked():
         build_plan(kvcompile.load_spec("snapkv"), model.config, shard=HeadShard(None, 0, 2, 4))
 
 
+def test_a_scorer_that_reads_other_heads_cannot_run_sharded():
+    import dataclasses
+
+    from kvcompile.policies.scoring import WindowAttention
+
+    class AcrossHeads(WindowAttention):  # not registered: a part that would mix heads
+        head_local = False
+
+    policy = dataclasses.replace(kvcompile.load_spec("snapkv"), scoring=AcrossHeads())
+    config = tiny_model("llama").config
+    build_plan(policy, config)  # one process: every head is here
+    with pytest.raises(PlanError, match="reads other KV heads than the one it scores"):
+        build_plan(policy, config, shard=HeadShard(None, 0, 2, 2))
+
+
 def test_a_sharded_model_without_a_process_group_is_refused():
     model = tiny_model("llama")
     model._tp_size = 2  # what transformers sets on a model it sharded

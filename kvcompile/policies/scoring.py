@@ -168,10 +168,14 @@ class Scorer(Part):
     (`running_update`, called with each new query's attention). `score_prompt`: the
     runtime's path to `score` (a scorer that would build the N×N attention gives a
     memory-bounded one). `fused_window`: the arguments of the fused window-scoring kernel
-    when the scorer is one (kvcompile.kernels.window_scores), else None."""
+    when the scorer is one (kvcompile.kernels.window_scores), else None. `head_local`: a KV
+    head's scores read only that head's keys and values and its group's queries (every scorer
+    here), so a tensor-parallel rank scores its own heads; a scorer that reads other heads sets
+    False and tensor parallelism refuses it (kvcompile.plan)."""
 
     gqa = "mean"
     running = False
+    head_local = True
 
     def query_rows(self, n: int) -> int:
         raise NotImplementedError
