@@ -162,6 +162,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
                           page_size=page_size, compiled_entry=mode == "compiled", shard=shard)
     except (PlanError, ShardingError) as exc:
         raise CompileError(str(exc)) from None
+    plan.build_kernels(model.config.num_attention_heads // model.config.num_key_value_heads)
     if hasattr(model, _STATE):
         uncompile(model)
     config = model.config
