@@ -160,3 +160,30 @@ def test_layers_split_between_the_gpu_and_the_cpu(saved, offloaded):
         want, got = run(whole, name, ids, mask), run(split, name, ids, mask)
         assert got["plan"].device == torch.device("cuda", 0) and got["pages"] == {torch.device("cuda", 0)}
         assert_same(got, want)
+
+
+def test_layers_that_run_on_meta_are_refused():
+    model = tiny_model("llama", layers=2)
+    for layer in model.model.layers:
+        accelerate.hooks.add_hook_to_module(layer, RunsElsewhere("meta"))
+    with pytest.raises(CompileError, match="layers run on the 'meta' device"):
+        kvcompile.compile(model, "snapkv")
+
+
+def test_a_layer_on_another_device_than_its_cache_is_refused_at_its_step():
+    """The runtime's own check (kvcompile.runtime.attend): once the prompt fixed the cache's device,
+    a step on another device raises before it touches the pages."""
+    import dataclasses
+
+    from tiny import prompt
+
+    model = tiny_model("llama", layers=2)
+    ids = prompt(60)
+    with torch.no_grad(), kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=40)):
+        cache = model(ids).past_key_values
+        assert cache.plan.device == torch.device("cpu")
+        lengths = cache.kept().clone()
+        cache.plan = dataclasses.replace(cache.plan, device=torch.device("meta"))  # as if layer 0 ran elsewhere
+        with pytest.raises(RuntimeError, match="layer 0 runs on cpu but the cache lives on meta"):
+            model(ids[:, :1], past_key_values=cache)
+    assert torch.equal(cache.kept(), lengths)
