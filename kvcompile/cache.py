@@ -491,7 +491,8 @@ class KVCompileCache(Cache):
             return report
         names = ("bytes_held", "bytes_entries", "bytes_allocated", "bytes_metadata", "bytes_full")
         # all_gather of this rank's five byte counts (P, 5), and of its kept and pages counts (B, L, H/P) each
-        mine = torch.tensor([[report[name] for name in names]], dtype=torch.long)
+        mine = torch.tensor([[report[name] for name in names]], dtype=torch.long,
+                            device=report["kept"].device)  # the cache's device: NCCL sends CUDA tensors only
         per_rank = shard.gather_heads(mine[:, None])[0]  # (P, 5)
         counts = torch.stack([report["kept"], report["pages"]], dim=1).permute(0, 3, 1, 2)  # (B, H/P, 2, L)
         kept, pages = shard.gather_heads(counts).permute(0, 2, 3, 1).unbind(1)  # (B, L, H) each

@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
+from kvcompile.devices import DeviceError, execution_device, has_hooks
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
 from kvcompile.runtime import kvcompile_attention, kvcompile_mask
@@ -151,16 +152,19 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
         policy = load_spec(spec, **overrides)
     _check_model(model)
-    if mode == "compiled" and hasattr(model, "_hf_hook"):
+    if mode == "compiled" and has_hooks(model):
         raise CompileError("kvcompile: the compiled entry cannot trace accelerate's hooks on model.forward "
                            "(device_map dispatch, offload); compile with mode='eager', which keeps them running")
     if page_size < 1:
         raise ValueError(f"kvcompile: page_size must be >= 1, got {page_size}")
     try:
         shard = model_shard(model)
-        plan = build_plan(policy, model.config, device=model.device, dtype=model.dtype, kernels=kernels,
+        # the device the layers run on: accelerate's execution device where hooks move offloaded
+        # weights in (model.device is then where the first weight is stored: "meta", "cpu")
+        device = execution_device(model)
+        plan = build_plan(policy, model.config, device=device, dtype=model.dtype, kernels=kernels,
                           page_size=page_size, compiled_entry=mode == "compiled", shard=shard)
-    except (PlanError, ShardingError) as exc:
+    except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
     plan.build_kernels(model.config.num_attention_heads // model.config.num_key_value_heads)
     if hasattr(model, _STATE):

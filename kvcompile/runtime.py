@@ -558,6 +558,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
             f"kvcompile: layer {layer} computes {k.shape[1]} KV heads but the cache's plan holds "
             f"{len(cache.plan.kv_heads)} (a model sharded by tensor parallelism needs its cache from "
             "kvcompile.compile(model, ...), or a plan built with shard=kvcompile.sharding.model_shard(model))")
+    if (layer or cache.stores[0] is not None) and cache.plan.device is not None and q.device != cache.plan.device:
+        raise RuntimeError(  # layer 0's prompt fixed the device (kvcompile.devices: one device for every layer)
+            f"kvcompile: layer {layer} runs on {q.device} but the cache lives on {cache.plan.device}; every layer "
+            "must run on one device (offloaded weights are fine: accelerate runs them on its main device)")
     if cache.stores[layer] is None:
         chunks = cache.chunks
         if chunks is None:
