@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=cli.ints, default=[512, 1024])
     parser.add_argument("--lengths", type=cli.ints, default=[2000, 4000])
     parser.add_argument("--depths", type=cli.fractions, default=[0.3, 0.7])
-    parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=20)  # 4-digit answers: ~14 tokens
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=cli.positive, default=None)
     parser.add_argument("--out", type=Path, default=OUT)
