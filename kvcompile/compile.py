@@ -12,6 +12,7 @@ import copy
 import functools
 from contextlib import contextmanager
 
+import torch
 
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -119,10 +120,47 @@ def _check_crop(plan) -> None:
     if plan.prune_every or plan.online_eviction or plan.running_scores:  # KVCompileCache.is_croppable
         raise CompileError(f"kvcompile: assisted / prompt-lookup decoding needs crop(), which {plan.policy.name} "
                            "cannot do exactly (it evicts or re-scores while decoding)")
+    if plan.prefill_chunk:
+        raise CompileError(f"kvcompile: assisted / prompt-lookup decoding sends candidate tokens with the prompt, "
+                           f"and {plan.policy.name} compresses its prompt chunk by chunk (schedule.prefill); "
+                           "generate without an assistant")
     if plan.cascade:
         raise CompileError(f"kvcompile: assisted / prompt-lookup decoding sends candidate tokens with the prompt, "
                            f"and {plan.policy.name}'s cascade changes a layer's cache after those tokens attended "
                            "to it (not exact); generate without an assistant")
+
+
+_CHUNKED_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "cache_position")
+
+
+def _forward_in_chunks(forward, chunk: int, cache: KVCompileCache, args, kwargs):
+    """A prompt that the policy compresses every `chunk` tokens (schedule.prefill: chunk), given to
+    model(...) in one call: it runs through the model one chunk per forward call (every layer of a
+    chunk before the next chunk, as the reference defines it), the attention mask growing with it.
+    Returns the last call's output with the logits of every chunk concatenated."""
+    if kwargs.get("output_hidden_states"):
+        raise CompileError("kvcompile: output_hidden_states=True with a policy that compresses the prompt in chunks "
+                           "(schedule.prefill): the prompt runs in several forward calls; call without it")
+    if kwargs.get("logits_to_keep"):
+        raise CompileError("kvcompile: logits_to_keep with a policy that compresses the prompt in chunks "
+                           "(schedule.prefill) is not supported; call without it")
+    kwargs = dict(kwargs)
+    if args:
+        kwargs["input_ids"], args = args[0], args[1:]
+    inputs = {name: kwargs.pop(name) for name in _CHUNKED_INPUTS if kwargs.get(name) is not None}
+    mask = kwargs.pop("attention_mask", None)
+    length = _length((), inputs)
+    cache.expect_prompt(length)
+    logits, out = [], None
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        piece = {name: x[:, start:end] if name != "cache_position" else x[start:end] for name, x in inputs.items()}
+        if mask is not None:
+            piece["attention_mask"] = mask[:, :end]
+        out = forward(*args, past_key_values=cache, **piece, **kwargs)
+        logits.append(out.logits)
+    out.logits = torch.cat(logits, dim=1)
+    return out
 
 
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
@@ -200,9 +238,13 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         if past_key_values is None and use_cache is not False:
             past_key_values = new_cache()
         if isinstance(past_key_values, KVCompileCache):
-            if not past_key_values.seq_length:
+            fresh = not past_key_values.seq_length
+            if fresh:
                 check_left_padded(kwargs.get("attention_mask"))
             kwargs["kvcompile_cache"] = past_key_values
+            chunk = past_key_values.plan.prefill_chunk
+            if fresh and chunk and t is not None and t > chunk and past_key_values.compressing is None:
+                return _forward_in_chunks(forward, chunk, past_key_values, args, {**kwargs, "use_cache": use_cache})
         return forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
 
     @functools.wraps(generate)
@@ -229,6 +271,13 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
               and not past_key_values.headroom):  # a fresh cache of the caller's: spares for what generate() adds
             past_key_values.plan = past_key_values.plan.with_headroom(headroom)
         chunk = kwargs.get("prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))
+        if plan.prefill_chunk:  # the prompt runs chunk by chunk, compressed after each (schedule.prefill: chunk)
+            if chunk is not None and chunk != plan.prefill_chunk:
+                raise CompileError(f"kvcompile: {plan.policy.name} compresses its prompt every {plan.prefill_chunk} "
+                                   f"tokens (schedule.prefill); generate(prefill_chunk_size={chunk}) would cut it "
+                                   f"otherwise: leave prefill_chunk_size unset or give {plan.prefill_chunk}")
+            if t is not None and t > plan.prefill_chunk:
+                chunk = kwargs["prefill_chunk_size"] = plan.prefill_chunk
         if (chunk or assisted) and t is not None and isinstance(past_key_values, KVCompileCache) \
                 and not past_key_values.seq_length:
             # the prompt is compressed whole, as in one pass: over its chunks, and without the
