@@ -163,6 +163,31 @@ def _forward_in_chunks(forward, chunk: int, cache: KVCompileCache, args, kwargs)
     return out
 
 
+def build_kernels(plan, group: int) -> None:
+    """Build (or load from the disk cache) the C++ kernels `plan` names, for `group` query heads per
+    KV head, now: built on first use instead, a cold build (~1 s each) lands inside a generation,
+    e.g. the paged kernel in the first decode step past `runtime.one_thread`'s bound (it cost a
+    side-by-side dbudgetkv row 40 % of its decode speed)."""
+    if plan.device is None or plan.device.type != "cpu":
+        return
+    if plan.decode_impl == "cpp":
+        from kvcompile.kernels import paged_attention_cpp
+
+        paged_attention_cpp._kernel(group, plan.head_dim)
+    if plan.online_impl == "cpp":
+        from kvcompile.kernels import online_step
+
+        online_step._kernel(group, plan.head_dim)
+    if plan.attention_scores:
+        from kvcompile.kernels import attention_column_sums
+
+        attention_column_sums._kernel(plan.head_dim)
+    if plan.merge_impl == "cpp":
+        from kvcompile.kernels import merge
+
+        merge._cpp_kernel()
+
+
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
             kernels: str | None = None, **overrides):
     """Return `model` with its attention rewritten to run `spec` (path, name, mapping or Policy).
@@ -204,7 +229,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
                           page_size=page_size, compiled_entry=mode == "compiled", shard=shard)
     except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
-    plan.build_kernels(model.config.num_attention_heads // model.config.num_key_value_heads)
+    build_kernels(plan, model.config.num_attention_heads // model.config.num_key_value_heads)
     if hasattr(model, _STATE):
         uncompile(model)
     config = model.config

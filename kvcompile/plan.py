@@ -120,30 +120,6 @@ class Plan:
         when the whole prompt comes in one call; otherwise `score` runs the scorer's own pass."""
         return self.score_impl == "column_sums:cpp"
 
-    def build_kernels(self, group: int) -> None:
-        """Build (or load from the disk cache) the C++ kernels this plan names, for `group` query
-        heads per KV head, now: built on first use instead, a cold build (~1 s each) lands inside
-        a generation, e.g. the paged kernel in the first decode step past `runtime.one_thread`'s
-        bound (it cost a side-by-side dbudgetkv row 40 % of its decode speed)."""
-        if self.device is None or self.device.type != "cpu":
-            return
-        if self.decode_impl == "cpp":
-            from kvcompile.kernels import paged_attention_cpp
-
-            paged_attention_cpp._kernel(group, self.head_dim)
-        if self.online_impl == "cpp":
-            from kvcompile.kernels import online_step
-
-            online_step._kernel(group, self.head_dim)
-        if self.attention_scores:
-            from kvcompile.kernels import attention_column_sums
-
-            attention_column_sums._kernel(self.head_dim)
-        if self.merge_impl == "cpp":
-            from kvcompile.kernels import merge
-
-            merge._cpp_kernel()
-
     def score(self, state: LayerState) -> Tensor:
         """The prompt scores of one layer (B, H, N), by the implementation the plan chose."""
         if self.score_impl == "part" or self.attention_scores:
