@@ -322,7 +322,7 @@ class Accumulated(Scorer):
         return own if carried is None else mask_pads(carried + own, state)
 
     def score_chunk_prompt(self, state: LayerState, carried: Tensor | None) -> Tensor:
-        own = decayed_scores_chunked(state, 1.0, self.gqa)
+        own = decayed_scores_chunked(state, 1.0, self.gqa, rows=state.queries.shape[2])
         return own if carried is None else mask_pads(carried + own, state)
 
     def column_weights(self, n: int) -> Tensor | None:
@@ -376,8 +376,8 @@ class Decayed(Scorer):
         return own if carried is None else mask_pads(float(self.decay) ** r * carried + own, state)
 
     def score_chunk_prompt(self, state: LayerState, carried: Tensor | None) -> Tensor:
-        own = decayed_scores_chunked(state, float(self.decay), self.gqa)
         r = state.queries.shape[2]
+        own = decayed_scores_chunked(state, float(self.decay), self.gqa, rows=r)
         return own if carried is None else mask_pads(float(self.decay) ** r * carried + own, state)
 
     def column_weights(self, n: int) -> Tensor | None:
@@ -400,12 +400,14 @@ def _own_score(scorer: Scorer, cls: type) -> bool:
                for name in ("score", "score_prompt", "score_from_column_sums"))
 
 
-def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256) -> Tensor:
+def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256,
+                           rows: int | None = None) -> Tensor:
     """ZSMerge Eq. 5 over the prompt, s[i] = Σ_j λ^(N−1−j) A[j, i], without the N×N matrix.
 
     Equal to `Decayed(decay, gqa).score(state)` (λ = 1: `Accumulated`), up to float
-    summation order. With R < N query rows (a chunk of a chunked prompt) the sum runs over
-    the rows of the last R keys (`Decayed.score_chunk` without the carried score). Rows j are taken `chunk` at a time: the causal softmax of those rows
+    summation order; the state must hold all N query rows. `rows` = R < N (a chunk of a
+    chunked prompt, the state's last R query rows): the sum runs over the rows of the last R
+    keys (`Decayed.score_chunk` without the carried score). Rows j are taken `chunk` at a time: the causal softmax of those rows
     against the keys they can see (i < end of the chunk), weighted by λ^(N−1−j) and summed
     into a (B, Hq, N) accumulator, so memory is O(chunk·N) per head. The G query heads of
     a group share one matmul against their KV head (no repeat of K); the scale multiplies
@@ -419,7 +421,10 @@ def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int
     b, hq, r, d = queries.shape
     h, n = keys.shape[1], keys.shape[2]
     _check(hq % h == 0, f"{hq} query heads do not split into groups over {h} KV heads")
-    rows = min(r, n)  # the last `rows` keys have their queries (fewer than N: a chunk of a chunked prompt)
+    if rows is None:
+        _check(r >= n, f"the decayed score reads all N={n} query rows, got R={r}")
+        rows = n
+    _check(1 <= rows <= min(r, n), f"need 1 <= rows <= min(R={r}, N={n}), got rows={rows}")
     first_row = n - rows
     g = hq // h
     scale = d ** -0.5 if state.scale is None else state.scale
