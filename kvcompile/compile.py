@@ -167,7 +167,8 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     config = model.config
     saved = {"attn": config._attn_implementation, "policy": policy, "mode": mode,
              # an accelerate hook (device_map, offload) lives on the instance: restored by uncompile()
-             "instance": {name: model.__dict__[name] for name in ("forward", "generate") if name in model.__dict__}}
+             "instance": {name: model.__dict__[name] for name in ("forward", "generate", "init_continuous_batching")
+                          if name in model.__dict__}}
     forward, generate = model.forward, model.generate
     if mode == "compiled":
         from kvcompile.passes import compile_forward
@@ -233,10 +234,18 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
     model.forward = compiled_forward
     model.generate = compiled_generate
+    # continuous batching (generate_batch, transformers serve's engine) with kvcompile's caches: kvcompile.serving
+    model.init_continuous_batching = functools.partial(_init_continuous_batching, model)
     model.kvcompile_policy = policy
     model.kvcompile_plan = plan
     setattr(model, _STATE, saved)
     return model
+
+
+def _init_continuous_batching(model, *args, **kwargs):
+    from kvcompile.serving import init_continuous_batching
+
+    return init_continuous_batching(model, *args, **kwargs)
 
 
 def uncompile(model):
@@ -244,7 +253,11 @@ def uncompile(model):
     saved = getattr(model, _STATE, None)
     if saved is None:
         return model
-    for name in ("forward", "generate", "kvcompile_policy", "kvcompile_plan"):
+    from kvcompile.serving import KVCompileBatchingManager
+
+    if isinstance(getattr(model, "_cached_continuous_batching_manager", None), KVCompileBatchingManager):
+        model.destroy_cached_continuous_batching_manager()
+    for name in ("forward", "generate", "init_continuous_batching", "kvcompile_policy", "kvcompile_plan"):
         model.__dict__.pop(name, None)
     model.__dict__.update(saved.get("instance", {}))
     model.set_attn_implementation(saved["attn"] or "sdpa")
