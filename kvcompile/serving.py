@@ -163,19 +163,35 @@ def request_bytes(kv: RequestKV) -> int:
     return held
 
 
-def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int) -> int:
-    """The most a request's cache holds after a prompt of `tokens` tokens: each (layer, KV head) at most
-    its tokens in pages plus its spare pages (`build_store`), and while the prompt arrives in chunks,
-    every layer's keys, values and the query rows the scorer reads."""
+def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chunked: bool) -> int:
+    """The most a request's cache holds while and after a prompt of `tokens` tokens is compressed.
+
+    Pages: where the layer totals follow from the length alone (`plan.static_totals`: per_head / ratio
+    budgets), a layer of total T holds at most ceil(T/S) + H pages of entries however its heads share T
+    (each head rounds up once), else each head at most its tokens; every head adds its spare pages
+    (`build_store`). A prompt in chunks (`chunked`) holds every layer's keys, values and the query rows
+    the scorer reads until its last chunk, which compresses layer after layer (a layer's chunks are let
+    go as it is compressed): the larger of the two, plus one layer's chunks. The prompt's attention
+    itself (one layer's full K/V at a time) is the forward's activation memory, not the cache's."""
     s, d = plan.page_size, plan.head_dim
-    heads = len(plan.kv_heads)
+    heads, layers = len(plan.kv_heads), plan.num_layers
+    whole = heads * math.ceil(tokens / s)  # pages of every head holding all its tokens
+    if plan.static_totals:
+        from kvcompile.allocation import layer_totals
+
+        totals = layer_totals(plan.policy, torch.tensor([tokens]), layers, plan.num_heads)[0].tolist()
+        pages = sum(min(math.ceil(t / s) + heads, whole) for t in totals)
+    else:
+        pages = layers * whole
+    pages += layers * heads * plan.spare_pages
     entry = 2 * d * elt + 4 + 8 + 4  # key, value; score float32, position int64, count float32
-    pages = heads * (math.ceil(tokens / s) + plan.spare_pages)
-    table = heads * (math.ceil(tokens / s) + plan.spare_pages) * 8 + 4 * heads * 8
-    stores = plan.num_layers * (pages * s * entry + table)
+    width = math.ceil(tokens / s) + plan.spare_pages
+    stores = pages * s * entry + layers * heads * (width * 8 + 4 * 8)  # + block table and per-head counters
+    if not chunked:
+        return stores
     rows = min(tokens, plan.policy.scoring.query_rows(tokens))
-    chunks = plan.num_layers * (heads * tokens * 2 * d + query_heads * rows * d) * elt
-    return max(stores, chunks + stores)
+    chunk = (heads * tokens * 2 * d + query_heads * rows * d) * elt  # one layer's
+    return max(stores, layers * chunk) + chunk
 
 
 # --- the pool as kvcompile's byte budget -------------------------------------------------------
@@ -257,12 +273,13 @@ class KVCompilePagedCache(PagedAttentionCache):
         forward of `request_len` tokens."""
         plan, kv = self.kvcompile.plan, self.kvcompile.requests.get(state.request_id)
         if kv is not None and kv.compressed:
-            step = plan.spare_pages
+            step = kv.cache.plan.spare_pages  # a head past its spares takes this many pages (cache.append)
             need = request_bytes(kv) + sum(step_growth_bytes(s, step) for s in kv.cache.stores) * request_len
         else:
             plan = plan.with_headroom(getattr(state, "max_new_tokens", None) or 0)
-            need = prompt_bound_bytes(plan, state.current_len() + request_len, self.dtype.itemsize,
-                                      self.config.num_attention_heads)
+            prompt = len(state.initial_tokens)
+            need = prompt_bound_bytes(plan, prompt, self.dtype.itemsize, self.config.num_attention_heads,
+                                      chunked=kv is not None or request_len < prompt)
         return math.ceil(need / self.kvcompile.bytes_per_block) * self.allocator.tokens_per_page
 
     def begin_batch(self, scheduled) -> None:
