@@ -48,6 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvcompile.cache import KVCompileCache, LayerStore
 from kvcompile.compile import CompileError
 from kvcompile.plan import Plan
+from kvcompile.runtime import kvcompile_attention, kvcompile_mask
 
 BATCHING_ATTENTION = "kvcompile_batching"  # the attention implementation name while the engine runs
 
@@ -365,10 +366,11 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
                        dropout: float = 0.0, cache=None, **kwargs):
     """The attention of a packed batch (1, H, T, d): each request's run of tokens through
     `torch.ops.kvcompile.attend` on its own cache, as generate() runs it (prefill + compression, a
-    prompt chunk, or decode steps)."""
+    prompt chunk, or decode steps). A call from outside the engine while it runs (generate() on the same
+    model) takes kvcompile's ordinary attention."""
     if not isinstance(cache, KVCompilePagedCache):
-        raise RuntimeError(f"kvcompile: the {BATCHING_ATTENTION!r} attention runs only inside continuous batching "
-                           "(kvcompile.serving); call the model through generate() or generate_batch()")
+        return kvcompile_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                   **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     batch = cache.kvcompile.batch
     total = sum(seg.length for seg in batch)
@@ -382,11 +384,6 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
         start = end
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
-
-
-def batching_mask(*args, **kwargs):
-    """No mask: each request's attention is causal over its own cache."""
-    return None
 
 
 # --- the manager ------------------------------------------------------------------------------
@@ -435,7 +432,9 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         current = model.config._attn_implementation
         if current != BATCHING_ATTENTION:
             AttentionInterface.register(BATCHING_ATTENTION, batching_attention)
-            AttentionMaskInterface.register(BATCHING_ATTENTION, batching_mask)
+            # the engine passes no mask (each request attends causally over its own cache); generate() on the
+            # same model meanwhile gets kvcompile's own
+            AttentionMaskInterface.register(BATCHING_ATTENTION, kvcompile_mask)
             model.set_attn_implementation(BATCHING_ATTENTION)
             self._original_attn_impl = current
 
