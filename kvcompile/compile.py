@@ -243,7 +243,14 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
 
 def _init_continuous_batching(model, *args, **kwargs):
-    from kvcompile.serving import init_continuous_batching
+    try:
+        from kvcompile.serving import init_continuous_batching
+    except ImportError as exc:  # the engine's internals kvcompile.serving builds on (transformers 5.23)
+        import transformers
+
+        raise CompileError(f"kvcompile: continuous batching needs the engine of transformers 5.23 "
+                           f"(generation/continuous_batching); transformers {transformers.__version__} lacks "
+                           f"what kvcompile.serving uses: {exc}") from None
 
     return init_continuous_batching(model, *args, **kwargs)
 
@@ -253,10 +260,8 @@ def uncompile(model):
     saved = getattr(model, _STATE, None)
     if saved is None:
         return model
-    from kvcompile.serving import KVCompileBatchingManager
-
-    if isinstance(getattr(model, "_cached_continuous_batching_manager", None), KVCompileBatchingManager):
-        model.destroy_cached_continuous_batching_manager()
+    if hasattr(getattr(model, "_cached_continuous_batching_manager", None), "kvcompile_plan"):
+        model.destroy_cached_continuous_batching_manager()  # a kept kvcompile.serving manager
     for name in ("forward", "generate", "init_continuous_batching", "kvcompile_policy", "kvcompile_plan"):
         model.__dict__.pop(name, None)
     model.__dict__.update(saved.get("instance", {}))

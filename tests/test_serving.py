@@ -159,3 +159,18 @@ def test_uncompile_gives_back_the_engine():
     out = model.generate_batch(ids, generation_config=gen_config(), warmup=False,
                                continuous_batching_config=ContinuousBatchingConfig(num_blocks=32, page_size=16))
     assert [r.generated_tokens for r in out.values()] == [reference(model, ids[0])]
+
+
+def test_a_kept_manager_is_reused_and_destroyed_by_uncompile():
+    model = compiled()
+    ids = prompts([50])
+    config = ContinuousBatchingConfig(num_blocks=32, page_size=16)
+    first = model.generate_batch(ids, generation_config=gen_config(), continuous_batching_config=config,
+                                 warmup=False, persistent_manager=True)
+    kept = model._cached_continuous_batching_manager
+    assert isinstance(kept, KVCompileBatchingManager)
+    assert model.init_continuous_batching() is kept
+    assert [r.generated_tokens for r in first.values()] == [reference(model, ids[0])]
+    kvcompile.uncompile(model)
+    assert not hasattr(model, "_cached_continuous_batching_manager")
+    assert model.config._attn_implementation == "sdpa"
