@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
+from kvcompile.errors import CompileError
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
 from kvcompile.runtime import kvcompile_attention, kvcompile_mask
@@ -24,10 +25,6 @@ from kvcompile.sharding import ShardingError, model_shard
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
-
-
-class CompileError(ValueError):
-    """The model cannot be compiled (unsupported architecture or attention)."""
 
 
 def _check_model(model) -> None:

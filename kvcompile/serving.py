@@ -46,7 +46,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache, LayerStore
-from kvcompile.compile import CompileError
+from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
 from kvcompile.runtime import kvcompile_attention, kvcompile_mask
 
