@@ -170,3 +170,12 @@ def test_concurrent_requests_give_their_sequential_results(served):
     assert sorted(replies) == [0, 1, 2]
     for i, text in enumerate(texts):
         assert replies[i]["choices"][0]["text"] == expected(reference, tokenizer, tokenizer(text)["input_ids"])
+
+
+def test_a_policy_the_engine_cannot_run_is_refused_before_listening(served):
+    server, tokenizer, folder, reference = served
+    from kvcompile.errors import CompileError
+
+    policy = kvcompile.load_spec("snapkv", **SPEC, schedule={"cascade": False, "decode": {"every": {"n": 4}}})
+    with pytest.raises(CompileError, match="prunes every 4"):
+        KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), log_level="error"))
