@@ -250,6 +250,15 @@ class PromptChunks:
 
 
 @dataclass
+class ChunkedPrompt:
+    """A prompt compressed while it arrives in chunks (schedule.prefill: chunk; runtime.chunked_prefill):
+    every call brings the next chunk of at most `plan.prefill_chunk` tokens, compressed back to the
+    budget before the next one; the calls after `length` tokens decode."""
+
+    length: int  # the whole prompt's length, pads included
+
+
+@dataclass
 class DecodeState:
     """What decoding reads; made by `runtime.start_decode` at the first generated token."""
 
@@ -280,7 +289,8 @@ class KVCompileCache(Cache):
     The runtime's state lives in declared fields: `stores` (one LayerStore per layer),
     `prompt` (PromptState, while and after the prompt runs), `decoding` (DecodeState, once
     tokens are generated), `rings` (latest queries per layer, for `decode: every`),
-    `states` (recorded LayerStates) and `seq_length`.
+    `states` (recorded LayerStates), `chunks` / `compressing` (a prompt arriving in several calls,
+    compressed once whole / after every chunk) and `seq_length`.
     """
 
     is_compileable = False
@@ -302,6 +312,7 @@ class KVCompileCache(Cache):
         self.prompt: PromptState | None = None
         self.decoding: DecodeState | None = None
         self.chunks: PromptChunks | None = None
+        self.compressing: ChunkedPrompt | None = None  # a prompt compressed chunk by chunk, while it runs
         self.handle = next(_NEXT_HANDLE)
         _LIVE[self.handle] = self
 
@@ -310,6 +321,9 @@ class KVCompileCache(Cache):
         calls: it is compressed when its last token arrives, exactly as in one call."""
         if self.is_initialized or self.seq_length:
             raise RuntimeError("kvcompile: expect_prompt() on a cache that already holds a prompt")
+        if self.plan.prefill_chunk:  # the policy compresses after each chunk (schedule.prefill: chunk)
+            self.compressing = ChunkedPrompt(int(length))
+            return
         n = self.plan.num_layers
         self.chunks = PromptChunks(int(length), [None] * n, [None] * n, [None] * n)
 
@@ -393,7 +407,7 @@ class KVCompileCache(Cache):
         self._select_rows(torch.arange(b).repeat_interleave(repeats))
 
     def _select_rows(self, index: Tensor) -> None:
-        if self.chunks is not None:
+        if self.chunks is not None or self.compressing is not None:
             raise RuntimeError("kvcompile: a cache cannot change its rows in the middle of a chunked prompt")
         if self.prompt is None:
             return
@@ -491,7 +505,8 @@ class KVCompileCache(Cache):
             return report
         names = ("bytes_held", "bytes_entries", "bytes_allocated", "bytes_metadata", "bytes_full")
         # all_gather of this rank's five byte counts (P, 5), and of its kept and pages counts (B, L, H/P) each
-        mine = torch.tensor([[report[name] for name in names]], dtype=torch.long)
+        mine = torch.tensor([[report[name] for name in names]], dtype=torch.long,
+                            device=report["kept"].device)  # the cache's device: NCCL sends CUDA tensors only
         per_rank = shard.gather_heads(mine[:, None])[0]  # (P, 5)
         counts = torch.stack([report["kept"], report["pages"]], dim=1).permute(0, 3, 1, 2)  # (B, H/P, 2, L)
         kept, pages = shard.gather_heads(counts).permute(0, 2, 3, 1).unbind(1)  # (B, L, H) each

@@ -3,6 +3,7 @@
     kvcompile run                      # the demo: a ~2k-token text with a hidden fact, spec lava
     kvcompile run --spec snapkv --per-head 64 --prompt-file my_prompt.txt
     kvcompile eval --plot-dir plots/   # needle-in-a-haystack accuracy over specs and budgets
+    torchrun --nproc-per-node 4 -m kvcompile eval --out eval.json   # the same, prompts over 4 processes
     kvcompile bench --length 4000      # decode speed and memory, full cache vs compressed
     kvcompile plot budget-map          # kept tokens per layer x head, as a PNG
     kvcompile specs                    # the shipped policies
@@ -13,6 +14,7 @@ or on any local transformers checkpoint given with --model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -294,12 +296,15 @@ def cmd_run(args) -> None:
 # --- kvcompile eval ------------------------------------------------------------------------
 
 def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int, full: bool = True,
-                 reuse_prefill: bool = True, quiet: bool = False):
+                 reuse_prefill: bool = True, quiet: bool = False, ranks: "Ranks | None" = None):
     """Needle answers for every prompt x (full cache, spec x budget); one dict per run.
 
     reuse_prefill: prefill once, compress many (kvcompile.sweep): each prompt's layer states
     are captured once and every policy is replayed on them, then decodes its own answer;
-    the runs then have no timings (see `kvcompile bench` for those)."""
+    the runs then have no timings (see `kvcompile bench` for those).
+    ranks: a sharded eval (torchrun): this process runs the runs of its prompts only
+    (`Ranks.mine`) and returns (index, record) pairs, the index of each run in the
+    one-process order (`Ranks.gather` puts them back in it)."""
     from tqdm.auto import tqdm
 
     from kvcompile.data import answer_found
@@ -312,12 +317,14 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
             policies.append(base)  # sets its own budget: one run, whatever --budgets says
         else:
             policies.extend(policy_for(spec, b, own_budget_wins=True) for b in budgets)
-    runs = [(p, None) for p in prompts] if full else []
-    runs += [(p, policy) for p in prompts for policy in policies]
+    runs = [(i, p, None) for i, p in enumerate(prompts)] if full else []
+    runs += [(i, p, policy) for i, p in enumerate(prompts) for policy in policies]
+    order = [index for index, (i, _, _) in enumerate(runs) if ranks is None or ranks.mine(i)]
     generate(model, tokenizer, prompts[0].input_ids[:64], 2)  # warm-up: weights paged in, first-call costs
     records = []
     captured = {}
-    for prompt, policy in tqdm(runs, desc="needle runs", unit="run", disable=quiet):
+    for _, prompt, policy in tqdm([runs[index] for index in order], desc="needle runs", unit="run",
+                                  disable=quiet):
         if policy is not None and reuse_prefill:
             import torch
 
@@ -357,11 +364,11 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
                    correct=answer_found(g.text, prompt.answer), prefill_s=g.prefill_seconds,
                    decode_tok_s=g.decode_tokens_per_second, peak_bytes=g.peak_bytes)
         records.append(row)
-    return records
+    return records if ranks is None else list(zip(order, records))
 
 
 def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets, tokens: int, seed: int,
-                         texts: int = 1, quiet: bool = False):
+                         texts: int = 1, quiet: bool = False, ranks: "Ranks | None" = None):
     """Perplexity and next-token agreement of a continuation under compression.
 
     The prompt is `length` tokens of plain filler; the next `tokens` tokens of the same text
@@ -369,7 +376,8 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
     the share of steps whose arg-max matches the full cache's.  Prefill once, compress many:
     the prompt is captured once and every policy is replayed on it (kvcompile.sweep); the
     full cache is the model's own uncompressed forward.  `texts` passages per length, each
-    at its own place in the filler (drawn from `seed`)."""
+    at its own place in the filler (drawn from `seed`).  ranks: a sharded eval: this process
+    scores the passages `Ranks.mine` gives it and returns (index, record) pairs (see eval_records)."""
     import random
 
     import torch
@@ -382,28 +390,30 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
     policies = [p for s in specs for p in
                 ([policy_for(s, None)] if policy_for(s, None).budget.threshold is not None
                  else [policy_for(s, b, own_budget_wins=True) for b in budgets])]
+    passages = [(length, rng.randrange(max(len(text_ids) - length - tokens, 1)))
+                for length in lengths for _ in range(texts)]  # drawn in one order, whoever scores them
     records = []
-    for length in lengths:
-        for _ in range(texts):
-            start = rng.randrange(max(len(text_ids) - length - tokens, 1))
-            ids = torch.tensor([text_ids[start:start + length + tokens]])
-            prompt, target = ids[:, :length], ids[:, length:]
-            with torch.inference_mode():  # the full cache: the model's own forward, no kvcompile
-                out = model(ids[:, :-1], use_cache=False)
-            full_logits = out.logits[0, length - 1:].float()
-            states, last = capture(model, prompt)
-            runs = [(None, full_logits)]
-            for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy", disable=quiet):
-                cache = replay(policy, model.config, states, headroom=tokens)
-                runs.append((policy, teacher_forced(model, cache, last, target)[0].float()))
-            for policy, logits in runs:
-                nll = torch.nn.functional.cross_entropy(logits, target[0])
-                agree = (logits.argmax(-1) == full_logits.argmax(-1)).float().mean()
-                records.append({"spec": FULL if policy is None else policy.name,
-                                "per_head": None if policy is None or policy.budget.threshold is not None
-                                else policy.budget.per_head, "length": length, "start": start,
-                                "perplexity": float(nll.exp()), "agreement": float(agree)})
-    return records
+    for unit, (length, start) in enumerate(passages):
+        if ranks is not None and not ranks.mine(unit):
+            continue
+        ids = torch.tensor([text_ids[start:start + length + tokens]])
+        prompt, target = ids[:, :length], ids[:, length:]
+        with torch.inference_mode():  # the full cache: the model's own forward, no kvcompile
+            out = model(ids[:, :-1], use_cache=False)
+        full_logits = out.logits[0, length - 1:].float()
+        states, last = capture(model, prompt)
+        runs = [(None, full_logits)]
+        for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy", disable=quiet):
+            cache = replay(policy, model.config, states, headroom=tokens)
+            runs.append((policy, teacher_forced(model, cache, last, target)[0].float()))
+        for j, (policy, logits) in enumerate(runs):
+            nll = torch.nn.functional.cross_entropy(logits, target[0])
+            agree = (logits.argmax(-1) == full_logits.argmax(-1)).float().mean()
+            records.append(((unit, j), {"spec": FULL if policy is None else policy.name,
+                            "per_head": None if policy is None or policy.budget.threshold is not None
+                            else policy.budget.per_head, "length": length, "start": start,
+                            "perplexity": float(nll.exp()), "agreement": float(agree)}))
+    return [r for _, r in records] if ranks is None else records
 
 
 def print_accuracy_table(records) -> None:
@@ -421,22 +431,151 @@ def print_accuracy_table(records) -> None:
         print(f"{spec:<16}" + "".join(f"{c:>12}" for c in cells))
 
 
+# --- a sharded eval (torchrun) --------------------------------------------------------------
+
+# Fields of an eval record that measure the process that ran it (seconds, speed, resident memory),
+# not what the policy kept or answered: a sharded eval's ranks share the machine, so these differ
+# from a one-process run's (and between runs); every other field is the same.
+MEASURED = ("prefill_s", "decode_tok_s", "peak_bytes", "replay_s", "greedy_s")
+GATHER_TIMEOUT_HOURS = 6  # rank 0 waits this long at the gather for the slowest rank (torchrun ends
+#   every rank as soon as one fails, so a long wait costs nothing when a rank crashes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """The processes of a sharded `kvcompile eval`: prompt i (and every run on it) is rank i mod world's;
+    rank 0 gathers every rank's records and writes the one result file."""
+
+    rank: int
+    world: int
+
+    def mine(self, index: int) -> bool:
+        return index % self.world == self.rank
+
+    def connect(self) -> None:
+        """Join torchrun's process group (gloo: the eval runs on the CPU), or check the one already joined."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_gloo_available()):
+            fail("a sharded eval needs torch.distributed with the gloo backend, which this torch build lacks")
+        if dist.is_initialized():
+            if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world):
+                fail(f"RANK={self.rank} WORLD_SIZE={self.world} in the environment, but this process is rank "
+                     f"{dist.get_rank()} of {dist.get_world_size()} in its process group")
+            return
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            fail(f"WORLD_SIZE={self.world} but {' and '.join(missing)} not set: launch a sharded eval with "
+                 "`torchrun --nproc-per-node N -m kvcompile eval ...`")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=GATHER_TIMEOUT_HOURS))
+
+    def gather(self, parts: dict, error: str | None) -> tuple[dict, list[int]] | None:
+        """Every rank's (index, record) pairs of each part, on rank 0, in index order: the records of
+        a one-process run, in its order, and the needle runs each rank ran (None on the other ranks). A rank that failed sends its
+        traceback instead, so every rank still meets at this one collective and rank 0 fails naming it."""
+        import torch.distributed as dist
+
+        sent = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(("error", error) if error is not None else ("ok", parts), sent, dst=0)
+        if self.rank:
+            return None
+        for rank, (kind, payload) in enumerate(sent):
+            if kind == "error":
+                fail(f"eval rank {rank} of {self.world} failed:\n{payload}")
+        merged = {name: [record for _, record in sorted((pair for _, got in sent for pair in got[name]),
+                                                        key=lambda pair: pair[0])]
+                  for name in parts}
+        return merged, [len(got["needle"]) for _, got in sent]
+
+
+def eval_ranks() -> Ranks | None:
+    """The sharding of this eval, from the environment torchrun sets (RANK, WORLD_SIZE): None for one
+    process; a clear exit for an environment that cannot be a sharded run."""
+    env = os.environ
+    if env.get("WORLD_SIZE") is None:
+        if env.get("RANK") is not None:
+            fail("RANK is set but WORLD_SIZE is not: launch a sharded eval with "
+                 "`torchrun --nproc-per-node N -m kvcompile eval ...`")
+        return None
+    try:
+        world = int(env["WORLD_SIZE"])
+        rank = int(env.get("RANK", "-1"))
+    except ValueError:
+        fail(f"WORLD_SIZE and RANK must be integers, got WORLD_SIZE={env.get('WORLD_SIZE')!r} "
+             f"RANK={env.get('RANK')!r}")
+    if world < 1:
+        fail(f"WORLD_SIZE must be at least 1, got {world}")
+    if world == 1:
+        return None
+    if not 0 <= rank < world:
+        fail(f"RANK must be between 0 and WORLD_SIZE - 1 = {world - 1}, got {env.get('RANK')!r}: launch a sharded "
+             "eval with `torchrun --nproc-per-node N -m kvcompile eval ...`")
+    return Ranks(rank, world)
+
+
 def cmd_eval(args) -> None:
+    """Needle (and continuation) results over specs and budgets. Under torchrun the prompts are shared
+    round-robin over the ranks (prompt i on rank i mod N, each rank capturing its prompts once),
+    and rank 0 writes the result file of a one-process run: the same records in the same order
+    (the MEASURED fields are each run's own measurements)."""
     from kvcompile.data import needle_suite
 
     for spec in args.specs:
         policy_for(spec, None)  # bad names fail before the model loads
+    ranks = eval_ranks()
+    prompts_count = len(args.lengths) * len(args.depths)  # needle_suite: one prompt per (length, depth)
+    if ranks is not None and ranks.world > prompts_count:
+        fail(f"{ranks.world} ranks for {prompts_count} prompts ({len(args.lengths)} lengths x "
+             f"{len(args.depths)} depths): launch at most {prompts_count} (each rank runs whole prompts)")
     filler = haystack()
+    if ranks is not None:
+        ranks.connect()
+    try:
+        _eval(args, filler, ranks, needle_suite)
+    finally:
+        if ranks is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _eval(args, filler, ranks, needle_suite) -> None:
+    lead = ranks is None or ranks.rank == 0  # the process that prints and writes
+    quiet = args.quiet or not lead
     model, tokenizer = load(args)
     prompts = needle_suite(tokenizer, filler, args.lengths, args.depths, seed=args.seed)
-    records = eval_records(model, tokenizer, prompts, args.specs, args.budgets, args.max_new_tokens,
-                           quiet=args.quiet)
+    parts, error = {}, None
+    try:
+        parts["needle"] = eval_records(model, tokenizer, prompts, args.specs, args.budgets, args.max_new_tokens,
+                                       quiet=quiet, ranks=ranks)
+        if args.continuation:
+            parts["continuation"] = continuation_records(model, tokenizer, filler, args.lengths, args.specs,
+                                                         args.budgets, args.continuation, args.seed, quiet=quiet,
+                                                         ranks=ranks)
+    except Exception:
+        if ranks is None:
+            raise
+        import traceback
+
+        error = traceback.format_exc()
+    if ranks is not None:
+        gathered = ranks.gather(parts, error)
+        if error is not None:
+            fail(f"eval rank {ranks.rank} of {ranks.world} failed:\n{error}")
+        if gathered is None:  # not rank 0: its records went to rank 0
+            return
+        parts, counts = gathered
+        print(f"ranks    {ranks.world} processes, prompts round-robin; needle runs per rank "
+              f"{', '.join(map(str, counts))}; records gathered on rank 0")
+    records = parts["needle"]
     print_accuracy_table(records)
     result = {"model": model.config.name_or_path, "date": time.strftime("%Y-%m-%d"),
               "args": {k: v for k, v in vars(args).items() if k != "func"}, "needle": records}
     if args.continuation:
-        cont = continuation_records(model, tokenizer, filler, args.lengths, args.specs, args.budgets,
-                                    args.continuation, args.seed, quiet=args.quiet)
+        cont = parts["continuation"]
         result["continuation"] = cont
         print(f"\ncontinuation of {args.continuation} tokens (teacher-forced):")
         print(f"{'spec':<16}{'per head':>10}{'length':>8}{'perplexity':>12}{'agreement':>11}")
@@ -694,7 +833,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Hide a fact in English text at several lengths and depths, ask for it under "
                                     "each spec and budget (and the full cache), and print accuracy per spec and "
                                     "budget. Optionally the perplexity and next-token agreement of a "
-                                    "continuation against the full cache.")
+                                    "continuation against the full cache. Under `torchrun --nproc-per-node N -m "
+                                    "kvcompile eval ...` the prompts are shared round-robin over the N processes "
+                                    "(gloo) and rank 0 writes the file a one-process run writes.")
     add_common(ev, spec=False)
     ev.add_argument("--specs", type=names, default=names(EVAL_SPECS), help=f"comma-separated (default {EVAL_SPECS})")
     ev.add_argument("--budgets", type=ints, default=[64, 128], help="tokens per KV head, comma-separated (default 64,128)")

@@ -12,12 +12,14 @@ import copy
 import functools
 from contextlib import contextmanager
 
+import torch
 
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
+from kvcompile.devices import DeviceError, execution_device, has_hooks
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
 from kvcompile.runtime import kvcompile_attention, kvcompile_mask
@@ -115,10 +117,72 @@ def _check_crop(plan) -> None:
     if plan.prune_every or plan.online_eviction or plan.running_scores:  # KVCompileCache.is_croppable
         raise CompileError(f"kvcompile: assisted / prompt-lookup decoding needs crop(), which {plan.policy.name} "
                            "cannot do exactly (it evicts or re-scores while decoding)")
+    if plan.prefill_chunk:
+        raise CompileError(f"kvcompile: assisted / prompt-lookup decoding sends candidate tokens with the prompt, "
+                           f"and {plan.policy.name} compresses its prompt chunk by chunk (schedule.prefill); "
+                           "generate without an assistant")
     if plan.cascade:
         raise CompileError(f"kvcompile: assisted / prompt-lookup decoding sends candidate tokens with the prompt, "
                            f"and {plan.policy.name}'s cascade changes a layer's cache after those tokens attended "
                            "to it (not exact); generate without an assistant")
+
+
+_CHUNKED_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "cache_position")
+
+
+def _forward_in_chunks(forward, chunk: int, cache: KVCompileCache, args, kwargs):
+    """A prompt that the policy compresses every `chunk` tokens (schedule.prefill: chunk), given to
+    model(...) in one call: it runs through the model one chunk per forward call (every layer of a
+    chunk before the next chunk, as the reference defines it), the attention mask growing with it.
+    Returns the last call's output with the logits of every chunk concatenated."""
+    if kwargs.get("output_hidden_states"):
+        raise CompileError("kvcompile: output_hidden_states=True with a policy that compresses the prompt in chunks "
+                           "(schedule.prefill): the prompt runs in several forward calls; call without it")
+    if kwargs.get("logits_to_keep"):
+        raise CompileError("kvcompile: logits_to_keep with a policy that compresses the prompt in chunks "
+                           "(schedule.prefill) is not supported; call without it")
+    kwargs = dict(kwargs)
+    if args:
+        kwargs["input_ids"], args = args[0], args[1:]
+    inputs = {name: kwargs.pop(name) for name in _CHUNKED_INPUTS if kwargs.get(name) is not None}
+    mask = kwargs.pop("attention_mask", None)
+    length = _length((), inputs)
+    cache.expect_prompt(length)
+    logits, out = [], None
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        piece = {name: x[:, start:end] if name != "cache_position" else x[start:end] for name, x in inputs.items()}
+        if mask is not None:
+            piece["attention_mask"] = mask[:, :end]
+        out = forward(*args, past_key_values=cache, **piece, **kwargs)
+        logits.append(out.logits)
+    out.logits = torch.cat(logits, dim=1)
+    return out
+
+
+def build_kernels(plan, group: int) -> None:
+    """Build (or load from the disk cache) the C++ kernels `plan` names, for `group` query heads per
+    KV head, now: built on first use instead, a cold build (~1 s each) lands inside a generation,
+    e.g. the paged kernel in the first decode step past `runtime.one_thread`'s bound (it cost a
+    side-by-side dbudgetkv row 40 % of its decode speed)."""
+    if plan.device is None or plan.device.type != "cpu":
+        return
+    if plan.decode_impl == "cpp":
+        from kvcompile.kernels import paged_attention_cpp
+
+        paged_attention_cpp._kernel(group, plan.head_dim)
+    if plan.online_impl == "cpp":
+        from kvcompile.kernels import online_step
+
+        online_step._kernel(group, plan.head_dim)
+    if plan.attention_scores:
+        from kvcompile.kernels import attention_column_sums
+
+        attention_column_sums._kernel(plan.head_dim)
+    if plan.merge_impl == "cpp":
+        from kvcompile.kernels import merge
+
+        merge._cpp_kernel()
 
 
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
@@ -148,17 +212,21 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
         policy = load_spec(spec, **overrides)
     _check_model(model)
-    if mode == "compiled" and hasattr(model, "_hf_hook"):
+    if mode == "compiled" and has_hooks(model):
         raise CompileError("kvcompile: the compiled entry cannot trace accelerate's hooks on model.forward "
                            "(device_map dispatch, offload); compile with mode='eager', which keeps them running")
     if page_size < 1:
         raise ValueError(f"kvcompile: page_size must be >= 1, got {page_size}")
     try:
         shard = model_shard(model)
-        plan = build_plan(policy, model.config, device=model.device, dtype=model.dtype, kernels=kernels,
+        # the device the layers run on: accelerate's execution device where hooks move offloaded
+        # weights in (model.device is then where the first weight is stored: "meta", "cpu")
+        device = execution_device(model)
+        plan = build_plan(policy, model.config, device=device, dtype=model.dtype, kernels=kernels,
                           page_size=page_size, compiled_entry=mode == "compiled", shard=shard)
-    except (PlanError, ShardingError) as exc:
+    except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
+    build_kernels(plan, model.config.num_attention_heads // model.config.num_key_value_heads)
     if hasattr(model, _STATE):
         uncompile(model)
     config = model.config
@@ -193,9 +261,13 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         if past_key_values is None and use_cache is not False:
             past_key_values = new_cache()
         if isinstance(past_key_values, KVCompileCache):
-            if not past_key_values.seq_length:
+            fresh = not past_key_values.seq_length
+            if fresh:
                 check_left_padded(kwargs.get("attention_mask"))
             kwargs["kvcompile_cache"] = past_key_values
+            chunk = past_key_values.plan.prefill_chunk
+            if fresh and chunk and t is not None and t > chunk and past_key_values.compressing is None:
+                return _forward_in_chunks(forward, chunk, past_key_values, args, {**kwargs, "use_cache": use_cache})
         return forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
 
     @functools.wraps(generate)
@@ -222,6 +294,13 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
               and not past_key_values.headroom):  # a fresh cache of the caller's: spares for what generate() adds
             past_key_values.plan = past_key_values.plan.with_headroom(headroom)
         chunk = kwargs.get("prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))
+        if plan.prefill_chunk:  # the prompt runs chunk by chunk, compressed after each (schedule.prefill: chunk)
+            if chunk is not None and chunk != plan.prefill_chunk:
+                raise CompileError(f"kvcompile: {plan.policy.name} compresses its prompt every {plan.prefill_chunk} "
+                                   f"tokens (schedule.prefill); generate(prefill_chunk_size={chunk}) would cut it "
+                                   f"otherwise: leave prefill_chunk_size unset or give {plan.prefill_chunk}")
+            if t is not None and t > plan.prefill_chunk:
+                chunk = kwargs["prefill_chunk_size"] = plan.prefill_chunk
         if (chunk or assisted) and t is not None and isinstance(past_key_values, KVCompileCache) \
                 and not past_key_values.seq_length:
             # the prompt is compressed whole, as in one pass: over its chunks, and without the

@@ -92,6 +92,8 @@ class Plan:
     cascade: bool  # layer budgets move with the scores of later layers (LAVa Alg. 2)
     lazy_cascade: bool  # the cascade's re-selections may wait: the heads rule is nested (see HeadsRule)
     static_totals: bool  # layer totals are known from the prompt lengths alone
+    prefill_chunk: int = 0  # the prompt runs in chunks of this many tokens, each compressed back to the budget
+    #   before the next (schedule.prefill: chunk; reference.ChunkedPrefill); 0: one pass
 
     def with_headroom(self, headroom: int) -> "Plan":
         """The same plan for a generation of `headroom` new tokens (its spare pages)."""
@@ -133,7 +135,8 @@ class Plan:
     def describe(self) -> str:
         """One line per decision, for logs and `kvcompile run --verbose`."""
         fields = ("score_impl", "select_impl", "merge_impl", "decode_impl", "online_impl", "running_scores",
-                  "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade", "kv_heads", "heads_exchange")
+                  "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade", "prefill_chunk", "kv_heads",
+                  "heads_exchange")
         return "\n".join(f"{name}: {getattr(self, name)}" for name in fields)
 
 
@@ -284,7 +287,13 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     if shard is not None:
         exchange = _heads_exchange(policy, shard, num_heads)
     cascade = policy.layer_dynamic and policy.budget.threshold is None
-    lazy = cascade and policy.budget.heads.nested and not policy.merges and policy.budget.split is None
+    chunk = policy.schedule.chunk_tokens
+    if chunk and shard is not None:
+        raise PlanError(f"kvcompile: {policy.name} compresses while prefilling in chunks (schedule.prefill), which "
+                        "does not run under tensor parallelism (its selections among held entries and chunk are "
+                        "not sharded); load the model without tp_plan, or drop schedule.prefill")
+    # a chunked prompt re-selects every layer after each chunk: the lazy cascade's counting does not apply
+    lazy = cascade and not chunk and policy.budget.heads.nested and not policy.merges and policy.budget.split is None
     return Plan(
         policy=policy, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
         kv_heads=tuple(range(num_heads)) if shard is None else shard.heads, shard=shard,
@@ -294,5 +303,6 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         merge_compile_above=merge_compile_above, decode_impl=decode_impl, online_impl=online_impl,
         step_rule=step_rule, running_scores=scoring.running, online_eviction=online,
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
-        cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade)
+        cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
+        prefill_chunk=chunk)
 

@@ -66,7 +66,8 @@ def policy_to_mapping(policy: Policy) -> dict:
             "split": None if budget.split is None else _fields(budget.split),
         },
         "merge": _part_mapping(policy.merge),
-        "schedule": {"cascade": schedule.cascade, "decode": _part_mapping(schedule.decode)},
+        "schedule": {"cascade": schedule.cascade, "decode": _part_mapping(schedule.decode),
+                     "prefill": _part_mapping(schedule.prefill)},
     }
 
 

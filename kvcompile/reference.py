@@ -9,7 +9,7 @@ positions 0 … n_b − 1 (n_b = its real length) and pad tokens are never kept.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -125,6 +125,204 @@ def compress(policy, states: list[LayerState]) -> Selection:
             compress_layer(j, step[:, j])
     budgets = torch.stack([k.sum(-1) for k in kept], dim=1)
     return Selection(kept, merged, budgets, scores)
+
+
+# --- a prompt compressed while prefilling in chunks (DESIGN.md §8 "Prompts longer than memory") ------
+
+@dataclass
+class ChunkedPrefill:
+    """The specification of `schedule: {prefill: {chunk: c}}`: the prompt goes through the model in
+    chunks of c tokens (index k·c … k·c + c − 1 of the padded prompt, the last one shorter), and
+    every layer is compressed back to its budget after each chunk. Feed it what the model computes,
+    chunk after chunk and, inside a chunk, layer after layer: `step(layer, q, k, v, mask, scale)`.
+
+    One chunk at one layer (q (B, Hq, T, d) the chunk's queries after RoPE, k, v (B, H, T, d),
+    mask (B, T) its real tokens, None = all real):
+    1. Attention: real query t sees every entry the head holds (kept tokens and merge slots, with
+       the merge rule's logit bias, α·log w for ZSMerge) and the chunk's real tokens up to itself;
+       a pad query sees itself only (as in one pass).
+    2. Scores: the scorer's `score_chunk` over the held tokens (in position order) followed by the
+       chunk's tokens, per KV head with its own held set, from the chunk's last
+       R = query_rows(T) queries (a window scorer: the last min(w, T) queries of the chunk;
+       pooling runs over that order; LAVa's max ‖V‖₁ over those entries; recency ranks them in
+       order). Running scorers (H2O, ZSMerge) carry their score over chunks as over decode steps:
+       s ← λ^T·s + Σ_j λ^(T−1−j) A[j, i] (λ = 1 for H2O). Merge slots are not scored.
+    3. Selection: `select_and_merge` among the held tokens and the chunk's real tokens, with the
+       slots the head holds, and the budget of the tokens seen so far: n_b = real tokens of the
+       chunks 0 … k (layer totals, ratio budgets, the protected window = the last `window` of the
+       n_b positions, head allocation and splits as in one pass). A threshold (DBudgetKV) cuts
+       among the same candidates (it has no budget: its memory is not bounded by one). Evicted
+       tokens merge into the slots (shrinking them first when a head's slot count went down).
+    4. Layer-dynamic budgets (`layers: entropy`, `schedule: cascade`): LAVa Alg. 2 inside each
+       chunk: after layer l, the totals of layers 0 … l are recomputed from this chunk's
+       entropies of those layers (each over its candidates' scores) for the n_b tokens seen,
+       capped at what each layer holds, and layers 0 … l − 1 are re-selected among what they
+       hold. Layers above l hold their previous chunk's entries meanwhile.
+    With c ≥ N the prompt is one chunk and this is `compress` exactly. Decoding afterwards starts
+    from `heads` as `decode_heads` gives after `compress`.
+    """
+
+    policy: object
+    num_layers: int
+    heads: list = field(default_factory=list)  # per layer: [b][h] HeadEntries (tokens in position order,
+    #   then slots at positions −1 − r); None before the layer's first chunk
+    real: Tensor | None = None  # (B, seen) real tokens of the chunks so far (extended at layer 0)
+    entropy: list = field(default_factory=list)  # dynamic budgets: this chunk's (B,) entropy per layer so far
+    chunks: int = 0  # chunks started (at layer 0)
+
+    def __post_init__(self):
+        if not self.heads:
+            self.heads = [None] * self.num_layers
+
+    def step(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+             scale: float | None = None) -> Tensor:
+        """One chunk at one layer: its attention output (B, Hq, T, d); the layer's entries updated."""
+        policy = self.policy
+        b_, hq, t_, d = q.shape
+        h_ = k.shape[1]
+        g = hq // h_
+        scale = d ** -0.5 if scale is None else scale
+        real = torch.ones(b_, t_, dtype=torch.bool) if mask is None else mask.bool()
+        if layer == 0:
+            self.real = real.clone() if self.real is None else torch.cat([self.real, real], dim=1)
+            self.entropy = []
+            self.chunks += 1
+        lengths = self.real.sum(-1)  # real tokens seen, this chunk's included
+        before = lengths - real.sum(-1)
+        chunk_positions = before[:, None] + real.long().cumsum(-1) - 1  # (B, T); pads: not used
+        first = self.heads[layer] is None
+        empty = HeadEntries(k.new_zeros(0, d), v.new_zeros(0, v.shape[-1]), torch.zeros(0, dtype=torch.long),
+                            torch.zeros(0), torch.zeros(0))
+        held = [[empty] * h_ for _ in range(b_)] if first else self.heads[layer]
+
+        # 1. attention of the chunk's queries over the held entries and the chunk (causal)
+        out = torch.zeros(b_, hq, t_, v.shape[-1])
+        for b in range(b_):
+            for h in range(h_):
+                x = held[b][h]
+                bias = torch.zeros(len(x.counts))
+                if policy.merges:
+                    bias = torch.where(x.tokens(), 0.0, policy.merge.bias(x.counts))
+                for t in range(t_):
+                    if real[b, t]:
+                        mine = real[b, :t + 1]
+                        keys = torch.cat([x.keys, k[b, h, :t + 1][mine]]).float()
+                        values = torch.cat([x.values, v[b, h, :t + 1][mine]]).float()
+                        logit_bias = torch.cat([bias, torch.zeros(int(mine.sum()))])
+                    else:  # a pad query sees itself only
+                        keys, values, logit_bias = k[b, h, t:t + 1].float(), v[b, h, t:t + 1].float(), torch.zeros(1)
+                    logits = q[b, h * g:(h + 1) * g, t].float() @ keys.T * scale + logit_bias
+                    out[b, h * g:(h + 1) * g, t] = torch.softmax(logits, dim=-1) @ values
+
+        # 2. scores of the held tokens and the chunk's, per head; the candidates of the selection
+        rows = policy.scoring.query_rows(t_)
+        width = max(int(x.tokens().sum()) for row in held for x in row) + t_
+        keys = k.new_zeros(b_, h_, width, d)
+        values = v.new_zeros(b_, h_, width, v.shape[-1])
+        scores = torch.full((b_, h_, width), float("-inf"))
+        positions = torch.full((b_, h_, width), -1, dtype=torch.long)
+        valid = torch.zeros(b_, h_, width, dtype=torch.bool)
+        for b in range(b_):
+            for h in range(h_):
+                x = held[b][h]
+                tok = x.tokens()
+                m = int(tok.sum())
+                kh, vh = torch.cat([x.keys[tok], k[b, h]]), torch.cat([x.values[tok], v[b, h]])
+                state = LayerState(q[b:b + 1, h * g:(h + 1) * g, t_ - rows:], kh[None, None], vh[None, None],
+                                   torch.cat([torch.ones(m, dtype=torch.bool), real[b]])[None], scale)
+                carried = None if first else torch.cat([x.scores[tok], torch.zeros(t_)])[None, None]
+                keys[b, h, :m + t_], values[b, h, :m + t_] = kh, vh
+                scores[b, h, :m + t_] = policy.scoring.score_chunk(state, carried)[0, 0]
+                positions[b, h, :m + t_] = torch.cat([x.positions[tok], chunk_positions[b]])
+                valid[b, h, :m + t_] = torch.cat([torch.ones(m, dtype=torch.bool), real[b]])
+        slots = None if first or not policy.merges else _slots_of(held, keys)
+
+        # 3. selection back to the budget of the tokens seen (4. inside the chunk's cascade)
+        if policy.budget.threshold is not None or not policy.layer_dynamic:
+            total = None
+            if policy.budget.threshold is None:
+                total = layer_totals(policy, lengths, self.num_layers, h_)[:, layer]
+            kept, merged = select_and_merge(policy, keys, values, scores, positions, valid, lengths, total, layer,
+                                            slots)
+            self.heads[layer] = _entries_of(keys, values, positions, scores, kept, merged)
+            return out.to(q.dtype)
+        self.entropy.append(layer_entropy(scores, valid))
+        capacity = [_held_count(self.heads[j]) for j in range(layer)]
+        capacity.append(valid.sum((1, 2)) + _held_slots(slots, valid).sum(-1))
+        totals = layer_totals(policy, lengths, self.num_layers, h_, entropy=torch.stack(self.entropy, dim=1),
+                              capacity=torch.stack(capacity, dim=1))
+        for j in range(layer):  # the layers below: re-selected among what they hold
+            below = self.heads[j]
+            ck, cv, cs, cp, cvalid = _tokens_of(below)
+            kept, merged = select_and_merge(policy, ck, cv, cs, cp, cvalid, lengths, totals[:, j], j,
+                                            _slots_of(below, ck) if policy.merges else None)
+            self.heads[j] = _entries_of(ck, cv, cp, cs, kept, merged)
+        kept, merged = select_and_merge(policy, keys, values, scores, positions, valid, lengths, totals[:, layer],
+                                        layer, slots)
+        self.heads[layer] = _entries_of(keys, values, positions, scores, kept, merged)
+        return out.to(q.dtype)
+
+
+def _held_count(heads) -> Tensor:
+    """(B,) entries (tokens and occupied slots) a layer holds over its heads."""
+    return torch.tensor([sum(len(x.positions) for x in row) for row in heads], dtype=torch.long)
+
+
+def _slots_of(heads, like: Tensor) -> Merged:
+    """The merge slots the heads hold, in slot order, as Merged (B, H, S)."""
+    b_, h_ = len(heads), len(heads[0])
+    size = max(int((~x.tokens()).sum()) for row in heads for x in row)
+    d = like.shape[-1]
+    out = Merged(like.new_zeros(b_, h_, size, d), like.new_zeros(b_, h_, size, d),
+                 torch.zeros(b_, h_, size, dtype=torch.long))
+    for b in range(b_):
+        for h in range(h_):
+            x = heads[b][h]
+            sl = (~x.tokens()).nonzero().squeeze(1)
+            sl = sl[(-1 - x.positions[sl]).argsort()]
+            n = len(sl)
+            out.keys[b, h, :n], out.values[b, h, :n], out.counts[b, h, :n] = x.keys[sl], x.values[sl], \
+                x.counts[sl].long()
+    return out
+
+
+def _tokens_of(heads):
+    """The tokens the heads hold as candidates (B, H, M): keys, values, scores, positions, valid."""
+    b_, h_ = len(heads), len(heads[0])
+    width = max(int(x.tokens().sum()) for row in heads for x in row)
+    first = heads[0][0]
+    keys = first.keys.new_zeros(b_, h_, width, first.keys.shape[-1])
+    values = first.values.new_zeros(b_, h_, width, first.values.shape[-1])
+    scores = torch.full((b_, h_, width), float("-inf"))
+    positions = torch.full((b_, h_, width), -1, dtype=torch.long)
+    valid = torch.zeros(b_, h_, width, dtype=torch.bool)
+    for b in range(b_):
+        for h in range(h_):
+            x = heads[b][h]
+            tok = x.tokens()
+            m = int(tok.sum())
+            keys[b, h, :m], values[b, h, :m], scores[b, h, :m] = x.keys[tok], x.values[tok], x.scores[tok]
+            positions[b, h, :m], valid[b, h, :m] = x.positions[tok], True
+    return keys, values, scores, positions, valid
+
+
+def _entries_of(keys, values, positions, scores, kept, merged) -> list[list[HeadEntries]]:
+    """[b][h] HeadEntries: the kept candidates in position order, then the occupied slots."""
+    heads = []
+    for b in range(kept.shape[0]):
+        row = []
+        for h in range(kept.shape[1]):
+            keep = kept[b, h].nonzero().squeeze(1)
+            keep = keep[positions[b, h, keep].argsort()]
+            x = HeadEntries(keys[b, h, keep], values[b, h, keep], positions[b, h, keep], scores[b, h, keep].float(),
+                            torch.ones(len(keep)))
+            if merged is not None:
+                for r in range(merged.counts.shape[-1]):
+                    if merged.counts[b, h, r] > 0:
+                        x.add(merged.keys[b, h, r], merged.values[b, h, r], -1 - r, 0.0, float(merged.counts[b, h, r]))
+            row.append(x)
+        heads.append(row)
+    return heads
 
 
 def compressed_cache(policy, state: LayerState, kept: Tensor, merged: Merged | None):

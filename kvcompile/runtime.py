@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcompile.allocation import decode_budgets, head_budgets, head_budgets_of, head_split, latest, layer_totals
-from kvcompile.cache import (DecodeState, Entries, KVCompileCache, LayerStore, PromptState, append, build_store,
-                             lookup_cache, writable)
+from kvcompile.cache import (ChunkedPrompt, DecodeState, Entries, KVCompileCache, LayerStore, PromptState, append,
+                             build_store, lookup_cache, writable)
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.scoring import entropy
 from kvcompile.selection import HeadEntries, Merged, decode_prune, merge_evicted, select, select_and_merge
@@ -134,6 +134,157 @@ def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: T
     if layer == cache.plan.num_layers - 1:
         cache.chunks = None
     return prefill(cache, q, keys, values, mask, layer, scale, rows=queries)
+
+
+# --- a prompt compressed while prefilling in chunks (schedule.prefill: chunk) ------------------
+
+def chunked_prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
+                    scale: float) -> Tensor:
+    """A call of a prompt that the policy compresses chunk by chunk (reference.ChunkedPrefill): the call's
+    tokens are cut at the multiples of c = plan.prefill_chunk and each piece runs `compress_chunk`. compile()'s
+    forward and generate() bring one chunk per call (every layer of chunk k before chunk k + 1, what the
+    cascade of layer-dynamic budgets needs); a call with several chunks runs them layer after layer (exact
+    when layers do not interact: refused for a cascade). A prompt that is one chunk runs `prefill` (one pass).
+    A cache not told the prompt's length (`expect_prompt`) takes the first call as the whole prompt."""
+    plan = cache.plan
+    c = plan.prefill_chunk
+    start, t = cache.seq_length, q.shape[2]
+    if cache.compressing is None:
+        if start or layer:
+            raise RuntimeError("kvcompile: a chunked prompt's state is missing (its first call must reach layer 0)")
+        cache.compressing = ChunkedPrompt(t)
+    length = cache.compressing.length
+    end = start + t
+    if end > length:
+        raise RuntimeError(f"kvcompile: {plan.policy.name} compresses its prompt chunk by chunk; tokens after the "
+                           f"prompt ({length} tokens) must come in later calls")
+    if end != length and end % c:
+        raise RuntimeError(f"kvcompile: {plan.policy.name} compresses its prompt every {c} tokens; a call of the "
+                           f"prompt must end at a multiple of {c} tokens or at the prompt's end (this one ends at "
+                           f"{end} of {length}): give the prompt in one call, or generate(prefill_chunk_size={c})")
+    cuts = [start] + list(range((start // c + 1) * c, end, c)) + [end]
+    if plan.cascade and len(cuts) > 2:
+        raise RuntimeError(f"kvcompile: {plan.policy.name}'s layer budgets move with every layer of a chunk (a "
+                           f"cascade): its prompt must come {c} tokens per forward call (compile()'s forward and "
+                           f"generate() do this), not {t} in one")
+    if start == 0 and end == length and length <= c:  # one chunk: one-pass compression
+        out = prefill(cache, q, k, v, mask, layer, scale)
+    else:
+        outs = [compress_chunk(cache, q[:, :, a - start:b - start], k[:, :, a - start:b - start],
+                               v[:, :, a - start:b - start], mask, layer, scale, a, b)
+                for a, b in zip(cuts[:-1], cuts[1:])]
+        out = torch.cat(outs, dim=2)
+    if layer == plan.num_layers - 1 and end == length:
+        cache.compressing = None
+    return out
+
+
+def _chunk_attention(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, held, real: Tensor,
+                     scale: float) -> Tensor:
+    """Attention of a chunk's queries (B, Hq, T, d) over the entries the layer holds (`held`: the
+    store's gathered keys, values, counts and stored flags, with the merge rule's logit bias) and the
+    chunk itself, causally among its real tokens `real` (B, T); a pad query sees itself only."""
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    hk, hv, hc, stored = held
+    bias = cache.plan.merge_bias(hc)
+    held_bias = torch.where(stored, 0.0 if bias is None else bias.float(), float("-inf"))  # (B, H, E)
+    held_bias = held_bias[:, :, None, :].expand(b, h, t, hk.shape[2])
+    held_bias = held_bias.masked_fill(~real[:, None, :, None], float("-inf"))  # a pad query sees no held entry
+    rows = torch.arange(t, device=q.device)
+    own = (rows[None, :] <= rows[:, None])[None] & real[:, None, :]  # (B, T, T): real keys up to the query
+    own = own | (torch.eye(t, dtype=torch.bool, device=q.device)[None] & ~real[:, :, None])
+    chunk_bias = torch.zeros(b, t, t, device=q.device).masked_fill(~own, float("-inf"))
+    logit_bias = torch.cat([held_bias, chunk_bias[:, None].expand(b, h, t, t)], dim=-1)
+    logit_bias = logit_bias.repeat_interleave(hq // h, dim=1).to(q.dtype)
+    keys, values = torch.cat([hk.to(k.dtype), k], dim=2), torch.cat([hv.to(v.dtype), v], dim=2)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=logit_bias, scale=scale, enable_gqa=hq != h)
+
+
+def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
+                   scale: float, start: int, end: int) -> Tensor:
+    """Chunk [start, end) of the prompt at one layer (reference.ChunkedPrefill.step): attention over the
+    held entries and the chunk, scores of the held tokens and the chunk (per head: a batch of B·H
+    single-head states, the held tokens right-aligned before the chunk), selection back to the budget of
+    the tokens seen and merging, written into fresh pages; the cascade over the layers below."""
+    plan = cache.plan
+    policy = plan.policy
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    seen = torch.ones(b, end, dtype=torch.bool, device=q.device) if mask is None else mask[:, :end].bool()
+    real = seen[:, start:]
+    lengths = seen.sum(-1)
+    pad = end - lengths  # left pads so far: every pad comes before the real tokens
+    if layer == 0:
+        if start == 0:
+            cache.plan = plan = plan.for_tensors(q)
+            cache.rings = [None] * plan.num_layers
+        totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads) if plan.static_totals else None
+        cache.prompt = PromptState(seen, lengths, pad, end, totals, [])
+        cache.decoding = None
+    store = cache.stores[layer]
+    first = store is None
+    if first:
+        hk, hv = k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, v.shape[-1])
+        hs, hc = torch.zeros(b, h, 0, device=q.device), torch.zeros(b, h, 0, device=q.device)
+        hp = torch.zeros(b, h, 0, dtype=torch.long, device=q.device)
+        stored = torch.zeros(b, h, 0, dtype=torch.bool, device=q.device)
+        slot_count = torch.zeros(b, h, dtype=torch.long, device=q.device)
+    else:
+        hk, hv, hs, hp, hc, stored = store.gather()
+        slot_count = store.slots
+    out = _chunk_attention(cache, q, k, v, (hk, hv, hc, stored), real, scale)
+
+    # the candidates: held tokens (right-aligned, position order) then the chunk's tokens
+    e = torch.arange(hk.shape[2], device=q.device)
+    is_slot = stored & (e < slot_count[..., None])
+    tokens = (stored & ~is_slot).sum(-1)  # (B, H)
+    m = int(tokens.max()) if tokens.numel() else 0
+    cols = torch.arange(m, device=q.device)
+    lead = (m - tokens)[..., None]
+    held_valid = cols >= lead
+    src = (slot_count[..., None] + cols - lead).clamp(0, max(hk.shape[2] - 1, 0))
+    take = lambda x: x.gather(2, src[..., None].expand(*src.shape, x.shape[-1])) if x.dim() == 4 \
+        else x.gather(2, src)  # noqa: E731
+    positions = torch.arange(start, end, device=q.device)[None, :] - pad[:, None]  # (B, T) logical positions
+    keys = torch.cat([take(hk).to(k.dtype), k], dim=2)
+    values = torch.cat([take(hv).to(v.dtype), v], dim=2)
+    cand_pos = torch.cat([take(hp), positions[:, None].expand(b, h, t)], dim=2)
+    valid = torch.cat([held_valid, real[:, None].expand(b, h, t)], dim=2)
+    width = m + t
+    carried = None if first else torch.cat([take(hs), torch.zeros(b, h, t, device=q.device)], dim=2)
+    rows = policy.scoring.query_rows(t)
+    state = LayerState(q[:, :, t - rows:].reshape(b * h, g, rows, d), keys.reshape(b * h, 1, width, d),
+                       values.reshape(b * h, 1, width, values.shape[-1]), valid.reshape(b * h, width), scale)
+    scores = policy.scoring.score_chunk_prompt(state, None if carried is None else carried.reshape(b * h, 1, width))
+    scores = scores.reshape(b, h, width)
+    slots = None
+    if policy.merges and not first:
+        size = int(slot_count.max())
+        slots = Merged(hk[:, :, :size], hv[:, :, :size], torch.where(is_slot[:, :, :size], hc[:, :, :size], 0).long())
+
+    prompt = cache.prompt
+    if plan.cascade:  # LAVa Alg. 2 inside the chunk (reference.ChunkedPrefill, step 4)
+        prompt.entropy.append(entropy(scores, valid))
+        used = torch.zeros_like(tokens) if slots is None else (slots.counts > 0).sum(-1)
+        held = torch.stack(prompt.held + [valid.sum((1, 2)) + used.sum(-1)], dim=1)
+        totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads,
+                              entropy=torch.stack(prompt.entropy, dim=1), capacity=held)
+    elif policy.budget.threshold is None:
+        totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads)
+    else:
+        totals = None
+    kept, merged = select_and_merge(policy, keys, values, scores, cand_pos, valid, lengths,
+                                    None if totals is None else totals[:, layer], layer, slots)
+    cache.stores[layer] = _store(cache, Entries(keys, values, scores, cand_pos, torch.ones_like(scores), kept), merged)
+    if plan.prune_every:  # the latest query rows, for pruning while decoding
+        ring = q if cache.rings[layer] is None else torch.cat([cache.rings[layer], q], dim=2)
+        cache.rings[layer] = ring[:, :, ring.shape[2] - min(plan.ring_rows, ring.shape[2]):].clone()
+    if plan.cascade:
+        prompt.held.append(cache.stores[layer].lengths.sum(-1))
+        _cascade(cache, layer, totals)
+    return out
 
 
 def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float,
@@ -558,7 +709,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
             f"kvcompile: layer {layer} computes {k.shape[1]} KV heads but the cache's plan holds "
             f"{len(cache.plan.kv_heads)} (a model sharded by tensor parallelism needs its cache from "
             "kvcompile.compile(model, ...), or a plan built with shard=kvcompile.sharding.model_shard(model))")
-    if cache.stores[layer] is None:
+    if (layer or cache.stores[0] is not None) and cache.plan.device is not None and q.device != cache.plan.device:
+        raise RuntimeError(  # layer 0's prompt fixed the device (kvcompile.devices: one device for every layer)
+            f"kvcompile: layer {layer} runs on {q.device} but the cache lives on {cache.plan.device}; every layer "
+            "must run on one device (offloaded weights are fine: accelerate runs them on its main device)")
+    if cache.plan.prefill_chunk and (cache.stores[layer] is None or cache.compressing is not None):
+        out = chunked_prefill(cache, q, k, v, mask, layer, scale)
+    elif cache.stores[layer] is None:
         chunks = cache.chunks
         if chunks is None:
             out = prefill(cache, q, k, v, mask, layer, scale)

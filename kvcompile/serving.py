@@ -399,6 +399,10 @@ def check_batching(model, plan: Plan, generation_config, cb_config: ContinuousBa
     if plan.prune_every:
         raise BatchingError(f"kvcompile: {plan.policy.name} prunes every {plan.prune_every} tokens while decoding, "
                             "which rebuilds a head's pages; continuous batching does not account for it yet")
+    if plan.prefill_chunk:
+        raise BatchingError(f"kvcompile: {plan.policy.name} compresses its prompt every {plan.prefill_chunk} tokens, one "
+                            "forward per chunk (schedule.prefill: chunk); the engine cuts prompts at its own token "
+                            "budget and packs other requests with them, which continuous batching does not align yet")
     if getattr(model.config, "sliding_window", None) is not None and not getattr(model.config, "layer_types", None):
         raise BatchingError("kvcompile: the engine treats a model with a sliding window as sliding-attention "
                             "layers, which kvcompile does not implement")

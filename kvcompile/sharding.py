@@ -83,7 +83,7 @@ class HeadShard:
         import torch.distributed as dist
 
         b, h, m = scores.shape
-        width = torch.tensor([m], dtype=torch.long)
+        width = torch.tensor([m], dtype=torch.long, device=scores.device)  # NCCL sends CUDA tensors only
         dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.group)
         width = int(width)
         packed = torch.zeros(b, h, width + 1, 3, dtype=torch.float64, device=scores.device)

@@ -8,7 +8,7 @@ Grammar (docs/SPECS.md is the full reference, docs/INTERNALS.md "YAML" the contr
     budget: {per_head: n | ratio: r, layers: <part>, heads: <part>,
              threshold: <part>, split: {proximity, context, residual}}   required
     merge: <part>                   default: drop
-    schedule: prefill | cascade | {cascade: bool, decode: <part>}       default: prefill
+    schedule: prefill | cascade | {cascade: bool, decode: <part>, prefill: <part>}   default: prefill
 
     <part> = name                   all fields at their defaults
            | {name: {field: value, ...}}
@@ -49,8 +49,8 @@ from kvcompile.policy import Policy, policy_to_mapping, policy_to_yaml  # noqa: 
 SECTIONS = ("name", "scoring", "ranking", "budget", "merge", "schedule")
 REQUIRED = ("scoring", "budget")
 BUDGET_KEYS = ("per_head", "ratio", "layers", "heads", "threshold", "split")
-SCHEDULE_KEYS = ("cascade", "decode")
-SCHEDULE_FORMS = "prefill | cascade | {cascade: bool, decode: part}"
+SCHEDULE_KEYS = ("cascade", "decode", "prefill")
+SCHEDULE_FORMS = "prefill | cascade | {cascade: bool, decode: part, prefill: part}"
 SPLIT_TOLERANCE = 1e-6
 MAX_NODES = 10_000  # YAML nodes a spec may expand to through aliases (specs/ use < 100)
 
@@ -322,7 +322,10 @@ def _schedule(value, src: _Source) -> Schedule:
     decode = value.get("decode")
     if decode is not None:
         decode = _part("decode", decode, path + ("decode",), src)
-    return Schedule(cascade=cascade, decode=decode)
+    prefill = value.get("prefill")
+    if prefill is not None:
+        prefill = _part("prefill", prefill, path + ("prefill",), src)
+    return Schedule(cascade=cascade, decode=decode, prefill=prefill)
 
 
 def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _Source, scoring=None) -> None:
@@ -462,8 +465,8 @@ def _merge_schedule(old, new, touched: set):
         touched.add(("schedule",))
         return new
     for key, value in new_map.items():
-        if key == "decode":
-            old_map[key] = _merge_part(old_map.get(key), value, ("schedule", "decode"), touched)
+        if key in ("decode", "prefill"):
+            old_map[key] = _merge_part(old_map.get(key), value, ("schedule", key), touched)
         else:
             old_map[key] = value
             touched.add(("schedule", str(key)))

@@ -149,3 +149,22 @@ def test_generate_keeps_what_the_scorers_own_pass_keeps(name):
     for a, b in zip(results[0][1], results[1][1]):
         assert torch.equal(a, b)
         assert not a[0].all(), "the budget should evict from the longer sequence"
+
+
+def test_compile_builds_the_plans_cpp_kernels_before_any_generation(monkeypatch):
+    """compile() builds the C++ kernels its plan names (a cold build inside a generation costs ~1 s)."""
+    from kvcompile.kernels import attention_column_sums as acs, merge, online_step, paged_attention_cpp
+
+    built = []
+    monkeypatch.setattr(paged_attention_cpp, "_kernel", lambda g, d: built.append(("paged", g, d)))
+    monkeypatch.setattr(online_step, "_kernel", lambda g, d: built.append(("step", g, d)))
+    monkeypatch.setattr(acs, "_kernel", lambda d: built.append(("column_sums", d)))
+    monkeypatch.setattr(merge, "_cpp_kernel", lambda: built.append(("merge",)))
+    kvcompile.compile(tiny_model(heads=4, kv_heads=2), "zsmerge")
+    assert sorted(built) == [("column_sums", 16), ("merge",), ("paged", 2, 16), ("step", 2, 16)]
+    built.clear()
+    kvcompile.compile(tiny_model(heads=6, kv_heads=2), "snapkv")
+    assert sorted(built) == [("paged", 3, 16), ("step", 3, 16)]
+    built.clear()
+    kvcompile.compile(tiny_model(), "snapkv", kernels="torch")
+    assert built == []

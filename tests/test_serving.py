@@ -124,13 +124,16 @@ def test_engine_runs_kvcompile_attention_and_releases_its_tensor():
     assert not manager.continuous_batching_config.allow_block_sharing
 
 
-@pytest.mark.parametrize("case", ["async", "offload", "fork", "compiled", "decode_every"])
+@pytest.mark.parametrize("case", ["async", "offload", "fork", "compiled", "decode_every", "prefill_chunk"])
 def test_what_cannot_run_is_refused_at_start(case):
     gen = gen_config()
     config = ContinuousBatchingConfig(num_blocks=16, page_size=16)
     if case == "decode_every":
         model = compiled("snapkv", **SNAP, schedule={"cascade": False, "decode": {"every": {"n": 4}}})
         match = "prunes every 4"
+    elif case == "prefill_chunk":
+        model = compiled("snapkv", **SNAP, schedule={"prefill": {"chunk": {"size": 32}}})
+        match = "every 32 tokens"
     elif case == "compiled":
         model = kvcompile.compile(tiny_model(), "snapkv", mode="compiled", **SNAP)
         match = "mode='eager'"

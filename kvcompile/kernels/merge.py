@@ -94,13 +94,17 @@ _CPP_ARGTYPES = ("float*", "float*", "int64_t*", "const float*", "const float*",
                  "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t")
 
 
+def _cpp_kernel():
+    from kvcompile.kernels.paged_attention_cpp import load_cpp
+
+    return load_cpp(_CPP_ARGTYPES, "residual_merge.cpp")
+
+
 def residual_merge_cpp(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys: Tensor, values: Tensor,
                        num: Tensor, num_slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The walk in C++ on fresh copies of the slots (fp32 CPU tensors): the same fp32 operations
     as the torch lowering, each rounded, so the same slots bit for bit (a dot product may sum
     in another order: a tie within one rounding could pick another slot)."""
-    from kvcompile.kernels.paged_attention_cpp import load_cpp
-
     b, h, s, d = slot_keys.shape
     dv, e = slot_values.shape[3], keys.shape[2]
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (slot_keys, slot_values, keys, values)):
@@ -109,7 +113,7 @@ def residual_merge_cpp(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, k
     out_c = counts.to(torch.long).contiguous().clone()
     if s and e and b * h:
         threads = torch.get_num_threads() if b * h > 1 and e * s * d >= 1 << 16 else 1
-        load_cpp(_CPP_ARGTYPES, "residual_merge.cpp")(
+        _cpp_kernel()(
             out_k, out_v, out_c, keys.contiguous(), values.contiguous(), num.to(torch.long).contiguous(),
             num_slots.to(torch.long).contiguous(), b * h, s, d, dv, e, threads)
     return out_k, out_v, out_c

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-FAMILIES = ("scoring", "ranking", "layers", "heads", "threshold", "merge", "decode")
+FAMILIES = ("scoring", "ranking", "layers", "heads", "threshold", "merge", "decode", "prefill")
 
 # What each family's parts must implement (the base classes provide the rest).
 REQUIRED = {
@@ -32,6 +32,7 @@ REQUIRED = {
     "threshold": ("keep",),
     "merge": ("merge", "shrink", "bias"),
     "decode": ("spare_growth",),
+    "prefill": (),
 }
 
 PARTS: dict[str, dict[str, type]] = {family: {} for family in FAMILIES}

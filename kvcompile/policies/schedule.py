@@ -52,11 +52,45 @@ class Online(DecodeRule):
         return min(headroom, 1)
 
 
+class PrefillRule(Part):
+    """Base of the prefill schedules: how the prompt goes through the model.
+
+    `chunk_tokens`: the prompt is fed in chunks of this many tokens, each compressed back to
+    the budget before the next one runs (DESIGN.md §8 "Prompts longer than memory"; the
+    definition is `kvcompile.reference.ChunkedPrefill`); 0: the whole prompt in one pass."""
+
+    chunk_tokens = 0
+
+
+@part("prefill", "chunk")
+@dataclass(frozen=True)
+class Chunk(PrefillRule):
+    """Compress while prefilling in chunks of `size` tokens: chunk k attends to the entries
+    kept after chunk k−1 plus itself (causal inside the chunk); then every layer is scored
+    over those entries and the chunk and selected back to its budget (the budget of the
+    tokens seen so far), merging the evicted entries where the policy merges. Peak KV
+    memory: the budget plus one chunk, whatever the prompt length; a chunk at least as long
+    as the prompt is one-pass compression exactly."""
+
+    size: int = bounded(512, low=1)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.size
+
+
 @dataclass(frozen=True)
 class Schedule:
     """`cascade`: re-compress lower layers during prefill when layer budgets move (LAVa,
     CAKE). Layer-dynamic budgets (layers: entropy) always run as a cascade.
-    `decode`: None (compress once after the prompt), every{n} or online."""
+    `decode`: None (compress once after the prompt), every{n} or online.
+    `prefill`: None (the prompt in one pass) or chunk{size} (compress while prefilling in chunks)."""
 
     cascade: bool = False
     decode: object | None = None
+    prefill: object | None = None
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per prompt chunk when the prompt is compressed while prefilling (0: one pass)."""
+        return 0 if self.prefill is None else self.prefill.chunk_tokens

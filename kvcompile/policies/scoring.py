@@ -124,14 +124,15 @@ def pool_scores(scores: Tensor, real: Tensor, pooling: "Pooling") -> Tensor:
 def window_scores(state: LayerState, window: int, pooling: "Pooling", gqa: str) -> Tensor:
     """SnapKV's observation-window score, (B, H, N), −inf at pads.
 
-    Per query head: s[i] = mean over the real rows among the last w' = min(window, N)
-    queries of A[j, i] (a padded sequence shorter than the window counts only its real
+    Per query head: s[i] = mean over the real rows among the last w' = min(window, N, R)
+    queries of A[j, i] (R < min(window, N) only in a chunk of a chunked prompt, whose keys
+    are the entries held before it and its own) (a padded sequence shorter than the window counts only its real
     rows: min(window, n_b) of them). Then reduce GQA, then pool. Order: reduce, then pool
     (pooling runs on H rows, not H·G); for gqa=mean with avg pooling and for gqa=max with
     max pooling the two orders are identical, for mixed choices they differ slightly.
     """
     n = state.keys.shape[2]
-    rows = min(window, n)
+    rows = min(window, n, state.queries.shape[2])  # a chunk of a chunked prompt may have fewer than `window` queries
     real = real_tokens(state)
     a = attention_rows(state, rows)  # (B, Hq, rows, N)
     real_rows = real[:, n - rows:].sum(dim=-1).clamp(min=1)  # (B,)
@@ -185,6 +186,20 @@ class Scorer(Part):
 
     def score_prompt(self, state: LayerState) -> Tensor:
         return self.score(state)
+
+    def score_chunk(self, state: LayerState, carried: Tensor | None) -> Tensor:
+        """The scores (B, H, N) of one layer while the prompt is compressed in chunks
+        (`kvcompile.reference.ChunkedPrefill`): `state.keys` are the entries the layer held after
+        the previous chunk, in position order, then the chunk's own; `state.queries` the chunk's
+        last R = query_rows(chunk length) queries, causal inside the chunk; `state.mask` marks
+        real entries. `carried` (B, H, N): the held entries' scores from the previous chunk (0 on
+        the chunk's), None at the first chunk. Default: `score(state)`, a score of the chunk's
+        queries alone; a running scorer adds the carried score (H2O, ZSMerge: as while decoding)."""
+        return self.score(state)
+
+    def score_chunk_prompt(self, state: LayerState, carried: Tensor | None) -> Tensor:
+        """`score_chunk` as the runtime computes it (default: the same; a memory-bounded path)."""
+        return self.score_chunk(state, carried)
 
     def reduce_group(self, probs: Tensor, dim: int) -> Tensor:
         """Attention of a GQA group's query heads (along `dim`) reduced to the KV head."""
@@ -299,6 +314,17 @@ class Accumulated(Scorer):
 
     score_prompt = score_chunked
 
+    def score_chunk(self, state: LayerState, carried: Tensor | None) -> Tensor:
+        """s[i] = carried[i] + Σ over the chunk's queries j of A[j, i] (the accumulated attention
+        carries over chunks as over decode steps; = `score` for a chunk that is the whole prompt)."""
+        a = attention_rows(state, state.queries.shape[2])  # the chunk's queries; pad rows are 0
+        own = mask_pads(reduce_gqa(a.sum(dim=2), state.keys.shape[1], self.gqa), state)
+        return own if carried is None else mask_pads(carried + own, state)
+
+    def score_chunk_prompt(self, state: LayerState, carried: Tensor | None) -> Tensor:
+        own = decayed_scores_chunked(state, 1.0, self.gqa, rows=state.queries.shape[2])
+        return own if carried is None else mask_pads(carried + own, state)
+
     def column_weights(self, n: int) -> Tensor | None:
         """w = 1 (a subclass with its own score gives None: its score may be another one)."""
         if not _own_score(self, Accumulated):
@@ -339,6 +365,21 @@ class Decayed(Scorer):
 
     score_prompt = score_chunked
 
+    def score_chunk(self, state: LayerState, carried: Tensor | None) -> Tensor:
+        """s[i] = λ^R·carried[i] + Σ over the chunk's R queries j of λ^(R−1−j) A[j, i] (Eq. 5 carried
+        over chunks as over decode steps; = `score` for a chunk that is the whole prompt)."""
+        r = state.queries.shape[2]
+        a = attention_rows(state, r)  # (B, Hq, R, N); pad rows are 0
+        age = torch.arange(r - 1, -1, -1, device=a.device, dtype=torch.float32)  # R−1−j
+        summed = torch.einsum("bhji,j->bhi", a, float(self.decay) ** age)
+        own = mask_pads(reduce_gqa(summed, state.keys.shape[1], self.gqa), state)
+        return own if carried is None else mask_pads(float(self.decay) ** r * carried + own, state)
+
+    def score_chunk_prompt(self, state: LayerState, carried: Tensor | None) -> Tensor:
+        r = state.queries.shape[2]
+        own = decayed_scores_chunked(state, float(self.decay), self.gqa, rows=r)
+        return own if carried is None else mask_pads(float(self.decay) ** r * carried + own, state)
+
     def column_weights(self, n: int) -> Tensor | None:
         """w_j = λ^(N−1−j), the float32 weights of `score` (None for a subclass with its own score)."""
         if not _own_score(self, Decayed):
@@ -359,11 +400,14 @@ def _own_score(scorer: Scorer, cls: type) -> bool:
                for name in ("score", "score_prompt", "score_from_column_sums"))
 
 
-def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256) -> Tensor:
+def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256,
+                           rows: int | None = None) -> Tensor:
     """ZSMerge Eq. 5 over the prompt, s[i] = Σ_j λ^(N−1−j) A[j, i], without the N×N matrix.
 
     Equal to `Decayed(decay, gqa).score(state)` (λ = 1: `Accumulated`), up to float
-    summation order. Rows j are taken `chunk` at a time: the causal softmax of those rows
+    summation order; the state must hold all N query rows. `rows` = R < N (a chunk of a
+    chunked prompt, the state's last R query rows): the sum runs over the rows of the last R
+    keys (`Decayed.score_chunk` without the carried score). Rows j are taken `chunk` at a time: the causal softmax of those rows
     against the keys they can see (i < end of the chunk), weighted by λ^(N−1−j) and summed
     into a (B, Hq, N) accumulator, so memory is O(chunk·N) per head. The G query heads of
     a group share one matmul against their KV head (no repeat of K); the scale multiplies
@@ -377,7 +421,11 @@ def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int
     b, hq, r, d = queries.shape
     h, n = keys.shape[1], keys.shape[2]
     _check(hq % h == 0, f"{hq} query heads do not split into groups over {h} KV heads")
-    _check(r >= n, f"the decayed score reads all N={n} query rows, got R={r}")
+    if rows is None:
+        _check(r >= n, f"the decayed score reads all N={n} query rows, got R={r}")
+        rows = n
+    _check(1 <= rows <= min(r, n), f"need 1 <= rows <= min(R={r}, N={n}), got rows={rows}")
+    first_row = n - rows
     g = hq // h
     scale = d ** -0.5 if state.scale is None else state.scale
     device = keys.device
@@ -386,16 +434,16 @@ def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int
     weight = float(decay) ** age  # λ^(N−1−j), the reference's float32 weights
     nonzero = (weight > 0).nonzero()
     first_real = int(real.long().argmax(dim=-1).min()) if bool(real.any()) else n
-    start = max(int(nonzero[0]) if len(nonzero) else n, first_real)
+    start = max(int(nonzero[0]) if len(nonzero) else n, first_real, first_row)
 
-    q_all = queries[:, :, r - n:]  # (B, Hq, N, d); query head h·G+g belongs to KV head h
+    q_all = queries[:, :, r - rows:]  # (B, Hq, rows, d): query of key first_row + j; head h·G+g of KV head h
     k = keys.float().reshape(b * h, n, d)
     padded = not bool(real.all())
     acc = torch.zeros(b, h, g, n, dtype=torch.float32, device=device)
     for lo in range(start, n, chunk):
         hi = min(lo + chunk, n)  # rows lo … hi−1 see keys 0 … hi−1 at most
         c = hi - lo
-        q = q_all[:, :, lo:hi].float().reshape(b * h, g * c, d)  # a group's rows share one matmul
+        q = q_all[:, :, lo - first_row:hi - first_row].float().reshape(b * h, g * c, d)  # a group's rows share one matmul
         logits = torch.baddbmm(q.new_zeros(1, 1, 1), q, k[:, :hi].transpose(1, 2), beta=0.0, alpha=scale)
         logits = logits.view(b, h, g, c, hi)
         future = torch.ones(c, c, dtype=torch.bool, device=device).triu(1)  # key after the query
