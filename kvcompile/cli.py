@@ -780,6 +780,30 @@ def add_common(p, spec: bool = True, per_head_default: str = "the spec's own") -
                             "refused for a spec whose threshold decides its own budget (dbudgetkv)")
 
 
+def cmd_serve(args) -> None:
+    """transformers' OpenAI-compatible server with continuous batching on the compiled model."""
+    from kvcompile.compile import CompileError
+    from kvcompile.models import SETUP_COMMAND, default_model_dir, is_converted
+    from kvcompile.server import ServeOptions, serve
+
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model = args.model
+    if model is None:
+        if not is_converted():
+            fail(f"the embedded SmolLM2 is not prepared: run `{SETUP_COMMAND}`, or pass --model PATH")
+        model = str(default_model_dir())
+    options = ServeOptions(spec=policy_for(args.spec, args.per_head), model=model, host=args.host, port=args.port,
+                           kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
+                           log_level="error" if args.quiet else "warning")
+    try:
+        serve(options)
+    except (CompileError, ImportError, ValueError, OSError) as exc:
+        fail(str(exc))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvcompile",
@@ -848,6 +872,21 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--results", metavar="JSON", help="needle / quality: the eval results file")
     plot.add_argument("--out", metavar="PNG", default=None, help="output file (default KIND.png)")
     plot.set_defaults(func=cmd_plot)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching under a policy",
+                         description="transformers' server (`transformers serve`: /v1/chat/completions, "
+                                     "/v1/completions, streaming) with continuous batching: each request's cache "
+                                     "is compressed after its prompt and the memory it frees goes back to the "
+                                     "engine's pool, so more requests run at once. Needs fastapi, uvicorn and "
+                                     "openai (transformers[serving]).")
+    add_common(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    srv.add_argument("--port", type=positive, default=8000, help="listen port (default 8000)")
+    srv.add_argument("--kv-tokens", type=positive, default=16384, metavar="N",
+                     help="the KV memory of the engine, as tokens of full cache (default 16384)")
+    srv.add_argument("--max-batch-tokens", type=positive, default=2048, metavar="N",
+                     help="tokens one forward packs; longer prompts are split (default 2048)")
+    srv.set_defaults(func=cmd_serve)
 
     specs = sub.add_parser("specs", help="list the shipped policies",
                            description="List the shipped specs: name, budget and the first line of the description.")

@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
+from kvcompile.errors import CompileError
 from kvcompile.devices import DeviceError, execution_device, has_hooks
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
@@ -26,10 +27,6 @@ from kvcompile.sharding import ShardingError, model_shard
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
-
-
-class CompileError(ValueError):
-    """The model cannot be compiled (unsupported architecture or attention)."""
 
 
 def _check_model(model) -> None:
@@ -235,7 +232,8 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     config = model.config
     saved = {"attn": config._attn_implementation, "policy": policy, "mode": mode,
              # an accelerate hook (device_map, offload) lives on the instance: restored by uncompile()
-             "instance": {name: model.__dict__[name] for name in ("forward", "generate") if name in model.__dict__}}
+             "instance": {name: model.__dict__[name] for name in ("forward", "generate", "init_continuous_batching")
+                          if name in model.__dict__}}
     forward, generate = model.forward, model.generate
     if mode == "compiled":
         from kvcompile.passes import compile_forward
@@ -312,10 +310,25 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
     model.forward = compiled_forward
     model.generate = compiled_generate
+    # continuous batching (generate_batch, transformers serve's engine) with kvcompile's caches: kvcompile.serving
+    model.init_continuous_batching = functools.partial(_init_continuous_batching, model)
     model.kvcompile_policy = policy
     model.kvcompile_plan = plan
     setattr(model, _STATE, saved)
     return model
+
+
+def _init_continuous_batching(model, *args, **kwargs):
+    try:
+        from kvcompile.serving import init_continuous_batching
+    except ImportError as exc:  # the engine's internals kvcompile.serving builds on (transformers 5.23)
+        import transformers
+
+        raise CompileError(f"kvcompile: continuous batching needs the engine of transformers 5.23 "
+                           f"(generation/continuous_batching); transformers {transformers.__version__} lacks "
+                           f"what kvcompile.serving uses: {exc}") from None
+
+    return init_continuous_batching(model, *args, **kwargs)
 
 
 def uncompile(model):
@@ -323,7 +336,9 @@ def uncompile(model):
     saved = getattr(model, _STATE, None)
     if saved is None:
         return model
-    for name in ("forward", "generate", "kvcompile_policy", "kvcompile_plan"):
+    if hasattr(getattr(model, "_cached_continuous_batching_manager", None), "kvcompile_plan"):
+        model.destroy_cached_continuous_batching_manager()  # a kept kvcompile.serving manager
+    for name in ("forward", "generate", "init_continuous_batching", "kvcompile_policy", "kvcompile_plan"):
         model.__dict__.pop(name, None)
     model.__dict__.update(saved.get("instance", {}))
     model.set_attn_implementation(saved["attn"] or "sdpa")

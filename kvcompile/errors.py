@@ -1,0 +1,5 @@
+"""Errors shared by kvcompile.compile and the modules it builds on (kvcompile.serving)."""
+
+
+class CompileError(ValueError):
+    """The model cannot be compiled (unsupported architecture or attention)."""
