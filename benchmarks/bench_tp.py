@@ -30,16 +30,7 @@ import kvcompile
 from kvcompile.cli import policy_for
 from kvcompile.models import default_model_dir
 
-
-class Clock:
-    """A logits processor that stamps the time of every generation step."""
-
-    def __init__(self):
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
-        return scores
+from bench_e2e import Clock  # benchmarks/ is the script's folder, so on sys.path
 
 
 def generate(model, ids, new_tokens: int):
