@@ -13,14 +13,40 @@ the request keeps only the blocks its pages need: the rest go back to the pool a
 admits more requests into them. Head-wise budgets (AdaKV, LAVa) free their real memory the same way,
 since kvcompile's pages are per (layer, head).
 
+Reservation rule: before every forward a request reserves an upper bound of what it holds after it
+(a prompt: its compressed bound; a decode step: its bytes now plus what one append can take), and
+`sync_blocks` raises if a request ever holds more than it reserved. A request's cache is built as
+generate() builds it, `plan.with_headroom(max_new_tokens)`: its heads get spare pages for the tokens
+they will append, at most `plan.SPARE_RUN` pages each (64 tokens at the default page size) whatever
+max_new_tokens is, so the 1024 new tokens transformers serve asks by default reserve what 64 do; past
+its spares a head takes its next run of pages while decoding, reserved one step ahead. A smaller
+headroom (one spare page) would admit a request with up to 3 pages per head less, but 16 to 31 decode
+steps later its first head on a full page grows the layer's pool by a quarter (`cache.append`), at 256
+entries per head more than those 3 pages: admission would promise memory the request needs soon after,
+paid for with soft resets, and its heads' pages would stop being the runs the decode kernel streams.
+So the spares stay generate()'s.
+
+Soft resets: when a decoding request cannot get the blocks of its next step, the engine's offloading
+manager frees a starved request's blocks and re-queues an equivalent request (same id, prompt +
+generated tokens as its initial tokens) to be prefilled again. Compressing all of that as one prompt
+would keep other entries than the uninterrupted run did (other tokens, silently), so kvcompile replays
+it: `KVCompileOffloadingManager` records the request the engine re-queued (that very object, so a
+later request reusing the id is not replayed) with its original prompt length, and the scheduler
+(`ReplaySteps`) gives it the forwards of its original run: the original prompt (in chunks of the
+token budget where the engine splits it, compressed when it ends), then every generated token as a
+decode step of its own forward. Its cache then equals the uninterrupted run's, and so do its next
+tokens (preemption by recompute, as vLLM does it, at the cost of one forward per replayed token).
+
 The pieces, each installed on the engine's own objects:
 - `KVCompileBatchingManager` (a `ContinuousBatchingManager`): what `model.init_continuous_batching`
   returns on a compiled model (compile() installs it); refuses at start what cannot run, switches the
   model to the "kvcompile_batching" attention, and builds the cache and processor below.
 - `KVCompilePagedCache` (a `PagedAttentionCache`): the pool as a byte budget; per-request
-  kvcompile caches (`BatchingState`); reservation before a forward, release after it.
+  kvcompile caches (`BatchingState`); reservation before a forward, release after it; the replays.
 - `KVCompileBatchProcessor` (a `ContinuousBatchProcessor`): tells the cache which requests (and how
   many tokens of each) the next forward packs, and syncs their blocks after it.
+- `KVCompileOffloadingManager`, `KVCompileFIFOScheduler` / `KVCompilePrefillFirstScheduler`: the
+  engine's, recording and replaying soft-reset requests.
 - `batching_attention`: the attention function; cuts the packed tokens per request and runs
   `torch.ops.kvcompile.attend` on each request's cache (prefill + compression, or decode).
 
@@ -42,6 +68,9 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
                                                                         ContinuousBatchProcessor)
+from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
+from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
+from transformers.generation.continuous_batching.scheduler import FIFOScheduler, PrefillFirstScheduler, Scheduler
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -64,7 +93,8 @@ class RequestKV:
     """One request's kvcompile cache (one sequence) and its prompt length."""
 
     cache: KVCompileCache
-    prompt_length: int  # tokens of the prompt the cache compresses (the request's initial tokens)
+    prompt_length: int  # tokens of the prompt the cache compresses: the request's initial tokens, or for a
+    #   replayed request its original prompt (the tokens after it are decode steps)
 
     @property
     def compressed(self) -> bool:
@@ -92,16 +122,32 @@ class Segment:
 
 
 @dataclass
+class Replay:
+    """A request the engine soft-reset (`OffloadingManager.offload_requests`: its cache freed, an equivalent
+    request re-queued under the same id with prompt + generated tokens as its initial tokens). kvcompile
+    replays the original run: the original prompt is compressed as a prompt, every later token is one
+    decode step in a forward of its own, so the cache ends as the uninterrupted run's did."""
+
+    state: RequestState  # the re-queued request (by identity: a later request reusing the id is not this one)
+    prompt_length: int  # the original prompt's tokens
+
+
+@dataclass
 class BatchingState:
-    """What the cache keeps across forwards: the plan, each live request's cache, the next forward's
-    segments (in the order of the packed tokens) and counters for reports."""
+    """What the cache keeps across forwards: the plan, each live request's cache, the requests being
+    replayed after a soft reset, the next forward's segments (in the order of the packed tokens) and
+    counters for reports."""
 
     plan: Plan
     bytes_per_block: int  # one pool block: page_size tokens of K and V for every layer and KV head
     requests: dict[str, RequestKV] = field(default_factory=dict)
+    replays: dict[str, Replay] = field(default_factory=dict)  # by request id, until the request ends
     batch: list[Segment] = field(default_factory=list)
+    offloading: bool = False  # the engine's offloading manager is freeing the requests it preempts
     peak_requests: int = 0  # the most requests holding a cache at the same time
     blocks_released: int = 0  # pool blocks given back after compression, over the whole run
+    soft_resets: int = 0  # requests the engine preempted and kvcompile replayed, over the whole run
+    replayed_tokens: int = 0  # generated tokens those replays ran again as decode steps
     finished: deque = field(default_factory=lambda: deque(maxlen=1024))  # RequestUsage of the latest requests
 
 
@@ -249,16 +295,18 @@ class KVCompilePagedCache(PagedAttentionCache):
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         state = self.kvcompile
         kv = state.requests.pop(request_id, None)
-        if kv is not None and kv.compressed:
+        if kv is not None and kv.compressed and not state.offloading:
             tokens = kv.cache.seq_length
             state.finished.append(RequestUsage(request_id, tokens, request_bytes(kv),
                                                len(self.allocator.block_table.get(request_id, [])),
                                                math.ceil(tokens / self.allocator.tokens_per_page)))
+        state.replays.pop(request_id, None)
         super().free_blocks(request_id, no_cache=True)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests(clear_ledgers)
         self.kvcompile.requests.clear()
+        self.kvcompile.replays.clear()
         self.kvcompile.batch = []
 
     def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
@@ -269,6 +317,40 @@ class KVCompilePagedCache(PagedAttentionCache):
     def allocator(self):
         return self.cache_allocators[FULL_ATTENTION]
 
+    def replay_of(self, request) -> Replay | None:
+        """The replay of a soft-reset request, if `request` is the very request the engine re-queued."""
+        replay = self.kvcompile.replays.get(request.request_id)
+        return replay if replay is not None and replay.state is request else None
+
+    def prompt_length(self, request) -> int:
+        """Tokens of the request's prompt as kvcompile compresses it: the original prompt of a replayed
+        request, else its initial tokens."""
+        replay = self.replay_of(request)
+        return replay.prompt_length if replay is not None else len(request.initial_tokens)
+
+    def headroom(self, request) -> int:
+        """The request's max_new_tokens as it was first asked (a soft reset lowers the re-queued request's by
+        the tokens it had generated, now part of its initial tokens), as generate() sizes its cache."""
+        new = request.max_new_tokens
+        return new + len(request.initial_tokens) - self.prompt_length(request) if new else 0
+
+    def replay_step(self, request) -> int | None:
+        """Tokens the next forward of a replayed request may take (the rest of its original prompt, else one
+        token: a decode step), or None when the request is not replaying."""
+        if request.status == RequestStatus.DECODING or self.replay_of(request) is None:
+            return None
+        return max(self.prompt_length(request) - request.position_offset, 1)
+
+    def requeued(self, request, prompt: int) -> None:
+        """The engine soft-reset a request whose original prompt has `prompt` tokens (its blocks are freed) and
+        re-queued `request` in its place: replay it."""
+        if getattr(request, "_true_initial_tokens", prompt) != prompt:  # the engine's own record of the prompt
+            raise BatchingError(f"kvcompile: request {request.request_id} was re-queued with a {request._true_initial_tokens}"
+                                f"-token prompt, kvcompile ran it with {prompt}")
+        self.kvcompile.replays[request.request_id] = Replay(request, prompt)
+        self.kvcompile.soft_resets += 1
+        self.kvcompile.replayed_tokens += len(request.initial_tokens) - prompt
+
     def reserved_tokens(self, state, request_len: int) -> int:
         """Tokens' worth of blocks (a multiple of the page size) the request must hold during its next
         forward of `request_len` tokens."""
@@ -277,8 +359,8 @@ class KVCompilePagedCache(PagedAttentionCache):
             step = kv.cache.plan.spare_pages  # a head past its spares takes this many pages (cache.append)
             need = request_bytes(kv) + sum(step_growth_bytes(s, step) for s in kv.cache.stores) * request_len
         else:
-            plan = plan.with_headroom(getattr(state, "max_new_tokens", None) or 0)
-            prompt = len(state.initial_tokens)
+            plan = plan.with_headroom(self.headroom(state))
+            prompt = self.prompt_length(state)
             need = prompt_bound_bytes(plan, prompt, self.dtype.itemsize, self.config.num_attention_heads,
                                       chunked=kv is not None or request_len < prompt)
         return math.ceil(need / self.kvcompile.bytes_per_block) * self.allocator.tokens_per_page
@@ -292,16 +374,21 @@ class KVCompilePagedCache(PagedAttentionCache):
             request = future.state
             kv = state.requests.get(request.request_id)
             if kv is None:
-                prompt = len(request.initial_tokens)
+                prompt = self.prompt_length(request)
                 if request.position_offset - future.query_length != 0:
                     raise BatchingError(f"kvcompile: request {request.request_id} starts at token "
                                         f"{request.position_offset - future.query_length}, not 0 (prefix sharing or "
                                         "an offloaded request, which kvcompile does not restore)")
-                headroom = request.max_new_tokens or 0
-                kv = RequestKV(KVCompileCache.from_plan(state.plan.with_headroom(headroom)), prompt)
+                kv = RequestKV(KVCompileCache.from_plan(state.plan.with_headroom(self.headroom(request))), prompt)
                 if future.query_length < prompt:  # the engine splits the prompt: compressed when it ends
                     kv.cache.expect_prompt(prompt)
                 state.requests[request.request_id] = kv
+            start = request.position_offset - future.query_length
+            if start < kv.prompt_length < request.position_offset or (start >= kv.prompt_length
+                                                                     and future.query_length > 1):
+                raise BatchingError(f"kvcompile: request {request.request_id} brings tokens {start}.."
+                                    f"{request.position_offset - 1} in one forward, past its {kv.prompt_length}-token "
+                                    "prompt: each token after the prompt must be a decode step of its own")
             batch.append(Segment(request.request_id, kv, future.query_length))
         state.batch = batch
         state.peak_requests = max(state.peak_requests, len(state.requests))
@@ -341,7 +428,9 @@ class KVCompilePagedCache(PagedAttentionCache):
                 "free_blocks": self.pool.count_free_blocks(allocator.index)
                 + self.pool.num_free_sectors * allocator.blocks_per_sector,
                 "requests": per_request, "peak_requests": state.peak_requests,
-                "blocks_released": state.blocks_released, "finished": list(state.finished)}
+                "blocks_released": state.blocks_released, "soft_resets": state.soft_resets,
+                "replayed_tokens": state.replayed_tokens,
+                "finished": list(state.finished)}
 
 
 class KVCompileBatchProcessor(ContinuousBatchProcessor):
@@ -358,6 +447,59 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
     def update_batch(self) -> None:
         self.cache.sync_blocks()
         super().update_batch()
+
+
+class KVCompileOffloadingManager(OffloadingManager):
+    """The engine's offloading manager (soft resets only: kvcompile refuses cpu_offload_space), telling the
+    cache which requests it re-queued, so that they are replayed."""
+
+    cache: KVCompilePagedCache
+
+    def offload_requests(self) -> bool:
+        cache, scheduler = self.cache, self.scheduler
+        # each request's original prompt, read before the engine frees the preempted ones (and their replays)
+        active = {rid: (request, cache.prompt_length(request)) for rid, request in scheduler.active_requests.items()}
+        cache.kvcompile.offloading = True
+        try:
+            offloaded = super().offload_requests()
+        finally:
+            cache.kvcompile.offloading = False
+        for rid, (request, prompt) in active.items():
+            new = scheduler.waiting_requests.get(rid)
+            if new is not None and new is not request:  # soft reset: an equivalent request under the same id
+                cache.requeued(new, prompt)
+        return offloaded
+
+
+class ReplaySteps(Scheduler):
+    """What kvcompile adds to the engine's schedulers: a soft-reset request goes through the forwards of its
+    original run. Its original
+    prompt in forwards of the engine's token budget (compressed when it ends, `expect_prompt`), then each
+    token it had generated as one decode step in a forward of its own; the last one samples its next token."""
+
+    cache: KVCompilePagedCache
+
+    def _infer_request_tokens(self, state, request_ids_to_remove_from_waiting):
+        tokens = super()._infer_request_tokens(state, request_ids_to_remove_from_waiting)
+        step = self.cache.replay_step(state)
+        return tokens if step is None else tokens[:step]
+
+    def _schedule_request(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting):
+        step = self.cache.replay_step(state)
+        if step is not None:  # the engine splits what is left at the budget: the replay's step ends the forward
+            request_tokens, token_budget = state.remaining_prefill_tokens, min(token_budget, step)
+        super()._schedule_request(state, request_tokens, token_budget, request_ids_to_remove_from_waiting)
+
+
+class KVCompileFIFOScheduler(ReplaySteps, FIFOScheduler):
+    """transformers' FIFO scheduler, replaying soft-reset requests (ReplaySteps)."""
+
+
+class KVCompilePrefillFirstScheduler(ReplaySteps, PrefillFirstScheduler):
+    """transformers' prefill-first scheduler, replaying soft-reset requests (ReplaySteps)."""
+
+
+SCHEDULERS = {FIFOScheduler: KVCompileFIFOScheduler, PrefillFirstScheduler: KVCompilePrefillFirstScheduler}
 
 
 # --- the attention ---------------------------------------------------------------------------
@@ -445,8 +587,14 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
     def _create_batch_processor(self) -> ContinuousBatchProcessor:
         processor = super()._create_batch_processor()
         if not isinstance(processor.cache, KVCompilePagedCache):
+            scheduler = SCHEDULERS.get(type(processor.scheduler))
+            if scheduler is None:
+                raise BatchingError(f"kvcompile: the engine's {type(processor.scheduler).__name__} is not one kvcompile "
+                                    f"replays soft-reset requests with ({', '.join(c.__name__ for c in SCHEDULERS)})")
             KVCompilePagedCache.adopt(processor.cache, self.kvcompile_plan)
             processor.__class__ = KVCompileBatchProcessor
+            processor.scheduler.__class__ = scheduler
+            processor.offloading_manager.__class__ = KVCompileOffloadingManager
         return processor
 
 

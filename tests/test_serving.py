@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.requests import RequestState
 
 import kvcompile
 from kvcompile.compile import CompileError
@@ -110,6 +111,67 @@ def test_compressed_requests_give_blocks_back_and_run_together():
         assert u.blocks == math.ceil(u.bytes / report["bytes_per_block"])
         assert u.blocks < full / 2
     assert report["free_blocks"] == report["num_blocks"]  # every block back in the pool
+
+
+@pytest.mark.parametrize("spec,max_batch_tokens,num_blocks", [("snapkv", 64, 20), ("adakv", 256, 20),
+                                                              ("h2o", 256, 16)])
+def test_soft_reset_requests_are_replayed_exactly(spec, max_batch_tokens, num_blocks):
+    """A pool of 16 or 20 blocks: three requests compressed to 16 entries per head fit together after their prompts,
+    but not as they grow while decoding (no eviction), so the engine soft-resets starved ones
+    (`create_equivalent_initial_request`: prompt + generated tokens re-queued). kvcompile replays each:
+    the original prompt compressed as before (in chunks of the token budget with max_batch_tokens 64),
+    then every generated token as a decode step; the tokens are generate()'s. snapkv: one budget per
+    layer; adakv: head-wise budgets; h2o: scores that keep running while decoding."""
+    overrides = dict(per_head=16, ranking={"by_score": {"window": 4}})
+    if spec != "h2o":
+        overrides["scoring"] = {"window_attention": {"window": 4}}
+    model = compiled(spec, **overrides)
+    new = 72
+    ids = prompts([150, 150, 150])
+    tokens, report = serve(model, ids, new=new, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
+    assert report["soft_resets"] >= 1 and report["replayed_tokens"] >= 1  # decoding requests were preempted
+    assert tokens == [reference(model, x, new) for x in ids]
+    assert report["requests"] == {} and report["free_blocks"] == report["num_blocks"]
+
+
+def test_a_request_reusing_a_replayed_id_is_not_replayed():
+    """The replay is tied to the very request the engine re-queued: a later request under the same id, with
+    another prompt, runs as a fresh one (its whole initial tokens are its prompt)."""
+    model = compiled()
+    manager = model.init_continuous_batching(generation_config=gen_config(),
+                                             continuous_batching_config=ContinuousBatchingConfig(num_blocks=16,
+                                                                                                 page_size=16))
+    cache = manager._create_batch_processor().cache
+    ids = prompts([60])[0]
+    old = RequestState("req", initial_tokens=ids, max_new_tokens=NEW)
+    old.generated_tokens = [5, 6, 7]
+    requeued = old.create_equivalent_initial_request()  # what the engine's soft reset re-queues
+    cache.requeued(requeued, prompt=len(ids))
+    assert cache.prompt_length(requeued) == len(ids) and cache.headroom(requeued) == NEW
+    assert cache.replay_step(requeued) == len(ids)
+    fresh = RequestState("req", initial_tokens=ids + [5, 6, 7], max_new_tokens=NEW)
+    assert cache.replay_of(fresh) is None and cache.replay_step(fresh) is None
+    assert cache.prompt_length(fresh) == len(ids) + 3
+    cache.free_blocks("req")  # the request ends: its replay goes with it
+    assert cache.replay_of(requeued) is None
+
+
+def test_reservation_does_not_grow_with_max_new_tokens():
+    """transformers serve asks 1024 new tokens of a request that names no max_tokens: a request reserves its
+    compressed prompt and at most plan.SPARE_RUN spare pages per head (the same for 64 new tokens or 1024),
+    then grows step by step as it decodes."""
+    model = compiled()
+    manager = model.init_continuous_batching(generation_config=gen_config(),
+                                             continuous_batching_config=ContinuousBatchingConfig(num_blocks=64,
+                                                                                                 page_size=16))
+    cache = manager._create_batch_processor().cache
+    ids = prompts([150])[0]
+
+    def reserved(new):
+        return cache.reserved_tokens(RequestState("req", initial_tokens=ids, max_new_tokens=new), len(ids))
+
+    assert reserved(1024) == reserved(64) < len(ids)
+    assert reserved(8) <= reserved(64)
 
 
 def test_engine_runs_kvcompile_attention_and_releases_its_tensor():
