@@ -765,11 +765,13 @@ def cmd_specs(args) -> None:
 
 # --- argument parsing ----------------------------------------------------------------------
 
-def add_common(p, spec: bool = True, per_head_default: str = "the spec's own") -> None:
+def add_common(p, spec: bool = True, per_head_default: str = "the spec's own", demo: bool = True) -> None:
+    """The options every command shares; `demo`: the command builds needle prompts (--seed picks them)."""
     p.add_argument("--model", metavar="PATH", default=None,
                    help="a local transformers checkpoint folder (default: the embedded SmolLM2-135M)")
     p.add_argument("--threads", type=positive, default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0, help="picks the hidden fact and the filler text (default 0)")
+    if demo:
+        p.add_argument("--seed", type=int, default=0, help="picks the hidden fact and the filler text (default 0)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars (weight loading, compression) and no transformers warnings")
     if spec:
@@ -877,9 +879,13 @@ def build_parser() -> argparse.ArgumentParser:
                          description="transformers' server (`transformers serve`: /v1/chat/completions, "
                                      "/v1/completions, streaming) with continuous batching: each request's cache "
                                      "is compressed after its prompt and the memory it frees goes back to the "
-                                     "engine's pool, so more requests run at once. Needs fastapi, uvicorn and "
-                                     "openai (transformers[serving]).")
-    add_common(srv)
+                                     "engine's pool, so more requests run at once. A request's max_tokens "
+                                     "(max_completion_tokens, max_output_tokens) is honored; without it, "
+                                     "transformers serve's default: 1024 new tokens (the model's "
+                                     "generation_config.max_new_tokens where larger). A request reserves its "
+                                     "compressed prompt and a few spare pages per head, whatever its max_tokens, "
+                                     "and grows as it decodes. Needs fastapi, uvicorn and openai (transformers[serving]).")
+    add_common(srv, demo=False)
     srv.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     srv.add_argument("--port", type=positive, default=8000, help="listen port (default 8000)")
     srv.add_argument("--kv-tokens", type=positive, default=16384, metavar="N",

@@ -8,6 +8,15 @@ handlers, `build_server`, uvicorn) with a `ModelManager` whose `_load_model` com
 checks, before the server listens, that continuous batching can run the policy
 (`kvcompile.serving.check_batching`). Requests then go through the engine of kvcompile.serving.
 Needs the serving extra: `pip install fastapi uvicorn openai` (transformers[serving]).
+
+New tokens: a request's `max_tokens` (chat: `max_completion_tokens` first; responses:
+`max_output_tokens`) is honored; a request without one gets transformers serve's default, 1024 (the
+model's generation_config.max_new_tokens where larger; `BaseHandler._build_generation_config`). That
+default costs no memory up front: a request reserves its compressed prompt and at most
+`plan.SPARE_RUN` spare pages per head whatever its max_new_tokens, then grows as it decodes (and is
+soft-reset and replayed exactly when the pool runs out; kvcompile.serving). Sampling: the request's
+`seed` field is transformers' (it seeds torch's generator, which the engine's sampling shares); the
+server has no seed option of its own.
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ def test_python_m_kvcompile_help():
     ("eval", ["--specs", "--budgets", "--lengths", "--depths", "--plot-dir", "--continuation"]),
     ("bench", ["--specs", "--per-head", "--length", "--new-tokens", "ideal"]),
     ("plot", ["budget-map", "needle", "quality", "--results", "--out"]),
+    ("serve", ["--spec", "--per-head", "--kv-tokens", "--max-batch-tokens", "--host", "--port", "max_tokens", "1024"]),
 ])
 def test_subcommand_help(command, words, capsys):
     code, text = exit_code([command, "--help"], capsys)
@@ -54,6 +55,7 @@ def test_subcommand_help(command, words, capsys):
     (["run", "--spec", "dbudgetkv", "--per-head", "64"], "a threshold decides the budget itself"),
     (["plot", "budget-map", "--spec", "dbudgetkv", "--per-head", "64"], "--per-head 64 with spec dbudgetkv"),
     (["run", "--spec", "full", "--per-head", "64"], "does not apply to --spec full"),
+    (["serve", "--seed", "1"], "unrecognized arguments: --seed"),  # the demos' needle seed: no meaning to a server
 ])
 def test_argument_errors(argv, message, capsys):
     code, text = exit_code(argv, capsys)

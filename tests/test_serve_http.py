@@ -50,7 +50,9 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A tiny Llama with the character tokenizer saved to a folder, served with snapkv (16 per head)."""
+    """A tiny Llama with the character tokenizer saved to a folder, served with snapkv (16 per head) in a pool
+    of 4096 tokens of full cache (a request of 1024 new tokens grows past 1024: snapkv evicts nothing while
+    decoding)."""
     folder = tmp_path_factory.mktemp("tiny-served")
     tokenizer = char_tokenizer()
     model = tiny_model()
@@ -60,7 +62,7 @@ def served(tmp_path_factory):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     policy = kvcompile.load_spec("snapkv", **SPEC)
-    server = KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), kv_tokens=1024,
+    server = KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), kv_tokens=4096,
                                           max_batch_tokens=128, log_level="error"))
     from transformers import AutoModelForCausalLM
 
@@ -170,6 +172,20 @@ def test_concurrent_requests_give_their_sequential_results(served):
     assert sorted(replies) == [0, 1, 2]
     for i, text in enumerate(texts):
         assert replies[i]["choices"][0]["text"] == expected(reference, tokenizer, tokenizer(text)["input_ids"])
+
+
+def test_without_max_tokens_a_request_gets_transformers_default(served):
+    """No max_tokens: transformers serve's default of 1024 new tokens (the served model's generation config
+    asks fewer), through kvcompile's engine as through generate()."""
+    server, tokenizer, folder, reference = served
+    assert (server.model.generation_config.max_new_tokens or 0) < 1024
+    body = completion_body(folder, "Hello")
+    del body["max_tokens"]
+    reply = post(server, "/v1/completions", body)
+    ids = tokenizer("Hello")["input_ids"]
+    out = reference.generate(torch.tensor([ids]), max_new_tokens=1024, do_sample=False)[0, len(ids):]
+    assert len(out) == 1024 and reply["usage"]["completion_tokens"] == 1024  # no end-of-sequence before
+    assert reply["choices"][0]["text"] == tokenizer.decode(out, skip_special_tokens=True)
 
 
 def test_a_policy_the_engine_cannot_run_is_refused_before_listening(served):
