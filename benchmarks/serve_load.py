@@ -11,7 +11,9 @@ engine on the compiled model (kvcompile.serving). Columns:
   active requests; for kvcompile also its exact count, `memory_report()["peak_requests"]`);
 - TTFT s: time to first token, median and max over requests (from each request's creation);
 - tok/s: all generated tokens / total time; total s: first request in to last token out;
-- RSS MiB: the process's peak resident memory.
+- RSS MiB: the process's peak resident memory;
+- soft resets (kvcompile, when any): requests the engine preempted under memory pressure, replayed exactly
+  (`memory_report()["soft_resets"]`).
 
 Targets (issue 14): at 256 per head at least 4x the concurrent requests and 2x the throughput of the
 full cache; head-wise specs (adakv, lava) within 10% of snapkv's concurrency at the same budget.
@@ -86,16 +88,17 @@ def run_one(config: str, args) -> dict:
             results[result.request_id] = result
     total = time.perf_counter() - start
     done.set()
-    exact = None
+    exact = resets = None
     cache = manager.batch_processor.cache
     if hasattr(cache, "memory_report"):
-        exact = cache.memory_report()["peak_requests"]
+        report = cache.memory_report()
+        exact, resets = report["peak_requests"], report["soft_resets"]
     manager.stop(block=True, timeout=30)
     errors = [r.error for r in results.values() if r.error is not None]
     ttft = [r.timestamps[0] - r.created_time for r in results.values() if r.timestamps]
     tokens = sum(len(r.generated_tokens) for r in results.values())
     return {"config": config, "finished": len(results), "errors": errors[:3], "peak_sampled": peak,
-            "peak_exact": exact, "ttft_median": statistics.median(ttft) if ttft else None,
+            "peak_exact": exact, "soft_resets": resets, "ttft_median": statistics.median(ttft) if ttft else None,
             "ttft_max": max(ttft) if ttft else None, "tokens": tokens, "total_s": total,
             "tok_s": tokens / total, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -132,6 +135,7 @@ def main() -> None:
         print(f"{row['config']:<12} peak req {row['peak_sampled']:>3} ({row['peak_exact']})  "
               f"TTFT {row['ttft_median']:.1f}/{row['ttft_max']:.1f} s  {row['tok_s']:.2f} tok/s  "
               f"total {row['total_s']:.1f} s  RSS {row['rss_mib']:.0f} MiB  finished {row['finished']}"
+              + (f"  soft resets {row['soft_resets']}" if row["soft_resets"] else "")
               + (f"  errors {row['errors']}" if row["errors"] else ""), flush=True)
     full = next((r for r in rows if r["config"] == "full"), None)
     if full is not None:
