@@ -269,8 +269,10 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
         prompt.entropy.append(entropy(scores, valid))
         used = torch.zeros_like(tokens) if slots is None else (slots.counts > 0).sum(-1)
         held = torch.stack(prompt.held + [valid.sum((1, 2)) + used.sum(-1)], dim=1)
+        # the layers above still hold their previous chunk's entries: the layers seen share the rest
+        above = sum((s.lengths.sum(-1) for s in cache.stores[layer + 1:] if s is not None), torch.zeros_like(lengths))
         totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads,
-                              entropy=torch.stack(prompt.entropy, dim=1), capacity=held)
+                              entropy=torch.stack(prompt.entropy, dim=1), capacity=held, reserved=above)
     elif policy.budget.threshold is None:
         totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads)
     else:
