@@ -113,8 +113,10 @@ def run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps):
 @settings(max_examples=40, deadline=None)
 @given(key=st.sampled_from(sorted(POLICIES)), b=st.integers(1, 2), h=st.integers(1, 2), g=st.integers(1, 2),
        n=st.integers(5, 30), chunk=st.integers(2, 12), per_head=st.integers(4, 9), page=st.sampled_from([2, 4]),
-       pad=st.integers(0, 14), steps=st.integers(0, 5), layers=st.integers(2, 3), seed=st.integers(0, 2 ** 16))
-def test_runtime_equals_reference_chunk_by_chunk(key, b, h, g, n, chunk, per_head, page, pad, steps, layers, seed):
+       pad=st.integers(0, 14), steps=st.integers(0, 5), layers=st.integers(2, 3), d=st.sampled_from([8, 16]),
+       seed=st.integers(0, 2 ** 16))
+def test_runtime_equals_reference_chunk_by_chunk(key, b, h, g, n, chunk, per_head, page, pad, steps, layers, d, seed):
+    """d = 16: a chunk's attention by the C++ column-sums kernel (plan.chunk_impl, where a compiler is); d = 8: SDPA."""
     policy = chunked_policy(key, per_head, chunk)
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
@@ -122,7 +124,7 @@ def test_runtime_equals_reference_chunk_by_chunk(key, b, h, g, n, chunk, per_hea
     if pad:  # the first row left-padded, maybe over whole chunks
         mask = torch.ones(b, n, dtype=torch.bool)
         mask[0, :min(pad, n - 1)] = False
-    run_both(policy, layers, b, h, g, n, 8, mask, page, rand, steps)
+    run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps)
 
 
 @pytest.mark.parametrize("key", sorted(POLICIES))
