@@ -490,9 +490,15 @@ def _choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Ten
 
 
 def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
-    """Cascade step (LAVa Alg. 2): re-select a compressed layer with its new, smaller total."""
+    """Cascade step (LAVa Alg. 2): re-select a compressed layer with its new, smaller total. A total that
+    covers every entry the layer holds (tokens and slots, in every sequence) keeps them all, evicting and
+    merging nothing (the head budgets water-fill to what each head holds): that re-selection is skipped
+    (most of a chunked prompt's cascade steps). Under tensor parallelism the store holds this rank's heads
+    only, so every step runs."""
     policy = cache.policy
     store = cache.stores[layer]
+    if cache.plan.shard is None and bool((total >= store.lengths.sum(-1)).all()):
+        return
     k, v, scores, pos, counts, stored = store.gather()
     e = torch.arange(k.shape[2], device=k.device)
     is_slot = stored & (e < store.slots[..., None])
