@@ -2,21 +2,25 @@
 equal budgets, on the embedded SmolLM2-135M and the embedded haystack: needle accuracy (found / prompts) and
 prefill time, with the full cache as the ceiling, through generate() (greedy, eager entry).
 
-    PYTHONPATH=. python3 benchmarks/bench_chunked.py      # the default run: about 8 minutes on 2 quiet cores
+    PYTHONPATH=. python3 benchmarks/bench_chunked.py      # the default run: about 9 minutes on 2 quiet cores
     PYTHONPATH=. python3 benchmarks/bench_chunked.py --lengths 400 --depths 0.5 --budgets 48 --chunks 128 \\
         --specs snapkv --max-new-tokens 4                  # a quick check that it runs end to end
 
 Defaults: 2,000 and 4,000-token prompts with the needle at depths 0.25, 0.5 and 0.75 (6 prompts, a different
-needle each), specs snapkv and lava at 384 and 512 per KV head (budgets where one-pass compression finds
-needles on SmolLM2-135M: RESULTS.md "Demo default budget"), one pass and chunks of 512 and 1024 tokens.
+needle each), specs snapkv and lava at 512 and 1024 per KV head, one pass and chunks of 512 and 1024 tokens.
+SmolLM2-135M's recall of a 4-digit number is brittle under compression: at 256-768 per head one pass finds
+1-2 of these 6 needles and misses most others by a digit ("8292" for 8298), so besides the needles found
+(the whole number) the table counts the near answers: a number that starts with the needle's first 3
+digits (the needle survived compression, blurred), against made-up numbers (it was evicted).
 
 Prefill time: from the generate() call to the first token's logits (a logits processor marks it); every
 policy runs once on a short prompt first, so kernel builds and first-call compiles stay out of it. Prints one
-JSON line per run, then a Markdown table: per prompt length the needles found and the mean prefill seconds,
-and the KV MiB held at the longest length; writes benchmarks/out/chunked.json.
+JSON line per run, then a Markdown table: per prompt length the needles found, the near answers and the
+mean prefill seconds, and the KV MiB held at the longest length; writes benchmarks/out/chunked.json.
 """
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -56,6 +60,11 @@ def generate(model, tokenizer, ids, max_new_tokens):
     return text, mark.at - start, held
 
 
+def near(text: str, answer: str) -> bool:
+    """The answer has a number that starts with the needle's first 3 digits (the whole needle included)."""
+    return re.search(rf"(?<!\d){re.escape(answer[:3])}", text) is not None
+
+
 def _full_bytes(cache) -> int:
     """The bytes of a transformers cache's keys and values."""
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
@@ -76,7 +85,7 @@ def policies(args):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--specs", type=cli.names, default=["snapkv", "lava"])
-    parser.add_argument("--budgets", type=cli.ints, default=[384, 512])
+    parser.add_argument("--budgets", type=cli.ints, default=[512, 1024])
     parser.add_argument("--chunks", type=cli.ints, default=[512, 1024])
     parser.add_argument("--lengths", type=cli.ints, default=[2000, 4000])
     parser.add_argument("--depths", type=cli.fractions, default=[0.25, 0.5, 0.75])
@@ -91,20 +100,21 @@ def main() -> None:
     model, tokenizer = load_model()
     prompts = needle_suite(tokenizer, cli.haystack(), args.lengths, args.depths, seed=args.seed)
     runs = [run for run in policies(args) if not (args.no_full and run[0] == FULL)]
-    warm = torch.tensor([prompts[0].input_ids[:max(args.chunks, default=0) + 100]])
     started = time.perf_counter()
     records = []
     for spec, budget, chunk, policy in runs:
         if policy is not None:
             kvcompile.compile(model, policy)
         try:
+            warm = torch.tensor([prompts[0].input_ids[:chunk + 300]])  # two chunks of a chunked policy
             generate(model, tokenizer, warm, 2)  # kernel builds, first-call compiles, the chunked path
             for prompt in prompts:
                 text, prefill, held = generate(model, tokenizer, torch.tensor([prompt.input_ids]),
                                                args.max_new_tokens)
                 records.append({"spec": spec, "per_head": budget, "chunk": chunk, "length": prompt.length,
                                 "target": prompt.target, "depth": prompt.depth, "needle": prompt.answer,
-                                "correct": answer_found(text, prompt.answer), "prefill_s": prefill,
+                                "correct": answer_found(text, prompt.answer), "near": near(text, prompt.answer),
+                                "prefill_s": prefill,
                                 "kv_bytes": held, "answer": text.strip()})
                 print(json.dumps(records[-1]), flush=True)
         finally:
@@ -119,12 +129,13 @@ def main() -> None:
 
 
 def table(records, lengths) -> str:
-    """Markdown: one row per (spec, per head, prefill); per target length the needles found and the mean
-    prefill seconds; the needles found over all prompts; the mean KV MiB held at the longest length."""
+    """Markdown: one row per (spec, per head, prefill); per target length the needles found, the near
+    answers and the mean prefill seconds; both counts over all prompts; the mean KV MiB held at the
+    longest length."""
     head = ["spec", "per head", "prefill"]
     for n in lengths:
-        head += [f"needle {n}", f"prefill s {n}"]
-    head += ["needle all", f"KV MiB {max(lengths)}"]
+        head += [f"needle {n}", f"near {n}", f"prefill s {n}"]
+    head += ["needle all", "near all", f"KV MiB {max(lengths)}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = list(dict.fromkeys((r["spec"], r["per_head"], r["chunk"]) for r in records))
     for spec, budget, chunk in keys:
@@ -132,10 +143,10 @@ def table(records, lengths) -> str:
         cells = [spec, "-" if budget is None else str(budget), f"chunks of {chunk}" if chunk else "one pass"]
         for n in lengths:
             at = [r for r in rows if r["target"] == n]
-            cells += [f"{sum(r['correct'] for r in at)}/{len(at)}",
+            cells += [f"{sum(r['correct'] for r in at)}/{len(at)}", f"{sum(r['near'] for r in at)}/{len(at)}",
                       f"{sum(r['prefill_s'] for r in at) / max(len(at), 1):.2f}"]
         longest = [r for r in rows if r["target"] == max(lengths)]
-        cells += [f"{sum(r['correct'] for r in rows)}/{len(rows)}",
+        cells += [f"{sum(r['correct'] for r in rows)}/{len(rows)}", f"{sum(r['near'] for r in rows)}/{len(rows)}",
                   f"{sum(r['kv_bytes'] for r in longest) / max(len(longest), 1) / 2 ** 20:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

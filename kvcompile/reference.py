@@ -265,7 +265,10 @@ class ChunkedPrefill:
         self.entropy.append(layer_entropy(scores, valid))
         capacity = [_held_count(self.heads[j]) for j in range(layer)]
         capacity.append(valid.sum((1, 2)) + _held_slots(slots, valid).sum(-1))
-        above = sum((_held_count(x) for x in self.heads[layer + 1:] if x is not None), torch.zeros(b_, dtype=torch.long))
+        above = torch.zeros(b_, dtype=torch.long)  # what the layers above still hold from the previous chunk
+        for x in self.heads[layer + 1:]:
+            if x is not None:
+                above = above + _held_count(x)
         totals = layer_totals(policy, lengths, self.num_layers, h_, entropy=torch.stack(self.entropy, dim=1),
                               capacity=torch.stack(capacity, dim=1), reserved=above)
         for j in range(layer):  # the layers below: re-selected among what they hold
