@@ -228,47 +228,6 @@ def test_generate_and_forward_run_the_prompt_chunk_by_chunk(llama, name):
     assert not torch.allclose(forward.logits[:, -1], whole[:, -1])  # later ones see the compressed chunks
 
 
-@pytest.mark.slow
-def test_compiled_entry_equals_the_eager_entry(llama):
-    """kvcompile.compile(model, spec, mode="compiled") with a chunked policy (a drop, a cascade, a merge and a
-    threshold policy; a left-padded batch): generate() gives the eager entry's tokens and keeps the same
-    entries of every layer, and model() on the whole prompt (fed c tokens per compiled call) gives its logits.
-    One set of graphs serves every policy: the prefill graph of a first chunk, one of the later chunks (their
-    padding mask is longer than their ids: a guard of transformers' mask code), the decode graph; a prompt of
-    other lengths compiles nothing new."""
-    from torch._dynamo.utils import counters
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: two threads on the shared machine spin-wait on each other
-    try:
-        ids, mask = left_pad([prompt(75, seed=5)[0], prompt(60, seed=6)[0]])
-        for name in ("snapkv", "lava", "zsmerge", "dbudgetkv"):
-            policy = small(name, prefill={"chunk": 16})
-            runs = {}
-            for mode in ("eager", "compiled"):
-                with kvcompile.compiled(llama, policy, mode=mode), torch.no_grad():
-                    out = llama.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                                         return_dict_in_generate=True)
-                    logits = llama(ids, attention_mask=mask).logits
-                runs[mode] = out, logits
-            (eager, eager_logits), (comp, comp_logits) = runs["eager"], runs["compiled"]
-            assert comp.sequences.tolist() == eager.sequences.tolist(), name
-            a, b = eager.past_key_values, comp.past_key_values
-            assert torch.equal(a.kept(), b.kept()), name
-            for layer in range(llama.config.num_hidden_layers):
-                assert torch.equal(a.kept_positions(layer), b.kept_positions(layer)), name
-                assert_same_cache(store_heads(b.stores[layer]), store_heads(a.stores[layer]))
-            assert_close(comp_logits, eager_logits, rtol=1e-4, atol=1e-4)
-            assert int(a.kept().sum()) < 2 * 3 * 2 * 80 or policy.budget.threshold is not None  # it evicted
-        with kvcompile.compiled(llama, small("lava", prefill={"chunk": 16}), mode="compiled"), torch.no_grad():
-            warm = counters["stats"]["unique_graphs"]
-            other, other_mask = left_pad([prompt(50, seed=7)[0], prompt(41, seed=8)[0], prompt(33, seed=9)[0]])
-            llama.generate(other, attention_mask=other_mask, max_new_tokens=3, do_sample=False)
-            assert counters["stats"]["unique_graphs"] == warm
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_peak_kv_memory_is_flat_from_4k_to_32k_tokens():
     """A 1-layer model with long positions: the KV bytes the cache holds after any chunk (its pages, spares
     included) and the largest layer step (held + one chunk) are the same for 4k and 32k-token prompts."""
