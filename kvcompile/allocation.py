@@ -15,7 +15,7 @@ from kvcompile.policies.budgets import apportion
 
 
 def layer_totals(policy, lengths: Tensor, num_layers: int, num_heads: int, entropy: Tensor | None = None,
-                 capacity: Tensor | None = None) -> Tensor:
+                 capacity: Tensor | None = None, reserved: Tensor | None = None) -> Tensor:
     """Entries kept per layer, (B, L') long: integers adding up to the sequence's total
     (Budget.total over all `num_layers` layers), capped at min(total, L'·H·n_b).
 
@@ -23,7 +23,10 @@ def layer_totals(policy, lengths: Tensor, num_layers: int, num_heads: int, entro
     (LAVa Alg. 2 line 10: the full total spread over the layers seen; uniform and pyramid
     layers then spread it over L' layers too). Water-filling: no layer exceeds H·n_b, nor
     its `capacity` (B, L') when given (the cascade passes what each seen layer still
-    holds, so a layer is never given back entries it has already evicted).
+    holds, so a layer is never given back entries it has already evicted). `reserved` (B,):
+    entries held by the layers not seen yet (a chunked prompt's cascade: the layers above,
+    still holding their previous chunk's entries); the seen layers share the total less
+    these, never less than 0.
     """
     budget = policy.budget
     if budget.threshold is not None:
@@ -35,7 +38,10 @@ def layer_totals(policy, lengths: Tensor, num_layers: int, num_heads: int, entro
         if capacity is not None:
             caps = [min(cap, int(c)) for cap, c in zip(caps, capacity[b].tolist())]
         e = None if entropy is None else entropy[b].tolist()
-        rows.append(budget.layer_totals(budget.total(n, num_heads, num_layers), caps, e))
+        total = budget.total(n, num_heads, num_layers)
+        if reserved is not None:
+            total = max(0, total - int(reserved[b]))
+        rows.append(budget.layer_totals(total, caps, e))
     return torch.tensor(rows, dtype=torch.long, device=lengths.device).view(len(rows), seen)
 
 

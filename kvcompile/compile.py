@@ -175,7 +175,7 @@ def build_kernels(plan, group: int) -> None:
         from kvcompile.kernels import online_step
 
         online_step._kernel(group, plan.head_dim)
-    if plan.attention_scores:
+    if plan.attention_scores or plan.chunk_impl == "cpp":
         from kvcompile.kernels import attention_column_sums
 
         attention_column_sums._kernel(plan.head_dim)

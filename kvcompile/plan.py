@@ -94,6 +94,8 @@ class Plan:
     static_totals: bool  # layer totals are known from the prompt lengths alone
     prefill_chunk: int = 0  # the prompt runs in chunks of this many tokens, each compressed back to the budget
     #   before the next (schedule.prefill: chunk; reference.ChunkedPrefill); 0: one pass
+    chunk_impl: str | None = None  # a chunk's attention over the held entries and itself: "cpp" (the column-sums
+    #   kernel, kernels.attention_column_sums, with the held entries as a biased prefix), None: SDPA with a mask
 
     def with_headroom(self, headroom: int) -> "Plan":
         """The same plan for a generation of `headroom` new tokens (its spare pages)."""
@@ -120,6 +122,12 @@ class Plan:
         when the whole prompt comes in one call; otherwise `score` runs the scorer's own pass."""
         return self.score_impl == "column_sums:cpp"
 
+    @property
+    def chunk_scores(self) -> bool:
+        """A chunk's attention also computes the layer's scores (chunk_impl "cpp", a column-sum scorer,
+        and no merge slots, which the model's attention sees but the score does not)."""
+        return self.chunk_impl == "cpp" and self.policy.scoring.column_weights(1) is not None and not self.policy.merges
+
     def score(self, state: LayerState) -> Tensor:
         """The prompt scores of one layer (B, H, N), by the implementation the plan chose."""
         if self.score_impl == "part" or self.attention_scores:
@@ -135,8 +143,8 @@ class Plan:
     def describe(self) -> str:
         """One line per decision, for logs and `kvcompile run --verbose`."""
         fields = ("score_impl", "select_impl", "merge_impl", "decode_impl", "online_impl", "running_scores",
-                  "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade", "prefill_chunk", "kv_heads",
-                  "heads_exchange")
+                  "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade",
+                  "prefill_chunk", "chunk_impl", "kv_heads", "heads_exchange")
         return "\n".join(f"{name}: {getattr(self, name)}" for name in fields)
 
 
@@ -224,6 +232,10 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     Where scores run while decoding or tokens leave online, a decode step is one fused call
     (online_impl, kernels.online_step): the C++ step for fp32 on a CPU with a compiler (or
     kernels="cpp"), else the runtime's Python path (kernels="torch", other devices and dtypes).
+    A prompt compressed in chunks (schedule.prefill: chunk) runs each chunk's attention over the held
+    entries and itself through the column-sums C++ kernel where it runs (chunk_impl "cpp": fp32 on a CPU,
+    head dim a multiple of 16, kernels None or "cpp"; it also gives the scores of a column-sum scorer
+    that does not merge), else through SDPA with a (T × E + T) mask.
     shard: this process's share of the KV heads under tensor parallelism (kvcompile.sharding.model_shard);
     the plan names them and what its selections gather across ranks."""
     if page_size < 1:
@@ -256,6 +268,10 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         if scoring.column_weights(1) is not None and device is not None and kernels in (None, "cpp") \
                 and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
             score_impl = "column_sums:cpp"  # attention and score in one pass: 0.6-0.8x the attention alone
+        chunk_impl = None
+        if policy.schedule.chunk_tokens and device is not None and kernels in (None, "cpp") \
+                and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
+            chunk_impl = "cpp"  # a chunk's attention without its (T × E + T) mask, in blocks up to each query
     except ValueError as exc:
         raise PlanError(f"kvcompile: {exc}") from None
     online = decode is not None and decode.online
@@ -304,5 +320,5 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         step_rule=step_rule, running_scores=scoring.running, online_eviction=online,
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
-        prefill_chunk=chunk)
+        prefill_chunk=chunk, chunk_impl=chunk_impl)
 

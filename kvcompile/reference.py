@@ -155,11 +155,27 @@ class ChunkedPrefill:
        tokens merge into the slots (shrinking them first when a head's slot count went down).
     4. Layer-dynamic budgets (`layers: entropy`, `schedule: cascade`): LAVa Alg. 2 inside each
        chunk: after layer l, the totals of layers 0 … l are recomputed from this chunk's
-       entropies of those layers (each over its candidates' scores) for the n_b tokens seen,
-       capped at what each layer holds, and layers 0 … l − 1 are re-selected among what they
-       hold. Layers above l hold their previous chunk's entries meanwhile.
+       entropies of those layers (each over its candidates' scores), capped at what each layer
+       holds, and layers 0 … l − 1 are re-selected among what they hold. Layers above l hold
+       their previous chunk's entries meanwhile, so layers 0 … l share the total of the n_b
+       tokens seen less what the layers above hold (`layer_totals(reserved=...)`; never below 0).
+       Why less: spreading the whole total over layers 0 … l (Alg. 2 as in one pass) while the
+       layers above still hold their share let the cache hold up to about twice the budget plus
+       one chunk in the middle of a chunk; this way the entries held after any layer step are at
+       most the total (protected sets aside), and the peak is the budget plus the chunk at the
+       layer that runs. The price: a layer can only grow within a chunk into what the layers
+       below it give up (a lower layer cannot take entries back from higher ones, which still
+       hold them when it runs). In the first chunk no layer above holds anything: with c ≥ N this
+       is Alg. 2 over the whole prompt.
     With c ≥ N the prompt is one chunk and this is `compress` exactly. Decoding afterwards starts
     from `heads` as `decode_heads` gives after `compress`.
+
+    Memory: with a budget (per_head or ratio), every layer holds at most its share of the total
+    after each step, so KV memory peaks at the budget plus one chunk at one layer, whatever N
+    (a ratio budget grows with the tokens seen). A threshold (DBudgetKV) has no budget: what it
+    keeps of each layer's held entries and chunk is what its cut decides, so memory is not bounded
+    by chunking; it is what the threshold keeps plus one chunk, and the layers it keeps whole
+    (`keep_layers`) hold every real token of the prompt.
     """
 
     policy: object
@@ -249,8 +265,12 @@ class ChunkedPrefill:
         self.entropy.append(layer_entropy(scores, valid))
         capacity = [_held_count(self.heads[j]) for j in range(layer)]
         capacity.append(valid.sum((1, 2)) + _held_slots(slots, valid).sum(-1))
+        above = torch.zeros(b_, dtype=torch.long)  # what the layers above still hold from the previous chunk
+        for x in self.heads[layer + 1:]:
+            if x is not None:
+                above = above + _held_count(x)
         totals = layer_totals(policy, lengths, self.num_layers, h_, entropy=torch.stack(self.entropy, dim=1),
-                              capacity=torch.stack(capacity, dim=1))
+                              capacity=torch.stack(capacity, dim=1), reserved=above)
         for j in range(layer):  # the layers below: re-selected among what they hold
             below = self.heads[j]
             ck, cv, cs, cp, cvalid = _tokens_of(below)

@@ -201,6 +201,29 @@ def _chunk_attention(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, hel
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=logit_bias, scale=scale, enable_gqa=hq != h)
 
 
+def _chunk_attention_cpp(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, held, real: Tensor,
+                         scale: float, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """`_chunk_attention` by the C++ kernel (kernels.attention_column_sums with the held entries as a
+    biased prefix of the keys): no (T × E + T) mask is built, and blocks of queries read only the keys up
+    to themselves. With `weights` (T,) it also returns the column sums Σ_t w_t A[t, i] (B, Hq, E + T) over
+    the held entries and the chunk; else None."""
+    from kvcompile.kernels.attention_column_sums import attention_column_sums
+
+    hk, hv, hc, stored = held
+    t = q.shape[2]
+    bias = None
+    if hk.shape[2]:
+        merge = cache.plan.merge_bias(hc)
+        bias = torch.where(stored, 0.0 if merge is None else merge.float(), float("-inf"))  # (B, H, E)
+    keys, values = torch.cat([hk.to(k.dtype), k], dim=2), torch.cat([hv.to(v.dtype), v], dim=2)
+    valid = None
+    if not bool(real.all()):
+        valid = torch.cat([torch.ones(real.shape[0], hk.shape[2], dtype=torch.bool, device=real.device), real], 1)
+    out, sums = attention_column_sums(q, keys, values, valid, scale,
+                                      torch.zeros(t) if weights is None else weights, bias=bias)
+    return out.to(q.dtype), None if weights is None else sums
+
+
 def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
                    scale: float, start: int, end: int) -> Tensor:
     """Chunk [start, end) of the prompt at one layer (reference.ChunkedPrefill.step): attention over the
@@ -234,7 +257,12 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     else:
         hk, hv, hs, hp, hc, stored = store.gather()
         slot_count = store.slots
-    out = _chunk_attention(cache, q, k, v, (hk, hv, hc, stored), real, scale)
+    sums = None
+    if plan.chunk_impl == "cpp":  # the attention (and, for a column-sum scorer, its score) in one pass
+        weights = policy.scoring.column_weights(t) if plan.chunk_scores else None
+        out, sums = _chunk_attention_cpp(cache, q, k, v, (hk, hv, hc, stored), real, scale, weights)
+    else:
+        out = _chunk_attention(cache, q, k, v, (hk, hv, hc, stored), real, scale)
 
     # the candidates: held tokens (right-aligned, position order) then the chunk's tokens
     e = torch.arange(hk.shape[2], device=q.device)
@@ -257,7 +285,15 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     rows = policy.scoring.query_rows(t)
     state = LayerState(q[:, :, t - rows:].reshape(b * h, g, rows, d), keys.reshape(b * h, 1, width, d),
                        values.reshape(b * h, 1, width, values.shape[-1]), valid.reshape(b * h, width), scale)
-    scores = policy.scoring.score_chunk_prompt(state, None if carried is None else carried.reshape(b * h, 1, width))
+    carried = None if carried is None else carried.reshape(b * h, 1, width)
+    if sums is None:
+        scores = policy.scoring.score_chunk_prompt(state, carried)
+    else:  # the kernel's column sums over [held entries, chunk] → the candidates' order, per query head
+        sums = sums.view(b, h, g, -1)
+        own = sums[..., hk.shape[2]:]
+        if m:
+            own = torch.cat([sums[..., :hk.shape[2]].gather(3, src[:, :, None].expand(b, h, g, m)), own], dim=3)
+        scores = policy.scoring.score_chunk_from_column_sums(own.reshape(b * h, g, width), state, carried)
     scores = scores.reshape(b, h, width)
     slots = None
     if policy.merges and not first:
@@ -269,8 +305,10 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
         prompt.entropy.append(entropy(scores, valid))
         used = torch.zeros_like(tokens) if slots is None else (slots.counts > 0).sum(-1)
         held = torch.stack(prompt.held + [valid.sum((1, 2)) + used.sum(-1)], dim=1)
+        # the layers above still hold their previous chunk's entries: the layers seen share the rest
+        above = sum((s.lengths.sum(-1) for s in cache.stores[layer + 1:] if s is not None), torch.zeros_like(lengths))
         totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads,
-                              entropy=torch.stack(prompt.entropy, dim=1), capacity=held)
+                              entropy=torch.stack(prompt.entropy, dim=1), capacity=held, reserved=above)
     elif policy.budget.threshold is None:
         totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads)
     else:
@@ -452,9 +490,15 @@ def _choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Ten
 
 
 def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
-    """Cascade step (LAVa Alg. 2): re-select a compressed layer with its new, smaller total."""
+    """Cascade step (LAVa Alg. 2): re-select a compressed layer with its new, smaller total. A total that
+    covers every entry the layer holds (tokens and slots, in every sequence) keeps them all, evicting and
+    merging nothing (the head budgets water-fill to what each head holds): that re-selection is skipped
+    (most of a chunked prompt's cascade steps). Under tensor parallelism the store holds this rank's heads
+    only, so every step runs."""
     policy = cache.policy
     store = cache.stores[layer]
+    if cache.plan.shard is None and bool((total >= store.lengths.sum(-1)).all()):
+        return
     k, v, scores, pos, counts, stored = store.gather()
     e = torch.arange(k.shape[2], device=k.device)
     is_slot = stored & (e < store.slots[..., None])

@@ -113,8 +113,10 @@ def run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps):
 @settings(max_examples=40, deadline=None)
 @given(key=st.sampled_from(sorted(POLICIES)), b=st.integers(1, 2), h=st.integers(1, 2), g=st.integers(1, 2),
        n=st.integers(5, 30), chunk=st.integers(2, 12), per_head=st.integers(4, 9), page=st.sampled_from([2, 4]),
-       pad=st.integers(0, 14), steps=st.integers(0, 5), seed=st.integers(0, 2 ** 16))
-def test_runtime_equals_reference_chunk_by_chunk(key, b, h, g, n, chunk, per_head, page, pad, steps, seed):
+       pad=st.integers(0, 14), steps=st.integers(0, 5), layers=st.integers(2, 3), d=st.sampled_from([8, 16]),
+       seed=st.integers(0, 2 ** 16))
+def test_runtime_equals_reference_chunk_by_chunk(key, b, h, g, n, chunk, per_head, page, pad, steps, layers, d, seed):
+    """d = 16: a chunk's attention by the C++ column-sums kernel (plan.chunk_impl, where a compiler is); d = 8: SDPA."""
     policy = chunked_policy(key, per_head, chunk)
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
@@ -122,7 +124,7 @@ def test_runtime_equals_reference_chunk_by_chunk(key, b, h, g, n, chunk, per_hea
     if pad:  # the first row left-padded, maybe over whole chunks
         mask = torch.ones(b, n, dtype=torch.bool)
         mask[0, :min(pad, n - 1)] = False
-    run_both(policy, 2, b, h, g, n, 8, mask, page, rand, steps)
+    run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps)
 
 
 @pytest.mark.parametrize("key", sorted(POLICIES))
@@ -251,6 +253,57 @@ def test_peak_kv_memory_is_flat_from_4k_to_32k_tokens():
     assert peaks[4096] == peaks[32768]
     full = 2 * 32768 * 16 * 4
     assert peaks[32768] * 100 < full
+
+
+def test_lava_cascade_peak_is_the_budget_plus_one_chunk_from_4k_to_32k_tokens():
+    """LAVa's cascade (layer budgets from every layer's entropy, lower layers re-selected as later ones run):
+    the layers above the one that runs still hold their previous chunk's entries, so the layers seen share
+    only the rest of the total (reference.ChunkedPrefill, step 4). The KV bytes the cache's pages hold,
+    measured after every layer of every chunk (4 layers, pages of one entry, each head's spare page
+    included), never exceed the budget's; the chunk being compressed at one layer is the "+ one chunk".
+    Before, a layer kept all of its previous entries plus the chunk until the cascade reached it: 1.75x the
+    budget here. The same peak for 4k and 32k-token prompts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, heads, d, per_head, c = 4, 2, 16, 64, 512
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+                                         num_hidden_layers=layers, num_attention_heads=2 * heads,
+                                         num_key_value_heads=heads, head_dim=d, max_position_embeddings=40000,
+                                         attn_implementation="sdpa")).eval()
+    with torch.no_grad():  # sharper attention in higher layers: layer budgets that differ
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.q_proj.weight.mul_(4 ** i)
+            layer.self_attn.k_proj.weight.mul_(4 ** i)
+    policy = kvcompile.load_spec("lava", per_head=per_head, schedule={"prefill": {"chunk": c}})
+    assert policy.layer_dynamic
+    entry = 2 * d * 4  # K and V, fp32
+    budget = per_head * layers * heads
+    peaks = {}
+    for n in (4096, 32768):
+        cache = KVCompileCache(policy, model.config, page_size=1)
+        held = []
+
+        def measure(module, args, out):  # the pages of every layer compressed so far
+            held.append(sum(s.k_pages.nbytes + s.v_pages.nbytes for s in cache.stores if s is not None))
+
+        hooks = [layer.self_attn.register_forward_hook(measure) for layer in model.model.layers]
+        ids = torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(n))
+        try:
+            with kvcompile.compiled(model, policy), torch.no_grad():
+                cache.expect_prompt(n)
+                for start in range(0, n, c):
+                    model(ids[:, start:start + c], past_key_values=cache, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert len(held) == layers * n // c and cache.seq_length == n
+        kept = cache.kept().sum(-1)[0]
+        assert int(kept.sum()) == budget and len(set(kept.tolist())) > 1  # layer budgets that moved
+        peaks[n] = max(held)
+        spares = layers * heads * cache.plan.spare_pages  # one spare page per head
+        assert peaks[n] <= (budget + spares) * entry
+    assert peaks[4096] == peaks[32768]
 
 
 def test_spec_errors_name_file_and_line():

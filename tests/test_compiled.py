@@ -186,3 +186,50 @@ def test_a_second_process_reuses_the_inductor_cache(tmp_path):
     assert cold["cache"] == ["miss"] and cold["hit"] == 0
     assert warm["cache"] == ["hit"] and warm["hit"] == 1
     assert warm["logits"] == cold["logits"]
+
+
+@pytest.mark.slow
+def test_a_policy_that_compresses_while_prefilling_in_chunks():
+    """kvcompile.compile(model, spec, mode="compiled") with `schedule: {prefill: {chunk: c}}` (a drop, a cascade,
+    a merge and a threshold policy; a left-padded batch; tests/test_chunked.py is the eager entry against the
+    specification): generate() gives the eager entry's tokens and keeps the same entries of every layer, and
+    model() on the whole prompt (fed c tokens per compiled call) gives its logits. One set of graphs serves
+    every policy: the prefill graph of a first chunk, one of the later chunks (their padding mask is longer
+    than their ids: a guard of transformers' mask code), the decode graph; a prompt of other lengths compiles
+    nothing new. (Last in this file: the tests above count the graphs a fresh process compiles.)"""
+    from kvcompile.runtime import store_heads
+    from test_decode import assert_same_cache
+
+    llama = tiny_model("llama")
+
+    def small(name, **schedule):  # a budget above the chunk's window, so that chunks evict
+        policy = kvcompile.load_spec(name, schedule=schedule)
+        if policy.budget.threshold is not None:
+            return policy
+        return kvcompile.load_spec(policy, per_head=max(24, policy.ranking.sinks + policy.ranking.window + 8))
+
+    ids, mask = left_pad([prompt(75, seed=5)[0], prompt(60, seed=6)[0]])
+    for name in ("snapkv", "lava", "zsmerge", "dbudgetkv"):
+        policy = small(name, prefill={"chunk": 16})
+        runs = {}
+        for mode in ("eager", "compiled"):
+            with kvcompile.compiled(llama, policy, mode=mode), torch.no_grad():
+                out = llama.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                     return_dict_in_generate=True)
+                logits = llama(ids, attention_mask=mask).logits
+            runs[mode] = out, logits
+        (eager, eager_logits), (comp, comp_logits) = runs["eager"], runs["compiled"]
+        assert comp.sequences.tolist() == eager.sequences.tolist(), name
+        a, b = eager.past_key_values, comp.past_key_values
+        assert torch.equal(a.kept(), b.kept()), name
+        for layer in range(llama.config.num_hidden_layers):
+            assert torch.equal(a.kept_positions(layer), b.kept_positions(layer)), name
+            assert_same_cache(store_heads(b.stores[layer]), store_heads(a.stores[layer]))
+        assert_close(comp_logits, eager_logits, rtol=1e-4, atol=1e-4)
+        # it evicted: fewer entries than the 75 prompt tokens + 5 appended of 2 rows x 3 layers x 2 heads
+        assert int(a.kept().sum()) < 2 * 3 * 2 * 80 or policy.budget.threshold is not None, name
+    with kvcompile.compiled(llama, small("lava", prefill={"chunk": 16}), mode="compiled"), torch.no_grad():
+        warm = graphs()
+        other, other_mask = left_pad([prompt(50, seed=7)[0], prompt(41, seed=8)[0], prompt(33, seed=9)[0]])
+        llama.generate(other, attention_mask=other_mask, max_new_tokens=3, do_sample=False)
+        assert graphs() == warm

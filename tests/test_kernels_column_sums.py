@@ -74,14 +74,67 @@ def test_threads_agree_and_a_long_prompt_fits():
     assert_close(Decayed().score_from_column_sums(one[1], state), Decayed().score_chunked(state))
 
 
+def chunk_reference(q, hk, hv, bias, k, v, real, scale, weights):
+    """A chunk's attention (runtime._chunk_attention, reference.ChunkedPrefill step 1) written out densely:
+    a real query sees the held entries with their bias and the chunk's real keys up to itself, a pad query
+    itself only; and Σ_t w_t A[t, i] over the real queries."""
+    b, hq, t, d = q.shape
+    h, e = hk.shape[1], hk.shape[2]
+    g = hq // h
+    keys = torch.cat([hk, k], dim=2).repeat_interleave(g, dim=1)
+    values = torch.cat([hv, v], dim=2).repeat_interleave(g, dim=1)
+    rows = torch.arange(t)
+    own = (rows[None, :] <= rows[:, None])[None] & real[:, None, :]  # (B, T, T)
+    own = own | (torch.eye(t, dtype=torch.bool)[None] & ~real[:, :, None])
+    held = bias[:, :, None, :].expand(b, h, t, e).masked_fill(~real[:, None, :, None], float("-inf"))
+    mask = torch.cat([held, torch.zeros(b, h, t, t).masked_fill(~own[:, None], float("-inf"))], dim=-1)
+    logits = torch.einsum("bhtd,bhsd->bhts", q, keys) * scale + mask.repeat_interleave(g, dim=1)
+    probs = torch.softmax(logits, dim=-1)
+    sums = torch.einsum("bhts,t->bhs", probs * real[:, None, :, None], weights)
+    return probs @ values, sums
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 2), h=st.integers(1, 3), g=st.integers(1, 3), e=st.integers(0, 40), t=st.integers(1, 50),
+       d=st.sampled_from([16, 32]), pads=st.integers(0, 20), merged=st.booleans(), threads=st.integers(1, 2),
+       seed=st.integers(0, 99))
+def test_a_chunk_after_held_entries(b, h, g, e, t, d, pads, merged, threads, seed):
+    """Queries of the last T keys, the first E held with a per-head bias (−inf where a head holds nothing,
+    α·log w at merge slots), left pads: the dense chunk attention and its column sums."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h * g, t, d, generator=gen) * 2
+    hk, hv = torch.randn(b, h, e, d, generator=gen), torch.randn(b, h, e, d, generator=gen)
+    k, v = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen)
+    stored = torch.rand(b, h, e, generator=gen) < 0.7
+    real = torch.ones(b, t, dtype=torch.bool)
+    if pads:  # the first sequence left-padded: it holds nothing yet
+        real[0, :min(pads, t)] = False
+        stored[0] = False
+    bias = torch.zeros(b, h, e)
+    if merged:
+        bias = 0.6 * torch.log(torch.randint(1, 5, (b, h, e), generator=gen).float())
+    bias = bias.masked_fill(~stored, float("-inf"))
+    weights = torch.rand(t, generator=gen)
+    valid = None if bool(real.all()) else torch.cat([torch.ones(b, e, dtype=torch.bool), real], dim=1)
+    out, sums = attention_column_sums(q, torch.cat([hk, k], 2), torch.cat([hv, v], 2), valid, 0.3, weights,
+                                      bias=bias if e else None, threads=threads)
+    want_out, want_sums = chunk_reference(q, hk, hv, bias, k, v, real, 0.3, weights)
+    assert_close(out, want_out)
+    assert_close(sums, want_sums)
+
+
 def test_bad_input_is_refused():
     q, k, v = tensors(1, 2, 2, 8, 16, 0)
     with pytest.raises(ValueError, match="fp32 CPU tensors"):
         attention_column_sums(q.half(), k.half(), v.half(), None, 0.3, torch.ones(8))
     with pytest.raises(ValueError, match="fp32 CPU tensors"):
         attention_column_sums(q[..., :8], k[..., :8], v[..., :8], None, 0.3, torch.ones(8))
-    with pytest.raises(ValueError, match=r"q \(B, H·G, N, d\)"):
+    with pytest.raises(ValueError, match=r"q \(B, H·G, T, d\)"):
         attention_column_sums(q[:, :3], k, v, None, 0.3, torch.ones(8))
+    with pytest.raises(ValueError, match=r"T <= N"):
+        attention_column_sums(torch.cat([q, q], 2), k, v, None, 0.3, torch.ones(16))
+    with pytest.raises(ValueError, match=r"E <= N - T"):  # held entries overlapping the queries' own keys
+        attention_column_sums(q[:, :, 4:], k, v, None, 0.3, torch.ones(4), bias=torch.zeros(1, 2, 5))
 
 
 # --- the plan and the runtime ----------------------------------------------------------------
@@ -116,6 +169,19 @@ def test_the_plan_chooses_one_pass_where_it_runs_and_the_score_is_a_column_sum()
     assert build_plan(own, CONFIG, **FP32).score_impl == "part"
     with pytest.raises(PlanError, match="impl 'cpp' needs fp32 CPU tensors"):
         build_plan(kvcompile.load_spec("h2o"), CONFIG, device="cpu", dtype=torch.float16, kernels="cpp")
+
+
+def test_the_plan_runs_a_chunks_attention_by_the_kernel_where_it_runs():
+    chunked = {"schedule": {"prefill": {"chunk": 64}}}
+    for name, scores in (("h2o", True), ("zsmerge", False), ("snapkv", False), ("lava", False)):
+        policy = kvcompile.load_spec(name, **chunked)
+        plan = build_plan(policy, CONFIG, **FP32)
+        assert plan.chunk_impl == "cpp" and plan.chunk_scores == scores  # zsmerge: slots the score does not see
+        assert build_plan(policy, CONFIG, kernels="torch", **FP32).chunk_impl is None
+        assert build_plan(policy, CONFIG, device="cpu", dtype=torch.float16).chunk_impl is None
+        assert build_plan(kvcompile.load_spec(name), CONFIG, **FP32).chunk_impl is None  # one pass
+    own = dataclasses.replace(kvcompile.load_spec("h2o", **chunked), scoring=SquaredAttention(decay=1.0))
+    assert not build_plan(own, CONFIG, **FP32).chunk_scores  # its own score: the scorer's pass
 
 
 def test_the_resolver_names_column_sums():

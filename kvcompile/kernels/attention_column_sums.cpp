@@ -1,7 +1,9 @@
 // The causal prompt attention of one layer and the weighted column sums of its probabilities,
 // in one pass (fp32): out[j] = Σ_i A[j, i] V[i] and sums[i] = Σ_j w_j A[j, i]. Built by
 // kvcompile/kernels/attention_column_sums.py through Inductor's C++ toolchain; the contract
-// is in that module's docstring.
+// is in that module's docstring. The queries are the last T of the N keys (T = N: a whole
+// prompt; T < N: a chunk of a chunked prompt after the E ≤ N − T entries a layer holds, whose
+// per-head logit bias, −inf where a head holds nothing, comes in `bias`).
 //
 // Work item: (sequence, KV head, block of QB queries). Its G·QB query rows see the keys
 // [0, hi) with hi the block's end; their logits are written into a stripe (G·QB × hi floats,
@@ -99,36 +101,41 @@ static inline void axpy(float* acc, const float* s, int64_t n, float c) {
     for (; i < n; ++i) acc[i] += c * s[i];
 }
 
-// q (B, H·G, N, D), kt (B, H, D, NP) the keys transposed with NP ≥ N a multiple of L (zeros
-// past N), v (B, H, N, D), valid (B, N) 1 = real token (read when has_mask), w (N,) the row
-// weights; out (B, H·G, N, D); partial (threads, B, H·G, N) zeros: each thread's column sums
-// (the caller adds them up); stripe (threads, G·QB, NP) scratch.
-extern "C" void kernel(const float* q, const float* kt, const float* v, const int64_t* valid, const float* w,
-                       float* out, float* partial, float* stripe, const int64_t B, const int64_t H,
-                       const int64_t G, const int64_t N, const int64_t NP, const float scale,
-                       const int64_t has_mask, const int64_t threads) {
-    const int64_t blocks = (N + QB - 1) / QB, BH = B * H;
+// q (B, H·G, T, D) the queries of the last T keys (T ≤ N), kt (B, H, D, NP) the keys transposed
+// with NP ≥ N a multiple of L (zeros past N), v (B, H, N, D), valid (B, N) 1 = real token (read
+// when has_mask), bias (B, H, E) the logit bias of the first E keys (E = 0: none), w (T,) the row
+// weights; out (B, H·G, T, D); partial (threads, B, H·G, N) zeros: each thread's column sums
+// (the caller adds them up); stripe (threads, G·QB, NP) scratch. Query t is key j = N − T + t: it
+// sees the keys i ≤ j that are real (i < j; itself always), the first E with their bias; a pad
+// query sees none of the first E.
+extern "C" void kernel(const float* q, const float* kt, const float* v, const int64_t* valid, const float* bias,
+                       const float* w, float* out, float* partial, float* stripe, const int64_t B, const int64_t H,
+                       const int64_t G, const int64_t N, const int64_t T, const int64_t E, const int64_t NP,
+                       const float scale, const int64_t has_mask, const int64_t threads) {
+    const int64_t blocks = (T + QB - 1) / QB, BH = B * H, offset = N - T;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if(threads > 1)
     for (int64_t item = 0; item < BH * blocks; ++item) {
         const int64_t blk = blocks - 1 - item / BH, bh = item % BH, b = bh / H;  // longest rows first
-        const int64_t lo = blk * QB, hi = std::min(lo + QB, N), c = hi - lo, rows = G * c;
-        const int64_t kn = (hi + L - 1) / L * L;  // keys computed (a whole vector past hi: zero keys)
+        const int64_t lo = blk * QB, hi = std::min(lo + QB, T), c = hi - lo, rows = G * c;
+        const int64_t end = offset + hi;  // the block's last query sees the keys [0, end)
+        const int64_t kn = (end + L - 1) / L * L;  // keys computed (a whole vector past end: zero keys)
         const int thread = omp_get_thread_num();
         float* s0 = stripe + thread * G * QB * NP;
         float* sums = partial + (thread * B * H * G + bh * G) * N;  // (G, N) of this KV head
         const float* k_t = kt + bh * D * NP;
         const float* vh = v + bh * N * D;
+        const float* held = E ? bias + bh * E : nullptr;
         const int64_t* real = has_mask ? valid + b * N : nullptr;
         std::vector<const float*> qr(rows);
         std::vector<float*> sr(rows), orow(rows);
         std::vector<int64_t> len(rows);
         std::vector<float> inv(rows);
         for (int64_t r = 0; r < rows; ++r) {
-            const int64_t g = r / c, j = lo + r % c;
-            qr[r] = q + ((bh * G + g) * N + j) * D;
+            const int64_t g = r / c, t = lo + r % c;
+            qr[r] = q + ((bh * G + g) * T + t) * D;
             sr[r] = s0 + r * NP;
-            orow[r] = out + ((bh * G + g) * N + j) * D;
-            len[r] = j + 1;
+            orow[r] = out + ((bh * G + g) * T + t) * D;
+            len[r] = offset + t + 1;
         }
         // logits: key tiles outer (a tile of kt stays in L1), rows inner
         int64_t i0 = 0;
@@ -145,7 +152,13 @@ extern "C" void kernel(const float* q, const float* kt, const float* v, const in
         // each row's softmax over its visible keys (i ≤ j, real or itself), its column sums
         for (int64_t r = 0; r < rows; ++r) {
             float* s = sr[r];
-            const int64_t n = len[r], j = n - 1;
+            const int64_t n = len[r], j = n - 1, t = j - offset;
+            const bool real_query = real == nullptr || real[j];
+            if (held != nullptr) {  // the held entries: their bias (none for a pad query)
+                const int64_t e_end = std::min(E, j);
+                if (real_query) axpy(s, held, e_end, 1.f);
+                else std::fill(s, s + e_end, NEG_INF);
+            }
             if (real != nullptr)
                 for (int64_t i = 0; i < j; ++i)
                     if (!real[i]) s[i] = NEG_INF;
@@ -153,12 +166,12 @@ extern "C" void kernel(const float* q, const float* kt, const float* v, const in
             std::fill(s + n, s + kn, 0.f);
             inv[r] = 1.f / sum;
             const int64_t g = r / c;
-            if ((real == nullptr || real[j]) && w[j] != 0.f) axpy(sums + g * N, s, n, w[j] * inv[r]);
+            if (real_query && w[t] != 0.f) axpy(sums + g * N, s, n, w[t] * inv[r]);
             for (int64_t e = 0; e < D; ++e) orow[r][e] = 0.f;
         }
         // out = P·V / sum, V in blocks of KB keys (held in L1 across the rows)
-        for (int64_t k0 = 0; k0 < hi; k0 += KB) {
-            const int64_t k1 = std::min(k0 + KB, hi);
+        for (int64_t k0 = 0; k0 < end; k0 += KB) {
+            const int64_t k1 = std::min(k0 + KB, end);
             int64_t r = 0;
             for (; r + 4 <= rows; r += 4) pv_tile<4>(sr.data() + r, vh, k0, k1, orow.data() + r);
             for (; r < rows; ++r) pv_tile<1>(sr.data() + r, vh, k0, k1, orow.data() + r);

@@ -11,6 +11,12 @@ weights (N,) float32 the row weights w_j. Returns
   softmax attention of the scorers (`policies.scoring.attention_rows`: a pad query's row
   is 0).
 
+A chunk of a chunked prompt (runtime.compress_chunk): q holds the queries of the last T ≤ N keys
+(query t is key N − T + t, it sees the keys up to itself), weights (T,) weigh its rows, and the
+first E ≤ N − T keys are the entries the layer holds, with `bias` (B, H, E) added to their
+logits (the merge rule's α·log w; −inf where a head holds nothing); a pad query sees none of
+them (as `runtime._chunk_attention`). sums (B, Hq, N) then cover every key.
+
 This is what the scorers whose prompt score is a weighted column sum of the attention need
 (`Scorer.column_weights`: H2O's accumulated attention, w = 1; ZSMerge's decayed one,
 w_j = λ^(N−1−j)). Computed apart, the score is a second attention pass over the prompt
@@ -30,9 +36,9 @@ from torch import Tensor
 
 from kvcompile.kernels.paged_attention_cpp import load_cpp, supports
 
-_ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*", "const float*", "float*", "float*",
-             "float*", "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
-             "const float", "const int64_t", "const int64_t")
+_ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*", "const float*", "const float*",
+             "float*", "float*", "float*", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
+             "const int64_t", "const int64_t", "const int64_t", "const float", "const int64_t", "const int64_t")
 QUERY_BLOCK = 16  # queries per work item: G·16 rows of logits stay in a core's L2 up to ~8k keys (G = 3)
 LANES = 16  # the widest vector (AVX-512 fp32): keys are padded to a multiple of it
 
@@ -47,24 +53,29 @@ def runs_here(device: torch.device, dtype: torch.dtype | None, head_dim: int) ->
 
 
 def attention_column_sums(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, scale: float,
-                          weights: Tensor, *, threads: int | None = None) -> tuple[Tensor, Tensor]:
+                          weights: Tensor, *, bias: Tensor | None = None,
+                          threads: int | None = None) -> tuple[Tensor, Tensor]:
     """(out, sums): the module docstring. threads: OpenMP threads (default: torch's)."""
-    b, hq, n, d = q.shape
-    h = k.shape[1]
+    b, hq, t, d = q.shape
+    h, n = k.shape[1], k.shape[2]
     if not (runs_here(q.device, q.dtype, d) and k.dtype == v.dtype == q.dtype):
         raise ValueError("attention_column_sums: fp32 CPU tensors with head dim a multiple of 16")
-    if hq % h or k.shape[2] != n or q.shape[2] != n:
-        raise ValueError(f"attention_column_sums: q (B, H·G, N, d), k and v (B, H, N, d); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}")
+    e = 0 if bias is None else bias.shape[-1]
+    if hq % h or t > n or tuple(v.shape[:3]) != (b, h, n) or weights.shape != (t,) or \
+            (bias is not None and (tuple(bias.shape) != (b, h, e) or e > n - t)):
+        raise ValueError(f"attention_column_sums: q (B, H·G, T, d), k and v (B, H, N, d) with T <= N, weights (T,), "
+                         f"bias (B, H, E) with E <= N - T; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(weights.shape)}, {None if bias is None else tuple(bias.shape)}")
     threads = torch.get_num_threads() if threads is None else threads
     g = hq // h
     padded = -(-n // LANES) * LANES
     kt = k.new_zeros(b, h, d, padded)
     kt[..., :n] = k.transpose(2, 3)
     mask = torch.ones(1, dtype=torch.long) if valid is None else valid.to(torch.long).contiguous()
-    out = torch.empty(b, hq, n, d)
+    held = torch.zeros(1) if bias is None else bias.to(torch.float32).contiguous()
+    out = torch.empty(b, hq, t, d)
     partial = torch.zeros(threads, b, hq, n)
     stripe = torch.empty(threads, g * QUERY_BLOCK, padded)
-    _kernel(d)(q.contiguous(), kt, v.contiguous(), mask, weights.to(torch.float32).contiguous(), out, partial,
-               stripe, b, h, g, n, padded, float(scale), int(valid is not None), threads)
+    _kernel(d)(q.contiguous(), kt, v.contiguous(), mask, held, weights.to(torch.float32).contiguous(), out,
+               partial, stripe, b, h, g, n, t, e, padded, float(scale), int(valid is not None), threads)
     return out, partial.sum(0)

@@ -229,6 +229,16 @@ class Scorer(Part):
         GQA group, −inf at pads."""
         return mask_pads(reduce_gqa(sums, state.keys.shape[1], self.gqa), state)
 
+    def carry(self, own: Tensor, carried: Tensor | None, state: LayerState) -> Tensor:
+        """A chunk's score from its own queries' score `own` and the held entries' `carried` one
+        (`score_chunk`): a running scorer adds them as it does while decoding; default `own`."""
+        return own
+
+    def score_chunk_from_column_sums(self, sums: Tensor, state: LayerState, carried: Tensor | None) -> Tensor:
+        """`score_chunk` from the column sums (B, Hq, N) of `column_weights(R)` over the chunk's R query rows
+        (the chunk's attention computed them: runtime.compress_chunk)."""
+        return self.carry(self.score_from_column_sums(sums, state), carried, state)
+
 
 @part("scoring", "window_attention")
 @dataclass(frozen=True)
@@ -322,7 +332,10 @@ class Accumulated(Scorer):
         return own if carried is None else mask_pads(carried + own, state)
 
     def score_chunk_prompt(self, state: LayerState, carried: Tensor | None) -> Tensor:
-        own = decayed_scores_chunked(state, 1.0, self.gqa, rows=state.queries.shape[2])
+        return self.carry(decayed_scores_chunked(state, 1.0, self.gqa, rows=state.queries.shape[2]), carried, state)
+
+    def carry(self, own: Tensor, carried: Tensor | None, state: LayerState) -> Tensor:
+        """s = carried + own (`score_chunk`)."""
         return own if carried is None else mask_pads(carried + own, state)
 
     def column_weights(self, n: int) -> Tensor | None:
@@ -376,8 +389,12 @@ class Decayed(Scorer):
         return own if carried is None else mask_pads(float(self.decay) ** r * carried + own, state)
 
     def score_chunk_prompt(self, state: LayerState, carried: Tensor | None) -> Tensor:
+        own = decayed_scores_chunked(state, float(self.decay), self.gqa, rows=state.queries.shape[2])
+        return self.carry(own, carried, state)
+
+    def carry(self, own: Tensor, carried: Tensor | None, state: LayerState) -> Tensor:
+        """s = λ^R·carried + own (`score_chunk`; R the chunk's query rows)."""
         r = state.queries.shape[2]
-        own = decayed_scores_chunked(state, float(self.decay), self.gqa, rows=r)
         return own if carried is None else mask_pads(float(self.decay) ** r * carried + own, state)
 
     def column_weights(self, n: int) -> Tensor | None:
@@ -395,9 +412,11 @@ class Decayed(Scorer):
 
 
 def _own_score(scorer: Scorer, cls: type) -> bool:
-    """`scorer` computes the score `cls` defines (a subclass may redefine it)."""
+    """`scorer` computes the score `cls` defines, of a whole prompt and of a chunk (a subclass may
+    redefine either)."""
     return all(getattr(type(scorer), name) is getattr(cls, name)
-               for name in ("score", "score_prompt", "score_from_column_sums"))
+               for name in ("score", "score_prompt", "score_from_column_sums", "score_chunk", "score_chunk_prompt",
+                            "carry", "score_chunk_from_column_sums"))
 
 
 def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int = 256,
