@@ -321,12 +321,12 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 def _init_continuous_batching(model, *args, **kwargs):
     try:
         from kvcompile.serving import init_continuous_batching
-    except ImportError as exc:  # the engine's internals kvcompile.serving builds on (transformers 5.23)
+    except ImportError as exc:  # the engine's internals kvcompile.serving builds on (pyproject's transformers range)
         import transformers
 
-        raise CompileError(f"kvcompile: continuous batching needs the engine of transformers 5.23 "
-                           f"(generation/continuous_batching); transformers {transformers.__version__} lacks "
-                           f"what kvcompile.serving uses: {exc}") from None
+        raise CompileError(f"kvcompile: continuous batching needs the engine of a transformers version kvcompile "
+                           f"supports (pyproject.toml's range; generation/continuous_batching); transformers "
+                           f"{transformers.__version__} lacks what kvcompile.serving uses: {exc}") from None
 
     return init_continuous_batching(model, *args, **kwargs)
 

@@ -48,6 +48,12 @@ def _require_serving() -> None:
                           "(or `pip install transformers[serving]`)")
 
 
+def _accepts(function, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(function).parameters
+
+
 def cb_config(options: ServeOptions):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -93,6 +99,7 @@ class KVCompileServer:
         import uvicorn
         from transformers.cli.serving.chat_completion import ChatCompletionHandler
         from transformers.cli.serving.completion import CompletionHandler
+        from transformers.cli.serving.model_manager import ModelManager
         from transformers.cli.serving.response import ResponseHandler
         from transformers.cli.serving.server import build_server
         from transformers.cli.serving.systemone import SystemOneHandler
@@ -107,9 +114,10 @@ class KVCompileServer:
         cb = cb_config(options)
         logging.get_logger("transformers").setLevel(logging.log_levels[options.log_level.lower()])
         # preloads (force_model) and compiles the model now: an unsupported model or policy fails at start
+        # `continuous_batching` (transformers >= 5.23: it picks a Metal flash kernel on MPS) is unknown to 5.20-5.22
+        extra = {"continuous_batching": True} if _accepts(ModelManager.__init__, "continuous_batching") else {}
         self.model_manager = model_manager_class()(policy=policy, cb=cb, device="cpu", dtype="auto",
-                                                   attn_implementation="sdpa", continuous_batching=True,
-                                                   force_model=options.model)
+                                                   attn_implementation="sdpa", force_model=options.model, **extra)
         self.generation_state = GenerationState(continuous_batching=True, cb_config=cb)
         state, manager = self.generation_state, self.model_manager
         app = build_server(manager, ChatCompletionHandler(model_manager=manager, generation_state=state),

