@@ -62,6 +62,14 @@ def serve(model, inputs, new: int = NEW, **cb):
     return [results[i].generated_tokens for i in ids], report
 
 
+def engine_cache(model, num_blocks: int) -> KVCompilePagedCache:
+    """The engine's cache on a compiled model (its manager's batch processor's), without starting the engine."""
+    manager = model.init_continuous_batching(generation_config=gen_config(),
+                                             continuous_batching_config=ContinuousBatchingConfig(num_blocks=num_blocks,
+                                                                                                 page_size=16))
+    return manager._create_batch_processor().cache
+
+
 def test_one_request_equals_generate():
     model = compiled()
     ids = prompts([60])
@@ -138,10 +146,7 @@ def test_a_request_reusing_a_replayed_id_is_not_replayed():
     """The replay is tied to the very request the engine re-queued: a later request under the same id, with
     another prompt, runs as a fresh one (its whole initial tokens are its prompt)."""
     model = compiled()
-    manager = model.init_continuous_batching(generation_config=gen_config(),
-                                             continuous_batching_config=ContinuousBatchingConfig(num_blocks=16,
-                                                                                                 page_size=16))
-    cache = manager._create_batch_processor().cache
+    cache = engine_cache(model, num_blocks=16)
     ids = prompts([60])[0]
     old = RequestState("req", initial_tokens=ids, max_new_tokens=NEW)
     old.generated_tokens = [5, 6, 7]
@@ -161,10 +166,7 @@ def test_reservation_does_not_grow_with_max_new_tokens():
     compressed prompt and at most plan.SPARE_RUN spare pages per head (the same for 64 new tokens or 1024),
     then grows step by step as it decodes."""
     model = compiled()
-    manager = model.init_continuous_batching(generation_config=gen_config(),
-                                             continuous_batching_config=ContinuousBatchingConfig(num_blocks=64,
-                                                                                                 page_size=16))
-    cache = manager._create_batch_processor().cache
+    cache = engine_cache(model, num_blocks=64)
     ids = prompts([150])[0]
 
     def reserved(new):
