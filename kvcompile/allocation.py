@@ -111,6 +111,6 @@ def decode_budgets(policy, lengths: Tensor, num_layers: int, num_heads: int, hel
     for b, n in enumerate(lengths.tolist()):
         layers = budget.layer_totals(budget.total(n, num_heads, num_layers), [big] * num_layers, None)
         for layer, total in enumerate(layers):
-            shares = torch.tensor(apportion(total, [1] * num_heads, [big] * num_heads))
+            shares = torch.tensor(apportion(total, [1] * num_heads, [big] * num_heads), device=held.device)
             out[b, layer] = torch.maximum(out[b, layer], shares if heads is None else shares[heads])
     return out

@@ -205,20 +205,35 @@ def select_rows(store: LayerStore, index: Tensor, spare_pages: int) -> LayerStor
     """A new store whose row i is a copy of row index[i] of `store` (entries in the same order,
     merge slots first), each head on fresh pages with its spares."""
     k, v, scores, pos, counts, stored = store.gather()
+    index = index.to(k.device)
     taken = Entries(k[index], v[index], scores[index], pos[index], counts[index], stored[index])
     return build_store([taken], store.slots[index], store.page_size, spare_pages)
 
 
+def _device_of(state) -> torch.device | None:
+    """The device of a state dataclass's tensors (its first tensor field's: they all live on one)."""
+    for f in dataclasses.fields(state):
+        x = getattr(state, f.name)
+        if isinstance(x, Tensor):
+            return x.device
+    return None
+
+
 def _rows(state, index: Tensor):
     """A copy of a state dataclass with every batch-first tensor (lists of them too) indexed by rows."""
-    def take(x):
-        if isinstance(x, Tensor) and x.dim() >= 1:
-            return x[index.to(x.device)]
+    return _map_tensors(state, lambda x: x[index.to(x.device)] if x.dim() >= 1 else x)
+
+
+def _map_tensors(state, fn):
+    """A copy of a state dataclass with fn applied to every tensor field (and to the tensors of list fields)."""
+    def apply(x):
+        if isinstance(x, Tensor):
+            return fn(x)
         if isinstance(x, list):
-            return [take(y) for y in x]
+            return [apply(y) for y in x]
         return x
 
-    return dataclasses.replace(state, **{f.name: take(getattr(state, f.name)) for f in dataclasses.fields(state)})
+    return dataclasses.replace(state, **{f.name: apply(getattr(state, f.name)) for f in dataclasses.fields(state)})
 
 
 @dataclass
@@ -264,6 +279,7 @@ class DecodeState:
 
     budgets: Tensor  # (B, L, H) entries each head may hold while decoding
     split: Tensor | None  # (B, L, H, 3) ZSMerge proximity, context, residual per head (None: no split)
+    pad: Tensor  # (B,) the prompt's left pads: all a decode step reads of the prompt's state (with its width)
     totals: Tensor | None = None  # (B, L) Σ of the budgets over all heads, for `decode: every` pruning on a
     #   tensor-parallel rank (its `budgets` are its own heads'); None: the sum of `budgets`
 
@@ -315,6 +331,19 @@ class KVCompileCache(Cache):
         self.compressing: ChunkedPrompt | None = None  # a prompt compressed chunk by chunk, while it runs
         self.handle = next(_NEXT_HANDLE)
         _LIVE[self.handle] = self
+
+    def state_to(self, device: torch.device) -> None:
+        """Move the state every layer reads to `device`, where the layer about to run lives (its
+        layer's device, Plan.layer_device; the runtime calls this before each layer's step). While
+        the prompt runs that is `prompt` (its padding mask, lengths, pads, layer totals, a cascade's
+        per-layer counts); once decoding, `decoding` alone (the (B, L, H) budgets, ZSMerge's split,
+        the pads): a decode step reads nothing else, so the prompt's state stays where it is. With
+        every layer on one device it is always there and nothing moves; with layers on several
+        devices it moves where the layers change devices, a few times per forward."""
+        name = "prompt" if self.decoding is None else "decoding"
+        state = getattr(self, name)
+        if state is not None and _device_of(state) not in (None, device):
+            setattr(self, name, _map_tensors(state, lambda x: x.to(device)))
 
     def expect_prompt(self, length: int) -> None:
         """The next `length` tokens (pads included) are one prompt, given in several forward
@@ -448,13 +477,15 @@ class KVCompileCache(Cache):
         for store in self.stores:
             _, _, _, pos, _, stored = store.gather()
             # decode appends sit after a head's prompt entries, in order: what is cut is a suffix
-            store.lengths = (stored & ((pos < cutoff) | (pos < 0))).sum(-1)
+            store.lengths = (stored & ((pos < cutoff.to(pos.device)) | (pos < 0))).sum(-1)
         self.seq_length = max_length
 
     # --- reports -------------------------------------------------------------------------
-    def kept(self) -> Tensor:
-        """(B, L, H) entries stored per sequence, layer and KV head (residual slots included)."""
-        return torch.stack([s.lengths for s in self.stores], dim=1)
+    def kept(self, device: torch.device | None = None) -> Tensor:
+        """(B, L, H) entries stored per sequence, layer and KV head (residual slots included), on
+        `device` (default: layer 0's; layers may live on several devices)."""
+        device = self.stores[0].lengths.device if device is None else device
+        return torch.stack([s.lengths.to(device) for s in self.stores], dim=1)
 
     def kept_positions(self, layer: int) -> Tensor:
         """(B, H, N) bool: which prompt positions (padded index) the layer keeps."""
@@ -462,10 +493,10 @@ class KVCompileCache(Cache):
         _, _, _, pos, _, stored = store.gather()
         b, h = store.lengths.shape
         n = self.prompt_width
-        out = torch.zeros(b, h, n, dtype=torch.bool)
-        ok = stored & (pos >= 0) & (pos < self.prompt_lengths[:, None, None])
+        out = torch.zeros(b, h, n, dtype=torch.bool, device=pos.device)
+        ok = stored & (pos >= 0) & (pos < self.prompt_lengths.to(pos.device)[:, None, None])
         bi, hi, ei = ok.nonzero(as_tuple=True)
-        out[bi, hi, pos[bi, hi, ei] + self.pad[bi]] = True
+        out[bi, hi, pos[bi, hi, ei] + self.pad.to(pos.device)[bi]] = True
         return out
 
     def memory_report(self) -> dict:
@@ -477,7 +508,7 @@ class KVCompileCache(Cache):
         store = self.stores[0]
         elt = store.k_pages.element_size()
         entry_bytes = 2 * self.head_dim * elt  # K and V
-        pages = torch.stack([s.pages_per_head() for s in self.stores], dim=1)  # (B, L, H)
+        pages = torch.stack([s.pages_per_head().to(store.lengths.device) for s in self.stores], dim=1)  # (B, L, H)
         kept = self.kept()
         b = kept.shape[0]
         pool_pages = sum(s.k_pages.shape[0] for s in self.stores)

@@ -19,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
-from kvcompile.devices import DeviceError, execution_device, has_hooks
+from kvcompile.devices import DeviceError, execution_devices, has_hooks
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
 from kvcompile.runtime import kvcompile_attention, kvcompile_mask
@@ -220,10 +220,12 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     try:
         shard = model_shard(model)
         # the device the layers run on: accelerate's execution device where hooks move offloaded
-        # weights in (model.device is then where the first weight is stored: "meta", "cpu")
-        device = execution_device(model)
+        # weights in (model.device is then where the first weight is stored: "meta", "cpu"); each
+        # layer's where they run on several (a pipeline over GPUs)
+        device, layer_devices = execution_devices(model)
         plan = build_plan(policy, model.config, device=device, dtype=model.dtype, kernels=kernels,
-                          page_size=page_size, compiled_entry=mode == "compiled", shard=shard)
+                          page_size=page_size, compiled_entry=mode == "compiled", shard=shard,
+                          layer_devices=layer_devices)
     except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
     build_kernels(plan, model.config.num_attention_heads // model.config.num_key_value_heads)

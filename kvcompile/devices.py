@@ -12,11 +12,16 @@ device), and their pages live there.
 `layer_devices(model)` reads, per decoder layer, the execution device of accelerate's hook on its
 k_proj (where the keys are computed), else of the nearest hook on its attention module or an
 ancestor, else the device of its own parameters (None where
-they are all on "meta" and no hook moves them in). `execution_device(model)` is the one device
-the cache lives on; layers that run on several devices (a pipeline over two GPUs, a hook that
-runs some layers on the CPU and others on a GPU) are refused before anything runs: the cache's
-prompt and decode state (lengths, pads, layer totals, per-head budgets) and a cascade's
-re-selection of lower layers are shared by every layer, on one device.
+they are all on "meta" and no hook moves them in). `execution_devices(model)` is what compile()
+plans with: the device of layer 0 (where the prompt's and the decode schedule's state starts) and,
+for layers that run on several devices (a pipeline over two GPUs: `device_map="auto"` on a machine
+with several), each layer's device. Each layer's pages live on its device; the state every layer
+reads (the prompt's lengths, pads, layer totals, the decode budgets) follows the layer that runs
+(`KVCompileCache.state_to`), and what one layer reads of another (a cascade's re-selection of lower
+layers, the pages the layers above hold) is moved to where it is read. Layers on devices of different
+types (a hook that runs some layers on the CPU next to a GPU) are refused: the plan chooses one set of
+kernels for one device type (accelerate itself never does this: a device_map that maps layers to
+"cpu" next to a GPU offloads them, and runs them on the GPU).
 """
 from __future__ import annotations
 
@@ -72,27 +77,35 @@ def layer_devices(model) -> tuple[torch.device | None, ...]:
     return tuple(out)
 
 
-def execution_device(model) -> torch.device | None:
-    """The one device every layer's attention, and so every layer's pages, live on; None when it is
-    not known before the first prompt (weights on "meta" and no hook). DeviceError for layers that
-    run on several devices."""
+def execution_devices(model) -> tuple[torch.device | None, tuple[torch.device, ...] | None]:
+    """(device, per_layer): the device layer 0 runs on (None when it is not known before the first
+    prompt: weights on "meta" and no hook), and each layer's device when they run on several (else
+    None). DeviceError for layers on "meta", on devices of several types, or some on a known device
+    and others on none."""
     devices = layer_devices(model)
     known = {d for d in devices if d is not None}
-    if len(known) > 1:
-        where = {}
-        for i, d in enumerate(devices):
-            where.setdefault(str(d), []).append(i)
-        spread = "; ".join(f"{d}: layers {_ranges(layers)}" for d, layers in where.items())
-        raise DeviceError(
-            f"kvcompile: the model's layers run on several devices ({spread}); a KVCompileCache keeps the "
-            "prompt's and the decode schedule's state (lengths, pads, layer totals, head budgets) for every "
-            "layer on one device, and a cascade re-selects lower layers from a later layer's step, so every "
-            "layer must run on one device. Weights may live anywhere: a device_map that maps layers to 'cpu' "
-            "or 'disk' (offload_folder) next to one GPU runs them on that GPU, and their pages live there")
-    if any(d is not None and d.type == "meta" for d in known):
+    if any(d.type == "meta" for d in known):
         raise DeviceError("kvcompile: the model's layers run on the 'meta' device (no weights): load or dispatch "
                           "it onto a real device first")
-    return next(iter(known)) if known else None
+    if len(known) <= 1:
+        return next(iter(known), None), None
+    spread = "; ".join(f"{d}: layers {_ranges(layers)}" for d, layers in _by_device(devices).items())
+    if len({d.type for d in known}) > 1:
+        raise DeviceError(
+            f"kvcompile: the model's layers run on devices of several types ({spread}); the plan chooses one set "
+            "of kernels for one device type. accelerate runs layers that a device_map puts on 'cpu' or 'disk' "
+            "next to a GPU on that GPU (their weights streamed in): dispatch the model that way, or onto one type")
+    if None in devices:
+        raise DeviceError(f"kvcompile: some layers have no device ({spread}; None: weights on 'meta' and no "
+                          "accelerate hook); dispatch every layer")
+    return devices[0], devices
+
+
+def _by_device(devices) -> dict[str, list[int]]:
+    where: dict[str, list[int]] = {}
+    for i, d in enumerate(devices):
+        where.setdefault(str(d), []).append(i)
+    return where
 
 
 def _ranges(layers: list[int]) -> str:

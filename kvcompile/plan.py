@@ -94,6 +94,8 @@ class Plan:
     static_totals: bool  # layer totals are known from the prompt lengths alone
     prefill_chunk: int = 0  # the prompt runs in chunks of this many tokens, each compressed back to the budget
     #   before the next (schedule.prefill: chunk; reference.ChunkedPrefill); 0: one pass
+    layer_devices: tuple[torch.device, ...] | None = None  # each layer's device where the layers run on several
+    #   (a pipeline over GPUs, kvcompile.devices.execution_devices; `device` is layer 0's); None: all on `device`
     chunk_impl: str | None = None  # a chunk's attention over the held entries and itself: "cpp" (the column-sums
     #   kernel, kernels.attention_column_sums, with the held entries as a biased prefix), None: SDPA with a mask
 
@@ -107,9 +109,16 @@ class Plan:
         them, or a model moved after compile()): the kernels are chosen again."""
         if self.device == like.device and self.dtype == like.dtype:
             return self
+        # a model moved after compile() runs where `like` is: the layers' devices read at compile() are gone
+        # (attend() refuses a layer on another device than its plan says)
+        layers = self.layer_devices if self.device == like.device else None
         return build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
                           page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
-                          shard=self.shard)
+                          shard=self.shard, layer_devices=layers)
+
+    def layer_device(self, layer: int) -> torch.device | None:
+        """The device `layer` runs on, and its pages live on (None: not known before the first prompt)."""
+        return self.device if self.layer_devices is None else self.layer_devices[layer]
 
     @property
     def heads(self) -> slice:
@@ -216,7 +225,8 @@ def _heads_exchange(policy: Policy, shard: HeadShard, num_heads: int) -> str:
 
 def build_plan(policy: Policy, config, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                kernels: str | None = None, page_size: int = 16, headroom: int = 0,
-               compiled_entry: bool = False, shard: HeadShard | None = None) -> Plan:
+               compiled_entry: bool = False, shard: HeadShard | None = None,
+               layer_devices: tuple[torch.device, ...] | None = None) -> Plan:
     """The plan for `policy` on a model with this `config` (layers, KV heads, head dim).
     Raises PlanError for what cannot run (a kernel that does not exist here, a merge rule
     that has no online path), before anything runs.
@@ -237,13 +247,26 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     head dim a multiple of 16, kernels None or "cpp"; it also gives the scores of a column-sum scorer
     that does not merge), else through SDPA with a (T × E + T) mask.
     shard: this process's share of the KV heads under tensor parallelism (kvcompile.sharding.model_shard);
-    the plan names them and what its selections gather across ranks."""
+    the plan names them and what its selections gather across ranks.
+    layer_devices: each layer's device, for layers that run on several devices of `device`'s type
+    (kvcompile.devices.execution_devices; `device` is layer 0's); None: every layer runs on `device`."""
     if page_size < 1:
         raise PlanError(f"kvcompile: page_size must be >= 1, got {page_size}")
     if headroom < 0:
         raise PlanError(f"kvcompile: headroom must be >= 0, got {headroom}")
     device = torch.device(device) if device is not None else None
     num_layers = config.num_hidden_layers
+    if layer_devices is not None:
+        layer_devices = tuple(torch.device(d) for d in layer_devices)
+        if len(layer_devices) != num_layers or layer_devices[0] != device \
+                or any(d.type != device.type for d in layer_devices):
+            raise PlanError(f"kvcompile: layer_devices must name a device of {device}'s type for each of the "
+                            f"{num_layers} layers, layer 0's being {device}; got {[str(d) for d in layer_devices]}")
+        if len(set(layer_devices)) == 1:
+            layer_devices = None
+        elif shard is not None:
+            raise PlanError("kvcompile: a tensor-parallel rank whose layers run on several devices; each rank "
+                            "runs its layers on its own device")
     num_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     scoring, decode = policy.scoring, policy.schedule.decode
@@ -320,5 +343,5 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         step_rule=step_rule, running_scores=scoring.running, online_eviction=online,
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
-        prefill_chunk=chunk, chunk_impl=chunk_impl)
+        prefill_chunk=chunk, chunk_impl=chunk_impl, layer_devices=layer_devices)
 

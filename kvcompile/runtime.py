@@ -17,6 +17,7 @@ graphs treat it as one call and do not recompile as the cache grows.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -306,7 +307,8 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
         used = torch.zeros_like(tokens) if slots is None else (slots.counts > 0).sum(-1)
         held = torch.stack(prompt.held + [valid.sum((1, 2)) + used.sum(-1)], dim=1)
         # the layers above still hold their previous chunk's entries: the layers seen share the rest
-        above = sum((s.lengths.sum(-1) for s in cache.stores[layer + 1:] if s is not None), torch.zeros_like(lengths))
+        above = sum((s.lengths.sum(-1).to(q.device) for s in cache.stores[layer + 1:] if s is not None),
+                    torch.zeros_like(lengths))
         totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads,
                               entropy=torch.stack(prompt.entropy, dim=1), capacity=held, reserved=above)
     elif policy.budget.threshold is None:
@@ -385,16 +387,22 @@ def _cascade(cache: KVCompileCache, layer: int, totals: Tensor) -> None:
         for lower in range(layer):
             _recompress(cache, lower, totals[:, lower])
         if layer:  # what the layers below hold now, over all heads
-            held = _over_heads(plan, torch.stack([cache.stores[lower].lengths.sum(-1) for lower in range(layer)], 1))
+            held = _over_heads(plan, _layer_sums(cache, range(layer), totals.device))
             prompt.held[:layer] = list(held.unbind(1))
         return
     if layer:  # what the pages of the layers below hold, over all heads (B, layer)
-        hold = _over_heads(plan, torch.stack([cache.stores[lower].lengths.sum(-1) for lower in range(layer)], 1))
+        hold = _over_heads(plan, _layer_sums(cache, range(layer), totals.device))
     for lower in range(layer):
         prompt.held[lower] = torch.maximum(prompt.protected, torch.minimum(totals[:, lower], prompt.held[lower]))
         pages_hold = hold[:, lower]
         if bool((pages_hold > prompt.held[lower]).any()) and (last or bool((pages_hold > 2 * prompt.held[lower]).any())):
             _recompress(cache, lower, totals[:, lower])
+
+
+def _layer_sums(cache: KVCompileCache, layers, device: torch.device) -> Tensor:
+    """(B, len(layers)) entries each of these layers' pages hold over this process's heads, on `device`
+    (the layers' pages may live on several devices)."""
+    return torch.stack([cache.stores[i].lengths.sum(-1).to(device) for i in layers], 1)
 
 
 def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, total, layer, every=None):
@@ -497,6 +505,7 @@ def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
     only, so every step runs."""
     policy = cache.policy
     store = cache.stores[layer]
+    total = total.to(store.lengths.device)  # a later layer's step: it may run on another device
     if cache.plan.shard is None and bool((total >= store.lengths.sum(-1)).all()):
         return
     k, v, scores, pos, counts, stored = store.gather()
@@ -510,7 +519,7 @@ def _recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
                        torch.where(is_slot[:, :, :width], counts[:, :, :width], 0).long())
     choose = None if cache.plan.shard is None else functools.partial(_choose, cache, kernels=False)
     kept, merged = select_and_merge(policy, k, v, scores.masked_fill(~is_token, float("-inf")),
-                                    pos, is_token, cache.prompt.lengths, total, layer, slots, choose)
+                                    pos, is_token, cache.prompt.lengths.to(k.device), total, layer, slots, choose)
     cache.stores[layer] = _store(cache, Entries(k, v, scores, pos, counts, kept), merged)
 
 
@@ -531,7 +540,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
         elif online or every:  # tokens after a prompt that ends inside this call: later layers are not compressed yet
             raise RuntimeError("kvcompile: the decode schedule needs every layer compressed before tokens follow "
                                "the prompt in the same call")
-    pad, width = cache.prompt.pad, cache.prompt.width
+    pad, width = cache.prompt.pad if cache.decoding is None else cache.decoding.pad, cache.prompt.width
     outs = []
     for i in range(q.shape[2]):
         position = start + i - pad  # logical position among real tokens
@@ -579,15 +588,16 @@ def start_decode(cache: KVCompileCache) -> DecodeState:
     """Per-head decode budgets (and the ZSMerge split of each), fixed after the prompt."""
     plan = cache.plan
     policy = plan.policy
-    budgets = decode_budgets(policy, cache.prompt.lengths, plan.num_layers, plan.num_heads, cache.kept(), plan.heads)
+    lengths = cache.prompt.lengths
+    budgets = decode_budgets(policy, lengths, plan.num_layers, plan.num_heads, cache.kept(lengths.device), plan.heads)
     totals = None
     if plan.shard is not None and plan.prune_every and policy.budget.threshold is None:
         totals = _over_heads(plan, budgets.sum(-1))  # (B, L): what pruning keeps per layer, over all heads
     split = None
     if policy.budget.split is not None:
         split = torch.tensor([[[head_split(policy, int(n)) for n in row] for row in per_b]
-                              for per_b in budgets.tolist()], dtype=torch.long)  # (B, L, H, 3)
-    return DecodeState(budgets, split, totals)
+                              for per_b in budgets.tolist()], dtype=torch.long, device=budgets.device)  # (B, L, H, 3)
+    return DecodeState(budgets, split, cache.prompt.pad, totals)
 
 
 def _gather(store):
@@ -715,10 +725,11 @@ def heads_store(cache: KVCompileCache, heads) -> LayerStore:
     d = first.keys.shape[-1]
     keys = first.keys.new_zeros(b, h, width, d)
     values = first.values.new_zeros(b, h, width, d)
-    scores = torch.zeros(b, h, width)
-    pos = torch.full((b, h, width), -1, dtype=torch.long)
-    counts = torch.zeros(b, h, width)
-    take = torch.zeros(b, h, width, dtype=torch.bool)
+    dev = first.keys.device
+    scores = torch.zeros(b, h, width, device=dev)
+    pos = torch.full((b, h, width), -1, dtype=torch.long, device=dev)
+    counts = torch.zeros(b, h, width, device=dev)
+    take = torch.zeros(b, h, width, dtype=torch.bool, device=dev)
     for i, row in enumerate(heads):
         for j, x in enumerate(row):
             n = len(x.positions)
@@ -753,10 +764,24 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
             f"kvcompile: layer {layer} computes {k.shape[1]} KV heads but the cache's plan holds "
             f"{len(cache.plan.kv_heads)} (a model sharded by tensor parallelism needs its cache from "
             "kvcompile.compile(model, ...), or a plan built with shard=kvcompile.sharding.model_shard(model))")
-    if (layer or cache.stores[0] is not None) and cache.plan.device is not None and q.device != cache.plan.device:
-        raise RuntimeError(  # layer 0's prompt fixed the device (kvcompile.devices: one device for every layer)
-            f"kvcompile: layer {layer} runs on {q.device} but the cache lives on {cache.plan.device}; every layer "
-            "must run on one device (offloaded weights are fine: accelerate runs them on its main device)")
+    expected = cache.plan.layer_device(layer)
+    if (layer or cache.stores[0] is not None) and expected is not None and q.device != expected:
+        raise RuntimeError(  # compile() (or layer 0's first prompt) fixed where each layer runs: kvcompile.devices
+            f"kvcompile: layer {layer} runs on {q.device} but its pages live on {expected}; a model moved to other "
+            "devices after kvcompile.compile() must be compiled again")
+    cache.state_to(q.device)  # the state every layer reads, where this layer runs (layers on several devices)
+    # Triton launches on the current CUDA device: the layer's (a pipeline's layers run on several GPUs)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        out = _attend(cache, q, k, v, mask, layer, scale)
+    if layer == cache.num_layers - 1:
+        cache.seq_length += q.shape[2]
+    return out.contiguous()
+
+
+def _attend(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
+            scale: float) -> Tensor:
+    """attend()'s step on the layer's device: the prompt (in one call, in calls, or in chunks the policy
+    compresses after each) or decode."""
     if cache.plan.prefill_chunk and (cache.stores[layer] is None or cache.compressing is not None):
         out = chunked_prefill(cache, q, k, v, mask, layer, scale)
     elif cache.stores[layer] is None:
@@ -776,9 +801,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
         if not torch.is_inference_mode_enabled():
             writable(cache.stores[layer])  # a cache made under inference_mode, used outside it
         out = decode(cache, q, k, v, layer, scale)
-    if layer == cache.num_layers - 1:
-        cache.seq_length += q.shape[2]
-    return out.contiguous()
+    return out
 
 
 @attend.register_fake

@@ -73,7 +73,7 @@ def merge_evicted(policy, keys: Tensor, values: Tensor, scores: Tensor, evicted:
     if num_slots is None:
         if slots is None:
             raise ValueError("merge_evicted needs num_slots (head_budgets(...).slots) when no slots exist yet")
-        num_slots = torch.full((b_, h_), slots.counts.shape[-1], dtype=torch.long)
+        num_slots = torch.full((b_, h_), slots.counts.shape[-1], dtype=torch.long, device=keys.device)
     size = int(num_slots.max()) if num_slots.numel() else 0
     out = Merged(keys.new_zeros(b_, h_, size, d), values.new_zeros(b_, h_, size, values.shape[-1]),
                  torch.zeros(b_, h_, size, dtype=torch.long, device=keys.device))
@@ -144,7 +144,7 @@ class HeadEntries:
         return self.positions >= 0
 
     def drop(self, e: int) -> None:
-        keep = torch.arange(len(self.positions)) != e
+        keep = torch.arange(len(self.positions), device=self.positions.device) != e
         for name in ("keys", "values", "positions", "scores", "counts"):
             setattr(self, name, getattr(self, name)[keep])
 
@@ -173,12 +173,12 @@ def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: 
     d = heads[0][0].keys.shape[-1]
     keys = ring.new_zeros(b_, h_, width, d)
     values = torch.zeros_like(keys)
-    scores = torch.full((b_, h_, width), float("-inf"))
-    positions = torch.full((b_, h_, width), -1, dtype=torch.long)
-    valid = torch.zeros(b_, h_, width, dtype=torch.bool)
+    scores = torch.full((b_, h_, width), float("-inf"), device=ring.device)
+    positions = torch.full((b_, h_, width), -1, dtype=torch.long, device=ring.device)
+    valid = torch.zeros(b_, h_, width, dtype=torch.bool, device=ring.device)
     slot_width = max(int((~head.tokens()).sum()) for row in heads for head in row)
     slots = Merged(ring.new_zeros(b_, h_, slot_width, d), ring.new_zeros(b_, h_, slot_width, d),
-                   torch.zeros(b_, h_, slot_width, dtype=torch.long))
+                   torch.zeros(b_, h_, slot_width, dtype=torch.long, device=ring.device))
     running = policy.scoring.running
     for b in range(b_):
         for h in range(h_):
@@ -209,7 +209,7 @@ def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: 
         for h in range(h_):
             keep = kept[b, h]
             head = HeadEntries(keys[b, h, keep], values[b, h, keep], positions[b, h, keep], scores[b, h, keep],
-                               torch.ones(int(keep.sum())))
+                               torch.ones(int(keep.sum()), device=keys.device))
             if merged is not None:
                 for r in range(merged.counts.shape[-1]):
                     if merged.counts[b, h, r] > 0:

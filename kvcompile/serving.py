@@ -538,6 +538,9 @@ def check_batching(model, plan: Plan, generation_config, cb_config: ContinuousBa
                             "mode='eager' (the compiled entry's graph is traced for generate()'s cache)")
     if plan.shard is not None:
         raise BatchingError("kvcompile: continuous batching of a tensor-parallel model is not supported yet")
+    if plan.layer_devices is not None:
+        raise BatchingError("kvcompile: continuous batching of a model whose layers run on several devices is not "
+                            "supported yet (the engine's block pool and kvcompile's request pages live on one device)")
     if plan.prune_every:
         raise BatchingError(f"kvcompile: {plan.policy.name} prunes every {plan.prune_every} tokens while decoding, "
                             "which rebuilds a head's pages; continuous batching does not account for it yet")

@@ -2,9 +2,16 @@
 layers' weights offloaded to disk or CPU memory ("meta" weights that accelerate's hooks move in when
 the layer runs), compiled with snapkv, adakv, zsmerge and lava: the hooks keep running, every layer's
 pages live on the device the layer runs on, and the generated tokens and kept entries equal those of
-the same saved weights loaded without accelerate. The compiled entry and layers that run on several
-devices are refused before anything runs. On a CUDA machine: layers split between the GPU and the CPU."""
+the same saved weights loaded without accelerate. Layers that run on several devices (a pipeline over
+two accelerators, simulated here by tests/sim_devices.py with an accelerator's rules) keep what one device
+keeps, every layer's pages on its own device. The compiled entry and layers on devices of several types
+are refused before anything runs. On a CUDA machine: layers split between the GPU and the CPU, and
+(with two GPUs) a pipeline over two."""
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,24 +62,34 @@ def dispatched(saved, how: str):
     raise ValueError(how)
 
 
-def run(model, name: str, ids, mask):
-    with torch.no_grad(), kvcompile.compiled(model, small_budget(name)):
+def run(model, name, ids, mask):
+    """generate() with a spec name (at small_budget) or a Policy; what it kept (`described`)."""
+    with torch.no_grad(), kvcompile.compiled(model, small_budget(name) if isinstance(name, str) else name):
         plan = model.kvcompile_plan
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                              return_dict_in_generate=True)
-    cache = out.past_key_values
-    return {"tokens": out.sequences[:, -NEW_TOKENS:].tolist(), "entries": entries(cache), "plan": plan,
-            "pages": {s.k_pages.device for s in cache.stores}, "kept": cache.kept()}
+    return described(out.past_key_values, plan, out.sequences)
+
+
+def described(cache, plan, sequences) -> dict:
+    """What a run kept, on the CPU (its pages may live on several devices)."""
+    return {"tokens": sequences[:, -NEW_TOKENS:].tolist(), "entries": entries(cache), "plan": plan,
+            "pages": {s.k_pages.device for s in cache.stores}, "kept": cache.kept().cpu(),
+            "layers": tuple(s.k_pages.device for s in cache.stores),
+            "positions": [cache.kept_positions(layer).cpu() for layer in range(len(cache.stores))],
+            "bytes": {k: v for k, v in cache.memory_report().items() if k.startswith("bytes")}}
 
 
 def assert_same(got: dict, want: dict):
     assert got["tokens"] == want["tokens"]
     assert torch.equal(got["kept"], want["kept"])
+    assert got["bytes"] == want["bytes"]
+    assert all(torch.equal(a, b) for a, b in zip(got["positions"], want["positions"], strict=True))
     assert got["entries"].keys() == want["entries"].keys()
     for key, (tokens, slots, slot_keys) in want["entries"].items():
         assert got["entries"][key][0] == tokens, key  # kept prompt and generated positions
         assert got["entries"][key][1] == slots, key  # residual slots and their counts
-        assert torch.equal(got["entries"][key][2], slot_keys), key
+        assert torch.equal(got["entries"][key][2].cpu(), slot_keys.cpu()), key
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +139,7 @@ class RunsElsewhere(accelerate.hooks.ModelHook):
         self.execution_device = device
 
 
-def test_layers_on_several_devices_are_refused_before_anything_changes():
+def test_layers_on_devices_of_several_types_are_refused_before_anything_changes():
     from kvcompile.devices import layer_devices
 
     model = tiny_model("llama", layers=4)
@@ -130,20 +147,22 @@ def test_layers_on_several_devices_are_refused_before_anything_changes():
     accelerate.hooks.add_hook_to_module(model.model.layers[3], RunsElsewhere(1))  # accelerate's int: a GPU index
     assert layer_devices(model) == (torch.device("cpu"), torch.device("cuda:1"), torch.device("cpu"),
                                     torch.device("cuda:1"))
-    with pytest.raises(CompileError, match=r"layers run on several devices \(cpu: layers 0, 2; cuda:1: layers 1, 3\)"):
+    with pytest.raises(CompileError, match=r"layers run on devices of several types \(cpu: layers 0, 2; cuda:1: layers "
+                                           r"1, 3\); the plan chooses one set of kernels"):
         kvcompile.compile(model, "snapkv")
     assert "forward" not in model.__dict__ and model.config._attn_implementation == "sdpa"
 
 
 def test_the_execution_device_is_read_off_the_hooks(saved):
-    from kvcompile.devices import execution_device, layer_devices
+    from kvcompile.devices import execution_devices, layer_devices
 
     model = dispatched(saved, "cpu_offload")
     assert model.device.type == "meta"  # where the first weight is stored
-    assert layer_devices(model) == (torch.device("cpu"),) * LAYERS and execution_device(model) == torch.device("cpu")
+    assert layer_devices(model) == (torch.device("cpu"),) * LAYERS
+    assert execution_devices(model) == (torch.device("cpu"), None)  # one device: no per-layer list
     with torch.device("meta"):
         empty = tiny_model("llama", layers=2)
-    assert execution_device(empty) is None  # no weights, no hooks: decided by the first prompt
+    assert execution_devices(empty) == (None, None)  # no weights, no hooks: decided by the first prompt
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: layers split between GPU and CPU")
@@ -184,6 +203,35 @@ def test_a_layer_on_another_device_than_its_cache_is_refused_at_its_step():
         assert cache.plan.device == torch.device("cpu")
         lengths = cache.kept().clone()
         cache.plan = dataclasses.replace(cache.plan, device=torch.device("meta"))  # as if layer 0 ran elsewhere
-        with pytest.raises(RuntimeError, match="layer 0 runs on cpu but the cache lives on meta"):
+        with pytest.raises(RuntimeError, match="layer 0 runs on cpu but its pages live on meta"):
             model(ids[:, :1], past_key_values=cache)
     assert torch.equal(cache.kept(), lengths)
+
+
+def test_a_plan_names_a_device_of_one_type_for_every_layer():
+    from kvcompile.plan import PlanError, build_plan
+
+    policy, config = kvcompile.load_spec("snapkv"), tiny_model("llama", layers=2).config
+    plan = build_plan(policy, config, device="cpu", layer_devices=("cpu", "cpu"))
+    assert plan.layer_devices is None and plan.layer_device(1) == torch.device("cpu")  # one device: no per-layer list
+    for bad in [("cpu",), ("cpu", "cpu", "cpu"), ("meta", "cpu"), ("cpu", "meta")]:
+        with pytest.raises(PlanError, match="layer_devices must name a device of cpu's type for each of the 2"):
+            build_plan(policy, config, device="cpu", layer_devices=bad)
+
+
+def test_pipelines_on_simulated_devices():
+    """tests/sim_pipeline.py, in a process of its own: its simulated devices register torch's PrivateUse1
+    backend for the whole process, after which torch.get_device_module() names it (transformers' continuous
+    batching reads that), so they stay out of this one."""
+    from torch.utils import backend_registration
+
+    if not hasattr(backend_registration, "_setup_privateuseone_for_python_backend"):
+        pytest.skip(f"torch {torch.__version__} has no Python backend for PrivateUse1 (simulated devices)")
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                           str(here / "sim_pipeline.py")], capture_output=True, text=True, timeout=1200,
+                          cwd=here.parent)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+

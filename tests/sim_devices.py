@@ -1,0 +1,142 @@
+"""Simulated devices for tests: `sim:0`, `sim:1`, ... behave as separate accelerators (CUDA's rules) on
+this CPU, so a model whose layers run on several devices (accelerate's device_map over two GPUs) can
+be tested where torch has one device (`cpu:1` is `cpu`).
+
+A tensor on `sim:i` is a `SimTensor`: a wrapper subclass (torch's PrivateUse1 device type, renamed
+"sim") around a CPU tensor. Every aten op on it runs on the CPU tensors it wraps and its result lives on
+the same sim device, with the rule every accelerator enforces: an op's tensors must all be on one device
+(0-dim CPU tensors aside, as on CUDA), else RuntimeError "Expected all tensors to be on the same
+device". `copy_` and `.to(device)` move between devices. A custom op (torch.library.custom_op, such as
+`kvcompile::attend`) runs its own Python body on the SimTensors, as it would run on GPU tensors, so
+what it creates and reads is checked too.
+
+Importing this module registers the PrivateUse1 backend, renamed "sim", for the whole process (torch
+allows that once, and torch.get_device_module() and torch.accelerator then name it, which transformers'
+continuous batching reads): import it only in a process of its own, as tests/test_devices.py runs
+tests/sim_pipeline.py. torch's Python-backend hook is
+`torch.utils.backend_registration._setup_privateuseone_for_python_backend` (experimental: if a
+later torch drops it, `available()` says so and the tests that need it skip with that reason).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+NAME = "sim"
+DEVICES = 4
+_WHY_NOT = None
+
+
+class SimTensor(torch.Tensor):
+    """A tensor on a simulated device: `elem`, the CPU tensor holding its data (views and in-place
+    ops act on `elem`, so they alias as on a real device)."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, device: torch.device):
+        t = torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(),
+                                                storage_offset=elem.storage_offset(), dtype=elem.dtype,
+                                                device=device, requires_grad=False)
+        t.elem = elem
+        return t
+
+    def __repr__(self, **kwargs):
+        return f"SimTensor({self.elem!r}, device='{self.device}')"
+
+    def tolist(self):  # torch refuses tolist() on subclasses; a device-to-host copy on a real device
+        return self.elem.tolist()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return run_op(func, args, kwargs or {})
+
+
+def _devices(args, kwargs) -> set[torch.device]:
+    """The devices of an op's tensors, without the 0-dim CPU tensors every accelerator accepts."""
+    flat, _ = tree_flatten((args, kwargs))
+    return {t.device for t in flat if isinstance(t, torch.Tensor)
+            and (isinstance(t, SimTensor) or t.device.type != "cpu" or t.dim() > 0)}
+
+
+def _describe(args) -> str:
+    return ", ".join(f"{t.device} {tuple(t.shape)}" for t in args if isinstance(t, torch.Tensor))
+
+
+def run_op(func, args, kwargs):
+    """One op on simulated devices (the dispatch of SimTensor and the sim backend's kernels)."""
+    if func.namespace not in ("aten", "prims"):
+        from torch._library.custom_ops import _maybe_get_opdef
+
+        opdef = _maybe_get_opdef(func)
+        if opdef is not None:  # its Python body, on the SimTensors themselves
+            return opdef._init_fn(*args, **kwargs)
+    unwrap = lambda t: t.elem if isinstance(t, SimTensor) else t  # noqa: E731
+    if func is torch.ops.aten.copy_.default:  # copies go across devices
+        unwrap(args[0]).copy_(unwrap(args[1]))
+        return args[0]
+    target = kwargs.get("device")
+    if func is torch.ops.aten._to_copy.default and target is not None:
+        devices = set()
+    else:
+        devices = _devices(args, kwargs)
+    if len(devices) > 1:
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"{', '.join(sorted(map(str, devices)))}! (when running {func} on {_describe(args)})")
+    target = torch.device(target) if target is not None else next(iter(devices), torch.device("cpu"))
+    given = (args, kwargs)
+    kwargs = tree_map(unwrap, kwargs)
+    if "device" in kwargs:
+        kwargs["device"] = torch.device("cpu")
+    out = func(*tree_map(unwrap, args), **kwargs)
+    written = [t for t in tree_flatten(given)[0] if isinstance(t, SimTensor) and t.shape != t.elem.shape]
+    if written:  # an out= tensor resized by the op: its wrapper cannot follow
+        raise NotImplementedError(f"simulated devices: {func} resized its out= tensor; register its factory "
+                                  "with the sim backend (sim_devices._register)")
+    if target.type != NAME:
+        return out
+    returns = func._schema.returns
+    if returns and returns[0].alias_info is not None and returns[0].alias_info.is_write \
+            and args and isinstance(args[0], SimTensor):
+        return args[0]  # an in-place op returns its input
+    return tree_map(lambda t: SimTensor(t, target) if isinstance(t, torch.Tensor) and not isinstance(t, SimTensor) else t,
+                    out)
+
+
+def _register() -> None:
+    global _WHY_NOT
+    from torch.utils import backend_registration
+
+    setup = getattr(backend_registration, "_setup_privateuseone_for_python_backend", None)
+    if setup is None:
+        _WHY_NOT = f"torch {torch.__version__} has no Python backend for PrivateUse1 (simulated devices)"
+        return
+    if torch._C._get_privateuse1_backend_name() == NAME:
+        return
+
+    class Module(backend_registration._DummyBackendModule):
+        def device_count(self) -> int:
+            return DEVICES
+
+    setup(rename=NAME, backend_module=Module())
+    # the ops that reach the backend itself (Python dispatch excluded: torch.tensor(..., device=...), .to())
+    lib = torch.library.Library("aten", "IMPL")
+    # and the factories whose composite writes into an empty tensor it resizes (a wrapper cannot be resized)
+    for name in ("empty_strided", "empty.memory_format", "copy_", "_copy_from", "_copy_from_and_resize",
+                 "_to_copy", "_local_scalar_dense", "arange", "arange.start", "arange.start_step", "eye",
+                 "eye.m", "linspace", "randperm", "randint", "randint.low", "tril_indices", "triu_indices"):
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        lib.impl(name, (lambda op: lambda *args, **kwargs: run_op(op, args, kwargs))(op), "PrivateUse1")
+    _LIBS.append(lib)
+
+
+_LIBS: list = []  # the registrations live as long as the process
+
+
+def available() -> str | None:
+    """None when simulated devices work here, else why not (a skip reason)."""
+    return _WHY_NOT
+
+
+_register()
