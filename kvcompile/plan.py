@@ -153,7 +153,7 @@ class Plan:
         """One line per decision, for logs and `kvcompile run --verbose`."""
         fields = ("score_impl", "select_impl", "merge_impl", "decode_impl", "online_impl", "running_scores",
                   "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade",
-                  "prefill_chunk", "chunk_impl", "kv_heads", "heads_exchange")
+                  "prefill_chunk", "chunk_impl", "kv_heads", "heads_exchange", "layer_devices")
         return "\n".join(f"{name}: {getattr(self, name)}" for name in fields)
 
 

@@ -767,8 +767,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
     expected = cache.plan.layer_device(layer)
     if (layer or cache.stores[0] is not None) and expected is not None and q.device != expected:
         raise RuntimeError(  # compile() (or layer 0's first prompt) fixed where each layer runs: kvcompile.devices
-            f"kvcompile: layer {layer} runs on {q.device} but its pages live on {expected}; a model moved to other "
-            "devices after kvcompile.compile() must be compiled again")
+            f"kvcompile: layer {layer} runs on {q.device} but its pages live on {expected}: the cache's plan puts "
+            "every layer where it was told (kvcompile.compile() reads each layer's device off the model; a cache "
+            "built from a policy and a config alone puts them all where layer 0's first prompt runs). Compile the "
+            "model again after moving it, and give a model whose layers run on several devices the cache its "
+            "generate() makes, or KVCompileCache.from_plan(model.kvcompile_plan)")
     cache.state_to(q.device)  # the state every layer reads, where this layer runs (layers on several devices)
     # Triton launches on the current CUDA device: the layer's (a pipeline's layers run on several GPUs)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():

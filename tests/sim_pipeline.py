@@ -14,6 +14,7 @@ import torch
 import kvcompile
 from kvcompile import CompileError
 import sim_devices  # noqa: F401  (registers the sim devices, for this process)
+from test_chunked import POLICIES, chunked_policy
 from test_devices import LAYERS, assert_same, load, run, saved  # noqa: F401  (saved: the fixture)
 from tp_run import NEW_TOKENS, PRUNING, inputs, small_budget, spec_names
 
@@ -83,11 +84,12 @@ def test_layers_on_two_devices_keep_what_one_device_keeps(saved, pipelines, devi
 
 
 @pytest.mark.parametrize("devices", PIPELINES)
-@pytest.mark.parametrize("name", ["lava", "zsmerge", "adakv"])
-def test_a_prompt_compressed_in_chunks_on_two_devices(saved, pipelines, devices, name):
-    """schedule.prefill: chunk (a cascade across devices for lava: the layers above hold their
-    previous chunk's pages on the other device)."""
-    policy = kvcompile.load_spec(name, per_head=40, schedule={"prefill": {"chunk": 64}})
+@pytest.mark.parametrize("key", list(POLICIES))
+def test_a_prompt_compressed_in_chunks_on_two_devices(saved, pipelines, devices, key):
+    """schedule.prefill: chunk, one policy per part family (tests/test_chunked.py's): a chunk's budget
+    counts what the layers above hold from the previous chunk, on the other device; lava's cascade
+    re-selects lower layers on theirs."""
+    policy = chunked_policy(key, per_head=40, chunk=64)
     ids, mask = (x.to(devices[0]) for x in inputs())
     want = run(load(saved).to(devices[0]), policy, ids, mask)
     got = run(pipelines(devices), policy, ids, mask)
@@ -142,3 +144,21 @@ def test_generate_paths_on_two_devices(saved, pipelines, devices, name):
             out["sampled"] = gen(ids, do_sample=True, top_k=20, num_return_sequences=2).tolist()
         return out
     assert paths(pipelines(devices)) == paths(one)
+
+
+def test_a_cache_built_for_one_device_refuses_a_layer_on_another(saved, pipelines):
+    """A KVCompileCache built from a policy and a config alone plans one device (where layer 0's first prompt
+    runs): the layer on the other device is refused at its step, with what to do, before it touches pages."""
+    from kvcompile import KVCompileCache
+
+    model = pipelines(("sim:0", "sim:1"))
+    ids, mask = (x.to("sim:0") for x in inputs())
+    with torch.no_grad(), kvcompile.compiled(model, small_budget("snapkv")):
+        cache = KVCompileCache(small_budget("snapkv"), model.config)
+        with pytest.raises(RuntimeError, match=r"layer 1 runs on sim:1 but its pages live on sim:0: .*"
+                                               r"KVCompileCache.from_plan\(model.kvcompile_plan\)"):
+            model(ids, attention_mask=mask, past_key_values=cache)
+        assert cache.stores[1] is None
+        cache = KVCompileCache.from_plan(model.kvcompile_plan)
+        model(ids, attention_mask=mask, past_key_values=cache)
+        assert [s.k_pages.device.index for s in cache.stores] == [0, 1, 0, 1]
