@@ -99,8 +99,8 @@ def run_op(func, args, kwargs):
     if returns and returns[0].alias_info is not None and returns[0].alias_info.is_write \
             and args and isinstance(args[0], SimTensor):
         return args[0]  # an in-place op returns its input
-    return tree_map(lambda t: SimTensor(t, target) if isinstance(t, torch.Tensor) and not isinstance(t, SimTensor) else t,
-                    out)
+    wrap = lambda t: SimTensor(t, target) if type(t) is torch.Tensor else t  # noqa: E731
+    return tree_map(wrap, out)
 
 
 def _register() -> None:
