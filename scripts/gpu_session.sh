@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command per stage of a GPU session (issue 15), run through the device tool from the repo root:
 #
-#   bash scripts/gpu_session.sh tests     # pytest -m gpu (real Triton), then the whole suite       ~8-9 min
+#   bash scripts/gpu_session.sh tests     # pytest -m gpu, the kernel tests, then the rest (real Triton) ~9 min
 #   bash scripts/gpu_session.sh kernels   # e2e --small as a preflight, then bench_gpu.py kernels   ~3-6 min
 #   bash scripts/gpu_session.sh e2e       # benchmarks/bench_gpu.py e2e (8B-shaped random model)    ~8-9 min
 #
@@ -58,16 +58,24 @@ EOF
 status=0
 case "$stage" in
   tests)
-    echo "== pytest -m gpu (limit 180 s)"
-    timeout -k 10 180 python3 -m pytest -m gpu -v -p no:cacheprovider -rfEs -o faulthandler_timeout=150 "$@" \
-      || status=$?
+    # three runs, each with its own limit, the GPU's own first: the gpu-marked tests; the kernel tests, whose
+    # Triton cases now run on the GPU for real; then the rest of the suite for what the stage has left
+    kernel_tests=(tests/test_kernels_*.py)
+    echo "== 1/3 pytest -m gpu (limit 180 s)"
+    timeout -k 10 180 python3 -m pytest -m gpu -v -p no:cacheprovider -rfEs -o faulthandler_timeout=150 \
+      tests/test_gpu.py "$@" || status=$?
+    echo "== 2/3 the kernel tests with real Triton (limit 150 s): ${kernel_tests[*]}"
+    timeout -k 10 150 python3 -m pytest -m "not gpu" -v -p no:cacheprovider -rfEs -o faulthandler_timeout=120 \
+      "${kernel_tests[@]}" "$@" || status=$?
     limit=$(( ${STAGE_SECONDS:-560} - (SECONDS - started) ))
-    echo "== the whole suite, real Triton (limit $limit s, the stage's ${STAGE_SECONDS:-560} s less what ran; no -x;" \
+    echo "== 3/3 the rest of the suite (limit $limit s, what the stage's ${STAGE_SECONDS:-560} s leave; no -x;" \
          "PYTEST_ARGS='${PYTEST_ARGS:-}')"
+    ignore=()
+    for f in "${kernel_tests[@]}"; do ignore+=("--ignore=$f"); done
     # -v: each test's result is in the log as it finishes, so a suite cut by the limit still shows what ran
     # shellcheck disable=SC2086
-    timeout -k 10 "$limit" python3 -m pytest -v -p no:cacheprovider -rfEs --durations=20 \
-      -o faulthandler_timeout=240 ${PYTEST_ARGS:-} "$@" || status=$?
+    timeout -k 10 "$limit" python3 -m pytest -m "not gpu" -v -p no:cacheprovider -rfEs --durations=20 \
+      -o faulthandler_timeout=240 "${ignore[@]}" ${PYTEST_ARGS:-} tests "$@" || status=$?
     ;;
   kernels)
     # first the e2e stage's code at tiny shapes on this GPU (a minute): a failure there shows before the
