@@ -5,6 +5,7 @@ import torch
 
 from kvcompile.kernels import choice
 from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports
+from tiny import triton_device
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device name needs no GPU
 f32, f16 = torch.float32, torch.float16
@@ -29,8 +30,9 @@ def test_defaults():
 def test_requested_names_pass_through():
     for op in TRITON_OPS:
         names = choice.IMPLS[op]
-        for name in ("torch", "compiled", "triton"):  # triton: the interpreter is on (conftest)
-            assert name in names and choice.resolve(op, name, CPU, f32, head_dim=64) == name
+        for name in ("torch", "compiled", "triton"):  # triton: on the GPU, or the CPU under the interpreter (conftest)
+            device = triton_device() if name == "triton" else CPU
+            assert name in names and choice.resolve(op, name, device, f32, head_dim=64) == name
 
 
 @pytest.mark.parametrize("op", TRITON_OPS)

@@ -11,6 +11,7 @@ from kvcompile.policies.budgets import Budget, Split
 from kvcompile.policies.merge import Residual
 from kvcompile.policy import Policy
 from kvcompile.reference import Merged, merge_evicted
+from tiny import on_triton
 
 POLICY = Policy(budget=Budget(per_head=4, split=Split(proximity=0.0, context=0.5, residual=0.5)),
                 merge=Residual())
@@ -45,8 +46,8 @@ def check(impl, **case):
     keys, values, scores, evicted, pos, held, num_slots = merge_case(**case)
     expected = merge_evicted(POLICY, keys, values, scores, evicted, held, num_slots, pos)
     ordered_k, ordered_v, num = km.merge_order(keys, values, scores, evicted, pos)
-    got = km.residual_merge(held.keys, held.values, held.counts, ordered_k, ordered_v, num,
-                            num_slots, impl=impl)
+    inputs = on_triton(impl, held.keys, held.values, held.counts, ordered_k, ordered_v, num, num_slots)
+    got = tuple(x.cpu() for x in km.residual_merge(*inputs, impl=impl))
     assert got[0].dtype == keys.dtype and got[2].dtype == torch.long
     for mine, ref in zip(got, (expected.keys, expected.values, expected.counts)):
         assert_close(mine, ref, rtol=0, atol=0)  # the same fp32 ops, rounded as stored: bitwise
@@ -104,7 +105,8 @@ def test_equal_dot_products_pick_the_lowest_slot(impl):
     keys = key.expand(1, 1, 7, 3).clone()
     values = torch.arange(7.0).view(1, 1, 7, 1).expand(1, 1, 7, 3).clone()
     empty = torch.zeros(1, 1, 3, 3), torch.zeros(1, 1, 3, 3), torch.zeros(1, 1, 3, dtype=torch.long)
-    slot_k, slot_v, counts = km.residual_merge(*empty, keys, values, impl=impl)
+    out = km.residual_merge(*on_triton(impl, *empty, keys, values), impl=impl)
+    slot_k, slot_v, counts = (x.cpu() for x in out)
     assert counts.tolist() == [[[5, 1, 1]]]
     assert_close(slot_k, key.expand(1, 1, 3, 3))
     assert_close(slot_v[0, 0, :, 0], torch.tensor([(0 + 3 + 4 + 5 + 6) / 5, 1.0, 2.0]))

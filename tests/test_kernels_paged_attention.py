@@ -9,6 +9,7 @@ from torch.testing import assert_close
 
 from kvcompile.kernels import paged_attention as pa
 from kvcompile.reference import attend
+from tiny import on_triton
 
 
 def paged_case(seed, batch, heads, group, dim, page, pages, dtype, bias):
@@ -61,9 +62,10 @@ shapes = dict(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 2), heads=st.
 def test_triton_matches_reference(seed, batch, heads, group, dim, page, pages, dtype, bias):
     args, expected = paged_case(seed, batch, heads, group, dim, page, pages, dtype, bias)
     # Small blocks and chunks so one head spans several steps and several chunks.
+    (args,) = on_triton("triton", args)  # on the GPU where there is one (real Triton)
     out = pa.paged_attention_triton(*args, block_n=2, chunk_tokens=4)
     assert out.dtype == dtype
-    assert_close(out, expected)
+    assert_close(out.cpu(), expected)
 
 
 @settings(max_examples=60, deadline=None)
@@ -126,8 +128,8 @@ def test_compiled_variant_follows_the_work(monkeypatch, parallel):
 
 def test_scale_is_used():
     args, _ = paged_case(0, 1, 2, 2, 8, 4, 2, torch.float32, bias=False)
-    q, k, v, table, lengths, _ = args
     for impl in ("torch", "triton"):
+        q, k, v, table, lengths, _ = on_triton(impl, *args)
         out = pa.paged_attention(q, k, v, table, lengths, None, 0.3, impl=impl)
         assert_close(out, pa.paged_attention(2 * q, k, v, table, lengths, None, 0.15, impl=impl))
         assert not torch.allclose(out, pa.paged_attention(q, k, v, table, lengths, impl=impl))

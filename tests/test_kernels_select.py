@@ -10,6 +10,7 @@ from kvcompile.cache import Entries, build_store
 from kvcompile.kernels import select as ks
 from kvcompile.policies.ranking import rank
 from kvcompile.spec import load_spec
+from tiny import on_triton
 
 SMALL_WINDOW = {"by_score": {"sinks": 1, "window": 2}}
 POLICIES = {  # real specs, with windows small enough that the budget matters at N ≤ 12
@@ -60,7 +61,8 @@ def check_select(impl, name, layer_case):
         total = None
     used = used if policy.merges else None
     expected = reference.select(policy, scores, positions, valid, lengths, total, layer, used_slots=used)
-    got = ks.select(policy, scores, positions, valid, lengths, total, layer, used_slots=used, impl=impl)
+    inputs = on_triton(impl, scores, positions, valid, lengths, total)
+    got = ks.select(policy, *inputs, layer, used_slots=on_triton(impl, used)[0], impl=impl).cpu()
     assert got.dtype == torch.bool
     assert torch.equal(got, expected)
 
@@ -92,7 +94,7 @@ def test_select_at_a_longer_prompt(impl, name):
     policy = POLICIES[name] if name != "dbudgetkv" else load_spec("dbudgetkv")
     total = None if policy.budget.threshold is not None else torch.tensor([100, 400])
     expected = reference.select(policy, scores, positions, valid, lengths, total, 2)
-    got = ks.select(policy, scores, positions, valid, lengths, total, 2, impl=impl)
+    got = ks.select(policy, *on_triton(impl, scores, positions, valid, lengths, total), 2, impl=impl).cpu()
     assert torch.equal(got, expected)
     assert 0 < int(got.sum()) < int(valid.sum())  # the budget really cut
 
@@ -105,7 +107,8 @@ def test_keep_best_pooled_breaks_ties_by_position_then_head(impl):
     positions = torch.arange(6).expand(1, 2, 6)
     valid = torch.ones(1, 2, 6, dtype=torch.bool)
     ranks = rank(POLICIES["lava"].ranking, scores, positions, valid)
-    kept = ks.keep_best(ranks, torch.zeros_like(valid), valid, torch.tensor([3]), pooled=True, impl=impl)
+    kept = ks.keep_best(*on_triton(impl, ranks, torch.zeros_like(valid), valid, torch.tensor([3])), pooled=True,
+                        impl=impl).cpu()
     assert kept[0].nonzero().tolist() == [[0, 4], [0, 5], [1, 5]]
 
 
@@ -119,7 +122,7 @@ def test_threshold_cut_holds_and_fails_one_token_further(impl):
     ranks = rank(POLICIES["dbudgetkv"].ranking, scores, positions, valid)
     protected = positions < 4
     t = 0.05
-    kept = ks.keep_threshold(ranks, protected, valid, scores, t, impl=impl)
+    kept = ks.keep_threshold(*on_triton(impl, ranks, protected, valid, scores), t, impl=impl).cpu()
     full = scores.double().norm(dim=-1)
     for b in range(2):
         for h in range(2):
@@ -146,7 +149,7 @@ def test_threshold_at_the_exact_boundary(impl, t, kept):
     positions = torch.arange(4).view(1, 1, 4)
     valid = torch.ones(1, 1, 4, dtype=torch.bool)
     args = (scores, positions, valid, torch.tensor([4]), None, 2)
-    got = ks.select(policy, *args, impl=impl)
+    got = ks.select(policy, *on_triton(impl, *args), impl=impl).cpu()
     assert got[0, 0].nonzero().flatten().tolist() == kept
     assert torch.equal(got, reference.select(policy, *args))
 
@@ -194,11 +197,11 @@ def check_pages(impl, case):
     sources, page_size, spare = case
     slots = sources[0].take.sum(-1)
     expected = build_store(sources, slots, page_size, spare)
-    got = ks.build_pages(sources, page_size, spare, impl=impl)
+    got = ks.build_pages(*on_triton(impl, sources), page_size, spare, impl=impl)
     assert got.next_page == expected.next_page
     for field in ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages", "block_table", "lengths",
                   "owned"):
-        mine, ref = getattr(got, field), getattr(expected, field)
+        mine, ref = getattr(got, field).cpu(), getattr(expected, field)
         assert mine.dtype == ref.dtype, field
         assert_close(mine, ref, rtol=0, atol=0, msg=field)  # a copy: bitwise
 
@@ -224,8 +227,10 @@ def test_gather_follows_any_block_table(impl):
              torch.zeros(4, 2)]
     table = torch.tensor([[[3, 0, 2]]])
     start = torch.tensor([[1]])  # one entry already stored
-    ks.gather_pages(*pages, table, start, keys, keys, keys[..., 0], torch.arange(10).view(1, 1, 10),
-                    torch.ones(1, 1, 10), take, impl=impl)
+    pages, rows = on_triton(impl, pages, (table, start, keys, keys, keys[..., 0], torch.arange(10).view(1, 1, 10),
+                                          torch.ones(1, 1, 10), take))
+    ks.gather_pages(*pages, *rows, impl=impl)
+    pages = [p.cpu() for p in pages]
     # taken rows 0 2 3 5 9 → entries 1 … 5 → (page, slot) (3, 1) (0, 0) (0, 1) (2, 0) (2, 1)
     assert pages[3].tolist() == [[2, 3], [-1, -1], [5, 9], [-1, 0]]
     assert pages[0][:, :, 0].tolist() == [[2, 3], [0, 0], [5, 9], [0, 0]]

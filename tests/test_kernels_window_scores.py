@@ -8,6 +8,7 @@ from torch.testing import assert_close
 from kvcompile.kernels import window_scores as ws
 from kvcompile.policies.scoring import Lava, Pooling, WindowAttention
 from kvcompile.reference import LayerState
+from tiny import on_triton
 
 
 def layer_state(seed, batch, heads, group, dim, tokens, extra_rows, rows, padded, dtype):
@@ -44,7 +45,8 @@ def check(impl, scorer, seed, batch, heads, group, dim, tokens, extra_rows, padd
     state = layer_state(seed, batch, heads, group, dim, tokens, extra_rows,
                         scorer.query_rows(tokens), padded, dtype)
     expected = scorer.score(state)
-    got = ws.score_fused(scorer, state, impl=impl)
+    queries, keys, values, mask = on_triton(impl, state.queries, state.keys, state.values, state.mask)
+    got = ws.score_fused(scorer, LayerState(queries, keys, values, mask, state.scale), impl=impl).cpu()
     assert got.dtype == torch.float32 and got.shape == expected.shape
     assert_close(got, expected)
 

@@ -1,6 +1,8 @@
 """Tiny random-weight transformers models for tests (no downloads)."""
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
@@ -47,3 +49,30 @@ def left_pad(seqs: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torc
         ids[i, n - len(s):] = s
         mask[i, n - len(s):] = 1
     return ids, mask
+
+
+# --- where a test runs a Triton kernel ---------------------------------------------------------
+
+def triton_device() -> torch.device:
+    """The GPU where Triton runs for real, else the CPU under Triton's interpreter (conftest.py
+    switches it on where no CUDA device is present). Without the interpreter Triton refuses CPU
+    tensors, so a test of a Triton kernel puts its inputs here (`on_triton`) and reads the result
+    back with `.cpu()`."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+    return torch.device("cuda" if torch.cuda.is_available() and not interpreting else "cpu")
+
+
+def to_device(x, device: torch.device):
+    """Tensors, also inside tuples, lists and NamedTuples, moved to `device`; anything else as is."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(to_device(item, device) for item in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(item, device) for item in x)
+    return x
+
+
+def on_triton(impl: str | None, *xs):
+    """`xs` moved to `triton_device()` when impl is "triton", else as they are (a tuple either way)."""
+    return tuple(to_device(x, triton_device()) if impl == "triton" else x for x in xs)
