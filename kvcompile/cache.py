@@ -334,12 +334,12 @@ class KVCompileCache(Cache):
 
     def state_to(self, device: torch.device) -> None:
         """Move the state every layer reads to `device`, where the layer about to run lives (its
-        layer's device, Plan.layer_device; the runtime calls this before each layer's step). While
+        layer's device, Plan.layer_device; the runtime calls this before each layer's step when the plan's
+        layers run on several devices). While
         the prompt runs that is `prompt` (its padding mask, lengths, pads, layer totals, a cascade's
         per-layer counts); once decoding, `decoding` alone (the (B, L, H) budgets, ZSMerge's split,
-        the pads): a decode step reads nothing else, so the prompt's state stays where it is. With
-        every layer on one device it is always there and nothing moves; with layers on several
-        devices it moves where the layers change devices, a few times per forward."""
+        the pads): a decode step reads nothing else, so the prompt's state stays where it is. It moves
+        where the layers change devices, a few times per forward."""
         name = "prompt" if self.decoding is None else "decoding"
         state = getattr(self, name)
         if state is not None and _device_of(state) not in (None, device):

@@ -772,7 +772,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
             "built from a policy and a config alone puts them all where layer 0's first prompt runs). Compile the "
             "model again after moving it, and give a model whose layers run on several devices the cache its "
             "generate() makes, or KVCompileCache.from_plan(model.kvcompile_plan)")
-    cache.state_to(q.device)  # the state every layer reads, where this layer runs (layers on several devices)
+    if cache.plan.layer_devices is not None:  # layers on several devices: the state every layer reads, here
+        cache.state_to(q.device)
     # Triton launches on the current CUDA device: the layer's (a pipeline's layers run on several GPUs)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         out = _attend(cache, q, k, v, mask, layer, scale)

@@ -10,12 +10,12 @@ device". `copy_` and `.to(device)` move between devices. A custom op (torch.libr
 `kvcompile::attend`) runs its own Python body on the SimTensors, as it would run on GPU tensors, so
 what it creates and reads is checked too.
 
-Importing this module registers the PrivateUse1 backend, renamed "sim", for the whole process (torch
-allows that once, and torch.get_device_module() and torch.accelerator then name it, which transformers'
-continuous batching reads): import it only in a process of its own, as tests/test_devices.py runs
-tests/sim_pipeline.py. torch's Python-backend hook is
+`register()` registers the PrivateUse1 backend, renamed "sim", for the whole process (torch allows
+that once, and torch.get_device_module() and torch.accelerator then name it, which transformers'
+continuous batching reads): call it only in a process of its own, as tests/sim_pipeline.py does in the
+process tests/test_devices.py starts for it. torch's Python-backend hook is
 `torch.utils.backend_registration._setup_privateuseone_for_python_backend` (experimental: if a
-later torch drops it, `available()` says so and the tests that need it skip with that reason).
+later torch drops it, `available()` says so, registering nothing, and the tests skip with that reason).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 NAME = "sim"
 DEVICES = 4
-_WHY_NOT = None
 
 
 class SimTensor(torch.Tensor):
@@ -103,14 +102,19 @@ def run_op(func, args, kwargs):
     return tree_map(wrap, out)
 
 
-def _register() -> None:
-    global _WHY_NOT
+def available() -> str | None:
+    """None when simulated devices work here, else why not (a skip reason). Registers nothing."""
     from torch.utils import backend_registration
 
-    setup = getattr(backend_registration, "_setup_privateuseone_for_python_backend", None)
-    if setup is None:
-        _WHY_NOT = f"torch {torch.__version__} has no Python backend for PrivateUse1 (simulated devices)"
-        return
+    if not hasattr(backend_registration, "_setup_privateuseone_for_python_backend"):
+        return f"torch {torch.__version__} has no Python backend for PrivateUse1 (simulated devices)"
+    return None
+
+
+def register() -> None:
+    """Register the sim devices for this process (once; see the module docstring: a process of its own)."""
+    from torch.utils import backend_registration
+
     if torch._C._get_privateuse1_backend_name() == NAME:
         return
 
@@ -118,7 +122,7 @@ def _register() -> None:
         def device_count(self) -> int:
             return DEVICES
 
-    setup(rename=NAME, backend_module=Module())
+    backend_registration._setup_privateuseone_for_python_backend(rename=NAME, backend_module=Module())
     # the ops that reach the backend itself (Python dispatch excluded: torch.tensor(..., device=...), .to())
     lib = torch.library.Library("aten", "IMPL")
     # and the factories whose composite writes into an empty tensor it resizes (a wrapper cannot be resized)
@@ -132,11 +136,3 @@ def _register() -> None:
 
 
 _LIBS: list = []  # the registrations live as long as the process
-
-
-def available() -> str | None:
-    """None when simulated devices work here, else why not (a skip reason)."""
-    return _WHY_NOT
-
-
-_register()

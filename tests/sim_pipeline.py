@@ -13,7 +13,7 @@ import torch
 
 import kvcompile
 from kvcompile import CompileError
-import sim_devices  # noqa: F401  (registers the sim devices, for this process)
+import sim_devices
 from test_chunked import POLICIES, chunked_policy
 from test_devices import LAYERS, assert_same, load, run, saved  # noqa: F401  (saved: the fixture)
 from tp_run import NEW_TOKENS, PRUNING, inputs, small_budget, spec_names
@@ -23,14 +23,9 @@ PIPELINES = [pytest.param(("sim:0", "sim:1"), id="sim"),
                  torch.cuda.device_count() < 2, reason="needs two CUDA devices: a pipeline over two GPUs"))]
 EVERY_SPEC = spec_names() + list(PRUNING)
 
-
-@pytest.fixture(scope="module")
-def simulated():
-    import sim_devices
-
-    if sim_devices.available() is not None:
-        pytest.skip(sim_devices.available())
-    return sim_devices
+pytestmark = pytest.mark.skipif(sim_devices.available() is not None, reason=str(sim_devices.available()))
+if sim_devices.available() is None:
+    sim_devices.register()  # for this process (tests/test_devices.py runs this file in one of its own)
 
 
 def pipeline_map(devices) -> dict:
@@ -54,7 +49,7 @@ def pipelines(saved):
     return get
 
 
-def test_simulated_devices_refuse_what_an_accelerator_refuses(simulated):
+def test_simulated_devices_refuse_what_an_accelerator_refuses():
     a = torch.arange(6.0).to("sim:0")
     b = torch.ones(6, device="sim:1")
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
@@ -109,7 +104,7 @@ def test_beam_search_on_two_devices(saved, pipelines, devices):
     assert beams(pipelines(devices), ids, mask) == beams(load(saved).to(devices[0]), ids, mask)
 
 
-def test_continuous_batching_of_a_pipeline_is_refused(saved, pipelines, simulated):
+def test_continuous_batching_of_a_pipeline_is_refused(saved, pipelines):
     model = kvcompile.compile(pipelines(("sim:0", "sim:1")), "snapkv")
     try:
         with pytest.raises(CompileError, match="layers run on several devices is not supported yet"):
