@@ -16,3 +16,5 @@ class LayerState:
     values: Tensor  # (B, H, N, d)
     mask: Tensor | None = None  # (B, N) bool, True = real token; None = no padding
     scale: float | None = None  # softmax scale; None = d ** -0.5
+    rope: Tensor | None = None  # (d/2,) the model's rotary inverse frequencies (rotate-half layout), for scorers
+    #   that move queries to other positions (Scorer.needs_rope: expected_attention); None = not given

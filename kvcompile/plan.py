@@ -98,6 +98,8 @@ class Plan:
     #   (a pipeline over GPUs, kvcompile.devices.execution_devices; `device` is layer 0's); None: all on `device`
     chunk_impl: str | None = None  # a chunk's attention over the held entries and itself: "cpp" (the column-sums
     #   kernel, kernels.attention_column_sums, with the held entries as a biased prefix), None: SDPA with a mask
+    rope: tuple[float, ...] | None = None  # the model's rotary inverse frequencies, for a scorer that reads them
+    #   (Scorer.needs_rope: expected_attention moves queries to future positions); None: the scorer reads none
 
     def with_headroom(self, headroom: int) -> "Plan":
         """The same plan for a generation of `headroom` new tokens (its spare pages)."""
@@ -114,7 +116,12 @@ class Plan:
         layers = self.layer_devices if self.device == like.device else None
         return build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
                           page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
-                          shard=self.shard, layer_devices=layers)
+                          shard=self.shard, layer_devices=layers, rope=self.rope)
+
+    def state(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> LayerState:
+        """A layer's LayerState for the scorer, with the model's rotary frequencies where it reads them."""
+        rope = None if self.rope is None else torch.tensor(self.rope, dtype=torch.float32, device=k.device)
+        return LayerState(q, k, v, mask, scale, rope)
 
     def layer_device(self, layer: int) -> torch.device | None:
         """The device `layer` runs on, and its pages live on (None: not known before the first prompt)."""
@@ -226,7 +233,8 @@ def _heads_exchange(policy: Policy, shard: HeadShard, num_heads: int) -> str:
 def build_plan(policy: Policy, config, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                kernels: str | None = None, page_size: int = 16, headroom: int = 0,
                compiled_entry: bool = False, shard: HeadShard | None = None,
-               layer_devices: tuple[torch.device, ...] | None = None) -> Plan:
+               layer_devices: tuple[torch.device, ...] | None = None,
+               rope: tuple[float, ...] | None = None) -> Plan:
     """The plan for `policy` on a model with this `config` (layers, KV heads, head dim).
     Raises PlanError for what cannot run (a kernel that does not exist here, a merge rule
     that has no online path), before anything runs.
@@ -246,6 +254,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     entries and itself through the column-sums C++ kernel where it runs (chunk_impl "cpp": fp32 on a CPU,
     head dim a multiple of 16, kernels None or "cpp"; it also gives the scores of a column-sum scorer
     that does not merge), else through SDPA with a (T × E + T) mask.
+    rope: the rotary inverse frequencies, for a scorer that reads them (default: from `config`, rope_frequencies).
     shard: this process's share of the KV heads under tensor parallelism (kvcompile.sharding.model_shard);
     the plan names them and what its selections gather across ranks.
     layer_devices: each layer's device, for layers that run on several devices of `device`'s type
@@ -331,6 +340,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: {policy.name} compresses while prefilling in chunks (schedule.prefill), which "
                         "does not run under tensor parallelism (its selections among held entries and chunk are "
                         "not sharded); load the model without tp_plan, or drop schedule.prefill")
+    if scoring.needs_rope and rope is None:
+        rope = rope_frequencies(config, scoring.name)
     # a chunked prompt re-selects every layer after each chunk: the lazy cascade's counting does not apply
     lazy = cascade and not chunk and policy.budget.heads.nested and not policy.merges and policy.budget.split is None
     return Plan(
@@ -343,5 +354,36 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         step_rule=step_rule, running_scores=scoring.running, online_eviction=online,
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
-        prefill_chunk=chunk, chunk_impl=chunk_impl, layer_devices=layer_devices)
+        prefill_chunk=chunk, chunk_impl=chunk_impl, layer_devices=layer_devices,
+        rope=tuple(rope) if scoring.needs_rope else None)
 
+
+
+# Rotary types whose frequencies change with the sequence length (or between short and long inputs):
+# a scorer that rotates queries to future positions cannot know the ones the model will use there.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_frequencies(config, scorer: str) -> tuple[float, ...]:
+    """The model's rotary inverse frequencies (d/2 of them, transformers' rotate-half layout), from its
+    config as transformers computes them (`rope_parameters`: the default rope, or one of its
+    ROPE_INIT_FUNCTIONS); PlanError where they are not fixed or not over the whole head."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = getattr(config, "rope_parameters", None) or {}
+    if not params and getattr(config, "rope_theta", None) is not None:
+        params = {"rope_type": "default", "rope_theta": config.rope_theta}
+    kind = params.get("rope_type", "default")
+    if not params or kind in _LENGTH_DEPENDENT_ROPE:
+        raise PlanError(f"kvcompile: scoring: {scorer} rotates queries to future positions and needs the model's "
+                        f"fixed rotary frequencies; this config has "
+                        f"{'none' if not params else f'rope_type {kind!r}, whose frequencies change with length'}")
+    if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        raise PlanError(f"kvcompile: scoring: {scorer} supports a rotary over the whole head only "
+                        "(partial_rotary_factor = 1)")
+    if kind == "default":
+        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv = ROPE_INIT_FUNCTIONS[kind](config, "cpu")[0]
+    return tuple(float(x) for x in inv)

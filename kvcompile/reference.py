@@ -185,6 +185,7 @@ class ChunkedPrefill:
     real: Tensor | None = None  # (B, seen) real tokens of the chunks so far (extended at layer 0)
     entropy: list = field(default_factory=list)  # dynamic budgets: this chunk's (B,) entropy per layer so far
     chunks: int = 0  # chunks started (at layer 0)
+    rope: Tensor | None = None  # the model's rotary inverse frequencies, for a scorer that reads them (LayerState.rope)
 
     def __post_init__(self):
         if not self.heads:
@@ -245,7 +246,7 @@ class ChunkedPrefill:
                 m = int(tok.sum())
                 kh, vh = torch.cat([x.keys[tok], k[b, h]]), torch.cat([x.values[tok], v[b, h]])
                 state = LayerState(q[b:b + 1, h * g:(h + 1) * g, t_ - rows:], kh[None, None], vh[None, None],
-                                   torch.cat([torch.ones(m, dtype=torch.bool), real[b]])[None], scale)
+                                   torch.cat([torch.ones(m, dtype=torch.bool), real[b]])[None], scale, self.rope)
                 carried = None if first else torch.cat([x.scores[tok], torch.zeros(t_)])[None, None]
                 keys[b, h, :m + t_], values[b, h, :m + t_] = kh, vh
                 scores[b, h, :m + t_] = policy.scoring.score_chunk(state, carried)[0, 0]
@@ -460,3 +461,63 @@ def decode_step(policy, heads: list[list[HeadEntries]], q: Tensor, k: Tensor, v:
     return out.to(q.dtype)
 
 
+
+
+# --- query-agnostic scoring: Expected Attention written out as the paper states it ----------------
+
+def rope_matrix(rope: Tensor, position: int) -> Tensor:
+    """RoPE's (d, d) rotation at `position` (transformers' rotate-half layout: q·cos + rotate_half(q)·sin),
+    built as kvpress builds it: cos·I + sin·P, float64."""
+    half = rope.shape[0]
+    angle = torch.cat([rope, rope]).double() * position
+    p = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
+    p[half:, :half], p[:half, half:] = torch.eye(half), -torch.eye(half)
+    return torch.diag(angle.cos()) + angle.sin()[:, None] * p
+
+
+def expected_attention(part, state: LayerState) -> Tensor:
+    """`scoring: expected_attention`, literally (arXiv:2510.00636 Eq. 7–11, kvpress's press): per
+    sequence and query head, un-rotate the real queries at positions p ≥ sinks (p = index among the
+    real tokens) to pre-RoPE q̃ = R(p)ᵀ q, take their mean and biased covariance, rotate them by the
+    mean rotation R̄ over the next `future` positions n … n + T − 1, score each real key at position
+    ≥ sinks by softmax(c μᵀk + c² kᵀΣk / 2), mean over the group, (s + ε)·‖v‖₂; the sinks score the
+    head's max + 1. Float64, loops; (B, H, N), −inf at pads."""
+    b_, hq, r, d = state.queries.shape
+    h, n = state.keys.shape[1], state.keys.shape[2]
+    g = hq // h
+    scale = d ** -0.5 if state.scale is None else state.scale
+    mask = torch.ones(b_, n, dtype=torch.bool) if state.mask is None else state.mask.bool()
+    out = torch.full((b_, h, n), float("-inf"), dtype=torch.float64)
+    for b in range(b_):
+        real = mask[b].nonzero().squeeze(1).tolist()  # indices of the real tokens, position = their rank
+        length = len(real)
+        sinks = part.sinks if length > part.sinks else 0
+        rbar = sum(rope_matrix(state.rope, length + t) for t in range(part.future)) / part.future
+        row_of = {i: i - (n - r) for i in real if i >= n - r}  # key index -> query row
+        for kv in range(h):
+            probs = torch.zeros(n, dtype=torch.float64)
+            for head in range(kv * g, (kv + 1) * g):
+                pre = [rope_matrix(state.rope, p).T @ state.queries[b, head, row_of[i]].double()
+                       for p, i in enumerate(real) if p >= sinks and i in row_of]
+                pre = torch.stack(pre)
+                mu_pre = pre.mean(0)
+                cov_pre = (pre - mu_pre).T @ (pre - mu_pre) / len(pre)
+                mu, cov = rbar @ mu_pre, rbar @ cov_pre @ rbar.T
+                logits = []
+                for p, i in enumerate(real):
+                    if p >= sinks:
+                        k = state.keys[b, kv, i].double()
+                        quad = k @ cov @ k * scale * scale / 2 if part.covariance else 0.0
+                        logits.append(scale * (mu @ k) + quad)
+                weights = torch.softmax(torch.stack(logits), dim=0)
+                for w, i in zip(weights, real[sinks:]):
+                    probs[i] += w / g
+            for i in real[sinks:]:
+                s = probs[i]
+                if part.value_norm:
+                    s = (s + part.epsilon) * state.values[b, kv, i].double().norm()
+                out[b, kv, i] = s
+            top = max(float(out[b, kv, i]) for i in real[sinks:])
+            for i in real[:sinks]:
+                out[b, kv, i] = top + 1
+    return out.float()

@@ -284,7 +284,7 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     width = m + t
     carried = None if first else torch.cat([take(hs), torch.zeros(b, h, t, device=q.device)], dim=2)
     rows = policy.scoring.query_rows(t)
-    state = LayerState(q[:, :, t - rows:].reshape(b * h, g, rows, d), keys.reshape(b * h, 1, width, d),
+    state = plan.state(q[:, :, t - rows:].reshape(b * h, g, rows, d), keys.reshape(b * h, 1, width, d),
                        values.reshape(b * h, 1, width, values.shape[-1]), valid.reshape(b * h, width), scale)
     carried = None if carried is None else carried.reshape(b * h, 1, width)
     if sums is None:
@@ -338,9 +338,9 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     valid = prompt.valid
     policy = plan.policy
     rows = r if cache.record else policy.scoring.query_rows(n)
-    state = LayerState(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
+    state = plan.state(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
     if cache.record:  # copies: a compiled graph reuses the memory of its intermediate tensors
-        cache.states[layer] = LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale)
+        cache.states[layer] = LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale, state.rope)
     scores = plan.score(state) if scores is None else scores
     positions = (torch.arange(n, device=q.device)[None, :] - prompt.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)

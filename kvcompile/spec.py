@@ -356,6 +356,14 @@ def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _So
         raise src.error(("schedule", "decode"), f"decode: {schedule.decode.name} moves tokens between the "
                         "parts of a split, and there is no budget.split",
                         "budget.split with decode: online", blame=(("budget",),))
+    if scoring is not None and not scoring.nonnegative:  # e.g. key_norm: −‖k‖ is no attention mass
+        rule = budget.threshold if budget.threshold is not None else budget.layers
+        if budget.threshold is not None or budget.layers.needs_scores:
+            where = ("budget", "threshold") if budget.threshold is not None else ("budget", "layers")
+            raise src.error(where, f"{where[-1]}: {rule.name} reads the scores as attention mass (>= 0), and "
+                            f"scoring: {scoring.name} gives negative scores",
+                            "a scorer whose scores are attention mass, or layers: uniform | pyramid without a threshold",
+                            blame=(("scoring",),))
     decode = schedule.decode
     if decode is not None and decode.prune_every and split is not None:
         raise src.error(("schedule", "decode"), f"decode: {decode.name} prunes back to the budget, and a split's "

@@ -177,6 +177,8 @@ class Scorer(Part):
     gqa = "mean"
     running = False
     head_local = True
+    needs_rope = False  # the scorer reads the model's rotary frequencies (LayerState.rope; the plan supplies them)
+    nonnegative = True  # scores are >= 0 (attention mass): what entropy layers and DBudgetKV's norm stop read
 
     def query_rows(self, n: int) -> int:
         raise NotImplementedError
@@ -481,7 +483,12 @@ def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int
 @part("scoring", "key_norm")
 @dataclass(frozen=True)
 class KeyNorm(Scorer):
-    """A cheap baseline (Devoto et al., 2024): s[i] = −‖K[i]‖₂ (low key norm = important)."""
+    """A cheap baseline (Devoto et al., 2024): s[i] = −‖K[i]‖₂ (low key norm = important).
+
+    kvpress's KnormPress; query-agnostic (reads the keys only, no query row). Its scores are < 0:
+    refused with entropy layers and DBudgetKV's norm stop, which read attention mass (`nonnegative`)."""
+
+    nonnegative = False
 
     def query_rows(self, n: int) -> int:
         return 0
@@ -523,3 +530,110 @@ def entropy(scores: Tensor, valid: Tensor) -> Tensor:
     p_log_p = torch.where(p > 0, p * p.log(), 0.0)  # 0·log 0 = 0
     count = valid.sum(dim=(1, 2)).clamp(min=1).float()
     return -p_log_p.sum(dim=(1, 2)) / count
+
+
+# ---------------------------------------------------------------------------------------
+# Query-agnostic scoring: scores that do not depend on a question following the prompt
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE's rotation in transformers' rotate-half layout: dims f and f + d/2 form the pair of
+    frequency f, x' = (x₁ cos − x₂ sin, x₂ cos + x₁ sin). cos, sin (..., d/2) broadcast over x (..., d)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def future_rotation(rope: Tensor, future: int) -> tuple[Tensor, Tensor]:
+    """The mean of RoPE's rotation R(t) over t = 0 … future − 1, as (cos̄, sin̄) (d/2,) float32:
+    per frequency ω the mean of the 2-D rotations by tω, which is cos̄·I + sin̄·J (rotate_pairs).
+    Computed in float64 (angles up to future·ω)."""
+    t = torch.arange(future, dtype=torch.float64, device=rope.device)[:, None]
+    angle = t * rope.double()[None, :]
+    return angle.cos().mean(0).float(), angle.sin().mean(0).float()
+
+
+@part("scoring", "expected_attention")
+@dataclass(frozen=True)
+class ExpectedAttention(Scorer):
+    """Expected Attention (Devoto et al., 2025, arXiv:2510.00636, §3; kvpress ExpectedAttentionPress):
+    the attention the *next* `future` queries are expected to pay each key, from the statistics of the
+    prompt's own queries; no question needed (query-agnostic).
+
+    Per query head, from the prompt's real queries at positions p ≥ `sinks` (every query row of the
+    prompt but the first `sinks`: R = query_rows(N) = N), in the model's post-RoPE form q_p:
+      1. Pre-RoPE statistics moved to the future: the next queries q_{n+t}, t = 0 … T−1 (T = `future`,
+         n the prompt's real length), are modelled as R(n+t) q̃ with q̃ ~ N(μ̃, Σ̃) the pre-RoPE queries'
+         mean and (biased) covariance, and R(n+t) is replaced by its average R̄ = (1/T) Σ_t R(n+t):
+         μ = R̄ μ̃, Σ = R̄ Σ̃ R̄ᵀ (paper Eq. 7–9). RoPE rotations compose, R̄ R(−p) = R̄₀ R(n−p) with
+         R̄₀ = (1/T) Σ_t R(t), so with z_p = R(n−p) q_p (the query moved to position n) this is exactly
+         μ = R̄₀ mean(z), Σ = R̄₀ cov(z) R̄₀ᵀ: computed from the post-RoPE queries the op receives, exact
+         for any attention scaling of the rotary (it multiplies q_p and cancels), with the model's
+         rotary inverse frequencies `state.rope` (transformers' rotate-half layout).
+      2. Expected unnormalised attention of key k under q ~ N(μ, Σ) with the model's scale c (d^−½):
+         E[exp(c qᵀk)] = exp(c μᵀk + c² kᵀΣk / 2) (Eq. 10; `covariance: false` drops the second term).
+      3. Softmax of those logits over the real keys at positions ≥ `sinks` (Eq. 11), mean over the G
+         query heads of the KV group (gqa: mean), then × ‖v‖₂ with `epsilon` added first when
+         `value_norm` (kvpress: (s + ε)·‖v‖₂).
+    The first `sinks` tokens (attention sinks) are left out of the statistics and of the softmax and
+    score the head's largest score + 1, so they are kept first (kvpress keeps them always).
+    A prompt of at most `sinks` real tokens uses all its queries and keys.
+
+    Query-agnostic: the scores depend only on the prompt's own queries, keys and values (no window
+    at its end stands in for a question). Chunked prefill (`score_chunk`, the default): the chunk's
+    queries give the statistics (positions relative to the tokens seen: the chunk's last query is at
+    n − 1), scored over the held entries and the chunk; "the first `sinks`" are then the first
+    `sinks` real entries of that state (the prompt's first tokens while they are held).
+    Tensor parallelism: per-head local (a KV head reads its own keys, values and its group's queries;
+    no gather). All scores are ≥ 0 (entropy layers and DBudgetKV's threshold apply).
+    """
+
+    future: int = bounded(512, low=1)
+    sinks: int = bounded(4, low=0)
+    covariance: bool = True
+    value_norm: bool = True
+    epsilon: float = bounded(0.0, low=0)
+    needs_rope = True  # the scorer reads the model's rotary frequencies (LayerState.rope)
+
+    def query_rows(self, n: int) -> int:
+        return n
+
+    def score(self, state: LayerState) -> Tensor:
+        _check(state.rope is not None, "expected_attention needs the model's rotary frequencies (LayerState.rope)")
+        queries, keys, values = state.queries.float(), state.keys.float(), state.values.float()
+        b, hq, r, d = queries.shape
+        h, n = keys.shape[1], keys.shape[2]
+        _check(hq % h == 0, f"{hq} query heads do not split into groups over {h} KV heads")
+        _check(d % 2 == 0 and state.rope.shape[-1] == d // 2,
+               f"rope has {state.rope.shape[-1]} frequencies, head dim {d} needs {d // 2}")
+        scale = d ** -0.5 if state.scale is None else state.scale
+        real = real_tokens(state)  # (B, N)
+        rank = real.long().cumsum(-1) - 1  # position among the real entries
+        many = (real.sum(-1) > self.sinks)[:, None]  # (B, 1): more real tokens than sinks
+        counted = real & ((rank >= self.sinks) | ~many)  # (B, N): keys in the softmax, rows in the statistics
+
+        # 1. statistics of the queries moved to position n (z = R(n − p) q_p: offset R − j for row j)
+        rope = state.rope.to(keys.device)
+        offset = torch.arange(r, 0, -1, device=keys.device, dtype=torch.float64)[:, None] * rope.double()
+        z = rotate_pairs(queries, offset.cos().float(), offset.sin().float())  # (B, Hq, R, d)
+        rows = counted[:, n - r:].float()[:, None, :, None]  # (B, 1, R, 1)
+        count = rows.sum(2).clamp(min=1)  # (B, 1, 1)
+        mean_z = (z * rows).sum(2) / count  # (B, Hq, d)
+        cos, sin = future_rotation(rope, self.future)
+        mu = rotate_pairs(mean_z, cos, sin)  # R̄₀ mean(z)
+        logits = torch.einsum("bhd,bhnd->bhn", mu, keys.repeat_interleave(hq // h, dim=1)) * scale
+        if self.covariance:
+            centred = rotate_pairs((z - mean_z[:, :, None]) * rows, cos, sin)  # R̄₀ (z − z̄), 0 on unused rows
+            sigma = torch.einsum("bhri,bhrj->bhij", centred, centred) / count[..., None]  # (B, Hq, d, d)
+            k = keys.repeat_interleave(hq // h, dim=1)  # (B, Hq, N, d)
+            logits = logits + torch.einsum("bhni,bhij,bhnj->bhn", k, sigma, k) * (scale * scale / 2)  # c² kᵀΣk / 2
+        # 3. softmax over the counted keys, mean over the group, value norm; sinks on top
+        probs = torch.softmax(logits.masked_fill(~counted[:, None], NEG_INF), dim=-1)
+        s = reduce_gqa(probs, h, "mean")
+        if self.value_norm:
+            s = (s + self.epsilon) * torch.linalg.vector_norm(values, dim=-1)
+        s = s.masked_fill(~counted[:, None], NEG_INF)
+        top = s.amax(dim=-1, keepdim=True)
+        sink = real & ~counted  # (B, N)
+        s = torch.where(sink[:, None], torch.where(torch.isfinite(top), top + 1, 1.0), s)
+        return mask_pads(s, state)
