@@ -22,6 +22,7 @@ _EXPORTS = {
     "Policy": "kvcompile.policy",
     "SpecError": "kvcompile.spec",
     "compile": "kvcompile.compile",
+    "compress_context": "kvcompile.context",
     "compiled": "kvcompile.compile",
     "load_spec": "kvcompile.spec",
     "uncompile": "kvcompile.compile",
@@ -32,6 +33,7 @@ __all__ = sorted(_EXPORTS)
 if typing.TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
     from kvcompile.cache import KVCompileCache
     from kvcompile.compile import CompileError, compile, compiled, uncompile
+    from kvcompile.context import compress_context
     from kvcompile.policy import Policy
     from kvcompile.spec import SpecError, load_spec
 

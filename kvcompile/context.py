@@ -1,0 +1,127 @@
+"""One compressed context, many questions and turns (query-agnostic compression).
+
+A context (a document, a system prompt) is prefilled once with a policy compiled in, and kept
+compressed; each question continues from its own copy of that cache, so the context is never
+recomputed and a copy costs memory proportional to what the policy kept.
+
+    ctx = kvcompile.compress_context(model, context_ids, "expected_attention", per_head=64)
+    a1 = ctx.answer(question1_ids, max_new_tokens=32)     # (B, ≤ 32) new tokens
+    a2 = ctx.answer(question2_ids, max_new_tokens=32)     # from the same compressed context
+    chat = ctx.conversation()
+    r1 = chat.say(turn1_ids, max_new_tokens=32)           # the turn and its answer join the cache
+    r2 = chat.say(turn2_ids, max_new_tokens=32)
+
+Semantics (docs/SPECS.md "One compressed context, many questions and turns"): the context is
+compressed by the policy exactly as a prompt is (its prefill schedule: one pass, or chunk by chunk);
+a question's tokens and the generated answer are appended to a copy of the compressed cache as
+generated tokens are (each attends to every entry held and to the tokens before it; the policy's
+decode schedule runs on them as in generate()). A conversation keeps one cache: each turn's tokens,
+then its answer, are appended to it, and the next turn continues from there. Only a query-agnostic
+scorer makes this meaningful (its scores of the context do not depend on what follows), but any
+policy runs: with a query-aware one (snapkv, lava) the context's last window votes instead.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvcompile.cache import KVCompileCache
+from kvcompile.compile import compiled
+from kvcompile.policy import Policy
+
+
+def _ids(x, batch: int | None = None) -> Tensor:
+    ids = torch.as_tensor(x, dtype=torch.long)
+    ids = ids.reshape(1, -1) if ids.dim() == 1 else ids
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"kvcompile: expected token ids of shape (N,) or (B, N) with N >= 1, got {tuple(ids.shape)}")
+    if batch is not None and ids.shape[0] != batch:
+        raise ValueError(f"kvcompile: the context has {batch} sequences, these ids {ids.shape[0]}")
+    return ids
+
+
+@dataclass
+class CompressedContext:
+    """A context prefilled once and held compressed (`compress_context`). `cache`: the compressed
+    KVCompileCache (never written after compress_context: each answer works on a deep copy);
+    `ids` (B, N) and `attention_mask` (B, N) the context's tokens; `logits` (B, V) the logits of
+    its last position; `policy` what compressed it."""
+
+    model: object
+    policy: Policy
+    cache: KVCompileCache
+    ids: Tensor
+    attention_mask: Tensor
+    logits: Tensor = field(repr=False)
+
+    def copy_cache(self) -> KVCompileCache:
+        """An independent copy of the compressed cache (its own pages: memory ∝ the kept entries)."""
+        return copy.deepcopy(self.cache)
+
+    def generate(self, question_ids, **kwargs):
+        """`model.generate` of the context followed by `question_ids` (B, T), continuing from a copy of
+        the compressed cache (the context is not recomputed). kwargs go to generate() (max_new_tokens,
+        do_sample, return_dict_in_generate, output_scores, ...); its sequences hold the context too."""
+        question = _ids(question_ids, self.ids.shape[0]).to(self.ids.device)
+        ids = torch.cat([self.ids, question], dim=1)
+        mask = torch.cat([self.attention_mask, torch.ones_like(question)], dim=1)
+        kwargs.setdefault("do_sample", False)
+        with compiled(self.model, self.policy), torch.no_grad():
+            return self.model.generate(ids, attention_mask=mask, past_key_values=self.copy_cache(), **kwargs)
+
+    def answer(self, question_ids, max_new_tokens: int = 32, **kwargs) -> Tensor:
+        """The greedy answer to `question_ids` (B, T): the new tokens (B, ≤ max_new_tokens)."""
+        out = self.generate(question_ids, max_new_tokens=max_new_tokens, **kwargs)
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        return sequences[:, self.ids.shape[1] + _ids(question_ids).shape[1]:]
+
+    def conversation(self) -> "Conversation":
+        """A multi-turn conversation over this context, on its own copy of the cache."""
+        return Conversation(self, self.copy_cache(), self.ids, self.attention_mask)
+
+
+@dataclass
+class Conversation:
+    """Turns after a compressed context, on one cache: each turn's tokens and its answer are appended
+    to it (see the module docstring). `ids`/`attention_mask`: every token so far."""
+
+    context: CompressedContext
+    cache: KVCompileCache
+    ids: Tensor
+    attention_mask: Tensor
+
+    def say(self, turn_ids, max_new_tokens: int = 32, **kwargs) -> Tensor:
+        """Append the turn `turn_ids` (B, T), generate greedily; returns the answer (B, ≤ max_new_tokens),
+        which joins the conversation (the next turn follows it)."""
+        turn = _ids(turn_ids, self.ids.shape[0]).to(self.ids.device)
+        ids = torch.cat([self.ids, turn], dim=1)
+        mask = torch.cat([self.attention_mask, torch.ones_like(turn)], dim=1)
+        kwargs.setdefault("do_sample", False)
+        with compiled(self.context.model, self.context.policy), torch.no_grad():
+            out = self.context.model.generate(ids, attention_mask=mask, past_key_values=self.cache,
+                                              max_new_tokens=max_new_tokens, **kwargs)
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        self.ids, self.attention_mask = sequences, torch.cat(
+            [mask, torch.ones_like(sequences[:, ids.shape[1]:])], dim=1)
+        return sequences[:, ids.shape[1]:]
+
+
+def compress_context(model, context_ids, spec, attention_mask=None, **overrides) -> CompressedContext:
+    """Prefill `context_ids` ((N,) or (B, N), left-padded with `attention_mask`) once with `spec`
+    (a name, path, mapping or Policy; overrides as in load_spec) and keep it compressed. The model
+    is compiled for the call only (kvcompile.compiled). Works for any policy; meant for query-agnostic
+    ones (expected_attention, knorm), whose compression does not depend on the question."""
+    from kvcompile.spec import load_spec
+
+    policy = spec if isinstance(spec, Policy) and not overrides else load_spec(spec, **overrides)
+    ids = _ids(context_ids)
+    mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).reshape(ids.shape)
+    mask = mask.to(ids.device)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() positions a left-padded batch
+    with compiled(model, policy), torch.no_grad():
+        cache = KVCompileCache.from_plan(model.kvcompile_plan)
+        out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    return CompressedContext(model, policy, cache, ids, mask, out.logits[:, -1])
