@@ -298,3 +298,17 @@ def test_compressed_context_answers_and_turns_equal_the_reference_semantics(spec
     assert got == answers
     # compressed: the copies hold what the policy kept (far fewer entries than the context)
     assert ctx.cache.stores[0].lengths.max() == 12
+
+
+@pytest.mark.parametrize("spec", ["expected_adakv", "knorm"])
+def test_continuous_batching_equals_generate(spec):
+    """Concurrent requests through transformers' engine, prompts split over forwards: each request's
+    tokens equal generate()'s (the engine's prompt compression runs the same per-layer code, with the
+    plan's rotary frequencies)."""
+    from test_serving import prompts, serve
+    from test_serving import reference as generate_alone
+
+    model = kvcompile.compile(tiny_model(), spec, per_head=24)
+    ids = prompts([70, 40, 110])
+    tokens, _ = serve(model, ids, max_batch_tokens=64)
+    assert tokens == [generate_alone(model, x) for x in ids]
