@@ -296,8 +296,13 @@ def test_compressed_context_answers_and_turns_equal_the_reference_semantics(spec
     got = [chat.say(q1, max_new_tokens=4)[0].tolist(), chat.say(q2, max_new_tokens=4)[0].tolist()]
     answers, _ = reference_answer(model, policy, context, [q1, q2], 4)
     assert got == answers
-    # compressed: the copies hold what the policy kept (far fewer entries than the context)
-    assert ctx.cache.stores[0].lengths.max() == 12
+    # the context was compressed before any question, as reference.compress compresses it alone
+    states, _ = capture(model, context)
+    selection = reference.compress(policy, [dataclasses.replace(x, rope=model.model.rotary_emb.inv_freq)
+                                            for x in states])
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(ctx.cache.kept_positions(layer), selection.kept[layer])
+    assert int(ctx.cache.stores[0].lengths.max()) == 12  # far fewer entries than the context's 40
 
 
 @pytest.mark.parametrize("spec", ["expected_adakv", "knorm"])

@@ -480,7 +480,11 @@ def valid_specs(draw) -> dict:
     if split:
         budget["split"] = split
     merges = split is not None and split["residual"] > 0
-    scoring = pick("scoring")
+    layers = budget.get("layers", "uniform")
+    layers = layers if isinstance(layers, str) else next(iter(layers))
+    # entropy layers and thresholds read the scores as attention mass: only scorers whose scores are >= 0
+    mass = mode == "threshold" or PARTS["layers"][layers].needs_scores
+    scoring = pick("scoring", [n for n, cls in PARTS["scoring"].items() if cls.nonnegative] if mass else None)
     name, fields = (scoring, {}) if isinstance(scoring, str) else next(iter(scoring.items()))
     rows = PARTS["scoring"][name](**(fields or {})).query_rows(2 ** 30)
     # decode: every needs the scorer's window queries cached (ranking window >= them) and no split
