@@ -486,7 +486,9 @@ class KeyNorm(Scorer):
     """A cheap baseline (Devoto et al., 2024): s[i] = −‖K[i]‖₂ (low key norm = important).
 
     kvpress's KnormPress; query-agnostic (reads the keys only, no query row). Its scores are < 0:
-    refused with entropy layers and DBudgetKV's norm stop, which read attention mass (`nonnegative`)."""
+    refused with entropy layers and DBudgetKV's norm stop, which read attention mass (`nonnegative`).
+    Tensor parallelism: per-head local (a head reads its own keys; a rank gathers only what the
+    allocator gathers: counts, or scores for pooled heads)."""
 
     nonnegative = False
 
