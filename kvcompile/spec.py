@@ -362,7 +362,7 @@ def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _So
             where = ("budget", "threshold") if budget.threshold is not None else ("budget", "layers")
             raise src.error(where, f"{where[-1]}: {rule.name} reads the scores as attention mass (>= 0), and "
                             f"scoring: {scoring.name} gives negative scores",
-                            "a scorer whose scores are attention mass, or layers: uniform | pyramid without a threshold",
+                            "a scorer whose scores are attention mass, or layers: uniform | pyramid, no threshold",
                             blame=(("scoring",),))
     decode = schedule.decode
     if decode is not None and decode.prune_every and split is not None:
