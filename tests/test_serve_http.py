@@ -59,11 +59,13 @@ def served(tmp_path_factory):
     model.resize_token_embeddings(len(tokenizer))
     for cfg in (model.config, model.generation_config):
         cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id, None
+    # the server refuses prompt + max_tokens past the context: room for transformers serve's default of 1024
+    model.config.max_position_embeddings = 2048
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     policy = kvcompile.load_spec("snapkv", **SPEC)
     server = KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), kv_tokens=4096,
-                                          max_batch_tokens=128, log_level="error"))
+                                          max_batch_tokens=128, log_level="error", log_requests=False))
     from transformers import AutoModelForCausalLM
 
     reference = kvcompile.compile(AutoModelForCausalLM.from_pretrained(folder).eval(), policy)
@@ -194,4 +196,5 @@ def test_a_policy_the_engine_cannot_run_is_refused_before_listening(served):
 
     policy = kvcompile.load_spec("snapkv", **SPEC, schedule={"cascade": False, "decode": {"every": {"n": 4}}})
     with pytest.raises(CompileError, match="prunes every 4"):
-        KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), log_level="error"))
+        KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), log_level="error",
+                                     log_requests=False))
