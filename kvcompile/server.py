@@ -489,17 +489,18 @@ class KVCompileServer:
         return asked
 
     def _sampling(self, request):
+        """The request's sampling as generate() would run it with the same arguments: the checkpoint's
+        generation_config completed as generate() completes it (`_prepare_generation_config`: top_k 50 where it
+        samples...), then the request's temperature (0: greedy) and top_p."""
         from kvcompile.serving import RequestSampling
 
-        config = copy.deepcopy(self.model.generation_config)
-        config.max_new_tokens = None
+        settings = {}
         if request.temperature is not None:
-            if request.temperature == 0:
-                config.do_sample = False
-            else:
-                config.do_sample, config.temperature = True, float(request.temperature)
-        if request.top_p is not None and config.do_sample:
-            config.top_p = float(request.top_p)
+            settings = {"do_sample": False} if request.temperature == 0 else {"do_sample": True,
+                                                                               "temperature": float(request.temperature)}
+        if request.top_p is not None and settings.get("do_sample", self.model.generation_config.do_sample):
+            settings["top_p"] = float(request.top_p)
+        config, _ = self.model._prepare_generation_config(None, **settings)
         return RequestSampling.for_config(self.model, config, seed=request.seed,
                                           top_logprobs=request.top_logprobs_asked)
 
