@@ -430,7 +430,7 @@ class KVCompilePagedCache(PagedAttentionCache):
         """The refusal of a new request of `prompt` tokens (and `max_new_tokens`) whose prompt needs more
         blocks than the whole pool has (it could never be scheduled), else None."""
         state = RequestState(request_id, initial_tokens=[0] * prompt, max_new_tokens=max_new_tokens)
-        tokens = self.reserved_tokens(state, prompt)
+        tokens = self.reserved_tokens(state, min(prompt, self.max_batch_tokens))  # the engine splits longer ones
         if tokens <= self.pool_tokens():
             return None
         page = self.allocator.tokens_per_page
