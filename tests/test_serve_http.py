@@ -405,3 +405,19 @@ def test_serve_help_says_which_model_name_requests_use():
     serve_parser = parser._subparsers._group_actions[0].choices["serve"]
     text = " ".join(serve_parser.format_help().split())
     assert "--served-model-name" in text and "Requests name the model" in text
+
+
+def test_the_openai_client_lists_the_model_and_reads_our_errors(served):
+    import openai
+
+    server, tokenizer, folder, reference = served
+    client = openai.OpenAI(base_url=url(server, "/v1"), api_key="-", timeout=TIMEOUT, max_retries=0)
+    name = client.models.list().data[0].id
+    reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].text == expected(reference, tokenizer, tokenizer(PROMPT)["input_ids"])
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=-5)
+    assert refused.value.param == "max_tokens" and "max_tokens" in str(refused.value)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert missing.value.code == "model_not_found"
