@@ -7,8 +7,10 @@ streamed or not; invalid bodies (each refused with 400 naming its field); stream
 chunks; prompts the KV pool can never hold (400 `kv_pool_exceeded`) and prompts past the model's context
 (400 `context_length_exceeded`). The server runs in this process, on a thread, on 127.0.0.1.
 
-    python3 benchmarks/soak.py [--minutes 30] [--clients 8] [--spec snapkv] [--per-head 64]
-        [--kv-tokens 4096] [--max-batch-tokens 512] [--check 200] [--threads 2]
+    python3 benchmarks/soak.py [--minutes 30] [--clients 4] [--spec snapkv] [--per-head 64]
+        [--kv-tokens 4096] [--max-batch-tokens 512] [--max-tokens 32] [--check 200] [--threads 2] [--timeout 600]
+
+(from a worktree: PYTHONPATH=. so that the worktree's kvcompile is the one imported)
 
 prints the requests by outcome, the answers checked against generate() (a random sample of --check valid
 ones; 0: all), the server's metrics and the RSS after warm-up and at the end. Exit status 1 on any mismatch.
@@ -265,7 +267,7 @@ def wait_idle(server, timeout: float = 60.0) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--spec", default="snapkv")
     parser.add_argument("--per-head", type=int, default=64)
     parser.add_argument("--kv-tokens", type=int, default=4096)
@@ -273,6 +275,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens a request asks")
     parser.add_argument("--check", type=int, default=200, help="valid answers compared with generate() (0: all)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a client waits for one answer")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -294,7 +297,7 @@ def main(argv=None) -> int:
     server.start()
     server.wait_started(60)
     soak = Soak(f"http://127.0.0.1:{port}", folder, server.tokenizer, server.cache.pool_tokens(), server.context,
-                args.max_batch_tokens, max_tokens=args.max_tokens)
+                args.max_batch_tokens, max_tokens=args.max_tokens, timeout=args.timeout)
     started = time.monotonic()
     try:
         warm = min(60.0, args.minutes * 60 / 10)

@@ -772,8 +772,8 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         try:
             return super()._generation_loop_body(batch_processor, bootstrapping)
         except Exception as error:  # noqa: BLE001 - any failure of one step is that step's requests'
-            if not isinstance(batch_processor, KVCompileBatchProcessor):
-                raise
+            if not isinstance(batch_processor, KVCompileBatchProcessor) or self.batch_processor is not batch_processor:
+                raise  # not kvcompile's processor, or the manager was torn down under the loop (stop): the engine's
             failed = batch_processor.fail_forward(error)
             logger.error(f"kvcompile: a step of the engine failed ({type(error).__name__}: {error}); failed "
                          f"request(s) {', '.join(failed) or 'none'}, the engine goes on")
