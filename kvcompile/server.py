@@ -121,7 +121,8 @@ def _models():
         temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
         top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
         seed: StrictInt | None = None
-        stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=4)] | None = None
+        stop: Annotated[StrictStr, Field(min_length=1)] | Annotated[
+            list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=4)] | None = None
         n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
         stream: StrictBool | None = None
         stream_options: StreamOptions | None = None
