@@ -580,6 +580,7 @@ class KVCompileModelRunner(ModelRunner):
         if self.do_sample or self.logit_processor.do_processing or self.return_logprobs:
             raise BatchingError("kvcompile: requests with their own sampling run on an engine whose generation config "
                                 "is greedy and processes no logits (kvcompile serve builds it so)")
+        self.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
         logits = model(**batch_data).logits
         if "logits_to_keep" not in batch_data:
             logits = logits[:, batch_data["logits_indices"], :]
