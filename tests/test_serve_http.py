@@ -1,7 +1,9 @@
-"""`kvcompile serve` end to end: transformers' OpenAI-compatible server over a compiled tiny model,
-started here on 127.0.0.1, asked with an HTTP client (a bounded number of requests, each with a time
-limit), stopped here. Completions and chat completions, streamed and not, one request and several at
-once: the text is what `model.generate` with the same spec gives for the same tokens (greedy).
+"""`kvcompile serve` end to end: kvcompile's OpenAI layer over the continuous-batching engine on a compiled
+tiny model, started here in this process on a thread on 127.0.0.1, asked with an HTTP client (a bounded
+number of requests, each with a time limit), stopped here. Completions and chat completions, streamed and
+not, one request and several at once: the text is what `model.generate` with the same spec gives for the
+same tokens (greedy, or sampled with the request's seed). Every invalid request is refused by name in
+OpenAI's error shape, every accepted parameter is honoured, an engine failure fails its request alone.
 """
 import json
 import socket
