@@ -505,23 +505,23 @@ class KVCompileServer:
         return RequestSampling.for_config(self.model, config, seed=request.seed,
                                           top_logprobs=request.top_logprobs_asked)
 
-    def prepare(self, request, chat: bool) -> Job:
+    def prepare(self, request, chat: bool, request_id: str) -> Job:
         """Validate `request` against the model, its context and the pool; the Job to submit."""
         request.refuse_unsupported()
         self._check_model(request.model)
         ids = self._prompt_ids(request, chat)
         new = self._max_new_tokens(request, len(ids), chat)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         error = self.cache.admission_error(request_id, len(ids), new)
         if error is not None:
             raise APIError(400, str(error), param="messages" if chat else "prompt", code="kv_pool_exceeded")
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         return Job(self, request_id, ids, new, self._sampling(request), stop)
 
-    def _log(self, job: Job | None, status: int, outcome: str, path: str, note: str = "") -> None:
+    def _log(self, job: Job | None, status: int, outcome: str, path: str, note: str = "",
+             request_id: str = "-") -> None:
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
         if job is None:
-            log.info(f"{path} {status} {outcome}{': ' + note if note else ''}")
+            log.info(f"{request_id} {path} {status} {outcome}{': ' + note if note else ''}")
             return
         ttft = "-" if job.first_token is None else f"{job.first_token - job.start:.3f}s"
         held = job.kv_held()
@@ -660,23 +660,24 @@ class KVCompileServer:
 
         async def handle(request: Request, model, chat: bool, path: str):
             job = None
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             try:
                 body = await body_of(request, model, path)
-                job = server.prepare(body, chat)
+                job = server.prepare(body, chat, request_id)
                 if body.stream:
                     job.submit()
                     include = bool(body.stream_options and body.stream_options.include_usage)
                     return StreamingResponse(server.stream(job, chat, include, path), media_type="text/event-stream")
                 reply = await server.complete(job, chat)
             except APIError as exc:
-                server._log(job, exc.status, "refused", path, exc.message)
+                server._log(job, exc.status, "refused", path, exc.message, request_id)
                 return answer(exc)
             except EngineFailure as exc:
-                server._log(job, 500, "failed", path, str(exc))
+                server._log(job, 500, "failed", path, str(exc), request_id)
                 return answer(APIError(500, f"the engine failed this request: {exc}", code="engine_error"))
             except Exception as exc:  # noqa: BLE001 - a bug of this layer fails this request only
                 log.exception(f"{path}: unexpected error")
-                server._log(job, 500, "failed", path, f"{type(exc).__name__}: {exc}")
+                server._log(job, 500, "failed", path, f"{type(exc).__name__}: {exc}", request_id)
                 return answer(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
             server._log(job, 200, "ok", path)
             return JSONResponse(reply)

@@ -388,6 +388,9 @@ def test_metrics_and_one_log_line_per_request(served, caplog):
     server, tokenizer, folder, reference = served
     with caplog.at_level("INFO", logger="kvcompile.serve"):
         reply = post(server, "/v1/completions", completion_body(folder, PROMPT))
+        requests.post(url(server, "/v1/completions"), json={**completion_body(folder, PROMPT), "n": 2}, timeout=TIMEOUT)
+    refused = [r.getMessage() for r in caplog.records if " 400 refused" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].startswith("cmpl-") and "`n`" in refused[0]
     lines = [r.getMessage() for r in caplog.records if reply["id"] in r.getMessage()]
     assert len(lines) == 1
     assert " 200 ok " in lines[0] and f"prompt_tokens={reply['usage']['prompt_tokens']}" in lines[0]
