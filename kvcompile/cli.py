@@ -799,10 +799,11 @@ def cmd_serve(args) -> None:
         model = str(default_model_dir())
     options = ServeOptions(spec=policy_for(args.spec, args.per_head), model=model, host=args.host, port=args.port,
                            kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
-                           log_level="error" if args.quiet else "warning")
+                           log_level="error" if args.quiet else "warning",
+                           served_model_name=args.served_model_name, log_requests=not args.quiet)
     try:
         serve(options)
-    except (CompileError, ImportError, ValueError, OSError) as exc:
+    except (CompileError, ImportError, ValueError, OSError, RuntimeError) as exc:
         fail(str(exc))
 
 
@@ -876,20 +877,30 @@ def build_parser() -> argparse.ArgumentParser:
     plot.set_defaults(func=cmd_plot)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching under a policy",
-                         description="transformers' server (`transformers serve`: /v1/chat/completions, "
-                                     "/v1/completions, streaming) with continuous batching: each request's cache "
-                                     "is compressed after its prompt and the memory it frees goes back to the "
-                                     "engine's pool, so more requests run at once. A request's max_tokens "
-                                     "(max_completion_tokens, max_output_tokens) is honored; without it, "
-                                     "transformers serve's default: 1024 new tokens (the model's "
-                                     "generation_config.max_new_tokens where larger). A request reserves its "
-                                     "compressed prompt and a few spare pages per head, whatever its max_tokens, "
-                                     "and grows as it decodes. Needs fastapi, uvicorn and openai (transformers[serving]).")
+                         description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, streamed "
+                                     "or not; /v1/models, /health, /metrics) with continuous batching: each "
+                                     "request's cache is compressed after its prompt and the memory it frees goes "
+                                     "back to the engine's pool, so more requests run at once. Requests name the "
+                                     "model --served-model-name, by default the --model argument exactly as given "
+                                     "(without --model: the embedded SmolLM2's folder path, which the start-up line "
+                                     "and GET /v1/models print). Every request is validated before it reaches the "
+                                     "engine and refused with a 4xx in OpenAI's error shape; temperature, top_p, "
+                                     "seed, stop, max_tokens, logprobs and stream_options.include_usage are "
+                                     "honoured, n > 1 and the other OpenAI parameters are refused by name "
+                                     "(docs/GENERATE.md, Serving). Without max_tokens a request gets 1024 new "
+                                     "tokens (the model's generation_config.max_new_tokens where larger), capped at "
+                                     "the model's context. A request reserves its compressed prompt and a few spare "
+                                     "pages per head, whatever its max_tokens, and grows as it decodes. One log "
+                                     "line per request on stderr (--quiet: none). Needs fastapi and uvicorn "
+                                     "(pip install 'kvcompile[serve]').")
     add_common(srv, demo=False)
     srv.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     srv.add_argument("--port", type=positive, default=8000, help="listen port (default 8000)")
+    srv.add_argument("--served-model-name", default=None, metavar="NAME",
+                     help="the `model` name requests must carry (default: the --model argument as given)")
     srv.add_argument("--kv-tokens", type=positive, default=16384, metavar="N",
-                     help="the KV memory of the engine, as tokens of full cache (default 16384)")
+                     help="the KV memory of the engine, as tokens of full cache (default 16384); a request "
+                          "whose compressed prompt needs more is refused with 400")
     srv.add_argument("--max-batch-tokens", type=positive, default=2048, metavar="N",
                      help="tokens one forward packs; longer prompts are split (default 2048)")
     srv.set_defaults(func=cmd_serve)

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,10 +69,12 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
                                                                         ContinuousBatchProcessor)
+from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler, PrefillFirstScheduler, Scheduler
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.logits_process import LogitsProcessorList
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache, LayerStore
@@ -79,11 +82,22 @@ from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
 from kvcompile.runtime import kvcompile_attention, kvcompile_mask
 
+logger = logging.getLogger("kvcompile.serving")
+
 BATCHING_ATTENTION = "kvcompile_batching"  # the attention implementation name while the engine runs
 
 
 class BatchingError(CompileError):
     """A compiled model, policy or engine configuration that continuous batching cannot run."""
+
+
+class RequestTooLarge(BatchingError, ValueError):
+    """A request whose prompt needs more blocks than the whole pool has: refused when it is admitted (it could
+    never be scheduled), with its size and the pool's."""
+
+    def __init__(self, message: str, blocks: int, pool_blocks: int):
+        super().__init__(message)
+        self.blocks, self.pool_blocks = blocks, pool_blocks
 
 
 # --- per-request state --------------------------------------------------------------------
@@ -99,6 +113,37 @@ class RequestKV:
     @property
     def compressed(self) -> bool:
         return all(store is not None for store in self.cache.stores)
+
+
+@dataclass
+class RequestSampling:
+    """How one request picks its tokens, as `generate()` picks them with `config`: the logits processors
+    generate() builds for that config (`model._get_logits_processor`: temperature, top-k, top-p, repetition
+    penalty...) applied to the request's own logits with its own token history, then argmax, or (do_sample)
+    `torch.multinomial` drawing from the request's own generator. generate() draws from torch's default
+    generator after `torch.manual_seed(seed)`; a generator seeded with the same seed gives the same draws, and
+    no other request's draws advance it. `top_logprobs` (None: none) asks, for every sampled token, its
+    log-probability under the model (log-softmax of the raw logits) and that many most likely alternatives,
+    appended to `logprobs` as (logprob, [(token, logprob), ...])."""
+
+    processors: LogitsProcessorList
+    do_sample: bool
+    generator: torch.Generator | None = None
+    top_logprobs: int | None = None
+    logprobs: list = field(default_factory=list)
+
+    @classmethod
+    def for_config(cls, model, generation_config, seed: int | None = None,
+                   top_logprobs: int | None = None) -> "RequestSampling":
+        do_sample = bool(generation_config.do_sample)
+        generator = None
+        if do_sample:
+            generator = torch.Generator(device=model.device)
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(seed)
+        return cls(model._get_logits_processor(generation_config), do_sample, generator, top_logprobs)
 
 
 @dataclass(frozen=True)
@@ -149,6 +194,12 @@ class BatchingState:
     soft_resets: int = 0  # requests the engine preempted and kvcompile replayed, over the whole run
     replayed_tokens: int = 0  # generated tokens those replays ran again as decode steps
     finished: deque = field(default_factory=lambda: deque(maxlen=1024))  # RequestUsage of the latest requests
+    sampling: dict[str, RequestSampling] = field(default_factory=dict)  # by request id: requests that pick
+    #   their own tokens (KVCompileModelRunner); the others follow the engine's generation config
+    admitted: set[str] = field(default_factory=set)  # ids the pool-size check passed, until the request ends
+    rows: list[RequestState] = field(default_factory=list)  # the next forward's requests that sample a token,
+    #   in the order of its logits rows
+    failed_forwards: int = 0  # forwards that raised: their requests failed, the engine went on
 
 
 @dataclass
@@ -301,13 +352,19 @@ class KVCompilePagedCache(PagedAttentionCache):
                                                len(self.allocator.block_table.get(request_id, [])),
                                                math.ceil(tokens / self.allocator.tokens_per_page)))
         state.replays.pop(request_id, None)
+        if not state.offloading:  # a soft-reset request keeps its sampling and its admission
+            state.sampling.pop(request_id, None)
+            state.admitted.discard(request_id)
         super().free_blocks(request_id, no_cache=True)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests(clear_ledgers)
         self.kvcompile.requests.clear()
         self.kvcompile.replays.clear()
+        self.kvcompile.sampling.clear()
+        self.kvcompile.admitted.clear()
         self.kvcompile.batch = []
+        self.kvcompile.rows = []
 
     def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
         raise BatchingError("kvcompile: forking a request (num_return_sequences > 1) is not supported")
@@ -365,6 +422,34 @@ class KVCompilePagedCache(PagedAttentionCache):
                                       chunked=kv is not None or request_len < prompt)
         return math.ceil(need / self.kvcompile.bytes_per_block) * self.allocator.tokens_per_page
 
+    def pool_tokens(self) -> int:
+        """Tokens' worth of blocks of the whole pool."""
+        return self.num_blocks * self.allocator.tokens_per_page
+
+    def admission_error(self, request_id: str, prompt: int, max_new_tokens: int) -> RequestTooLarge | None:
+        """The refusal of a new request of `prompt` tokens (and `max_new_tokens`) whose prompt needs more
+        blocks than the whole pool has (it could never be scheduled), else None."""
+        state = RequestState(request_id, initial_tokens=[0] * prompt, max_new_tokens=max_new_tokens)
+        tokens = self.reserved_tokens(state, min(prompt, self.max_batch_tokens))  # the engine splits longer ones
+        if tokens <= self.pool_tokens():
+            return None
+        page = self.allocator.tokens_per_page
+        blocks = tokens // page
+        return RequestTooLarge(f"kvcompile: request {request_id} needs {blocks} blocks ({tokens} tokens of full cache) "
+                               f"for its {prompt}-token prompt under {self.kvcompile.plan.policy.name}; the pool has "
+                               f"{self.num_blocks} blocks ({self.pool_tokens()} tokens)", blocks, self.num_blocks)
+
+    def admit(self, state) -> None:
+        """Refuse (RequestTooLarge) a new request the pool can never hold; a request re-queued by a soft reset
+        was admitted already."""
+        if state.request_id in self.kvcompile.admitted:
+            return
+        error = self.admission_error(state.request_id, len(state.initial_tokens), state.max_new_tokens or 0)
+        if error is not None:
+            self.kvcompile.sampling.pop(state.request_id, None)
+            raise error
+        self.kvcompile.admitted.add(state.request_id)
+
     def begin_batch(self, scheduled) -> None:
         """The next forward's requests (FutureRequestStates, in the order of the packed tokens); a request
         seen for the first time gets its cache, sized for its max_new_tokens as generate() sizes it."""
@@ -391,6 +476,7 @@ class KVCompilePagedCache(PagedAttentionCache):
                                     "prompt: each token after the prompt must be a decode step of its own")
             batch.append(Segment(request.request_id, kv, future.query_length))
         state.batch = batch
+        state.rows = [future.state for future in scheduled if future.has_new_token]
         state.peak_requests = max(state.peak_requests, len(state.requests))
 
     def sync_blocks(self) -> None:
@@ -438,15 +524,90 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
 
     cache: KVCompilePagedCache
 
+    forward: list  # the RequestStates of the forward under way (prepared, not yet updated)
+
     def prepare_next_batch(self) -> bool:
+        self.forward = []
         ready = super().prepare_next_batch()
         if ready:
-            self.cache.begin_batch(self.inputs_and_outputs.requests_in_batch)
+            scheduled = self.inputs_and_outputs.requests_in_batch
+            self.forward = [future.state for future in scheduled]
+            self.cache.begin_batch(scheduled)
         return ready
 
     def update_batch(self) -> None:
         self.cache.sync_blocks()
         super().update_batch()
+        self.forward = []
+
+    def fail_forward(self, error: Exception) -> list[str]:
+        """A step of the engine raised: fail the requests it concerned and let the engine go on. A forward that
+        raised fails the requests it packed (their caches may hold part of its tokens); an error before any
+        forward was prepared (no request can be scheduled) fails the active requests, or, with none active, the
+        waiting ones. Their blocks go back to the pool. Returns the failed request ids."""
+        scheduler = self.scheduler
+        states = getattr(self, "forward", None) or list(scheduler.active_requests.values())
+        if not states:
+            states = [scheduler.waiting_requests[rid] for rid in list(scheduler.waiting_requests_order)
+                      if rid in scheduler.waiting_requests]
+        failed = []
+        for state in states:
+            self._handle_request_error(error, state)
+            scheduler.finish_request(state.request_id)
+            if state.request_id in scheduler.waiting_requests:
+                del scheduler.waiting_requests[state.request_id]
+            if state.request_id in scheduler.waiting_requests_order:
+                scheduler.waiting_requests_order.remove(state.request_id)
+            failed.append(state.request_id)
+        self.forward = []
+        self.cache.kvcompile.batch = []
+        self.cache.kvcompile.rows = []
+        self.cache.kvcompile.failed_forwards += 1
+        return failed
+
+
+class KVCompileModelRunner(ModelRunner):
+    """The engine's model runner; requests with a `RequestSampling` (kvcompile serve's) pick their own tokens
+    as generate() would with their own settings and generator, the others as the engine's generation config."""
+
+    cache: KVCompilePagedCache
+
+    def _forward_process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids) -> None:
+        state = self.cache.kvcompile
+        rows = state.rows
+        if not any(r.request_id in state.sampling for r in rows):
+            return super()._forward_process_and_sample(model, batch_data, carry_over_ids, prev_output_ids, output_ids)
+        if self.do_sample or self.logit_processor.do_processing or self.return_logprobs:
+            raise BatchingError("kvcompile: requests with their own sampling run on an engine whose generation config "
+                                "is greedy and processes no logits (kvcompile serve builds it so)")
+        self.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
+        logits = model(**batch_data).logits
+        if "logits_to_keep" not in batch_data:
+            logits = logits[:, batch_data["logits_indices"], :]
+        # one row per request of the forward, those that sample a token first (in order), the rest unused
+        scores = logits[0].float()  # as generate() reads its logits
+        if scores.shape[0] < len(rows):
+            raise RuntimeError(f"kvcompile: {scores.shape[0]} logits rows for {len(rows)} requests sampling a token")
+        tokens = []
+        for i, request in enumerate(rows):
+            raw = scores[i:i + 1]
+            sampling = state.sampling.get(request.request_id)
+            if sampling is None:
+                tokens.append(raw.argmax(-1))
+                continue
+            history = torch.tensor([request.initial_tokens + request.generated_tokens], device=raw.device)
+            processed = sampling.processors(history, raw.clone())
+            if sampling.do_sample:
+                token = torch.multinomial(torch.softmax(processed, dim=-1), 1, generator=sampling.generator)[0]
+            else:
+                token = processed.argmax(-1)
+            tokens.append(token)
+            if sampling.top_logprobs is not None:
+                logprobs = torch.log_softmax(raw[0], dim=-1)
+                top = torch.topk(logprobs, sampling.top_logprobs) if sampling.top_logprobs else None
+                sampling.logprobs.append((float(logprobs[token]), [] if top is None else
+                                          list(zip(top.indices.tolist(), top.values.tolist()))))
+        output_ids[0, :len(tokens)].copy_(torch.cat(tokens))
 
 
 class KVCompileOffloadingManager(OffloadingManager):
@@ -483,6 +644,10 @@ class ReplaySteps(Scheduler):
         tokens = super()._infer_request_tokens(state, request_ids_to_remove_from_waiting)
         step = self.cache.replay_step(state)
         return tokens if step is None else tokens[:step]
+
+    def add_waiting_request(self, state) -> None:
+        self.cache.admit(state)  # a request the pool can never hold is refused here (RequestTooLarge)
+        super().add_waiting_request(state)
 
     def _schedule_request(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting):
         step = self.cache.replay_step(state)
@@ -598,7 +763,37 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
             processor.__class__ = KVCompileBatchProcessor
             processor.scheduler.__class__ = scheduler
             processor.offloading_manager.__class__ = KVCompileOffloadingManager
+            processor.model_runner.__class__ = KVCompileModelRunner
+            processor.forward = []
         return processor
+
+    def _generation_loop_body(self, batch_processor, bootstrapping: bool) -> bool:
+        """The engine's loop step; an error fails the requests it concerned (`fail_forward`) instead of the
+        engine: every other request, and every later one, goes on."""
+        try:
+            return super()._generation_loop_body(batch_processor, bootstrapping)
+        except Exception as error:  # noqa: BLE001 - any failure of one step is that step's requests'
+            if not isinstance(batch_processor, KVCompileBatchProcessor) or self.batch_processor is not batch_processor:
+                raise  # not kvcompile's processor, or the manager was torn down under the loop (stop): the engine's
+            failed = batch_processor.fail_forward(error)
+            logger.error(f"kvcompile: a step of the engine failed ({type(error).__name__}: {error}); failed "
+                         f"request(s) {', '.join(failed) or 'none'}, the engine goes on")
+            return True
+
+    def submit(self, input_ids: list[int], request_id: str, max_new_tokens: int, sampling: RequestSampling,
+               streaming: bool = False, eos_token_id=None) -> str:
+        """Queue a request that picks its own tokens (`RequestSampling`); its output reaches the handler
+        registered for `request_id`. The engine must be running (its cache is what admission reads)."""
+        processor = self.batch_processor
+        if processor is None or not isinstance(processor.cache, KVCompilePagedCache):
+            raise RuntimeError("kvcompile: the engine is not running")
+        processor.cache.kvcompile.sampling[request_id] = sampling
+        queued = self.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens,
+                                  streaming=streaming, eos_token_id=eos_token_id)
+        if queued is None:
+            processor.cache.kvcompile.sampling.pop(request_id, None)
+            raise RuntimeError("kvcompile: the engine is stopping and accepts no request")
+        return queued
 
 
 def init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None):

@@ -1,7 +1,9 @@
-"""`kvcompile serve` end to end: transformers' OpenAI-compatible server over a compiled tiny model,
-started here on 127.0.0.1, asked with an HTTP client (a bounded number of requests, each with a time
-limit), stopped here. Completions and chat completions, streamed and not, one request and several at
-once: the text is what `model.generate` with the same spec gives for the same tokens (greedy).
+"""`kvcompile serve` end to end: kvcompile's OpenAI layer over the continuous-batching engine on a compiled
+tiny model, started here in this process on a thread on 127.0.0.1, asked with an HTTP client (a bounded
+number of requests, each with a time limit), stopped here. Completions and chat completions, streamed and
+not, one request and several at once: the text is what `model.generate` with the same spec gives for the
+same tokens (greedy, or sampled with the request's seed). Every invalid request is refused by name in
+OpenAI's error shape, every accepted parameter is honoured, an engine failure fails its request alone.
 """
 import json
 import socket
@@ -59,11 +61,13 @@ def served(tmp_path_factory):
     model.resize_token_embeddings(len(tokenizer))
     for cfg in (model.config, model.generation_config):
         cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id, None
+    # the server refuses prompt + max_tokens past the context: room for transformers serve's default of 1024
+    model.config.max_position_embeddings = 2048
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     policy = kvcompile.load_spec("snapkv", **SPEC)
     server = KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), kv_tokens=4096,
-                                          max_batch_tokens=128, log_level="error"))
+                                          max_batch_tokens=128, log_level="error", log_requests=False))
     from transformers import AutoModelForCausalLM
 
     reference = kvcompile.compile(AutoModelForCausalLM.from_pretrained(folder).eval(), policy)
@@ -194,4 +198,231 @@ def test_a_policy_the_engine_cannot_run_is_refused_before_listening(served):
 
     policy = kvcompile.load_spec("snapkv", **SPEC, schedule={"cascade": False, "decode": {"every": {"n": 4}}})
     with pytest.raises(CompileError, match="prunes every 4"):
-        KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), log_level="error"))
+        KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), log_level="error",
+                                     log_requests=False))
+
+
+# --- issue 25: nothing a client sends stops the server; every parameter honoured or refused by name ---------
+
+def error_of(reply, status: int) -> dict:
+    """The OpenAI error of a refused request, checked for its status and shape."""
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_models_lists_the_served_model_offline_and_an_unknown_model_is_404(served):
+    server, tokenizer, folder, reference = served
+    listed = requests.get(url(server, "/v1/models"), timeout=TIMEOUT).json()
+    assert [m["id"] for m in listed["data"]] == [str(folder)] and listed["object"] == "list"
+    for reply in (requests.post(url(server, "/v1/completions"), json={**completion_body(folder, PROMPT),
+                                                                      "model": "gpt-4o"}, timeout=TIMEOUT),
+                  requests.get(url(server, "/v1/models/gpt-4o"), timeout=TIMEOUT)):
+        error = error_of(reply, 404)
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+LONG = "abcdefghij" * 210  # 2100 tokens: past the served model's 2048-token context
+
+
+@pytest.mark.parametrize("path,change,param", [
+    ("/v1/chat/completions", {"messages": None}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": LONG}, "prompt"),
+    ("/v1/completions", {"max_tokens": 2000}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": -5}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"temperature": 3}, "temperature"),
+    ("/v1/completions", {"top_p": 0}, "top_p"),
+    ("/v1/completions", {"seed": 1.5}, "seed"),
+    ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"logprobs": 9}, "logprobs"),
+    ("/v1/completions", {"logprobs": 1, "stream": True}, "logprobs"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+])
+def test_an_invalid_request_is_refused_by_name_in_openai_shape(served, path, change, param):
+    server, tokenizer, folder, reference = served
+    body = chat_body(folder, PROMPT) if path.endswith("chat/completions") else completion_body(folder, PROMPT)
+    body.update(change)
+    body = {k: v for k, v in body.items() if v is not None}
+    error = error_of(requests.post(url(server, path), json=body, timeout=TIMEOUT), 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert requests.get(url(server, "/health"), timeout=TIMEOUT).status_code == 200
+
+
+def test_a_body_that_is_not_json_is_refused(served):
+    server = served[0]
+    reply = requests.post(url(server, "/v1/completions"), data="{not json", timeout=TIMEOUT,
+                          headers={"content-type": "application/json"})
+    assert error_of(reply, 400)["code"] == "invalid_json"
+
+
+def sampled(model, ids: list[int], new: int, seed: int, **settings) -> list[int]:
+    """generate()'s sampled tokens with torch seeded as the request's `seed` seeds its own generator."""
+    torch.manual_seed(seed)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=True, **settings)
+    return out[0, len(ids):].tolist()
+
+
+def test_each_request_samples_with_its_own_settings_and_seed(served):
+    """temperature, top_p and seed per request, two at once with other settings: each gets generate()'s tokens
+    for its settings (the engine draws from the request's own generator; greedy ones take argmax)."""
+    server, tokenizer, folder, reference = served
+    new = 12
+    ids = tokenizer(PROMPT)["input_ids"]
+    cases = [dict(temperature=1.2, seed=7), dict(temperature=0.8, top_p=0.9, seed=11), dict(temperature=0)]
+    replies: dict[int, dict] = {}
+
+    def ask(i):
+        replies[i] = post(server, "/v1/completions", {**completion_body(folder, PROMPT), "max_tokens": new,
+                                                      **cases[i]})
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=2 * TIMEOUT)
+    greedy = reference.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)[0, len(ids):].tolist()
+    for i, case in enumerate(cases):
+        text = replies[i]["choices"][0]["text"]
+        if case["temperature"] == 0:
+            assert text == tokenizer.decode(greedy, skip_special_tokens=True)
+            continue
+        settings = {k: v for k, v in case.items() if k != "seed"}
+        want = sampled(reference, ids, new, case["seed"], **settings)
+        assert text == tokenizer.decode(want, skip_special_tokens=True)
+        assert want != greedy  # it really sampled
+    # the same seed again gives the same text, chat too
+    chat = {**chat_body(folder, PROMPT), "max_tokens": new, "temperature": 1.2, "seed": 7}
+    first = post(server, "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+    want = sampled(reference, chat_ids(tokenizer, PROMPT), new, 7, temperature=1.2)
+    assert first == tokenizer.decode(want, skip_special_tokens=True)
+    assert post(server, "/v1/chat/completions", chat)["choices"][0]["message"]["content"] == first
+
+
+def test_stop_strings_end_the_answer_streamed_or_not(served):
+    server, tokenizer, folder, reference = served
+    ids = tokenizer(PROMPT)["input_ids"]
+    full = tokenizer.decode(reference.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids):],
+                            skip_special_tokens=True)
+    stop = full[8:10]
+    want = full[:full.find(stop)]
+    body = {**completion_body(folder, PROMPT), "max_tokens": 30, "stop": [stop, "\x00never"]}
+    reply = post(server, "/v1/completions", body)
+    assert reply["choices"][0]["text"] == want and reply["choices"][0]["finish_reason"] == "stop"
+    assert reply["usage"]["completion_tokens"] < 30
+    chunks = stream(server, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_logprobs_are_the_models(served):
+    """logprobs: each sampled token's log-probability under the model (log-softmax of its raw logits, as
+    generate() returns them with output_logits) and its most likely alternatives."""
+    server, tokenizer, folder, reference = served
+    ids = tokenizer(PROMPT)["input_ids"]
+    out = reference.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    logs = torch.stack([torch.log_softmax(step[0].float(), -1) for step in out.logits])
+    tokens = out.sequences[0, len(ids):]
+    want = logs[torch.arange(len(tokens)), tokens]
+    reply = post(server, "/v1/completions", {**completion_body(folder, PROMPT), "logprobs": 2})
+    got = reply["choices"][0]["logprobs"]
+    torch.testing.assert_close(torch.tensor(got["token_logprobs"]), want, rtol=1e-4, atol=1e-4)
+    assert all(len(top) == 2 and max(top.values()) == pytest.approx(lp, abs=1e-4)  # greedy: the top one
+               for top, lp in zip(got["top_logprobs"], got["token_logprobs"]))
+    chat = post(server, "/v1/chat/completions", {**chat_body(folder, PROMPT), "logprobs": True, "top_logprobs": 3})
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] and all(len(c["top_logprobs"]) == 3 for c in content)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_include_usage(served, path):
+    server, tokenizer, folder, reference = served
+    body = chat_body(folder, PROMPT) if "chat" in path else completion_body(folder, PROMPT)
+    plain = stream(server, path, body)
+    assert all("usage" not in c for c in plain)
+    chunks = stream(server, path, {**body, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_engine_failure_fails_that_request_alone(served, monkeypatch):
+    """A forward that raises (injected here for one prompt) fails its request with a 500 in OpenAI's shape; the
+    engine goes on: the next request is answered exactly, every block is back in the pool."""
+    server, tokenizer, folder, reference = served
+    from kvcompile.serving import KVCompileModelRunner
+
+    poison = tokenizer("FAIL")["input_ids"]
+    forward = KVCompileModelRunner._forward_process_and_sample
+
+    def failing(self, model, *args, **kwargs):
+        if any(r.initial_tokens[:len(poison)] == poison for r in self.cache.kvcompile.rows):
+            raise RuntimeError("injected failure")
+        return forward(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(KVCompileModelRunner, "_forward_process_and_sample", failing)
+    reply = requests.post(url(server, "/v1/completions"), json=completion_body(folder, "FAIL now"), timeout=TIMEOUT)
+    error = error_of(reply, 500)
+    assert "injected failure" in error["message"] and error["type"] == "server_error"
+    reply = post(server, "/v1/completions", completion_body(folder, PROMPT))
+    assert reply["choices"][0]["text"] == expected(reference, tokenizer, tokenizer(PROMPT)["input_ids"])
+    assert requests.get(url(server, "/health"), timeout=TIMEOUT).json() == {"status": "ok"}
+    metrics = server.metrics()
+    assert metrics["failed_engine_steps"] >= 1 and metrics["blocks_free"] == metrics["blocks_total"]
+
+
+def test_metrics_and_one_log_line_per_request(served, caplog):
+    server, tokenizer, folder, reference = served
+    with caplog.at_level("INFO", logger="kvcompile.serve"):
+        reply = post(server, "/v1/completions", completion_body(folder, PROMPT))
+        requests.post(url(server, "/v1/completions"), json={**completion_body(folder, PROMPT), "n": 2}, timeout=TIMEOUT)
+    refused = [r.getMessage() for r in caplog.records if " 400 refused" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].startswith("cmpl-") and "`n`" in refused[0]
+    lines = [r.getMessage() for r in caplog.records if reply["id"] in r.getMessage()]
+    assert len(lines) == 1
+    assert " 200 ok " in lines[0] and f"prompt_tokens={reply['usage']['prompt_tokens']}" in lines[0]
+    assert f"completion_tokens={MAX_TOKENS}" in lines[0] and "ttft=" in lines[0] and "kv_held=" in lines[0]
+    assert "kv_held=-" not in lines[0]
+    text = requests.get(url(server, "/metrics"), timeout=TIMEOUT).text
+    for name in ("kvcompile_requests_running", "kvcompile_requests_waiting", "kvcompile_kv_bytes_held",
+                 "kvcompile_kv_bytes_full", "kvcompile_blocks_free", "kvcompile_soft_resets_total"):
+        assert f"\n{name} " in text
+    assert 'kvcompile_requests_total{outcome="ok"}' in text
+
+
+def test_serve_help_says_which_model_name_requests_use():
+    from kvcompile.cli import build_parser
+
+    parser = build_parser()
+    serve_parser = parser._subparsers._group_actions[0].choices["serve"]
+    text = " ".join(serve_parser.format_help().split())
+    assert "--served-model-name" in text and "Requests name the model" in text
+
+
+def test_the_openai_client_lists_the_model_and_reads_our_errors(served):
+    import openai
+
+    server, tokenizer, folder, reference = served
+    client = openai.OpenAI(base_url=url(server, "/v1"), api_key="-", timeout=TIMEOUT, max_retries=0)
+    name = client.models.list().data[0].id
+    reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].text == expected(reference, tokenizer, tokenizer(PROMPT)["input_ids"])
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=-5)
+    assert refused.value.param == "max_tokens" and "max_tokens" in str(refused.value)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert missing.value.code == "model_not_found"

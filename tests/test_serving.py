@@ -241,3 +241,15 @@ def test_a_kept_manager_is_reused_and_destroyed_by_uncompile():
     kvcompile.uncompile(model)
     assert not hasattr(model, "_cached_continuous_batching_manager")
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_request_the_pool_can_never_hold_is_refused_at_admission():
+    """A pool of 24 blocks: a 600-token prompt in chunks of 64 holds its full keys and values until its last chunk,
+    more than the pool: refused when admitted, naming its size and the pool's; the other request runs."""
+    model = compiled()
+    ids = prompts([600, 60])
+    config = ContinuousBatchingConfig(num_blocks=24, page_size=16, max_batch_tokens=64)
+    out = model.generate_batch(ids, generation_config=gen_config(), warmup=False, continuous_batching_config=config)
+    big, small = out.values()
+    assert big.error is not None and "needs" in big.error and "the pool has 24 blocks (384 tokens)" in big.error
+    assert small.error is None and small.generated_tokens == reference(model, ids[1])
