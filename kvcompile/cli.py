@@ -28,7 +28,7 @@ from pathlib import Path
 # torch, transformers and the library are imported inside the commands.
 
 DEFAULT_SPEC = "lava"
-DEMO_PER_HEAD = 384  # `kvcompile run`'s budget for DEFAULT_SPEC: benchmarks/RESULTS.md, "Demo default budget"
+DEMO_PER_HEAD = 384  # `kvcompile run`'s budget for DEFAULT_SPEC: benchmarks/HISTORY.md, "Demo default budget"
 FULL = "full"  # the uncompressed baseline in tables and results
 EVAL_SPECS = "snapkv,pyramidkv,adakv,lava"
 RULER_LENGTH = 4096  # kvpress's leaderboard: RULER at 4k tokens
@@ -196,7 +196,7 @@ def print_budgets(kept) -> None:
 
 def demo_per_head(spec: str, per_head: int | None) -> int | None:
     """--per-head of `kvcompile run`: the given one, else DEMO_PER_HEAD for the default spec
-    (the budget at which it answers the demo prompt: benchmarks/RESULTS.md, "Demo default
+    (the budget at which it answers the demo prompt: benchmarks/HISTORY.md, "Demo default
     budget"), else None (the spec's own budget)."""
     return DEMO_PER_HEAD if per_head is None and spec == DEFAULT_SPEC else per_head
 

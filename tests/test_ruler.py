@@ -234,9 +234,9 @@ def test_one_context_serves_each_question_from_its_own_copy():
     s = sample("niah_multikey_1", length=950)
     group = [{**s, "index": i, "question": q, "max_new_tokens": 6}
              for i, q in enumerate([s["question"], "What is the special magic number for nobody?"])]
-    together = ruler.run_group(model, TOK, group, "agnostic", ["snapkv"], fractions=[0.5])
+    together = ruler.run_group(model, TOK, group, "agnostic", ["snapkv"], fractions=[0.5], full=False)
     for member in group:
-        alone = ruler.run_group(model, TOK, [member], "agnostic", ["snapkv"], fractions=[0.5])
+        alone = ruler.run_group(model, TOK, [member], "agnostic", ["snapkv"], fractions=[0.5], full=False)
         assert [r["prediction"] for r in together if r["index"] == member["index"]] == \
             [r["prediction"] for r in alone]
     assert len(ruler.context_groups(group)) == 1
