@@ -580,19 +580,21 @@ def plain_answers(model, context_ids: list[int], questions: list[list[int]], max
 
     stop = eos_ids(model)
     n = len(context_ids)
+    device = model.device
     out = []
     with torch.no_grad():
         base = DynamicCache()
-        model.model(input_ids=torch.tensor([context_ids]), past_key_values=base)
+        model.model(input_ids=torch.tensor([context_ids], device=device), past_key_values=base)
         for q in questions:
             cache = copy.deepcopy(base)
-            positions = torch.arange(n, n + len(q))[None]
-            logits = model(input_ids=torch.tensor([q]), past_key_values=cache, position_ids=positions).logits[0, -1]
+            positions = torch.arange(n, n + len(q), device=device)[None]
+            logits = model(input_ids=torch.tensor([q], device=device), past_key_values=cache,
+                           position_ids=positions).logits[0, -1]
             tokens = [int(logits.argmax())]
             position = n + len(q)
             while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-                logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                               position_ids=torch.tensor([[position]])).logits[0, -1]
+                logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=cache,
+                               position_ids=torch.tensor([[position]], device=device)).logits[0, -1]
                 tokens.append(int(logits.argmax()))
                 position += 1
             out.append(tokens)
@@ -656,14 +658,14 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
                 records.append(record(s, "full", None, None, n, q, tokens, held, held))
         if not specs:
             continue
-        states, _ = capture(model, torch.tensor([ids]))
+        states, _ = capture(model, torch.tensor([ids], device=model.device))
         for spec in specs:
             for fraction, policy in policies_for(spec, n, fractions, budgets):
                 per_head = policy.budget.per_head if policy.budget.threshold is None else None
                 base = replay(policy, model.config, states, headroom=max(map(len, questions)) + max_new)
                 for j, (s, q) in enumerate(zip(members, questions)):
                     cache = base if j == len(questions) - 1 else copy.deepcopy(base)
-                    logits = feed(model, cache, torch.tensor([q]))
+                    logits = feed(model, cache, torch.tensor([q], device=model.device))
                     tokens = greedy(model, cache, logits, max_new, stop)[0].tolist()
                     report = cache.memory_report()
                     records.append(record(s, policy.name, fraction, per_head, n, q, tokens,

@@ -57,7 +57,7 @@ def greedy(model, cache: KVCompileCache, last_logits: Tensor, max_new_tokens: in
     policy = cache.policy
     out = []
     token = last_logits.argmax(-1, keepdim=True)
-    done = torch.zeros(token.shape[0], dtype=torch.bool)
+    done = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)
     stop = None if eos_token_id is None else torch.as_tensor(eos_token_id).reshape(-1)
     with compiled(model, policy):
         for step in range(max_new_tokens):
@@ -78,7 +78,7 @@ def feed(model, cache: KVCompileCache, ids: Tensor) -> Tensor:
     a compressed context, kvpress's query-agnostic setting): their entries are appended, not
     compressed (each attends to what the cache holds and to the new tokens up to itself), at the
     positions that follow the prompt; the logits (B, V) of the last one."""
-    positions = (cache.seq_length - cache.pad)[:, None] + torch.arange(ids.shape[1])[None]
+    positions = ((cache.seq_length - cache.pad)[:, None] + torch.arange(ids.shape[1])[None]).to(ids.device)
     with compiled(model, cache.policy):
         return model(ids, position_ids=positions, past_key_values=cache).logits[:, -1]
 

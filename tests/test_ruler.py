@@ -249,7 +249,7 @@ def test_eval_ruler_end_to_end(tmp_path, capsys):
     model = tiny_for(TOK)
     model.save_pretrained(folder)
     TOK.save_pretrained(folder)
-    samples = ruler.ruler_samples(TOK, ["niah_single_1", "fwe"], [600], 1, 0, FILLER)
+    samples = ruler.ruler_samples(TOK, ["niah_single_1", "fwe"], [700], 1, 0, FILLER)
     data = tmp_path / "ds.jsonl"
     ruler.dump_dataset(samples, data)
     preds = write(tmp_path / "preds.jsonl", [
@@ -258,7 +258,9 @@ def test_eval_ruler_end_to_end(tmp_path, capsys):
     out = tmp_path / "ruler.json"
     cli.main(["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--specs", "snapkv,adakv",
               "--kv-fraction", "0.25,0.5", "--max-new-tokens", "3", "--predictions", str(preds),
-              "--out", str(out), "--quiet"])
+              "--out", str(out), "--plot-dir", str(tmp_path / "plots"), "--quiet"])
+    assert (tmp_path / "plots" / "ruler_vs_kv.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "ruler_heatmap.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "query-aware" in printed and "query-agnostic" in printed and "kvpress:snapkv" in printed
     result = json.loads(out.read_text())
@@ -280,6 +282,17 @@ def test_eval_ruler_end_to_end(tmp_path, capsys):
     assert all(aware[i] > agnostic[i] for i in aware), "aware mode compresses the question too"
     theirs = [r for r in records if r["source"] == "predictions"]
     assert len(theirs) == 4 and all(r["score"] > 0 for r in theirs)
+
+
+def test_sharded_run_gathers_the_one_process_records():
+    """torchrun's sharding: contexts round-robin over the ranks; the records sorted by key are the
+    records of one process, in its order."""
+    model = tiny_for(TOK)
+    samples = [{**s, "max_new_tokens": 2} for s in ruler.ruler_samples(TOK, ["niah_single_1"], [700], 3, 0, FILLER)]
+    one = ruler.run_ruler(model, TOK, samples, [], quiet=True)
+    parts = [ruler.run_ruler(model, TOK, samples, [], quiet=True, ranks=cli.Ranks(r, 2)) for r in range(2)]
+    assert [len(p) for p in parts] == [2 * 2, 1 * 2]  # contexts 0, 2 and 1; both modes
+    assert [rec for _, rec in sorted(parts[0] + parts[1], key=lambda pair: pair[0])] == one
 
 
 def test_eval_ruler_argument_errors(capsys):
