@@ -1019,8 +1019,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the KV fraction of the task x spec heatmap (default 0.25, else the nearest run)")
     ev.add_argument("--continuation", type=int, default=0, metavar="T",
                     help="also score a T-token continuation: perplexity and agreement with the full cache")
-    ev.add_argument("--out", metavar="JSON", help="write every run's result here")
-    ev.add_argument("--plot-dir", metavar="DIR", help="draw quality_vs_budget.png and needle_heatmap.png here")
+    ev.add_argument("--out", metavar="JSON", help="write every run's result here (ruler: every sample's prediction "
+                    "and score, the arguments, the date, the model)")
+    ev.add_argument("--plot-dir", metavar="DIR", help="draw quality_vs_budget.png and needle_heatmap.png here "
+                    "(ruler: ruler_vs_kv.png and ruler_heatmap.png)")
     ev.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser("bench", help="decode speed and memory: full cache against compressed",
