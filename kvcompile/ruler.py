@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import numbers
 import random
 import re
 import string
@@ -507,12 +508,16 @@ def load_dataset(path, max_new_tokens: int | None = None) -> list[dict]:
         if not gold:
             raise DatasetError(f"{where}: 'answers' is empty")
         index = row.get("index", i)
-        if not isinstance(index, int) or index in seen:
+        if not isinstance(index, numbers.Integral) or isinstance(index, bool) or int(index) in seen:
             raise DatasetError(f"{where}: 'index' must be a distinct integer, got {index!r}")
+        index = int(index)
         seen.add(index)
+        length = row.get("length")
+        if length is not None and not isinstance(length, numbers.Integral):
+            raise DatasetError(f"{where}: 'length' must be an integer, got {length!r}")
         new = max_new_tokens if max_new_tokens is not None else row.get("max_new_tokens") or 128
         samples.append({"index": index, "task": str(row.get("task") or "dataset"),
-                        "length": row.get("length"), "context": row["context"], "question": row["question"],
+                        "length": None if length is None else int(length), "context": row["context"], "question": row["question"],
                         "answer_prefix": str(row.get("answer_prefix") or ""), "answers": gold,
                         "max_new_tokens": int(new)})
     return samples
