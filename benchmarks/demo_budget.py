@@ -6,7 +6,7 @@ the demo's length and depth), the full cache and a spec at several budgets, thro
     python3 benchmarks/demo_budget.py --spec snapkv --seeds 0,1 --budgets 64,128
 
 Prints one row per seed: the needle, the full cache's verdict and each budget's
-(right / wrong, with the answer when wrong). benchmarks/RESULTS.md, "Demo default budget".
+(right / wrong, with the answer when wrong). benchmarks/HISTORY.md, "Demo default budget".
 """
 from __future__ import annotations
 

@@ -28,9 +28,11 @@ from pathlib import Path
 # torch, transformers and the library are imported inside the commands.
 
 DEFAULT_SPEC = "lava"
-DEMO_PER_HEAD = 384  # `kvcompile run`'s budget for DEFAULT_SPEC: benchmarks/RESULTS.md, "Demo default budget"
+DEMO_PER_HEAD = 384  # `kvcompile run`'s budget for DEFAULT_SPEC: benchmarks/HISTORY.md, "Demo default budget"
 FULL = "full"  # the uncompressed baseline in tables and results
 EVAL_SPECS = "snapkv,pyramidkv,adakv,lava"
+RULER_LENGTH = 4096  # kvpress's leaderboard: RULER at 4k tokens
+RULER_FRACTIONS = (0.1, 0.25, 0.5)
 
 
 # --- small helpers ------------------------------------------------------------------------
@@ -49,6 +51,16 @@ def fractions(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
     if not values or any(not 0.0 <= v <= 1.0 for v in values):
         raise argparse.ArgumentTypeError(f"depths are fractions between 0 and 1, got {text!r}")
+    return values
+
+
+def kept_fractions(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not 0.0 < v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"KV fractions kept are in (0, 1], got {text!r}")
     return values
 
 
@@ -184,7 +196,7 @@ def print_budgets(kept) -> None:
 
 def demo_per_head(spec: str, per_head: int | None) -> int | None:
     """--per-head of `kvcompile run`: the given one, else DEMO_PER_HEAD for the default spec
-    (the budget at which it answers the demo prompt: benchmarks/RESULTS.md, "Demo default
+    (the budget at which it answers the demo prompt: benchmarks/HISTORY.md, "Demo default
     budget"), else None (the spec's own budget)."""
     return DEMO_PER_HEAD if per_head is None and spec == DEFAULT_SPEC else per_head
 
@@ -473,7 +485,7 @@ class Ranks:
 
     def gather(self, parts: dict, error: str | None) -> tuple[dict, list[int]] | None:
         """Every rank's (index, record) pairs of each part, on rank 0, in index order: the records of
-        a one-process run, in its order, and the needle runs each rank ran (None on the other ranks). A rank that failed sends its
+        a one-process run, in its order, and the records of the first part each rank ran (None on the other ranks). A rank that failed sends its
         traceback instead, so every rank still meets at this one collective and rank 0 fails naming it."""
         import torch.distributed as dist
 
@@ -487,7 +499,7 @@ class Ranks:
         merged = {name: [record for _, record in sorted((pair for _, got in sent for pair in got[name]),
                                                         key=lambda pair: pair[0])]
                   for name in parts}
-        return merged, [len(got["needle"]) for _, got in sent]
+        return merged, [len(next(iter(got.values()), [])) for _, got in sent]
 
 
 def eval_ranks() -> Ranks | None:
@@ -524,6 +536,16 @@ def cmd_eval(args) -> None:
 
     for spec in args.specs:
         policy_for(spec, None)  # bad names fail before the model loads
+    if args.suite == "ruler":
+        return cmd_eval_ruler(args)
+    ruler_only = [flag for flag, value in (("--tasks", args.tasks), ("--kv-fraction", args.kv_fraction),
+                                           ("--dataset", args.dataset), ("--dump-dataset", args.dump_dataset),
+                                           ("--predictions", args.predictions)) if value is not None]
+    if ruler_only:
+        fail(f"{', '.join(ruler_only)} apply to --suite ruler")
+    args.budgets = args.budgets or [64, 128]
+    args.lengths = args.lengths or [1000, 2000]
+    args.max_new_tokens = args.max_new_tokens or 20
     ranks = eval_ranks()
     prompts_count = len(args.lengths) * len(args.depths)  # needle_suite: one prompt per (length, depth)
     if ranks is not None and ranks.world > prompts_count:
@@ -592,6 +614,123 @@ def _eval(args, filler, ranks, needle_suite) -> None:
         plot_quality(records, out / "quality_vs_budget.png")
         plot_needle(records, out / "needle_heatmap.png")
         print(f"plots    {out / 'quality_vs_budget.png'}, {out / 'needle_heatmap.png'}")
+
+
+# --- kvcompile eval --suite ruler ------------------------------------------------------------
+
+def ruler_settings(args):
+    """(tasks, fractions, budgets) of a ruler eval from its arguments, or a clear exit."""
+    from kvcompile import ruler
+
+    if args.kv_fraction is not None and args.budgets is not None:
+        fail("give --kv-fraction (share of the KV kept) or --budgets (tokens per head), not both")
+    if args.depths != [0.1, 0.5, 0.9] or args.continuation:
+        fail("--depths and --continuation apply to --suite needle")
+    tasks = args.tasks
+    if tasks is not None:
+        for task in tasks:
+            if task in ruler.QA_TASKS and args.dataset is None:
+                fail(f"{task} needs SQuAD / HotpotQA, which kvcompile does not generate: run it from your own "
+                     "file with --dataset PATH (docs/EVAL.md)")
+            if task not in ruler.TASKS and args.dataset is None:
+                fail(f"unknown RULER task {task!r}: one of {', '.join(ruler.TASKS)}")
+    fractions = None if args.budgets is not None else (args.kv_fraction or list(RULER_FRACTIONS))
+    return tasks, fractions, args.budgets
+
+
+def ruler_samples_for(args, tokenizer, tasks, quiet: bool):
+    """The samples: the user's file (--dataset, filtered by --tasks), else generated from --seed."""
+    from kvcompile import ruler
+
+    if args.dataset is not None:
+        try:
+            samples = ruler.load_dataset(args.dataset, args.max_new_tokens)
+        except ruler.DatasetError as exc:
+            fail(str(exc))
+        if tasks is not None:
+            samples = [s for s in samples if s["task"] in tasks]
+            if not samples:
+                fail(f"--tasks {','.join(tasks)}: no row of {args.dataset} has one of these tasks")
+        return samples
+    samples = ruler.ruler_samples(tokenizer, tasks or list(ruler.TASKS), args.lengths or [RULER_LENGTH],
+                                  args.samples, args.seed, haystack(), progress=not quiet)
+    if args.max_new_tokens is not None:
+        for s in samples:
+            s["max_new_tokens"] = args.max_new_tokens
+    return samples
+
+
+def cmd_eval_ruler(args) -> None:
+    """RULER's tasks (or --dataset) under the full cache and each spec x budget, in each query mode;
+    the summary table, --out JSON, --plot-dir plots. Under torchrun the context groups are shared
+    round-robin (group g on rank g mod N) and rank 0 writes what one process writes."""
+    from kvcompile import ruler
+
+    tasks, fractions, budgets = ruler_settings(args)
+    if args.dataset is None:
+        haystack()  # the set-up command named before the model loads
+    ranks = None if args.dump_dataset else eval_ranks()
+    lead = ranks is None or ranks.rank == 0
+    quiet = args.quiet or not lead
+    model, tokenizer = load(args)
+    samples = ruler_samples_for(args, tokenizer, tasks, quiet)
+    if args.dump_dataset:
+        ruler.dump_dataset(samples, args.dump_dataset)
+        print(f"dataset  {len(samples)} samples written to {args.dump_dataset}")
+        return
+    reserved = {FULL} | {policy_for(spec, None).name for spec in args.specs}
+    extra = []
+    if args.predictions:
+        try:
+            extra = ruler.load_predictions(args.predictions, samples, reserved)
+        except ruler.DatasetError as exc:
+            fail(str(exc))
+    modes = ("aware", "agnostic") if args.query == "both" else (args.query,)
+    groups = len(ruler.context_groups(samples))
+    if ranks is not None and ranks.world > groups:
+        fail(f"{ranks.world} ranks for {groups} contexts: launch at most {groups} (each rank runs whole contexts)")
+    if ranks is not None:
+        ranks.connect()
+    try:
+        error, records = None, []
+        try:
+            records = ruler.run_ruler(model, tokenizer, samples, args.specs, modes, fractions, budgets,
+                                      full=args.full, quiet=quiet, ranks=ranks)
+        except Exception:
+            if ranks is None:
+                raise
+            import traceback
+
+            error = traceback.format_exc()
+        if ranks is not None:
+            gathered = ranks.gather({"ruler": records}, error)
+            if error is not None:
+                fail(f"eval rank {ranks.rank} of {ranks.world} failed:\n{error}")
+            if gathered is None:
+                return
+            parts, counts = gathered
+            records = parts["ruler"]
+            print(f"ranks    {ranks.world} processes, contexts round-robin; records per rank "
+                  f"{', '.join(map(str, counts))}; gathered on rank 0")
+    finally:
+        if ranks is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    records = records + extra
+    print(ruler.format_summary(records))
+    result = {"model": model.config.name_or_path, "date": time.strftime("%Y-%m-%d"), "suite": "ruler",
+              "args": {k: v for k, v in vars(args).items() if k != "func"}, "samples": len(samples),
+              "ruler": records}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"\nresults  {args.out}")
+    if args.plot_dir:
+        _pyplot()  # a clear exit when matplotlib is missing
+        paths = ruler.plot_ruler(records, args.plot_dir, args.heatmap_fraction)
+        print(f"plots    {', '.join(map(str, paths))}")
 
 
 # --- kvcompile bench -----------------------------------------------------------------------
@@ -832,23 +971,59 @@ def build_parser() -> argparse.ArgumentParser:
                           "KV bytes held, decode speed (default: on)")
     run.set_defaults(func=cmd_run)
 
-    ev = sub.add_parser("eval", help="needle-in-a-haystack accuracy across specs, budgets, lengths, depths",
-                        description="Hide a fact in English text at several lengths and depths, ask for it under "
-                                    "each spec and budget (and the full cache), and print accuracy per spec and "
-                                    "budget. Optionally the perplexity and next-token agreement of a "
-                                    "continuation against the full cache. Under `torchrun --nproc-per-node N -m "
-                                    "kvcompile eval ...` the prompts are shared round-robin over the N processes "
-                                    "(gloo) and rank 0 writes the file a one-process run writes.")
+    ev = sub.add_parser("eval", help="quality across specs and budgets: needle in a haystack, or RULER's tasks",
+                        description="--suite needle (the default): hide a fact in English text at several lengths "
+                                    "and depths, ask for it under each spec and budget (and the full cache), and "
+                                    "print accuracy per spec and budget; optionally the perplexity and next-token "
+                                    "agreement of a continuation against the full cache. --suite ruler: RULER's "
+                                    "synthetic tasks generated offline (or your own file with --dataset), "
+                                    "query-aware and query-agnostic, scored as RULER scores them, with a table per "
+                                    "mode (docs/EVAL.md). Under `torchrun --nproc-per-node N -m "
+                                    "kvcompile eval ...` the prompts (ruler: the contexts) are shared round-robin over "
+                                    "the N processes (gloo) and rank 0 writes the file a one-process run writes.")
     add_common(ev, spec=False)
+    ev.add_argument("--suite", choices=("needle", "ruler"), default="needle",
+                    help="needle: needle in a haystack (default); ruler: RULER's tasks in both query modes")
     ev.add_argument("--specs", type=names, default=names(EVAL_SPECS), help=f"comma-separated (default {EVAL_SPECS})")
-    ev.add_argument("--budgets", type=ints, default=[64, 128], help="tokens per KV head, comma-separated (default 64,128)")
-    ev.add_argument("--lengths", type=ints, default=[1000, 2000], help="prompt tokens (default 1000,2000)")
+    ev.add_argument("--budgets", type=ints, default=None,
+                    help="tokens per KV head, comma-separated (default: needle 64,128; ruler uses --kv-fraction "
+                         "unless this is given)")
+    ev.add_argument("--lengths", type=ints, default=None, help="prompt tokens (default: needle 1000,2000; "
+                    f"ruler {RULER_LENGTH}: the prompt plus the tokens to generate fit in it)")
     ev.add_argument("--depths", type=fractions, default=[0.1, 0.5, 0.9], help="needle depths (default 0.1,0.5,0.9)")
-    ev.add_argument("--max-new-tokens", type=positive, default=20, metavar="N", help="answer length (default 20)")
+    ev.add_argument("--max-new-tokens", type=positive, default=None, metavar="N",
+                    help="answer length (default: needle 20; ruler: each task's, as RULER sets it)")
+    ruler = ev.add_argument_group("ruler (--suite ruler)")
+    ruler.add_argument("--tasks", type=names, default=None,
+                       help="comma-separated RULER tasks (default all generated ones: niah_single_1,2,3, "
+                            "niah_multikey_1,2,3, niah_multivalue, niah_multiquery, vt, cwe, fwe)")
+    ruler.add_argument("--samples", type=positive, default=10, metavar="N", help="samples per task and length (default 10)")
+    ruler.add_argument("--query", choices=("aware", "agnostic", "both"), default="both",
+                       help="agnostic: the context alone is compressed, then the question goes through the "
+                            "compressed cache (kvpress's default); aware: context + question are compressed "
+                            "(kvpress's query_aware); both (default)")
+    ruler.add_argument("--kv-fraction", type=kept_fractions, default=None, metavar="F,F",
+                       help="share of the KV kept, comma-separated, as kvpress states it (1 - compression_ratio; "
+                            f"default {','.join(map(str, RULER_FRACTIONS))}): per_head = floor(F x n) for each "
+                            "sample, n its compressed tokens (agnostic: the context's, chat template included; "
+                            "aware: context + question)")
+    ruler.add_argument("--dataset", metavar="PATH",
+                       help="run your own samples instead: JSONL or Parquet in kvpress's columns (context, question, "
+                            "answers or answer; optional answer_prefix, max_new_tokens, task, index)")
+    ruler.add_argument("--dump-dataset", metavar="PATH",
+                       help="write the samples as JSONL in those columns (what --dataset and kvpress read) and stop")
+    ruler.add_argument("--predictions", metavar="PATH",
+                       help="also score another tool's predictions (JSONL: index, mode, method, fraction, prediction) "
+                            "into the same table")
+    ruler.add_argument("--no-full", dest="full", action="store_false", help="skip the full-cache baseline")
+    ruler.add_argument("--heatmap-fraction", type=float, default=0.25, metavar="F",
+                       help="the KV fraction of the task x spec heatmap (default 0.25, else the nearest run)")
     ev.add_argument("--continuation", type=int, default=0, metavar="T",
                     help="also score a T-token continuation: perplexity and agreement with the full cache")
-    ev.add_argument("--out", metavar="JSON", help="write every run's result here")
-    ev.add_argument("--plot-dir", metavar="DIR", help="draw quality_vs_budget.png and needle_heatmap.png here")
+    ev.add_argument("--out", metavar="JSON", help="write every run's result here (ruler: every sample's prediction "
+                    "and score, the arguments, the date, the model)")
+    ev.add_argument("--plot-dir", metavar="DIR", help="draw quality_vs_budget.png and needle_heatmap.png here "
+                    "(ruler: ruler_vs_kv.png and ruler_heatmap.png)")
     ev.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser("bench", help="decode speed and memory: full cache against compressed",

@@ -24,7 +24,7 @@ Three implementations and a dispatcher:
 - `paged_attention_cpp` (kvcompile/kernels/paged_attention_cpp.py): the same flash-decoding
   kernel hand-written in C++ for the CPU, compiled by Inductor's C++ toolchain; the
   default on a CPU for fp32 (it reads the cache at close to the memory bandwidth, which
-  the Inductor-compiled torch lowering does not: benchmarks/RESULTS.md).
+  the Inductor-compiled torch lowering does not: benchmarks/HISTORY.md).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ equal to `kvcompile.reference.attend` on the gathered cache.
 Why C++ and not only the torch lowering: Inductor compiles the torch lowering into
 correct loops, but it recomputes the page index (an indirect load, a bounds check) for
 every vector it loads and walks V once per 16 lanes of d per query head, so it stays at
-2-5x the bandwidth bound (benchmarks/RESULTS.md). This kernel does what the Triton one
+2-5x the bandwidth bound (benchmarks/HISTORY.md). This kernel does what the Triton one
 does on a GPU: each work item is one (sequence, KV head, run of pages); it looks a page
 up once, computes the G query heads' logits of that page's S entries, takes one
 vectorised exp per query head and page (online softmax, Milakov & Gimelshein 2018), and

@@ -1,0 +1,811 @@
+"""RULER's synthetic tasks, generated offline, and their evaluation in both query modes.
+
+RULER (Hsieh et al., 2024, "RULER: What's the Real Context Size of Your Long-Context Language
+Models?", NVIDIA/RULER) hides facts in long synthetic contexts and scores the answer by string
+match.  This module generates its tasks niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue,
+niah_multiquery, vt, cwe and fwe locally and deterministically from a seed (the task settings,
+templates, answer prefixes and tokens to generate are RULER's; docs/EVAL.md says where the
+generation differs), builds the prompt exactly as kvpress's pipeline does, and runs the full
+cache and every policy in two modes:
+
+- agnostic: the context alone is compressed, then each question (+ end of the user turn +
+  answer prefix) goes through its own copy of the compressed cache, then greedy decoding;
+- aware: context + question are compressed (kvpress's `query_aware`), then the end of the
+  user turn and the answer prefix go through the compressed cache.
+
+A sample is a dict in kvpress's evaluation columns: `index`, `task`, `length`, `context`,
+`question`, `answer_prefix`, `answers` (list of gold strings), `max_new_tokens`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import numbers
+import random
+import re
+import string
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+# --- the tasks: RULER's scripts/synthetic.yaml and scripts/data/synthetic/constants.py ---------
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
+DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER: np.round(np.linspace(0, 100, 40))
+
+
+@dataclass(frozen=True)
+class Task:
+    """One RULER task: its generator (`kind`) and that generator's settings."""
+
+    name: str
+    kind: str  # niah | vt | cwe | fwe
+    max_new_tokens: int
+    haystack: str = "essay"  # niah, vt: noise | essay | needle
+    type_k: str = "words"  # niah keys: words | numbers | uuids
+    type_v: str = "numbers"  # niah values
+    num_k: int = 1
+    num_v: int = 1
+    num_q: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+TASKS = {t.name: t for t in [
+    Task("niah_single_1", "niah", 128, haystack="noise"),
+    Task("niah_single_2", "niah", 128, haystack="essay"),
+    Task("niah_single_3", "niah", 128, haystack="essay", type_v="uuids"),
+    Task("niah_multikey_1", "niah", 128, haystack="essay", num_k=4),
+    Task("niah_multikey_2", "niah", 128, haystack="needle"),
+    Task("niah_multikey_3", "niah", 128, haystack="needle", type_k="uuids", type_v="uuids"),
+    Task("niah_multivalue", "niah", 128, haystack="essay", num_v=4),
+    Task("niah_multiquery", "niah", 128, haystack="essay", num_q=4),
+    Task("vt", "vt", 30, haystack="noise", extra={"num_chains": 1, "num_hops": 4}),
+    Task("cwe", "cwe", 120, extra={"freq_cw": 30, "freq_ucw": 3, "num_cw": 10}),
+    Task("fwe", "fwe", 50, extra={"alpha": 2.0, "coded_wordlen": 6}),
+]}
+QA_TASKS = ("qa_1", "qa_2")  # SQuAD / HotpotQA: from a user's file only (--dataset)
+
+
+@dataclass(frozen=True)
+class Text:
+    """A generated task text in kvpress's split: what precedes the question, the question, the
+    start of the answer, and the gold strings."""
+
+    context: str
+    question: str
+    answer_prefix: str
+    answers: list
+
+
+# --- word lists ---------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def wordlists() -> dict[str, list[str]]:
+    """wonderwords' noun, adjective and verb lists (RULER's word source), sorted and deduplicated."""
+    try:
+        from wonderwords import RandomWord
+    except ImportError:
+        raise ImportError("RULER's word tasks need the wonderwords package: pip install wonderwords") from None
+    rw = RandomWord()
+    return {c: sorted(set(rw.filter(include_categories=[c]))) for c in ("nouns", "adjectives", "verbs")}
+
+
+def haystack_words(text: str) -> list[str]:
+    return re.sub(r"\s+", " ", text).strip().split(" ")
+
+
+def random_value(rng: random.Random, kind: str) -> str:
+    """RULER's needle keys and values: a 7-digit number, an adjective-noun pair, a version-4 UUID."""
+    if kind == "numbers":
+        return str(rng.randint(10**6, 10**7 - 1))
+    if kind == "words":
+        lists = wordlists()
+        return f"{rng.choice(lists['adjectives'])}-{rng.choice(lists['nouns'])}"
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    raise ValueError(f"unknown needle type {kind!r}")
+
+
+# --- the generators: one text for a haystack size -------------------------------------------
+
+def niah_text(task: Task, rng: random.Random, size: int, essay: list[str]) -> Text:
+    """RULER's niah.py: needles "One of the special magic {values} for {key} is: {value}." in a
+    haystack of `size` noise sentences, essay words or distractor needles."""
+    num_k = max(task.num_k, task.num_q)
+    keys, values, needles = [], [], []
+    for _ in range(num_k):
+        keys.append(random_value(rng, task.type_k))
+        values.append([random_value(rng, task.type_v) for _ in range(task.num_v)])
+        needles += [NEEDLE.format(type_v=task.type_v, key=keys[-1], value=v) for v in values[-1]]
+    rng.shuffle(needles)
+    if task.haystack == "essay":
+        from kvcompile.data import split_sentences
+
+        words = (essay * (size // max(len(essay), 1) + 1))[:size]
+        sentences = split_sentences(" ".join(words))
+        cuts = sorted(int(len(sentences) * d / 100) for d in rng.sample(DEPTHS, len(needles)))
+        bounds = [0] + cuts + [len(sentences)]
+        parts = []
+        for i in range(1, len(bounds)):
+            parts.append(" ".join(sentences[bounds[i - 1]:bounds[i]]))
+            if i - 1 < len(needles):
+                parts.append(needles[i - 1])
+        haystack = " ".join(parts)
+    else:
+        if task.haystack == "noise":
+            lines = [NOISE] * size
+        else:  # needle: every line a needle with its own random key and value
+            lines = [NEEDLE.format(type_v=task.type_v, key=random_value(rng, task.type_k),
+                                   value=random_value(rng, task.type_v)) for _ in range(size)]
+        for index, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
+            lines.insert(index, needle)
+        haystack = "\n".join(lines)
+    chosen = rng.sample(range(num_k), task.num_q)
+    queries = [keys[i] for i in chosen]
+    answers = [v for i in chosen for v in values[i]]
+    query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
+    head = ("Some special magic {type_v} are hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the {type_v} afterwards.\n")
+    question = "What are all the special magic {type_v} for {query} mentioned in the provided text?"
+    prefix = "The special magic {type_v} for {query} mentioned in the provided text are"
+    type_v = task.type_v
+    if task.num_q * task.num_v == 1:  # RULER's singular wording for one answer
+        def singular(t):
+            return t.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
+        head, question, prefix, type_v = singular(head), singular(question), singular(prefix), type_v[:-1]
+    return Text(head.format(type_v=type_v) + haystack + "\n", question.format(type_v=type_v, query=query),
+                prefix.format(type_v=type_v, query=query), answers)
+
+
+VT_HEAD = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+VT_QUESTION = "Question: Find all variables that are assigned the value {value} in the text above."
+VT_PREFIX = ("Answer: According to the chain(s) of variable assignment in the text above, {n} variables "
+             "are assigned the value {value}, they are: ")
+
+
+def vt_chain(rng: random.Random, hops: int, letters: int) -> tuple[list[str], list[str], str]:
+    """RULER's variable_tracking.py: hops + 1 distinct names of `letters` capitals, the chain
+    `VAR A = 12345`, `VAR B = VAR A `, ... and its value."""
+    names: list[str] = []
+    while len(names) < hops + 1:
+        name = "".join(rng.choices(string.ascii_uppercase, k=letters))
+        if name not in names:
+            names.append(name)
+    value = str(rng.randint(10000, 99999))
+    chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(hops)]
+    return names, chain, value
+
+
+def vt_body(rng: random.Random, size: int, hops: int, letters: int) -> tuple[str, list[str], str]:
+    """`size` noise sentences with the chain's lines inserted in order at random places."""
+    names, chain, value = vt_chain(rng, hops, letters)
+    size = max(size, len(chain))
+    lines = [NOISE] * size
+    for j, at in enumerate(sorted(rng.sample(range(size), len(chain)))):
+        lines.insert(at + j, chain[j])
+    return "\n".join(lines).replace(". \n", ".\n"), names, value
+
+
+def vt_example(rng: random.Random, size: int, hops: int) -> str:
+    """RULER's solved example: the task text, its answer prefix and its answer."""
+    body, names, value = vt_body(rng, size, hops, 3)
+    return (VT_HEAD + body + "\n" + VT_QUESTION.format(value=value) + " "
+            + VT_PREFIX.format(n=hops + 1, value=value) + " " + " ".join(names) + "\n")
+
+
+def vt_text(task: Task, rng: random.Random, size: int, example_size: int) -> Text:
+    """The chain in `size` noise sentences, after one solved example (RULER's in-context
+    example: 3-letter names, at most 500 tokens)."""
+    hops = task.extra["num_hops"]
+    example = vt_example(rng, example_size, hops)
+    body, names, value = vt_body(rng, size, hops, 5)
+    return Text(example + "\n" + VT_HEAD + body + "\n", VT_QUESTION.format(value=value),
+                VT_PREFIX.format(n=hops + 1, value=value), names)
+
+
+CWE_HEAD = ("Below is a numbered list of words. In these words, some appear more often than others. "
+            "Memorize the ones that appear most often.\n")
+CWE_QUESTION = "Question: What are the 10 most common words in the above list?"
+CWE_PREFIX = "Answer: The top 10 words that appear most often in the list are:"
+
+
+def cwe_words(essay: list[str]) -> tuple[list[str], list[str]]:
+    """wonderwords' nouns, adjectives and verbs (RULER's list), and the haystack's other words
+    (lower case; used only when a list needs more distinct words than wonderwords holds)."""
+    lists = wordlists()
+    base = sorted(set(lists["nouns"] + lists["adjectives"] + lists["verbs"]))
+    known = set(base)
+    extra = sorted({w for w in (re.sub(r"[^a-z]", "", w.lower()) for w in essay) if w and w not in known})
+    return base, extra
+
+
+def cwe_list(rng: random.Random, words: tuple[list[str], list[str]], num_words: int, freq: int, ufreq: int,
+             num_cw: int):
+    base, extra = words
+    pool = base if num_words <= len(base) else base + extra
+    if num_words > len(pool):
+        raise ValueError(f"cwe needs {num_words} distinct words, the word lists hold {len(pool)}")
+    chosen = rng.sample(pool, num_words)
+    common, rare = chosen[:num_cw], chosen[num_cw:]
+    listed = common * freq + rare * ufreq
+    rng.shuffle(listed)
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(listed)), common
+
+
+def cwe_text(task: Task, rng: random.Random, size: int, length: int, words: tuple[list[str], list[str]]) -> Text:
+    """RULER's common_words_extraction.py: `size` distinct words, the 10 common ones repeated
+    30 times and the others 3 (6 and 1 below 4096 tokens), after one solved example."""
+    x = task.extra
+    long = length >= 4096
+    example, answer = cwe_list(rng, words, 40 if long else 20, 10 if long else 3, 3 if long else 1, x["num_cw"])
+    shot = (CWE_HEAD + example + "\n" + CWE_QUESTION + " " + CWE_PREFIX + " "
+            + " ".join(f"{i + 1}. {w}" for i, w in enumerate(answer)))
+    listed, common = cwe_list(rng, words, size, x["freq_cw"] if long else 6, x["freq_ucw"] if long else 1,
+                              x["num_cw"])
+    return Text(shot + "\n" + CWE_HEAD + listed + "\n", CWE_QUESTION, CWE_PREFIX, common)
+
+
+FWE_HEAD = ("Read the following coded text and track the frequency of each coded word. "
+            "Find the three most frequently appeared coded words. ")
+FWE_QUESTION = ("Question: Do not provide any explanation. Please ignore the dots '....'. "
+                "What are the three most frequently appeared words in the above coded text?")
+FWE_PREFIX = "Answer: According to the coded text above, the three most frequently appeared words are:"
+
+
+def zeta(alpha: float, terms: int = 10000) -> float:
+    """Riemann zeta(alpha), alpha > 1: the partial sum plus its Euler-Maclaurin tail."""
+    head = sum(k ** -alpha for k in range(1, terms))
+    return head + terms ** (1 - alpha) / (alpha - 1) + 0.5 * terms ** -alpha
+
+
+def fwe_text(task: Task, rng: random.Random, size: int, length: int) -> Text:
+    """RULER's freq_words_extraction.py: `size` words drawn from a Zipf law (zeta, alpha) over
+    (length - tokens to generate) // 50 random 6-letter words; the top one is '...' (noise),
+    the answer is the next three."""
+    alpha, wordlen = task.extra["alpha"], task.extra["coded_wordlen"]
+    vocab_size = max((length - task.max_new_tokens) // 50, 5)
+    vocab: set[str] = set()
+    while len(vocab) < vocab_size:
+        vocab.add("".join(rng.choices(string.ascii_lowercase, k=wordlen)))
+    vocab = sorted(vocab)
+    rng.shuffle(vocab)
+    vocab[0] = "..."
+    norm = zeta(alpha)
+    words = [w for k, w in enumerate(vocab, start=1) for _ in range(int(size * k ** -alpha / norm))]
+    rng.shuffle(words)
+    return Text(FWE_HEAD + " ".join(words) + "\n", FWE_QUESTION, FWE_PREFIX, vocab[1:4])
+
+
+# --- the prompt, as kvpress's pipeline builds it -----------------------------------------------
+
+def split_chat(tokenizer, context: str) -> tuple[str, str]:
+    """kvpress's KVPressTextGenerationPipeline.preprocess: (context text, question suffix).
+
+    With a chat template, the user message is context + a separator of '#' (len(context) + 10
+    of them), the template is applied with the generation prompt, and the text is split at the
+    separator: before it the context text (system prompt, user header, context), after it the
+    suffix (end of the user turn, assistant header). Without a template: BOS + context, and "\\n"."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return (getattr(tokenizer, "bos_token", None) or "") + context, "\n"
+    separator = "#" * (len(context) + 10)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": context + separator}],
+                                         add_generation_prompt=True, tokenize=False)
+    before, suffix = text.split(separator)
+    return before, suffix
+
+
+def prompt_ids(tokenizer, context: str, questions: list[str], answer_prefix: str) -> tuple[list[int], list[list[int]]]:
+    """The context's token ids and each question's (question + suffix + answer prefix), each
+    tokenized on its own without special tokens, as kvpress does; a context longer than the
+    tokenizer's model_max_length is cut to it."""
+    before, suffix = split_chat(tokenizer, context)
+    ids = tokenizer.encode(before, add_special_tokens=False)
+    limit = min(int(getattr(tokenizer, "model_max_length", 0) or 0) or 10**10, 10**10)
+    return ids[:limit], [tokenizer.encode(q + suffix + answer_prefix, add_special_tokens=False) for q in questions]
+
+
+def mode_prompt(tokenizer, sample: dict, mode: str) -> tuple[list[int], list[int]]:
+    """(compressed ids, ids fed after compression) of one sample: agnostic compresses the
+    context; aware the context + question (kvpress's query_aware: the question joins the
+    context and an empty question follows)."""
+    if mode == "agnostic":
+        ids, (question,) = prompt_ids(tokenizer, sample["context"], [sample["question"]], sample["answer_prefix"])
+    elif mode == "aware":
+        ids, (question,) = prompt_ids(tokenizer, sample["context"] + sample["question"], [""],
+                                      sample["answer_prefix"])
+    else:
+        raise ValueError(f"mode is 'aware' or 'agnostic', got {mode!r}")
+    return ids, question
+
+
+def prompt_tokens(tokenizer, text: Text) -> int:
+    """The longer of the two modes' prompts (they tokenize the question's boundary apart)."""
+    sample = {"context": text.context, "question": text.question, "answer_prefix": text.answer_prefix}
+    return max(len(a) + len(b) for a, b in (mode_prompt(tokenizer, sample, m) for m in ("agnostic", "aware")))
+
+
+# --- sizing and the samples ---------------------------------------------------------------
+
+def sample_rng(seed: int, task: str, length: int, index: int) -> random.Random:
+    """A sample's own generator: the same sample whatever else is generated."""
+    return random.Random(f"ruler:{seed}:{task}:{length}:{index}")
+
+
+def largest_fitting(fits, start: int) -> int:
+    """The largest size n >= 1 with fits(n) (fits is monotone), by doubling then bisection, as
+    RULER's binary search over the haystack size; 0 when even size 1 does not fit."""
+    if not fits(1):
+        return 0
+    low, high = 1, max(start, 2)
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def generate_sample(tokenizer, task: str, length: int, seed: int, index: int, filler: str) -> dict:
+    """One sample of `task`: the largest haystack whose prompt (as the model receives it) plus the
+    task's tokens to generate fit in `length` tokens."""
+    if task not in TASKS:
+        raise ValueError(f"unknown RULER task {task!r}: one of {', '.join(TASKS)}"
+                         + ("; qa_1 and qa_2 need SQuAD / HotpotQA: pass them with --dataset" if task in QA_TASKS else ""))
+    t = TASKS[task]
+    essay = haystack_words(filler)
+    extra = {}
+    if t.kind == "vt":  # RULER's solved example: the largest noise haystack within 500 tokens
+        def example_fits(n):
+            text = vt_example(sample_rng(seed, task + ":example", length, index), n, t.extra["num_hops"])
+            return len(tokenizer.encode(text, add_special_tokens=False)) <= 500
+        extra["example_size"] = max(largest_fitting(example_fits, 16), t.extra["num_hops"] + 1)
+    if t.kind == "cwe":
+        extra["words"] = cwe_words(essay)
+
+    def make(n: int) -> Text:
+        rng = sample_rng(seed, task, length, index)
+        if t.kind == "niah":
+            return niah_text(t, rng, n, essay)
+        if t.kind == "vt":
+            return vt_text(t, rng, max(n, t.extra["num_hops"] + 1), extra["example_size"])
+        if t.kind == "cwe":
+            return cwe_text(t, rng, max(n, t.extra["num_cw"]), length, extra["words"])
+        return fwe_text(t, rng, n, length)
+
+    minimum = {"niah": 1, "vt": t.extra.get("num_hops", 0) + 1, "cwe": t.extra.get("num_cw", 0), "fwe": 1}[t.kind]
+
+    def fits(n: int) -> bool:
+        if t.kind == "cwe" and n > sum(map(len, extra["words"])):
+            return False
+        return prompt_tokens(tokenizer, make(max(n, minimum))) + t.max_new_tokens <= length
+
+    size = largest_fitting(fits, 64)
+    if size == 0:
+        raise ValueError(f"length {length} is too short for {task}: its smallest prompt and "
+                         f"{t.max_new_tokens} tokens to generate do not fit")
+    text = make(max(size, minimum))
+    return {"index": index, "task": task, "length": length, "context": text.context, "question": text.question,
+            "answer_prefix": text.answer_prefix, "answers": list(text.answers), "max_new_tokens": t.max_new_tokens}
+
+
+def ruler_samples(tokenizer, tasks, lengths, samples: int, seed: int, filler: str, progress: bool = False) -> list[dict]:
+    """`samples` samples of each task at each length; `index` numbers them 0, 1, ... in the
+    order length, task, sample."""
+    from tqdm.auto import tqdm
+
+    plan = [(length, task, i) for length in lengths for task in tasks for i in range(samples)]
+    out = []
+    for length, task, i in tqdm(plan, desc="generating samples", unit="sample", disable=not progress):
+        out.append(generate_sample(tokenizer, task, length, seed, i, filler))
+        out[-1]["index"] = len(out) - 1
+    return out
+
+
+# --- scoring: RULER's scripts/eval/synthetic/constants.py, as kvpress's calculate_metrics -------
+
+CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def clean(prediction: str) -> str:
+    """kvpress's normalisation of a prediction: control characters out, white space stripped."""
+    return CONTROL.sub("", prediction.strip()).strip()
+
+
+def string_match_all(prediction: str, answers: list[str]) -> float:
+    """The share of gold strings found in the prediction, case-insensitive."""
+    p = clean(prediction).lower()
+    return sum(a.lower() in p for a in answers) / len(answers)
+
+
+def string_match_part(prediction: str, answers: list[str]) -> float:
+    """1 when any gold string is found in the prediction, case-insensitive."""
+    p = clean(prediction).lower()
+    return float(any(a.lower() in p for a in answers))
+
+
+def score(task: str, prediction: str, answers: list[str]) -> float:
+    """RULER's metric of `task`: string_match_part for qa tasks, string_match_all otherwise."""
+    return (string_match_part if task.split("_")[0] == "qa" else string_match_all)(prediction, answers)
+
+
+# --- files: the dataset and other tools' predictions ---------------------------------------
+
+COLUMNS = ("index", "task", "length", "context", "question", "answer_prefix", "answers", "max_new_tokens")
+
+
+class DatasetError(ValueError):
+    """A dataset or predictions file that cannot be read as documented (docs/EVAL.md)."""
+
+
+def dump_dataset(samples: list[dict], path) -> None:
+    """The samples as JSONL in kvpress's columns (loadable by load_dataset)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps({c: s[c] for c in COLUMNS}, ensure_ascii=False) + "\n")
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file")
+    if path.suffix.lower() in (".parquet", ".pq"):
+        try:
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+        except ImportError:
+            pass
+        try:
+            import pandas
+
+            return pandas.read_parquet(path).to_dict("records")
+        except ImportError:
+            raise DatasetError(f"{path}: reading Parquet needs pyarrow (or pandas): pip install pyarrow") from None
+        except Exception as exc:
+            raise DatasetError(f"{path}: not a readable Parquet file: {exc}") from None
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise DatasetError(f"{path}, line {line_no}: not JSON ({exc}); a dataset is JSONL "
+                                   "(one object a line) or Parquet") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}, line {line_no}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def load_dataset(path, max_new_tokens: int | None = None) -> list[dict]:
+    """Samples from a JSONL or Parquet file in kvpress's columns: context, question, answers (or
+    answer), optional answer_prefix, max_new_tokens, task, index, length. `max_new_tokens`, when
+    given, overrides the file's (else the file's, else 128)."""
+    path = Path(path)
+    rows = _read_rows(path)
+    if not rows:
+        raise DatasetError(f"{path}: no rows")
+    samples, seen = [], set()
+    for i, row in enumerate(rows):
+        where = f"{path}, row {i + 1}"
+        for column in ("context", "question"):
+            if column not in row:
+                raise DatasetError(f"{where}: missing column '{column}' (a dataset needs context, question "
+                                   "and answers or answer)")
+            if not isinstance(row[column], str):
+                raise DatasetError(f"{where}: column '{column}' must be text, got {type(row[column]).__name__}")
+        gold = row.get("answers", row.get("answer"))
+        if gold is None:
+            raise DatasetError(f"{where}: missing column 'answers' (or 'answer'): the gold strings")
+        if isinstance(gold, str):
+            gold = [gold]
+        gold = [str(a) for a in list(gold)]
+        if not gold:
+            raise DatasetError(f"{where}: 'answers' is empty")
+        index = row.get("index", i)
+        if not isinstance(index, numbers.Integral) or isinstance(index, bool) or int(index) in seen:
+            raise DatasetError(f"{where}: 'index' must be a distinct integer, got {index!r}")
+        index = int(index)
+        seen.add(index)
+        length = row.get("length")
+        if length is not None and not isinstance(length, numbers.Integral):
+            raise DatasetError(f"{where}: 'length' must be an integer, got {length!r}")
+        new = max_new_tokens if max_new_tokens is not None else row.get("max_new_tokens") or 128
+        samples.append({"index": index, "task": str(row.get("task") or "dataset"),
+                        "length": None if length is None else int(length), "context": row["context"], "question": row["question"],
+                        "answer_prefix": str(row.get("answer_prefix") or ""), "answers": gold,
+                        "max_new_tokens": int(new)})
+    return samples
+
+
+PREDICTION_FIELDS = ("index", "mode", "method", "fraction", "prediction")
+
+
+def load_predictions(path, samples: list[dict], reserved: set[str]) -> list[dict]:
+    """Records scored from another tool's predictions (JSONL: index, mode, method, fraction,
+    prediction); `reserved`: method names kvcompile uses in this run (refused)."""
+    path = Path(path)
+    by_index = {s["index"]: s for s in samples}
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {line_no}"
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise DatasetError(f"{where}: not JSON ({exc})") from None
+            missing = [k for k in PREDICTION_FIELDS if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise DatasetError(f"{where}: missing field(s) {', '.join(missing)} "
+                                   f"(a prediction is {{{', '.join(PREDICTION_FIELDS)}}})")
+            if row["index"] not in by_index:
+                raise DatasetError(f"{where}: index {row['index']!r} is not a sample of this run")
+            if row["mode"] not in ("aware", "agnostic"):
+                raise DatasetError(f"{where}: mode must be 'aware' or 'agnostic', got {row['mode']!r}")
+            if row["method"] in reserved:
+                raise DatasetError(f"{where}: method {row['method']!r} is also a kvcompile run here; "
+                                   "name it apart (e.g. 'kvpress:...')")
+            fraction = row["fraction"]
+            if fraction is not None and (not isinstance(fraction, (int, float)) or not 0 < fraction <= 1):
+                raise DatasetError(f"{where}: fraction must be in (0, 1] or null, got {fraction!r}")
+            if not isinstance(row["prediction"], str):
+                raise DatasetError(f"{where}: prediction must be text")
+            s = by_index[row["index"]]
+            fraction = None if fraction is None or fraction == 1 else float(fraction)
+            extra = {k: v for k, v in row.items() if k not in PREDICTION_FIELDS}
+            records.append({"index": s["index"], "task": s["task"], "length": s["length"], "mode": row["mode"],
+                            "spec": row["method"], "fraction": fraction, "per_head": None, "tokens": None,
+                            "question_tokens": None, "prediction": row["prediction"], "answers": s["answers"],
+                            "score": score(s["task"], row["prediction"], s["answers"]), "kv_bytes": None,
+                            "kv_bytes_full": None, "source": "predictions", **({"extra": extra} if extra else {})})
+    return records
+
+
+# --- running: full cache and policies, both modes --------------------------------------------
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def plain_answers(model, context_ids: list[int], questions: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """kvpress's pipeline without a press: the plain model prefills the context into a
+    DynamicCache; each question continues from its own copy, then greedy decoding."""
+    import torch
+    from transformers import DynamicCache
+
+    stop = eos_ids(model)
+    n = len(context_ids)
+    device = model.device
+    out = []
+    with torch.no_grad():
+        base = DynamicCache()
+        model.model(input_ids=torch.tensor([context_ids], device=device), past_key_values=base)
+        for q in questions:
+            cache = copy.deepcopy(base)
+            positions = torch.arange(n, n + len(q), device=device)[None]
+            logits = model(input_ids=torch.tensor([q], device=device), past_key_values=cache,
+                           position_ids=positions).logits[0, -1]
+            tokens = [int(logits.argmax())]
+            position = n + len(q)
+            while len(tokens) < max_new_tokens and tokens[-1] not in stop:
+                logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=cache,
+                               position_ids=torch.tensor([[position]], device=device)).logits[0, -1]
+                tokens.append(int(logits.argmax()))
+                position += 1
+            out.append(tokens)
+    return out
+
+
+def policies_for(spec: str, n: int, fractions, budgets) -> list[tuple[float | None, "object"]]:
+    """(fraction, policy) for each budget of `spec` on a compressed part of n tokens: per_head
+    = floor(fraction * n) (at least 1) for each fraction, else each of `budgets` tokens per
+    head; a spec whose threshold decides its budget runs once at its own (fraction None)."""
+    import kvcompile
+
+    base = kvcompile.load_spec(spec)
+    if base.budget.threshold is not None:
+        return [(None, base)]
+    if fractions:
+        return [(f, kvcompile.load_spec(base, per_head=max(1, math.floor(f * n + 1e-9)))) for f in fractions]
+    return [(None, kvcompile.load_spec(base, per_head=b)) for b in budgets]
+
+
+def context_groups(samples: list[dict]) -> list[list[dict]]:
+    """Samples sharing a context (and answer prefix and max_new_tokens), in first-seen order."""
+    groups: dict = {}
+    for s in samples:
+        groups.setdefault((s["context"], s["answer_prefix"], s["max_new_tokens"]), []).append(s)
+    return list(groups.values())
+
+
+def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=None, budgets=None,
+              full: bool = True) -> list[dict]:
+    """Records of one context group in one mode: the full cache, then each spec and budget.
+    agnostic: the context is captured once and compressed once per policy; every question
+    continues from its own copy. aware: each sample's context + question is captured once and
+    compressed once per policy."""
+    import torch
+
+    from kvcompile.models import full_kv_bytes
+    from kvcompile.sweep import capture, feed, greedy, replay
+
+    stop = eos_ids(model)
+    max_new = group[0]["max_new_tokens"]
+    if mode == "agnostic":
+        units = [(prompt_ids(tokenizer, group[0]["context"], [s["question"] for s in group],
+                             group[0]["answer_prefix"]), group)]
+    else:
+        units = [((ids, [q]), [s]) for s in group for ids, q in [mode_prompt(tokenizer, s, "aware")]]
+    records = []
+
+    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full):
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        return {"index": s["index"], "task": s["task"], "length": s["length"], "mode": mode, "spec": spec,
+                "fraction": fraction, "per_head": per_head, "tokens": n, "question_tokens": len(q),
+                "prediction": text, "answers": s["answers"], "score": score(s["task"], text, s["answers"]),
+                "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile"}
+
+    for (ids, questions), members in units:
+        n = len(ids)
+        if full:
+            for s, q, tokens in zip(members, questions, plain_answers(model, ids, questions, max_new)):
+                held = full_kv_bytes(model, n + len(q) + len(tokens) - 1)
+                records.append(record(s, "full", None, None, n, q, tokens, held, held))
+        if not specs:
+            continue
+        states, _ = capture(model, torch.tensor([ids], device=model.device))
+        for spec in specs:
+            for fraction, policy in policies_for(spec, n, fractions, budgets):
+                per_head = policy.budget.per_head if policy.budget.threshold is None else None
+                base = replay(policy, model.config, states, headroom=max(map(len, questions)) + max_new)
+                for j, (s, q) in enumerate(zip(members, questions)):
+                    cache = base if j == len(questions) - 1 else copy.deepcopy(base)
+                    logits = feed(model, cache, torch.tensor([q], device=model.device))
+                    tokens = greedy(model, cache, logits, max_new, stop)[0].tolist()
+                    report = cache.memory_report()
+                    records.append(record(s, policy.name, fraction, per_head, n, q, tokens,
+                                          report["bytes_held"], report["bytes_full"]))
+        del states
+    return records
+
+
+def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agnostic"), fractions=None,
+              budgets=None, full: bool = True, quiet: bool = False, ranks=None):
+    """Every record of `samples` in each mode; with `ranks` (a sharded eval) only the context
+    groups `ranks.mine(g)` gives this process, as (key, record) pairs ordered as one process
+    orders them (Ranks.gather sorts by key)."""
+    from tqdm.auto import tqdm
+
+    if not fractions and not budgets and specs:
+        raise ValueError("give fractions (KV kept) or budgets (tokens per head) for the specs")
+    groups = context_groups(samples)
+    mine = [g for g in range(len(groups)) if ranks is None or ranks.mine(g)]
+    out = []
+    bar = tqdm(total=sum(len(groups[g]) for g in mine) * len(modes), desc="ruler samples", unit="sample",
+               disable=quiet)
+    for g in mine:
+        for m, mode in enumerate(modes):
+            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full)):
+                out.append(((g, m, r), rec))
+            bar.update(len(groups[g]))
+    bar.close()
+    return [rec for _, rec in out] if ranks is None else out
+
+
+# --- summaries ------------------------------------------------------------------------------
+
+def budget_key(r: dict):
+    """The budget column of a record: its fraction, else its tokens per head (None: own / full)."""
+    if r["fraction"] is not None:
+        return ("fraction", r["fraction"])
+    if r["spec"] != "full" and r["source"] == "kvcompile" and r["per_head"] is not None:
+        return ("per_head", r["per_head"])
+    return ("own", None)
+
+
+def budget_text(key) -> str:
+    kind, value = key
+    return f"{value:.0%} KV" if kind == "fraction" else f"{value}/head" if kind == "per_head" else "-"
+
+
+def summary(records: list[dict]) -> dict:
+    """{mode: {(method, budget key): {task: mean score in percent, "average": mean of the tasks}}}."""
+    out: dict = {}
+    for r in records:
+        out.setdefault(r["mode"], {}).setdefault((r["spec"], budget_key(r)), {}).setdefault(r["task"], []).append(r["score"])
+    for mode, rows in out.items():
+        for key, tasks in rows.items():
+            means = {t: 100 * sum(v) / len(v) for t, v in tasks.items()}
+            means["average"] = sum(means.values()) / len(means)
+            rows[key] = means
+    return out
+
+
+def format_summary(records: list[dict]) -> str:
+    """The summary table, one block per mode: rows method x budget, columns tasks and average."""
+    lines = []
+    table = summary(records)
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    short = {t: t.replace("niah_", "").replace("multi", "m").replace("single_", "s") for t in tasks}
+    for mode in ("aware", "agnostic"):
+        if mode not in table:
+            continue
+        rows = table[mode]
+        lines.append(f"\nRULER score (%), query-{mode}:")
+        lines.append(f"{'method':<22}{'budget':>9}" + "".join(f"{short[t]:>9}" for t in tasks) + f"{'average':>9}")
+        order = sorted(rows, key=lambda k: (k[0] != "full", k[0], k[1][0], k[1][1] or 0))
+        for spec, key in order:
+            cells = [f"{rows[(spec, key)][t]:>9.1f}" if t in rows[(spec, key)] else f"{'-':>9}" for t in tasks]
+            lines.append(f"{spec:<22}{budget_text(key):>9}" + "".join(cells) + f"{rows[(spec, key)]['average']:>9.1f}")
+    return "\n".join(lines)
+
+
+def plot_ruler(records: list[dict], plot_dir, heatmap_fraction: float = 0.25) -> list[Path]:
+    """ruler_vs_kv.png (score against KV kept, one line per method, one panel per mode, full
+    cache dashed) and ruler_heatmap.png (task x method at one budget, one panel per mode)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out = Path(plot_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = summary(records)
+    modes = [m for m in ("aware", "agnostic") if m in table]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
+    uses_fraction = any(r["fraction"] is not None for r in records)
+    for ax, mode in zip(axes[0], modes):
+        rows = table[mode]
+        for spec in dict.fromkeys(k[0] for k in rows):
+            points = sorted((k[1][1], v["average"]) for k, v in rows.items() if k[0] == spec and k[1][0] != "own")
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=spec)
+            else:
+                ax.axhline(rows[(spec, ("own", None))]["average"], linestyle="--",
+                           color="grey" if spec == "full" else None,
+                           label="full cache" if spec == "full" else f"{spec} (own budget)")
+        ax.set_xlabel("KV fraction kept" if uses_fraction else "budget (tokens per KV head)")
+        if not uses_fraction:
+            ax.set_xscale("log", base=2)
+        ax.set_ylabel("RULER score (%, mean over tasks)")
+        ax.set_ylim(-3, 103)
+        ax.set_title(f"query-{mode}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    curve = out / "ruler_vs_kv.png"
+    fig.savefig(curve, dpi=120)
+    plt.close(fig)
+
+    keys = sorted({budget_key(r) for r in records if budget_key(r)[0] != "own"}, key=lambda k: k[1])
+    target = min(keys, key=lambda k: abs(k[1] - heatmap_fraction)) if uses_fraction and keys else \
+        (keys[len(keys) // 2] if keys else ("own", None))
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    fig, axes = plt.subplots(1, len(modes), figsize=(1.2 + 0.9 * len(tasks) * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rows = table[mode]
+        methods = [k for k in rows if k[1] == target or k[1][0] == "own"]
+        grid = np.array([[rows[k].get(t, np.nan) for t in tasks] for k in methods])
+        ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(tasks)), tasks, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(methods)), [k[0] for k in methods], fontsize=7)
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=6)
+        ax.set_title(f"query-{mode}, {budget_text(target)}", fontsize=9)
+    fig.tight_layout()
+    heat = out / "ruler_heatmap.png"
+    fig.savefig(heat, dpi=120)
+    plt.close(fig)
+    return [curve, heat]

@@ -1,0 +1,309 @@
+"""RULER-style eval (kvcompile/ruler.py, `kvcompile eval --suite ruler`): the generators on a tiny
+character tokenizer, RULER's scorers, the dataset and predictions files, kvpress's prompt, the
+query-agnostic path against the plain model's generate(), and one end-to-end eval in both modes."""
+from __future__ import annotations
+
+import json
+import re
+import string
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile import cli, ruler
+from kvcompile.sweep import capture, feed, greedy, replay
+from tests.tiny import tiny_model
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+FILLER = ("Rivers carry water to the sea. Mountains rise slowly over ages. A quiet town sat by the lake! "
+          "Did the old bridge survive the flood? Farmers planted wheat in early spring. ") * 40
+LENGTH = 2400  # characters = tokens: a prompt and its tokens to generate fit in this (vt: a 500-token example)
+
+
+def char_tokenizer(template: str | None = TEMPLATE):
+    """One token per printable ASCII character (no download); <|im_end|> is id 1 (tiny_model's eos)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    specials = ["<pad>", "<|im_end|>", "<|im_start|>", "<unk>"]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                   bos_token="<|im_start|>", unk_token="<unk>", chat_template=template)
+
+
+TOK = char_tokenizer()
+
+
+def tiny_for(tokenizer, seed: int = 0):
+    model = tiny_model(seed=seed)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    return model.eval()
+
+
+def sample(task: str, index: int = 0, seed: int = 0, length: int = LENGTH) -> dict:
+    return ruler.generate_sample(TOK, task, length, seed, index, FILLER)
+
+
+# --- the generators ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("task", list(ruler.TASKS))
+def test_task_deterministic_answers_in_context_and_length(task):
+    s = sample(task)
+    assert s == sample(task), "the same seed gives the same sample"
+    assert sample(task, seed=1) != s and sample(task, index=1) != s
+    assert set(s) >= set(ruler.COLUMNS)
+    assert s["max_new_tokens"] == ruler.TASKS[task].max_new_tokens
+    # the prompt as the model receives it, plus the tokens to generate, fits, and is near the target
+    for mode in ("aware", "agnostic"):
+        ids, question = ruler.mode_prompt(TOK, s, mode)
+        total = len(ids) + len(question) + s["max_new_tokens"]
+        assert LENGTH - 120 <= total <= LENGTH, (mode, total)
+    kind = ruler.TASKS[task].kind
+    if kind == "niah":
+        for value in s["answers"]:
+            assert f"is: {value}." in s["context"]
+        assert "special magic" in s["question"] and "special magic" in s["answer_prefix"]
+        t = ruler.TASKS[task]
+        assert len(s["answers"]) == t.num_v * t.num_q
+        # the question names the key(s) of the needle(s) holding the answers
+        for value in s["answers"]:
+            key = s["context"].split(f" is: {value}.")[0].rsplit("special magic ", 1)[1].split(" for ", 1)[1]
+            assert key in s["question"]
+    elif kind == "vt":
+        value = s["question"].split("the value ")[1].split(" ")[0]
+        main = s["context"].split(ruler.VT_HEAD)[-1]
+        assert f"VAR {s['answers'][0]} = {value}" in main
+        for a, b in zip(s["answers"], s["answers"][1:]):
+            assert f"VAR {b} = VAR {a}" in main
+        assert ruler.VT_HEAD in s["context"].split(main)[0], "one solved example comes first"
+    elif kind == "cwe":
+        listed = s["context"].split(ruler.CWE_HEAD)[-1].split()[1::2]  # "1. w 2. w ..."
+        counts = {w: listed.count(w) for w in set(listed)}
+        assert len(s["answers"]) == 10
+        assert min(counts[w] for w in s["answers"]) > max(c for w, c in counts.items() if w not in s["answers"])
+    else:  # fwe
+        words = s["context"][len(ruler.FWE_HEAD):].split()
+        counts = sorted(((words.count(w), w) for w in set(words) if w != "..."), reverse=True)
+        assert [w for _, w in counts[:3]] == s["answers"]
+
+
+def test_generated_context_question_split_is_kvpress_ruler():
+    s = sample("niah_multiquery")
+    assert s["context"].startswith("Some special magic numbers are hidden")
+    assert s["context"].endswith("\n") and s["question"].startswith("What are all the special magic numbers for ")
+    assert s["answer_prefix"].startswith("The special magic numbers for ") and len(s["answers"]) == 4
+    single = sample("niah_single_2")
+    assert single["context"].startswith("A special magic number is hidden")
+    assert single["question"].startswith("What is the special magic number for ")
+    assert ruler.ruler_samples(TOK, ["vt", "fwe"], [LENGTH], 2, 0, FILLER) == [
+        {**sample(t, i), "index": k} for k, (t, i) in enumerate([("vt", 0), ("vt", 1), ("fwe", 0), ("fwe", 1)])]
+
+
+def test_unknown_task_and_too_short():
+    with pytest.raises(ValueError, match="qa_1 and qa_2 need SQuAD"):
+        ruler.generate_sample(TOK, "qa_1", LENGTH, 0, 0, FILLER)
+    with pytest.raises(ValueError, match="too short"):
+        ruler.generate_sample(TOK, "niah_single_1", 200, 0, 0, FILLER)
+
+
+# --- scoring ------------------------------------------------------------------------------------
+
+def test_scorers_on_hand_made_cases():
+    assert ruler.string_match_all("The numbers are 123 and 456.", ["123", "456"]) == 1.0
+    assert ruler.string_match_all("only 123", ["123", "456", "789", "000"]) == 0.25
+    assert ruler.string_match_all("APPLE pie", ["apple"]) == 1.0  # case-insensitive
+    assert ruler.string_match_all("nothing", ["x1"]) == 0.0
+    assert ruler.string_match_part("it was Paris", ["London", "paris"]) == 1.0
+    assert ruler.string_match_part("it was Rome", ["London", "Paris"]) == 0.0
+    assert ruler.score("qa_2", "Paris", ["Paris", "London"]) == 1.0  # part
+    assert ruler.score("niah_multivalue", "Paris", ["Paris", "London"]) == 0.5  # all
+    assert ruler.clean("\n\t 12\x0334 \n") == "1234"  # kvpress strips control characters
+
+
+# --- the prompt, as kvpress's pipeline builds it ------------------------------------------------
+
+def test_prompt_split_as_kvpress():
+    before, suffix = ruler.split_chat(TOK, "CTX")
+    assert before == "<|im_start|>user\nCTX" and suffix == "<|im_end|>\n<|im_start|>assistant\n"
+    ids, (q,) = ruler.prompt_ids(TOK, "CTX", ["Q?"], "A:")
+    assert TOK.decode(ids) == before and TOK.decode(q) == "Q?" + suffix + "A:"
+    plain = char_tokenizer(template=None)
+    assert ruler.split_chat(plain, "CTX") == ("<|im_start|>CTX", "\n")
+    s = {"context": "C.\n", "question": "Q?", "answer_prefix": "A"}
+    aware_ids, aware_q = ruler.mode_prompt(TOK, s, "aware")
+    assert TOK.decode(aware_ids).endswith("C.\nQ?") and TOK.decode(aware_q) == suffix + "A"
+
+
+# --- files ----------------------------------------------------------------------------------------
+
+def test_dump_and_load_roundtrip(tmp_path):
+    samples = ruler.ruler_samples(TOK, ["niah_single_1", "vt"], [LENGTH], 1, 0, FILLER)
+    path = tmp_path / "ds.jsonl"
+    ruler.dump_dataset(samples, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [list(r) for r in rows] == [list(ruler.COLUMNS)] * 2
+    assert ruler.load_dataset(path) == samples
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_dataset_errors(tmp_path):
+    with pytest.raises(ruler.DatasetError, match=r"missing column 'question'.*|.*row 1: missing column 'question'"):
+        ruler.load_dataset(write(tmp_path / "a.jsonl", [{"context": "c", "answers": ["x"]}]))
+    with pytest.raises(ruler.DatasetError, match=r"a\.jsonl, row 2: missing column 'answers' \(or 'answer'\)"):
+        ruler.load_dataset(write(tmp_path / "a.jsonl", [{"context": "c", "question": "q", "answer": "x"},
+                                                        {"context": "c", "question": "q"}]))
+    (tmp_path / "bad.jsonl").write_text('{"context": "c"\n')
+    with pytest.raises(ruler.DatasetError, match=r"bad\.jsonl, line 1: not JSON"):
+        ruler.load_dataset(tmp_path / "bad.jsonl")
+    with pytest.raises(ruler.DatasetError, match="no such file"):
+        ruler.load_dataset(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ruler.DatasetError, match="no rows"):
+        ruler.load_dataset(tmp_path / "empty.jsonl")
+    loaded = ruler.load_dataset(write(tmp_path / "ok.jsonl", [{"context": "c", "question": "q", "answer": "x"}]))
+    assert loaded == [{"index": 0, "task": "dataset", "length": None, "context": "c", "question": "q",
+                       "answer_prefix": "", "answers": ["x"], "max_new_tokens": 128}]
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        try:
+            import pandas  # noqa: F401
+        except ImportError:
+            (tmp_path / "d.parquet").write_bytes(b"PAR1")
+            with pytest.raises(ruler.DatasetError, match="Parquet needs pyarrow"):
+                ruler.load_dataset(tmp_path / "d.parquet")
+
+
+def test_predictions_file(tmp_path):
+    samples = [{"index": 3, "task": "niah_single_1", "length": 100, "context": "c", "question": "q",
+                "answer_prefix": "", "answers": ["42", "7"], "max_new_tokens": 8}]
+    good = {"index": 3, "mode": "agnostic", "method": "kvpress:snapkv", "fraction": 0.25, "prediction": "42"}
+    (rec,) = ruler.load_predictions(write(tmp_path / "p.jsonl", [good]), samples, {"full", "snapkv"})
+    assert (rec["spec"], rec["mode"], rec["fraction"], rec["score"], rec["source"]) == \
+        ("kvpress:snapkv", "agnostic", 0.25, 0.5, "predictions")
+    for change, message in (({"index": 4}, "index 4 is not a sample"), ({"mode": "both"}, "mode must be"),
+                            ({"method": "snapkv"}, "also a kvcompile run"), ({"fraction": 2}, "fraction must be")):
+        with pytest.raises(ruler.DatasetError, match=rf"p\.jsonl, line 1: .*{message}"):
+            ruler.load_predictions(write(tmp_path / "p.jsonl", [{**good, **change}]), samples, {"full", "snapkv"})
+    with pytest.raises(ruler.DatasetError, match=r"line 2: missing field\(s\) prediction"):
+        ruler.load_predictions(write(tmp_path / "p.jsonl", [good, {k: v for k, v in good.items() if k != "prediction"}]),
+                               samples, set())
+
+
+# --- the query-agnostic path is exact -----------------------------------------------------------
+
+def test_agnostic_path_equals_generate_with_a_budget_covering_everything():
+    """Compress the context with a budget that keeps every token, feed the question through the
+    cache, decode greedily: the tokens of the plain model's generate() on context + question."""
+    model = tiny_for(TOK)
+    s = sample("niah_single_1", length=700)
+    ids, (question,) = ruler.prompt_ids(TOK, s["context"], [s["question"]], s["answer_prefix"])
+    new = 12
+    expected = model.generate(torch.tensor([ids + question]), max_new_tokens=new, do_sample=False,
+                              pad_token_id=0)[0, len(ids) + len(question):].tolist()
+    states, _ = capture(model, torch.tensor([ids]))
+    for spec in ("snapkv", "lava"):
+        cache = replay(kvcompile.load_spec(spec, per_head=len(ids)), model.config, states, headroom=len(question) + new)
+        logits = feed(model, cache, torch.tensor([question]))
+        assert greedy(model, cache, logits, new, ruler.eos_ids(model))[0].tolist() == expected, spec
+    assert ruler.plain_answers(model, ids, [question], new) == [expected]
+    # the run's own path: the record's prediction is the decoded generate() answer, in both modes
+    for mode in ("agnostic", "aware"):
+        ids_m, q_m = ruler.mode_prompt(TOK, {**s, "max_new_tokens": new}, mode)
+        want = model.generate(torch.tensor([ids_m + q_m]), max_new_tokens=new, do_sample=False,
+                              pad_token_id=0)[0, len(ids_m) + len(q_m):]
+        records = ruler.run_group(model, TOK, [{**s, "max_new_tokens": new}], mode, ["snapkv"], fractions=[1.0])
+        assert [r["spec"] for r in records] == ["full", "snapkv"]
+        for r in records:
+            assert r["prediction"] == TOK.decode(want, skip_special_tokens=True), (mode, r["spec"])
+
+
+def test_one_context_serves_each_question_from_its_own_copy():
+    """Several questions on one context (agnostic): each answer equals the answer of that question alone."""
+    model = tiny_for(TOK, seed=1)
+    s = sample("niah_multikey_1", length=950)
+    group = [{**s, "index": i, "question": q, "max_new_tokens": 6}
+             for i, q in enumerate([s["question"], "What is the special magic number for nobody?"])]
+    together = ruler.run_group(model, TOK, group, "agnostic", ["snapkv"], fractions=[0.5], full=False)
+    for member in group:
+        alone = ruler.run_group(model, TOK, [member], "agnostic", ["snapkv"], fractions=[0.5], full=False)
+        assert [r["prediction"] for r in together if r["index"] == member["index"]] == \
+            [r["prediction"] for r in alone]
+    assert len(ruler.context_groups(group)) == 1
+
+
+# --- end to end: the CLI on a tiny model, both modes ---------------------------------------------
+
+def test_eval_ruler_end_to_end(tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    model = tiny_for(TOK)
+    model.save_pretrained(folder)
+    TOK.save_pretrained(folder)
+    samples = ruler.ruler_samples(TOK, ["niah_single_1", "fwe"], [700], 1, 0, FILLER)
+    data = tmp_path / "ds.jsonl"
+    ruler.dump_dataset(samples, data)
+    preds = write(tmp_path / "preds.jsonl", [
+        {"index": s["index"], "mode": m, "method": "kvpress:snapkv", "fraction": 0.5, "prediction": s["answers"][0]}
+        for s in samples for m in ("aware", "agnostic")])
+    out = tmp_path / "ruler.json"
+    cli.main(["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--specs", "snapkv,adakv",
+              "--kv-fraction", "0.25,0.5", "--max-new-tokens", "3", "--predictions", str(preds),
+              "--out", str(out), "--plot-dir", str(tmp_path / "plots"), "--quiet"])
+    assert (tmp_path / "plots" / "ruler_vs_kv.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "ruler_heatmap.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "query-aware" in printed and "query-agnostic" in printed and "kvpress:snapkv" in printed
+    result = json.loads(out.read_text())
+    assert result["suite"] == "ruler" and result["samples"] == 2 and {"model", "date", "args"} <= set(result)
+    records = result["ruler"]
+    ours = [r for r in records if r["source"] == "kvcompile"]
+    # 2 samples x 2 modes x (full + 2 specs x 2 fractions)
+    assert len(ours) == 2 * 2 * 5
+    fields = {"index", "task", "length", "mode", "spec", "fraction", "per_head", "tokens", "question_tokens",
+              "prediction", "answers", "score", "kv_bytes", "kv_bytes_full", "source"}
+    assert all(fields <= set(r) for r in records)
+    for r in ours:
+        if r["spec"] != "full":
+            assert r["per_head"] == int(r["fraction"] * r["tokens"])
+            assert r["kv_bytes"] < r["kv_bytes_full"]
+        assert r["score"] == ruler.score(r["task"], r["prediction"], r["answers"])
+    aware = {r["index"]: r["tokens"] for r in ours if r["mode"] == "aware"}
+    agnostic = {r["index"]: r["tokens"] for r in ours if r["mode"] == "agnostic"}
+    assert all(aware[i] > agnostic[i] for i in aware), "aware mode compresses the question too"
+    theirs = [r for r in records if r["source"] == "predictions"]
+    assert len(theirs) == 4 and all(r["score"] > 0 for r in theirs)
+
+
+def test_sharded_run_gathers_the_one_process_records():
+    """torchrun's sharding: contexts round-robin over the ranks; the records sorted by key are the
+    records of one process, in its order."""
+    model = tiny_for(TOK)
+    samples = [{**s, "max_new_tokens": 2} for s in ruler.ruler_samples(TOK, ["niah_single_1"], [700], 3, 0, FILLER)]
+    one = ruler.run_ruler(model, TOK, samples, [], quiet=True)
+    parts = [ruler.run_ruler(model, TOK, samples, [], quiet=True, ranks=cli.Ranks(r, 2)) for r in range(2)]
+    assert [len(p) for p in parts] == [2 * 2, 1 * 2]  # contexts 0, 2 and 1; both modes
+    assert [rec for _, rec in sorted(parts[0] + parts[1], key=lambda pair: pair[0])] == one
+
+
+def test_eval_ruler_argument_errors(capsys):
+    for argv, message in ((["--kv-fraction", "0.5", "--budgets", "8"], "not both"),
+                          (["--tasks", "qa_1"], "needs SQuAD"),
+                          (["--tasks", "nope"], "unknown RULER task"),
+                          (["--kv-fraction", "0"], "in \\(0, 1\\]")):
+        with pytest.raises(SystemExit):
+            cli.main(["eval", "--suite", "ruler", *argv])
+        assert re.search(message, capsys.readouterr().err), argv
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--tasks", "vt"])
+    assert "apply to --suite ruler" in capsys.readouterr().err
