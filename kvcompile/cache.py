@@ -16,7 +16,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +31,36 @@ from kvcompile.policy import Policy
 
 _LIVE: "weakref.WeakValueDictionary[int, KVCompileCache]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
+BOUND_HANDLE = 0  # the handle of "the cache bound to this call" (the compiled entry's graphs bake it in)
+_BOUND = threading.local()  # per thread: the caches bound by `bind`, innermost last
 
 
 def lookup_cache(handle: int) -> "KVCompileCache":
-    cache = _LIVE.get(handle)
+    """The cache `kvcompile.attend` works on: a cache's own handle (the eager entry passes it), or
+    BOUND_HANDLE, the cache that `bind` made this thread's current one (the compiled entry)."""
+    if handle == BOUND_HANDLE:
+        stack = getattr(_BOUND, "stack", None)
+        cache = stack[-1] if stack else None
+    else:
+        cache = _LIVE.get(handle)
     if cache is None:
-        raise RuntimeError(f"kvcompile: no live KVCompileCache with handle {handle}")
+        raise RuntimeError(f"kvcompile: no live KVCompileCache with handle {handle}"
+                           + (" (no cache is bound in this thread)" if handle == BOUND_HANDLE else ""))
     return cache
+
+
+@contextmanager
+def bind(cache: "KVCompileCache"):
+    """Make `cache` what `kvcompile.attend(..., handle=BOUND_HANDLE, ...)` works on in this thread, for
+    the block: each thread (each generate() call) has its own binding; nested blocks restore the outer one."""
+    stack = getattr(_BOUND, "stack", None)
+    if stack is None:
+        stack = _BOUND.stack = []
+    stack.append(cache)
+    try:
+        yield cache
+    finally:
+        stack.pop()
 
 
 @dataclass
