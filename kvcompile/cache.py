@@ -539,17 +539,27 @@ class KVCompileCache(Cache):
         pool_pages = sum(s.k_pages.shape[0] for s in self.stores)
         meta = sum(s.score_pages.nbytes + s.pos_pages.nbytes + s.count_pages.nbytes
                    + s.block_table.nbytes for s in self.stores)
-        return {
-            "bytes_held": int(pages.sum()) * self.page_size * entry_bytes,
+        held = int(pages.sum()) * self.page_size * entry_bytes
+        full = b * self.seq_length * self.num_layers * len(self.plan.kv_heads) * entry_bytes
+        report = {
+            "bytes_held": held,
             "bytes_entries": int(kept.sum()) * entry_bytes,
             "bytes_allocated": pool_pages * self.page_size * entry_bytes,
             "bytes_metadata": meta,
-            "bytes_full": b * self.seq_length * self.num_layers * len(self.plan.kv_heads) * entry_bytes,
+            "bytes_full": full,
             "kept": kept,
             "pages": pages,
             "page_size": self.page_size,
             "kv_heads": self.plan.kv_heads,
+            # the empty slots of the pages held: each head's last page is filled only partly
+            "bytes_unused_slots": held - int(kept.sum()) * entry_bytes,
         }
+        if held > full:
+            report["note"] = (
+                "bytes_held exceeds bytes_full: nothing (or little) was evicted, and bytes_held counts whole pages "
+                f"of {self.page_size} entries, so each head's partly filled last page (bytes_unused_slots) is "
+                "counted; compression shows once the sequence is longer than the budget")
+        return report
 
     def gathered_memory_report(self) -> dict:
         """memory_report() over every rank of a tensor-parallel group (every rank must call it, as
