@@ -79,7 +79,7 @@ def check_deepcopy(entry: str):
     assert gen(twin, ids).tolist() == want_other.tolist()  # the copy runs its own weights
     assert gen(model, ids).tolist() == want_own.tolist()  # and the original its own
     with torch.no_grad():
-        assert torch.equal(twin(ids).logits, other(ids).logits)
+        torch.testing.assert_close(twin(ids).logits, other(ids).logits)  # Inductor fuses: not bit-equal
     kvcompile.uncompile(twin)
     assert "forward" not in twin.__dict__
 
