@@ -302,7 +302,7 @@ class Entry:
 
     def __init__(self, model, kind: str, wrapped, plan, progress):
         self.model, self.kind, self.wrapped, self.plan, self.progress = model, kind, wrapped, plan, progress
-        functools.update_wrapper(self, wrapped)  # generate() reads forward's signature (logits_to_keep, ...)
+        functools.update_wrapper(self, wrapped, updated=())  # generate() reads forward's signature
 
     def __call__(self, *args, **kwargs):
         run = _forward if self.kind == "forward" else _generate

@@ -77,7 +77,6 @@ import functools
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -330,7 +329,7 @@ class CompiledForward:
     def __init__(self, forward, backend, dynamic):
         self.forward, self.backend, self.dynamic = forward, backend, dynamic
         self.kvcompile_compiled = torch.compile(forward, dynamic=dynamic, fullgraph=True, backend=backend)
-        functools.update_wrapper(self, forward)
+        functools.update_wrapper(self, forward, updated=())
 
     def __deepcopy__(self, memo):
         return CompiledForward(copy.deepcopy(self.forward, memo), self.backend, self.dynamic)
