@@ -327,6 +327,11 @@ def _check_cache(plan, cache, call: str) -> None:
     mine = cache.plan
     ours = (plan.num_layers, plan.num_heads, plan.head_dim, tuple(plan.kv_heads))
     theirs = (mine.num_layers, mine.num_heads, mine.head_dim, tuple(mine.kv_heads))
+    if ours[:3] == theirs[:3] and ours[3] != theirs[3]:  # the same model, other heads: a tensor-parallel split
+        raise CompileError(f"kvcompile: this model computes KV heads {list(ours[3])} of {plan.num_heads} but the "
+                           f"KVCompileCache given to {call}() holds KV heads {list(theirs[3])} (another tensor-parallel "
+                           "split: a sharded model needs its cache from kvcompile.compile(model, ...), or a plan built "
+                           "with shard=kvcompile.sharding.model_shard(model))")
     if ours != theirs:
         def say(dims):
             return f"{dims[0]} layers, {dims[1]} KV heads of dim {dims[2]} (this process: KV heads {list(dims[3])})"
