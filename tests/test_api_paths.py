@@ -272,3 +272,16 @@ def test_a_mask_with_a_hole_names_the_hole(entry):
         with pytest.raises(CompileError, match="right-padded"):
             gen(model, ids, attention_mask=right)
         assert calls.n == 0
+
+
+# --- memory_report on a sequence shorter than the budget -------------------------------------------
+
+def test_memory_report_says_when_whole_pages_exceed_the_full_cache():
+    model = tiny_model("llama", layers=2)
+    with kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=64)):
+        short = gen(model, prompt(6, seed=11), return_dict_in_generate=True).past_key_values.memory_report()
+        long = gen(model, prompt(200, seed=12), return_dict_in_generate=True).past_key_values.memory_report()
+    for report in (short, long):
+        assert report["bytes_unused_slots"] == report["bytes_held"] - report["bytes_entries"] >= 0
+    assert short["bytes_held"] > short["bytes_full"] and "whole pages of 16 entries" in short["note"]
+    assert long["bytes_held"] < long["bytes_full"] and "note" not in long
