@@ -3,8 +3,9 @@
 Eager entry: registers the "kvcompile" attention and mask functions in transformers'
 AttentionInterface / AttentionMaskInterface (new names only; nothing else changes
 globally), switches this model to them, and wraps this model's `forward` and
-`generate` so every call without a cache gets a fresh KVCompileCache. Nothing happens
-at import time; `uncompile(model)` restores the model.
+`generate` (`Entry` objects on the instance, bound to the model as attributes, so a deep
+copy of the model gets its own) so every call without a cache gets a fresh KVCompileCache.
+Nothing happens at import time; `uncompile(model)` restores the model.
 """
 from __future__ import annotations
 
