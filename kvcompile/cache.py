@@ -16,7 +16,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +31,36 @@ from kvcompile.policy import Policy
 
 _LIVE: "weakref.WeakValueDictionary[int, KVCompileCache]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
+BOUND_HANDLE = 0  # the handle of "the cache bound to this call" (the compiled entry's graphs bake it in)
+_BOUND = threading.local()  # per thread: the caches bound by `bind`, innermost last
 
 
 def lookup_cache(handle: int) -> "KVCompileCache":
-    cache = _LIVE.get(handle)
+    """The cache `kvcompile.attend` works on: a cache's own handle (the eager entry passes it), or
+    BOUND_HANDLE, the cache that `bind` made this thread's current one (the compiled entry)."""
+    if handle == BOUND_HANDLE:
+        stack = getattr(_BOUND, "stack", None)
+        cache = stack[-1] if stack else None
+    else:
+        cache = _LIVE.get(handle)
     if cache is None:
-        raise RuntimeError(f"kvcompile: no live KVCompileCache with handle {handle}")
+        raise RuntimeError(f"kvcompile: no live KVCompileCache with handle {handle}"
+                           + (" (no cache is bound in this thread)" if handle == BOUND_HANDLE else ""))
     return cache
+
+
+@contextmanager
+def bind(cache: "KVCompileCache"):
+    """Make `cache` what `kvcompile.attend(..., handle=BOUND_HANDLE, ...)` works on in this thread, for
+    the block: each thread (each generate() call) has its own binding; nested blocks restore the outer one."""
+    stack = getattr(_BOUND, "stack", None)
+    if stack is None:
+        stack = _BOUND.stack = []
+    stack.append(cache)
+    try:
+        yield cache
+    finally:
+        stack.pop()
 
 
 @dataclass
@@ -514,17 +539,27 @@ class KVCompileCache(Cache):
         pool_pages = sum(s.k_pages.shape[0] for s in self.stores)
         meta = sum(s.score_pages.nbytes + s.pos_pages.nbytes + s.count_pages.nbytes
                    + s.block_table.nbytes for s in self.stores)
-        return {
-            "bytes_held": int(pages.sum()) * self.page_size * entry_bytes,
+        held = int(pages.sum()) * self.page_size * entry_bytes
+        full = b * self.seq_length * self.num_layers * len(self.plan.kv_heads) * entry_bytes
+        report = {
+            "bytes_held": held,
             "bytes_entries": int(kept.sum()) * entry_bytes,
             "bytes_allocated": pool_pages * self.page_size * entry_bytes,
             "bytes_metadata": meta,
-            "bytes_full": b * self.seq_length * self.num_layers * len(self.plan.kv_heads) * entry_bytes,
+            "bytes_full": full,
             "kept": kept,
             "pages": pages,
             "page_size": self.page_size,
             "kv_heads": self.plan.kv_heads,
+            # the empty slots of the pages held: each head's last page is filled only partly
+            "bytes_unused_slots": held - int(kept.sum()) * entry_bytes,
         }
+        if held > full:
+            report["note"] = (
+                "bytes_held exceeds bytes_full: nothing (or little) was evicted, and bytes_held counts whole pages "
+                f"of {self.page_size} entries, so each head's partly filled last page (bytes_unused_slots) is "
+                "counted; compression shows once the sequence is longer than the budget")
+        return report
 
     def gathered_memory_report(self) -> dict:
         """memory_report() over every rank of a tensor-parallel group (every rank must call it, as

@@ -888,10 +888,14 @@ def cmd_specs(args) -> None:
     from kvcompile.spec import available_specs
 
     width = max(shutil.get_terminal_size().columns, 60)
+    # `full` is no policy: the model's own cache, the baseline every command compares with (--spec full)
+    rows = [(FULL, "all", "The uncompressed cache (no kvcompile): the baseline of run, eval and bench.")]
     for name in available_specs():
         policy = kvcompile.load_spec(name)
-        first = (policy.description or "").splitlines()[0] if policy.description else ""
-        head = f"{name:<16}{budget_label(policy):<12}"
+        rows.append((name, budget_label(policy),
+                     (policy.description or "").splitlines()[0] if policy.description else ""))
+    for name, label, first in rows:
+        head = f"{name:<16}{label:<12}"
         if not first:
             print(head.rstrip())
         elif args.short:  # one line per spec, shortened at a word boundary

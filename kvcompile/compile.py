@@ -3,18 +3,21 @@
 Eager entry: registers the "kvcompile" attention and mask functions in transformers'
 AttentionInterface / AttentionMaskInterface (new names only; nothing else changes
 globally), switches this model to them, and wraps this model's `forward` and
-`generate` so every call without a cache gets a fresh KVCompileCache. Nothing happens
-at import time; `uncompile(model)` restores the model.
+`generate` (`Entry` objects on the instance, bound to the model as attributes, so a deep
+copy of the model gets its own) so every call without a cache gets a fresh KVCompileCache.
+Nothing happens at import time; `uncompile(model)` restores the model.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from contextlib import contextmanager
 
 import torch
 
 from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
@@ -76,14 +79,24 @@ def _length(args, kwargs) -> int | None:
 
 
 def check_left_padded(attention_mask) -> None:
-    """Refuse a right-padded batch (a pad after a real token): kvcompile stores and positions a
-    sequence's tokens as if its pads were all on the left, as generate() pads decoder-only models."""
+    """Refuse a mask whose pads are not all on the left: a right-padded batch (pads after the real
+    tokens) or a hole (a pad between real tokens). kvcompile stores and positions a sequence's tokens
+    as if its pads were all on the left, as generate() pads decoder-only models."""
     if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] < 2:
         return
     mask = attention_mask.bool()
-    if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
-        raise CompileError("kvcompile: the batch is right-padded (a pad after a real token); pad on the left "
-                           "(tokenizer.padding_side = 'left'), as generate() expects of decoder-only models")
+    if not bool((mask[:, :-1] & ~mask[:, 1:]).any()):  # no pad after a real token
+        return
+    real_after = mask.flip(1).cumsum(1).flip(1) > 0  # a real token at or after each position
+    real_before = mask.cumsum(1) > 0
+    holes = (~mask & real_before & real_after).any(1)
+    if bool(holes.any()):
+        row = int(holes.nonzero()[0])
+        raise CompileError(f"kvcompile: the attention mask has a hole (a pad between real tokens, row {row}); "
+                           "kvcompile masks only left padding (pads before a sequence's first real token): "
+                           "remove the pads inside the sequence")
+    raise CompileError("kvcompile: the batch is right-padded (a pad after a real token); pad on the left "
+                       "(tokenizer.padding_side = 'left'), as generate() expects of decoder-only models")
 
 
 def _refuse_outputs(kwargs, config) -> None:
@@ -95,14 +108,30 @@ def _refuse_outputs(kwargs, config) -> None:
                            "never build the attention matrix); call kvcompile.uncompile(model) first")
 
 
-def _no_cache_implementation(kwargs: dict, gen) -> dict:
+def _ignored_cache_implementation(where: str, value, stacklevel: int) -> None:
+    warnings.warn(f"kvcompile: {where} sets cache_implementation={value!r}; ignored: a compiled model generates "
+                  "with its KVCompileCache (kvcompile owns the cache)", UserWarning, stacklevel=stacklevel)
+
+
+def _no_cache_implementation(kwargs: dict, model) -> dict:
     """generate(cache_implementation=...) asks for another cache than kvcompile's: refused. A
-    checkpoint's generation_config that sets one is overridden (compile() asked for kvcompile's)."""
+    checkpoint's generation_config.json that sets one (from_pretrained puts it on
+    model.generation_config) is ignored with a warning: compile() clears it (uncompile() restores
+    it). A generation_config passed to generate() with one is ignored the same way (the call gets a
+    copy without it). One set on model.generation_config after compile() is refused: transformers
+    fills every unset field of the call's config from it, so it cannot be ignored for one call."""
     if kwargs.get("cache_implementation") is not None:
         raise CompileError(f"kvcompile: generate(cache_implementation={kwargs['cache_implementation']!r}) asks "
                            "for another cache; a compiled model generates with its KVCompileCache (leave "
                            "cache_implementation unset)")
+    own = getattr(model.generation_config, "cache_implementation", None)
+    if own is not None:
+        raise CompileError(f"kvcompile: model.generation_config.cache_implementation={own!r} was set after compile() "
+                           "(compile() clears a checkpoint's, with a warning): a compiled model generates with its "
+                           "KVCompileCache; set it to None")
+    gen = kwargs.get("generation_config")
     if getattr(gen, "cache_implementation", None) is not None:
+        _ignored_cache_implementation("generate(generation_config=...)", gen.cache_implementation, 5)
         gen = copy.deepcopy(gen)
         gen.cache_implementation = None
         kwargs = {**kwargs, "generation_config": gen}
@@ -247,77 +276,166 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         AttentionMaskInterface.register("kvcompile", kvcompile_mask)
         model.set_attn_implementation("kvcompile")
 
-    def new_cache(headroom: int = 0) -> KVCompileCache:
-        return KVCompileCache.from_plan(plan.with_headroom(headroom), progress=progress)
-
-    @functools.wraps(forward)
-    def compiled_forward(*args, past_key_values=None, use_cache=None, **kwargs):
-        _refuse_outputs(kwargs, config)
-        t = _length(args, kwargs)
-        if t is not None:
-            check_length(config, t + (past_key_values.get_seq_length() if past_key_values is not None else 0))
-        if model.training:  # training computes no cache: the plain attention, differentiable
-            if isinstance(past_key_values, KVCompileCache):
-                raise CompileError("kvcompile: a KVCompileCache in training mode; call model.eval() to generate")
-            return forward(*args, past_key_values=past_key_values, use_cache=False, **kwargs)
-        if past_key_values is None and use_cache is not False:
-            past_key_values = new_cache()
-        if isinstance(past_key_values, KVCompileCache):
-            fresh = not past_key_values.seq_length
-            if fresh:
-                check_left_padded(kwargs.get("attention_mask"))
-            kwargs["kvcompile_cache"] = past_key_values
-            chunk = past_key_values.plan.prefill_chunk
-            if fresh and chunk and t is not None and t > chunk and past_key_values.compressing is None:
-                return _forward_in_chunks(forward, chunk, past_key_values, args, {**kwargs, "use_cache": use_cache})
-        return forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
-
-    @functools.wraps(generate)
-    def compiled_generate(*args, past_key_values=None, **kwargs):
-        gen = kwargs.get("generation_config") or model.generation_config
-        _refuse_outputs(kwargs, gen)
-        kwargs = _no_cache_implementation(kwargs, gen)
-        headroom = kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 0
-        assisted = kwargs.get("assistant_model") is not None or bool(
-            kwargs.get("prompt_lookup_num_tokens", getattr(gen, "prompt_lookup_num_tokens", None)))
-        if assisted:
-            _check_crop(plan)
-        uses_cache = kwargs.get("use_cache", getattr(gen, "use_cache", True)) is not False
-        t = _length(args, kwargs)
-        fresh = past_key_values is None or (isinstance(past_key_values, KVCompileCache)
-                                            and not past_key_values.seq_length)
-        if fresh and uses_cache:
-            check_left_padded(kwargs.get("attention_mask"))
-            if t is not None and kwargs.get("max_new_tokens") is not None:  # fail before the prompt runs
-                check_length(config, t + kwargs["max_new_tokens"])
-        if past_key_values is None and uses_cache:
-            past_key_values = new_cache(headroom)
-        elif (isinstance(past_key_values, KVCompileCache) and not past_key_values.is_initialized
-              and not past_key_values.headroom):  # a fresh cache of the caller's: spares for what generate() adds
-            past_key_values.plan = past_key_values.plan.with_headroom(headroom)
-        chunk = kwargs.get("prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))
-        if plan.prefill_chunk:  # the prompt runs chunk by chunk, compressed after each (schedule.prefill: chunk)
-            if chunk is not None and chunk != plan.prefill_chunk:
-                raise CompileError(f"kvcompile: {plan.policy.name} compresses its prompt every {plan.prefill_chunk} "
-                                   f"tokens (schedule.prefill); generate(prefill_chunk_size={chunk}) would cut it "
-                                   f"otherwise: leave prefill_chunk_size unset or give {plan.prefill_chunk}")
-            if t is not None and t > plan.prefill_chunk:
-                chunk = kwargs["prefill_chunk_size"] = plan.prefill_chunk
-        if (chunk or assisted) and t is not None and isinstance(past_key_values, KVCompileCache) \
-                and not past_key_values.seq_length:
-            # the prompt is compressed whole, as in one pass: over its chunks, and without the
-            # candidate tokens that assisted decoding sends along with it
-            past_key_values.expect_prompt(t)
-        return generate(*args, past_key_values=past_key_values, **kwargs)
-
-    model.forward = compiled_forward
-    model.generate = compiled_generate
+    cache_implementation = getattr(model.generation_config, "cache_implementation", None)
+    if cache_implementation is not None:  # a checkpoint's generation_config.json (GENERATE.md)
+        _ignored_cache_implementation("the model's generation_config", cache_implementation, 3)
+        saved["cache_implementation"] = cache_implementation
+        model.generation_config.cache_implementation = None
+    model.forward = Entry(model, "forward", forward, plan, progress)
+    model.generate = Entry(model, "generate", generate, plan, progress)
     # continuous batching (generate_batch, transformers serve's engine) with kvcompile's caches: kvcompile.serving
     model.init_continuous_batching = functools.partial(_init_continuous_batching, model)
     model.kvcompile_policy = policy
     model.kvcompile_plan = plan
     setattr(model, _STATE, saved)
     return model
+
+
+class Entry:
+    """A compiled model's `forward` or `generate` (compile() sets them on the instance).
+
+    Everything it uses is an attribute, the model and its wrapped method (bound to the model)
+    included, never a closure: `copy.deepcopy(model)` gives the copy Entries bound to the copy,
+    so the copy runs its own weights (the compiled entry's CompiledForward makes its
+    torch.compile'd function again for the copy). The state of a call lives in the call (its
+    cache, passed along), so calls on several threads do not share anything but the plan,
+    which is immutable."""
+
+    def __init__(self, model, kind: str, wrapped, plan, progress):
+        self.model, self.kind, self.wrapped, self.plan, self.progress = model, kind, wrapped, plan, progress
+        functools.update_wrapper(self, wrapped, updated=())  # generate() reads forward's signature
+
+    def __call__(self, *args, **kwargs):
+        run = _forward if self.kind == "forward" else _generate
+        return run(self, *args, **kwargs)
+
+    def new_cache(self, headroom: int = 0) -> KVCompileCache:
+        return KVCompileCache.from_plan(self.plan.with_headroom(headroom), progress=self.progress)
+
+
+def _check_cache(plan, cache, call: str) -> None:
+    """A cache given to `call` must be a KVCompileCache made for this model: another transformers
+    Cache (StaticCache, DynamicCache, ...) is refused, and so is a KVCompileCache of a model of
+    other dimensions, before anything runs."""
+    if cache is None:
+        return
+    if not isinstance(cache, KVCompileCache):
+        raise CompileError(f"kvcompile: {call}(past_key_values={type(cache).__name__}) gives a cache that is not "
+                           "kvcompile's; a compiled model stores only what its policy keeps, in its KVCompileCache: "
+                           "pass none (a fresh one is made per call), the KVCompileCache a previous call returned, or "
+                           "KVCompileCache.from_plan(model.kvcompile_plan); or call kvcompile.uncompile(model) to "
+                           "use another cache")
+    mine = cache.plan
+    ours = (plan.num_layers, plan.num_heads, plan.head_dim, tuple(plan.kv_heads))
+    theirs = (mine.num_layers, mine.num_heads, mine.head_dim, tuple(mine.kv_heads))
+    if ours[:3] == theirs[:3] and ours[3] != theirs[3]:  # the same model, other heads: a tensor-parallel split
+        raise CompileError(f"kvcompile: this model computes KV heads {list(ours[3])} of {plan.num_heads} but the "
+                           f"KVCompileCache given to {call}() holds KV heads {list(theirs[3])} (another tensor-parallel "
+                           "split: a sharded model needs its cache from kvcompile.compile(model, ...), or a plan built "
+                           "with shard=kvcompile.sharding.model_shard(model))")
+    if ours != theirs:
+        def say(dims):
+            return f"{dims[0]} layers, {dims[1]} KV heads of dim {dims[2]} (this process: KV heads {list(dims[3])})"
+
+        raise CompileError(f"kvcompile: the KVCompileCache given to {call}() was made for a model with "
+                           f"{say(theirs)}; this model has {say(ours)}: a cache holds one model's keys and "
+                           "values (pass none, or one from KVCompileCache.from_plan(model.kvcompile_plan))")
+
+
+def _needs_grad(model, kwargs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is not None and embeds.requires_grad:
+        return True
+    return any(p.requires_grad for p in model.parameters())
+
+
+def _forward(entry: Entry, *args, past_key_values=None, use_cache=None, **kwargs):
+    model, plan, forward = entry.model, entry.plan, entry.wrapped
+    config = model.config
+    _refuse_outputs(kwargs, config)
+    t = _length(args, kwargs)
+    if not model.training:
+        if past_key_values is not None and type(past_key_values) is not DynamicCache:  # a DynamicCache: the plain
+            _check_cache(plan, past_key_values, "model")  # attention over its keys and values, exact
+        kvcompile_cache = isinstance(past_key_values, KVCompileCache) or (past_key_values is None
+                                                                          and use_cache is not False)
+        if plan.compiled_entry and kvcompile_cache and _needs_grad(model, kwargs):
+            raise CompileError("kvcompile: a forward that needs gradients (grad mode on, parameters or "
+                               "inputs_embeds requiring grad) on a model compiled with mode='compiled': its graphs "
+                               "run without autograd; compile with mode='eager' (backward through the prompt's "
+                               "attention is supported there), or call under torch.no_grad()")
+    if t is not None:
+        check_length(config, t + (past_key_values.get_seq_length() if past_key_values is not None else 0))
+    if model.training:  # training computes no cache: the plain attention, differentiable
+        if isinstance(past_key_values, KVCompileCache):
+            raise CompileError("kvcompile: a KVCompileCache in training mode; call model.eval() to generate")
+        return forward(*args, past_key_values=past_key_values, use_cache=False, **kwargs)
+    if past_key_values is None and use_cache is not False:
+        past_key_values = entry.new_cache()
+    if isinstance(past_key_values, KVCompileCache):
+        fresh = not past_key_values.seq_length
+        if fresh:
+            check_left_padded(kwargs.get("attention_mask"))
+        kwargs["kvcompile_cache"] = past_key_values
+        chunk = past_key_values.plan.prefill_chunk
+        if fresh and chunk and t is not None and t > chunk and past_key_values.compressing is None:
+            return _forward_in_chunks(forward, chunk, past_key_values, args, {**kwargs, "use_cache": use_cache})
+    return forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+
+
+def _total_length(t: int, kwargs: dict, gen) -> int:
+    """The longest sequence generate() may reach: prompt + max_new_tokens where that is given (argument,
+    then generation_config), else max_length (argument, then generation_config), as transformers decides."""
+    new = kwargs.get("max_new_tokens", getattr(gen, "max_new_tokens", None))
+    if new is not None:
+        return t + new
+    length = kwargs.get("max_length", getattr(gen, "max_length", None))
+    return max(t, length) if length is not None else t
+
+
+def _generate(entry: Entry, *args, past_key_values=None, **kwargs):
+    model, plan, generate = entry.model, entry.plan, entry.wrapped
+    config = model.config
+    gen = kwargs.get("generation_config") or model.generation_config
+    _refuse_outputs(kwargs, gen)
+    kwargs = _no_cache_implementation(kwargs, model)
+    _check_cache(plan, past_key_values, "generate")
+    assisted = kwargs.get("assistant_model") is not None or bool(
+        kwargs.get("prompt_lookup_num_tokens", getattr(gen, "prompt_lookup_num_tokens", None)))
+    if assisted:
+        _check_crop(plan)
+    uses_cache = kwargs.get("use_cache", getattr(gen, "use_cache", True)) is not False
+    t = _length(args, kwargs)
+    fresh = past_key_values is None or not past_key_values.seq_length
+    past = 0 if past_key_values is None else past_key_values.seq_length
+    if t is not None:  # every length limit, before the prompt runs
+        check_length(config, _total_length(t, kwargs, gen) if fresh else max(t, past) + (
+            kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 0))
+    if fresh and uses_cache:
+        check_left_padded(kwargs.get("attention_mask"))
+    headroom = (_total_length(t, kwargs, gen) - t) if t is not None else (
+        kwargs.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 0)
+    if past_key_values is None and uses_cache:
+        past_key_values = entry.new_cache(headroom)
+    elif (isinstance(past_key_values, KVCompileCache) and not past_key_values.is_initialized
+          and not past_key_values.headroom):  # a fresh cache of the caller's: spares for what generate() adds
+        past_key_values.plan = past_key_values.plan.with_headroom(headroom)
+    chunk = kwargs.get("prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))
+    if plan.prefill_chunk:  # the prompt runs chunk by chunk, compressed after each (schedule.prefill: chunk)
+        if chunk is not None and chunk != plan.prefill_chunk:
+            raise CompileError(f"kvcompile: {plan.policy.name} compresses its prompt every {plan.prefill_chunk} "
+                               f"tokens (schedule.prefill); generate(prefill_chunk_size={chunk}) would cut it "
+                               f"otherwise: leave prefill_chunk_size unset or give {plan.prefill_chunk}")
+        if t is not None and t > plan.prefill_chunk:
+            chunk = kwargs["prefill_chunk_size"] = plan.prefill_chunk
+    if (chunk or assisted) and t is not None and isinstance(past_key_values, KVCompileCache) \
+            and not past_key_values.seq_length:
+        # the prompt is compressed whole, as in one pass: over its chunks, and without the
+        # candidate tokens that assisted decoding sends along with it
+        past_key_values.expect_prompt(t)
+    return generate(*args, past_key_values=past_key_values, **kwargs)
 
 
 def _init_continuous_batching(model, *args, **kwargs):
@@ -343,6 +461,8 @@ def uncompile(model):
     for name in ("forward", "generate", "init_continuous_batching", "kvcompile_policy", "kvcompile_plan"):
         model.__dict__.pop(name, None)
     model.__dict__.update(saved.get("instance", {}))
+    if saved.get("cache_implementation") is not None:
+        model.generation_config.cache_implementation = saved["cache_implementation"]
     model.set_attn_implementation(saved["attn"] or "sdpa")
     delattr(model, _STATE)
     return model

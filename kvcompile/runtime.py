@@ -760,10 +760,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
     """
     cache = lookup_cache(handle)
     if k.shape[1] != len(cache.plan.kv_heads):
-        raise RuntimeError(
-            f"kvcompile: layer {layer} computes {k.shape[1]} KV heads but the cache's plan holds "
-            f"{len(cache.plan.kv_heads)} (a model sharded by tensor parallelism needs its cache from "
-            "kvcompile.compile(model, ...), or a plan built with shard=kvcompile.sharding.model_shard(model))")
+        if cache.plan.shard is None and k.shape[1] > len(cache.plan.kv_heads):
+            cause = "the cache was made for a model with fewer KV heads (make it from this model)"
+        else:
+            cause = ("the cache was made for another model, or for another tensor-parallel split (a sharded model "
+                     "needs its cache from kvcompile.compile(model, ...), or a plan built with "
+                     "shard=kvcompile.sharding.model_shard(model))")
+        raise RuntimeError(f"kvcompile: layer {layer} computes {k.shape[1]} KV heads but the cache's plan holds "
+                           f"{len(cache.plan.kv_heads)}: {cause}")
     expected = cache.plan.layer_device(layer)
     if (layer or cache.stores[0] is not None) and expected is not None and q.device != expected:
         raise RuntimeError(  # compile() (or layer 0's first prompt) fixed where each layer runs: kvcompile.devices
@@ -774,18 +778,31 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
             "generate() makes, or KVCompileCache.from_plan(model.kvcompile_plan)")
     if cache.plan.layer_devices is not None:  # layers on several devices: the state every layer reads, here
         cache.state_to(q.device)
+    dtype = q.dtype
+    autocast = torch.is_autocast_enabled(q.device.type)
+    if autocast:  # as the model's SDPA under autocast: q, k, v in the autocast dtype (module doc of _attend)
+        low = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(low), k.to(low), v.to(low)
     # Triton launches on the current CUDA device: the layer's (a pipeline's layers run on several GPUs)
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext(), \
+            torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
         out = _attend(cache, q, k, v, mask, layer, scale)
     if layer == cache.num_layers - 1:
         cache.seq_length += q.shape[2]
-    return out.contiguous()
+    return out.to(dtype).contiguous()
 
 
 def _attend(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
             scale: float) -> Tensor:
     """attend()'s step on the layer's device: the prompt (in one call, in calls, or in chunks the policy
-    compresses after each) or decode."""
+    compresses after each) or decode.
+
+    Under torch.autocast, attend() gets q and k in float32 (RoPE's float32 cos and sin promote them)
+    and v in the autocast dtype; the model's own SDPA would cast all three to the autocast dtype,
+    and so does attend(): q, k, v in that dtype, then this step with autocast off (the plan's
+    kernels are chosen again for that dtype at the prompt, `Plan.for_tensors`, and the pages hold
+    it), and the output back in q's dtype (the o_proj that follows casts it to the autocast dtype
+    again, without loss)."""
     if cache.plan.prefill_chunk and (cache.stores[layer] is None or cache.compressing is not None):
         out = chunked_prefill(cache, q, k, v, mask, layer, scale)
     elif cache.stores[layer] is None:
@@ -811,6 +828,47 @@ def _attend(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
 @attend.register_fake
 def _(q, k, v, mask, layer, handle, scale):
     return q.new_empty(q.shape)
+
+
+def _plain_prompt(cache: KVCompileCache, q: Tensor, k: Tensor, layer: int) -> bool:
+    """attend() just ran the plain prompt path at `layer`: a fresh cache's prompt in one call, whose
+    output is the model's causal attention over the prompt (`prefill`; the first chunk of a prompt
+    compressed chunk by chunk is the same attention). Read after the call, from the cache's state."""
+    prompt, n = cache.prompt, k.shape[2]
+    last = layer == cache.plan.num_layers - 1
+    return (prompt is not None and cache.decoding is None and cache.chunks is None and prompt.width == n
+            and q.shape[2] == n and cache.seq_length == (n if last else 0))
+
+
+def _setup_backward(ctx, inputs, output):
+    q, k, v, mask, layer, handle, scale = inputs
+    cache = lookup_cache(handle)
+    ctx.plain = _plain_prompt(cache, q, k, layer)
+    ctx.scale = scale
+    valid = cache.prompt.valid if ctx.plain else None
+    ctx.save_for_backward(q, k, v, None if valid is None or bool(valid.all()) else valid)
+
+
+def _backward(ctx, grad):
+    """Backward through a prompt's attention (saliency maps, gradients of the prompt's logits): the
+    prompt path's output is the model's causal attention over the prompt (`prompt_attention`), so its
+    gradient is that attention's, recomputed here. The compression does not change the prompt's
+    outputs, and nothing else is differentiable: a decode step or a prompt continued in later calls
+    attends to what the policy kept (selection is not differentiable), refused with the reason."""
+    if not ctx.plain:
+        raise RuntimeError("kvcompile: backward through kvcompile.attend is defined for a prompt's attention only "
+                           "(a fresh cache, the prompt in one forward call); this call decoded or continued a "
+                           "cache, whose attention reads the entries the policy selected (not differentiable): "
+                           "run it under torch.no_grad(), or differentiate the prompt's forward call")
+    q, k, v, valid = ctx.saved_tensors
+    with torch.enable_grad():
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = prompt_attention(*inputs, valid, ctx.scale)
+        grads = torch.autograd.grad(out, inputs, grad.to(out.dtype), allow_unused=True)
+    return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (q, k, v))), None, None, None, None)
+
+
+attend.register_autograd(_backward, setup_context=_setup_backward)
 
 
 # --- transformers' attention and mask interfaces ------------------------------------------

@@ -148,6 +148,7 @@ def test_specs_lists_the_papers(capsys):
     for name in ("snapkv", "pyramidkv", "adakv", "lava", "dbudgetkv", "zsmerge", "streamingllm"):
         assert re.search(rf"^{name}\s", text, re.M), name
     assert re.search(r"^dbudgetkv\s+threshold", text, re.M)
+    assert re.search(r"^full\s+all\s+The uncompressed cache", text, re.M)  # the README's `--spec full`
 
 
 def first_lines():

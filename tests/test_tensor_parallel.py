@@ -152,6 +152,7 @@ def test_a_cache_for_other_heads_is_refused_before_anything_runs():
     plan = build_plan(policy, model.config, shard=HeadShard(None, 0, 2, 2))
     cache = kvcompile.KVCompileCache(plan=plan)
     with kvcompile.compiled(model, policy), torch.no_grad():
-        with pytest.raises(RuntimeError, match="computes 2 KV heads but the cache's plan holds 1"):
+        with pytest.raises(kvcompile.CompileError, match=r"computes KV heads \[0, 1\] of 2 but the KVCompileCache "
+                                                         r"given to model\(\) holds KV heads \[0\]"):
             model(prompt(40), past_key_values=cache)
     assert cache.stores == [None] * model.config.num_hidden_layers

@@ -1,5 +1,5 @@
 """Tensor-parallel runs for tests/test_tensor_parallel.py: gloo processes spawned by
-torch.multiprocessing, each loading a saved tiny model with transformers' `tp_plan="auto"`,
+torch.multiprocessing, each loading a saved tiny model with transformers' `DistributedConfig(tp_plan="auto")`,
 compiling every spec and generating; what each rank's cache holds is written to a file
 for the test process to compare with a one-process run of the same weights."""
 from __future__ import annotations
@@ -107,13 +107,14 @@ def worker(rank: int, world: int, init: str, jobs: list, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DistributedConfig
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     results = {}
     try:
         for key, path, arg in jobs:
-            model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float64).eval()
+            model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                         dtype=torch.float64).eval()
             model.generation_config.pad_token_id = 0
             start = time.perf_counter()
             if key.startswith("refuse"):

@@ -14,8 +14,13 @@ cache, so generating never recompiles:
   (`bind_cache`). A 0-d tensor input would make the graph self-contained, but dynamo
   drops graph inputs the model's code never reads, so it would have to be threaded
   through the model; a baked per-cache int would recompile for every new cache. The
-  price of the binding: one model call at a time per process (calls on several threads
-  at once would share the binding); nested calls are fine (the binding is restored).
+  binding is per thread (`kvcompile.cache.bind`), so calls on several threads each work on
+  their own cache; nested calls are fine (the binding is restored). The compiled calls
+  themselves take turns (`CALLS`, one lock per process, held for one forward: a prefill or
+  one decode step): tracing patches process-wide configuration (dynamo's recompile limit,
+  `backed_size_oblivious`, switched off again while a graph runs), which a call on another
+  thread would otherwise see half-way. Concurrent generate() calls therefore interleave step
+  by step, each with its own cache, and a single caller pays one uncontended lock per step.
 - The cache object. The traced forward gets a stateless stand-in (`GraphCache`): the
   real cache's `seq_length` is a Python int that dynamo would specialise on (one graph
   per generated token), and its mask sizes would give SDPA a (B, 1, T, past + T) mask
@@ -67,10 +72,11 @@ hashes by name; nothing here makes a graph uncacheable: benchmarks/bench_compile
 """
 from __future__ import annotations
 
+import copy
 import functools
 import sys
+import threading
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -125,19 +131,13 @@ def inductor_options(example_inputs, tokens=None, fixed_work=()) -> dict:
     return {} if symbolic else {"cpp.min_chunk_size": SERIAL_WORK}
 
 
-@contextmanager
+CALLS = threading.RLock()  # one compiled forward at a time per process (module doc, "The handle")
+
+
 def bind_cache(cache: KVCompileCache):
-    """Make `cache` the one `kvcompile.attend(..., handle=ACTIVE_HANDLE, ...)` works on."""
-    live = cache_module._LIVE
-    previous = live.get(ACTIVE_HANDLE)
-    live[ACTIVE_HANDLE] = cache
-    try:
-        yield cache
-    finally:
-        if previous is None:
-            live.pop(ACTIVE_HANDLE, None)
-        else:
-            live[ACTIVE_HANDLE] = previous
+    """Make `cache` the one `kvcompile.attend(..., handle=ACTIVE_HANDLE, ...)` works on, in this
+    thread, for the block (`kvcompile.cache.bind`)."""
+    return cache_module.bind(cache)
 
 
 def run_passes(gm: GraphModule, kv_heads: int | None = None, num_layers: int | None = None) -> dict:
@@ -295,10 +295,10 @@ def _mark_dynamic(args, kwargs) -> None:
 
 
 def compile_forward(model, forward=None, *, dynamic: bool | None = None, inductor: bool = True,
-                    kv_heads: int | None = None):
+                    kv_heads: int | None = None) -> "CompiledForward":
     """`forward` (default: the model class's forward) compiled with the kvcompile backend.
 
-    The returned function takes the model's forward arguments. With a KVCompileCache as
+    The returned callable takes the model's forward arguments. With a KVCompileCache as
     `past_key_values` it runs the compiled graph (inference only, under no_grad) with that
     cache bound; otherwise (no cache, use_cache=False) it runs `forward` as is — plain
     attention, what the eager entry does then. The model must keep
@@ -314,12 +314,28 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
         raise PassError(f"kvcompile: the compiled entry needs attn_implementation='sdpa', the model has "
                         f"{config._attn_implementation!r}")
     forward = forward or type(model).forward.__get__(model)
-    compiled = torch.compile(forward, dynamic=dynamic, fullgraph=True,
-                             backend=make_backend(kv_heads or config.num_key_value_heads, config.num_hidden_layers,
-                                                  inductor))
+    return CompiledForward(forward, make_backend(kv_heads or config.num_key_value_heads, config.num_hidden_layers,
+                                                 inductor), dynamic)
 
-    @functools.wraps(forward)
-    def compiled_forward(*args, past_key_values=None, **kwargs):
+
+class CompiledForward:
+    """A model's forward through torch.compile with the kvcompile backend (`compile_forward`).
+
+    It holds the forward it compiles (a method bound to the model), so `copy.deepcopy` of a
+    compiled model gives the copy a CompiledForward of the copy's own forward (its weights):
+    the torch.compile'd function is made again for it (dynamo's guards decide whether the
+    copy reuses the original's graphs)."""
+
+    def __init__(self, forward, backend, dynamic):
+        self.forward, self.backend, self.dynamic = forward, backend, dynamic
+        self.kvcompile_compiled = torch.compile(forward, dynamic=dynamic, fullgraph=True, backend=backend)
+        functools.update_wrapper(self, forward, updated=())
+
+    def __deepcopy__(self, memo):
+        return CompiledForward(copy.deepcopy(self.forward, memo), self.backend, self.dynamic)
+
+    def __call__(self, *args, past_key_values=None, **kwargs):
+        forward = self.forward
         kwargs.pop("kvcompile_cache", None)
         if not isinstance(past_key_values, KVCompileCache):
             return forward(*args, past_key_values=past_key_values, **kwargs)
@@ -337,14 +353,11 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
             kwargs["logits_to_keep"] = torch.arange(-keep, 0, device=tokens.device)
         args = _same_kind(args, kwargs)
         _mark_dynamic(args, kwargs)
-        with torch.no_grad(), bind_cache(past_key_values), \
+        with CALLS, torch.no_grad(), bind_cache(past_key_values), \
                 fx_config.patch(backed_size_oblivious=True), \
                 torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            out = compiled(*args, past_key_values=_GRAPH_CACHE, **kwargs)
+            out = self.kvcompile_compiled(*args, past_key_values=_GRAPH_CACHE, **kwargs)
         if past_key_values.seq_length != start + t:  # e.g. dynamo fell back to eager (recompile limit)
             raise PassError("kvcompile: the compiled forward did not run kvcompile.attend in every layer; "
                             "the cache was not updated")
         return _with_cache(out, _GRAPH_CACHE, past_key_values)
-
-    compiled_forward.kvcompile_compiled = compiled
-    return compiled_forward

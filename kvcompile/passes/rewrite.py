@@ -21,11 +21,12 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import kvcompile.runtime  # noqa: F401  (registers torch.ops.kvcompile.attend)
+from kvcompile.cache import BOUND_HANDLE
 from kvcompile.passes.find import PassError, returns_tuple, sdpa_arguments
 
 aten = torch.ops.aten
 ATTEND = torch.ops.kvcompile.attend.default
-ACTIVE_HANDLE = 0  # the reserved handle of "the cache bound for this call" (see backend.py)
+ACTIVE_HANDLE = BOUND_HANDLE  # the reserved handle of "the cache bound for this call" (see backend.py)
 
 _RESHAPE_METHODS = {"reshape", "view"}
 _RESHAPE_FUNCTIONS = {torch.reshape, aten.reshape.default, aten.view.default, aten._unsafe_view.default}

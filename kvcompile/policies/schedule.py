@@ -70,9 +70,11 @@ class Chunk(PrefillRule):
     over those entries and the chunk and selected back to its budget (the budget of the
     tokens seen so far), merging the evicted entries where the policy merges. Peak KV
     memory: the budget plus one chunk, whatever the prompt length; a chunk at least as long
-    as the prompt is one-pass compression exactly."""
+    as the prompt is one-pass compression exactly. `size` has no default (the chunk is the
+    point of the part: `prefill: chunk` and `{chunk: null}` are refused) and is at most
+    2^24 tokens (above any model's context; a chunk at least as long as the prompt is one pass)."""
 
-    size: int = bounded(512, low=1)
+    size: int = bounded(low=1, high=1 << 24, why="tokens per chunk, at most 2^24: above any model's context")
 
     @property
     def chunk_tokens(self) -> int:
