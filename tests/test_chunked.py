@@ -150,6 +150,7 @@ def test_chunk_at_least_the_prompt_is_reference_compress():
     b, h, g, n, d, layers = 2, 2, 2, 30, 8, 3
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[1, :7] = False
+    rope = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)  # for a scorer that reads the rotary (expected_attention)
     for name in available_specs():
         base = kvcompile.load_spec(name)
         over = {"schedule": {"prefill": {"chunk": n}}}
@@ -157,12 +158,12 @@ def test_chunk_at_least_the_prompt_is_reference_compress():
             over["per_head"] = 10
             over["ranking"] = {base.ranking.name: {"window": 0 if base.budget.split else 2, "sinks": 1}}
         policy = kvcompile.load_spec(name, **over)
-        chunked = reference.ChunkedPrefill(policy, layers)
+        chunked = reference.ChunkedPrefill(policy, layers, rope=rope)
         states = []
         for layer in range(layers):
             q, k, v = (torch.randn(b, x, n, d, generator=gen) * 2 for x in (h * g, h, h))
             chunked.step(layer, q, k, v, mask, None)
-            states.append(LayerState(q, k, v, mask, None))
+            states.append(LayerState(q, k, v, mask, None, rope))
         selection = reference.compress(policy, states)
         for layer in range(layers):
             one = reference.decode_heads(policy, states[layer], selection.kept[layer], selection.merged[layer],
@@ -210,17 +211,19 @@ def test_chunk_covering_the_prompt_is_one_pass_exactly(llama, name):
 @pytest.mark.parametrize("name", ["snapkv", "lava", "zsmerge", "h2o", "dbudgetkv"])
 def test_generate_and_forward_run_the_prompt_chunk_by_chunk(llama, name):
     """generate() feeds the prompt c tokens per call; model() on the whole prompt does the same: its last
-    logits are the ones generate() continues from, and its cache is the generated one's prompt."""
+    logits are the ones generate() continues from, and its cache is the generated one's prompt. The prompt is
+    long enough that every spec evicts before the last chunk (h2o holds 72 per head: 75 tokens evicted
+    nothing a later chunk could miss, so only float noise between kernels told the two apart)."""
     policy = small(name, prefill={"chunk": 16})
-    ids, mask = left_pad([prompt(75, seed=5)[0], prompt(60, seed=6)[0]])
+    ids, mask = left_pad([prompt(120, seed=5)[0], prompt(100, seed=6)[0]])
     with kvcompile.compiled(llama, policy), torch.no_grad():
         out = llama.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
         cache = KVCompileCache(policy, llama.config)
         forward = llama(ids, attention_mask=mask, past_key_values=cache)
-    assert forward.logits.shape == (2, 75, llama.config.vocab_size)
+    assert forward.logits.shape == (2, 120, llama.config.vocab_size)
     assert_close(forward.logits[:, -1], out.logits[0])
-    assert cache.compressing is None and cache.seq_length == 75
+    assert cache.compressing is None and cache.seq_length == 120
     one = small(name)
     with kvcompile.compiled(llama, one), torch.no_grad():
         whole = llama(ids, attention_mask=mask).logits
