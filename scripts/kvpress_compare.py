@@ -1,6 +1,10 @@
-"""kvcompile against NVIDIA's kvpress on the same model, needle prompts and budgets.
+"""kvcompile against NVIDIA's kvpress: the same model, the same prompts, both tools' own code.
 
-Three steps (scripts/kvpress_env.sh runs them in order):
+kvpress pins transformers < 5.3, so it cannot share kvcompile's environment: the steps marked
+(.venv-kvpress) run in kvpress's virtual environment (`bash scripts/kvpress_env.sh setup`) and
+never import kvcompile; the others run in kvcompile's and never import kvpress.
+
+Needle comparison (`bash scripts/kvpress_env.sh needle`): kept tokens, bytes, memory and time.
   prompts    (kvcompile's env)  needle prompts as token ids + the specs' window/kernel -> JSON
   kvpress    (.venv-kvpress)    SnapKVPress, PyramidKVPress, AdaKVPress on every prompt and
                                 budget, plus the full cache: answers, kept token indices per
@@ -8,14 +12,40 @@ Three steps (scripts/kvpress_env.sh runs them in order):
   kvcompile  (kvcompile's env)  our same-named specs on the same prompts and budgets (set to
                                 kvpress's average pooling unless --as-shipped); the comparison
                                 table (accuracy, kept-token agreement, bytes, memory, time)
+  Budgets: B tokens per KV head per layer.  kvpress takes a compression ratio of the prompt; we
+  pass 1 - (B + 0.5)/N so that its int(N * (1 - ratio)) keeps exactly B tokens per head.  The
+  whole prompt (question included) is compressed on both sides, so the observation window is
+  the question's end, as in our runtime; decoding is greedy, as in kvpress's pipeline.
 
-kvpress pins transformers < 5.3, so it cannot share kvcompile's environment; this file never
-imports kvcompile in the kvpress step (and kvpress nowhere else).
-
-Budgets: B tokens per KV head per layer.  kvpress takes a compression ratio of the prompt; we
-pass 1 - (B + 0.5)/N so that its int(N * (1 - ratio)) keeps exactly B tokens per head.  The
-whole prompt (question included) is compressed on both sides, so the observation window is
-the question's end, as in our runtime; decoding is greedy, as in kvpress's pipeline.
+RULER comparison (`bash scripts/kvpress_env.sh ruler`): answer quality, both query modes.
+  (kvcompile)  python3 -m kvcompile eval --suite ruler --samples 10 --dump-dataset S.jsonl
+  ruler        (.venv-kvpress)    kvpress's "kv-press-text-generation" pipeline on every sample of
+               S.jsonl (kvpress's evaluation columns) under each press and KV fraction kept f
+               (compression_ratio = 1 - f), plus no press, in each mode:
+                 agnostic  kvpress's default: the context is prefilled and compressed, then each
+                           question (+ the chat template's end of turn + answer prefix) is fed
+                           through the compressed cache; samples with the same context share
+                           one call (one compression), as kvpress's evaluation groups them;
+                 aware     kvpress's evaluation with query_aware: the question is appended to the
+                           context before compression and the question asked is empty.
+               Greedy, max_new_tokens and answer_prefix from the sample.  The presses are those
+               of kvpress's leaderboard, named and built as its evaluation registry builds them
+               (defaults; expected_attention = AdaKV(ExpectedAttention(epsilon=1e-2))), with
+               eager attention for observed_attention, SDPA otherwise, fp32 on the CPU.
+               -> OUT.jsonl: one record per (sample, mode, press, fraction): index, task, mode,
+               method ("kvpress:NAME", "kvpress:full" without a press), fraction, prediction,
+               press (its repr: every hyper-parameter), context/question tokens, prefill_s
+               (prefill + compression, shared by a group), decode_s, peak_rss_bytes; --resume
+               continues an interrupted run.  OUT.meta.json: versions, presses, settings.
+               OUT.tokens.json: the token ids the pipeline fed (context, questions) for the first
+               calls of each mode.
+  tokens       (kvcompile's env)  those ids against kvcompile's own RULER prompt
+               (kvcompile.ruler.mode_prompt); prints each mismatch, exit 1 if any.
+  ruler-table  (kvcompile's env)  `python3 -m kvcompile eval --suite ruler --dataset S.jsonl
+               --predictions OUT.jsonl --kv-fraction (the run's) --query both ...`: one table per
+               mode, kvcompile's specs and kvpress's presses side by side per fraction and task;
+               options it does not know go on to kvcompile eval (--specs, --out, --plot-dir, ...).
+  Timings are only meaningful from a quiet machine.
 """
 from __future__ import annotations
 
@@ -575,6 +605,8 @@ def cmd_ruler(args) -> None:
     from tqdm import tqdm
 
     torch.set_num_threads(args.threads)
+    if args.quiet:
+        transformers.utils.logging.disable_progress_bar()
     samples = read_samples(args.samples)
     if args.limit:
         samples = samples[:args.limit]
@@ -671,6 +703,22 @@ def cmd_tokens(args) -> None:
         sys.exit(1)
 
 
+def samples_subset(samples: Path, predictions: Path):
+    """When the predictions cover only some samples (ruler --limit), (a file of those rows, their
+    count), written beside the predictions so that kvcompile's rows average the same samples;
+    None when they cover them all.  The rows are copied unchanged (an index is added where the
+    file relied on the row number)."""
+    answered = {json.loads(line)["index"] for line in predictions.read_text(encoding="utf-8").splitlines() if line.strip()}
+    rows = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [{**row, "index": row.get("index", i)} for i, row in enumerate(rows)]
+    kept = [row for row in rows if row["index"] in answered]
+    if len(kept) == len(rows):
+        return None
+    path = predictions.with_name(f"{predictions.stem}.samples.jsonl")
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
+    return path, len(kept)
+
+
 def cmd_ruler_table(args, rest: list[str]) -> None:
     """`kvcompile eval --suite ruler` on the same samples, kvpress's predictions scored into its
     table: kvcompile's specs and kvpress's presses side by side per mode, fraction and task."""
@@ -681,7 +729,13 @@ def cmd_ruler_table(args, rest: list[str]) -> None:
     fractions = args.fractions or meta.get("fractions") or list(RULER_FRACTIONS)
     modes = args.modes or meta.get("modes") or list(MODES)
     query = "both" if set(modes) == set(MODES) else modes[0]
-    cmd = [sys.executable, "-m", "kvcompile", "eval", "--suite", "ruler", "--dataset", args.samples,
+    samples = args.samples
+    subset = samples_subset(Path(samples), Path(args.predictions))
+    if subset is not None:
+        print(f"ruler-table: kvpress answered {subset[1]} of the file's samples; kvcompile runs those ({subset[0]})",
+              file=sys.stderr)
+        samples = str(subset[0])
+    cmd = [sys.executable, "-m", "kvcompile", "eval", "--suite", "ruler", "--dataset", samples,
            "--predictions", args.predictions, "--kv-fraction", ",".join(map(str, fractions)), "--query", query]
     cmd += ["--specs", args.specs] if args.specs else []
     cmd += ["--out", args.out] if args.out else []

@@ -141,3 +141,16 @@ def test_tokens_step_reports_a_mismatch(tmp_path, capsys):
     assert exc.value.code == 1
     out = capsys.readouterr().out
     assert "sample 1 (agnostic) question" in out and "first difference at 2" in out and "1 mismatching" in out
+
+
+def test_ruler_table_runs_kvcompile_on_the_answered_samples_only(tmp_path):
+    samples = write_jsonl(tmp_path / "s.jsonl", [row(), row(context="B"), row(context="C")])
+    preds = write_jsonl(tmp_path / "p.jsonl", [
+        {"index": i, "mode": m, "method": "kvpress:full", "fraction": None, "prediction": "x"}
+        for i in (0, 2) for m in ("aware", "agnostic")])
+    path, count = kc.samples_subset(samples, preds)
+    assert count == 2 and path == tmp_path / "p.samples.jsonl"
+    assert [(r["index"], r["context"]) for r in kc.read_samples(path)] == [(0, row()["context"]), (2, "C")]
+    write_jsonl(preds, [{"index": i, "mode": "aware", "method": "kvpress:full", "fraction": None, "prediction": "x"}
+                        for i in range(3)])
+    assert kc.samples_subset(samples, preds) is None
