@@ -35,7 +35,8 @@ RULER comparison (`bash scripts/kvpress_env.sh ruler`): answer quality, both que
                -> OUT.jsonl: one record per (sample, mode, press, fraction): index, task, mode,
                method ("kvpress:NAME", "kvpress:full" without a press), fraction, prediction,
                press (its repr: every hyper-parameter), context/question tokens, prefill_s
-               (prefill + compression, shared by a group), decode_s, peak_rss_bytes; --resume
+               (prefill + compression, shared by a group), decode_s, peak_rss_bytes, call_cpu_s (the
+               process's CPU seconds in the call: with wall seconds, shows a loaded machine); --resume
                continues an interrupted run.  OUT.meta.json: versions, presses, settings.
                OUT.tokens.json: the token ids the pipeline fed (context, questions) for the first
                calls of each mode.
@@ -628,7 +629,8 @@ def cmd_ruler(args) -> None:
                          "torch": torch.__version__},
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "timings": "prefill_s (prefill + compression, shared by a group's questions), decode_s (the "
-                       "question's forward pass + greedy decode), peak_rss_bytes (the pipeline call, above its start)"}
+                       "question's forward pass + greedy decode), peak_rss_bytes (the pipeline call, above its start), "
+                       "call_cpu_s (the process's CPU seconds in the whole call, all threads)"}
     side_path(out, "meta").write_text(json.dumps(meta, indent=1))
     tokens_file = side_path(out, "tokens")
     token_groups = json.loads(tokens_file.read_text())["groups"] if args.resume and tokens_file.is_file() else []
@@ -648,9 +650,11 @@ def cmd_ruler(args) -> None:
             press = None if press_name == FULL else ruler_press(press_name, fraction)
             context, _ = mode_inputs(group[0], mode)
             questions = [mode_inputs(s, mode)[1] for s in group]
+            cpu = time.process_time()
             with PipelineClock(pipe) as clock, PeakRSS() as mem, torch.inference_mode():
                 answers = pipe(context, questions=questions, answer_prefix=group[0]["answer_prefix"], press=press,
                                max_new_tokens=group[0]["max_new_tokens"])["answers"]
+            cpu = time.process_time() - cpu
             context_ids, questions_ids = clock.fed_ids()
             if sum(g["mode"] == mode for g in token_groups) < args.token_samples and \
                     not any(g["mode"] == mode and g["indices"] == [s["index"] for s in group] for g in token_groups):
@@ -664,7 +668,7 @@ def cmd_ruler(args) -> None:
                           "compression_ratio": 0.0 if press is None else press.compression_ratio,
                           "context_tokens": len(context_ids), "question_tokens": len(q_ids), "group_size": len(group),
                           "prefill_s": clock.prefill_s, "decode_s": decode_s, "preprocess_s": clock.preprocess_s,
-                          "peak_rss_bytes": mem.bytes}
+                          "peak_rss_bytes": mem.bytes, "call_cpu_s": cpu}
                 f.write(json.dumps(record) + "\n")
             f.flush()
     print(f"{len(todo)} pipeline calls ({len(samples)} samples, modes {','.join(args.modes)}) -> {out} "
