@@ -39,7 +39,8 @@ RULER comparison (`bash scripts/kvpress_env.sh ruler`): answer quality, both que
                process's CPU seconds in the call: with wall seconds, shows a loaded machine); --resume
                continues an interrupted run.  OUT.meta.json: versions, presses, settings.
                OUT.tokens.json: the token ids the pipeline fed (context, questions) for the first
-               calls of each mode.
+               calls of each mode.  A call that raises writes no record: it is listed in
+               OUT.meta.json ("failures") and at the end, and the step exits 1.
   tokens       (kvcompile's env)  those ids against kvcompile's own RULER prompt
                (kvcompile.ruler.mode_prompt); prints each mismatch, exit 1 if any.
   ruler-table  (kvcompile's env)  `python3 -m kvcompile eval --suite ruler --dataset S.jsonl
@@ -633,6 +634,7 @@ def cmd_ruler(args) -> None:
                        "call_cpu_s (the process's CPU seconds in the whole call, all threads)"}
     side_path(out, "meta").write_text(json.dumps(meta, indent=1))
     tokens_file = side_path(out, "tokens")
+    failures: list[dict] = []
     token_groups = json.loads(tokens_file.read_text())["groups"] if args.resume and tokens_file.is_file() else []
     todo = [(mode, press, fraction, group) for mode in args.modes for press, fraction in runs
             for group in groups[mode]
@@ -651,9 +653,15 @@ def cmd_ruler(args) -> None:
             context, _ = mode_inputs(group[0], mode)
             questions = [mode_inputs(s, mode)[1] for s in group]
             cpu = time.process_time()
-            with PipelineClock(pipe) as clock, PeakRSS() as mem, torch.inference_mode():
-                answers = pipe(context, questions=questions, answer_prefix=group[0]["answer_prefix"], press=press,
-                               max_new_tokens=group[0]["max_new_tokens"])["answers"]
+            try:
+                with PipelineClock(pipe) as clock, PeakRSS() as mem, torch.inference_mode():
+                    answers = pipe(context, questions=questions, answer_prefix=group[0]["answer_prefix"], press=press,
+                                   max_new_tokens=group[0]["max_new_tokens"])["answers"]
+            except Exception as exc:  # a press that fails on a sample: no prediction, named at the end
+                failures.append({"mode": mode, "method": method_name(press_name), "fraction": fraction,
+                                 "indices": [s["index"] for s in group], "error": f"{type(exc).__name__}: {exc}"})
+                side_path(out, "meta").write_text(json.dumps({**meta, "failures": failures}, indent=1))
+                continue
             cpu = time.process_time() - cpu
             context_ids, questions_ids = clock.fed_ids()
             if sum(g["mode"] == mode for g in token_groups) < args.token_samples and \
@@ -671,6 +679,12 @@ def cmd_ruler(args) -> None:
                           "peak_rss_bytes": mem.bytes, "call_cpu_s": cpu}
                 f.write(json.dumps(record) + "\n")
             f.flush()
+    for fail in failures:
+        print(f"FAILED {fail['mode']} {fail['method']} {fail['fraction']} samples {fail['indices']}: {fail['error']}",
+              file=sys.stderr)
+    if failures:
+        sys.exit(f"{len(failures)} of {len(todo)} pipeline calls failed (no prediction written; listed in "
+                 f"{side_path(out, 'meta')})")
     print(f"{len(todo)} pipeline calls ({len(samples)} samples, modes {','.join(args.modes)}) -> {out} "
           f"(+ {side_path(out, 'meta').name}, {side_path(out, 'tokens').name})")
 
