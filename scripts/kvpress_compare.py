@@ -1,6 +1,10 @@
-"""kvcompile against NVIDIA's kvpress on the same model, needle prompts and budgets.
+"""kvcompile against NVIDIA's kvpress: the same model, the same prompts, both tools' own code.
 
-Three steps (scripts/kvpress_env.sh runs them in order):
+kvpress pins transformers < 5.3, so it cannot share kvcompile's environment: the steps marked
+(.venv-kvpress) run in kvpress's virtual environment (`bash scripts/kvpress_env.sh setup`) and
+never import kvcompile; the others run in kvcompile's and never import kvpress.
+
+Needle comparison (`bash scripts/kvpress_env.sh needle`): kept tokens, bytes, memory and time.
   prompts    (kvcompile's env)  needle prompts as token ids + the specs' window/kernel -> JSON
   kvpress    (.venv-kvpress)    SnapKVPress, PyramidKVPress, AdaKVPress on every prompt and
                                 budget, plus the full cache: answers, kept token indices per
@@ -8,14 +12,42 @@ Three steps (scripts/kvpress_env.sh runs them in order):
   kvcompile  (kvcompile's env)  our same-named specs on the same prompts and budgets (set to
                                 kvpress's average pooling unless --as-shipped); the comparison
                                 table (accuracy, kept-token agreement, bytes, memory, time)
+  Budgets: B tokens per KV head per layer.  kvpress takes a compression ratio of the prompt; we
+  pass 1 - (B + 0.5)/N so that its int(N * (1 - ratio)) keeps exactly B tokens per head.  The
+  whole prompt (question included) is compressed on both sides, so the observation window is
+  the question's end, as in our runtime; decoding is greedy, as in kvpress's pipeline.
 
-kvpress pins transformers < 5.3, so it cannot share kvcompile's environment; this file never
-imports kvcompile in the kvpress step (and kvpress nowhere else).
-
-Budgets: B tokens per KV head per layer.  kvpress takes a compression ratio of the prompt; we
-pass 1 - (B + 0.5)/N so that its int(N * (1 - ratio)) keeps exactly B tokens per head.  The
-whole prompt (question included) is compressed on both sides, so the observation window is
-the question's end, as in our runtime; decoding is greedy, as in kvpress's pipeline.
+RULER comparison (`bash scripts/kvpress_env.sh ruler`): answer quality, both query modes.
+  (kvcompile)  python3 -m kvcompile eval --suite ruler --samples 10 --dump-dataset S.jsonl
+  ruler        (.venv-kvpress)    kvpress's "kv-press-text-generation" pipeline on every sample of
+               S.jsonl (kvpress's evaluation columns) under each press and KV fraction kept f
+               (compression_ratio = 1 - f), plus no press, in each mode:
+                 agnostic  kvpress's default: the context is prefilled and compressed, then each
+                           question (+ the chat template's end of turn + answer prefix) is fed
+                           through the compressed cache; samples with the same context share
+                           one call (one compression), as kvpress's evaluation groups them;
+                 aware     kvpress's evaluation with query_aware: the question is appended to the
+                           context before compression and the question asked is empty.
+               Greedy, max_new_tokens and answer_prefix from the sample.  The presses are those
+               of kvpress's leaderboard, named and built as its evaluation registry builds them
+               (defaults; expected_attention = AdaKV(ExpectedAttention(epsilon=1e-2))), with
+               eager attention for observed_attention, SDPA otherwise, fp32 on the CPU.
+               -> OUT.jsonl: one record per (sample, mode, press, fraction): index, task, mode,
+               method ("kvpress:NAME", "kvpress:full" without a press), fraction, prediction,
+               press (its repr: every hyper-parameter), context/question tokens, prefill_s
+               (prefill + compression, shared by a group), decode_s, peak_rss_bytes, call_cpu_s (the
+               process's CPU seconds in the call: with wall seconds, shows a loaded machine); --resume
+               continues an interrupted run.  OUT.meta.json: versions, presses, settings.
+               OUT.tokens.json: the token ids the pipeline fed (context, questions) for the first
+               calls of each mode.  A call that raises writes no record: it is listed in
+               OUT.meta.json ("failures") and at the end, and the step exits 1.
+  tokens       (kvcompile's env)  those ids against kvcompile's own RULER prompt
+               (kvcompile.ruler.mode_prompt); prints each mismatch, exit 1 if any.
+  ruler-table  (kvcompile's env)  `python3 -m kvcompile eval --suite ruler --dataset S.jsonl
+               --predictions OUT.jsonl --kv-fraction (the run's) --query both ...`: one table per
+               mode, kvcompile's specs and kvpress's presses side by side per fraction and task;
+               options it does not know go on to kvcompile eval (--specs, --out, --plot-dir, ...).
+  Timings are only meaningful from a quiet machine.
 """
 from __future__ import annotations
 
@@ -334,6 +366,403 @@ def markdown(rows: list[dict], n: int) -> str:
     return "\n".join(out)
 
 
+# --- RULER: kvpress's presses through its own pipeline, on kvcompile's samples --------------
+#
+# Steps `ruler` (.venv-kvpress), `tokens` and `ruler-table` (kvcompile's environment).  The
+# samples are the JSONL `kvcompile eval --suite ruler --dump-dataset` writes (kvpress's
+# evaluation columns); the predictions are the JSONL `kvcompile eval --predictions` reads.
+
+# kvpress's leaderboard presses, by the names of its evaluation registry
+# (evaluation/evaluate_registry.py, PRESS_REGISTRY), each built as that registry builds it: the
+# hyper-parameters are kvpress's defaults except where the registry sets one (expected_attention:
+# AdaKV over ExpectedAttention with epsilon 1e-2).  The compression ratio is set per run.
+RULER_PRESSES = ("snapkv", "pyramidkv", "adakv_snapkv", "streaming_llm", "tova", "observed_attention",
+                 "knorm", "expected_attention", "kvzip")
+RULER_FRACTIONS = (0.1, 0.25, 0.5)
+MODES = ("aware", "agnostic")
+FULL = "full"  # the run without a press (method "kvpress:full")
+
+
+def method_name(press: str) -> str:
+    """The predictions' method label: kept apart from kvcompile's spec names by the prefix."""
+    return f"kvpress:{press}"
+
+
+def kept_fractions(text: str) -> list[float]:
+    """--fractions: KV shares kept, each in (0, 1) (kvpress's compression_ratio = 1 - f)."""
+    values = csv(float)(text)
+    bad = [v for v in values if not 0 < v < 1]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"fractions kept must be in (0, 1), got {text!r}")
+    return values
+
+
+def choices(allowed):
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = [v for v in values if v not in allowed]
+        if unknown or not values:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown) or 'empty list'}: one of {', '.join(allowed)}")
+        return values
+    return parse
+
+
+class SamplesError(ValueError):
+    """A samples file that is not in kvpress's evaluation columns (file, line, column)."""
+
+
+def read_samples(path) -> list[dict]:
+    """Samples in kvpress's evaluation columns from JSONL (or Parquet): context, question,
+    answers (a list) or answer, optional answer_prefix (default ""), max_new_tokens (default 128),
+    task (default "dataset") and index (default the row's number from 0), as kvcompile's
+    `eval --dataset` reads them, so both tools answer the same samples under the same indices."""
+    path = Path(path)
+    if not path.is_file():
+        raise SamplesError(f"{path}: no such file")
+    if path.suffix.lower() in (".parquet", ".pq"):
+        import pandas  # kvpress depends on pandas (and datasets on pyarrow)
+
+        rows = [(i + 1, row) for i, row in enumerate(pandas.read_parquet(path).to_dict("records"))]
+        where = "row"
+    else:
+        rows, where = [], "line"
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as exc:
+                    raise SamplesError(f"{path}, line {line_no}: not JSON ({exc})") from None
+                if not isinstance(row, dict):
+                    raise SamplesError(f"{path}, line {line_no}: expected a JSON object")
+                rows.append((line_no, row))
+    if not rows:
+        raise SamplesError(f"{path}: no samples")
+    samples, seen = [], set()
+    for i, (line_no, row) in enumerate(rows):
+        at = f"{path}, {where} {line_no}"
+        for column in ("context", "question"):
+            if not isinstance(row.get(column), str):
+                raise SamplesError(f"{at}: column '{column}' missing or not text")
+        gold = row.get("answers", row.get("answer"))
+        if gold is None:
+            raise SamplesError(f"{at}: column 'answers' (or 'answer') missing")
+        gold = [gold] if isinstance(gold, str) else [str(a) for a in list(gold)]
+        index = row.get("index", i)
+        if not isinstance(index, int) or index in seen:
+            raise SamplesError(f"{at}: 'index' must be a distinct integer, got {index!r}")
+        seen.add(index)
+        new = row.get("max_new_tokens") or 128
+        if not isinstance(new, int) or new < 1:
+            raise SamplesError(f"{at}: 'max_new_tokens' must be a positive integer, got {new!r}")
+        samples.append({"index": index, "task": str(row.get("task") or "dataset"), "context": row["context"],
+                        "question": row["question"], "answer_prefix": str(row.get("answer_prefix") or ""),
+                        "answers": gold, "max_new_tokens": int(new)})
+    return samples
+
+
+def mode_inputs(sample: dict, mode: str) -> tuple[str, str]:
+    """(context, question) handed to kvpress's pipeline: agnostic as they are (the context is
+    compressed, then the question is fed); aware as kvpress's evaluation does with query_aware
+    (evaluate.py: the question is appended to the context and the question is empty)."""
+    if mode == "agnostic":
+        return sample["context"], sample["question"]
+    if mode == "aware":
+        return sample["context"] + sample["question"], ""
+    raise ValueError(f"mode is 'aware' or 'agnostic', got {mode!r}")
+
+
+def context_groups(samples: list[dict], mode: str) -> list[list[dict]]:
+    """Samples that share one pipeline call: kvpress's evaluation groups rows by context (its
+    pipeline prefills and compresses a context once and answers each question from it); here
+    the answer prefix and max_new_tokens must agree too, which evaluate.py assumes of a group."""
+    groups: dict = {}
+    for s in samples:
+        context, _ = mode_inputs(s, mode)
+        groups.setdefault((context, s["answer_prefix"], s["max_new_tokens"]), []).append(s)
+    return list(groups.values())
+
+
+def run_key(index: int, mode: str, method: str, fraction) -> tuple:
+    return (index, mode, method, None if fraction is None else round(float(fraction), 6))
+
+
+def done_runs(path: Path) -> set:
+    """Keys of the prediction records already in `path` (for --resume)."""
+    if not path.is_file():
+        return set()
+    done = set()
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                done.add(run_key(r["index"], r["mode"], r["method"], r["fraction"]))
+    return done
+
+
+def first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    """The first position where two token id lists differ (a length difference counts), or None."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            return i
+    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
+
+
+def side_path(out: Path, what: str) -> Path:
+    """kvpress_ruler.jsonl -> kvpress_ruler.{what}.json (the run's metadata, the fed token ids)."""
+    return out.with_name(f"{out.stem}.{what}.json")
+
+
+def ruler_press(name: str, fraction: float):
+    """kvpress's press `name` as its evaluation registry builds it, keeping `fraction` of the KV
+    (compression_ratio = 1 - fraction, set on the press as evaluate.py sets it; AdaKVPress passes
+    it on to the press it wraps)."""
+    import kvpress as kp
+
+    build = {
+        "snapkv": lambda: kp.SnapKVPress(),
+        "pyramidkv": lambda: kp.PyramidKVPress(),
+        "adakv_snapkv": lambda: kp.AdaKVPress(kp.SnapKVPress()),
+        "streaming_llm": lambda: kp.StreamingLLMPress(),
+        "tova": lambda: kp.TOVAPress(),
+        "observed_attention": lambda: kp.ObservedAttentionPress(),
+        "knorm": lambda: kp.KnormPress(),
+        "expected_attention": lambda: kp.AdaKVPress(kp.ExpectedAttentionPress(epsilon=1e-2)),
+        "kvzip": lambda: kp.KVzipPress(),
+    }
+    press = build[name]()
+    press.compression_ratio = 1.0 - fraction
+    return press
+
+
+def kvpress_pipeline(model_dir: str, eager: bool):
+    """kvpress's "kv-press-text-generation" pipeline on the CPU in fp32; attention as kvpress's
+    evaluation chooses it without flash-attn: eager for ObservedAttentionPress (it reads the
+    attention weights), transformers' default (SDPA) otherwise."""
+    import torch
+    from transformers import pipeline
+
+    import kvpress  # noqa: F401  (registers the pipeline)
+
+    kwargs = {"dtype": torch.float32, **({"attn_implementation": "eager"} if eager else {})}
+    pipe = pipeline("kv-press-text-generation", model=model_dir, device="cpu", model_kwargs=kwargs)
+    pipe.model.eval()
+    return pipe
+
+
+class PipelineClock:
+    """Seconds kvpress's pipeline spends per call, and the token ids it feeds, read by wrapping
+    this pipeline object's own methods while the `with` block lasts (the class is untouched):
+    preprocess (chat template + tokenization; its output is what the model is fed), _forward
+    (prefill + compression, then each question's answer) and generate_answer (one question:
+    its forward pass and the greedy decode).  prefill_s = _forward - the answers."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    def __enter__(self):
+        pipe = self.pipe
+        self.preprocess_s, self.forward_s, self.answer_s, self.fed = 0.0, 0.0, [], None
+        preprocess, forward, answer = pipe.preprocess, pipe._forward, pipe.generate_answer
+
+        def timed_preprocess(*a, **k):
+            start = time.perf_counter()
+            self.fed = preprocess(*a, **k)
+            self.preprocess_s += time.perf_counter() - start
+            return self.fed
+
+        def timed_forward(*a, **k):
+            start = time.perf_counter()
+            out = forward(*a, **k)
+            self.forward_s += time.perf_counter() - start
+            return out
+
+        def timed_answer(*a, **k):
+            start = time.perf_counter()
+            out = answer(*a, **k)
+            self.answer_s.append(time.perf_counter() - start)
+            return out
+
+        pipe.preprocess, pipe._forward, pipe.generate_answer = timed_preprocess, timed_forward, timed_answer
+        return self
+
+    def __exit__(self, *exc):
+        for name in ("preprocess", "_forward", "generate_answer"):
+            delattr(self.pipe, name)  # back to the class's methods
+
+    @property
+    def prefill_s(self) -> float:
+        return self.forward_s - sum(self.answer_s)
+
+    def fed_ids(self) -> tuple[list[int], list[list[int]]]:
+        return self.fed["context_ids"][0].tolist(), [q[0].tolist() for q in self.fed["questions_ids"]]
+
+
+def cmd_ruler(args) -> None:
+    from importlib.metadata import version
+
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    if args.quiet:
+        transformers.utils.logging.disable_progress_bar()
+    samples = read_samples(args.samples)
+    if args.limit:
+        samples = samples[:args.limit]
+    model_dir = str(Path(args.model).resolve())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = done_runs(out) if args.resume else set()
+    if not args.resume:
+        out.write_text("")
+    runs = ([(FULL, None)] if args.full else []) + [(p, f) for p in args.presses for f in args.fractions]
+    groups = {mode: context_groups(samples, mode) for mode in args.modes}
+    pipes: dict = {}
+    presses_meta = {p: {str(f): repr(ruler_press(p, f)) for f in args.fractions} for p in args.presses}
+    meta = {"model": model_dir, "samples_file": str(Path(args.samples).resolve()), "samples": len(samples),
+            "modes": args.modes, "fractions": args.fractions, "presses": presses_meta, "full": args.full,
+            "threads": torch.get_num_threads(), "dtype": "float32", "device": "cpu",
+            "attention": {p: "eager" if p == "observed_attention" else "sdpa" for p in args.presses},
+            "versions": {"kvpress": version("kvpress"), "transformers": transformers.__version__,
+                         "torch": torch.__version__},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "timings": "prefill_s (prefill + compression, shared by a group's questions), decode_s (the "
+                       "question's forward pass + greedy decode), peak_rss_bytes (the pipeline call, above its start), "
+                       "call_cpu_s (the process's CPU seconds in the whole call, all threads)"}
+    side_path(out, "meta").write_text(json.dumps(meta, indent=1))
+    tokens_file = side_path(out, "tokens")
+    failures: list[dict] = []
+    token_groups = json.loads(tokens_file.read_text())["groups"] if args.resume and tokens_file.is_file() else []
+    todo = [(mode, press, fraction, group) for mode in args.modes for press, fraction in runs
+            for group in groups[mode]
+            if any(run_key(s["index"], mode, method_name(press), fraction) not in done for s in group)]
+    bar = tqdm(todo, desc="kvpress ruler", unit="call", disable=args.quiet)
+    with open(out, "a", encoding="utf-8") as f:
+        for mode, press_name, fraction, group in bar:
+            eager = press_name == "observed_attention"
+            if eager not in pipes:
+                pipes[eager] = kvpress_pipeline(model_dir, eager)
+                with torch.inference_mode():
+                    pipes[eager]("A short warm-up text. " * 8, question="What is it?", max_new_tokens=2)
+            pipe = pipes[eager]
+            bar.set_postfix_str(f"{mode} {press_name} {fraction or ''}".strip())
+            press = None if press_name == FULL else ruler_press(press_name, fraction)
+            context, _ = mode_inputs(group[0], mode)
+            questions = [mode_inputs(s, mode)[1] for s in group]
+            cpu = time.process_time()
+            try:
+                with PipelineClock(pipe) as clock, PeakRSS() as mem, torch.inference_mode():
+                    answers = pipe(context, questions=questions, answer_prefix=group[0]["answer_prefix"], press=press,
+                                   max_new_tokens=group[0]["max_new_tokens"])["answers"]
+            except Exception as exc:  # a press that fails on a sample: no prediction, named at the end
+                failures.append({"mode": mode, "method": method_name(press_name), "fraction": fraction,
+                                 "indices": [s["index"] for s in group], "error": f"{type(exc).__name__}: {exc}"})
+                side_path(out, "meta").write_text(json.dumps({**meta, "failures": failures}, indent=1))
+                continue
+            cpu = time.process_time() - cpu
+            context_ids, questions_ids = clock.fed_ids()
+            if sum(g["mode"] == mode for g in token_groups) < args.token_samples and \
+                    not any(g["mode"] == mode and g["indices"] == [s["index"] for s in group] for g in token_groups):
+                token_groups.append({"mode": mode, "indices": [s["index"] for s in group],
+                                     "context_ids": context_ids, "questions_ids": questions_ids})
+                tokens_file.write_text(json.dumps({"model": model_dir, "groups": token_groups}))
+            for s, answer, decode_s, q_ids in zip(group, answers, clock.answer_s, questions_ids):
+                record = {"index": s["index"], "task": s["task"], "mode": mode, "method": method_name(press_name),
+                          "fraction": fraction, "prediction": answer,
+                          "press": None if press is None else repr(press),
+                          "compression_ratio": 0.0 if press is None else press.compression_ratio,
+                          "context_tokens": len(context_ids), "question_tokens": len(q_ids), "group_size": len(group),
+                          "prefill_s": clock.prefill_s, "decode_s": decode_s, "preprocess_s": clock.preprocess_s,
+                          "peak_rss_bytes": mem.bytes, "call_cpu_s": cpu}
+                f.write(json.dumps(record) + "\n")
+            f.flush()
+    for fail in failures:
+        print(f"FAILED {fail['mode']} {fail['method']} {fail['fraction']} samples {fail['indices']}: {fail['error']}",
+              file=sys.stderr)
+    if failures:
+        sys.exit(f"{len(failures)} of {len(todo)} pipeline calls failed (no prediction written; listed in "
+                 f"{side_path(out, 'meta')})")
+    print(f"{len(todo)} pipeline calls ({len(samples)} samples, modes {','.join(args.modes)}) -> {out} "
+          f"(+ {side_path(out, 'meta').name}, {side_path(out, 'tokens').name})")
+
+
+def cmd_tokens(args) -> None:
+    """kvcompile's prompt ids (kvcompile.ruler.mode_prompt) against the ids kvpress's pipeline fed."""
+    from transformers import AutoTokenizer
+
+    try:
+        from kvcompile import ruler
+    except ImportError:
+        sys.exit("tokens: this kvcompile has no RULER suite (kvcompile.ruler); run it where "
+                 "`kvcompile eval --suite ruler` exists")
+    fed = json.loads(Path(args.tokens).read_text())
+    samples = {s["index"]: s for s in ruler.load_dataset(args.samples)}
+    tokenizer = AutoTokenizer.from_pretrained(args.model or fed["model"])
+    checked, mismatches = 0, []
+    for g in fed["groups"]:
+        for i, index in enumerate(g["indices"]):
+            ours_context, ours_question = ruler.mode_prompt(tokenizer, samples[index], g["mode"])
+            for part, ours, theirs in (("context", ours_context, g["context_ids"]),
+                                       ("question", ours_question, g["questions_ids"][i])):
+                at = first_difference(ours, theirs)
+                if at is not None:
+                    mismatches.append(f"sample {index} ({g['mode']}) {part}: {len(ours)} ids (kvcompile) vs "
+                                      f"{len(theirs)} (kvpress), first difference at {at}: kvcompile "
+                                      f"{tokenizer.decode(ours[max(0, at - 5):at + 5])!r} vs kvpress "
+                                      f"{tokenizer.decode(theirs[max(0, at - 5):at + 5])!r}")
+            checked += 1
+    for line in mismatches:
+        print(line)
+    print(f"tokens: {checked} sample prompts compared, {len(mismatches)} mismatching part(s)")
+    if mismatches:
+        sys.exit(1)
+
+
+def samples_subset(samples: Path, predictions: Path):
+    """When the predictions cover only some samples (ruler --limit), (a file of those rows, their
+    count), written beside the predictions so that kvcompile's rows average the same samples;
+    None when they cover them all.  The rows are copied unchanged (an index is added where the
+    file relied on the row number)."""
+    answered = {json.loads(line)["index"] for line in predictions.read_text(encoding="utf-8").splitlines() if line.strip()}
+    rows = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [{**row, "index": row.get("index", i)} for i, row in enumerate(rows)]
+    kept = [row for row in rows if row["index"] in answered]
+    if len(kept) == len(rows):
+        return None
+    path = predictions.with_name(f"{predictions.stem}.samples.jsonl")
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
+    return path, len(kept)
+
+
+def cmd_ruler_table(args, rest: list[str]) -> None:
+    """`kvcompile eval --suite ruler` on the same samples, kvpress's predictions scored into its
+    table: kvcompile's specs and kvpress's presses side by side per mode, fraction and task."""
+    import subprocess
+
+    meta_file = side_path(Path(args.predictions), "meta")
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    fractions = args.fractions or meta.get("fractions") or list(RULER_FRACTIONS)
+    modes = args.modes or meta.get("modes") or list(MODES)
+    query = "both" if set(modes) == set(MODES) else modes[0]
+    samples = args.samples
+    subset = samples_subset(Path(samples), Path(args.predictions))
+    if subset is not None:
+        print(f"ruler-table: kvpress answered {subset[1]} of the file's samples; kvcompile runs those ({subset[0]})",
+              file=sys.stderr)
+        samples = str(subset[0])
+    cmd = [sys.executable, "-m", "kvcompile", "eval", "--suite", "ruler", "--dataset", samples,
+           "--predictions", args.predictions, "--kv-fraction", ",".join(map(str, fractions)), "--query", query]
+    cmd += ["--specs", args.specs] if args.specs else []
+    cmd += ["--out", args.out] if args.out else []
+    cmd += ["--plot-dir", args.plot_dir] if args.plot_dir else []
+    cmd += rest
+    print("+ " + " ".join(cmd), file=sys.stderr)
+    sys.exit(subprocess.run(cmd).returncode)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="step", required=True)
@@ -360,7 +789,56 @@ def main(argv=None) -> None:
                            help="give every layer the same budget (layers: uniform): what kvpress's "
                                 "PyramidKVPress does when a layer's budget / beta is below its window")
         q.set_defaults(func=func)
-    args = parser.parse_args(argv)
+
+    home = Path(os.environ.get("KVCOMPILE_HOME") or Path(__file__).resolve().parents[1])
+    r = sub.add_parser("ruler", help="kvpress's presses on RULER samples through its pipeline, both query "
+                                     "modes (its own venv): prediction records as JSONL")
+    r.add_argument("--samples", required=True, help="JSONL (or Parquet) in kvpress's evaluation columns, "
+                                                    "e.g. from `kvcompile eval --suite ruler --dump-dataset`")
+    r.add_argument("--out", required=True, help="prediction records (JSONL); beside it OUT-stem.meta.json "
+                                                "(presses, versions) and OUT-stem.tokens.json (the fed token ids)")
+    r.add_argument("--presses", type=choices(RULER_PRESSES), default=list(RULER_PRESSES),
+                   help=f"comma-separated, kvpress's registry names (default {','.join(RULER_PRESSES)})")
+    r.add_argument("--fractions", type=kept_fractions, default=list(RULER_FRACTIONS),
+                   help="KV shares kept, comma-separated (default 0.1,0.25,0.5); compression_ratio = 1 - f")
+    r.add_argument("--modes", type=choices(MODES), default=list(MODES),
+                   help="aware, agnostic or both comma-separated (default aware,agnostic)")
+    r.add_argument("--limit", type=int, default=None, help="only the first N samples of the file")
+    r.add_argument("--no-full", dest="full", action="store_false", help="skip the run without a press")
+    r.add_argument("--model", default=str(home / "models" / "smollm2-135m"),
+                   help="checkpoint folder (default $KVCOMPILE_HOME/models/smollm2-135m, else the checkout's)")
+    r.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    r.add_argument("--token-samples", type=int, default=3,
+                   help="write the token ids fed for the first N pipeline calls of each mode (default 3)")
+    r.add_argument("--resume", action="store_true", help="keep --out's records and run only the missing ones")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_ruler)
+
+    t = sub.add_parser("tokens", help="compare kvcompile's RULER prompt ids with those kvpress's pipeline fed "
+                                      "(kvcompile's environment); exit 1 on a mismatch")
+    t.add_argument("--samples", required=True, help="the samples file the ruler step read")
+    t.add_argument("--tokens", required=True, help="the ruler step's OUT-stem.tokens.json")
+    t.add_argument("--model", default=None, help="tokenizer folder (default the one kvpress used)")
+    t.set_defaults(func=cmd_tokens)
+
+    tab = sub.add_parser("ruler-table", help="one table: `kvcompile eval --suite ruler` on the samples with "
+                                             "kvpress's predictions (kvcompile's environment); other options "
+                                             "go to kvcompile eval")
+    tab.add_argument("--samples", required=True, help="the samples file the ruler step read")
+    tab.add_argument("--predictions", required=True, help="the ruler step's JSONL")
+    tab.add_argument("--fractions", type=kept_fractions, default=None,
+                     help="KV shares kept for kvcompile's specs (default: those of the kvpress run)")
+    tab.add_argument("--modes", type=choices(MODES), default=None, help="default: those of the kvpress run")
+    tab.add_argument("--specs", default=None, help="kvcompile's specs, comma-separated (default kvcompile eval's)")
+    tab.add_argument("--out", default=None, help="kvcompile eval's --out JSON")
+    tab.add_argument("--plot-dir", default=None, help="kvcompile eval's --plot-dir")
+    tab.set_defaults(func=cmd_ruler_table)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.func is cmd_ruler_table:
+        return cmd_ruler_table(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.func(args)
 
 

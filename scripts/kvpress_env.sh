@@ -1,6 +1,16 @@
 #!/usr/bin/env bash
-# NVIDIA's kvpress side by side with kvcompile, on the same model, prompts and budgets.
-#   bash scripts/kvpress_env.sh [--lengths 1000,2000] [--depths ...] [--budgets 64,128] ...
+# NVIDIA's kvpress side by side with kvcompile, on the same model and the same prompts.
+#   bash scripts/kvpress_env.sh setup            # only make the environment (.venv-kvpress)
+#   bash scripts/kvpress_env.sh [needle] [--lengths 1000,2000] [--depths ...] [--budgets 64,128] ...
+#        needle prompts, kvpress's SnapKV/PyramidKV/AdaKV against our same-named specs, kept tokens
+#   bash scripts/kvpress_env.sh ruler [kvcompile eval options, e.g. --specs snapkv,lava]
+#        RULER: kvcompile generates the samples, kvpress's presses answer them through its own
+#        pipeline in both query modes, kvcompile checks the token ids kvpress fed and scores
+#        everything into one table (its specs at the same KV fractions beside kvpress's presses).
+#        Settings (environment): RULER_SAMPLES (per task, default 10), RULER_LENGTHS (4096),
+#        RULER_SEED (0), RULER_TASKS (all), KVPRESS_PRESSES (all nine), KVPRESS_FRACTIONS
+#        (0.1,0.25,0.5), KVPRESS_MODES (aware,agnostic), KVPRESS_THREADS (2); KVPRESS_RESUME=1
+#        keeps the predictions already written.  Long: see scripts/kvpress_compare.py's docstring.
 # kvpress pins transformers < 5.3, so it gets its own virtual environment (.venv-kvpress);
 # kvcompile's environment (python3) makes the prompts and runs our specs.  Needs
 # `bash scripts/setup.sh demo` first (the converted SmolLM2 and the haystack text).
@@ -9,14 +19,40 @@ cd "$(dirname "$0")/.."
 py="${PYTHON:-python3}"
 venv="${KVPRESS_VENV:-.venv-kvpress}"
 out="${KVPRESS_OUT:-benchmarks/out}"
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import kvpress" 2>/dev/null; then
-  "$py" -m venv "$venv"
-  # The same CPU build of torch as kvcompile's, then kvpress with the transformers it pins
-  # (kvpress 0.5.5: transformers >=4.56,<5.3).
-  "$venv/bin/python" -m pip install -q "torch==2.13.0"
-  "$venv/bin/python" -m pip install -q "kvpress==0.5.5"
-fi
+setup_venv() {
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import kvpress" 2>/dev/null; then
+    "$py" -m venv "$venv"
+    # The same CPU build of torch as kvcompile's, then kvpress with the transformers it pins
+    # (kvpress 0.5.5: transformers >=4.56,<5.3).
+    "$venv/bin/python" -m pip install -q "torch==2.13.0"
+    "$venv/bin/python" -m pip install -q "kvpress==0.5.5"
+  fi
+}
+what=needle
+case "${1:-}" in
+  setup|needle|ruler) what="$1"; shift ;;
+esac
+setup_venv
+[ "$what" = setup ] && exit 0
 mkdir -p "$out"
+if [ "$what" = ruler ]; then
+  samples="$out/ruler_samples.jsonl"
+  preds="$out/kvpress_ruler.jsonl"
+  tasks=()
+  [ -n "${RULER_TASKS:-}" ] && tasks=(--tasks "$RULER_TASKS")
+  "$py" -m kvcompile eval --suite ruler --samples "${RULER_SAMPLES:-10}" --lengths "${RULER_LENGTHS:-4096}" \
+    --seed "${RULER_SEED:-0}" "${tasks[@]}" --dump-dataset "$samples"
+  resume=()
+  [ "${KVPRESS_RESUME:-0}" = 1 ] && resume=(--resume)
+  "$venv/bin/python" scripts/kvpress_compare.py ruler --samples "$samples" --out "$preds" \
+    --presses "${KVPRESS_PRESSES:-snapkv,pyramidkv,adakv_snapkv,streaming_llm,tova,observed_attention,knorm,expected_attention,kvzip}" \
+    --fractions "${KVPRESS_FRACTIONS:-0.1,0.25,0.5}" --modes "${KVPRESS_MODES:-aware,agnostic}" \
+    --threads "${KVPRESS_THREADS:-2}" "${resume[@]}"
+  "$py" scripts/kvpress_compare.py tokens --samples "$samples" --tokens "$out/kvpress_ruler.tokens.json"
+  "$py" scripts/kvpress_compare.py ruler-table --samples "$samples" --predictions "$preds" \
+    --out "$out/ruler_compare.json" --plot-dir "$out/ruler_plots" "$@"
+  exit 0
+fi
 "$py" scripts/kvpress_compare.py prompts --out "$out/kvpress_prompts.json" "$@"
 "$venv/bin/python" scripts/kvpress_compare.py kvpress --prompts "$out/kvpress_prompts.json" \
   --out "$out/kvpress_results.json"

@@ -1,0 +1,156 @@
+"""scripts/kvpress_compare.py's RULER steps, the parts that need no kvpress: reading the samples,
+kvpress's two query modes and context groups, resuming, the options, and the token-id check."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kvpress_compare.py"
+spec = importlib.util.spec_from_file_location("kvpress_compare", SCRIPT)
+kc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kc)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def row(**kw):
+    base = {"context": "Some text. The key is 42.", "question": " What is the key?", "answer_prefix": "The key is",
+            "answers": ["42"], "max_new_tokens": 8, "task": "niah_single_1"}
+    return {**base, **kw}
+
+
+def test_read_samples_columns_and_defaults(tmp_path):
+    path = write_jsonl(tmp_path / "s.jsonl", [row(index=7), "", {"context": "c", "question": "q", "answer": "a"}])
+    first, second = kc.read_samples(path)
+    assert first == {"index": 7, "task": "niah_single_1", "context": row()["context"], "question": " What is the key?",
+                     "answer_prefix": "The key is", "answers": ["42"], "max_new_tokens": 8}
+    # defaults as kvcompile's loader: index = row number, one answer string -> list, 128 tokens, task "dataset"
+    assert second == {"index": 1, "task": "dataset", "context": "c", "question": "q", "answer_prefix": "",
+                      "answers": ["a"], "max_new_tokens": 128}
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([row(), {"question": "q", "answers": ["a"]}], "line 2: column 'context' missing"),
+    ([row(), row(question=3)], "line 2: column 'question' missing or not text"),
+    ([{"context": "c", "question": "q"}], "line 1: column 'answers' (or 'answer') missing"),
+    ([row(index=1), row(index=1)], "line 2: 'index' must be a distinct integer"),
+    ([row(max_new_tokens=-1)], "'max_new_tokens' must be a positive integer"),
+    (["{not json"], "line 1: not JSON"),
+    (["[1, 2]"], "line 1: expected a JSON object"),
+    ([], "no samples"),
+])
+def test_read_samples_errors_name_file_and_line(tmp_path, rows, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(kc.SamplesError) as exc:
+        kc.read_samples(path)
+    assert str(path) in str(exc.value) and message in str(exc.value)
+    with pytest.raises(kc.SamplesError, match="no such file"):
+        kc.read_samples(tmp_path / "missing.jsonl")
+
+
+def test_modes_as_kvpress_evaluation():
+    s = row()
+    assert kc.mode_inputs(s, "agnostic") == (s["context"], s["question"])
+    # evaluate.py's query_aware: the question joins the context, the question asked is empty
+    assert kc.mode_inputs(s, "aware") == (s["context"] + s["question"], "")
+    with pytest.raises(ValueError, match="aware"):
+        kc.mode_inputs(s, "both")
+
+
+def test_context_groups_share_a_context_only_when_agnostic():
+    a = {**row(), "index": 0}
+    b = {**row(question=" Which key?"), "index": 1}
+    c = {**row(answer_prefix="Key:"), "index": 2}
+    d = {**row(context="Other text."), "index": 3}
+    agnostic = kc.context_groups([a, b, c, d], "agnostic")
+    assert [[s["index"] for s in g] for g in agnostic] == [[0, 1], [2], [3]]
+    aware = kc.context_groups([a, b, c, d], "aware")
+    assert [[s["index"] for s in g] for g in aware] == [[0], [1], [2], [3]]
+
+
+def test_resume_keys(tmp_path):
+    out = tmp_path / "p.jsonl"
+    assert kc.done_runs(out) == set()
+    write_jsonl(out, [{"index": 3, "mode": "aware", "method": "kvpress:snapkv", "fraction": 0.25, "prediction": "x"},
+                      {"index": 3, "mode": "aware", "method": "kvpress:full", "fraction": None, "prediction": "y"}])
+    done = kc.done_runs(out)
+    assert kc.run_key(3, "aware", "kvpress:snapkv", 0.25) in done
+    assert kc.run_key(3, "aware", "kvpress:full", None) in done
+    assert kc.run_key(3, "agnostic", "kvpress:snapkv", 0.25) not in done
+    assert kc.run_key(3, "aware", "kvpress:snapkv", 0.1) not in done
+    assert kc.side_path(out, "meta") == tmp_path / "p.meta.json"
+
+
+def test_first_difference():
+    assert kc.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert kc.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert kc.first_difference([1, 2], [1, 2, 3]) == 2
+    assert kc.first_difference([], []) is None
+
+
+@pytest.mark.parametrize("argv", [
+    ["ruler", "--samples", "s", "--out", "o", "--presses", "snapkv,nope"],
+    ["ruler", "--samples", "s", "--out", "o", "--fractions", "0.25,1"],
+    ["ruler", "--samples", "s", "--out", "o", "--fractions", "0"],
+    ["ruler", "--samples", "s", "--out", "o", "--modes", "both"],
+    ["ruler", "--samples", "s", "--out", "o", "--unknown"],
+])
+def test_bad_options_fail_before_anything_runs(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        kc.main(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_presses_are_kvpress_registry_names():
+    assert kc.RULER_PRESSES == ("snapkv", "pyramidkv", "adakv_snapkv", "streaming_llm", "tova",
+                                "observed_attention", "knorm", "expected_attention", "kvzip")
+    assert kc.method_name("snapkv") == "kvpress:snapkv"
+
+
+def test_tokens_step_reports_a_mismatch(tmp_path, capsys):
+    """The kvcompile-side check: ids equal to kvcompile's prompt pass; one changed id is reported."""
+    ruler = pytest.importorskip("kvcompile.ruler")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<|im_end|>", *"abcdefghijklmnopqrstuvwxyz .?:#0123456789TWK"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    tokenizer.save_pretrained(tmp_path / "tok")
+    samples = write_jsonl(tmp_path / "s.jsonl", [row(index=0), row(index=1, context="Other text.")])
+    loaded = ruler.load_dataset(samples)
+    groups = []
+    for mode in ("agnostic", "aware"):
+        for s in loaded:
+            ids, question = ruler.mode_prompt(tokenizer, s, mode)
+            groups.append({"mode": mode, "indices": [s["index"]], "context_ids": ids, "questions_ids": [question]})
+    fed = tmp_path / "t.tokens.json"
+    fed.write_text(json.dumps({"model": str(tmp_path / "tok"), "groups": groups}))
+    kc.main(["tokens", "--samples", str(samples), "--tokens", str(fed)])
+    assert "4 sample prompts compared, 0 mismatching" in capsys.readouterr().out
+    groups[1]["questions_ids"][0][2] += 1
+    fed.write_text(json.dumps({"model": str(tmp_path / "tok"), "groups": groups}))
+    with pytest.raises(SystemExit) as exc:
+        kc.main(["tokens", "--samples", str(samples), "--tokens", str(fed)])
+    assert exc.value.code == 1
+    out = capsys.readouterr().out
+    assert "sample 1 (agnostic) question" in out and "first difference at 2" in out and "1 mismatching" in out
+
+
+def test_ruler_table_runs_kvcompile_on_the_answered_samples_only(tmp_path):
+    samples = write_jsonl(tmp_path / "s.jsonl", [row(), row(context="B"), row(context="C")])
+    preds = write_jsonl(tmp_path / "p.jsonl", [
+        {"index": i, "mode": m, "method": "kvpress:full", "fraction": None, "prediction": "x"}
+        for i in (0, 2) for m in ("aware", "agnostic")])
+    path, count = kc.samples_subset(samples, preds)
+    assert count == 2 and path == tmp_path / "p.samples.jsonl"
+    assert [(r["index"], r["context"]) for r in kc.read_samples(path)] == [(0, row()["context"]), (2, "C")]
+    write_jsonl(preds, [{"index": i, "mode": "aware", "method": "kvpress:full", "fraction": None, "prediction": "x"}
+                        for i in range(3)])
+    assert kc.samples_subset(samples, preds) is None
