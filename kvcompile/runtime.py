@@ -777,8 +777,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, han
     # Triton launches on the current CUDA device: the layer's (a pipeline's layers run on several GPUs)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         out = _attend(cache, q, k, v, mask, layer, scale)
-    if layer == cache.num_layers - 1:
-        cache.seq_length += q.shape[2]
+    if layer == cache.num_layers - 1 and not (cache.reconstruction is not None and cache.reconstruction.scoring):
+        cache.seq_length += q.shape[2]  # (a reconstruction forward adds nothing to the cache)
     return out.contiguous()
 
 
@@ -786,6 +786,10 @@ def _attend(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
             scale: float) -> Tensor:
     """attend()'s step on the layer's device: the prompt (in one call, in calls, or in chunks the policy
     compresses after each) or decode."""
+    if cache.reconstruction is not None:  # a reconstruction scorer's prompt or reconstruction pass (kvcompile.kvzip)
+        from kvcompile.kvzip import reconstruction_step
+
+        return reconstruction_step(cache, q, k, v, mask, layer, scale)
     if cache.plan.prefill_chunk and (cache.stores[layer] is None or cache.compressing is not None):
         out = chunked_prefill(cache, q, k, v, mask, layer, scale)
     elif cache.stores[layer] is None:

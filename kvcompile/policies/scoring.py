@@ -523,3 +523,78 @@ def entropy(scores: Tensor, valid: Tensor) -> Tensor:
     p_log_p = torch.where(p > 0, p * p.log(), 0.0)  # 0·log 0 = 0
     count = valid.sum(dim=(1, 2)).clamp(min=1).float()
     return -p_log_p.sum(dim=(1, 2)) / count
+
+
+# ---------------------------------------------------------------------------------------
+# Query-agnostic scoring by context reconstruction (a second, model-level pass)
+
+
+@part("scoring", "kvzip")
+@dataclass(frozen=True)
+class KVzip(Scorer):
+    """KVzip (Kim et al., 2025, arXiv:2505.23416, §3): query-agnostic importance by
+    context reconstruction.
+
+    After the prompt (the context) is prefilled with every entry kept, the model reads, for each
+    chunk [s, e) of `chunk` context tokens, a reconstruction input: a repeat prompt ("Repeat the
+    previous context exactly."; later chunks: "Repeat the part of the previous context exactly,
+    starting with" followed by the previous chunk's last `overlap` tokens), the chat template's
+    turn end, and the chunk's tokens again. Its queries attend to the full cached context (that is
+    what the model computes), and the chunk's reconstruction forward writes nothing to the cache.
+    The score of a cached entry i ∈ [s, e) of KV head h is the largest attention any of the
+    chunk's reconstruction queries t of h's GQA group g gives it, the softmax taken over the
+    first `sinks` cached entries, the chunk's own cached entries and the chunk's reconstruction
+    keys (causally), as KVzip computes it:
+
+        a[t, i] = exp(q_t·k_i·c) / Σ_{j ∈ [0, min(sinks, s)) ∪ [s, e) ∪ {own keys u ≤ t}} exp(q_t·k_j·c)
+        s_h[i] = max over g in h's group, t of a_g[t, i]        (the maximum attention received in reconstruction)
+
+    with c the model's softmax scale. Nothing of a question enters: the scores are the context's
+    own. The extra work is one more forward over the context's length plus the repeat prompts
+    (one per chunk) and the score's attention over the chunk; the full cache of every layer is
+    held while scoring (kvcompile.kvzip runs the pass; `score` of a single layer does not exist).
+    """
+
+    chunk: int = bounded(2048, low=1, why="context tokens per reconstruction forward (KVzip: 2000, kvpress: 2048)")
+    sinks: int = bounded(4, low=0, why="first cached entries in every chunk's softmax (kvpress n_sink = 4)")
+    overlap: int = bounded(8, low=0, why="previous chunk's last tokens quoted in the next repeat prompt (KVzip: 8)")
+    gqa = "max"
+    reconstructs = True  # scores come from a model-level reconstruction pass (kvcompile.kvzip)
+
+    def query_rows(self, n: int) -> int:
+        return 0
+
+    def score(self, state: LayerState) -> Tensor:
+        raise NotImplementedError("kvcompile: scoring kvzip scores a prompt by running the model again on its "
+                                  "reconstruction (kvcompile.kvzip, what a compiled model's forward and generate() "
+                                  "do); one layer's prefill state alone cannot score it")
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """The context spans [s, e) reconstructed one forward each."""
+        return [(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
+
+    def score_reconstruction(self, queries: Tensor, cached: Tensor, own: Tensor, start: int, end: int,
+                             scale: float, block: int = 256) -> Tensor:
+        """s_h[i] for the chunk's cached entries i ∈ [start, end): (B, H, end − start) float32.
+
+        queries (B, Hq, T, d): the reconstruction input's queries after RoPE; cached (B, H, N, d): the
+        prompt's keys; own (B, H, T, d): the reconstruction input's keys (query t sees own keys u ≤ t).
+        Rows are taken `block` at a time (a max over rows splits), so memory is O(block · (sinks + chunk + T))."""
+        b, hq, t, d = queries.shape
+        h = cached.shape[1]
+        g = hq // h
+        sink = min(self.sinks, start)
+        keys = torch.cat([cached[:, :, :sink], cached[:, :, start:end], own], dim=2).float()  # (B, H, K, d)
+        width = end - start
+        k_t = keys.transpose(2, 3)[:, :, None]  # (B, H, 1, d, K)
+        q = queries.float().view(b, h, g, t, d)
+        best = torch.zeros(b, h, width, dtype=torch.float32, device=queries.device)
+        own_cols = torch.arange(t, device=queries.device)
+        for lo in range(0, t, block):
+            hi = min(lo + block, t)
+            logits = torch.matmul(q[:, :, :, lo:hi], k_t) * scale  # (B, H, G, r, K)
+            future = own_cols[None, :] > torch.arange(lo, hi, device=queries.device)[:, None]  # (r, T)
+            logits[..., sink + width:].masked_fill_(future, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)[..., sink:sink + width]
+            best = torch.maximum(best, probs.amax(dim=(2, 3)))
+        return best
