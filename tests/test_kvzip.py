@@ -159,3 +159,33 @@ def test_repeat_prompt_from_smollm2_tokenizer():
     assert tokenizer.decode(list(repeat.suffix)) == "<|im_end|>\n<|im_start|>assistant\n"
     model, _ = load_model()
     assert repeat_prompt_for(model) == repeat
+
+
+def test_shipped_specs_say_what_kvzip_says():
+    kvzip, hybrid = load_spec("kvzip"), load_spec("kvzip_adakv")
+    for policy in (kvzip, hybrid):
+        assert (policy.scoring.chunk, policy.scoring.sinks, policy.scoring.overlap) == (2048, 4, 8)
+        assert policy.ranking.sinks == 4 and policy.budget.per_head == 128
+    assert kvzip.budget.heads.name == "uniform"
+    assert hybrid.budget.heads.name == "pooled" and hybrid.budget.heads.floor == 0.2
+
+
+def test_a_layer_state_alone_cannot_score_it():
+    """replay (prefill once, compress many) has no model to reconstruct with: refused with the reason."""
+    from kvcompile.sweep import capture, replay
+
+    model = tiny_model("llama")
+    states, _ = capture(model, prompt(30, seed=5))
+    with pytest.raises(NotImplementedError, match="reconstruction"):
+        replay(load_spec("kvzip", per_head=8), model.config, states)
+
+
+def test_continuous_batching_is_refused():
+    from kvcompile.serving import BatchingError, check_batching
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = tiny_model("llama")
+    with kvcompile.compiled(model, "kvzip", repeat_prompt=REPEAT):
+        with pytest.raises(BatchingError, match="kvzip"):
+            check_batching(model, model.kvcompile_plan, GenerationConfig(), ContinuousBatchingConfig())
