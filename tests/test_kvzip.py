@@ -189,3 +189,31 @@ def test_continuous_batching_is_refused():
     with kvcompile.compiled(model, "kvzip", repeat_prompt=REPEAT):
         with pytest.raises(BatchingError, match="kvzip"):
             check_batching(model, model.kvcompile_plan, GenerationConfig(), ContinuousBatchingConfig())
+
+
+@settings(max_examples=5, deadline=None)
+@given(kv_heads=st.sampled_from([1, 2]), n=st.integers(8, 40), t=st.integers(1, 30), rows=st.integers(1, 7),
+       data=st.data())
+def test_attend_and_score_in_row_blocks(kv_heads, n, t, rows, data):
+    """The reconstruction's attention equals SDPA over the cache and the own keys (causal), and its
+    scores the plain softmax over KVzip's keys, whatever the row blocks."""
+    from kvcompile.policies.scoring import KVzip
+    from kvcompile.runtime import prompt_attention
+
+    start = data.draw(st.integers(0, n - 1))
+    end = data.draw(st.integers(start + 1, n))
+    scorer = KVzip(sinks=data.draw(st.integers(0, 5)))
+    g = torch.Generator().manual_seed(n * 31 + t)
+    hq, d = 4, 8
+    q = torch.randn(2, hq, t, d, generator=g) * 2
+    ck, cv = torch.randn(2, kv_heads, n, d, generator=g) * 2, torch.randn(2, kv_heads, n, d, generator=g)
+    ok, ov = torch.randn(2, kv_heads, t, d, generator=g) * 2, torch.randn(2, kv_heads, t, d, generator=g)
+    out, best = scorer.attend_and_score(q, ck, cv, ok, ov, start, end, 0.3, budget=2 * hq * (n + t) * rows)
+    keys, values = torch.cat([ck, ok], 2), torch.cat([cv, ov], 2)
+    assert_close(out, prompt_attention(q, keys, values, None, 0.3, offset=n))
+    sink = min(scorer.sinks, start)
+    cols = torch.arange(n + t)
+    seen = (cols < sink) | ((cols >= start) & (cols < end)) | ((cols >= n) & (cols - n <= torch.arange(t)[:, None]))
+    logits = torch.einsum("bhtd,bhkd->bhtk", q, keys.repeat_interleave(hq // kv_heads, 1)) * 0.3
+    probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1)[..., start:end].amax(2)
+    assert_close(best, probs.view(2, kv_heads, hq // kv_heads, -1).amax(2))

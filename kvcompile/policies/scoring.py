@@ -598,10 +598,11 @@ class KVzip(Scorer):
         own = torch.arange(t, device=queries.device)
         for lo in range(0, t, block):
             hi = min(lo + block, t)
-            logits = torch.matmul(q[:, :, :, lo:hi], keys) * scale  # (B, H, G, r, N + T)
-            logits[..., n:].masked_fill_(own[None, :] > own[lo:hi, None], float("-inf"))  # own keys after t
+            seen = n + hi  # the rows' keys: the cache and the own keys up to the block's last row
+            logits = torch.matmul(q[:, :, :, lo:hi], keys[..., :seen]) * scale  # (B, H, G, r, N + hi)
+            logits[..., n:].masked_fill_(own[None, :hi] > own[lo:hi, None], float("-inf"))  # own keys after t
             probs = torch.softmax(logits, dim=-1)
-            out[:, :, :, lo:hi] = torch.matmul(probs, values)
+            out[:, :, :, lo:hi] = torch.matmul(probs, values[..., :seen, :])
             subset = torch.cat([logits[..., :sink], logits[..., start:end], logits[..., n:]], dim=-1)
             chunk = torch.softmax(subset, dim=-1)[..., sink:sink + width]  # KVzip's softmax over its keys
             best = torch.maximum(best, chunk.amax(dim=(2, 3)))
