@@ -11,17 +11,17 @@ steps (`prefill`, called by compile()'s forward, hence by generate()):
    template's turn end and the chunk's tokens, at the positions after the prompt. Each layer's op
    (`reconstruction_step`) attends over the full cache and the input's own keys (what the model
    computes) and records, for the chunk's cached entries, the largest attention any reconstruction
-   query of the head's group gives them, from the same logits (`KVzip.attend_and_score`); it stores
-   nothing, and the cache's length does not move;
+   query of the head's group gives them (`KVzip.score_reconstruction`); it stores nothing, and the
+   cache's length does not move;
 3. every layer's prompt entries selected by those scores with the policy's ranking, budget (layers,
    heads, threshold, split) and merge rule: `runtime.compress_prompt_layer`, the per-layer selection
    every other scorer goes through (a cascade of layer budgets runs over the layers in order).
 
 Extra work: a forward over n + k·(p + overlap) tokens (n context tokens, k = ⌈n / chunk⌉ chunks, p the
-repeat prompt and turn end), its attention over the n cached entries and its own keys (the scores come
-from the same logits: one more softmax over each chunk's keys, no second matmul); the model's logits are
-taken at one position. Peak memory: the full cache of every layer while scoring, plus one block of
-reconstruction rows' logits (about 2^24 floats).
+repeat prompt and turn end), its attention over the n cached entries and its own keys (the C++ attention
+kernel on fp32 CPUs, else SDPA), and the score's softmax over each chunk's keys (the first sinks, the
+chunk's, the input's own); the model's logits are taken at one position. Peak memory: the full cache of
+every layer while scoring, plus one block of reconstruction rows' logits (about 2^23 floats).
 """
 from __future__ import annotations
 
@@ -133,11 +133,25 @@ def reconstruction_step(cache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
         return prompt_attention(q, k, v, None, scale)
     cached_k, cached_v = rec.keys[layer], rec.values[layer]
     start, end = rec.span
-    out, scores = cache.plan.policy.scoring.attend_and_score(q, cached_k, cached_v, k, v, start, end, scale)
+    keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
+    out = _attention_after(q, keys, values, scale)
+    scores = cache.plan.policy.scoring.score_reconstruction(q, cached_k, k, start, end, scale)
     if rec.scores[layer] is None:
         rec.scores[layer] = torch.zeros(b, k.shape[1], cached_k.shape[2], dtype=torch.float32, device=k.device)
     rec.scores[layer][:, :, start:end] = scores
     return out
+
+
+def _attention_after(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+    """The attention of the last T = q.shape[2] rows of a causal sequence of keys (the reconstruction input
+    after the cached prompt): the C++ attention kernel where it runs (fp32 CPU), else SDPA with the mask."""
+    from kvcompile.kernels.attention_column_sums import attention_column_sums, runs_here
+    from kvcompile.runtime import prompt_attention
+
+    t, n = q.shape[2], keys.shape[2]
+    if runs_here(q.device, q.dtype, q.shape[-1]):
+        return attention_column_sums(q, keys, values, None, scale, q.new_zeros(t))[0].to(q.dtype)
+    return prompt_attention(q, keys, values, None, scale, offset=n - t)
 
 
 def _ids_and_mask(args, kwargs) -> tuple[Tensor, Tensor | None]:

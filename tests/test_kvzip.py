@@ -194,9 +194,10 @@ def test_continuous_batching_is_refused():
 @settings(max_examples=5, deadline=None)
 @given(kv_heads=st.sampled_from([1, 2]), n=st.integers(8, 40), t=st.integers(1, 30), rows=st.integers(1, 7),
        data=st.data())
-def test_attend_and_score_in_row_blocks(kv_heads, n, t, rows, data):
+def test_reconstruction_attention_and_scores_in_row_blocks(kv_heads, n, t, rows, data):
     """The reconstruction's attention equals SDPA over the cache and the own keys (causal), and its
     scores the plain softmax over KVzip's keys, whatever the row blocks."""
+    from kvcompile.kvzip import _attention_after
     from kvcompile.policies.scoring import KVzip
     from kvcompile.runtime import prompt_attention
 
@@ -204,13 +205,13 @@ def test_attend_and_score_in_row_blocks(kv_heads, n, t, rows, data):
     end = data.draw(st.integers(start + 1, n))
     scorer = KVzip(sinks=data.draw(st.integers(0, 5)))
     g = torch.Generator().manual_seed(n * 31 + t)
-    hq, d = 4, 8
+    hq, d = 4, 16
     q = torch.randn(2, hq, t, d, generator=g) * 2
     ck, cv = torch.randn(2, kv_heads, n, d, generator=g) * 2, torch.randn(2, kv_heads, n, d, generator=g)
     ok, ov = torch.randn(2, kv_heads, t, d, generator=g) * 2, torch.randn(2, kv_heads, t, d, generator=g)
-    out, best = scorer.attend_and_score(q, ck, cv, ok, ov, start, end, 0.3, budget=2 * hq * (n + t) * rows)
     keys, values = torch.cat([ck, ok], 2), torch.cat([cv, ov], 2)
-    assert_close(out, prompt_attention(q, keys, values, None, 0.3, offset=n))
+    best = scorer.score_reconstruction(q, ck, ok, start, end, 0.3, budget=2 * hq * (n + t) * rows)
+    assert_close(_attention_after(q, keys, values, 0.3), prompt_attention(q, keys, values, None, 0.3, offset=n))
     sink = min(scorer.sinks, start)
     cols = torch.arange(n + t)
     seen = (cols < sink) | ((cols >= start) & (cols < end)) | ((cols >= n) & (cols - n <= torch.arange(t)[:, None]))

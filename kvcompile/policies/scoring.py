@@ -573,37 +573,30 @@ class KVzip(Scorer):
         """The context spans [s, e) reconstructed one forward each."""
         return [(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
 
-    def attend_and_score(self, queries: Tensor, cached_k: Tensor, cached_v: Tensor, own_k: Tensor, own_v: Tensor,
-                         start: int, end: int, scale: float, budget: int = 1 << 24) -> tuple[Tensor, Tensor]:
-        """One layer of the reconstruction forward of the chunk [start, end): the model's attention of the
-        reconstruction queries over the full cache and their own keys, and the chunk's scores from the same
-        logits.
+    def score_reconstruction(self, queries: Tensor, cached_k: Tensor, own_k: Tensor, start: int, end: int,
+                             scale: float, budget: int = 1 << 23) -> Tensor:
+        """s_h[i] for the chunk's cached entries i ∈ [start, end): (B, H, end − start) float32.
 
-        queries (B, Hq, T, d) after RoPE; cached_k / cached_v (B, H, N, d): the prompt's full cache; own_k /
-        own_v (B, H, T, d): the reconstruction input's (query t sees own keys u ≤ t). Returns the attention
-        output (B, Hq, T, d) in the queries' dtype (softmax over all N cached entries and the own keys u ≤ t,
-        what the model computes) and s_h[i] for i ∈ [start, end) (B, H, end − start) float32 (the softmax
-        over the first min(sinks, start) entries, the chunk's entries and the own keys u ≤ t, max over the
-        group and the rows). Rows go in blocks of about `budget` logits, so memory stays O(budget) floats."""
+        queries (B, Hq, T, d): the reconstruction input's queries after RoPE; cached_k (B, H, N, d): the
+        prompt's keys; own_k (B, H, T, d): the reconstruction input's keys (query t sees own keys u ≤ t).
+        The softmax runs over KVzip's keys only: the first min(sinks, start) entries, the chunk's, the own
+        keys u ≤ t. Rows go in blocks of about `budget` logits (a max over rows splits), each block reading
+        the own keys up to its last row: memory O(budget) floats."""
         b, hq, t, d = queries.shape
-        h, n = cached_k.shape[1], cached_k.shape[2]
+        h = cached_k.shape[1]
         g = hq // h
         sink, width = min(self.sinks, start), end - start
-        keys = torch.cat([cached_k, own_k], dim=2).float().transpose(2, 3)[:, :, None]  # (B, H, 1, d, N + T)
-        values = torch.cat([cached_v, own_v], dim=2).float()[:, :, None]  # (B, H, 1, N + T, d)
+        keys = torch.cat([cached_k[:, :, :sink], cached_k[:, :, start:end], own_k], dim=2).float()
+        keys = keys.transpose(2, 3)[:, :, None]  # (B, H, 1, d, sink + width + T)
         q = queries.float().view(b, h, g, t, d)
-        out = torch.empty(b, h, g, t, values.shape[-1], dtype=torch.float32, device=queries.device)
         best = torch.zeros(b, h, width, dtype=torch.float32, device=queries.device)
-        block = max(1, budget // max(1, b * hq * (n + t)))
+        block = max(1, budget // max(1, b * hq * (sink + width + t)))
         own = torch.arange(t, device=queries.device)
         for lo in range(0, t, block):
             hi = min(lo + block, t)
-            seen = n + hi  # the rows' keys: the cache and the own keys up to the block's last row
-            logits = torch.matmul(q[:, :, :, lo:hi], keys[..., :seen]) * scale  # (B, H, G, r, N + hi)
-            logits[..., n:].masked_fill_(own[None, :hi] > own[lo:hi, None], float("-inf"))  # own keys after t
-            probs = torch.softmax(logits, dim=-1)
-            out[:, :, :, lo:hi] = torch.matmul(probs, values[..., :seen, :])
-            subset = torch.cat([logits[..., :sink], logits[..., start:end], logits[..., n:]], dim=-1)
-            chunk = torch.softmax(subset, dim=-1)[..., sink:sink + width]  # KVzip's softmax over its keys
-            best = torch.maximum(best, chunk.amax(dim=(2, 3)))
-        return out.view(b, hq, t, -1).to(queries.dtype), best
+            seen = sink + width + hi  # the own keys up to the block's last row
+            logits = torch.matmul(q[:, :, :, lo:hi], keys[..., :seen]) * scale  # (B, H, G, r, seen)
+            logits[..., sink + width:].masked_fill_(own[None, :hi] > own[lo:hi, None], float("-inf"))
+            probs = torch.softmax(logits, dim=-1)[..., sink:sink + width]
+            best = torch.maximum(best, probs.amax(dim=(2, 3)))
+        return best
