@@ -587,7 +587,7 @@ class KVzip(Scorer):
         g = hq // h
         sink, width = min(self.sinks, start), end - start
         keys = torch.cat([cached_k[:, :, :sink], cached_k[:, :, start:end], own_k], dim=2).float()
-        keys = keys.transpose(2, 3)[:, :, None]  # (B, H, 1, d, sink + width + T)
+        keys = keys.transpose(2, 3)  # (B, H, d, sink + width + T)
         q = queries.float().view(b, h, g, t, d)
         best = torch.zeros(b, h, width, dtype=torch.float32, device=queries.device)
         block = max(1, budget // max(1, b * hq * (sink + width + t)))
@@ -595,7 +595,8 @@ class KVzip(Scorer):
         for lo in range(0, t, block):
             hi = min(lo + block, t)
             seen = sink + width + hi  # the own keys up to the block's last row
-            logits = torch.matmul(q[:, :, :, lo:hi], keys[..., :seen]) * scale  # (B, H, G, r, seen)
+            rows = q[:, :, :, lo:hi].reshape(b, h, g * (hi - lo), d)  # a group's rows share one matmul
+            logits = torch.matmul(rows, keys[..., :seen]).mul_(scale).view(b, h, g, hi - lo, seen)
             logits[..., sink + width:].masked_fill_(own[None, :hi] > own[lo:hi, None], float("-inf"))
             probs = torch.softmax(logits, dim=-1)[..., sink:sink + width]
             best = torch.maximum(best, probs.amax(dim=(2, 3)))
