@@ -484,7 +484,8 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
         end = min(start + scorer.chunk, n)
         rows = []
         for i in range(b):
-            lead = list(repeat.first) if k == 0 else list(repeat.later) + ids[i, max(0, start - scorer.overlap):start].tolist()
+            quoted = ids[i, max(0, start - scorer.overlap):start].tolist()  # the previous chunk's last tokens
+            lead = list(repeat.first) if k == 0 else list(repeat.later) + quoted
             rows.append(lead + list(repeat.suffix) + ids[i, start:end].tolist())
         rebuilt = torch.tensor(rows, dtype=ids.dtype)  # (B, T): the chunk's reconstruction input
         layers, _ = capture(model, torch.cat([ids, rebuilt], dim=1))

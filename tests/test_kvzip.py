@@ -114,7 +114,8 @@ def test_generate_equals_greedy_from_the_compressed_cache():
         cache, tokens = first.past_key_values, [first.logits[:, -1].argmax(-1, keepdim=True)]
         assert int(cache.kept()[0].sum()) < 70 * 2  # compressed
         for _ in range(5):
-            tokens.append(model(tokens[-1], past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True))
+            logits = model(tokens[-1], past_key_values=cache, use_cache=True).logits[:, -1]
+            tokens.append(logits.argmax(-1, keepdim=True))
     assert torch.cat(tokens, 1).tolist() == out.sequences[:, 70:].tolist()
 
 
@@ -197,7 +198,7 @@ def test_continuous_batching_is_refused():
 def test_reconstruction_attention_and_scores_in_row_blocks(kv_heads, n, t, rows, data):
     """The reconstruction's attention equals SDPA over the cache and the own keys (causal), and its
     scores the plain softmax over KVzip's keys, whatever the row blocks."""
-    from kvcompile.kvzip import _attention_after
+    from kvcompile.runtime import _attention_after
     from kvcompile.policies.scoring import KVzip
     from kvcompile.runtime import prompt_attention
 
