@@ -354,6 +354,7 @@ class KVCompileCache(Cache):
         self.decoding: DecodeState | None = None
         self.chunks: PromptChunks | None = None
         self.compressing: ChunkedPrompt | None = None  # a prompt compressed chunk by chunk, while it runs
+        self.reconstruction = None  # kvcompile.kvzip.Reconstruction while a reconstruction scorer's prompt runs
         self.handle = next(_NEXT_HANDLE)
         _LIVE[self.handle] = self
 

@@ -215,7 +215,7 @@ def build_kernels(plan, group: int) -> None:
 
 
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
-            kernels: str | None = None, **overrides):
+            kernels: str | None = None, tokenizer=None, repeat_prompt=None, **overrides):
     """Return `model` with its attention rewritten to run `spec` (path, name, mapping or Policy).
 
     `model.generate(...)` and `model(...)` then use a fresh KVCompileCache per call unless
@@ -231,6 +231,10 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     which scorer, selection, merge and decode implementations run, what decoding does, the
     spare pages. A choice that cannot run here (an unknown kernel, a policy part without an
     implementation on this path) raises CompileError before the model is touched.
+
+    tokenizer / repeat_prompt: for a reconstruction scorer (scoring: kvzip) only, the repeat prompt's
+    token ids (kvcompile.kvzip.RepeatPrompt, or built from the tokenizer; default: the tokenizer saved
+    in the model's local checkpoint folder).
     """
     if mode not in ("eager", "compiled"):
         raise ValueError(f"kvcompile: mode must be 'eager' or 'compiled', got {mode!r}")
@@ -257,6 +261,12 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
                           layer_devices=layer_devices)
     except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
+    repeat = None
+    if getattr(policy.scoring, "reconstructs", False):  # a second, model-level pass scores the prompt
+        from kvcompile import kvzip
+
+        kvzip.check(plan, mode)
+        repeat = kvzip.repeat_prompt_for(model, tokenizer, repeat_prompt)
     build_kernels(plan, model.config.num_attention_heads // model.config.num_key_value_heads)
     if hasattr(model, _STATE):
         uncompile(model)
@@ -281,8 +291,8 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         _ignored_cache_implementation("the model's generation_config", cache_implementation, 3)
         saved["cache_implementation"] = cache_implementation
         model.generation_config.cache_implementation = None
-    model.forward = Entry(model, "forward", forward, plan, progress)
-    model.generate = Entry(model, "generate", generate, plan, progress)
+    model.forward = Entry(model, "forward", forward, plan, progress, repeat)
+    model.generate = Entry(model, "generate", generate, plan, progress, repeat)
     # continuous batching (generate_batch, transformers serve's engine) with kvcompile's caches: kvcompile.serving
     model.init_continuous_batching = functools.partial(_init_continuous_batching, model)
     model.kvcompile_policy = policy
@@ -301,8 +311,9 @@ class Entry:
     cache, passed along), so calls on several threads do not share anything but the plan,
     which is immutable."""
 
-    def __init__(self, model, kind: str, wrapped, plan, progress):
+    def __init__(self, model, kind: str, wrapped, plan, progress, repeat=None):
         self.model, self.kind, self.wrapped, self.plan, self.progress = model, kind, wrapped, plan, progress
+        self.repeat = repeat  # a reconstruction scorer's repeat prompt (kvcompile.kvzip.RepeatPrompt), else None
         functools.update_wrapper(self, wrapped, updated=())  # generate() reads forward's signature
 
     def __call__(self, *args, **kwargs):
@@ -379,6 +390,10 @@ def _forward(entry: Entry, *args, past_key_values=None, use_cache=None, **kwargs
         if fresh:
             check_left_padded(kwargs.get("attention_mask"))
         kwargs["kvcompile_cache"] = past_key_values
+        if fresh and entry.repeat is not None and past_key_values.reconstruction is None:
+            from kvcompile import kvzip
+
+            return kvzip.prefill(forward, past_key_values, entry.repeat, args, {**kwargs, "use_cache": use_cache})
         chunk = past_key_values.plan.prefill_chunk
         if fresh and chunk and t is not None and t > chunk and past_key_values.compressing is None:
             return _forward_in_chunks(forward, chunk, past_key_values, args, {**kwargs, "use_cache": use_cache})
@@ -406,6 +421,10 @@ def _generate(entry: Entry, *args, past_key_values=None, **kwargs):
         kwargs.get("prompt_lookup_num_tokens", getattr(gen, "prompt_lookup_num_tokens", None)))
     if assisted:
         _check_crop(plan)
+    if entry.repeat is not None and (assisted or kwargs.get("prefill_chunk_size",
+                                                            getattr(gen, "prefill_chunk_size", None))):
+        raise CompileError(f"kvcompile: {plan.policy.name} scores its prompt by reconstruction once the whole "
+                           "prompt has run in one forward; generate without an assistant or prefill_chunk_size")
     uses_cache = kwargs.get("use_cache", getattr(gen, "use_cache", True)) is not False
     t = _length(args, kwargs)
     fresh = past_key_values is None or not past_key_values.seq_length

@@ -85,7 +85,7 @@ def layer_entropy(scores: Tensor, valid: Tensor) -> Tensor:
 
 # --- the whole prompt ------------------------------------------------------------------------
 
-def compress(policy, states: list[LayerState]) -> Selection:
+def compress(policy, states: list[LayerState], scores: list[Tensor] | None = None) -> Selection:
     """What a policy keeps of a prompt, layer by layer as prefill goes (DESIGN.md §2).
 
     Each layer: score_layer → select → merge_evicted. Layer-dynamic policies (layers:
@@ -93,6 +93,7 @@ def compress(policy, states: list[LayerState]) -> Selection:
     of layers 0 … l are recomputed over the layers seen (the full total spread over
     them, capped at what each still holds) and every seen layer is re-selected among
     its kept entries with its new total (the evicted ones merged when the policy merges).
+    `scores`: every layer's scores (B, H, N) when a model-level pass computed them (kvzip_scores).
     """
     first = states[0]
     b_, h_, n_, _ = first.keys.shape
@@ -105,6 +106,7 @@ def compress(policy, states: list[LayerState]) -> Selection:
     dynamic = policy.layer_dynamic and not has_threshold
     totals = None if (has_threshold or dynamic) else layer_totals(policy, lengths, num_layers, h_)
 
+    given = scores
     scores, kept, merged, entropy = [], [], [], []
 
     def compress_layer(j: int, total: Tensor | None) -> None:
@@ -112,7 +114,7 @@ def compress(policy, states: list[LayerState]) -> Selection:
                                               kept[j], lengths, total, j, merged[j])
 
     for layer, state in enumerate(states):
-        scores.append(score_layer(policy, state))
+        scores.append(score_layer(policy, state) if given is None else given[layer])
         kept.append(valid.clone())  # the layer holds its whole prompt until compressed
         merged.append(None)
         if not dynamic:
@@ -521,3 +523,49 @@ def expected_attention(part, state: LayerState) -> Tensor:
             for i in real[:sinks]:
                 out[b, kv, i] = top + 1
     return out.float()
+
+
+# --- query-agnostic scores by context reconstruction (scoring: kvzip) ---------------------------
+
+def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list[LayerState]]:
+    """KVzip's scores (arXiv:2505.23416) of the prompt `ids` (B, N), from the uncompressed model: for
+    each chunk [s, e) of `scorer.chunk` tokens, the model runs the prompt followed by the chunk's
+    reconstruction input (repeat prompt, for a later chunk the previous `overlap` tokens, the suffix,
+    the chunk) as one sequence, which is exactly what the reconstruction reads (its keys see the full
+    prompt, its positions follow the prompt). Then, with the layer's queries q and keys k of that
+    sequence, for the reconstruction rows t and every prompt entry i ∈ [s, e):
+        a[t, i] = softmax over the keys [0, min(sinks, s)) ∪ [s, e) ∪ {N + u : u ≤ t} of q_t·k·scale
+        s_h[i] = max over the group's query heads and t of a[t, i].
+    Returns the scores per layer (B, H, N) and the prompt's states (keys, values, scale; no queries)."""
+    from kvcompile.sweep import capture
+
+    b, n = ids.shape
+    scores, states = None, None
+    for k, start in enumerate(range(0, n, scorer.chunk)):
+        end = min(start + scorer.chunk, n)
+        rows = []
+        for i in range(b):
+            quoted = ids[i, max(0, start - scorer.overlap):start].tolist()  # the previous chunk's last tokens
+            lead = list(repeat.first) if k == 0 else list(repeat.later) + quoted
+            rows.append(lead + list(repeat.suffix) + ids[i, start:end].tolist())
+        rebuilt = torch.tensor(rows, dtype=ids.dtype)  # (B, T): the chunk's reconstruction input
+        layers, _ = capture(model, torch.cat([ids, rebuilt], dim=1))
+        if scores is None:
+            scores = [torch.zeros(b, st.keys.shape[1], n) for st in layers]
+            states = [LayerState(st.queries[:, :, :0], st.keys[:, :, :n], st.values[:, :, :n], None, st.scale)
+                      for st in layers]
+        t = rebuilt.shape[1]
+        sink = min(scorer.sinks, start)
+        for layer, st in enumerate(layers):
+            q = st.queries[:, :, n:].float()  # (B, Hq, T, d): the reconstruction rows
+            hq, h = q.shape[1], st.keys.shape[1]
+            keys = st.keys.float().repeat_interleave(hq // h, dim=1)  # (B, Hq, N + T, d)
+            scale = q.shape[-1] ** -0.5 if st.scale is None else st.scale
+            logits = torch.einsum("bhtd,bhkd->bhtk", q, keys) * scale
+            col = torch.arange(n + t)
+            row = torch.arange(t)[:, None]
+            seen = (col < sink) | ((col >= start) & (col < end)) | ((col >= n) & (col - n <= row))  # (T, N + T)
+            probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+            most = probs[..., start:end].amax(dim=2)  # (B, Hq, e − s): the max over reconstruction rows
+            scores[layer][:, :, start:end] = scoring_parts.reduce_gqa(most, h, "max")
+    return scores, states

@@ -709,6 +709,9 @@ def check_batching(model, plan: Plan, generation_config, cb_config: ContinuousBa
     if plan.prune_every:
         raise BatchingError(f"kvcompile: {plan.policy.name} prunes every {plan.prune_every} tokens while decoding, "
                             "which rebuilds a head's pages; continuous batching does not account for it yet")
+    if getattr(plan.policy.scoring, "reconstructs", False):
+        raise BatchingError(f"kvcompile: {plan.policy.name} scores a prompt by a second forward over it (scoring "
+                            "kvzip: context reconstruction), which the engine's packed forwards do not run")
     if plan.prefill_chunk:
         raise BatchingError(f"kvcompile: {plan.policy.name} compresses its prompt every {plan.prefill_chunk} tokens, one "
                             "forward per chunk (schedule.prefill: chunk); the engine cuts prompts at its own token "

@@ -11,7 +11,9 @@ import kvcompile
 from kvcompile.sweep import capture, greedy, replay
 from tiny import left_pad, prompt, tiny_model
 
-SPECS = sorted(p.stem for p in (Path(__file__).parent.parent / "specs").glob("*.yaml"))
+# replay has no model to run a reconstruction scorer's second pass (kvzip): refused, tests/test_kvzip.py
+SPECS = sorted(p.stem for p in (Path(__file__).parent.parent / "specs").glob("*.yaml")
+               if not getattr(kvcompile.load_spec(p).scoring, "reconstructs", False))
 
 
 @pytest.fixture(scope="module")

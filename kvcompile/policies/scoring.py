@@ -639,3 +639,80 @@ class ExpectedAttention(Scorer):
         sink = real & ~counted  # (B, N)
         s = torch.where(sink[:, None], torch.where(torch.isfinite(top), top + 1, 1.0), s)
         return mask_pads(s, state)
+
+
+# Query-agnostic scoring by context reconstruction (a second, model-level pass)
+
+
+@part("scoring", "kvzip")
+@dataclass(frozen=True)
+class KVzip(Scorer):
+    """KVzip (Kim et al., 2025, arXiv:2505.23416, §3): query-agnostic importance by
+    context reconstruction.
+
+    After the prompt (the context) is prefilled with every entry kept, the model reads, for each
+    chunk [s, e) of `chunk` context tokens, a reconstruction input: a repeat prompt ("Repeat the
+    previous context exactly."; later chunks: "Repeat the part of the previous context exactly,
+    starting with" followed by the previous chunk's last `overlap` tokens), the chat template's
+    turn end, and the chunk's tokens again. Its queries attend to the full cached context (that is
+    what the model computes), and the chunk's reconstruction forward writes nothing to the cache.
+    The score of a cached entry i ∈ [s, e) of KV head h is the largest attention any of the
+    chunk's reconstruction queries t of h's GQA group g gives it, the softmax taken over the
+    first `sinks` cached entries, the chunk's own cached entries and the chunk's reconstruction
+    keys (causally), as KVzip computes it:
+
+        a[t, i] = exp(q_t·k_i·c) / Σ_{j ∈ [0, min(sinks, s)) ∪ [s, e) ∪ {own keys u ≤ t}} exp(q_t·k_j·c)
+        s_h[i] = max over g in h's group, t of a_g[t, i]        (the maximum attention received in reconstruction)
+
+    with c the model's softmax scale. Nothing of a question enters: the scores are the context's
+    own. The extra work is one more forward over the context's length plus the repeat prompts
+    (one per chunk) and the score's attention over the chunk; the full cache of every layer is
+    held while scoring (kvcompile.kvzip runs the pass; `score` of a single layer does not exist).
+    """
+
+    chunk: int = bounded(2048, low=1, why="context tokens per reconstruction forward (KVzip: 2000, kvpress: 2048)")
+    sinks: int = bounded(4, low=0, why="first cached entries in every chunk's softmax (kvpress n_sink = 4)")
+    overlap: int = bounded(8, low=0, why="previous chunk's last tokens quoted in the next repeat prompt (KVzip: 8)")
+    gqa = "max"
+    reconstructs = True  # scores come from a model-level reconstruction pass (kvcompile.kvzip)
+
+    def query_rows(self, n: int) -> int:
+        return 0
+
+    def score(self, state: LayerState) -> Tensor:
+        raise NotImplementedError("kvcompile: scoring kvzip scores a prompt by running the model again on its "
+                                  "reconstruction (kvcompile.kvzip, what a compiled model's forward and generate() "
+                                  "do); one layer's prefill state alone cannot score it")
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """The context spans [s, e) reconstructed one forward each."""
+        return [(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
+
+    def score_reconstruction(self, queries: Tensor, cached_k: Tensor, own_k: Tensor, start: int, end: int,
+                             scale: float, budget: int = 1 << 23) -> Tensor:
+        """s_h[i] for the chunk's cached entries i ∈ [start, end): (B, H, end − start) float32.
+
+        queries (B, Hq, T, d): the reconstruction input's queries after RoPE; cached_k (B, H, N, d): the
+        prompt's keys; own_k (B, H, T, d): the reconstruction input's keys (query t sees own keys u ≤ t).
+        The softmax runs over KVzip's keys only: the first min(sinks, start) entries, the chunk's, the own
+        keys u ≤ t. Rows go in blocks of about `budget` logits (a max over rows splits), each block reading
+        the own keys up to its last row: memory O(budget) floats."""
+        b, hq, t, d = queries.shape
+        h = cached_k.shape[1]
+        g = hq // h
+        sink, width = min(self.sinks, start), end - start
+        keys = torch.cat([cached_k[:, :, :sink], cached_k[:, :, start:end], own_k], dim=2).float()
+        keys = keys.transpose(2, 3)  # (B, H, d, sink + width + T)
+        q = queries.float().view(b, h, g, t, d)
+        best = torch.zeros(b, h, width, dtype=torch.float32, device=queries.device)
+        block = max(1, budget // max(1, b * hq * (sink + width + t)))
+        own = torch.arange(t, device=queries.device)
+        for lo in range(0, t, block):
+            hi = min(lo + block, t)
+            seen = sink + width + hi  # the own keys up to the block's last row
+            rows = q[:, :, :, lo:hi].reshape(b, h, g * (hi - lo), d)  # a group's rows share one matmul
+            logits = torch.matmul(rows, keys[..., :seen]).mul_(scale).view(b, h, g, hi - lo, seen)
+            logits[..., sink + width:].masked_fill_(own[None, :hi] > own[lo:hi, None], float("-inf"))
+            probs = torch.softmax(logits, dim=-1)[..., sink:sink + width]
+            best = torch.maximum(best, probs.amax(dim=(2, 3)))
+        return best

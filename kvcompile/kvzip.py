@@ -1,0 +1,175 @@
+"""The model-level pass of a reconstruction scorer (scoring: kvzip, arXiv:2505.23416).
+
+Per-layer scorers score a layer as soon as its prefill attention is done. KVzip cannot: its scores
+are the attention the model gives the cached context while it reads the context again, which needs
+every layer's full keys and values first. So a compiled model's forward runs a fresh prompt in three
+steps (`prefill`, called by compile()'s forward, hence by generate()):
+
+1. the prompt's forward with every entry of every layer kept (`Reconstruction.keys / values`: the full
+   cache, held while scoring, as KVzip holds it); its outputs are the model's, unchanged;
+2. one reconstruction forward per chunk of `scoring.chunk` context tokens: the repeat prompt, the chat
+   template's turn end and the chunk's tokens, at the positions after the prompt. Each layer's op
+   (`runtime.reconstruction_step`) attends over the full cache and the input's own keys (what the model
+   computes) and records, for the chunk's cached entries, the largest attention any reconstruction
+   query of the head's group gives them (`KVzip.score_reconstruction`); it stores nothing, and the
+   cache's length does not move;
+3. every layer's prompt entries selected by those scores with the policy's ranking, budget (layers,
+   heads, threshold, split) and merge rule: `runtime.compress_prompt_layer`, the per-layer selection
+   every other scorer goes through (a cascade of layer budgets runs over the layers in order).
+
+Extra work: a forward over n + k·(p + overlap) tokens (n context tokens, k = ⌈n / chunk⌉ chunks, p the
+repeat prompt and turn end), its attention over the n cached entries and its own keys (the C++ attention
+kernel on fp32 CPUs, else SDPA), and the score's softmax over each chunk's keys (the first sinks, the
+chunk's, the input's own); the model's logits are taken at one position. Peak memory: the full cache of
+every layer while scoring, plus one block of reconstruction rows' logits (about 2^23 floats).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvcompile.errors import CompileError
+
+FIRST = "\n\nRepeat the previous context exactly."
+LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclass(frozen=True)
+class RepeatPrompt:
+    """The token ids of KVzip's reconstruction input around each chunk: `first` before the first
+    chunk, `later` before the others (then the previous chunk's last `overlap` tokens), `suffix`
+    (the chat template's end of the user turn and start of the answer) right before the chunk."""
+
+    first: tuple[int, ...]
+    later: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "RepeatPrompt":
+        """KVzip's prompts, in the tokenizer's chat template where it has one (as KVzip and kvpress
+        build them: the text between a user message and the assistant's answer), else a newline."""
+        suffix = "\n"
+        if getattr(tokenizer, "chat_template", None):
+            dummy = "dummy context"
+            separator = "\n" + "#" * len(dummy)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                                 add_generation_prompt=True, tokenize=False)
+            suffix = text.split(separator)[-1]
+
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        return cls(ids(FIRST), ids(LATER), ids(suffix))
+
+    def inputs(self, ids: Tensor, spans: list[tuple[int, int]], overlap: int) -> list[Tensor]:
+        """The reconstruction input (B, T_k) of every chunk of the prompt `ids` (B, N)."""
+        out = []
+        for k, (s, e) in enumerate(spans):
+            lead = self.first if k == 0 else self.later
+            head = torch.tensor(lead, dtype=ids.dtype, device=ids.device).expand(ids.shape[0], -1)
+            quoted = ids[:, max(0, s - overlap):s] if k else ids[:, :0]
+            tail = torch.tensor(self.suffix, dtype=ids.dtype, device=ids.device).expand(ids.shape[0], -1)
+            out.append(torch.cat([head, quoted, tail, ids[:, s:e]], dim=1))
+        return out
+
+
+def repeat_prompt_for(model, tokenizer=None, repeat_prompt: RepeatPrompt | None = None) -> RepeatPrompt:
+    """The repeat prompt compile() gives a reconstruction scorer: the one given, else the given
+    tokenizer's, else the tokenizer saved with the model (a local checkpoint folder). CompileError
+    when there is none (the prompt is text: its ids are the tokenizer's)."""
+    if repeat_prompt is not None:
+        return repeat_prompt
+    if tokenizer is None:
+        path = getattr(model.config, "_name_or_path", "") or ""
+        if os.path.isdir(path):
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except (OSError, ValueError):
+                tokenizer = None
+    if tokenizer is None:
+        raise CompileError("kvcompile: scoring kvzip makes the model read a repeat prompt (text), and no tokenizer "
+                           "was found with the model: compile(model, spec, tokenizer=tokenizer), or "
+                           "repeat_prompt=kvcompile.kvzip.RepeatPrompt(...) with its token ids")
+    return RepeatPrompt.from_tokenizer(tokenizer)
+
+
+@dataclass
+class Reconstruction:
+    """A reconstruction scorer's state while the prompt runs (`KVCompileCache.reconstruction`)."""
+
+    keys: list[Tensor | None]  # per layer: the prompt's full keys (B, H, N, d), after RoPE
+    values: list[Tensor | None]
+    scales: list[float | None]
+    scores: list[Tensor | None]  # per layer: (B, H, N) float32, filled chunk by chunk
+    span: tuple[int, int] | None = None  # the chunk being reconstructed; None while the prompt itself runs
+    query_heads: int = 0  # the model's query heads (read at the prompt's first layer)
+
+    @property
+    def scoring(self) -> bool:
+        """A reconstruction forward runs (it adds nothing to the cache)."""
+        return self.span is not None
+
+
+def _ids_and_mask(args, kwargs) -> tuple[Tensor, Tensor | None]:
+    ids = args[0] if args else kwargs.get("input_ids")
+    if ids is None:
+        raise CompileError("kvcompile: scoring kvzip makes the model read the prompt's tokens again; give "
+                           "input_ids (inputs_embeds cannot be repeated)")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.bool().all()):
+        raise CompileError("kvcompile: scoring kvzip runs unpadded batches only (every sequence of the batch the "
+                           "same length, no attention_mask zeros): pass sequences of one length, or one at a time")
+    return ids, mask
+
+
+def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
+    """A fresh prompt under a reconstruction scorer (steps 1–3 of the module's docstring), through the
+    model's `forward` (the compiled model's, with `kvcompile_cache` in kwargs). Returns the prompt's
+    forward output (the model's own: its attention saw every entry)."""
+    from kvcompile.runtime import compress_prompt_layer
+
+    ids, _ = _ids_and_mask(args, kwargs)
+    plan = cache.plan
+    scorer = plan.policy.scoring
+    layers = plan.num_layers
+    cache.reconstruction = rec = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers)
+    try:
+        out = forward(*args, past_key_values=cache, **kwargs)
+        b, n = ids.shape
+        spans = scorer.chunks(n)
+        for span, inputs in zip(spans, repeat.inputs(ids, spans, scorer.overlap)):
+            rec.span = span
+            positions = torch.arange(n, n + inputs.shape[1], device=ids.device)[None].expand(b, -1)
+            forward(inputs, position_ids=positions, past_key_values=cache, kvcompile_cache=cache, use_cache=True,
+                    logits_to_keep=1)
+        rec.span = None
+        for layer in range(layers):
+            k, v = rec.keys[layer], rec.values[layer]
+            queries = k.new_empty(b, rec.query_heads, 0, k.shape[-1])  # the scores are given: no query rows
+            compress_prompt_layer(cache, queries, k, v, layer, rec.scales[layer], scores=rec.scores[layer])
+            rec.keys[layer] = rec.values[layer] = rec.scores[layer] = None  # each layer's full cache freed in turn
+    finally:
+        cache.reconstruction = None
+    return out
+
+
+def check(plan, mode: str) -> None:
+    """Refuse, at compile(), what a reconstruction scorer cannot run (CompileError, with the reason)."""
+    name = plan.policy.name
+    if mode == "compiled":
+        raise CompileError(f"kvcompile: {name} scores by a second, model-level forward (scoring kvzip) that the "
+                           "compiled entry's traced graph does not run; compile with mode='eager'")
+    if plan.shard is not None:
+        raise CompileError(f"kvcompile: {name} (scoring kvzip) under tensor parallelism is not supported yet: its "
+                           "scores are per KV head (a rank would gather nothing beyond what its allocator gathers), "
+                           "but the reconstruction pass has not been run sharded; load the model without tp_plan")
+    schedule = plan.policy.schedule
+    if schedule.decode is not None or schedule.prefill is not None:
+        raise CompileError(f"kvcompile: {name}: scoring kvzip scores the whole prompt once, by reconstruction; "
+                           "it cannot re-score while decoding (schedule.decode) or chunk by chunk "
+                           "(schedule.prefill): use schedule: prefill")
