@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 import kvcompile
+from kvcompile.kvzip import RepeatPrompt
 from kvcompile import CompileError, KVCompileCache
 from kvcompile.spec import available_specs
 from tiny import prompt, tiny_model
@@ -191,9 +192,13 @@ def test_autocast_bfloat16_every_spec(name):
     model = tiny_model("llama", layers=2)
     ids = prompt(N, seed=6)
     kwargs = dict(return_dict_in_generate=True, output_logits=True)
+    policy = full(name)
+    # a reconstruction scorer (kvzip) reads a repeat prompt: token ids of the tiny vocabulary
+    extra = {"repeat_prompt": RepeatPrompt(first=(5, 6, 7), later=(8, 9), suffix=(10,))} \
+        if getattr(policy.scoring, "reconstructs", False) else {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = gen(model, ids, **kwargs)
-        with kvcompile.compiled(model, full(name)):
+        with kvcompile.compiled(model, policy, **extra):
             got = gen(model, ids, **kwargs)
     assert len(got.logits) == len(plain.logits) == NEW
     for a, b in zip(plain.logits, got.logits):
