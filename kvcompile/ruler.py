@@ -636,6 +636,8 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     compressed once per policy."""
     import torch
 
+    import kvcompile
+    from kvcompile.cache import KVCompileCache
     from kvcompile.models import full_kv_bytes
     from kvcompile.sweep import capture, feed, greedy, replay
 
@@ -663,19 +665,36 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
                 records.append(record(s, "full", None, None, n, q, tokens, held, held))
         if not specs:
             continue
-        states, _ = capture(model, torch.tensor([ids], device=model.device))
+        context = torch.tensor([ids], device=model.device)
+        headroom = max(map(len, questions)) + max_new
+        states = None
+
+        def compressed(policy):
+            nonlocal states
+            if getattr(policy.scoring, "reconstructs", False):
+                # kvzip scores the context by reconstructing it (a second, model-level pass): the compiled
+                # model's own forward over the context, not a replay of captured per-layer states
+                with kvcompile.compiled(model, policy, tokenizer=tokenizer):
+                    cache = KVCompileCache.from_plan(model.kvcompile_plan.with_headroom(headroom))
+                    with torch.no_grad():
+                        model(context, past_key_values=cache)
+                return cache
+            if states is None:
+                states, _ = capture(model, context)
+            return replay(policy, model.config, states, headroom=headroom)
+
         for spec in specs:
             for fraction, policy in policies_for(spec, n, fractions, budgets):
                 per_head = policy.budget.per_head if policy.budget.threshold is None else None
-                base = replay(policy, model.config, states, headroom=max(map(len, questions)) + max_new)
+                base = compressed(policy)
                 for j, (s, q) in enumerate(zip(members, questions)):
                     cache = base if j == len(questions) - 1 else copy.deepcopy(base)
-                    logits = feed(model, cache, torch.tensor([q], device=model.device))
-                    tokens = greedy(model, cache, logits, max_new, stop)[0].tolist()
+                    logits = feed(model, cache, torch.tensor([q], device=model.device), tokenizer=tokenizer)
+                    tokens = greedy(model, cache, logits, max_new, stop, tokenizer=tokenizer)[0].tolist()
                     report = cache.memory_report()
                     records.append(record(s, policy.name, fraction, per_head, n, q, tokens,
                                           report["bytes_held"], report["bytes_full"]))
-        del states
+        states = None  # this context's captured states go before the next context is captured
     return records
 
 

@@ -50,16 +50,18 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
 
 
 @torch.no_grad()
-def greedy(model, cache: KVCompileCache, last_logits: Tensor, max_new_tokens: int, eos_token_id=None) -> Tensor:
+def greedy(model, cache: KVCompileCache, last_logits: Tensor, max_new_tokens: int, eos_token_id=None,
+           **options) -> Tensor:
     """Greedy continuation (B, max_new_tokens) from a prefilled cache: the first token is the
     argmax of the prompt's last logits, then one token per step through the compiled model.
-    Sequences that produced `eos_token_id` (one id or a list) continue with it (as generate() pads)."""
+    Sequences that produced `eos_token_id` (one id or a list) continue with it (as generate() pads).
+    options: compile()'s keywords (a kvzip policy's tokenizer)."""
     policy = cache.policy
     out = []
     token = last_logits.argmax(-1, keepdim=True)
     done = torch.zeros(token.shape[0], dtype=torch.bool, device=token.device)
     stop = None if eos_token_id is None else torch.as_tensor(eos_token_id).reshape(-1)
-    with compiled(model, policy):
+    with compiled(model, policy, **options):
         for step in range(max_new_tokens):
             out.append(token)
             if stop is not None and stop.numel():
@@ -73,13 +75,13 @@ def greedy(model, cache: KVCompileCache, last_logits: Tensor, max_new_tokens: in
 
 
 @torch.no_grad()
-def feed(model, cache: KVCompileCache, ids: Tensor) -> Tensor:
+def feed(model, cache: KVCompileCache, ids: Tensor, **options) -> Tensor:
     """Feed T tokens `ids` (B, T) through a prefilled cache in one forward pass (a question after
     a compressed context, kvpress's query-agnostic setting): their entries are appended, not
     compressed (each attends to what the cache holds and to the new tokens up to itself), at the
     positions that follow the prompt; the logits (B, V) of the last one."""
     positions = ((cache.seq_length - cache.pad)[:, None] + torch.arange(ids.shape[1])[None]).to(ids.device)
-    with compiled(model, cache.policy):
+    with compiled(model, cache.policy, **options):  # options: compile()'s (a kvzip policy's tokenizer)
         return model(ids, position_ids=positions, past_key_values=cache).logits[:, -1]
 
 

@@ -218,13 +218,16 @@ def test_agnostic_path_equals_generate_with_a_budget_covering_everything():
         logits = feed(model, cache, torch.tensor([question]))
         assert greedy(model, cache, logits, new, ruler.eos_ids(model))[0].tolist() == expected, spec
     assert ruler.plain_answers(model, ids, [question], new) == [expected]
-    # the run's own path: the record's prediction is the decoded generate() answer, in both modes
+    # the run's own path: the record's prediction is the decoded generate() answer, in both modes, for
+    # question-aware and query-agnostic scorers alike
     for mode in ("agnostic", "aware"):
         ids_m, q_m = ruler.mode_prompt(TOK, {**s, "max_new_tokens": new}, mode)
         want = model.generate(torch.tensor([ids_m + q_m]), max_new_tokens=new, do_sample=False,
                               pad_token_id=0)[0, len(ids_m) + len(q_m):]
-        records = ruler.run_group(model, TOK, [{**s, "max_new_tokens": new}], mode, ["snapkv"], fractions=[1.0])
-        assert [r["spec"] for r in records] == ["full", "snapkv"]
+        # snapkv and expected_attention replay the captured context; kvzip runs its reconstruction pass
+        specs = ["snapkv", "expected_attention", "kvzip"]
+        records = ruler.run_group(model, TOK, [{**s, "max_new_tokens": new}], mode, specs, fractions=[1.0])
+        assert [r["spec"] for r in records] == ["full"] + specs
         for r in records:
             assert r["prediction"] == TOK.decode(want, skip_special_tokens=True), (mode, r["spec"])
 
