@@ -894,8 +894,9 @@ def cmd_specs(args) -> None:
         policy = kvcompile.load_spec(name)
         rows.append((name, budget_label(policy),
                      (policy.description or "").splitlines()[0] if policy.description else ""))
+    column = max(16, max(len(name) for name, _, _ in rows) + 2)  # the longest name and two spaces
     for name, label, first in rows:
-        head = f"{name:<16}{label:<12}"
+        head = f"{name:<{column}}{label:<12}"
         if not first:
             print(head.rstrip())
         elif args.short:  # one line per spec, shortened at a word boundary

@@ -163,13 +163,15 @@ def test_specs_wraps_descriptions_at_word_boundaries(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "72")
     cli.main(["specs"])
     lines = capsys.readouterr().out.splitlines()
+    col = lines[0].index("The uncompressed")  # the description column (after the longest name and the budget)
     for name, first in first_lines().items():
         start = next(i for i, line in enumerate(lines) if line.split()[:1] == [name])
-        block = [lines[start][28:]]
+        assert lines[start][col - 1] == " ", name  # the name and budget columns end before the description
+        block = [lines[start][col:]]
         for line in lines[start + 1:]:  # continuation lines, indented under the description column
-            if not line.startswith(" " * 28) or not line.strip():
+            if not line.startswith(" " * col) or not line.strip():
                 break
-            block.append(line[28:])
+            block.append(line[col:])
         assert all(len(line) <= 72 for line in lines[start:start + len(block)])
         assert " ".join(block) == " ".join(first.split()), name
 
@@ -178,10 +180,11 @@ def test_specs_short_cuts_between_words(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "90")
     cli.main(["specs", "--short"])
     out = capsys.readouterr().out
+    col = out.index("The uncompressed")  # the description column of the first row (`full`)
     for name, first in first_lines().items():
         line = re.search(rf"^{name}\s.*$", out, re.M).group(0)
         assert len(line) <= 90
-        shown = line[28:]
+        shown = line[col:]
         words = " ".join(first.split())
         if shown.endswith(" ..."):
             kept = shown[:-4]
