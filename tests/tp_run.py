@@ -16,7 +16,12 @@ NEW_TOKENS = 6
 
 
 def spec_names() -> list[str]:
-    return sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
+    """Every shipped spec but the reconstruction scorers (kvzip): compile() refuses them under tensor
+    parallelism, and their call refuses the padded batches these runs use (tests/test_kvzip.py)."""
+    import kvcompile
+
+    return sorted(p.stem for p in SPECS_DIR.glob("*.yaml")
+                  if not getattr(kvcompile.load_spec(p.stem).scoring, "reconstructs", False))
 
 
 # Decode-time pruning (`decode: every`, in no shipped spec) with pooled heads, a cascade, running scores:
