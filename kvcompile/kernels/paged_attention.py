@@ -339,8 +339,14 @@ if triton is not None:
             p = tl.exp(logits - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                        mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:  # p = hi + lo in V's dtype: two tensor-core products, p kept to 2x its bits
+                p_hi = p.to(v.dtype)
+                p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+                pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
+            acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         part = (bh * num_chunks + chunk) * G + offs_g

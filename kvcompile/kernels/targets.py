@@ -162,7 +162,7 @@ def launches(arch: int, dtype: torch.dtype, model: Model = Model()) -> list[Laun
     seen: dict[str, Launch] = {}
     case_name = [""]
 
-    def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+    def record(*, key, fn, compile, **_):
         if key not in seen:
             seen[key] = Launch(case_name[0], fn.name, fn.jit_function, compile["signature"],
                                compile["constants"], compile["configs"][0],
@@ -249,8 +249,13 @@ def report(arch: int, dtypes=tuple(DTYPES), model: Model = Model()) -> list[dict
 
 def run_report(arch: int, dtypes=tuple(DTYPES), timeout: float = 600) -> list[dict]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
+    import kvcompile
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said explicitly
+    # The child imports the same kvcompile as this process (a worktree, not the installed one).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvcompile.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     done = subprocess.run([sys.executable, "-m", "kvcompile.kernels.targets", "--arch", str(arch),
                            "--dtypes", *dtypes], capture_output=True, text=True, env=env,
                           timeout=timeout)
