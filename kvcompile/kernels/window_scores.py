@@ -168,7 +168,8 @@ def window_scores_triton(queries: Tensor, keys: Tensor, values: Tensor | None,
     # sums), else in fp32: the (G·w', d) queries in fp32 do not fit a warp group's registers.
     dot_fp32 = q.dtype != k.dtype or k.dtype == torch.float32
     meta = dict(G=g, ROWS=rows, D=d, BLOCK_G=block_g, BLOCK_W=block_w, BLOCK_D=block_d,
-                BLOCK_N=block_n, DOT_FP32=dot_fp32)
+                BLOCK_N=block_n, DOT_FP32=dot_fp32,
+                num_warps=8 if dot_fp32 else 4)  # fp32 queries: twice the threads to hold them
     _row_stats_kernel[(b * h,)](q, k, v, real, row_max, row_sum, value_max, scale, h, n, r,
                                 VALUE_WEIGHT=value_weight, **meta)
     raw = torch.empty(b, h, n, device=dev, dtype=torch.float32)
