@@ -227,14 +227,28 @@ def compiled_paged_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor,
 
 # -------------------------------------------------------------------------- triton
 
+# Entries per program of the Triton kernel (flash-decoding's split size; vLLM's v2 paged
+# attention uses 512). A runtime argument, so the kernel never recompiles as the cache
+# grows: a head of C entries is split into ceil(C / 256) programs, enough of them to fill
+# the GPU's SMs even at batch 1 with 8 KV heads from 4k entries on, and each program's
+# partials (G·(D + 2) floats) are under 2 % of the 128 KB of K/V it reads at D = 128 in bf16.
+CHUNK_TOKENS = 256
+BLOCK_N = 64  # entries per inner step: K and V tiles of 64 x 128 in bf16 are 16 KB each
+MIN_BLOCK_N = 16  # the K dimension of p·V on tensor cores is at least 16 (Triton's min_dot_size)
+
+
 def paged_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                            lengths: Tensor, bias_pages: Tensor | None = None,
-                           scale: float | None = None, *, block_n: int = 64,
+                           scale: float | None = None, *, block_n: int = BLOCK_N,
                            chunk_tokens: int | None = None) -> Tensor:
     """Flash-decoding in Triton: grid (B·H, chunks) of partials, then a (B·H,) reduce.
 
-    block_n: entries per inner step; chunk_tokens: entries per program (a multiple of
-    block_n; default splits each head's capacity M·S into at most 16 chunks).
+    block_n: entries per inner step (at least MIN_BLOCK_N); chunk_tokens: entries per
+    program (default CHUNK_TOKENS, rounded up to a multiple of block_n), a runtime
+    argument: one compiled kernel serves every cache size. The G query heads of a KV
+    head are the rows of two tl.dot products (q·Kᵀ, p·V), so the (G, block_n, d) product
+    is never formed in registers. The block table and lengths are read as given (int32
+    or int64, any strides): no conversion or copy per call; the partials are one buffer.
     """
     if triton is None:
         raise RuntimeError("paged_attention_triton needs triton")
@@ -245,26 +259,28 @@ def paged_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
         raise ValueError("paged_attention_triton: pages must be contiguous in d")
     scale = d ** -0.5 if scale is None else scale
-    capacity = max(m * s, 1)
-    if chunk_tokens is None:
-        chunk_tokens = max(block_n, triton.next_power_of_2(-(-capacity // 16)))
+    chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     chunk_tokens = -(-chunk_tokens // block_n) * block_n
-    chunks = -(-capacity // chunk_tokens)
+    block_n = max(MIN_BLOCK_N, triton.next_power_of_2(block_n))
+    chunks = max(1, -(-(m * s) // chunk_tokens))
     q = q.contiguous()
-    table = block_table.to(torch.int32).contiguous()
-    lens = lengths.to(torch.int32).contiguous()
-    m_part = torch.empty(b * h, chunks, g, device=q.device, dtype=torch.float32)
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(b * h, chunks, g, d, device=q.device, dtype=torch.float32)
+    parts = b * h * chunks * g
+    work = torch.empty(parts * (d + 2), device=q.device, dtype=torch.float32)  # one allocation
+    acc_part, m_part, l_part = work[: parts * d], work[parts * d: parts * (d + 1)], work[parts * (d + 1):]
     has_bias = bias_pages is not None
     bias = bias_pages if has_bias else k_pages  # a dummy pointer when there is no bias
     block_g, block_d = triton.next_power_of_2(g), triton.next_power_of_2(d)
+    # q·Kᵀ in the cache's dtype (tensor cores; products exact in fp32) unless q differs
+    # or the cache is fp32; p·V in fp32 (p is not rounded to 16 bits).
+    dot_fp32 = q.dtype != k_pages.dtype or k_pages.dtype == torch.float32
     _partials_kernel[(b * h, chunks)](
-        q, k_pages, v_pages, table, lens, bias, m_part, l_part, acc_part,
-        scale, m, chunks,
+        q, k_pages, v_pages, block_table, lengths, bias, m_part, l_part, acc_part,
+        scale, h, chunk_tokens, chunks,
+        block_table.stride(0), block_table.stride(1), block_table.stride(2),
+        lengths.stride(0), lengths.stride(1),
         k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
-        G=g, D=d, S=s, HAS_BIAS=has_bias, CHUNK=chunk_tokens,
+        G=g, D=d, S=s, HAS_BIAS=has_bias, DOT_FP32=dot_fp32,
         BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
     out = torch.empty_like(q)
     _reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, chunks,
@@ -276,35 +292,44 @@ if triton is not None:
 
     @triton.jit
     def _partials_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, bias_ptr,
-                         m_ptr, l_ptr, acc_ptr, scale, M, num_chunks,
+                         m_ptr, l_ptr, acc_ptr, scale, H, chunk_tokens, num_chunks,
+                         stride_tb, stride_th, stride_tm, stride_lb, stride_lh,
                          stride_kp, stride_ks, stride_vp, stride_vs, stride_bp, stride_bs,
                          G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
         """Online-softmax partials of one (sequence·KV head, chunk) for its G query heads."""
         bh = tl.program_id(0)
         chunk = tl.program_id(1)
+        b = bh // H
+        h = bh % H
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
         mask_g = offs_g < G
         mask_d = offs_d < D
         q = tl.load(q_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        length = tl.load(len_ptr + bh)
-        lo = chunk * CHUNK
-        hi = tl.minimum(lo + CHUNK, length)
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        length = tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32)
+        table_row = table_ptr + b.to(tl.int64) * stride_tb + h * stride_th
+        lo = chunk * chunk_tokens
+        hi = tl.minimum(lo + chunk_tokens, length)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for start in range(lo, hi, BLOCK_N):
-            t = start + tl.arange(0, BLOCK_N)
+            t = start + offs_n
             valid = t < hi
-            page = tl.load(table_ptr + bh * M + t // S, mask=valid, other=0).to(tl.int64)
+            page = tl.load(table_row + (t // S) * stride_tm, mask=valid, other=0).to(tl.int64)
             slot = t % S
             kv_mask = valid[:, None] & mask_d[None, :]
             k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(tl.float32)
-            logits = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (BLOCK_G, BLOCK_N)
+                        mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_G, BLOCK_N)
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + page * stride_bp + slot * stride_bs, mask=valid, other=0.0)
                 logits += bias.to(tl.float32)[None, :]
@@ -314,8 +339,14 @@ if triton is not None:
             p = tl.exp(logits - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                        mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:  # p = hi + lo in V's dtype: two tensor-core products, p kept to 2x its bits
+                p_hi = p.to(v.dtype)
+                p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+                pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
+            acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         part = (bh * num_chunks + chunk) * G + offs_g

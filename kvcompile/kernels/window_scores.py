@@ -164,8 +164,12 @@ def window_scores_triton(queries: Tensor, keys: Tensor, values: Tensor | None,
     row_max = torch.empty(b * h, block_g * block_w, device=dev, dtype=torch.float32)
     row_sum = torch.empty_like(row_max)
     value_max = torch.empty(b * h, device=dev, dtype=torch.float32)
+    # q·Kᵀ in the inputs' dtype where both are 16-bit (tensor cores, exact products, fp32
+    # sums), else in fp32: the (G·w', d) queries in fp32 do not fit a warp group's registers.
+    dot_fp32 = q.dtype != k.dtype or k.dtype == torch.float32
     meta = dict(G=g, ROWS=rows, D=d, BLOCK_G=block_g, BLOCK_W=block_w, BLOCK_D=block_d,
-                BLOCK_N=block_n)
+                BLOCK_N=block_n, DOT_FP32=dot_fp32,
+                num_warps=8 if dot_fp32 else 4)  # fp32 queries: twice the threads to hold them
     _row_stats_kernel[(b * h,)](q, k, v, real, row_max, row_sum, value_max, scale, h, n, r,
                                 VALUE_WEIGHT=value_weight, **meta)
     raw = torch.empty(b, h, n, device=dev, dtype=torch.float32)
@@ -184,8 +188,9 @@ if triton is not None:
     @triton.jit
     def _window_rows(q_ptr, real_ptr, bh, H, N, R, G: tl.constexpr, ROWS: tl.constexpr,
                      D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-        """The G·w' window queries of one KV head as (BLOCK_G·BLOCK_W, BLOCK_D) fp32, row
+                     BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
+        """The G·w' window queries of one KV head as (BLOCK_G·BLOCK_W, BLOCK_D) (fp32 if
+        DOT_FP32, else in their own dtype, for a tensor-core q·Kᵀ with fp32 sums), row
         g·BLOCK_W + j = query head h·G + g at prompt index N − w' + j; whether each row
         is a real query (pad queries and padding rows see nothing); its prompt index."""
         b = bh // H
@@ -198,12 +203,14 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         q_row = ((b * H + h) * G + g).to(tl.int64) * R + (R - ROWS + j)
         q = tl.load(q_ptr + q_row[:, None] * D + offs_d[None, :],
-                    mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+                    mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
         return q, row_ok, N - ROWS + j  # queries, valid rows, absolute query positions
 
     @triton.jit
     def _logits(q, k_ptr, real_ptr, bh, H, N, offs_n, query_pos, row_ok, scale,
-                D: tl.constexpr, BLOCK_D: tl.constexpr):
+                D: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr):
         """scale · q·k over a block of keys, −inf where a query does not see the key
         (causal, pad key, pad or missing row); also returns whether each key is real."""
         b = bh // H
@@ -211,8 +218,10 @@ if triton is not None:
         key_ok = offs_n < N
         real = tl.load(real_ptr + b * N + offs_n, mask=key_ok, other=0) != 0
         k = tl.load(k_ptr + (bh.to(tl.int64) * N + offs_n)[:, None] * D + offs_d[None, :],
-                    mask=key_ok[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
-        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+                    mask=key_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # fp32 sums
         seen = (row_ok[:, None] & (real & key_ok)[None, :]
                 & (offs_n[None, :] <= query_pos[:, None]))
         return tl.where(seen, logits, float("-inf")), real & key_ok
@@ -222,12 +231,12 @@ if triton is not None:
                           scale, H, N, R, VALUE_WEIGHT: tl.constexpr,
                           G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
         """Softmax max and denominator of every window row of one KV head (online over
         key blocks), and max over its real keys of ‖V[k]‖₁."""
         bh = tl.program_id(0)
         q, row_ok, query_pos = _window_rows(q_ptr, real_ptr, bh, H, N, R, G, ROWS, D,
-                                            BLOCK_G, BLOCK_W, BLOCK_D)
+                                            BLOCK_G, BLOCK_W, BLOCK_D, DOT_FP32)
         offs_d = tl.arange(0, BLOCK_D)
         m_i = tl.full([BLOCK_G * BLOCK_W], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G * BLOCK_W], tl.float32)
@@ -235,7 +244,7 @@ if triton is not None:
         for start in range(0, N, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             logits, real = _logits(q, k_ptr, real_ptr, bh, H, N, offs_n, query_pos, row_ok,
-                                   scale, D, BLOCK_D)
+                                   scale, D, BLOCK_D, DOT_FP32)
             m_new = tl.maximum(m_i, tl.max(logits, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(logits - m_safe[:, None]), axis=1)
@@ -254,15 +263,16 @@ if triton is not None:
                               scale, H, N, R, GQA_MAX: tl.constexpr,
                               G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                               BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
-                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                              DOT_FP32: tl.constexpr):
         """Unpooled scores of one block of keys: probabilities summed over the window
         rows, divided by the real rows, reduced over the G query heads."""
         bh = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         q, row_ok, query_pos = _window_rows(q_ptr, real_ptr, bh, H, N, R, G, ROWS, D,
-                                            BLOCK_G, BLOCK_W, BLOCK_D)
+                                            BLOCK_G, BLOCK_W, BLOCK_D, DOT_FP32)
         logits, real = _logits(q, k_ptr, real_ptr, bh, H, N, offs_n, query_pos, row_ok,
-                               scale, D, BLOCK_D)
+                               scale, D, BLOCK_D, DOT_FP32)
         offs_r = tl.arange(0, BLOCK_G * BLOCK_W)
         m_i = tl.load(max_ptr + bh * BLOCK_G * BLOCK_W + offs_r)
         l_i = tl.load(sum_ptr + bh * BLOCK_G * BLOCK_W + offs_r)
