@@ -321,6 +321,7 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
 
     from kvcompile.data import answer_found
     from kvcompile.models import full_kv_bytes, generate
+    from kvcompile.sweep import not_replayable
 
     policies = []
     for spec in specs:
@@ -337,7 +338,7 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
     captured = {}
     for _, prompt, policy in tqdm([runs[index] for index in order], desc="needle runs", unit="run",
                                   disable=quiet):
-        if policy is not None and reuse_prefill:
+        if policy is not None and reuse_prefill and not not_replayable(policy):
             import torch
 
             from kvcompile.sweep import capture, greedy, replay
@@ -395,7 +396,7 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
     import torch
     from tqdm.auto import tqdm
 
-    from kvcompile.sweep import capture, replay, teacher_forced
+    from kvcompile.sweep import capture, not_replayable, prefilled, replay, teacher_forced
 
     rng = random.Random(seed)
     text_ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
@@ -416,8 +417,11 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
         states, last = capture(model, prompt)
         runs = [(None, full_logits)]
         for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy", disable=quiet):
-            cache = replay(policy, model.config, states, headroom=tokens)
-            runs.append((policy, teacher_forced(model, cache, last, target)[0].float()))
+            if not_replayable(policy):  # chunked prefill, kvzip: the compiled model's own prefill
+                cache, own_last = prefilled(model, policy, prompt, headroom=tokens, tokenizer=tokenizer)
+            else:
+                cache, own_last = replay(policy, model.config, states, headroom=tokens), last
+            runs.append((policy, teacher_forced(model, cache, own_last, target, tokenizer=tokenizer)[0].float()))
         for j, (policy, logits) in enumerate(runs):
             nll = torch.nn.functional.cross_entropy(logits, target[0])
             agree = (logits.argmax(-1) == full_logits.argmax(-1)).float().mean()

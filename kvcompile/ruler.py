@@ -636,10 +636,8 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     compressed once per policy."""
     import torch
 
-    import kvcompile
-    from kvcompile.cache import KVCompileCache
     from kvcompile.models import full_kv_bytes
-    from kvcompile.sweep import capture, feed, greedy, replay
+    from kvcompile.sweep import capture, feed, greedy, not_replayable, prefilled, replay
 
     stop = eos_ids(model)
     max_new = group[0]["max_new_tokens"]
@@ -671,14 +669,8 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
 
         def compressed(policy):
             nonlocal states
-            if getattr(policy.scoring, "reconstructs", False):
-                # kvzip scores the context by reconstructing it (a second, model-level pass): the compiled
-                # model's own forward over the context, not a replay of captured per-layer states
-                with kvcompile.compiled(model, policy, tokenizer=tokenizer):
-                    cache = KVCompileCache.from_plan(model.kvcompile_plan.with_headroom(headroom))
-                    with torch.no_grad():
-                        model(context, past_key_values=cache)
-                return cache
+            if not_replayable(policy):  # chunked prefill or a reconstruction scorer: the model's own forward
+                return prefilled(model, policy, context, headroom, tokenizer=tokenizer)[0]
             if states is None:
                 states, _ = capture(model, context)
             return replay(policy, model.config, states, headroom=headroom)

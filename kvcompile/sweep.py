@@ -35,10 +35,42 @@ def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> t
     return cache.states, out.logits[:, -1]
 
 
+def not_replayable(policy: Policy) -> str | None:
+    """Why `replay` cannot give what a compiled model's own prefill of the prompt keeps, or None.
+    Replay applies a policy to one captured one-pass prefill, layer by layer; a policy whose prefill
+    is not that (chunked prefill: each chunk attends to what the previous chunks kept, so the forward
+    itself changes; a reconstruction scorer: a second model-level pass) needs the model's forward."""
+    if policy.schedule.prefill is not None:
+        return ("its schedule compresses while prefilling in chunks (schedule.prefill), so each chunk's forward "
+                "attends to what the earlier chunks kept: a one-pass capture cannot be replayed into it")
+    if getattr(policy.scoring, "reconstructs", False):
+        return ("scoring kvzip scores a prompt by running the model again on its reconstruction; a captured "
+                "layer state has no model to reconstruct with")
+    return None
+
+
+@torch.no_grad()
+def prefilled(model, policy: Policy, input_ids: Tensor, headroom: int = 0,
+              **options) -> tuple[KVCompileCache, Tensor]:
+    """The cache a compiled model's own forward over `input_ids` leaves under `policy` (what generate()'s
+    prefill keeps) and the logits of the last prompt position, as `capture` + `replay` give them: for
+    the policies `replay` cannot reproduce (`not_replayable`). `options` go to compile()."""
+    with compiled(model, policy, **options):
+        cache = KVCompileCache.from_plan(model.kvcompile_plan.with_headroom(headroom))
+        out = model(input_ids, past_key_values=cache)
+    return cache, out.logits[:, -1]
+
+
 def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16, headroom: int = 0,
            kernels: str | None = None) -> KVCompileCache:
     """A KVCompileCache holding what `policy` keeps of the captured prompt, exactly as if the
-    prompt had been prefilled with the policy compiled in (the same per-layer code runs)."""
+    prompt had been prefilled with the policy compiled in (the same per-layer code runs).
+    Refused (ValueError) for a policy whose prefill is not one pass compressed layer by layer
+    (`not_replayable`): use `prefilled` with the model."""
+    why = not_replayable(policy)
+    if why is not None:
+        raise ValueError(f"kvcompile: {policy.name} cannot be replayed from a captured prefill: {why}; "
+                         "prefill it through the compiled model (kvcompile.sweep.prefilled)")
     cache = KVCompileCache(policy, config, page_size=page_size, headroom=headroom, kernels=kernels)
     first = states[0]
     b, _, n, _ = first.keys.shape
@@ -86,12 +118,13 @@ def feed(model, cache: KVCompileCache, ids: Tensor, **options) -> Tensor:
 
 
 @torch.no_grad()
-def teacher_forced(model, cache: KVCompileCache, last_logits: Tensor, continuation: Tensor) -> Tensor:
+def teacher_forced(model, cache: KVCompileCache, last_logits: Tensor, continuation: Tensor, **options) -> Tensor:
     """Logits (B, T, V) predicting each token of `continuation` (B, T) from a prefilled cache:
     the first row is the prompt's last logits, then the continuation is fed one token at a
-    time through the compiled model (teacher forcing; the policy's decode rules run)."""
+    time through the compiled model (teacher forcing; the policy's decode rules run).
+    options: compile()'s keywords (a kvzip policy's tokenizer)."""
     rows = [last_logits]
-    with compiled(model, cache.policy):
+    with compiled(model, cache.policy, **options):
         for t in range(continuation.shape[1] - 1):
             position = (cache.seq_length - cache.pad)[:, None]
             out = model(continuation[:, t:t + 1], position_ids=position, past_key_values=cache)

@@ -224,10 +224,12 @@ def test_agnostic_path_equals_generate_with_a_budget_covering_everything():
         ids_m, q_m = ruler.mode_prompt(TOK, {**s, "max_new_tokens": new}, mode)
         want = model.generate(torch.tensor([ids_m + q_m]), max_new_tokens=new, do_sample=False,
                               pad_token_id=0)[0, len(ids_m) + len(q_m):]
-        # snapkv and expected_attention replay the captured context; kvzip runs its reconstruction pass
-        specs = ["snapkv", "expected_attention", "kvzip"]
+        # snapkv and expected_attention replay the captured context; kvzip runs its reconstruction pass and
+        # a chunked prefill the compiled model's own chunked forward (a replay would be one pass)
+        chunked = kvcompile.load_spec("expected_attention", name="ea_chunked", schedule={"prefill": {"chunk": 256}})
+        specs = ["snapkv", "expected_attention", "kvzip", chunked]
         records = ruler.run_group(model, TOK, [{**s, "max_new_tokens": new}], mode, specs, fractions=[1.0])
-        assert [r["spec"] for r in records] == ["full"] + specs
+        assert [r["spec"] for r in records] == ["full", "snapkv", "expected_attention", "kvzip", "ea_chunked"]
         for r in records:
             assert r["prediction"] == TOK.decode(want, skip_special_tokens=True), (mode, r["spec"])
 

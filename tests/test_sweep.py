@@ -58,3 +58,28 @@ def test_teacher_forced_on_replay_equals_live_prefill(name):
             rows.append(out.logits[:, -1])
     torch.testing.assert_close(replayed, torch.stack(rows, dim=1))
     assert replayed.shape == (1, 20, model.config.vocab_size)
+
+
+def test_replay_refuses_a_chunked_prefill_and_prefilled_runs_it():
+    """A policy that compresses while prefilling in chunks changes the prompt's forward itself (chunk k
+    attends to what chunks < k kept): a one-pass capture cannot give it, so replay refuses it with the
+    reason, and `prefilled` (the compiled model's own forward) gives what generate()'s prefill keeps."""
+    from kvcompile.sweep import not_replayable, prefilled
+
+    model = tiny_model("llama")
+    ids = prompt(120, seed=41)
+    chunked = kvcompile.load_spec("expected_attention", per_head=24, schedule={"prefill": {"chunk": 40}})
+    one_pass = kvcompile.load_spec("expected_attention", per_head=24)
+    assert not_replayable(one_pass) is None and "schedule.prefill" in not_replayable(chunked)
+    states, last = capture(model, ids)
+    with pytest.raises(ValueError, match="cannot be replayed.*schedule.prefill"):
+        replay(chunked, model.config, states)
+    cache, logits = prefilled(model, chunked, ids, headroom=4)
+    with kvcompile.compiled(model, chunked), torch.no_grad():
+        live = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    one = replay(one_pass, model.config, states)
+    assert greedy(model, cache, logits, max_new_tokens=4).tolist() == live.sequences[:, ids.shape[1]:].tolist()
+    assert torch.equal(cache.kept(), live.past_key_values.kept())
+    # the chunked prefill keeps other entries than one pass at this budget (what a replay would have shown)
+    assert any(not torch.equal(one.kept_positions(layer), cache.kept_positions(layer))
+               for layer in range(model.config.num_hidden_layers))
