@@ -131,7 +131,8 @@ def test_the_scan_finds_each_kind_of_bad_reference():
         ", ".join(missing),
     ])
     good = "\n".join([
-        "[specs](SPECS.md#1-grammar), [results](../benchmarks/RESULTS.md), [home](../README.md), [w](https://x.org/a.md)",
+        "[specs](SPECS.md#1-grammar), [results](../benchmarks/RESULTS.md), [home](../README.md),",
+        "[web](https://x.org/a.md)",
         "docs/SPECS.md, benchmarks/RESULTS.md, specs/lava.yaml, kvcompile/plan.py, kvcompile/kvcompile_" + _FOLDER +
         "/x, " + _FOLDER + "_x and /work/docs" + "/x.md are fine",
     ])
