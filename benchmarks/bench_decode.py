@@ -10,7 +10,7 @@ time per call warm (the call repeated, so K and V partly stay in the CPU caches)
 (--flush-mb written before each call: K and V come from memory, as in a decode step where
 the weights and the other layers pass in between), the K+V bytes retained, bytes ÷ cold
 time, and the ratio of each time to the bound bytes ÷ copy bandwidth, the copy bandwidth
-measured in the same run (DESIGN.md §5).
+measured in the same run (docs/INTERNALS.md "Measuring speed").
 The C++ kernel (the CPU default) and the compiled lowering run on one thread below their
 PARALLEL_WORK multiply-adds per call, on all of torch's threads above; the method name says
 which ran.

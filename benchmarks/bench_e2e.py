@@ -1,4 +1,5 @@
-"""End to end on the embedded SmolLM2-135M (DESIGN.md §5): eager entry, compiled entry, full cache.
+"""End to end on the embedded SmolLM2-135M: eager entry, compiled entry, full cache (docs/INTERNALS.md
+"Measuring speed").
 
 For each spec at an N-token random prompt (default 4096) and `--per-head` tokens per KV head
 (default 128), greedy generation of `--new-tokens` tokens, timed by a logits processor that

@@ -3,7 +3,8 @@
 Three subcommands, each printing Markdown tables (paste them into RESULTS.md with the GPU's name):
 
 - `bandwidth`: the device's measured copy bandwidth (bytes read + written per second by a
-  device-to-device copy), the bound every "× bound" column divides by (DESIGN.md §5, §10).
+  device-to-device copy), the bound every "× bound" column divides by (docs/INTERNALS.md "Measuring speed",
+  "Running on a GPU").
 - `kernels`: one layer of an 8B GQA model (8 KV heads × 4 query heads each, head dim 128, bf16).
   (1) Paged decode attention (kvcompile.kernels.paged_attention, impl "triton" on a GPU) over each
   head's pages, every head holding `tokens` entries (pages in head order, as a compressed prompt is

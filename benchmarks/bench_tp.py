@@ -1,4 +1,4 @@
-"""Tensor parallelism on this CPU (DESIGN.md §8): SmolLM2-135M (3 KV heads, 9 query heads) sharded
+"""Tensor parallelism on this CPU (docs/DISTRIBUTED.md): SmolLM2-135M (3 KV heads, 9 query heads) sharded
 over 3 gloo ranks with transformers' tp_plan="auto", each spec compiled and generating greedily;
 then rank 0 runs the same specs on the whole model in one process and says whether the tokens
 and the kept entries (per layer and KV head, gathered from the ranks) are the same. The first

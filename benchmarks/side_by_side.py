@@ -1,4 +1,5 @@
-"""kvcompile and NVIDIA's kvpress side by side (DESIGN.md §5), interleaved, one fresh process each.
+"""kvcompile and NVIDIA's kvpress side by side, interleaved, one fresh process each (docs/INTERNALS.md
+"Measuring speed").
 
 Every measurement runs in a FRESH subprocess: kvpress's in its own virtual environment's python
 (kvpress 0.5.5 pins transformers < 5.3; see scripts/kvpress_env.sh), kvcompile's in this one.

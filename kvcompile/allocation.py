@@ -1,7 +1,7 @@
 """Budgets in integers, shared by the reference engine and the runtime: layer totals, head
 budgets, decode budgets, ZSMerge's split, and the protected / latest sets every selection
 starts from. Exact arithmetic (kvcompile.policies.budgets.apportion); the parts decide
-(DESIGN.md §2 "Budget allocation"), these functions lay their answers out as tensors.
+(docs/SPECS.md §2 "Budget"), these functions lay their answers out as tensors.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where a model's layers run: the device each layer's pages live on (DESIGN.md §8 "Several devices").
+"""Where a model's layers run: the device each layer's pages live on (docs/INTERNALS.md "Several devices").
 
 A model dispatched by accelerate (`from_pretrained(..., device_map=...)`, `dispatch_model`,
 `cpu_offload`, `disk_offload`) may keep some weights on the "meta" device, in CPU memory or on

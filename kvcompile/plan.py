@@ -1,4 +1,4 @@
-"""The plan: what `compile()` decides once, and the runtime only reads (DESIGN.md §6).
+"""The plan: what `compile()` decides once, and the runtime only reads (docs/INTERNALS.md "The pipeline").
 
     plan = build_plan(policy, model.config, device=..., dtype=..., kernels=None, page_size=16)
     cache = KVCompileCache.from_plan(plan.with_headroom(max_new_tokens))

@@ -86,7 +86,7 @@ def layer_entropy(scores: Tensor, valid: Tensor) -> Tensor:
 # --- the whole prompt ------------------------------------------------------------------------
 
 def compress(policy, states: list[LayerState], scores: list[Tensor] | None = None) -> Selection:
-    """What a policy keeps of a prompt, layer by layer as prefill goes (DESIGN.md §2).
+    """What a policy keeps of a prompt, layer by layer as prefill goes (docs/SPECS.md §2).
 
     Each layer: score_layer → select → merge_evicted. Layer-dynamic policies (layers:
     entropy, or schedule cascade) run LAVa Alg. 2 literally: after layer l, the totals
@@ -129,7 +129,7 @@ def compress(policy, states: list[LayerState], scores: list[Tensor] | None = Non
     return Selection(kept, merged, budgets, scores)
 
 
-# --- a prompt compressed while prefilling in chunks (DESIGN.md §8 "Prompts longer than memory") ------
+# --- a prompt compressed while prefilling in chunks (docs/INTERNALS.md, same title) ------------------
 
 @dataclass
 class ChunkedPrefill:
@@ -376,7 +376,7 @@ def compressed_cache(policy, state: LayerState, kept: Tensor, merged: Merged | N
     return keys, values, (bias if merged is not None else None), lengths
 
 
-# --- decoding: policies that act while tokens are generated (DESIGN.md §2 "Schedule") ------------
+# --- decoding: policies that act while tokens are generated (docs/SPECS.md §2 "Schedule") -------
 
 def decode_heads(policy, state: LayerState, kept: Tensor, merged: Merged | None, scores: Tensor
                  ) -> list[list[HeadEntries]]:

@@ -1,5 +1,5 @@
-"""Selection and merging of one layer's entries (DESIGN.md §2 "Ranking", "Budget allocation",
-"Merge rule"), in plain PyTorch: the definition the selection and merge kernels are tested
+"""Selection and merging of one layer's entries (docs/SPECS.md §2 "Ranking", "Budget",
+"Merge"), in plain PyTorch: the definition the selection and merge kernels are tested
 against, and the path the runtime takes where a layer is re-selected (the cascade's lower
 layers, `decode: every` pruning), which is rare and small.
 """

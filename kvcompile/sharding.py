@@ -1,5 +1,5 @@
 """Tensor parallelism: which KV heads this process holds, and the collectives that give every
-rank the view of all heads that a selection reads (DESIGN.md §8 "Beyond one device").
+rank the view of all heads that a selection reads (docs/INTERNALS.md "Tensor parallelism").
 
 Under transformers' tensor parallelism (`from_pretrained(..., tp_plan="auto")` or
 `distributed_config=DistributedConfig(tp_plan="auto")`, launched by torchrun) the q/k/v

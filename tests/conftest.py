@@ -1,7 +1,7 @@
 """Shared test setup.
 
 Without a CUDA GPU, Triton kernels run in its interpreter, which must be switched on
-before triton is first imported (DESIGN.md §3 "Triton without a GPU"). torch does not
+before triton is first imported (docs/INTERNALS.md "Kernels": Triton without a GPU). torch does not
 import triton, so asking torch about CUDA here is safe.
 """
 import os

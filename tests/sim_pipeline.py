@@ -1,4 +1,4 @@
-"""Layers that run on several devices: a pipeline over two accelerators (DESIGN.md §8 "Several devices",
+"""Layers that run on several devices: a pipeline over two accelerators (docs/INTERNALS.md "Several devices",
 kvcompile/devices.py). On this CPU the two devices are simulated (tests/sim_devices.py: sim:0 and sim:1
 refuse an op whose tensors live on both, as CUDA does); on a machine with two GPUs the same tests run on
 cuda:0 and cuda:1. The model alternates its layers between the two devices; what it keeps and generates

@@ -1,5 +1,5 @@
-"""Compressing while prefilling in chunks (schedule: {prefill: {chunk: c}}, DESIGN.md §8 "Prompts
-longer than memory"): the runtime equals reference.ChunkedPrefill for every part family, chunk by
+"""Compressing while prefilling in chunks (schedule: {prefill: {chunk: c}}, docs/SPECS.md
+`prefill: chunk`): the runtime equals reference.ChunkedPrefill for every part family, chunk by
 chunk and then token by token; a chunk covering the prompt is one-pass compression exactly (every
 shipped spec); KV memory stays flat as the prompt grows; what cannot be exact is refused."""
 from __future__ import annotations

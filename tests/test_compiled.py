@@ -4,7 +4,7 @@ sliding window longer than every sequence here, as Mistral-7B-v0.1 configures on
 Qwen2 (q/k/v biases), and generating more tokens adds no graph.
 
 One set of Inductor graphs per architecture (prefill and decode) serves every spec:
-the graph does not depend on the policy (DESIGN.md §3 "Two entries, one op"), so the
+the graph does not depend on the policy (docs/INTERNALS.md "The op and its two entries"), so the
 specs run one after another on one model without recompiling."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Several devices (DESIGN.md §8, kvcompile/devices.py): a model dispatched by accelerate, with some
+"""Several devices (docs/INTERNALS.md "Several devices"): a model dispatched by accelerate, with some
 layers' weights offloaded to disk or CPU memory ("meta" weights that accelerate's hooks move in when
 the layer runs), compiled with snapkv, adakv, zsmerge and lava: the hooks keep running, every layer's
 pages live on the device the layer runs on, and the generated tokens and kept entries equal those of

@@ -1,4 +1,4 @@
-"""A sharded `kvcompile eval` (DESIGN.md §8, issue 13 item 4): `torchrun --nproc-per-node 2 -m kvcompile
+"""A sharded `kvcompile eval` (docs/DISTRIBUTED.md, issue 13 item 4): `torchrun --nproc-per-node 2 -m kvcompile
 eval ...` shares the prompts round-robin over 2 gloo ranks and rank 0 writes the result file of the
 one-process run: the same records in the same order. The fields that measure the process that ran a
 record (cli.MEASURED: seconds, tok/s, resident memory) are present in both with the same kinds of

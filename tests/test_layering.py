@@ -1,4 +1,4 @@
-"""The pipeline reads one way (DESIGN.md §6): YAML → Policy → Plan → op → kernels → pages.
+"""The pipeline reads one way (docs/INTERNALS.md "The pipeline"): YAML → Policy → Plan → op → kernels → pages.
 Checked on the source: no import cycle among kvcompile's modules (imports inside functions
 count), the part library imports nothing of the engine, and the fast path (runtime, cache,
 plan, kernels) never imports the reference engine, which is the specification."""

@@ -1,5 +1,5 @@
 """FX passes of the compiled entry: find attention, rewrite it into kvcompile.attend,
-remove dead code, backend (DESIGN.md §3 "One op", "Two entries, one op").
+remove dead code, backend (docs/INTERNALS.md "The op and its two entries").
 
 Hand-built graphs (symbolic_trace, make_fx) test each pass; a graph dynamo captured from
 a tiny Llama tests them together; generation through compile_forward must give the

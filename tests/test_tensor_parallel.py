@@ -1,4 +1,4 @@
-"""Tensor parallelism (DESIGN.md §8, kvcompile/sharding.py): transformers' `tp_plan="auto"` on 2 gloo
+"""Tensor parallelism (docs/INTERNALS.md, kvcompile/sharding.py): transformers' `tp_plan="auto"` on 2 gloo
 processes (torch.multiprocessing), tiny Llama and Qwen2 models with 2 and 4 KV heads (8 query
 heads), every spec in specs/ and decode-time pruning: each rank holds only its own KV heads'
 pages, and the kept (layer, head, token) entries, the residual slots and the generated tokens

@@ -1,7 +1,7 @@
 """Experiment, not part of kvcompile: LAVa with its entropy split applied to the budget beyond the
 protected window only, as the authors' code does (MGDDestiny/Lava: (base_capacity - window) x L
 is shared in proportion to the layers' entropies and every layer keeps its window on top),
-instead of to the whole budget as DESIGN.md's `layers: entropy` does. For this one run it swaps
+instead of to the whole budget as kvcompile's `layers: entropy` (docs/SPECS.md) does. For this one run it swaps
 `kvcompile.reference.layer_totals` (which the runtime's cascade calls) for the variant below, and
 writes benchmarks/out/needle_lava_window_on_top.json: the needle prompts of seeds 3-8, 1k and 2k
 tokens, 64 and 128 per head (the prompts of RESULTS' LAVa/AdaKV ablation).

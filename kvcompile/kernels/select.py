@@ -1,4 +1,4 @@
-"""Selection and gather of one layer's prefill compression (DESIGN.md §3 "Kernels").
+"""Selection and gather of one layer's prefill compression (docs/INTERNALS.md "Kernels").
 
 Selection: which of the M candidate entries (B, H, M) of a layer stay. The order is the
 reference's: `ranks` (B, H, M) long from `kvcompile.policies.ranking.rank`, a permutation

@@ -1,4 +1,4 @@
-"""Pass 4 and the compiled entry (DESIGN.md §3 "Two entries, one op").
+"""Pass 4 and the compiled entry (docs/INTERNALS.md "The op and its two entries").
 
 `backend(gm, example_inputs)` is a torch.compile backend: it runs the passes (find the
 attention calls, rewrite them into `kvcompile.attend`, remove what became dead) over the

@@ -1,7 +1,7 @@
 """Pass 1: find the attention calls of a captured graph and the decoder layer of each.
 
 Attention appears as scaled_dot_product_attention in one of several forms, depending on
-where the graph was captured (DESIGN.md §3 "Two entries, one op"): the Python function
+where the graph was captured (docs/INTERNALS.md "The op and its two entries"): the Python function
 (`F.scaled_dot_product_attention`, which is `torch._C._nn.scaled_dot_product_attention`)
 in dynamo's torch-level graphs, `aten.scaled_dot_product_attention` in pre-dispatch
 graphs, and the `aten._scaled_dot_product_*_attention*` kernels (which return a tuple

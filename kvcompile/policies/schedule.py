@@ -56,7 +56,7 @@ class PrefillRule(Part):
     """Base of the prefill schedules: how the prompt goes through the model.
 
     `chunk_tokens`: the prompt is fed in chunks of this many tokens, each compressed back to
-    the budget before the next one runs (DESIGN.md §8 "Prompts longer than memory"; the
+    the budget before the next one runs (docs/SPECS.md `prefill: chunk`; the
     definition is `kvcompile.reference.ChunkedPrefill`); 0: the whole prompt in one pass."""
 
     chunk_tokens = 0

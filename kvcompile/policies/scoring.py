@@ -7,7 +7,7 @@ Each scorer has two methods:
   query_rows(n) -> how many of the last prompt queries it reads (R of LayerState);
   score(state)  -> (B, H, N) float32 scores, −inf at pad positions.
 
-Conventions shared by every scorer (DESIGN.md §2 "Scoring"):
+Conventions shared by every scorer (docs/SPECS.md §2 "Scoring"):
   * A[j, i] is the softmax of query j over keys i, scaled by the model's scale, with the
     causal mask (query j at absolute index N−R+j sees keys i ≤ that index) and the
     padding mask (pads are never attended). A pad query's row is all zeros.
