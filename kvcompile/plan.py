@@ -211,7 +211,9 @@ class Plan:
             if backend is None:
                 text = unbound if not self.bound else "None" + (
                     " (the merge rule's own merge)" if name == "merge_impl" and self.policy.merges else
-                    " (the runtime's Python path)" if name == "online_impl" else "")
+                    " (the runtime's Python path)" if name == "online_impl" and self.step_rule is None and (
+                        self.running_scores or self.online_eviction) else
+                    " (append, then decode_impl)" if name == "online_impl" else "")
             else:
                 text = backend.describe()
             lines.append(f"{name}: {text}")
