@@ -383,6 +383,8 @@ def _forward(entry: Entry, *args, past_key_values=None, use_cache=None, **kwargs
         fresh = not past_key_values.seq_length
         if fresh:
             check_left_padded(kwargs.get("attention_mask"))
+            if not past_key_values.is_initialized:  # its prompt runs in the autocast dtype, if any
+                past_key_values.plan = _autocast_plan(past_key_values.plan)
         kwargs["kvcompile_cache"] = past_key_values
         if fresh and entry.repeat is not None and past_key_values.reconstruction is None:
             from kvcompile import kvzip

@@ -123,15 +123,15 @@ class Plan:
     def bound_to(self, like: Tensor) -> "Plan":
         """The plan for a prompt whose tensors are like `like` (its cache's first prompt, at layer 0): itself
         when it is bound and they are its device and dtype; a plan without a device or dtype (a cache made
-        from a policy and a config alone) bound to theirs, its backends chosen now, once (build_plan). A bound
-        plan refuses tensors of another device or dtype (its kernels were chosen for its own): RuntimeError."""
+        from a policy and a config alone) bound to theirs (a device it names must be theirs), its backends
+        chosen now, once (build_plan). A bound plan refuses tensors of another device or dtype (its kernels
+        were chosen for its own): RuntimeError."""
         if self.bound and like.device == self.device and like.dtype == self.dtype:
             return self
         if self.bound and like.dtype == self.dtype and like.device.type == self.device.type \
                 and self.device.index is None and self.layer_devices is None:  # "cuda": the current one
             return dataclasses.replace(self, device=like.device)
-        if self.bound or (self.device is not None and like.device != self.device) or \
-                (self.dtype is not None and like.dtype != self.dtype):
+        if self.bound or (self.device is not None and like.device != self.device):
             raise RuntimeError(
                 f"kvcompile: the prompt runs in {like.dtype} on {like.device}, but the cache's plan chose its kernels "
                 f"for {self.dtype} on {self.device} (compile() reads them off the model; under torch.autocast the "
