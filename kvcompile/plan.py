@@ -323,17 +323,19 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     on one 4k prompt). compiled_entry: the model runs the compiled entry; on a CPU its
     decode kernel for other dtypes than fp32 is then the Inductor-compiled lowering.
     Where scores run while decoding or tokens leave online, a decode step is one fused call
-    (online_impl, kernels.online_step): the C++ step for fp32 on a CPU with a compiler (or
+    (online_step, kernels.online_step): the C++ step for fp32 on a CPU with a compiler (or
     kernels="cpp"), else the runtime's Python path (kernels="torch", other devices and dtypes).
     A prompt compressed in chunks (schedule.prefill: chunk) runs each chunk's attention over the held
-    entries and itself through the column-sums C++ kernel where it runs (chunk_impl "cpp": fp32 on a CPU,
+    entries and itself through the column-sums C++ kernel where it runs (CppChunkAttention: fp32 on a CPU,
     head dim a multiple of 16, kernels None or "cpp"; it also gives the scores of a column-sum scorer
     that does not merge), else through SDPA with a (T × E + T) mask.
     rope: the rotary inverse frequencies, for a scorer that reads them (default: from `config`, rope_frequencies).
     shard: this process's share of the KV heads under tensor parallelism (kvcompile.sharding.model_shard);
     the plan names them and what its selections gather across ranks.
     layer_devices: each layer's device, for layers that run on several devices of `device`'s type
-    (kvcompile.devices.execution_devices; `device` is layer 0's); None: every layer runs on `device`."""
+    (kvcompile.devices.execution_devices; `device` is layer 0's); None: every layer runs on `device`.
+    The implementations become the plan's backends here (with a device and a dtype; else at the first
+    prompt, Plan.bound_to): nothing resolves or compares an implementation name after this."""
     if page_size < 1:
         raise PlanError(f"kvcompile: page_size must be >= 1, got {page_size}")
     if headroom < 0:
