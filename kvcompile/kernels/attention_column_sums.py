@@ -15,7 +15,7 @@ A chunk of a chunked prompt (runtime.compress_chunk): q holds the queries of the
 (query t is key N − T + t, it sees the keys up to itself), weights (T,) weigh its rows, and the
 first E ≤ N − T keys are the entries the layer holds, with `bias` (B, H, E) added to their
 logits (the merge rule's α·log w; −inf where a head holds nothing); a pad query sees none of
-them (as `runtime._chunk_attention`). sums (B, Hq, N) then cover every key.
+them (as `kernels.chunk_attention.SdpaChunkAttention`). sums (B, Hq, N) then cover every key.
 
 This is what the scorers whose prompt score is a weighted column sum of the attention need
 (`Scorer.column_weights`: H2O's accumulated attention, w = 1; ZSMerge's decayed one,
