@@ -271,7 +271,7 @@ _ONLINE_MERGES = (Residual, Drop)
 def _resolve(op: str, requested: str | None, device, dtype, head_dim: int) -> str | None:
     from kvcompile.kernels.choice import IMPLS, resolve
 
-    if device is None or dtype is None:  # chosen at the first prompt (Plan.bound_to); the name is checked now
+    if device is None:  # chosen at the first prompt (Plan.bound_to); the name is checked now
         if requested is not None and requested not in IMPLS[op]:
             raise ValueError(f"{op}: unknown impl {requested!r}; one of {' | '.join(IMPLS[op])}")
         return None
@@ -360,7 +360,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     decode_kernels = kernels
     if compiled_entry and kernels is None and not cuda and dtype is not None and dtype != torch.float32:
         decode_kernels = "compiled"  # the C++ kernel is fp32 only
-    bound = device is not None and dtype is not None  # else: names checked, backends chosen at the first prompt
+    bound = device is not None and dtype is not None  # else: names checked (and resolved where a device is
+    #   named, for its errors), the backends chosen at the first prompt
     try:
         decode_impl = _resolve("paged_attention", decode_kernels, device, dtype, head_dim)
         # the selection / gather kernels: Triton where asked (or on a GPU), else the eager torch
@@ -375,11 +376,11 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         score_impl = "part"
         if scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
             score_impl = _resolve("window_scores", kernels, device, dtype, head_dim)
-        if scoring.column_weights(1) is not None and bound and kernels in (None, "cpp") \
+        if scoring.column_weights(1) is not None and device is not None and kernels in (None, "cpp") \
                 and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
             score_impl = "column_sums:cpp"  # attention and score in one pass: 0.6-0.8x the attention alone
         chunk_impl = None
-        if policy.schedule.chunk_tokens and bound and kernels in (None, "cpp") \
+        if policy.schedule.chunk_tokens and device is not None and kernels in (None, "cpp") \
                 and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
             chunk_impl = "cpp"  # a chunk's attention without its (T × E + T) mask, in blocks up to each query
     except ValueError as exc:
@@ -398,7 +399,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                                        dtype, head_dim)
             except ValueError as exc:
                 raise PlanError(f"kvcompile: {exc}") from None
-    elif kernels in (None, "cpp") and bound:
+    elif kernels in (None, "cpp") and device is not None:
         # a plain decode step (append + attention) as one C++ call where it would run on one thread
         # anyway (CppOnlineStep.runs): the separate append and paged-attention calls cost
         # ~0.1 ms a layer in small torch ops, 5-10 % of a SmolLM2 step at 128 entries per head
