@@ -10,7 +10,7 @@ runtime.decode alone, each also as a ratio to snapkv's.
 
 Rows: "SPEC" runs the plan's choice (zsmerge, h2o on a CPU in fp32: the fused C++ step of
 kvcompile.kernels.online_step); "SPEC/torch" the same step's torch path; "SPEC/python" the
-runtime's own Python path (Plan.online_impl = None: _attend_with_probs, _update_scores,
+runtime's own Python path (Plan.online_step = None: _attend_with_probs, _update_scores,
 _evict_online, _merge_victims). Every cache of a spec continues one prefilled cache (deep copies).
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 import kvcompile
 import kvcompile.runtime as runtime
 from kvcompile.cache import KVCompileCache
+from kvcompile.kernels.online_step import TorchOnlineStep
 from kvcompile.models import load_model
 from kvcompile.plan import build_plan
 
@@ -61,7 +62,8 @@ def main() -> None:
             if plan.online_impl is not None:
                 for impl in ("torch", None):
                     other = copy.deepcopy(cache)
-                    other.plan = dataclasses.replace(cache.plan, online_impl=impl)
+                    step = None if impl is None else TorchOnlineStep()
+                    other.plan = dataclasses.replace(cache.plan, online_step=step)
                     caches[f"{spec}/{impl or 'python'}"] = other
 
     inside = {"attend": 0.0, "decode": 0.0}

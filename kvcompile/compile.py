@@ -190,28 +190,22 @@ def _forward_in_chunks(forward, chunk: int, cache: KVCompileCache, args, kwargs)
 
 
 def build_kernels(plan, group: int) -> None:
-    """Build (or load from the disk cache) the C++ kernels `plan` names, for `group` query heads per
-    KV head, now: built on first use instead, a cold build (~1 s each) lands inside a generation,
-    e.g. the paged kernel in the first decode step past `runtime.one_thread`'s bound (it cost a
-    side-by-side dbudgetkv row 40 % of its decode speed)."""
+    """Build (or load from the disk cache) the C++ kernels of the backends `plan` holds, for `group`
+    query heads per KV head, now: built on first use instead, a cold build (~1 s each) lands inside a
+    generation, e.g. the paged kernel in the first decode step past the fused step's one-thread bound
+    (it cost a side-by-side dbudgetkv row 40 % of its decode speed)."""
     if plan.device is None or plan.device.type != "cpu":
         return
-    if plan.decode_impl == "cpp":
-        from kvcompile.kernels import paged_attention_cpp
+    for backend in plan.backends:
+        backend.build(group, plan.head_dim)
 
-        paged_attention_cpp._kernel(group, plan.head_dim)
-    if plan.online_impl == "cpp":
-        from kvcompile.kernels import online_step
 
-        online_step._kernel(group, plan.head_dim)
-    if plan.attention_scores or plan.chunk_impl == "cpp":
-        from kvcompile.kernels import attention_column_sums
-
-        attention_column_sums._kernel(plan.head_dim)
-    if plan.merge_impl == "cpp":
-        from kvcompile.kernels import merge
-
-        merge._cpp_kernel()
+def _autocast_plan(plan):
+    """The plan for a fresh cache made under torch.autocast: attend() runs the step in the autocast dtype
+    (as the model's SDPA would), so the cache's backends are chosen for that dtype (`Plan.with_dtype`)."""
+    if plan.device is None or not torch.is_autocast_enabled(plan.device.type):
+        return plan
+    return plan.with_dtype(torch.get_autocast_dtype(plan.device.type))
 
 
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
@@ -321,7 +315,7 @@ class Entry:
         return run(self, *args, **kwargs)
 
     def new_cache(self, headroom: int = 0) -> KVCompileCache:
-        return KVCompileCache.from_plan(self.plan.with_headroom(headroom), progress=self.progress)
+        return KVCompileCache.from_plan(_autocast_plan(self.plan).with_headroom(headroom), progress=self.progress)
 
 
 def _check_cache(plan, cache, call: str) -> None:
@@ -389,6 +383,8 @@ def _forward(entry: Entry, *args, past_key_values=None, use_cache=None, **kwargs
         fresh = not past_key_values.seq_length
         if fresh:
             check_left_padded(kwargs.get("attention_mask"))
+            if not past_key_values.is_initialized:  # its prompt runs in the autocast dtype, if any
+                past_key_values.plan = _autocast_plan(past_key_values.plan)
         kwargs["kvcompile_cache"] = past_key_values
         if fresh and entry.repeat is not None and past_key_values.reconstruction is None:
             from kvcompile import kvzip
@@ -440,7 +436,7 @@ def _generate(entry: Entry, *args, past_key_values=None, **kwargs):
         past_key_values = entry.new_cache(headroom)
     elif (isinstance(past_key_values, KVCompileCache) and not past_key_values.is_initialized
           and not past_key_values.headroom):  # a fresh cache of the caller's: spares for what generate() adds
-        past_key_values.plan = past_key_values.plan.with_headroom(headroom)
+        past_key_values.plan = _autocast_plan(past_key_values.plan).with_headroom(headroom)
     chunk = kwargs.get("prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))
     if plan.prefill_chunk:  # the prompt runs chunk by chunk, compressed after each (schedule.prefill: chunk)
         if chunk is not None and chunk != plan.prefill_chunk:

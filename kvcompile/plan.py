@@ -15,13 +15,20 @@ size, the generation headroom and the tensor-parallel shard (kvcompile.sharding)
 
 This module and the part classes are the only places that look at which parts a policy
 has; the runtime reads the fields below. Kernel names are resolved here, once
-(`kvcompile.kernels.choice.resolve`), so a bad choice fails at compile(), not mid-generation.
+(`kvcompile.kernels.choice.resolve`), into backends: one object per kernel family, of the class
+of its implementation (`kvcompile.kernels.paged_attention.CppPagedAttention`, ...), which the plan
+holds and the runtime calls (`plan.decode_attention(q, k_pages, ...)`) without comparing names; the
+thresholds that decide threading are their fields, and `describe()` shows them. A bad choice fails
+at compile(), not mid-generation. A plan built without a device or dtype (a KVCompileCache made from
+a policy and a config) holds no backend until its cache's first prompt binds it to the prompt's
+tensors (`bound_to`, once); a bound plan refuses tensors of another device or dtype.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -64,24 +71,25 @@ class Plan:
     heads_exchange: str  # what a tensor-parallel selection gathers: "none" (one process, or a threshold whose
     #   heads cut alone), "counts" (every head's candidate and slot counts: each head's selection reads its own
     #   scores given the head budgets), "scores" (every head's scores: pooled heads, entropy layer budgets)
-    device: torch.device | None  # None: decided by the first prompt's tensors
+    device: torch.device | None  # None: decided by the first prompt's tensors (bound_to)
     dtype: torch.dtype | None
     kernels: str | None  # what the caller asked for (None = the defaults below)
-    compiled_entry: bool  # the model runs through the compiled entry (torch.compile + the kvcompile passes)
+    compiled_entry: bool  # the model runs the compiled entry (torch.compile + the kvcompile passes)
     page_size: int
     headroom: int  # tokens per head generation may add after the prompt
-    # implementations
-    score_impl: str  # "part" (the scorer's own score_prompt) | "fused:<impl>" (kernels.window_scores) |
-    #   "column_sums:cpp" (the prompt's attention computes the score: kernels.attention_column_sums)
-    select_impl: str  # selection and gather kernels (kernels.select)
-    merge_impl: str | None  # the prompt's residual merge kernel (kernels.merge); None: the rule's own merge
-    merge_compile_above: int | None  # CPU default: the merge walk goes through Inductor above this many tokens
-    decode_impl: str | None  # paged decode attention (kernels.paged_attention); None: per call
-    online_impl: str | None  # the decode step (append, attention; running scores, online eviction where
-    #   the policy has them): "cpp" (the fused kernels.online_step; for a policy with neither, only
-    #   where the call would run on one thread anyway: `one_thread`) | "torch" (the runtime's Python
-    #   path); None: that path too, for parts whose behaviour the fused step cannot express
-    step_rule: StepRule | None  # what that step computes (with online_impl)
+    # implementations: the backends the runtime calls (kvcompile.kernels.*), chosen once by build_plan;
+    # None in a plan without device or dtype until it is bound (bound_to)
+    prompt_scores: object  # the prompt's scores: PartScores (the scorer part's own score_prompt) | a
+    #   kernels.window_scores backend (the fused window kernel) | kernels.attention_column_sums.ColumnSumScores
+    #   (the prompt's attention computes the score)
+    selection: object  # selection and gather (a kernels.select backend)
+    prompt_merge: object  # the prompt's residual merge (a kernels.merge backend); None: the rule's own merge
+    decode_attention: object  # paged decode attention (a kernels.paged_attention backend)
+    online_step: object  # the decode step (append, attention; running scores, online eviction where the
+    #   policy has them): kernels.online_step.CppOnlineStep (the fused C++ step; for a policy with neither,
+    #   only where the call would run on one thread anyway: its `runs`) | TorchOnlineStep (the runtime's
+    #   Python path); None: that path too, for parts whose behaviour the fused step cannot express
+    step_rule: StepRule | None  # what that step computes (with online_step)
     # decoding
     running_scores: bool  # scores keep running while decoding (H2O, ZSMerge)
     online_eviction: bool  # one token per head and step leaves through the split (ZSMerge Alg. 1)
@@ -96,8 +104,9 @@ class Plan:
     #   before the next (schedule.prefill: chunk; reference.ChunkedPrefill); 0: one pass
     layer_devices: tuple[torch.device, ...] | None = None  # each layer's device where the layers run on several
     #   (a pipeline over GPUs, kvcompile.devices.execution_devices; `device` is layer 0's); None: all on `device`
-    chunk_impl: str | None = None  # a chunk's attention over the held entries and itself: "cpp" (the column-sums
-    #   kernel, kernels.attention_column_sums, with the held entries as a biased prefix), None: SDPA with a mask
+    chunk_attention: object = None  # a chunk's attention over the held entries and itself (a
+    #   kernels.chunk_attention backend: CppChunkAttention, the column-sums kernel with the held entries as a
+    #   biased prefix, or SdpaChunkAttention, SDPA with a mask)
     rope: tuple[float, ...] | None = None  # the model's rotary inverse frequencies, for a scorer that reads them
     #   (Scorer.needs_rope: expected_attention moves queries to future positions); None: the scorer reads none
 
@@ -106,17 +115,55 @@ class Plan:
         return dataclasses.replace(self, headroom=headroom,
                                    spare_pages=spare_pages(self.policy, headroom, self.page_size))
 
-    def for_tensors(self, like: Tensor) -> "Plan":
-        """The plan for the device and dtype the model actually runs in (a cache built without
-        them, or a model moved after compile()): the kernels are chosen again."""
-        if self.device == like.device and self.dtype == like.dtype:
+    @property
+    def bound(self) -> bool:
+        """The backends are chosen (the plan names a device and a dtype)."""
+        return self.device is not None and self.dtype is not None
+
+    def bound_to(self, like: Tensor) -> "Plan":
+        """The plan for a prompt whose tensors are like `like` (its cache's first prompt, at layer 0): itself
+        when it is bound and they are its device and dtype; a plan without a device or dtype (a cache made
+        from a policy and a config alone) bound to theirs (a device it names must be theirs), its backends
+        chosen now, once (build_plan). A bound plan refuses tensors of another device or dtype (its kernels
+        were chosen for its own): RuntimeError."""
+        if self.bound and like.device == self.device and like.dtype == self.dtype:
             return self
-        # a model moved after compile() runs where `like` is: the layers' devices read at compile() are gone
-        # (attend() refuses a layer on another device than its plan says)
-        layers = self.layer_devices if self.device == like.device else None
+        if self.bound and like.dtype == self.dtype and like.device.type == self.device.type \
+                and self.device.index is None and self.layer_devices is None:  # "cuda": the current one
+            return dataclasses.replace(self, device=like.device)
+        if self.bound or (self.device is not None and like.device != self.device):
+            raise RuntimeError(
+                f"kvcompile: the prompt runs in {like.dtype} on {like.device}, but the cache's plan chose its kernels "
+                f"for {self.dtype} on {self.device} (compile() reads them off the model; under torch.autocast the "
+                "caches compile()'s forward and generate() make are planned for the autocast dtype): compile the "
+                "model again after moving or casting it, or give a cache built for these tensors "
+                "(KVCompileCache(policy, config) is bound to its first prompt's)")
         return build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
                           page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
-                          shard=self.shard, layer_devices=layers, rope=self.rope)
+                          shard=self.shard, layer_devices=self.layer_devices, rope=self.rope)
+
+    def with_dtype(self, dtype: torch.dtype) -> "Plan":
+        """The same plan for tensors of `dtype` (compile()'s entry under torch.autocast): the backends chosen
+        for it."""
+        if dtype == self.dtype:
+            return self
+        return build_plan(self.policy, _Dims(self), device=self.device, dtype=dtype, kernels=self.kernels,
+                          page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
+                          shard=self.shard, layer_devices=self.layer_devices, rope=self.rope)
+
+    @property
+    def backends(self) -> tuple:
+        """The backends the plan holds (for compile.build_kernels and describe)."""
+        return tuple(b for b in (self.prompt_scores, self.selection, self.prompt_merge, self.decode_attention,
+                                 self.online_step, self.chunk_attention) if b is not None)
+
+    # the implementations' names (for describe, tests and logs; the runtime calls the backends)
+    score_impl = property(lambda self: None if self.prompt_scores is None else self.prompt_scores.label)
+    select_impl = property(lambda self: None if self.selection is None else self.selection.name)
+    merge_impl = property(lambda self: None if self.prompt_merge is None else self.prompt_merge.name)
+    decode_impl = property(lambda self: None if self.decode_attention is None else self.decode_attention.name)
+    online_impl = property(lambda self: None if self.online_step is None else self.online_step.name)
+    chunk_impl = property(lambda self: None if self.chunk_attention is None else self.chunk_attention.name)
 
     def state(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> LayerState:
         """A layer's LayerState for the scorer, with the model's rotary frequencies where it reads them."""
@@ -134,34 +181,62 @@ class Plan:
 
     @property
     def attention_scores(self) -> bool:
-        """The prompt's attention also computes the layer's scores (`score_impl` column_sums:cpp),
+        """The prompt's attention also computes the layer's scores (prompt_scores ColumnSumScores),
         when the whole prompt comes in one call; otherwise `score` runs the scorer's own pass."""
-        return self.score_impl == "column_sums:cpp"
+        return self.prompt_scores is not None and self.prompt_scores.in_attention
 
     @property
     def chunk_scores(self) -> bool:
-        """A chunk's attention also computes the layer's scores (chunk_impl "cpp", a column-sum scorer,
-        and no merge slots, which the model's attention sees but the score does not)."""
-        return self.chunk_impl == "cpp" and self.policy.scoring.column_weights(1) is not None and not self.policy.merges
+        """A chunk's attention also computes the layer's scores (a chunk attention that gives column sums,
+        a column-sum scorer, and no merge slots, which the model's attention sees but the score does not)."""
+        return self.chunk_attention is not None and self.chunk_attention.column_sums and \
+            self.policy.scoring.column_weights(1) is not None and not self.policy.merges
 
     def score(self, state: LayerState) -> Tensor:
-        """The prompt scores of one layer (B, H, N), by the implementation the plan chose."""
-        if self.score_impl == "part" or self.attention_scores:
-            return self.policy.scoring.score_prompt(state)
-        from kvcompile.kernels.window_scores import score_fused
-
-        return score_fused(self.policy.scoring, state, impl=self.score_impl.split(":", 1)[1])
+        """The prompt scores of one layer (B, H, N), by the backend the plan chose."""
+        return self.prompt_scores.score(self.policy.scoring, state)
 
     def merge_bias(self, counts: Tensor) -> Tensor | None:
         """The logit bias of every cache entry from its merge count (None: the policy drops)."""
         return self.policy.merge.bias(counts) if self.policy.merges else None
 
     def describe(self) -> str:
-        """One line per decision, for logs and `kvcompile run --verbose`."""
-        fields = ("score_impl", "select_impl", "merge_impl", "decode_impl", "online_impl", "running_scores",
-                  "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade", "lazy_cascade",
-                  "prefill_chunk", "chunk_impl", "kv_heads", "heads_exchange", "layer_devices")
-        return "\n".join(f"{name}: {getattr(self, name)}" for name in fields)
+        """One line per decision, for logs and `kvcompile run --verbose`: each implementation's backend with
+        the thresholds that decide its threading, then what decoding and the prompt do."""
+        unbound = "None (chosen at the first prompt: no device or dtype given)"
+        lines = [f"device: {self.device}, dtype: {self.dtype}, kernels: {self.kernels}"]
+        for name, backend in (("score_impl", self.prompt_scores), ("select_impl", self.selection),
+                              ("merge_impl", self.prompt_merge), ("decode_impl", self.decode_attention),
+                              ("online_impl", self.online_step), ("chunk_impl", self.chunk_attention)):
+            if backend is None:
+                text = unbound if not self.bound else "None" + (
+                    " (the merge rule's own merge)" if name == "merge_impl" and self.policy.merges else
+                    " (the runtime's Python path)" if name == "online_impl" and self.step_rule is None and (
+                        self.running_scores or self.online_eviction) else
+                    " (append, then decode_impl)" if name == "online_impl" else "")
+            else:
+                text = backend.describe()
+            lines.append(f"{name}: {text}")
+        fields = ("running_scores", "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade",
+                  "lazy_cascade", "prefill_chunk", "kv_heads", "heads_exchange", "layer_devices")
+        return "\n".join(lines + [f"{name}: {getattr(self, name)}" for name in fields])
+
+
+@dataclass(frozen=True)
+class PartScores:
+    """The prompt's scores by the scorer part's own `score_prompt` (Plan.prompt_scores)."""
+
+    label: ClassVar[str] = "part"
+    in_attention: ClassVar[bool] = False
+
+    def score(self, scorer, state: LayerState) -> Tensor:
+        return scorer.score_prompt(state)
+
+    def build(self, group: int, head_dim: int) -> None:
+        """Nothing to build."""
+
+    def describe(self) -> str:
+        return "part (the scorer's own score_prompt)"
 
 
 class _Dims:
@@ -196,10 +271,10 @@ _ONLINE_MERGES = (Residual, Drop)
 def _resolve(op: str, requested: str | None, device, dtype, head_dim: int) -> str | None:
     from kvcompile.kernels.choice import IMPLS, resolve
 
-    if device is None:  # decided by the first prompt's tensors (Plan.for_tensors); the name is checked now
+    if device is None:  # chosen at the first prompt (Plan.bound_to); the name is checked now
         if requested is not None and requested not in IMPLS[op]:
             raise ValueError(f"{op}: unknown impl {requested!r}; one of {' | '.join(IMPLS[op])}")
-        return requested
+        return None
     return resolve(op, requested, device, dtype, head_dim=head_dim)
 
 
@@ -248,17 +323,19 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     on one 4k prompt). compiled_entry: the model runs the compiled entry; on a CPU its
     decode kernel for other dtypes than fp32 is then the Inductor-compiled lowering.
     Where scores run while decoding or tokens leave online, a decode step is one fused call
-    (online_impl, kernels.online_step): the C++ step for fp32 on a CPU with a compiler (or
+    (online_step, kernels.online_step): the C++ step for fp32 on a CPU with a compiler (or
     kernels="cpp"), else the runtime's Python path (kernels="torch", other devices and dtypes).
     A prompt compressed in chunks (schedule.prefill: chunk) runs each chunk's attention over the held
-    entries and itself through the column-sums C++ kernel where it runs (chunk_impl "cpp": fp32 on a CPU,
+    entries and itself through the column-sums C++ kernel where it runs (CppChunkAttention: fp32 on a CPU,
     head dim a multiple of 16, kernels None or "cpp"; it also gives the scores of a column-sum scorer
     that does not merge), else through SDPA with a (T × E + T) mask.
     rope: the rotary inverse frequencies, for a scorer that reads them (default: from `config`, rope_frequencies).
     shard: this process's share of the KV heads under tensor parallelism (kvcompile.sharding.model_shard);
     the plan names them and what its selections gather across ranks.
     layer_devices: each layer's device, for layers that run on several devices of `device`'s type
-    (kvcompile.devices.execution_devices; `device` is layer 0's); None: every layer runs on `device`."""
+    (kvcompile.devices.execution_devices; `device` is layer 0's); None: every layer runs on `device`.
+    The implementations become the plan's backends here (with a device and a dtype; else at the first
+    prompt, Plan.bound_to): nothing resolves or compares an implementation name after this."""
     if page_size < 1:
         raise PlanError(f"kvcompile: page_size must be >= 1, got {page_size}")
     if headroom < 0:
@@ -283,6 +360,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     decode_kernels = kernels
     if compiled_entry and kernels is None and not cuda and dtype is not None and dtype != torch.float32:
         decode_kernels = "compiled"  # the C++ kernel is fp32 only
+    bound = device is not None and dtype is not None  # else: names checked (and resolved where a device is
+    #   named, for its errors), the backends chosen at the first prompt
     try:
         decode_impl = _resolve("paged_attention", decode_kernels, device, dtype, head_dim)
         # the selection / gather kernels: Triton where asked (or on a GPU), else the eager torch
@@ -296,7 +375,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                 merge_compile_above = 2048  # a long walk: Inductor's one-time compile pays for itself
         score_impl = "part"
         if scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
-            score_impl = "fused:" + _resolve("window_scores", kernels, device, dtype, head_dim)
+            score_impl = _resolve("window_scores", kernels, device, dtype, head_dim)
         if scoring.column_weights(1) is not None and device is not None and kernels in (None, "cpp") \
                 and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
             score_impl = "column_sums:cpp"  # attention and score in one pass: 0.6-0.8x the attention alone
@@ -322,13 +401,28 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                 raise PlanError(f"kvcompile: {exc}") from None
     elif kernels in (None, "cpp") and device is not None:
         # a plain decode step (append + attention) as one C++ call where it would run on one thread
-        # anyway (the runtime asks `one_thread`): the separate append and paged-attention calls cost
+        # anyway (CppOnlineStep.runs): the separate append and paged-attention calls cost
         # ~0.1 ms a layer in small torch ops, 5-10 % of a SmolLM2 step at 128 entries per head
         step_rule = _step_rule(policy, False)
         if step_rule is not None and _resolve("online_step", None, device, dtype, head_dim) == "cpp":
             online_impl = "cpp"
         else:
             step_rule = None
+    backends = {}
+    if bound:  # the names become the backends the runtime calls (kvcompile.kernels.*), once
+        from kvcompile.kernels import chunk_attention, merge, online_step, paged_attention, select, window_scores
+        from kvcompile.kernels.attention_column_sums import ColumnSumScores
+
+        backends = dict(
+            prompt_scores=ColumnSumScores() if score_impl == "column_sums:cpp" else PartScores()
+            if score_impl == "part" else window_scores.backend(score_impl),
+            selection=select.backend(select_impl, cuda=cuda),
+            prompt_merge=None if merge_impl is None else merge.backend(merge_impl, merge_compile_above),
+            decode_attention=paged_attention.backend(decode_impl),
+            online_step=None if online_impl is None else online_step.backend(
+                online_impl, step_rule, always=scoring.running or online),
+            chunk_attention=None if not policy.schedule.chunk_tokens else chunk_attention.CppChunkAttention()
+            if chunk_impl == "cpp" else chunk_attention.SdpaChunkAttention())
     prune_every = decode.prune_every if decode is not None else 0
     ring_rows = scoring.query_rows(2 ** 30) if prune_every and not scoring.running else 0
     exchange = "none"
@@ -349,12 +443,13 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         kv_heads=tuple(range(num_heads)) if shard is None else shard.heads, shard=shard,
         heads_exchange=exchange, device=device, dtype=dtype, kernels=kernels,
         compiled_entry=compiled_entry, page_size=page_size,
-        headroom=headroom, score_impl=score_impl, select_impl=select_impl, merge_impl=merge_impl,
-        merge_compile_above=merge_compile_above, decode_impl=decode_impl, online_impl=online_impl,
+        headroom=headroom, prompt_scores=backends.get("prompt_scores"), selection=backends.get("selection"),
+        prompt_merge=backends.get("prompt_merge"), decode_attention=backends.get("decode_attention"),
+        online_step=backends.get("online_step"), chunk_attention=backends.get("chunk_attention"),
         step_rule=step_rule, running_scores=scoring.running, online_eviction=online,
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
-        prefill_chunk=chunk, chunk_impl=chunk_impl, layer_devices=layer_devices,
+        prefill_chunk=chunk, layer_devices=layer_devices,
         rope=tuple(rope) if scoring.needs_rope else None)
 
 

@@ -71,8 +71,8 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
 def start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, like: Tensor) -> PromptState:
     """The prompt's state, read by every layer's compression (and a fresh decode state):
     real tokens, lengths, pads and, where they follow from the lengths alone, the layer totals.
-    `like`: a tensor of the model's (device, dtype: the plan is checked against them)."""
-    cache.plan = cache.plan.for_tensors(like)
+    `like`: a tensor of the model's (device, dtype: the plan is checked against them, or bound to them)."""
+    cache.plan = cache.plan.bound_to(like)
     plan = cache.plan
     valid = torch.ones(b, n, dtype=torch.bool, device=like.device) if mask is None else mask[:, -n:].bool()
     lengths = valid.sum(-1)
@@ -100,13 +100,9 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     valid = cache.prompt.valid
     padding = None if bool(valid.all()) else valid
     if cache.plan.attention_scores and rows is None and t == n:  # one pass gives both (the plan's choice)
-        from kvcompile.kernels.attention_column_sums import attention_column_sums
-
-        scoring = cache.plan.policy.scoring
-        out, sums = attention_column_sums(q, k, v, padding, scale, scoring.column_weights(n))
-        scores = scoring.score_from_column_sums(sums, LayerState(q, k, v, padding, scale))
+        out, scores = cache.plan.prompt_scores.attend(cache.plan.policy.scoring, q, k, v, padding, scale)
         compress_prompt_layer(cache, q, k, v, layer, scale, scores=scores)
-        return out.to(q.dtype)
+        return out
     out = prompt_attention(q, k, v, padding, scale, offset=n - t)
     compress_prompt_layer(cache, q if rows is None else rows, k, v, layer, scale)
     return out
@@ -180,51 +176,6 @@ def chunked_prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask
     return out
 
 
-def _chunk_attention(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, held, real: Tensor,
-                     scale: float) -> Tensor:
-    """Attention of a chunk's queries (B, Hq, T, d) over the entries the layer holds (`held`: the
-    store's gathered keys, values, counts and stored flags, with the merge rule's logit bias) and the
-    chunk itself, causally among its real tokens `real` (B, T); a pad query sees itself only."""
-    b, hq, t, d = q.shape
-    h = k.shape[1]
-    hk, hv, hc, stored = held
-    bias = cache.plan.merge_bias(hc)
-    held_bias = torch.where(stored, 0.0 if bias is None else bias.float(), float("-inf"))  # (B, H, E)
-    held_bias = held_bias[:, :, None, :].expand(b, h, t, hk.shape[2])
-    held_bias = held_bias.masked_fill(~real[:, None, :, None], float("-inf"))  # a pad query sees no held entry
-    rows = torch.arange(t, device=q.device)
-    own = (rows[None, :] <= rows[:, None])[None] & real[:, None, :]  # (B, T, T): real keys up to the query
-    own = own | (torch.eye(t, dtype=torch.bool, device=q.device)[None] & ~real[:, :, None])
-    chunk_bias = torch.zeros(b, t, t, device=q.device).masked_fill(~own, float("-inf"))
-    logit_bias = torch.cat([held_bias, chunk_bias[:, None].expand(b, h, t, t)], dim=-1)
-    logit_bias = logit_bias.repeat_interleave(hq // h, dim=1).to(q.dtype)
-    keys, values = torch.cat([hk.to(k.dtype), k], dim=2), torch.cat([hv.to(v.dtype), v], dim=2)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=logit_bias, scale=scale, enable_gqa=hq != h)
-
-
-def _chunk_attention_cpp(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, held, real: Tensor,
-                         scale: float, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """`_chunk_attention` by the C++ kernel (kernels.attention_column_sums with the held entries as a
-    biased prefix of the keys): no (T × E + T) mask is built, and blocks of queries read only the keys up
-    to themselves. With `weights` (T,) it also returns the column sums Σ_t w_t A[t, i] (B, Hq, E + T) over
-    the held entries and the chunk; else None."""
-    from kvcompile.kernels.attention_column_sums import attention_column_sums
-
-    hk, hv, hc, stored = held
-    t = q.shape[2]
-    bias = None
-    if hk.shape[2]:
-        merge = cache.plan.merge_bias(hc)
-        bias = torch.where(stored, 0.0 if merge is None else merge.float(), float("-inf"))  # (B, H, E)
-    keys, values = torch.cat([hk.to(k.dtype), k], dim=2), torch.cat([hv.to(v.dtype), v], dim=2)
-    valid = None
-    if not bool(real.all()):
-        valid = torch.cat([torch.ones(real.shape[0], hk.shape[2], dtype=torch.bool, device=real.device), real], 1)
-    out, sums = attention_column_sums(q, keys, values, valid, scale,
-                                      torch.zeros(t) if weights is None else weights, bias=bias)
-    return out.to(q.dtype), None if weights is None else sums
-
-
 def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
                    scale: float, start: int, end: int) -> Tensor:
     """Chunk [start, end) of the prompt at one layer (reference.ChunkedPrefill.step): attention over the
@@ -242,7 +193,7 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     pad = end - lengths  # left pads so far: every pad comes before the real tokens
     if layer == 0:
         if start == 0:
-            cache.plan = plan = plan.for_tensors(q)
+            cache.plan = plan = plan.bound_to(q)
             cache.rings = [None] * plan.num_layers
         totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads) if plan.static_totals else None
         cache.prompt = PromptState(seen, lengths, pad, end, totals, [])
@@ -258,12 +209,9 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     else:
         hk, hv, hs, hp, hc, stored = store.gather()
         slot_count = store.slots
-    sums = None
-    if plan.chunk_impl == "cpp":  # the attention (and, for a column-sum scorer, its score) in one pass
-        weights = policy.scoring.column_weights(t) if plan.chunk_scores else None
-        out, sums = _chunk_attention_cpp(cache, q, k, v, (hk, hv, hc, stored), real, scale, weights)
-    else:
-        out = _chunk_attention(cache, q, k, v, (hk, hv, hc, stored), real, scale)
+    # the attention over the held entries and the chunk (and, for a column-sum scorer, its score: chunk_scores)
+    weights = policy.scoring.column_weights(t) if plan.chunk_scores else None
+    out, sums = plan.chunk_attention(q, k, v, (hk, hv, plan.merge_bias(hc), stored), real, scale, weights)
 
     # the candidates: held tokens (right-aligned, position order) then the chunk's tokens
     e = torch.arange(hk.shape[2], device=q.device)
@@ -423,26 +371,21 @@ def _select_and_merge(cache: KVCompileCache, k, v, scores, positions, valid, tot
         return kept, Merged(k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, v.shape[-1]),
                             torch.zeros(b, h, 0, dtype=torch.long, device=k.device))
     num_slots = budgets.slots
-    if plan.merge_impl is None:
+    if plan.prompt_merge is None:
         return kept, merge_evicted(policy, k, v, scores, valid & ~kept, None, num_slots, positions)
-    from kvcompile.kernels.merge import merge_order, residual_merge
+    from kvcompile.kernels.merge import merge_order
 
     keys, values, num = merge_order(k, v, scores, valid & ~kept, positions)
     size = int(num_slots.max())
-    impl = plan.merge_impl
-    if plan.merge_compile_above is not None and int(num.max()) > plan.merge_compile_above:
-        impl = "compiled"
-    sk, sv, counts = residual_merge(k.new_zeros(b, h, size, d), v.new_zeros(b, h, size, v.shape[-1]),
-                                    torch.zeros(b, h, size, dtype=torch.long, device=k.device), keys, values,
-                                    num, num_slots, impl=impl)
+    sk, sv, counts = plan.prompt_merge(k.new_zeros(b, h, size, d), v.new_zeros(b, h, size, v.shape[-1]),
+                                       torch.zeros(b, h, size, dtype=torch.long, device=k.device), keys, values,
+                                       num, num_slots)
     return kept, Merged(sk, sv, counts)
 
 
 def _store(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
     """Pages for one layer: the occupied residual slots of each head first, then its kept tokens,
     written by the gather kernel (kvcompile.kernels.select.build_pages, build_store's layout)."""
-    from kvcompile.kernels.select import build_pages
-
     b, h = tokens.take.shape[:2]
     sources = [tokens]
     slots = torch.zeros(b, h, dtype=torch.long, device=tokens.take.device)
@@ -453,7 +396,7 @@ def _store(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
         sources.insert(0, Entries(merged.keys, merged.values, torch.zeros_like(counts, dtype=torch.float32),
                                   -1 - torch.arange(counts.shape[-1], device=counts.device).expand_as(counts),  # slot r at -1 - r
                                   counts.float(), occupied))
-    pages = build_pages(sources, cache.page_size, cache.plan.spare_pages, impl=cache.plan.select_impl)
+    pages = cache.plan.selection.build_pages(sources, cache.page_size, cache.plan.spare_pages)
     return LayerStore(**pages._asdict(), slots=slots)
 
 
@@ -474,11 +417,9 @@ def _choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Ten
     nothing to gather); "scores": every head's candidates (`every`: scores, positions, valid, used,
     when the caller has them; else gathered) and the selection over all heads, of which this rank
     keeps its heads' part."""
-    from kvcompile.kernels.select import select as kernel_select
-
     plan = cache.plan
     policy, shard = plan.policy, plan.shard
-    run = functools.partial(kernel_select, impl=plan.select_impl) if kernels else select
+    run = plan.selection.select if kernels else select
     if used is None:
         used = torch.zeros(valid.shape[:2], dtype=torch.long, device=valid.device)
     if plan.heads_exchange != "scores":
@@ -545,12 +486,10 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     for i in range(q.shape[2]):
         position = start + i - pad  # logical position among real tokens
         out = None
-        if plan.online_impl == "cpp" and (running or online or one_thread(store, q.shape[1])):
+        if plan.online_step is not None and plan.online_step.runs(store, q.shape[1]):
             # append, attention, running scores, online eviction: one fused step
-            from kvcompile.kernels.online_step import online_step_cpp
-
             split = cache.decoding.split[:, layer] if online else None
-            out = online_step_cpp(store, q[:, :, i], k[:, :, i], v[:, :, i], position, split, plan.step_rule, scale)
+            out = plan.online_step(store, q[:, :, i], k[:, :, i], v[:, :, i], position, split, scale)
         if out is not None:
             out = out.to(q.dtype)
         else:  # no fused step, or not its common case (a head taking a fresh page, several to evict)
@@ -572,16 +511,6 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
                 _prune(cache, layer, position + 1, scale)
                 store = cache.stores[layer]
     return torch.stack(outs, dim=2)
-
-
-def one_thread(store, query_heads: int) -> bool:
-    """A decode step over `store` is small enough that the paged-attention kernel would run it on
-    one thread (kernels.paged_attention_cpp.PARALLEL_WORK multiply-adds): the fused one-thread
-    step loses nothing there."""
-    from kvcompile.kernels.paged_attention_cpp import PARALLEL_WORK
-
-    heads = store.lengths.shape[1]
-    return int(store.lengths.sum()) * (query_heads // heads) * store.k_pages.shape[-1] < PARALLEL_WORK
 
 
 def start_decode(cache: KVCompileCache) -> DecodeState:
@@ -740,12 +669,11 @@ def heads_store(cache: KVCompileCache, heads) -> LayerStore:
 
 
 def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:
-    """Attention of one query per head over that head's pages, with the merge rule's bias."""
-    from kvcompile.kernels.paged_attention import paged_attention as kernel
-
+    """Attention of one query per head over that head's pages, with the merge rule's bias, by the
+    plan's decode attention backend."""
     bias = cache.plan.merge_bias(store.count_pages)
-    return kernel(q, store.k_pages, store.v_pages, store.block_table, store.lengths, bias, scale,
-                  impl=cache.plan.decode_impl)
+    return cache.plan.decode_attention(q, store.k_pages, store.v_pages, store.block_table, store.lengths, bias,
+                                       scale)
 
 
 # --- the op ----------------------------------------------------------------------------
@@ -800,7 +728,7 @@ def _attend(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     Under torch.autocast, attend() gets q and k in float32 (RoPE's float32 cos and sin promote them)
     and v in the autocast dtype; the model's own SDPA would cast all three to the autocast dtype,
     and so does attend(): q, k, v in that dtype, then this step with autocast off (the plan's
-    kernels are chosen again for that dtype at the prompt, `Plan.for_tensors`, and the pages hold
+    caches compile()'s entry makes are planned for that dtype, `Plan.with_dtype`, and the pages hold
     it), and the output back in q's dtype (the o_proj that follows casts it to the autocast dtype
     again, without loss)."""
     if cache.reconstruction is not None:  # a reconstruction scorer's prompt or reconstruction pass (kvcompile.kvzip)

@@ -75,7 +75,7 @@ def test_threads_agree_and_a_long_prompt_fits():
 
 
 def chunk_reference(q, hk, hv, bias, k, v, real, scale, weights):
-    """A chunk's attention (runtime._chunk_attention, reference.ChunkedPrefill step 1) written out densely:
+    """A chunk's attention (chunk_attention.SdpaChunkAttention, reference.ChunkedPrefill step 1) written out densely:
     a real query sees the held entries with their bias and the chunk's real keys up to itself, a pad query
     itself only; and Σ_t w_t A[t, i] over the real queries."""
     b, hq, t, d = q.shape

@@ -17,6 +17,7 @@ from torch.testing import assert_close
 
 import kvcompile
 import kvcompile.kernels.online_step as online_step_module
+from kvcompile.kernels.online_step import TorchOnlineStep
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports
 from kvcompile.plan import PlanError, StepRule, build_plan
@@ -66,7 +67,8 @@ def one_layer(pol, b, h, g, d, page, impl=None, record=False):
 def with_impl(cache: KVCompileCache, impl: str | None) -> KVCompileCache:
     """A copy of a prefilled cache whose decode steps run `impl` (None: the runtime's Python path)."""
     new = copy.deepcopy(cache)
-    new.plan = dataclasses.replace(cache.plan, online_impl=impl)
+    step = {"cpp": cache.plan.online_step, "torch": TorchOnlineStep(), None: None}[impl]
+    new.plan = dataclasses.replace(cache.plan, online_step=step)
     return new
 
 

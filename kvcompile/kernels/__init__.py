@@ -6,9 +6,16 @@
 - `merge`: the ZSMerge residual merge update.
 - `select`: prefill selection (top-k per head, pooled top-k, DBudgetKV threshold) and
   the gather of the kept rows into pages.
+- `online_step`: the fused decode step (C++); `attention_column_sums`: the prompt's attention
+  with its weighted column sums (C++); `chunk_attention`: a chunk's attention over the held
+  entries and itself (a chunked prompt).
 - `choice`: `resolve`, which implementation of each of these runs (the `impl=` names,
   their defaults per device and dtype, and the errors for names that cannot run).
 
-Submodules are imported on demand: importing a kernel module imports triton, and without a GPU
-TRITON_INTERPRET must be set before that (tests/conftest.py does it).
+Each module defines its backends, one class per implementation with one call signature
+(`TritonPagedAttention`, `CppPagedAttention`, ...), and `backend(name)`; `kvcompile.plan.build_plan`
+makes the plan's backends from `resolve`'s names once, and the runtime calls them.
+
+Submodules are imported on demand (by build_plan, or a caller): importing a kernel module imports
+triton, and without a GPU TRITON_INTERPRET must be set before that (tests/conftest.py does it).
 """

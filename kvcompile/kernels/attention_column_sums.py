@@ -15,7 +15,7 @@ A chunk of a chunked prompt (runtime.compress_chunk): q holds the queries of the
 (query t is key N − T + t, it sees the keys up to itself), weights (T,) weigh its rows, and the
 first E ≤ N − T keys are the entries the layer holds, with `bias` (B, H, E) added to their
 logits (the merge rule's α·log w; −inf where a head holds nothing); a pad query sees none of
-them (as `runtime._chunk_attention`). sums (B, Hq, N) then cover every key.
+them (as `kernels.chunk_attention.SdpaChunkAttention`). sums (B, Hq, N) then cover every key.
 
 This is what the scorers whose prompt score is a weighted column sum of the attention need
 (`Scorer.column_weights`: H2O's accumulated attention, w = 1; ZSMerge's decayed one,
@@ -25,16 +25,20 @@ w_j = λ^(N−1−j)). Computed apart, the score is a second attention pass over
 multiply-add per probability (attention_column_sums.cpp: each block of QB queries keeps
 its G·QB rows of logits in a stripe, where each row's softmax is exact).
 
-Impl "cpp" only (the plan's `score_impl = "column_sums:cpp"`): fp32 on the CPU, head dim a
+Impl "cpp" only (the plan's `prompt_scores`, `ColumnSumScores`, named "column_sums:cpp"): fp32 on the CPU, head dim a
 multiple of the vector width, a C++ compiler (Inductor's toolchain, as paged_attention_cpp);
 elsewhere the plan keeps the model's attention and the scorer's own chunked pass.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from kvcompile.kernels.paged_attention_cpp import load_cpp, supports
+from kvcompile.layer_state import LayerState
 
 _ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*", "const float*", "const float*",
              "float*", "float*", "float*", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
@@ -79,3 +83,30 @@ def attention_column_sums(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None,
     _kernel(d)(q.contiguous(), kt, v.contiguous(), mask, held, weights.to(torch.float32).contiguous(), out,
                partial, stripe, b, h, g, n, t, e, padded, float(scale), int(valid is not None), threads)
     return out, partial.sum(0)
+
+
+@dataclass(frozen=True)
+class ColumnSumScores:
+    """The prompt scores of a scorer whose score is a weighted column sum of the attention
+    (`Scorer.column_weights`), computed by the prompt's attention in the same pass (`attend`), where the
+    whole prompt comes in one call; otherwise (`score`) the scorer's own pass. What `Plan.prompt_scores`
+    holds then (named "column_sums:cpp")."""
+
+    name: ClassVar[str] = "column_sums:cpp"
+    label: ClassVar[str] = "column_sums:cpp"  # Plan.score_impl
+    in_attention: ClassVar[bool] = True  # the prompt's attention computes the scores
+
+    def attend(self, scorer, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, scale: float
+               ) -> tuple[Tensor, Tensor]:
+        """(the prompt's attention in q's dtype, the layer's scores (B, H, N))."""
+        out, sums = attention_column_sums(q, k, v, valid, scale, scorer.column_weights(k.shape[2]))
+        return out.to(q.dtype), scorer.score_from_column_sums(sums, LayerState(q, k, v, valid, scale))
+
+    def score(self, scorer, state: LayerState) -> Tensor:
+        return scorer.score_prompt(state)
+
+    def build(self, group: int, head_dim: int) -> None:
+        _kernel(head_dim)
+
+    def describe(self) -> str:
+        return f"{self.name} (attention and score in one pass, torch's threads)"

@@ -17,10 +17,16 @@ so each kernel walks the tokens of a head in order, all heads in parallel.
   token, blocks of steps compiled by Inductor into one C++ function for impl="compiled";
   `residual_merge_cpp`: the walk in C++ (residual_merge.cpp beside this module, package
   data, built once by Inductor's C++ toolchain), heads on OpenMP threads, fp32 on the CPU.
+
+Backends (`Plan.prompt_merge`): `TritonResidualMerge`, `CppResidualMerge`, `TorchResidualMerge`,
+`CompiledResidualMerge`, one call signature; `backend(name)` makes one. The thresholds that decide
+threads and compilation are their fields (`parallel_work`, `compile_above`), shown by `describe()`.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -69,6 +75,12 @@ def residual_merge(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys:
     impl: "triton" | "cpp" | "torch" | "compiled" | None (Triton on CUDA, cpp for fp32 on the
     CPU with a C++ compiler, else torch), resolved by `kvcompile.kernels.choice.resolve("merge", ...)`.
     """
+    _check(slot_keys, slot_values, counts, keys, values)
+    name = resolve("merge", impl, slot_keys.device, slot_keys.dtype)
+    return backend(name)(slot_keys, slot_values, counts, keys, values, num, num_slots)
+
+
+def _check(slot_keys, slot_values, counts, keys, values) -> None:
     b, h, s, d = slot_keys.shape
     if (slot_values.shape[:3] != (b, h, s) or counts.shape != (b, h, s)
             or keys.shape[:2] != (b, h) or keys.shape[3] != d or values.shape[:3] != keys.shape[:3]
@@ -76,16 +88,98 @@ def residual_merge(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys:
         raise ValueError(f"residual_merge: slots {tuple(slot_keys.shape)}, {tuple(slot_values.shape)}, "
                          f"counts {tuple(counts.shape)} and tokens {tuple(keys.shape)}, "
                          f"{tuple(values.shape)} do not match")
-    e = keys.shape[2]
-    num = torch.full((b, h), e, device=keys.device) if num is None else num
-    num_slots = torch.full((b, h), s, device=keys.device) if num_slots is None else num_slots
-    impl = resolve("merge", impl, slot_keys.device, slot_keys.dtype)
-    args = (slot_keys, slot_values, counts, keys, values, num, num_slots)
-    if impl == "triton":
+
+
+@dataclass(frozen=True)
+class ResidualMerge:
+    """A residual-merge backend (what `Plan.prompt_merge` holds): `backend(slot_keys, slot_values, counts,
+    keys, values, num=None, num_slots=None)` -> (slot_keys, slot_values, counts), `residual_merge`'s contract."""
+
+    name: ClassVar[str]
+
+    def __call__(self, slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys: Tensor, values: Tensor,
+                 num: Tensor | None = None, num_slots: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        _check(slot_keys, slot_values, counts, keys, values)
+        b, h, s, _ = slot_keys.shape
+        num = torch.full((b, h), keys.shape[2], device=keys.device) if num is None else num
+        num_slots = torch.full((b, h), s, device=keys.device) if num_slots is None else num_slots
+        return self.run(slot_keys, slot_values, counts, keys, values, num, num_slots)
+
+    def run(self, slot_keys, slot_values, counts, keys, values, num, num_slots):
+        raise NotImplementedError
+
+    def build(self, group: int, head_dim: int) -> None:
+        """Build (or load) what the backend compiles ahead of time (the C++ walk); else nothing."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class TritonResidualMerge(ResidualMerge):
+    """One Triton program per head (`residual_merge_triton`)."""
+
+    name: ClassVar[str] = "triton"
+
+    def run(self, *args):
         return residual_merge_triton(*args)
-    if impl == "cpp":
-        return residual_merge_cpp(*args)
-    return residual_merge_torch(*args, compiled_step=impl == "compiled")
+
+
+@dataclass(frozen=True)
+class CppResidualMerge(ResidualMerge):
+    """The walk in C++ (`residual_merge_cpp`, fp32 CPU): heads on torch's threads when there are several and
+    a walk has at least `parallel_work` multiply-adds (tokens · slots · d), else one thread."""
+
+    name: ClassVar[str] = "cpp"
+    parallel_work: int = 1 << 16  # CPP_PARALLEL_WORK below
+
+    def run(self, *args):
+        return residual_merge_cpp(*args, parallel_work=self.parallel_work)
+
+    def build(self, group: int, head_dim: int) -> None:
+        _cpp_kernel()
+
+    def describe(self) -> str:
+        return f"cpp (heads on torch's threads from {self.parallel_work} multiply-adds a walk, else one thread)"
+
+
+@dataclass(frozen=True)
+class TorchResidualMerge(ResidualMerge):
+    """The torch lowering, one vectorized step per token; a walk of more than `compile_above` tokens goes
+    through Inductor's compiled blocks instead (None: never)."""
+
+    name: ClassVar[str] = "torch"
+    compile_above: int | None = None
+
+    def run(self, *args):
+        num = args[5]
+        compiled = self.compile_above is not None and int(num.max()) > self.compile_above
+        return residual_merge_torch(*args, compiled_step=compiled)
+
+    def describe(self) -> str:
+        if self.compile_above is None:
+            return "torch"
+        return f"torch (compiled blocks for walks of more than {self.compile_above} tokens)"
+
+
+@dataclass(frozen=True)
+class CompiledResidualMerge(ResidualMerge):
+    """The torch lowering with UNROLL steps per Inductor-compiled block, one thread."""
+
+    name: ClassVar[str] = "compiled"
+
+    def run(self, *args):
+        return residual_merge_torch(*args, compiled_step=True)
+
+
+def backend(name: str, compile_above: int | None = None) -> ResidualMerge:
+    """The backend of impl `name` (one `choice.resolve("merge", ...)` returned); `compile_above`: the
+    torch lowering's bound for compiled blocks."""
+    if name == "cpp":
+        return CppResidualMerge(CPP_PARALLEL_WORK)
+    if name == "torch":
+        return TorchResidualMerge(compile_above)
+    return {"triton": TritonResidualMerge, "compiled": CompiledResidualMerge}[name]()
 
 
 # ----------------------------------------------------------------------------- C++
@@ -100,8 +194,12 @@ def _cpp_kernel():
     return load_cpp(_CPP_ARGTYPES, "residual_merge.cpp")
 
 
+CPP_PARALLEL_WORK = 1 << 16  # multiply-adds (tokens · slots · d) a walk needs for its heads to go on threads
+
+
 def residual_merge_cpp(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, keys: Tensor, values: Tensor,
-                       num: Tensor, num_slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                       num: Tensor, num_slots: Tensor, *, parallel_work: int | None = None
+                       ) -> tuple[Tensor, Tensor, Tensor]:
     """The walk in C++ on fresh copies of the slots (fp32 CPU tensors): the same fp32 operations
     as the torch lowering, each rounded, so the same slots bit for bit (a dot product may sum
     in another order: a tie within one rounding could pick another slot)."""
@@ -112,7 +210,8 @@ def residual_merge_cpp(slot_keys: Tensor, slot_values: Tensor, counts: Tensor, k
     out_k, out_v = slot_keys.contiguous().clone(), slot_values.contiguous().clone()
     out_c = counts.to(torch.long).contiguous().clone()
     if s and e and b * h:
-        threads = torch.get_num_threads() if b * h > 1 and e * s * d >= 1 << 16 else 1
+        work = CPP_PARALLEL_WORK if parallel_work is None else parallel_work
+        threads = torch.get_num_threads() if b * h > 1 and e * s * d >= work else 1
         _cpp_kernel()(
             out_k, out_v, out_c, keys.contiguous(), values.contiguous(), num.to(torch.long).contiguous(),
             num_slots.to(torch.long).contiguous(), b * h, s, d, dv, e, threads)

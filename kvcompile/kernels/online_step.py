@@ -32,15 +32,23 @@ the cache: several rounds) it changes nothing and returns None, and the runtime'
 that step. The two agree exactly on evictions, positions, slots, counts, keys and values
 (tests/test_online_step.py); scores and outputs up to float summation order (the softmax,
 the GQA mean).
+
+Backends (`Plan.online_step`): `CppOnlineStep` (the C++ kernel, with the plan's StepRule and when it
+runs: every step where scores run or tokens leave, else only below `one_thread_work` multiply-adds, where
+the paged-attention kernel would run on one thread anyway) and `TorchOnlineStep` (the runtime's path:
+`runs` is False). `backend.runs(store, query_heads)` says whether `backend(store, q, k, v, position,
+split, scale)` is called for a step.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from kvcompile.cache import LayerStore
+from kvcompile.kernels import paged_attention_cpp
 from kvcompile.kernels.paged_attention_cpp import load_cpp
 
 _ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "float*", "float*", "float*",
@@ -63,7 +71,7 @@ def _alpha(alpha: float) -> Tensor:
 _NO_SPLIT = torch.zeros(1, 3, dtype=torch.long)
 
 
-def _writable_layout(store: LayerStore) -> bool:
+def _writable_layout(store) -> bool:
     """The store's tensors have the layout the C++ kernel writes into in place."""
     return (store.k_pages.dtype == torch.float32 and store.v_pages.dtype == torch.float32
             and store.lengths.dtype == torch.long and store.slots.dtype == torch.long
@@ -73,7 +81,7 @@ def _writable_layout(store: LayerStore) -> bool:
             and store.block_table.is_contiguous() and store.owned.is_contiguous())
 
 
-def online_step_cpp(store: LayerStore, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
+def online_step_cpp(store, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
                     rule, scale: float) -> Tensor | None:
     """The C++ kernel: the output (B, Hq, d), or None when the common case does not hold for
     some head (the store is then untouched)."""
@@ -95,3 +103,72 @@ def online_step_cpp(store: LayerStore, q: Tensor, k: Tensor, v: Tensor, position
         int(rule.alpha is not None), _alpha(float(rule.alpha or 0.0)), int(rule.evict and split is not None),
         status)
     return None if int(status[0]) else out
+
+
+@dataclass(frozen=True)
+class OnlineStep:
+    """A decode step backend: `runs(store, query_heads)` whether this step goes through it, and
+    `backend(store, q, k, v, position, split, scale)` -> the output (B, Hq, d), or None where the
+    kernel's common case does not hold (the store untouched; the runtime's path runs that step)."""
+
+    name: ClassVar[str]
+
+    def runs(self, store, query_heads: int) -> bool:
+        return False
+
+    def __call__(self, store, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
+                 scale: float) -> Tensor | None:
+        return None
+
+    def build(self, group: int, head_dim: int) -> None:
+        """Build (or load) what the backend compiles ahead of time (the C++ step); else nothing."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class TorchOnlineStep(OnlineStep):
+    """The runtime's own Python path (append, _attend_with_probs, _update_scores, _evict_online)."""
+
+    name: ClassVar[str] = "torch"
+
+    def describe(self) -> str:
+        return "torch (the runtime's path)"
+
+
+@dataclass(frozen=True)
+class CppOnlineStep(OnlineStep):
+    """The fused C++ step (`online_step_cpp`) computing `rule`. always: every step runs it (scores run
+    or tokens leave online); else (append + attention only) a step runs it where it has fewer than
+    `one_thread_work` multiply-adds (entries · query heads per KV head · d, the paged-attention C++
+    kernel's one-thread bound): the separate append and paged-attention calls cost ~0.1 ms a layer in
+    small torch ops there, and the fused step runs on one thread."""
+
+    name: ClassVar[str] = "cpp"
+    rule: object = None  # kvcompile.plan.StepRule
+    always: bool = True
+    one_thread_work: int = paged_attention_cpp.PARALLEL_WORK
+
+    def runs(self, store, query_heads: int) -> bool:
+        if self.always:
+            return True
+        heads = store.lengths.shape[1]
+        return int(store.lengths.sum()) * (query_heads // heads) * store.k_pages.shape[-1] < self.one_thread_work
+
+    def __call__(self, store, q, k, v, position, split, scale):
+        return online_step_cpp(store, q, k, v, position, split, self.rule, scale)
+
+    def build(self, group: int, head_dim: int) -> None:
+        _kernel(group, head_dim)
+
+    def describe(self) -> str:
+        when = "every step" if self.always else f"steps below {self.one_thread_work} multiply-adds (one thread)"
+        return f"cpp ({when}; {self.rule})"
+
+
+def backend(name: str, rule=None, always: bool = True) -> OnlineStep:
+    """The backend of impl `name` (one `choice.resolve("online_step", ...)` returned)."""
+    if name == "cpp":
+        return CppOnlineStep(rule, always, paged_attention_cpp.PARALLEL_WORK)
+    return TorchOnlineStep()

@@ -25,14 +25,24 @@ Three implementations and a dispatcher:
   kernel hand-written in C++ for the CPU, compiled by Inductor's C++ toolchain; the
   default on a CPU for fp32 (it reads the cache at close to the memory bandwidth, which
   the Inductor-compiled torch lowering does not: benchmarks/HISTORY.md).
+
+Backends (what a Plan holds, `Plan.decode_attention`): one class per implementation with the
+same call, `backend(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)`:
+`TritonPagedAttention`, `CppPagedAttention`, `TorchPagedAttention` (eager) and
+`CompiledPagedAttention` (the torch lowering through Inductor); `backend(name)` makes one from
+its impl name (`kvcompile.kernels.choice.resolve` decides the name). The threshold that
+decides threading is a field of the backend (`parallel_work`), shown by `describe()`.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from kvcompile.kernels import paged_attention_cpp as paged_attention_cpp_module
 from kvcompile.kernels.choice import resolve
 from kvcompile.kernels.paged_attention_cpp import paged_attention_cpp
 
@@ -54,18 +64,99 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
     (`kvcompile.kernels.choice.resolve`, which raises ValueError for a name that cannot
     run on these tensors). Called from
     inside an opaque custom op, the torch lowering runs eagerly: ask for "compiled" to get
-    the fused kernel.
+    the fused kernel. (The runtime calls the backend its plan holds, `Plan.decode_attention`.)
     """
     _check(q, k_pages, v_pages, block_table, lengths, bias_pages)
-    impl = resolve("paged_attention", impl, q.device, q.dtype if q.dtype == k_pages.dtype else None,
+    name = resolve("paged_attention", impl, q.device, q.dtype if q.dtype == k_pages.dtype else None,
                    head_dim=q.shape[-1])
-    if impl == "cpp":
-        return paged_attention_cpp(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
-    if impl == "triton":
+    return backend(name).run(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+
+
+@dataclass(frozen=True)
+class PagedAttention:
+    """A decode attention backend: `backend(q, k_pages, v_pages, block_table, lengths, bias_pages,
+    scale)` -> (B, Hq, d), the module docstring's contract (shapes checked on every call)."""
+
+    name: ClassVar[str]
+
+    def __call__(self, q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: Tensor,
+                 bias_pages: Tensor | None = None, scale: float | None = None) -> Tensor:
+        _check(q, k_pages, v_pages, block_table, lengths, bias_pages)
+        return self.run(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+
+    def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale) -> Tensor:
+        raise NotImplementedError
+
+    def build(self, group: int, head_dim: int) -> None:
+        """Build (or load) what the backend compiles ahead of time (the C++ kernel); else nothing."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class TritonPagedAttention(PagedAttention):
+    """Flash-decoding in Triton (`paged_attention_triton`): CUDA tensors, or any under TRITON_INTERPRET=1."""
+
+    name: ClassVar[str] = "triton"
+
+    def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
         return paged_attention_triton(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
-    if impl == "torch":
+
+
+@dataclass(frozen=True)
+class CppPagedAttention(PagedAttention):
+    """The C++ CPU kernel (`paged_attention_cpp`): fp32, head dim a multiple of 16. A call of fewer than
+    `parallel_work` multiply-adds runs on one thread, a larger one on torch's threads."""
+
+    name: ClassVar[str] = "cpp"
+    parallel_work: int = paged_attention_cpp_module.PARALLEL_WORK
+
+    def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
+        return paged_attention_cpp(q, k_pages, v_pages, block_table, lengths, bias_pages, scale,
+                                   parallel_work=self.parallel_work)
+
+    def build(self, group: int, head_dim: int) -> None:
+        paged_attention_cpp_module._kernel(group, head_dim)
+
+    def describe(self) -> str:
+        return f"cpp (one thread below {self.parallel_work} multiply-adds a call, else torch's threads)"
+
+
+@dataclass(frozen=True)
+class TorchPagedAttention(PagedAttention):
+    """The torch lowering run eagerly (gather + matmul)."""
+
+    name: ClassVar[str] = "torch"
+
+    def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
         return paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
-    return compiled_paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+
+
+@dataclass(frozen=True)
+class CompiledPagedAttention(PagedAttention):
+    """The torch lowering through Inductor (`compiled_paged_attention_torch`): its one-thread graph below
+    `parallel_work` multiply-adds a call, its parallel one above."""
+
+    name: ClassVar[str] = "compiled"
+    parallel_work: int = 1 << 22  # PARALLEL_WORK below
+
+    def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
+        return compiled_paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale,
+                                              parallel_work=self.parallel_work)
+
+    def describe(self) -> str:
+        return f"compiled (one-thread graph below {self.parallel_work} multiply-adds a call, else parallel loops)"
+
+
+def backend(name: str) -> PagedAttention:
+    """The backend of impl `name` (a name `choice.resolve("paged_attention", ...)` returned), with this
+    module's thresholds as they are now."""
+    if name == "cpp":
+        return CppPagedAttention(paged_attention_cpp_module.PARALLEL_WORK)
+    if name == "compiled":
+        return CompiledPagedAttention(PARALLEL_WORK)
+    return {"triton": TritonPagedAttention, "torch": TorchPagedAttention}[name]()
 
 
 def _check(q, k_pages, v_pages, block_table, lengths, bias_pages) -> None:
@@ -202,8 +293,9 @@ def _compiled(parallel: bool):
 def compiled_paged_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor,
                                    block_table: Tensor, lengths: Tensor,
                                    bias_pages: Tensor | None = None,
-                                   scale: float | None = None) -> Tensor:
-    """The torch lowering compiled by Inductor. Only the sizes that grow with the cache
+                                   scale: float | None = None, *, parallel_work: int | None = None) -> Tensor:
+    """The torch lowering compiled by Inductor (its one-thread graph below `parallel_work`
+    multiply-adds, default PARALLEL_WORK, its parallel one above). Only the sizes that grow with the cache
     (pages per head M, pool size P) are dynamic: one graph serves every cache length,
     while d, S, G stay static so the inner loops have constant trip counts (fully
     dynamic shapes measured about 3x slower here). A second graph is compiled once a
@@ -221,8 +313,9 @@ def compiled_paged_attention_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor,
     for pages in (k_pages, v_pages) + (() if bias_pages is None else (bias_pages,)):
         torch._dynamo.maybe_mark_dynamic(pages, 0)
     work = block_table.shape[-1] * k_pages.shape[1] * q.shape[0] * q.shape[1] * q.shape[2]
+    parallel_work = PARALLEL_WORK if parallel_work is None else parallel_work
     with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
-        return _compiled(work >= PARALLEL_WORK)(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+        return _compiled(work >= parallel_work)(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
 
 
 # -------------------------------------------------------------------------- triton

@@ -108,11 +108,11 @@ def _dense(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                         lengths: Tensor, bias_pages: Tensor | None = None,
                         scale: float | None = None, *, threads: int | None = None,
-                        chunk: int | None = None) -> Tensor:
+                        chunk: int | None = None, parallel_work: int | None = None) -> Tensor:
     """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d), fp32 on CPU.
 
-    threads: OpenMP threads (default: torch's when the call has at least PARALLEL_WORK
-    multiply-adds, else 1; the C++ side decides); chunk: entries per work item (default:
+    threads: OpenMP threads (default: torch's when the call has at least `parallel_work`
+    multiply-adds, default PARALLEL_WORK, else 1; the C++ side decides); chunk: entries per work item (default:
     whole pages, about ITEMS_PER_THREAD runs per thread over all heads, one run per head
     on one thread)."""
     if not supported(q, k_pages):
@@ -123,7 +123,7 @@ def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
     g = hq // h
     scale = d ** -0.5 if scale is None else scale
     max_threads = torch.get_num_threads() if threads is None else threads
-    work = PARALLEL_WORK if threads is None else 0  # given threads: always that many
+    work = (PARALLEL_WORK if parallel_work is None else parallel_work) if threads is None else 0  # given: that many
     runs = max(1, -(-ITEMS_PER_THREAD * max_threads // (b * h))) if chunk is None else \
         max(1, -(-m * s // chunk))  # bounds the runs per head the C++ side can choose
     workspace = torch.empty(b * h * runs * g * (d + 2))

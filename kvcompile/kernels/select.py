@@ -31,6 +31,9 @@ on CUDA, else torch; `kvcompile.kernels.choice.resolve("select", ...)`):
   per head or sequence, a gather of the k-th; the threshold by a sort and a reverse
   cumulative sum as the reference; the gather by index_put. No Python loop over heads
   or sequences.
+Backends (`Plan.selection`): `TritonSelection`, `TorchSelection` (one thread on a CPU), `CompiledSelection`,
+one set of methods (`select`, `keep_best`, `keep_threshold`, `gather_pages`, `build_pages`); `backend(name)`
+makes one, and the module functions with `impl=` go through it.
 Exactness: top-k masks are equal to the reference's by construction (distinct integer
 ranks). The threshold's float64 sums may associate differently from the reference's
 cumsum (Triton: blocked sums), which can only matter when a norm change equals t to the
@@ -41,7 +44,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,18 +60,16 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 
-def _impl(impl: str | None, like: Tensor) -> str:
-    """`kvcompile.kernels.choice.resolve` for the selection and gather kernels on `like`'s device."""
-    return resolve("select", impl, like.device, like.dtype)
+def _backend(impl: str | None, like: Tensor) -> "Selection":
+    """The backend of `impl` (resolved by `kvcompile.kernels.choice.resolve` on `like`'s device)."""
+    return backend(resolve("select", impl, like.device, like.dtype), cuda=like.is_cuda)
 
 
 @contextlib.contextmanager
-def _serial(impl: str, like: Tensor):
-    """The eager torch lowering on a CPU runs on one thread: its ops touch a few thousand
-    elements, less work than an OpenMP fork/join on a shared machine (N = 4096, H = 3 under
-    load: select + gather 2 ms on one thread, 40 ms on two)."""
+def _one_thread():
+    """torch on one thread for the block (see TorchSelection)."""
     threads = torch.get_num_threads()
-    if impl != "torch" or like.is_cuda or threads == 1:
+    if threads == 1:
         yield
         return
     torch.set_num_threads(1)
@@ -87,12 +89,11 @@ def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Te
     The ranking (one stable sort order), protected sets and head budgets (exact integer
     arithmetic, `reference.head_budgets`) are the reference's own functions; the top-k
     over each head or over the layer, and the threshold cut, are the kernels."""
-    impl = _impl(impl, scores)
-    with _serial(impl, scores):
-        return _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl, budgets)
+    return _backend(impl, scores).select(policy, scores, positions, valid, lengths, total, layer, used_slots,
+                                         budgets=budgets)
 
 
-def _select(policy, scores, positions, valid, lengths, total, layer, used_slots, impl, budgets=None):
+def _select(policy, scores, positions, valid, lengths, total, layer, used_slots, backend, budgets=None):
     from kvcompile.allocation import head_budgets, latest, ranked  # the budget arithmetic, protected sets
 
     valid, ranks, protected = ranked(policy, scores, positions, valid, lengths)
@@ -100,14 +101,127 @@ def _select(policy, scores, positions, valid, lengths, total, layer, used_slots,
     if threshold is not None:
         if threshold.keeps_whole(layer):
             return valid.clone()
-        return threshold.keep_ranked(ranks, protected, valid, scores, functools.partial(keep_threshold, impl=impl))
+        return threshold.keep_ranked(ranks, protected, valid, scores, backend.keep_threshold)
     if total is None:
         raise ValueError("select needs the layer's total unless the policy has a threshold")
     heads = head_budgets(policy, valid, total, used_slots) if budgets is None else budgets
     protected |= latest(positions, valid, heads.proximity)
     # the heads part says how its selection is made of top-k's (its reference, per sequence, otherwise)
-    return policy.budget.heads.keep_ranked(ranks, protected, valid, heads.tokens, total,
-                                           functools.partial(keep_best, impl=impl))
+    return policy.budget.heads.keep_ranked(ranks, protected, valid, heads.tokens, total, backend.keep_best)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A selection and gather backend (what `Plan.selection` holds): `select`, `keep_best`, `keep_threshold`,
+    `gather_pages` and `build_pages` with the module functions' arguments (without `impl`)."""
+
+    name: ClassVar[str]
+
+    def serial(self):
+        """The context the backend's calls run in (TorchSelection: one thread)."""
+        return contextlib.nullcontext()
+
+    def select(self, policy, scores, positions, valid, lengths, total, layer, used_slots=None, *, budgets=None):
+        with self.serial():
+            return _select(policy, scores, positions, valid, lengths, total, layer, used_slots, self, budgets)
+
+    def keep_best(self, ranks, kept, valid, budget, *, pooled: bool = False) -> Tensor:
+        b, h, m = ranks.shape
+        if budget.shape != ((b,) if pooled else (b, h)):
+            raise ValueError(f"keep_best: budget {tuple(budget.shape)} for ranks {tuple(ranks.shape)}, pooled={pooled}")
+        if b * h * m == 0:
+            return kept.clone()
+        return self._keep_best(ranks, kept, valid, budget, pooled)
+
+    def keep_threshold(self, ranks, protected, valid, scores, t: float) -> Tensor:
+        if ranks.numel() == 0:
+            return valid.clone()
+        return self._keep_threshold(ranks, protected, valid, scores, t)
+
+    def gather_pages(self, k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start, keys, values,
+                     scores, positions, counts, take) -> None:
+        if take.numel() == 0:
+            return
+        self._gather_pages(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start, keys, values,
+                           scores, positions, counts, take)
+
+    def build_pages(self, sources, page_size: int, spare_pages: int) -> "Pages":
+        with self.serial():
+            return _build_pages(sources, page_size, spare_pages, self)
+
+    def build(self, group: int, head_dim: int) -> None:
+        """Nothing is built ahead of time."""
+
+    def describe(self) -> str:
+        return self.name
+
+    def _keep_best(self, ranks, kept, valid, budget, pooled):
+        raise NotImplementedError
+
+    def _keep_threshold(self, ranks, protected, valid, scores, t):
+        raise NotImplementedError
+
+    def _gather_pages(self, *args):
+        gather_pages_torch(*args)
+
+
+@dataclass(frozen=True)
+class TritonSelection(Selection):
+    """Triton's bisection kernels (no sort) and block-compacting gather."""
+
+    name: ClassVar[str] = "triton"
+
+    def _keep_best(self, ranks, kept, valid, budget, pooled):
+        return keep_best_triton(ranks, kept, valid, budget, pooled)
+
+    def _keep_threshold(self, ranks, protected, valid, scores, t):
+        return keep_threshold_triton(ranks, protected, valid, scores, t)
+
+    def _gather_pages(self, *args):
+        gather_pages_triton(*args)
+
+
+@dataclass(frozen=True)
+class TorchSelection(Selection):
+    """The torch lowering, eager. On a CPU its calls run on one thread: its ops touch a few thousand
+    elements, less work than an OpenMP fork/join on a shared machine (N = 4096, H = 3 under load:
+    select + gather 2 ms on one thread, 40 ms on two)."""
+
+    name: ClassVar[str] = "torch"
+    one_thread: bool = True  # on a CPU (CUDA tensors ignore torch's CPU threads)
+
+    def serial(self):
+        return _one_thread() if self.one_thread else contextlib.nullcontext()
+
+    def _keep_best(self, ranks, kept, valid, budget, pooled):
+        return keep_best_torch(ranks, kept, valid, budget, pooled)
+
+    def _keep_threshold(self, ranks, protected, valid, scores, t):
+        return keep_threshold_torch(ranks, protected, valid, scores, t)
+
+    def describe(self) -> str:
+        return "torch (one thread)" if self.one_thread else "torch"
+
+
+@dataclass(frozen=True)
+class CompiledSelection(Selection):
+    """The torch lowering of the selection through Inductor (the gather stays eager: a memory-bound copy)."""
+
+    name: ClassVar[str] = "compiled"
+
+    def _keep_best(self, ranks, kept, valid, budget, pooled):
+        return _compiled(keep_best_torch)(ranks, kept, valid, budget, pooled)
+
+    def _keep_threshold(self, ranks, protected, valid, scores, t):
+        return _compiled(keep_threshold_torch)(ranks, protected, valid, scores, t)
+
+
+def backend(name: str, cuda: bool = False) -> Selection:
+    """The backend of impl `name` (one `choice.resolve("select", ...)` returned); `cuda`: it runs on CUDA
+    tensors (the torch lowering then keeps torch's threads as they are)."""
+    if name == "torch":
+        return TorchSelection(one_thread=not cuda)
+    return {"triton": TritonSelection, "compiled": CompiledSelection}[name]()
 
 
 # --------------------------------------------------------------------------- top-k
@@ -117,16 +231,7 @@ def keep_best(ranks: Tensor, kept: Tensor, valid: Tensor, budget: Tensor, *, poo
     """kept (B, H, M) bool, plus the lowest-ranked valid entries not yet kept, up to `budget`
     entries in all: per head with budget (B, H), or per sequence over all heads (pooled)
     with budget (B,). ranks (B, H, M) distinct in [0, H·M) per sequence."""
-    b, h, m = ranks.shape
-    if budget.shape != ((b,) if pooled else (b, h)):
-        raise ValueError(f"keep_best: budget {tuple(budget.shape)} for ranks {tuple(ranks.shape)}, pooled={pooled}")
-    impl = _impl(impl, ranks)
-    if b * h * m == 0:
-        return kept.clone()
-    if impl == "triton":
-        return keep_best_triton(ranks, kept, valid, budget, pooled)
-    fn = keep_best_torch if impl == "torch" else _compiled(keep_best_torch)
-    return fn(ranks, kept, valid, budget, pooled)
+    return _backend(impl, ranks).keep_best(ranks, kept, valid, budget, pooled=pooled)
 
 
 def keep_best_torch(ranks: Tensor, kept: Tensor, valid: Tensor, budget: Tensor, pooled: bool = False) -> Tensor:
@@ -167,13 +272,7 @@ def keep_threshold(ranks: Tensor, protected: Tensor, valid: Tensor, scores: Tens
     ones, taken least important (highest rank) first, whose eviction changes the score norm
     by at most t: 1 − ‖s_kept‖₂ / ‖s‖₂ ≤ t (norms over valid entries, float64; a head whose
     scores are all 0 changes by 0). ranks, protected, valid, scores (B, H, M)."""
-    impl = _impl(impl, ranks)
-    if ranks.numel() == 0:
-        return valid.clone()
-    if impl == "triton":
-        return keep_threshold_triton(ranks, protected, valid, scores, t)
-    fn = keep_threshold_torch if impl == "torch" else _compiled(keep_threshold_torch)
-    return fn(ranks, protected, valid, scores, t)
+    return _backend(impl, ranks).keep_threshold(ranks, protected, valid, scores, t)
 
 
 def keep_threshold_torch(ranks: Tensor, protected: Tensor, valid: Tensor, scores: Tensor, t: float) -> Tensor:
@@ -243,6 +342,10 @@ def build_pages(sources, page_size: int, spare_pages: int, *, impl: str | None =
     """`kvcompile.cache.build_store` by the gather kernel: the taken rows of `sources` (each
     with keys, values, scores, positions, counts, take like `cache.Entries`), one source after
     the other per head, in fresh pages laid out by `page_table`, `spare_pages` per head."""
+    return _backend(impl, sources[0].keys).build_pages(sources, page_size, spare_pages)
+
+
+def _build_pages(sources, page_size: int, spare_pages: int, backend: Selection) -> Pages:
     first = sources[0]
     d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
     taken = [src.take.sum(-1) for src in sources]  # each (B, H)
@@ -255,12 +358,10 @@ def build_pages(sources, page_size: int, spare_pages: int, *, impl: str | None =
                   torch.zeros(cap, page_size, dtype=torch.float32, device=dev), block_table, lengths.clone(), cap,
                   owned)
     start = torch.zeros_like(lengths)
-    impl = _impl(impl, first.keys)
-    with _serial(impl, first.keys):
-        for src, count in zip(sources, taken):
-            gather_pages(*pages[:6], start, src.keys, src.values, src.scores, src.positions, src.counts,
-                         src.take, impl=impl)
-            start = start + count
+    for src, count in zip(sources, taken):
+        backend.gather_pages(*pages[:6], start, src.keys, src.values, src.scores, src.positions, src.counts,
+                             src.take)
+        start = start + count
     return pages
 
 
@@ -274,15 +375,8 @@ def gather_pages(k_pages: Tensor, v_pages: Tensor, score_pages: Tensor, pos_page
     (B, H, E) float, positions (B, H, E) long, take (B, H, E) bool. The i-th taken row of
     head (b, h) (entry order) becomes its entry start[b, h] + i. "compiled" runs the torch
     lowering (the copy is memory-bound: nothing to fuse)."""
-    impl = _impl(impl, keys)
-    if take.numel() == 0:
-        return
-    if impl == "triton":
-        gather_pages_triton(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
-                            keys, values, scores, positions, counts, take)
-    else:
-        gather_pages_torch(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
-                           keys, values, scores, positions, counts, take)
+    _backend(impl, keys).gather_pages(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
+                                      keys, values, scores, positions, counts, take)
 
 
 def gather_pages_torch(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,

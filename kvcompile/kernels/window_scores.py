@@ -20,10 +20,15 @@ Only the w' window rows of QKᵀ are computed: O(w'·N·d) per head, never the N
 - `window_scores_torch`: the lowering for CPU (Inductor compiles it): the G query heads of
   a group are one matmul against their KV head (no repeat of K), then masked softmax,
   row sum, GQA reduce, pooling by unfold.
+
+Backends (`Plan.prompt_scores` where the fused kernel scores the prompt): `TritonWindowScores`,
+`TorchWindowScores`, `CompiledWindowScores`, one call signature; `backend(name)` makes one.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -53,25 +58,87 @@ def window_scores(queries: Tensor, keys: Tensor, values: Tensor | None, mask: Te
     through Inductor) | None (Triton on CUDA, else torch), resolved by
     `kvcompile.kernels.choice.resolve("window_scores", ...)`.
     """
-    _check(queries, keys, values, mask, window, gqa, pooling, kernel, value_weight)
-    impl = resolve("window_scores", impl, queries.device, queries.dtype)
-    args = (queries, keys, values, mask, scale)
-    options = dict(window=window, gqa=gqa, pooling=pooling, kernel=kernel, value_weight=value_weight)
-    if impl == "triton":
-        return window_scores_triton(*args, **options)
-    if impl == "torch":
-        return window_scores_torch(*args, **options)
-    return _compiled()(*args, **options)
+    name = resolve("window_scores", impl, queries.device, queries.dtype)
+    return backend(name)(queries, keys, values, mask, scale, window=window, gqa=gqa, pooling=pooling,
+                         kernel=kernel, value_weight=value_weight)
 
 
 def score_fused(scorer, state, impl: str | None = None) -> Tensor:
     """`scorer.score(state)` through the fused kernel, for the parts that are window scorers
     (their `fused_window()` gives the kernel's arguments: `WindowAttention`, `Lava`)."""
-    fused = scorer.fused_window() if hasattr(scorer, "fused_window") else None
-    if fused is None:
-        raise ValueError(f"window_scores covers the window scorers (window_attention, lava), "
-                         f"not {getattr(scorer, 'name', scorer)!r}")
-    return window_scores(state.queries, state.keys, state.values, state.mask, state.scale, **fused, impl=impl)
+    return backend(resolve("window_scores", impl, state.queries.device, state.queries.dtype)).score(scorer, state)
+
+
+@dataclass(frozen=True)
+class WindowScores:
+    """A window-scoring backend (what `Plan.prompt_scores` holds where the fused kernel scores the prompt):
+    `backend(queries, keys, values, mask, scale, *, window, gqa, pooling, kernel, value_weight)` -> (B, H, N),
+    and `backend.score(scorer, state)`: a window scorer part's prompt scores through it."""
+
+    name: ClassVar[str]
+    in_attention: ClassVar[bool] = False  # the prompt's attention does not compute these scores
+
+    @property
+    def label(self) -> str:
+        """The plan's name of this way of scoring the prompt (Plan.score_impl)."""
+        return "fused:" + self.name
+
+    def __call__(self, queries, keys, values, mask, scale, *, window: int, gqa: str = "mean", pooling: str = "none",
+                 kernel: int = 1, value_weight: bool = False) -> Tensor:
+        _check(queries, keys, values, mask, window, gqa, pooling, kernel, value_weight)
+        return self.run(queries, keys, values, mask, scale, window=window, gqa=gqa, pooling=pooling, kernel=kernel,
+                        value_weight=value_weight)
+
+    def run(self, queries, keys, values, mask, scale, **options) -> Tensor:
+        raise NotImplementedError
+
+    def score(self, scorer, state) -> Tensor:
+        fused = scorer.fused_window() if hasattr(scorer, "fused_window") else None
+        if fused is None:
+            raise ValueError(f"window_scores covers the window scorers (window_attention, lava), "
+                             f"not {getattr(scorer, 'name', scorer)!r}")
+        return self(state.queries, state.keys, state.values, state.mask, state.scale, **fused)
+
+    def build(self, group: int, head_dim: int) -> None:
+        """Nothing is built ahead of time (Triton and Inductor compile on first use)."""
+
+    def describe(self) -> str:
+        return f"fused:{self.name} (kernels.window_scores)"
+
+
+@dataclass(frozen=True)
+class TritonWindowScores(WindowScores):
+    """Three Triton kernels (`window_scores_triton`)."""
+
+    name: ClassVar[str] = "triton"
+
+    def run(self, queries, keys, values, mask, scale, **options):
+        return window_scores_triton(queries, keys, values, mask, scale, **options)
+
+
+@dataclass(frozen=True)
+class TorchWindowScores(WindowScores):
+    """The torch lowering, eager (`window_scores_torch`)."""
+
+    name: ClassVar[str] = "torch"
+
+    def run(self, queries, keys, values, mask, scale, **options):
+        return window_scores_torch(queries, keys, values, mask, scale, **options)
+
+
+@dataclass(frozen=True)
+class CompiledWindowScores(WindowScores):
+    """The torch lowering through Inductor."""
+
+    name: ClassVar[str] = "compiled"
+
+    def run(self, queries, keys, values, mask, scale, **options):
+        return _compiled()(queries, keys, values, mask, scale, **options)
+
+
+def backend(name: str) -> WindowScores:
+    """The backend of impl `name` (one `choice.resolve("window_scores", ...)` returned)."""
+    return {"triton": TritonWindowScores, "torch": TorchWindowScores, "compiled": CompiledWindowScores}[name]()
 
 
 def _check(queries, keys, values, mask, window, gqa, pooling, kernel, value_weight) -> None:
