@@ -837,6 +837,12 @@ def _backward(ctx, grad):
 
 
 attend.register_autograd(_backward, setup_context=_setup_backward)
+# What the op mutates: the cache its handle names (pages, lengths, scores), none of its tensor arguments
+# (`mutates_args=()` says exactly that). It declares no effect: its output is every layer's attention,
+# which the next layer consumes, so data dependencies alone order the calls and keep each one
+# (tests/test_isolation.py). An ordered effect (`attend.register_effect`) would add an effect token to
+# the graph, and torch 2.13's Inductor does not cache graphs holding its `with_effects` operator: every
+# process would compile the model again (docs/INTERNALS.md "The op and its two entries").
 
 
 # --- transformers' attention and mask interfaces ------------------------------------------
