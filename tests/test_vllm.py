@@ -1,0 +1,100 @@
+"""vLLM beside kvcompile (docs/VLLM.md): the environment `bash scripts/setup.sh vllm` makes
+(.venv-vllm, part of `setup.sh all`) imports both; there vLLM's transformers stays, kvcompile's policies,
+plans and kernels run, and compile() refuses that transformers by name; vLLM's greedy tokens on the
+embedded SmolLM2 equal transformers' generate() in kvcompile's own environment (the baseline a
+compressing plugin must keep when its budget covers the prompt). Each check runs in a subprocess of
+that environment, bounded in time."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+PYTHON = VENV / "bin" / "python"
+pytestmark = pytest.mark.skipif(not PYTHON.exists(),
+                                reason="the vLLM environment is not set up: bash scripts/setup.sh vllm")
+
+
+def in_vllm_env(code: str, timeout: int = 300) -> dict:
+    """Run `code` with the vLLM environment's Python (tests/ importable, one thread); it prints one
+    JSON line after RESULT."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind")
+    proc = subprocess.run([str(PYTHON), "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])
+
+
+REPLAY = """
+import torch, kvcompile
+from types import SimpleNamespace
+from kvcompile.layer_state import LayerState
+from kvcompile.sweep import replay
+def kept(name):
+    g = torch.Generator().manual_seed(0)
+    states = [LayerState(torch.randn(1, 4, 70, 16, generator=g), torch.randn(1, 2, 70, 16, generator=g),
+                         torch.randn(1, 2, 70, 16, generator=g)) for _ in range(3)]
+    config = SimpleNamespace(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return replay(kvcompile.load_spec(name, per_head=40), config, states).kept().tolist()
+"""
+
+
+def test_vllm_and_kvcompile_import_together_and_compile_refuses_the_transformers():
+    """In the vLLM environment: vLLM 0.32 and this checkout's kvcompile import; the three wheels that do not
+    load beside this torch are gone; a policy's selection runs there and keeps what it keeps here; compile()
+    refuses vLLM's transformers by name."""
+    out = in_vllm_env(REPLAY + """
+import importlib.util, json, transformers, vllm
+from tiny import tiny_model
+try:
+    kvcompile.compile(tiny_model("llama"), "snapkv")
+    refusal = None
+except kvcompile.CompileError as exc:
+    refusal = str(exc)
+print("RESULT" + json.dumps({"vllm": vllm.__version__, "torch": torch.__version__,
+      "transformers": transformers.__version__, "kvcompile": kvcompile.__file__, "refusal": refusal,
+      "kept": {name: kept(name) for name in ("snapkv", "lava")},
+      "absent": [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m) is None]}))
+""")
+    here = {}
+    exec(REPLAY, here)
+    assert out["vllm"] == "0.32.0" and out["torch"] == torch.__version__
+    assert out["kvcompile"].startswith(str(ROOT / "kvcompile"))  # this checkout, installed editable
+    assert out["absent"] == ["torchvision", "torchaudio", "torchcodec"]
+    assert out["kept"] == {name: here["kept"](name) for name in ("snapkv", "lava")}
+    assert out["refusal"] is not None and f"this environment has transformers {out['transformers']}" in out["refusal"]
+
+
+@pytest.mark.slow
+def test_vllm_greedy_tokens_equal_transformers_generate():
+    """vLLM 0.32 (fp32, eager, its CPU attention) and transformers' generate() give SmolLM2 the same greedy
+    tokens on two prompts: the baseline a kvcompile policy inside vLLM must keep when it evicts nothing."""
+    from kvcompile.models import load_model
+
+    model, tokenizer = load_model()
+    prompts = ["The capital of France is", "One, two, three,"]
+    ids = [tokenizer(p).input_ids for p in prompts]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([x]), max_new_tokens=16, do_sample=False)[0, len(x):].tolist()
+                for x in ids]
+    path = model.config._name_or_path
+    out = in_vllm_env(f"""
+import json
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model={path!r}, dtype="float32", enforce_eager=True, max_model_len=512, seed=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in {ids!r}],
+                        SamplingParams(max_tokens=16, temperature=0))
+    print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+if __name__ == "__main__":
+    main()
+""", timeout=400)
+    assert out == want
