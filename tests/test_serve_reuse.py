@@ -139,6 +139,38 @@ def test_second_turn_equals_the_multi_turn_path(folder):
     assert answer2 != full  # compression before the question: the reuse is not a fresh prefill (and is tested)
 
 
+def test_chat_continuation_with_seeded_sampling_continues_the_kept_cache(folder):
+    """A chat client's second turn (the first turn, its answer as an assistant message, a new user message) starts
+    with the kept tokens; sampled with a seed, it equals torch.manual_seed(seed) and generate() continuing turn 1's
+    cache."""
+    policy = kvcompile.load_spec("expected_attention", **EA)
+    tokenizer = char_tokenizer()
+    model = compiled(folder, policy)
+    template = lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                              return_dict=True)["input_ids"]
+    turn1 = [{"role": "user", "content": TURN1}]
+    with serving(folder, policy, reuse_context=True) as server:
+        url = f"http://127.0.0.1:{server.options.port}/v1/chat/completions"
+        body = {"model": server.options.model_name, "max_tokens": NEW}
+        reply = requests.post(url, json={**body, "messages": turn1, "temperature": 0}, timeout=TIMEOUT)
+        answer1 = reply.json()["choices"][0]["message"]["content"]
+        settled(server, kept_sequences=1)
+        turn2 = turn1 + [{"role": "assistant", "content": answer1}, {"role": "user", "content": TURN2}]
+        reply = requests.post(url, json={**body, "messages": turn2, "temperature": 0.8, "seed": 7}, timeout=TIMEOUT)
+        answer2 = reply.json()["choices"][0]["message"]["content"]
+        assert server.metrics()["requests_reused"] == 1
+    with torch.no_grad():
+        ids1 = torch.tensor([template(turn1)])
+        first = model.generate(ids1, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+        assert tokenizer.decode(first.sequences[0, ids1.shape[1]:], skip_special_tokens=True) == answer1
+        ids2 = torch.tensor([template(turn2)])
+        assert torch.equal(ids2[:, :first.sequences.shape[1]], first.sequences)
+        torch.manual_seed(7)
+        out = model.generate(ids2, past_key_values=first.past_key_values, max_new_tokens=NEW, do_sample=True,
+                             temperature=0.8)
+    assert answer2 == tokenizer.decode(out[0, ids2.shape[1]:], skip_special_tokens=True)
+
+
 def test_budget_covering_everything_equals_the_plain_model(folder):
     from transformers import AutoModelForCausalLM
 
