@@ -198,6 +198,24 @@ def test_without_reuse_the_whole_prompt_is_prefilled(folder):
         assert m["kept_sequences"] == 0 and m["kv_bytes_outside"] == 0 and m["requests_reused"] == 0
 
 
+def test_a_continuation_and_engine_requests_at_once(folder):
+    """A continuing request runs beside the engine's requests on the same model: each gets its own tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    policy = kvcompile.load_spec("expected_attention", **EA)
+    tokenizer = char_tokenizer()
+    answer1, answer2 = two_turns(compiled(folder, policy), tokenizer, TURN1, TURN2)
+    model = compiled(folder, policy)
+    others = [TURN1.lower(), TURN2 * 3]
+    with serving(folder, policy, reuse_context=True) as server:
+        complete(server, TURN1)
+        settled(server, kept_sequences=1)
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda text: complete(server, text)["text"], [TURN1 + answer1 + TURN2] + others))
+        assert server.metrics()["requests_reused"] == 1
+    assert replies == [answer2] + [fresh(model, tokenizer, text) for text in others]
+
+
 def test_a_prompt_diverging_inside_a_kept_sequence_is_prefilled(folder):
     policy = kvcompile.load_spec("expected_attention", **EA)
     tokenizer = char_tokenizer()
