@@ -59,7 +59,6 @@ import copy
 import dataclasses
 import logging
 import math
-import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -222,7 +221,8 @@ class BatchingState:
     handed: dict[str, KVCompileCache] = field(default_factory=dict)  # caches of ended `keep` requests, each still
     #   holding its blocks under `outside_id(request id)` until its taker holds or releases them
     outside: dict[str, int] = field(default_factory=dict)  # bytes held by caches outside the engine, by key
-    outside_ops: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (key, bytes or None, reply)
+    pool_lock: threading.RLock = field(default_factory=threading.RLock)  # held by the engine thread while it
+    #   schedules and updates a batch (not during the forward), and by holds outside the engine
     keep_lock: threading.Lock = field(default_factory=threading.Lock)  # `keep` and `handed` change under it
     outside_bound_blocks: int = 0  # blocks the caches kept outside the engine may take (kvcompile serve
     #   --reuse-context): a request must fit in the rest of the pool
@@ -421,52 +421,34 @@ class KVCompilePagedCache(PagedAttentionCache):
             blocks = blocks[:keep]
         table[key] = table.get(key, []) + blocks
 
-    def hold_outside(self, key: str, nbytes: int, timeout: float = 30.0) -> bool:
+    def hold_outside(self, key: str, nbytes: int) -> bool:
         """Hold (or resize to) the pool blocks that cover `nbytes` under `key`, for a cache kept or run outside the
-        engine: the scheduler admits requests into what is left. Applied by the engine thread before its next
-        forward (`apply_outside`); waits for it. False when the pool has not the blocks free (then nothing is held
-        under `key`) or the engine did not answer within `timeout` seconds."""
-        reply: dict = {"event": threading.Event()}
-        self.kvcompile.outside_ops.put((key, nbytes, reply))
-        if not reply["event"].wait(timeout):
-            self.release_outside(key)
-            return False
-        return reply["ok"]
-
-    def release_outside(self, key: str) -> None:
-        """Give back what `key` holds (applied by the engine thread before its next forward)."""
-        self.kvcompile.outside_ops.put((key, None, None))
-
-    def outside_bytes(self) -> int:
-        return sum(self.kvcompile.outside.values())
-
-    def apply_outside(self) -> None:
-        """The queued holds and releases (engine thread, between forwards)."""
+        engine: the scheduler admits requests into what is left. Any thread; waits only while the engine schedules
+        or updates a batch (`pool_lock`), not for its forward. False when the pool has not the blocks free (then
+        nothing is held under `key`)."""
         state, allocator = self.kvcompile, self.allocator
-        while True:
-            try:
-                key, nbytes, reply = state.outside_ops.get_nowait()
-            except queue.Empty:
-                return
-            if nbytes is None:
-                state.outside.pop(key, None)
-                PagedAttentionCache.free_blocks(self, key, no_cache=True)
-                continue
-            ok = True
+        with state.pool_lock:
             need = math.ceil(nbytes / state.bytes_per_block)
-            held = len(allocator.block_table.get(key, []))
-            if need <= held:
+            if need <= len(allocator.block_table.get(key, [])):
                 self._move_blocks(key, key, nbytes)
+                ok = True
             else:
                 ok = PagedAttentionCache.can_store_request_tokens(
                     self, _Reservation(key, need * allocator.tokens_per_page), 0)
             if ok:
                 state.outside[key] = nbytes
             else:
-                state.outside.pop(key, None)
-                PagedAttentionCache.free_blocks(self, key, no_cache=True)
-            reply["ok"] = ok
-            reply["event"].set()
+                self.release_outside(key)
+            return ok
+
+    def release_outside(self, key: str) -> None:
+        """Give back what `key` holds (any thread)."""
+        with self.kvcompile.pool_lock:
+            self.kvcompile.outside.pop(key, None)
+            PagedAttentionCache.free_blocks(self, key, no_cache=True)
+
+    def outside_bytes(self) -> int:
+        return sum(self.kvcompile.outside.values())
 
     # --- kvcompile's side ---------------------------------------------------------------------
     @property
@@ -630,17 +612,18 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
 
     def prepare_next_batch(self) -> bool:
         self.forward = []
-        self.cache.apply_outside()
-        ready = super().prepare_next_batch()
-        if ready:
-            scheduled = self.inputs_and_outputs.requests_in_batch
-            self.forward = [future.state for future in scheduled]
-            self.cache.begin_batch(scheduled)
+        with self.cache.kvcompile.pool_lock:  # holds outside the engine change the pool between forwards only
+            ready = super().prepare_next_batch()
+            if ready:
+                scheduled = self.inputs_and_outputs.requests_in_batch
+                self.forward = [future.state for future in scheduled]
+                self.cache.begin_batch(scheduled)
         return ready
 
     def update_batch(self) -> None:
-        self.cache.sync_blocks()
-        super().update_batch()
+        with self.cache.kvcompile.pool_lock:
+            self.cache.sync_blocks()
+            super().update_batch()
         self.forward = []
 
     def fail_forward(self, error: Exception) -> list[str]:
@@ -648,6 +631,10 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
         raised fails the requests it packed (their caches may hold part of its tokens); an error before any
         forward was prepared (no request can be scheduled) fails the active requests, or, with none active, the
         waiting ones. Their blocks go back to the pool. Returns the failed request ids."""
+        with self.cache.kvcompile.pool_lock:
+            return self._fail_forward(error)
+
+    def _fail_forward(self, error: Exception) -> list[str]:
         scheduler = self.scheduler
         states = getattr(self, "forward", None) or list(scheduler.active_requests.values())
         if not states:
