@@ -279,3 +279,6 @@ def test_query_aware_policies_are_refused_at_start_up(folder):
     with pytest.raises(ValueError, match="--reuse-context-bytes bounds the kept caches of --reuse-context"):
         KVCompileServer(ServeOptions(spec="knorm", model=str(folder), reuse_context_bytes=1000))
     assert all(kvcompile.load_spec(s).scoring.query_agnostic for s in ("expected_attention", "knorm", "streamingllm"))
+    with pytest.raises(ValueError, match="is not less than the KV pool"):
+        KVCompileServer(ServeOptions(spec="knorm", model=str(folder), kv_tokens=256, reuse_context=True,
+                                     reuse_context_bytes=10 ** 12, log_level="error", log_requests=False))
