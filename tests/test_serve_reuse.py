@@ -282,3 +282,16 @@ def test_query_aware_policies_are_refused_at_start_up(folder):
     with pytest.raises(ValueError, match="is not less than the KV pool"):
         KVCompileServer(ServeOptions(spec="knorm", model=str(folder), kv_tokens=256, reuse_context=True,
                                      reuse_context_bytes=10 ** 12, log_level="error", log_requests=False))
+
+
+def test_the_command_line_names_both_flags_and_refuses_a_query_aware_spec(folder, capsys):
+    from kvcompile import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--reuse-context" in help_text and "--reuse-context-bytes" in help_text
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--spec", "snapkv", "--model", str(folder), "--reuse-context"])
+    assert exc.value.code == 2 and "--reuse-context needs a query-agnostic policy" in capsys.readouterr().err
