@@ -96,7 +96,8 @@ def run(args, reuse: bool, texts: list[str]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spec", default="expected_attention", help="a query-agnostic spec (default expected_attention)")
+    parser.add_argument("--spec", default="expected_attention",
+                        help="a query-agnostic spec (default expected_attention)")
     parser.add_argument("--per-head", type=int, default=128, help="entries kept per head (default 128)")
     parser.add_argument("--context", type=int, default=2048, help="tokens of text in turn 1 (default 2048)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens of each answer (default 32)")

@@ -457,7 +457,8 @@ def check_reuse(policy, options: ServeOptions) -> None:
     if options.reuse_context_bytes is not None and not options.reuse_context:
         raise ValueError("kvcompile serve: --reuse-context-bytes bounds the kept caches of --reuse-context; give both")
     if options.reuse_context_bytes is not None and options.reuse_context_bytes < 1:
-        raise ValueError(f"kvcompile serve: --reuse-context-bytes must be at least 1, got {options.reuse_context_bytes}")
+        raise ValueError("kvcompile serve: --reuse-context-bytes must be at least 1, got "
+                         f"{options.reuse_context_bytes}")
     if options.reuse_context and not getattr(policy.scoring, "query_agnostic", False):
         raise ValueError(f"kvcompile serve: --reuse-context needs a query-agnostic policy (its scores of a context do "
                          f"not depend on the question after it: expected_attention, knorm, streamingllm); "
