@@ -948,7 +948,8 @@ def cmd_serve(args) -> None:
     options = ServeOptions(spec=policy_for(args.spec, args.per_head), model=model, host=args.host, port=args.port,
                            kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
                            log_level="error" if args.quiet else "warning",
-                           served_model_name=args.served_model_name, log_requests=not args.quiet)
+                           served_model_name=args.served_model_name, log_requests=not args.quiet,
+                           reuse_context=args.reuse_context, reuse_context_bytes=args.reuse_context_bytes)
     try:
         serve(options)
     except (CompileError, ImportError, ValueError, OSError, RuntimeError) as exc:
@@ -1087,6 +1088,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "whose compressed prompt needs more is refused with 400")
     srv.add_argument("--max-batch-tokens", type=positive, default=2048, metavar="N",
                      help="tokens one forward packs; longer prompts are split (default 2048)")
+    srv.add_argument("--reuse-context", action="store_true",
+                     help="keep each finished request's compressed cache (prompt + answer); a later request whose "
+                          "prompt starts with a kept one (a chat client continuing the conversation) continues a copy "
+                          "of it, prefilling only the new tokens, instead of prefilling the whole prompt. Its tokens "
+                          "are those of generate(prompt, past_key_values=<the first turn's cache>) (the in-process "
+                          "multi-turn path), not those of a fresh prefill. Query-agnostic policies only "
+                          "(expected_attention, knorm, streamingllm); refused at start-up for others")
+    srv.add_argument("--reuse-context-bytes", type=positive, default=None, metavar="N",
+                     help="with --reuse-context: the kept caches' bound in bytes, least recently used dropped first "
+                          "(default: a quarter of the KV pool); they are counted in the pool, and a request is "
+                          "admitted only if it fits beside them")
     srv.set_defaults(func=cmd_serve)
 
     specs = sub.add_parser("specs", help="list the shipped policies",

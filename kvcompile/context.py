@@ -23,6 +23,7 @@ policy runs: with a query-aware one (snapkv, lava) the context's last window vot
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -125,3 +126,82 @@ def compress_context(model, context_ids, spec, attention_mask=None, **overrides)
         cache = KVCompileCache.from_plan(model.kvcompile_plan)
         out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
     return CompressedContext(model, policy, cache, ids, mask, out.logits[:, -1])
+
+
+# --- compressed sequences kept for the requests that continue them (kvcompile serve --reuse-context) ---------
+
+@dataclass
+class KeptSequence:
+    """A finished request's compressed cache, kept for a later request that continues it. `ids`: its prompt then
+    its answer (every token, as generated); `cache` holds `ids[:-1]` as the policy left them (generate()'s
+    cache: the last answer token was never fed), so a continuation feeds `prompt[len(ids) - 1:]`, exactly as
+    `Conversation.say` (and `generate(past_key_values=...)`) continue; `nbytes` what the cache holds; `key`
+    names the pool blocks that account for it."""
+
+    ids: tuple[int, ...]
+    cache: KVCompileCache = field(repr=False)
+    nbytes: int
+    key: str
+
+
+class KeptSequences:
+    """Kept compressed sequences, least recently used dropped first so that their bytes stay within `max_bytes`.
+
+    A request's token ids reuse the longest kept sequence they start with (`match`): every token of it, answer
+    included; a prompt that diverges anywhere inside a kept sequence does not match it. Thread-safe."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 1:
+            raise ValueError(f"kvcompile: the bound of kept sequences must be at least 1 byte, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: dict[tuple[int, ...], KeptSequence] = {}  # least recently used first
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def match(self, ids) -> KeptSequence | None:
+        """The longest kept sequence `ids` start with (now the most recently used), or None."""
+        ids = tuple(ids)
+        with self._lock:
+            best = None
+            for entry in self._entries.values():
+                n = len(entry.ids)
+                if n <= len(ids) and ids[:n] == entry.ids and (best is None or n > len(best.ids)):
+                    best = entry
+            if best is not None:
+                self._entries[best.ids] = self._entries.pop(best.ids)
+            return best
+
+    def put(self, entry: KeptSequence) -> list[KeptSequence]:
+        """Keep `entry` (replacing one of the same ids), dropping the least recently used until the bytes fit;
+        returns what was dropped (`entry` itself when it alone exceeds the bound), for its memory to be given back."""
+        with self._lock:
+            dropped = []
+            if entry.nbytes > self.max_bytes:
+                return [entry]
+            old = self._entries.pop(entry.ids, None)
+            if old is not None:
+                dropped.append(old)
+            self._entries[entry.ids] = entry
+            while self.nbytes > self.max_bytes:
+                dropped.append(self._entries.pop(next(iter(self._entries))))
+            return dropped
+
+    def drop_oldest(self, keep: KeptSequence | None = None) -> KeptSequence | None:
+        """Drop the least recently used sequence other than `keep` (to make room in the pool), or None."""
+        with self._lock:
+            for ids, entry in self._entries.items():
+                if entry is not keep:
+                    return self._entries.pop(ids)
+            return None
+
+    def clear(self) -> list[KeptSequence]:
+        with self._lock:
+            dropped = list(self._entries.values())
+            self._entries.clear()
+            return dropped

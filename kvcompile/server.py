@@ -25,6 +25,7 @@ The model name requests carry is `--served-model-name`, by default the `--model`
 import asyncio
 import copy
 import logging
+import math
 import sys
 import threading
 import time
@@ -52,6 +53,10 @@ class ServeOptions:
     log_level: str = "warning"  # uvicorn's and transformers' loggers
     served_model_name: str | None = None  # the `model` requests carry (default: `model` as given)
     log_requests: bool = True  # one line per request and one at shutdown, on stderr
+    reuse_context: bool = False  # a request that starts with a finished request's prompt and answer continues
+    #   that request's compressed cache (query-agnostic policies only; docs/GENERATE.md "Serving")
+    reuse_context_bytes: int | None = None  # the kept caches' bound (least recently used dropped first);
+    #   None: a quarter of the pool
 
     @property
     def model_name(self) -> str:
@@ -286,15 +291,23 @@ class Job:
         self.tokens: list[int] = []
         self.finished = False
         self.status = "running"
+        self.cut = False  # ended at a stop string (its cache holds tokens past the answer)
+        self.keep = False  # hand its cache over when it ends, to be kept for a continuation (--reuse-context)
+        self.reused = 0  # tokens of a kept sequence it continued (ReuseJob)
 
     def submit(self) -> None:
         manager = self.server.manager
         manager.register_result_handler(self.request_id, self.queue.put_nowait)
+        if self.keep:
+            with self.server.cache.kvcompile.keep_lock:
+                self.server.cache.kvcompile.keep.add(self.request_id)
         try:
             manager.submit(self.prompt_ids, self.request_id, self.max_new_tokens, self.sampling, streaming=True,
                            eos_token_id=self.server.eos_token_id)
         except Exception:
             self.forget()
+            with self.server.cache.kvcompile.keep_lock:
+                self.server.cache.kvcompile.keep.discard(self.request_id)
             raise
 
     def forget(self) -> None:
@@ -352,6 +365,7 @@ class Job:
             cut = self._cut(tokens, seen) if self.stop else None
             if cut is not None:
                 count, text = cut
+                self.cut = True
                 self.tokens = tokens[:count]
                 self.cancel()
                 text = text if len(text) >= sent else self.decode(self.tokens)[:sent]
@@ -389,7 +403,68 @@ class Job:
         return next((u.bytes for u in reversed(finished) if u.request_id == self.request_id), None)
 
 
+@dataclass
+class _Output:
+    """What the engine's GenerationOutput gives Job.deltas, for a request served outside the engine."""
+
+    generated_tokens: list[int]
+    finished: bool
+    error: str | None = None
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+class ReuseJob(Job):
+    """A request that starts with a kept sequence (`--reuse-context`): served outside the engine, on a copy of that
+    sequence's compressed cache, feeding only the tokens after it (`KVCompileServer._continue`), on the server's
+    reuse thread. Its outputs reach `deltas` as the engine's do."""
+
+    def __init__(self, server: "KVCompileServer", request_id: str, prompt_ids: list[int], max_new_tokens: int,
+                 sampling, stop: list[str], entry):
+        super().__init__(server, request_id, prompt_ids, max_new_tokens, sampling, stop)
+        from kvcompile.serving import outside_id
+
+        self.entry = entry
+        self.reused = len(entry.ids) - 1
+        self.hold = outside_id(request_id)  # the pool blocks its cache holds
+        self.stopped = threading.Event()  # cancelled: stop after the current step
+        self.done = threading.Event()  # the reuse thread is done with it
+        self.result = None  # its cache when it ended by itself (eos or max_tokens)
+        self.held_bytes: int | None = None
+
+    def submit(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.server._reuse_thread.submit(self.server._continue, self, loop)
+
+    def forget(self) -> None:
+        return None
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.stopped.set()
+
+    def kv_held(self) -> int | None:
+        return self.held_bytes
+
+
 # --- the server ------------------------------------------------------------------------------------
+
+def check_reuse(policy, options: ServeOptions) -> None:
+    """Refuse, before anything loads, `--reuse-context` where a kept cache would not be what the policy keeps of the
+    longer prompt for any question: a scorer that ranks the prompt by the question at its end."""
+    if options.reuse_context_bytes is not None and not options.reuse_context:
+        raise ValueError("kvcompile serve: --reuse-context-bytes bounds the kept caches of --reuse-context; give both")
+    if options.reuse_context_bytes is not None and options.reuse_context_bytes < 1:
+        raise ValueError("kvcompile serve: --reuse-context-bytes must be at least 1, got "
+                         f"{options.reuse_context_bytes}")
+    if options.reuse_context and not getattr(policy.scoring, "query_agnostic", False):
+        raise ValueError(f"kvcompile serve: --reuse-context needs a query-agnostic policy (its scores of a context do "
+                         f"not depend on the question after it: expected_attention, knorm, streamingllm); "
+                         f"{policy.name}'s scorer {type(policy.scoring).__name__} ranks the prompt by the question at "
+                         "its end, so a cache compressed before the question would not be what it keeps")
+
 
 class KVCompileServer:
     """The OpenAI layer and the engine over one compiled model; `start()` runs uvicorn in a thread, `run()` in
@@ -408,6 +483,7 @@ class KVCompileServer:
 
         self.options = options
         policy = load_spec(options.spec, **options.overrides)  # a bad spec fails here, naming file and field
+        check_reuse(policy, options)
         cb = cb_config(options)
         hf_logging.get_logger("transformers").setLevel(hf_logging.log_levels[options.log_level.lower()])
         log.setLevel(logging.INFO)
@@ -440,6 +516,25 @@ class KVCompileServer:
                 raise RuntimeError(f"kvcompile serve: the engine did not start ({error})")
             time.sleep(0.01)
         self.cache = self.manager.batch_processor.cache
+        self.kept = None
+        self.reused_requests = 0
+        if options.reuse_context:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from kvcompile.context import KeptSequences
+
+            state = self.cache.kvcompile
+            pool = self.cache.num_blocks * state.bytes_per_block
+            bound = pool // 4 if options.reuse_context_bytes is None else options.reuse_context_bytes
+            if bound >= pool:
+                self.manager.stop(block=True, timeout=10)
+                raise ValueError(f"kvcompile serve: --reuse-context-bytes {bound} is not less than the KV pool "
+                                 f"({pool} bytes: --kv-tokens {options.kv_tokens}); the kept caches must leave room "
+                                 "for the requests")
+            self.kept = KeptSequences(bound)
+            # a request is admitted only if it fits beside kept caches filling their bound (it never waits on them)
+            state.outside_bound_blocks = math.ceil(bound / state.bytes_per_block)
+            self._reuse_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcompile-reuse")
         self._torch = torch
         self.counts = {"ok": 0, "refused": 0, "failed": 0, "cancelled": 0}
         self.started_at = time.time()
@@ -515,7 +610,114 @@ class KVCompileServer:
         if error is not None:
             raise APIError(400, str(error), param="messages" if chat else "prompt", code="kv_pool_exceeded")
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-        return Job(self, request_id, ids, new, self._sampling(request), stop)
+        if self.kept is not None:
+            entry = self.kept.match(ids)
+            if entry is not None:
+                self.reused_requests += 1
+                return ReuseJob(self, request_id, ids, new, self._sampling(request), stop, entry)
+        job = Job(self, request_id, ids, new, self._sampling(request), stop)
+        job.keep = self.kept is not None
+        return job
+
+    # --- reuse of kept compressed sequences (--reuse-context) ------------------------------------
+    def _hold(self, key: str, nbytes: int, spare=None) -> bool:
+        """Hold `nbytes` of the pool under `key`, dropping the least recently used kept sequences (other than
+        `spare`) while the pool has no room, then waiting for the engine's requests to give blocks back (60 s)."""
+        end = time.monotonic() + 60
+        while not self.cache.hold_outside(key, nbytes):
+            dropped = self.kept.drop_oldest(keep=spare)
+            if dropped is not None:
+                self.cache.release_outside(dropped.key)
+            elif time.monotonic() > end or not self.engine_alive():
+                return False
+            else:
+                time.sleep(0.05)
+        return True
+
+    def _continue(self, job: "ReuseJob", loop) -> None:
+        """The reuse thread's run of `job`: a copy of its kept sequence's cache, the prompt's tokens after that
+        sequence fed in one forward, then one token per forward, each picked as the engine picks it
+        (`RequestSampling.pick`); the same forwards as `generate(prompt, past_key_values=copy)` on the compiled
+        model (the in-process multi-turn path, docs/SPECS.md §4b)."""
+        torch = self._torch
+        from kvcompile.serving import request_bytes, RequestKV
+
+        def emit(tokens, finished, error=None):
+            loop.call_soon_threadsafe(job.queue.put_nowait, _Output(list(tokens), finished, error))
+
+        try:
+            plan = self.cache.kvcompile.plan
+            entry_bytes = 2 * plan.head_dim * self.cache.dtype.itemsize + 16  # key, value, score, position, count
+            heads = plan.num_layers * len(plan.kv_heads)
+            added = len(job.prompt_ids) - job.reused + job.max_new_tokens
+            held = job.entry.nbytes + heads * entry_bytes * (added + plan.page_size * (plan.spare_pages + 1))
+            if not self._hold(job.hold, held, spare=job.entry):
+                emit([], True, "the KV pool has no room for the continued cache")
+                return
+            cache = copy.deepcopy(job.entry.cache)
+            fed = job.prompt_ids[cache.seq_length:]
+            eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+            history, tokens = list(job.prompt_ids), []
+            inputs = torch.tensor([fed], device=self.model.device)
+            with torch.no_grad():
+                while True:
+                    logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True,
+                                        logits_to_keep=1).logits[:, -1].float()
+                    token = job.sampling.pick(torch.tensor([history], device=logits.device), logits)
+                    tokens.append(int(token))
+                    history.append(tokens[-1])
+                    now = request_bytes(RequestKV(cache, 0))
+                    if now > held:
+                        held = now + heads * entry_bytes * plan.page_size
+                        if not self._hold(job.hold, held, spare=job.entry):
+                            emit(tokens, True, "the KV pool has no room for the continued cache")
+                            return
+                    job.held_bytes = now
+                    finished = tokens[-1] in eos or len(tokens) >= job.max_new_tokens
+                    if job.stopped.is_set():
+                        return
+                    emit(tokens, finished)
+                    if finished:
+                        job.result = cache
+                        return
+                    inputs = token.reshape(1, 1)
+        except Exception as exc:  # noqa: BLE001 - a failure of this request only
+            log.exception("kvcompile serve: a continued request failed")
+            emit([], True, f"{type(exc).__name__}: {exc}")
+        finally:
+            job.done.set()
+
+    def _settle(self, job: Job, outcome) -> None:
+        """After a request ends: keep its compressed cache (prompt + answer) for a continuation when it ended by
+        itself (eos or max_tokens: not cut at a stop string, cancelled or failed), else give its blocks back."""
+        from kvcompile.serving import outside_id, request_bytes, RequestKV
+        from kvcompile.context import KeptSequence
+
+        if isinstance(job, ReuseJob):
+            job.done.wait(timeout=120)
+            cache, key = job.result, job.hold
+        elif job.keep:
+            state, key = self.cache.kvcompile, outside_id(job.request_id)
+            with state.keep_lock:  # the engine hands a finished request's cache over before its last output
+                cache = state.handed.pop(job.request_id, None)
+                state.keep.discard(job.request_id)
+        else:
+            return
+        ids = list(job.prompt_ids) + list(job.tokens)
+        if cache is None or outcome is None or job.cut or cache.seq_length != len(ids) - 1:
+            self.cache.release_outside(key)
+            return
+        nbytes = request_bytes(RequestKV(cache, 0))
+        if isinstance(job, ReuseJob) and not self.cache.hold_outside(key, nbytes):  # shrinks: always granted
+            self.cache.release_outside(key)
+            return
+        for dropped in self.kept.put(KeptSequence(tuple(ids), cache, nbytes, key)):
+            self.cache.release_outside(dropped.key)
+
+    async def settle(self, job: Job | None, outcome) -> None:
+        if job is None or self.kept is None:
+            return
+        await asyncio.get_running_loop().run_in_executor(None, self._settle, job, outcome)
 
     def _log(self, job: Job | None, status: int, outcome: str, path: str, note: str = "",
              request_id: str = "-") -> None:
@@ -527,7 +729,8 @@ class KVCompileServer:
         held = job.kv_held()
         log.info(f"{job.request_id} {path} {status} {outcome} prompt_tokens={len(job.prompt_ids)} "
                  f"completion_tokens={len(job.tokens)} ttft={ttft} total={time.perf_counter() - job.start:.3f}s "
-                 f"kv_held={'-' if held is None else held}{' ' + note if note else ''}")
+                 f"kv_held={'-' if held is None else held}{f' reused={job.reused}' if job.reused else ''}"
+                 f"{' ' + note if note else ''}")
 
     # --- responses ------------------------------------------------------------------------------
     def _token_text(self, token: int) -> str:
@@ -567,6 +770,7 @@ class KVCompileServer:
         finally:
             if outcome is None:
                 job.cancel()
+            await self.settle(job, outcome)
         choice = {"index": 0, "logprobs": self._logprobs_body(job, outcome, chat), "finish_reason": outcome.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": outcome.text}
@@ -597,12 +801,13 @@ class KVCompileServer:
     async def stream(self, job: Job, chat: bool, include_usage: bool, path: str):
         import json
 
-        status, outcome, note = 200, "cancelled", ""
+        status, outcome, note, ended = 200, "cancelled", "", None
         try:
             if chat:
                 yield self._chunk(job, chat, role=True)
             async for item in job.deltas():
                 if isinstance(item, Outcome):
+                    ended = item
                     yield self._chunk(job, chat, finish=item.finish_reason)
                     if include_usage:
                         yield self._chunk(job, chat, usage=self._usage(job, len(item.tokens)), choices=False)
@@ -617,6 +822,8 @@ class KVCompileServer:
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()
+            if self.kept is not None:  # in the background: the client may be gone
+                asyncio.get_running_loop().run_in_executor(None, self._settle, job, ended)
             self._log(job, status, outcome, path, note)
 
     # --- the app --------------------------------------------------------------------------------
@@ -743,7 +950,10 @@ class KVCompileServer:
         else:
             held = full = running = waiting = free = -1
         waiting += self.manager.input_queue.qsize()
+        kept = 0 if self.kept is None else self.kept.nbytes
         return {"requests_running": running, "requests_waiting": waiting, "kv_bytes_held": held,
+                "kv_bytes_kept": kept, "kv_bytes_outside": self.cache.outside_bytes(),
+                "kept_sequences": 0 if self.kept is None else len(self.kept), "requests_reused": self.reused_requests,
                 "kv_bytes_full": full, "blocks_free": free, "blocks_total": cache.num_blocks,
                 "soft_resets": state.soft_resets, "failed_engine_steps": state.failed_forwards,
                 "requests": dict(self.counts)}
@@ -756,6 +966,11 @@ class KVCompileServer:
                 ("requests_waiting", "requests queued for the engine", "gauge"),
                 ("kv_bytes_held", "KV bytes the live requests' compressed caches hold", "gauge"),
                 ("kv_bytes_full", "KV bytes a full cache of the same tokens would hold", "gauge"),
+                ("kv_bytes_kept", "KV bytes of the compressed sequences kept for continuations", "gauge"),
+                ("kv_bytes_outside", "KV bytes the pool accounts for outside the engine (kept and continued caches)",
+                 "gauge"),
+                ("kept_sequences", "compressed sequences kept for continuations", "gauge"),
+                ("requests_reused", "requests that continued a kept sequence since start", "counter"),
                 ("blocks_free", "free blocks of the KV pool", "gauge"),
                 ("blocks_total", "blocks of the KV pool", "gauge"),
                 ("soft_resets", "requests preempted and replayed since start", "counter"),
@@ -798,6 +1013,9 @@ class KVCompileServer:
             return
         self._stopped = True
         report = self.cache.memory_report()
+        if self.kept is not None:
+            self._reuse_thread.shutdown(wait=True, cancel_futures=True)
+            self.kept.clear()
         self.manager.stop(block=True, timeout=10)
         counts = ", ".join(f"{k} {v}" for k, v in self.counts.items())
         log.info(f"shut down after {sum(self.counts.values())} requests ({counts}); at most "

@@ -59,6 +59,7 @@ import copy
 import dataclasses
 import logging
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -145,6 +146,22 @@ class RequestSampling:
                 generator.manual_seed(seed)
         return cls(model._get_logits_processor(generation_config), do_sample, generator, top_logprobs)
 
+    def pick(self, history: Tensor, raw: Tensor) -> Tensor:
+        """The next token (1,) from the raw logits `raw` (1, V) after the tokens `history` (1, n), as generate()
+        picks it (processors, then argmax or a draw from this request's generator); records its log-probability
+        when asked."""
+        processed = self.processors(history, raw.clone())
+        if self.do_sample:
+            token = torch.multinomial(torch.softmax(processed, dim=-1), 1, generator=self.generator)[0]
+        else:
+            token = processed.argmax(-1)
+        if self.top_logprobs is not None:
+            logprobs = torch.log_softmax(raw[0], dim=-1)
+            top = torch.topk(logprobs, self.top_logprobs) if self.top_logprobs else None
+            self.logprobs.append((float(logprobs[token]), [] if top is None else
+                                  list(zip(top.indices.tolist(), top.values.tolist()))))
+        return token
+
 
 @dataclass(frozen=True)
 class RequestUsage:
@@ -200,6 +217,15 @@ class BatchingState:
     rows: list[RequestState] = field(default_factory=list)  # the next forward's requests that sample a token,
     #   in the order of its logits rows
     failed_forwards: int = 0  # forwards that raised: their requests failed, the engine went on
+    keep: set[str] = field(default_factory=set)  # ids whose cache is handed over when they end (`handed`)
+    handed: dict[str, KVCompileCache] = field(default_factory=dict)  # caches of ended `keep` requests, each still
+    #   holding its blocks under `outside_id(request id)` until its taker holds or releases them
+    outside: dict[str, int] = field(default_factory=dict)  # bytes held by caches outside the engine, by key
+    pool_lock: threading.RLock = field(default_factory=threading.RLock)  # held by the engine thread while it
+    #   schedules and updates a batch (not during the forward), and by holds outside the engine
+    keep_lock: threading.Lock = field(default_factory=threading.Lock)  # `keep` and `handed` change under it
+    outside_bound_blocks: int = 0  # blocks the caches kept outside the engine may take (kvcompile serve
+    #   --reuse-context): a request must fit in the rest of the pool
 
 
 @dataclass
@@ -294,6 +320,11 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
 
 # --- the pool as kvcompile's byte budget -------------------------------------------------------
 
+def outside_id(name: str) -> str:
+    """The pool's name for blocks held outside the engine under `name` (a kept or continued cache)."""
+    return f"kvcompile-outside:{name}"
+
+
 class KVCompilePagedCache(PagedAttentionCache):
     """transformers' paged cache whose blocks are a byte budget for kvcompile's per-request caches.
 
@@ -345,6 +376,14 @@ class KVCompilePagedCache(PagedAttentionCache):
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         state = self.kvcompile
+        kv = state.requests.get(request_id)
+        with state.keep_lock:
+            if request_id in state.keep and not state.offloading:
+                state.keep.discard(request_id)
+                if kv is not None and kv.compressed:  # hand the cache over with the blocks that cover it
+                    self._move_blocks(request_id, outside_id(request_id), request_bytes(kv))
+                    state.outside[outside_id(request_id)] = request_bytes(kv)
+                    state.handed[request_id] = kv.cache
         kv = state.requests.pop(request_id, None)
         if kv is not None and kv.compressed and not state.offloading:
             tokens = kv.cache.seq_length
@@ -359,6 +398,8 @@ class KVCompilePagedCache(PagedAttentionCache):
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests(clear_ledgers)
+        self.kvcompile.outside.clear()
+        self.kvcompile.handed.clear()
         self.kvcompile.requests.clear()
         self.kvcompile.replays.clear()
         self.kvcompile.sampling.clear()
@@ -368,6 +409,46 @@ class KVCompilePagedCache(PagedAttentionCache):
 
     def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
         raise BatchingError("kvcompile: forking a request (num_return_sequences > 1) is not supported")
+
+    # --- caches held outside the engine (kept contexts, requests continued from one) ------------
+    def _move_blocks(self, source: str, key: str, nbytes: int) -> None:
+        """Give `source`'s blocks to `key`, trimmed to those that cover `nbytes` (engine thread)."""
+        table = self.allocator.block_table
+        blocks = table.pop(source, [])
+        keep = math.ceil(nbytes / self.kvcompile.bytes_per_block)
+        if keep < len(blocks):
+            self.pool.free_blocks(self.allocator.index, blocks[keep:])
+            blocks = blocks[:keep]
+        table[key] = table.get(key, []) + blocks
+
+    def hold_outside(self, key: str, nbytes: int) -> bool:
+        """Hold (or resize to) the pool blocks that cover `nbytes` under `key`, for a cache kept or run outside the
+        engine: the scheduler admits requests into what is left. Any thread; waits only while the engine schedules
+        or updates a batch (`pool_lock`), not for its forward. False when the pool has not the blocks free (then
+        nothing is held under `key`)."""
+        state, allocator = self.kvcompile, self.allocator
+        with state.pool_lock:
+            need = math.ceil(nbytes / state.bytes_per_block)
+            if need <= len(allocator.block_table.get(key, [])):
+                self._move_blocks(key, key, nbytes)
+                ok = True
+            else:
+                ok = PagedAttentionCache.can_store_request_tokens(
+                    self, _Reservation(key, need * allocator.tokens_per_page), 0)
+            if ok:
+                state.outside[key] = nbytes
+            else:
+                self.release_outside(key)
+            return ok
+
+    def release_outside(self, key: str) -> None:
+        """Give back what `key` holds (any thread)."""
+        with self.kvcompile.pool_lock:
+            self.kvcompile.outside.pop(key, None)
+            PagedAttentionCache.free_blocks(self, key, no_cache=True)
+
+    def outside_bytes(self) -> int:
+        return sum(self.kvcompile.outside.values())
 
     # --- kvcompile's side ---------------------------------------------------------------------
     @property
@@ -431,13 +512,16 @@ class KVCompilePagedCache(PagedAttentionCache):
         blocks than the whole pool has (it could never be scheduled), else None."""
         state = RequestState(request_id, initial_tokens=[0] * prompt, max_new_tokens=max_new_tokens)
         tokens = self.reserved_tokens(state, min(prompt, self.max_batch_tokens))  # the engine splits longer ones
-        if tokens <= self.pool_tokens():
-            return None
         page = self.allocator.tokens_per_page
+        kept = self.kvcompile.outside_bound_blocks
+        if tokens <= self.pool_tokens() - kept * page:
+            return None
         blocks = tokens // page
+        beside = f", {kept} of them for kept contexts" if kept else ""
         return RequestTooLarge(f"kvcompile: request {request_id} needs {blocks} blocks ({tokens} tokens of full cache) "
                                f"for its {prompt}-token prompt under {self.kvcompile.plan.policy.name}; the pool has "
-                               f"{self.num_blocks} blocks ({self.pool_tokens()} tokens)", blocks, self.num_blocks)
+                               f"{self.num_blocks} blocks ({self.pool_tokens()} tokens{beside})", blocks,
+                               self.num_blocks - kept)
 
     def admit(self, state) -> None:
         """Refuse (RequestTooLarge) a new request the pool can never hold; a request re-queued by a soft reset
@@ -528,16 +612,18 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
 
     def prepare_next_batch(self) -> bool:
         self.forward = []
-        ready = super().prepare_next_batch()
-        if ready:
-            scheduled = self.inputs_and_outputs.requests_in_batch
-            self.forward = [future.state for future in scheduled]
-            self.cache.begin_batch(scheduled)
+        with self.cache.kvcompile.pool_lock:  # holds outside the engine change the pool between forwards only
+            ready = super().prepare_next_batch()
+            if ready:
+                scheduled = self.inputs_and_outputs.requests_in_batch
+                self.forward = [future.state for future in scheduled]
+                self.cache.begin_batch(scheduled)
         return ready
 
     def update_batch(self) -> None:
-        self.cache.sync_blocks()
-        super().update_batch()
+        with self.cache.kvcompile.pool_lock:
+            self.cache.sync_blocks()
+            super().update_batch()
         self.forward = []
 
     def fail_forward(self, error: Exception) -> list[str]:
@@ -545,6 +631,10 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
         raised fails the requests it packed (their caches may hold part of its tokens); an error before any
         forward was prepared (no request can be scheduled) fails the active requests, or, with none active, the
         waiting ones. Their blocks go back to the pool. Returns the failed request ids."""
+        with self.cache.kvcompile.pool_lock:
+            return self._fail_forward(error)
+
+    def _fail_forward(self, error: Exception) -> list[str]:
         scheduler = self.scheduler
         states = getattr(self, "forward", None) or list(scheduler.active_requests.values())
         if not states:
@@ -596,17 +686,7 @@ class KVCompileModelRunner(ModelRunner):
                 tokens.append(raw.argmax(-1))
                 continue
             history = torch.tensor([request.initial_tokens + request.generated_tokens], device=raw.device)
-            processed = sampling.processors(history, raw.clone())
-            if sampling.do_sample:
-                token = torch.multinomial(torch.softmax(processed, dim=-1), 1, generator=sampling.generator)[0]
-            else:
-                token = processed.argmax(-1)
-            tokens.append(token)
-            if sampling.top_logprobs is not None:
-                logprobs = torch.log_softmax(raw[0], dim=-1)
-                top = torch.topk(logprobs, sampling.top_logprobs) if sampling.top_logprobs else None
-                sampling.logprobs.append((float(logprobs[token]), [] if top is None else
-                                          list(zip(top.indices.tolist(), top.values.tolist()))))
+            tokens.append(sampling.pick(history, raw))
         output_ids[0, :len(tokens)].copy_(torch.cat(tokens))
 
 

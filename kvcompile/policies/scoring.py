@@ -179,6 +179,9 @@ class Scorer(Part):
     head_local = True
     needs_rope = False  # the scorer reads the model's rotary frequencies (LayerState.rope; the plan supplies them)
     nonnegative = True  # scores are >= 0 (attention mass): what entropy layers and DBudgetKV's norm stop read
+    # the scores of a prompt do not depend on a question at its end (its own queries, keys or positions only), so a
+    # compressed context can be reused for what follows it (docs/SPECS.md §4b; `kvcompile serve --reuse-context`)
+    query_agnostic = False
 
     def query_rows(self, n: int) -> int:
         raise NotImplementedError
@@ -492,6 +495,8 @@ class KeyNorm(Scorer):
 
     nonnegative = False
 
+    query_agnostic = True
+
     def query_rows(self, n: int) -> int:
         return 0
 
@@ -506,6 +511,8 @@ class Recency(Scorer):
 
     i is the position among the sequence's real tokens (0 … n_b − 1), pads excluded.
     """
+
+    query_agnostic = True
 
     def query_rows(self, n: int) -> int:
         return 0
@@ -597,6 +604,8 @@ class ExpectedAttention(Scorer):
     epsilon: float = bounded(0.0, low=0)
     needs_rope = True  # the scorer reads the model's rotary frequencies (LayerState.rope)
 
+    query_agnostic = True
+
     def query_rows(self, n: int) -> int:
         return n
 
@@ -675,6 +684,8 @@ class KVzip(Scorer):
     overlap: int = bounded(8, low=0, why="previous chunk's last tokens quoted in the next repeat prompt (KVzip: 8)")
     gqa = "max"
     reconstructs = True  # scores come from a model-level reconstruction pass (kvcompile.kvzip)
+
+    query_agnostic = True
 
     def query_rows(self, n: int) -> int:
         return 0
