@@ -1,5 +1,5 @@
 """Time to first token of a conversation's second turn through `kvcompile serve`, with and without
-`--reuse-context` (issue 22).
+`--reuse-context`.
 
 The server runs in this process (KVCompileServer on 127.0.0.1, the embedded SmolLM2-135M, fp32), first
 without reuse, then with it. For each of `--repeats` conversations (a different stretch of data/haystack.txt
