@@ -4,7 +4,6 @@ limit, masks with holes, caches of another model. Each is exact or refused befor
 from __future__ import annotations
 
 import copy
-import threading
 import warnings
 
 import pytest
@@ -15,7 +14,7 @@ import kvcompile
 from kvcompile.kvzip import RepeatPrompt
 from kvcompile import CompileError, KVCompileCache
 from kvcompile.spec import available_specs
-from tiny import prompt, tiny_model
+from tiny import prompt, run_threads, tiny_model
 
 N, NEW = 40, 5
 
@@ -92,25 +91,10 @@ def test_deepcopy_runs_the_copys_weights():
 # --- concurrent generate() ---------------------------------------------------------------------
 
 def check_threads(model, prompts, **kwargs):
-    """Four threads, one prompt each (different lengths), on one model: each gets its sequential tokens."""
+    """Four threads, one prompt each (different lengths), on one model: each gets its sequential tokens
+    (each thread generates twice, so calls of all threads overlap)."""
     want = [gen(model, ids, **kwargs).tolist() for ids in prompts]
-    got, errors = [None] * len(prompts), []
-    start = threading.Barrier(len(prompts))
-
-    def run(i):
-        try:
-            start.wait()
-            for _ in range(2):
-                got[i] = gen(model, prompts[i], **kwargs).tolist()
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    got = run_threads([lambda ids=ids: [gen(model, ids, **kwargs).tolist() for _ in range(2)][-1] for ids in prompts])
     assert got == want
 
 

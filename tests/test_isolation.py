@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import threading
 
 import pytest
 import torch
 
 import kvcompile
 from kvcompile.cache import lookup_cache
-from tiny import prompt, tiny_model
+from tiny import prompt, run_threads, tiny_model
 
 NEW = 5
 
@@ -36,27 +35,6 @@ def alone(model, policy, mode, ids):
     with kvcompile.compiled(model, policy, mode=mode):
         tokens, cache = gen(model, ids)
     return tokens, cache.kept().tolist()
-
-
-def run_threads(jobs):
-    """Run each job (a callable) on its own thread, started together; their results in order."""
-    results, errors = [None] * len(jobs), []
-    start = threading.Barrier(len(jobs))
-
-    def run(i):
-        try:
-            start.wait()
-            results[i] = jobs[i]()
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    return results
 
 
 @pytest.mark.parametrize("mode", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])

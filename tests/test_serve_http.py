@@ -44,6 +44,20 @@ def char_tokenizer():
                                    unk_token="<unk>", chat_template=TEMPLATE)
 
 
+def save_char_model(folder, max_positions: int | None = None):
+    """A tiny Llama with the character tokenizer (its special ids as the model's), saved to `folder`."""
+    tokenizer = char_tokenizer()
+    model = tiny_model()
+    model.resize_token_embeddings(len(tokenizer))
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id, None
+    if max_positions is not None:
+        model.config.max_position_embeddings = max_positions
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,16 +69,8 @@ def served(tmp_path_factory):
     """A tiny Llama with the character tokenizer saved to a folder, served with snapkv (16 per head) in a pool
     of 4096 tokens of full cache (a request of 1024 new tokens grows past 1024: snapkv evicts nothing while
     decoding)."""
-    folder = tmp_path_factory.mktemp("tiny-served")
-    tokenizer = char_tokenizer()
-    model = tiny_model()
-    model.resize_token_embeddings(len(tokenizer))
-    for cfg in (model.config, model.generation_config):
-        cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id, None
     # the server refuses prompt + max_tokens past the context: room for transformers serve's default of 1024
-    model.config.max_position_embeddings = 2048
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = save_char_model(tmp_path_factory.mktemp("tiny-served"), max_positions=2048)
     policy = kvcompile.load_spec("snapkv", **SPEC)
     server = KVCompileServer(ServeOptions(spec=policy, model=str(folder), port=free_port(), kv_tokens=4096,
                                           max_batch_tokens=128, log_level="error", log_requests=False))
@@ -74,7 +80,7 @@ def served(tmp_path_factory):
     server.start()
     try:
         server.wait_started(timeout=60)
-        yield server, tokenizer, folder, reference
+        yield server, char_tokenizer(), folder, reference
     finally:
         server.stop()
     assert not server.running

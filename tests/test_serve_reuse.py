@@ -22,8 +22,7 @@ import kvcompile  # noqa: E402
 from kvcompile.context import KeptSequence, KeptSequences  # noqa: E402
 from kvcompile.server import KVCompileServer, ServeOptions  # noqa: E402
 from kvcompile.serving import RequestKV, request_bytes  # noqa: E402
-from tests.test_serve_http import char_tokenizer, free_port  # noqa: E402
-from tests.tiny import tiny_model  # noqa: E402
+from tests.test_serve_http import char_tokenizer, free_port, save_char_model  # noqa: E402
 
 TIMEOUT = 60
 NEW = 6
@@ -34,15 +33,7 @@ TURN2 = " And then? Tell me again, slowly:"
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-reuse")
-    tokenizer = char_tokenizer()
-    model = tiny_model()
-    model.resize_token_embeddings(len(tokenizer))
-    for cfg in (model.config, model.generation_config):
-        cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id, None
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_char_model(tmp_path_factory.mktemp("tiny-reuse"))
 
 
 @contextlib.contextmanager

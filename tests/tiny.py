@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
@@ -76,3 +77,24 @@ def to_device(x, device: torch.device):
 def on_triton(impl: str | None, *xs):
     """`xs` moved to `triton_device()` when impl is "triton", else as they are (a tuple either way)."""
     return tuple(to_device(x, triton_device()) if impl == "triton" else x for x in xs)
+
+
+def run_threads(jobs):
+    """Run each job (a callable) on its own thread, started together; their results in order."""
+    results, errors = [None] * len(jobs), []
+    start = threading.Barrier(len(jobs))
+
+    def run(i):
+        try:
+            start.wait()
+            results[i] = jobs[i]()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results

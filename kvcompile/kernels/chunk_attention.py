@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvcompile.kernels.backend import KernelBackend
+
 
 def _held_bias(bias: Tensor | None, stored: Tensor) -> Tensor:
     """(B, H, E) float: the merge bias of every held entry, −inf where a head holds nothing."""
@@ -32,7 +34,7 @@ def _held_bias(bias: Tensor | None, stored: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class ChunkAttention:
+class ChunkAttention(KernelBackend):
     """A chunk attention backend (the module docstring)."""
 
     name: ClassVar[str | None]
@@ -41,9 +43,6 @@ class ChunkAttention:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, held, real: Tensor, scale: float,
                  weights: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError
-
-    def build(self, group: int, head_dim: int) -> None:
-        """Build (or load) what the backend compiles ahead of time (the C++ kernel); else nothing."""
 
     def describe(self) -> str:
         return str(self.name)

@@ -31,6 +31,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvcompile.kernels.backend import KernelBackend
 from kvcompile.kernels.choice import resolve
 
 try:  # Triton is optional: the torch lowering covers machines without it.
@@ -91,7 +92,7 @@ def _check(slot_keys, slot_values, counts, keys, values) -> None:
 
 
 @dataclass(frozen=True)
-class ResidualMerge:
+class ResidualMerge(KernelBackend):
     """A residual-merge backend (what `Plan.prompt_merge` holds): `backend(slot_keys, slot_values, counts,
     keys, values, num=None, num_slots=None)` -> (slot_keys, slot_values, counts), `residual_merge`'s contract."""
 
@@ -108,11 +109,7 @@ class ResidualMerge:
     def run(self, slot_keys, slot_values, counts, keys, values, num, num_slots):
         raise NotImplementedError
 
-    def build(self, group: int, head_dim: int) -> None:
-        """Build (or load) what the backend compiles ahead of time (the C++ walk); else nothing."""
 
-    def describe(self) -> str:
-        return self.name
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from kvcompile.kernels import paged_attention_cpp
 from kvcompile.kernels.paged_attention_cpp import load_cpp
+from kvcompile.kernels.backend import KernelBackend
 
 _ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "float*", "float*", "float*",
              "int64_t*", "float*", "const int64_t*", "int64_t*", "int64_t*", "const int64_t*", "const int64_t*",
@@ -106,7 +107,7 @@ def online_step_cpp(store, q: Tensor, k: Tensor, v: Tensor, position: Tensor, sp
 
 
 @dataclass(frozen=True)
-class OnlineStep:
+class OnlineStep(KernelBackend):
     """A decode step backend: `runs(store, query_heads)` whether this step goes through it, and
     `backend(store, q, k, v, position, split, scale)` -> the output (B, Hq, d), or None where the
     kernel's common case does not hold (the store untouched; the runtime's path runs that step)."""
@@ -120,11 +121,7 @@ class OnlineStep:
                  scale: float) -> Tensor | None:
         return None
 
-    def build(self, group: int, head_dim: int) -> None:
-        """Build (or load) what the backend compiles ahead of time (the C++ step); else nothing."""
 
-    def describe(self) -> str:
-        return self.name
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from torch import Tensor
 from kvcompile.kernels import paged_attention_cpp as paged_attention_cpp_module
 from kvcompile.kernels.choice import resolve
 from kvcompile.kernels.paged_attention_cpp import paged_attention_cpp
+from kvcompile.kernels.backend import KernelBackend
 
 try:  # Triton is optional: the torch lowering covers machines without it.
     import triton
@@ -73,7 +74,7 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
 
 
 @dataclass(frozen=True)
-class PagedAttention:
+class PagedAttention(KernelBackend):
     """A decode attention backend: `backend(q, k_pages, v_pages, block_table, lengths, bias_pages,
     scale)` -> (B, Hq, d), the module docstring's contract (shapes checked on every call)."""
 
@@ -87,11 +88,7 @@ class PagedAttention:
     def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale) -> Tensor:
         raise NotImplementedError
 
-    def build(self, group: int, head_dim: int) -> None:
-        """Build (or load) what the backend compiles ahead of time (the C++ kernel); else nothing."""
 
-    def describe(self) -> str:
-        return self.name
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvcompile.kernels.backend import KernelBackend
 from kvcompile.kernels.choice import resolve
 
 try:  # Triton is optional: the torch lowering covers machines without it.
@@ -111,7 +112,7 @@ def _select(policy, scores, positions, valid, lengths, total, layer, used_slots,
 
 
 @dataclass(frozen=True)
-class Selection:
+class Selection(KernelBackend):
     """A selection and gather backend (what `Plan.selection` holds): `select`, `keep_best`, `keep_threshold`,
     `gather_pages` and `build_pages` with the module functions' arguments (without `impl`)."""
 
@@ -148,12 +149,6 @@ class Selection:
     def build_pages(self, sources, page_size: int, spare_pages: int) -> "Pages":
         with self.serial():
             return _build_pages(sources, page_size, spare_pages, self)
-
-    def build(self, group: int, head_dim: int) -> None:
-        """Nothing is built ahead of time."""
-
-    def describe(self) -> str:
-        return self.name
 
     def _keep_best(self, ranks, kept, valid, budget, pooled):
         raise NotImplementedError

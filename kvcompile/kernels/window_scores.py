@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvcompile.kernels.backend import KernelBackend
 from kvcompile.kernels.choice import resolve
 
 try:  # Triton is optional: the torch lowering covers machines without it.
@@ -70,7 +71,7 @@ def score_fused(scorer, state, impl: str | None = None) -> Tensor:
 
 
 @dataclass(frozen=True)
-class WindowScores:
+class WindowScores(KernelBackend):
     """A window-scoring backend (what `Plan.prompt_scores` holds where the fused kernel scores the prompt):
     `backend(queries, keys, values, mask, scale, *, window, gqa, pooling, kernel, value_weight)` -> (B, H, N),
     and `backend.score(scorer, state)`: a window scorer part's prompt scores through it."""
