@@ -122,11 +122,11 @@ class HostReads:
     int(), bool(), float() (aten._local_scalar_dense), tolist(), nonzero, masked_select and boolean-mask
     indexing (its size is known only on the host), and copies of a sim tensor to the CPU (`copy_`,
     `.to("cpu")`, `.cpu()`); and the shapes of every op's sim tensors, in order. Install it with
-    `recording()`. Each read is (kind, the innermost kvcompile frame, inside): `inside` is True while the
-    caller's `scope()` block runs (e.g. kvcompile's attend op); shapes are recorded inside it only."""
+    `recording()`. Each read is (kind, the innermost kvcompile frame, inside, the kvcompile functions on
+    the stack): `inside` is True while the caller's `scope()` block runs (e.g. kvcompile's attend op); shapes are recorded inside it only."""
 
     def __init__(self):
-        self.reads: list[list[tuple[str, str, bool]]] = [[]]
+        self.reads: list[list[tuple]] = [[]]
         self.shapes: list[list[tuple]] = [[]]
         self.inside = False
 
@@ -148,7 +148,7 @@ class HostReads:
         frames = [f for f in traceback.extract_stack()[:-2] if "kvcompile" in f.filename
                   and "sim_devices" not in f.filename]
         at = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
-        self.reads[-1].append((kind, at, self.inside))
+        self.reads[-1].append((kind, at, self.inside, frozenset(f.name for f in frames)))
 
     def op(self, func, args, kwargs) -> None:
         name = str(func)
