@@ -26,7 +26,7 @@ if sim_devices.available() is None:
     sim_devices.register()  # for this process (tests/test_devices.py runs this file in one of its own)
 
 EVERY_SPEC = spec_names() + list(PRUNING)
-STEPS = 40  # new tokens: decode steps cross several page boundaries (pages of 16 entries)
+STEPS = 24  # new tokens: heads cross page boundaries (pages of 16 entries) into their reserved pages
 
 
 class NextStep(LogitsProcessor):
