@@ -79,6 +79,10 @@ class LayerStore:
     next_page: int  # bump allocator: pages [next_page, P) are free
     owned: Tensor  # (B, H) int64: pages a head owns, block_table[b, h, :owned]; those past its
     #                 entries are its spares, consecutive after its last page where the pool allows
+    settled: bool = False  # on the host: every head holds at most its online-eviction budget (ZSMerge), so
+    #                        a decode step evicts at most one entry per head (runtime._evict_online)
+    room: int = 0  # on the host: appends every head can still take in the pages it owns (a lower bound:
+    #                 removals and crops only add room); while positive an append reads nothing back
 
     @property
     def page_size(self) -> int:
@@ -142,7 +146,8 @@ def build_store(sources: list[Entries], slots: Tensor, page_size: int, spare_pag
         score_pages=torch.zeros(cap, s, dtype=torch.float32, device=dev),
         pos_pages=torch.full((cap, s), -1, dtype=torch.long, device=dev),
         count_pages=torch.zeros(cap, s, dtype=torch.float32, device=dev),
-        block_table=block_table, lengths=n.clone(), slots=slots, next_page=total, owned=owned)
+        block_table=block_table, lengths=n.clone(), slots=slots, next_page=total, owned=owned,
+        room=int((owned * s - n).min()) if n.numel() else 0)
     offset = torch.zeros_like(n)
     for src, cnt in zip(sources, counts_per_source):
         bi, hi, ei = src.take.nonzero(as_tuple=True)  # row-major: grouped per head, in entry order
@@ -161,25 +166,33 @@ def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor, step: int
     """Append one entry per head: k, v (B, H, d), positions (B,) long. O(1) amortised:
     a head whose last page is full moves on to its next spare page; one without spares
     takes a run of `step` fresh consecutive pages from the pool (its next spares, so its
-    pages stay in runs the decode kernel streams), which grows (rarely) when none is left."""
+    pages stay in runs the decode kernel streams), which grows (rarely) when none is left.
+
+    While `store.room` (a host count: appends every head's owned pages still take) is positive,
+    nothing is read back to the host and no shape changes: the slot of each head is computed on
+    the device. Only when it runs out does the append read the heads that need pages (one host
+    read, Plan.host_syncs "page allocation": the generation outgrew the pages reserved for it)."""
     b, h, d = k.shape
     s = store.page_size
     e = store.lengths  # (B, H)
     col = e // s
-    need = (col >= store.owned) & (e % s == 0)
-    fresh = int(need.sum())
-    if fresh:
-        if store.next_page + fresh * step > store.k_pages.shape[0]:
-            _grow(store, max(fresh * step, store.k_pages.shape[0] // 4, b * h))
-        width = int(col.max()) + step
-        if width > store.block_table.shape[-1]:
-            store.block_table = torch.nn.functional.pad(store.block_table, (0, width - store.block_table.shape[-1]))
-        bi, hi = need.nonzero(as_tuple=True)
-        first = store.next_page + torch.arange(fresh, device=k.device) * step  # each head's run
-        run = torch.arange(step, device=k.device)
-        store.block_table[bi[:, None], hi[:, None], col[bi, hi][:, None] + run] = first[:, None] + run
-        store.owned = torch.where(need, col + step, store.owned)
-        store.next_page += fresh * step
+    if store.room <= 0:
+        need = (col >= store.owned) & (e % s == 0)
+        fresh, store.room = torch.stack([need.sum(), (store.owned * s - e).min()]).tolist()
+        if fresh:
+            if store.next_page + fresh * step > store.k_pages.shape[0]:
+                _grow(store, max(fresh * step, store.k_pages.shape[0] // 4, b * h))
+            width = int(col.max()) + step
+            if width > store.block_table.shape[-1]:
+                store.block_table = torch.nn.functional.pad(store.block_table,
+                                                            (0, width - store.block_table.shape[-1]))
+            bi, hi = need.nonzero(as_tuple=True)
+            first = store.next_page + torch.arange(fresh, device=k.device) * step  # each head's run
+            run = torch.arange(step, device=k.device)
+            store.block_table[bi[:, None], hi[:, None], col[bi, hi][:, None] + run] = first[:, None] + run
+            store.owned = torch.where(need, col + step, store.owned)
+            store.next_page += fresh * step
+            store.room = int((store.owned * s - e).min())
     page = store.block_table.gather(-1, col[..., None]).squeeze(-1)
     slot = e % s
     store.k_pages[page, slot] = k
@@ -188,6 +201,7 @@ def append(store: LayerStore, k: Tensor, v: Tensor, positions: Tensor, step: int
     store.pos_pages[page, slot] = positions[:, None].expand(b, h)
     store.count_pages[page, slot] = 1.0
     store.lengths = e + 1
+    store.room -= 1
 
 
 def writable(store: LayerStore) -> None:
@@ -216,6 +230,21 @@ def remove(store: LayerStore, b, h, e) -> None:
         entries = t.view(-1, *t.shape[2:])
         entries[dst] = entries[src]  # e == last copies the entry onto itself
     store.lengths[b, h] = last
+
+
+def remove_where(store: LayerStore, leaving: Tensor, e: Tensor) -> None:
+    """`remove` of entry e[b, h] (B, H) from every head with leaving[b, h] (B, H) bool, at once and
+    with no host read (fixed shapes): the other heads copy one of their own entries onto itself."""
+    s = store.page_size
+    last = store.lengths - 1
+    dst = torch.where(leaving, e, last.clamp(min=0))
+    src = torch.where(leaving, last, dst)
+    ends = torch.stack([src, dst], dim=-1)  # (B, H, 2)
+    src, dst = (store.block_table.gather(-1, ends // s) * s + ends % s).unbind(-1)
+    for t in (store.k_pages, store.v_pages, store.score_pages, store.pos_pages, store.count_pages):
+        entries = t.view(-1, *t.shape[2:])
+        entries[dst] = entries[src]
+    store.lengths = torch.where(leaving, last, store.lengths)
 
 
 def _grow(store: LayerStore, extra: int) -> None:

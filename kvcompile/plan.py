@@ -200,6 +200,23 @@ class Plan:
         """The logit bias of every cache entry from its merge count (None: the policy drops)."""
         return self.policy.merge.bias(counts) if self.policy.merges else None
 
+    @property
+    def host_syncs(self) -> dict[str, tuple[str, ...]]:
+        """The named exceptions to a decode step that reads nothing back to the host (on an accelerator):
+        name -> the runtime functions that read, with when and how often in the name. Every other decode
+        step after the first runs on the device alone, with the same tensor shapes at each step."""
+        out = {}
+        if self.headroom > self.spare_pages * self.page_size:
+            out["page allocation: past the headroom reserved as spare pages, 2 reads per layer each time a "
+                "head runs out of pages"] = ("append",)
+        if self.online_eviction:
+            out["page allocation: a head whose ZSMerge budget outgrows the pages it holds after the prompt, "
+                "2 reads per layer at each page it takes"] = ("append",)
+        if self.prune_every:
+            out[f"decode: every {self.prune_every}: the pruning step re-selects on the host (per-head "
+                "lists), every n steps"] = ("_prune",)
+        return out
+
     def describe(self) -> str:
         """One line per decision, for logs and `kvcompile run --verbose`: each implementation's backend with
         the thresholds that decide its threading, then what decoding and the prompt do."""
@@ -218,7 +235,7 @@ class Plan:
                 text = backend.describe()
             lines.append(f"{name}: {text}")
         fields = ("running_scores", "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade",
-                  "lazy_cascade", "prefill_chunk", "kv_heads", "heads_exchange", "layer_devices")
+                  "lazy_cascade", "prefill_chunk", "kv_heads", "heads_exchange", "layer_devices", "host_syncs")
         return "\n".join(lines + [f"{name}: {getattr(self, name)}" for name in fields])
 
 

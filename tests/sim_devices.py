@@ -19,6 +19,8 @@ later torch drops it, `available()` says so, registering nothing, and the tests 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -44,6 +46,8 @@ class SimTensor(torch.Tensor):
         return f"SimTensor({self.elem!r}, device='{self.device}')"
 
     def tolist(self):  # torch refuses tolist() on subclasses; a device-to-host copy on a real device
+        if RECORDER is not None:
+            RECORDER.read("tolist", self)
         return self.elem.tolist()
 
     @classmethod
@@ -71,6 +75,8 @@ def run_op(func, args, kwargs):
         if opdef is not None:  # its Python body, on the SimTensors themselves
             return opdef._init_fn(*args, **kwargs)
     unwrap = lambda t: t.elem if isinstance(t, SimTensor) else t  # noqa: E731
+    if RECORDER is not None:
+        RECORDER.op(func, args, kwargs)
     if func is torch.ops.aten.copy_.default:  # copies go across devices
         unwrap(args[0]).copy_(unwrap(args[1]))
         return args[0]
@@ -100,6 +106,84 @@ def run_op(func, args, kwargs):
         return args[0]  # an in-place op returns its input
     wrap = lambda t: SimTensor(t, target) if type(t) is torch.Tensor else t  # noqa: E731
     return tree_map(wrap, out)
+
+
+# --- what a decode step reads back to the host, and the shapes it runs on --------------------------------
+
+# ops whose result the host reads (a real device waits for its queue): a scalar, or a size known only there
+HOST_READS = {"aten._local_scalar_dense.default": "item", "aten.item.default": "item",
+              "aten.is_nonzero.default": "item", "aten.nonzero.default": "nonzero",
+              "aten.nonzero_static.default": None, "aten.masked_select.default": "masked_select",
+              "aten.unique_consecutive.default": "unique", "aten._unique2.default": "unique"}
+
+
+class HostReads:
+    """Records, per step (`step()` starts the next), every device-to-host read on sim tensors: item(),
+    int(), bool(), float() (aten._local_scalar_dense), tolist(), nonzero, masked_select and boolean-mask
+    indexing (its size is known only on the host), and copies of a sim tensor to the CPU (`copy_`,
+    `.to("cpu")`, `.cpu()`); and the shapes of every op's sim tensors, in order. Install it with
+    `recording()`. Each read is (kind, the innermost kvcompile frame, inside, the kvcompile functions on
+    the stack): `inside` is True while the caller's `scope()` block runs (e.g. kvcompile's attend op); shapes are recorded inside it only."""
+
+    def __init__(self):
+        self.reads: list[list[tuple]] = [[]]
+        self.shapes: list[list[tuple]] = [[]]
+        self.inside = False
+
+    @contextmanager
+    def scope(self):
+        self.inside, before = True, self.inside
+        try:
+            yield
+        finally:
+            self.inside = before
+
+    def step(self) -> None:
+        self.reads.append([])
+        self.shapes.append([])
+
+    def read(self, kind: str, t=None) -> None:
+        import traceback
+
+        frames = [f for f in traceback.extract_stack()[:-2] if "kvcompile" in f.filename
+                  and "sim_devices" not in f.filename]
+        at = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
+        self.reads[-1].append((kind, at, self.inside, frozenset(f.name for f in frames)))
+
+    def op(self, func, args, kwargs) -> None:
+        name = str(func)
+        if self.inside:
+            flat = tree_flatten((args, kwargs))[0]
+            self.shapes[-1].append((name, tuple(tuple(t.shape) for t in flat if isinstance(t, SimTensor))))
+        kind = HOST_READS.get(name, "")
+        if kind:
+            self.read(kind)
+        elif name in ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default", "aten._index_put_impl_.default"):
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_flatten(args[1])[0]):
+                self.read("boolean mask index")
+        elif name in ("aten.copy_.default", "aten._copy_from.default"):
+            if isinstance(args[1], SimTensor) and not isinstance(args[0], SimTensor):
+                self.read("copy to cpu")
+        elif name == "aten._to_copy.default":
+            target = kwargs.get("device")
+            if isinstance(args[0], SimTensor) and target is not None and torch.device(target).type == "cpu":
+                self.read("to cpu")
+
+
+RECORDER: HostReads | None = None
+
+
+class recording:
+    """`with recording() as rec:` installs a HostReads for the block (one at a time)."""
+
+    def __enter__(self) -> HostReads:
+        global RECORDER
+        RECORDER = HostReads()
+        return RECORDER
+
+    def __exit__(self, *exc):
+        global RECORDER
+        RECORDER = None
 
 
 def available() -> str | None:

@@ -235,3 +235,19 @@ def test_pipelines_on_simulated_devices():
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
 
+
+
+def test_decode_steps_on_a_simulated_device_read_nothing_back():
+    """tests/sim_decode_sync.py, in a process of its own (as above): every spec's decode steps after the
+    first read nothing back to the host and keep their shapes, but for the plan's named exceptions."""
+    import sim_devices
+
+    if sim_devices.available() is not None:
+        pytest.skip(sim_devices.available())
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                           str(here / "sim_decode_sync.py")], capture_output=True, text=True, timeout=1200,
+                          cwd=here.parent)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
