@@ -133,3 +133,15 @@ def test_the_op_mutates_no_argument_and_its_calls_are_ordered_by_data():
         return seen
 
     assert first in ancestors(second.args[0]) and second not in ancestors(first)
+
+
+@pytest.mark.slow
+def test_models_of_one_class_with_other_head_dims_compile_in_one_process():
+    """Two Qwen2 models, head dims 16 and 8, compiled one after the other: the second recompiles the
+    class's shared forward, and its attention scale must stay a constant of its graph (it once became a
+    graph input, which the op's rewrite refused: "computed scale"). Each equals its eager run."""
+    ids = prompt(50, seed=12)
+    policy = kvcompile.load_spec("snapkv", per_head=40)
+    for head_dim in (16, 8):
+        model = tiny_model("qwen2", layers=2, heads=6, kv_heads=3, head_dim=head_dim, seed=head_dim)
+        assert alone(model, policy, "compiled", ids) == alone(model, policy, "eager", ids), head_dim

@@ -355,7 +355,10 @@ class CompiledForward:
         _mark_dynamic(args, kwargs)
         with CALLS, torch.no_grad(), bind_cache(past_key_values), \
                 fx_config.patch(backed_size_oblivious=True), \
-                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True):
+            # specialize_float: a model's float attributes (its attention scale) stay constants of its graph;
+            # else, once a second model of the same class with another head dim recompiles the shared code
+            # object, dynamo makes the float a graph input and the op's scale is no longer known
             out = self.kvcompile_compiled(*args, past_key_values=_GRAPH_CACHE, **kwargs)
         if past_key_values.seq_length != start + t:  # e.g. dynamo fell back to eager (recompile limit)
             raise PassError("kvcompile: the compiled forward did not run kvcompile.attend in every layer; "
