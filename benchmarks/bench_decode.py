@@ -65,7 +65,7 @@ def paged_cache(tokens: int, heads: int, group: int, dim: int, page: int, gen: t
                 layout: str = "scattered"):
     """A cache of `tokens` entries split raggedly over the heads, its pages laid out as
     `layout` says: "scattered" at random over the pool (the worst case: every page boundary
-    a jump), "in order" (each head's pages one after the other, as build_store lays out a
+    a jump), "in order" (each head's pages one after the other, as the page store lays out a
     compressed prompt) or "interleaved" (the heads take turns, one page each, as decode
     appends allocate them)."""
     share = torch.rand(heads, generator=gen) + 0.5

@@ -14,7 +14,7 @@ Three subcommands, each printing Markdown tables (paste them into RESULTS.md wit
   imports; batch 1 and 32, 8k-128k tokens per head; µs per call with the L2 flushed before each
   call, GB/s of retained K+V and × bound (time ÷ (bytes ÷ copy bandwidth)). (2) What compressing
   one layer's prompt adds (window scores, selection, gather into pages) against that layer's prefill
-  attention (kvcompile.runtime.prompt_attention: flash-attn or SDPA).
+  attention (kvcompile.engine.prefill.prompt_attention: flash-attn or SDPA).
 - `e2e`: generate() on a random-weight model of Llama-3-8B's shapes (32 layers, hidden 4096, 32
   query / 8 KV heads, head dim 128, bf16, built on the device, nothing downloaded): the full cache
   against snapkv, adakv, lava and zsmerge at 128 and 512 tokens per KV head, batch 8, 1 and 32,
@@ -211,8 +211,8 @@ def run_bandwidth(args, dev: torch.device) -> float:
 
 def head_order_table(lengths: torch.Tensor, page: int, pool: int, dev: torch.device) -> torch.Tensor:
     """Block table (B, H, ·) int64 (as the cache keeps it) laying out heads of `lengths` (B, H)
-    entries in head order, each head's pages consecutive (build_store's layout)."""
-    from kvcompile.kernels.select import page_table
+    entries in head order, each head's pages consecutive (the page store's layout)."""
+    from kvcompile.engine.pages import page_table
 
     table, owned = page_table(lengths, page)
     assert int(owned.sum()) <= pool
@@ -348,11 +348,12 @@ def run_kernels(args, dev: torch.device, dtype: torch.dtype, budget: Budget) -> 
 
 def compression(args, dev: torch.device, dtype: torch.dtype, budget: Budget) -> None:
     """One layer's prompt: the model's attention against scoring, selection and the gather into pages."""
-    from kvcompile.cache import Entries
+    from kvcompile.engine.pages import Entries, LayerStore
     from kvcompile.kernels import select as ks
+    from kvcompile.selection import select_with
     from kvcompile.kernels.window_scores import score_fused
     from kvcompile.layer_state import LayerState
-    from kvcompile.runtime import _flash_attn, prompt_attention
+    from kvcompile.engine.prefill import _flash_attn, prompt_attention
     from kvcompile.spec import load_spec
 
     h, g, d = args.kv_heads, args.group, args.head_dim
@@ -391,13 +392,15 @@ def compression(args, dev: torch.device, dtype: torch.dtype, budget: Budget) -> 
             return scores[name]
 
         def select(name):
-            kept = ks.select(specs[name], scores[name], positions, valid, lengths, total, 1)
+            kept = select_with(ks.backend_for(None, scores[name]), specs[name], scores[name], positions, valid,
+                               lengths, total, 1)
             return kept
 
         def gather():
             kept = select("snapkv")
             rows = Entries(k, v, scores["snapkv"], positions, torch.ones_like(scores["snapkv"]), kept)
-            return ks.build_pages([rows], args.page, 4)
+            return LayerStore.build([rows], torch.zeros(1, h, dtype=torch.long, device=dev), args.page, 4,
+                                    gather=ks.backend_for(None, k).gather_pages)
 
         steps = {
             f"prefill attention ({attention}, causal)": lambda: prompt_attention(q, k, v, None, d ** -0.5),

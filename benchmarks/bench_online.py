@@ -2,16 +2,16 @@
 zsmerge (running scores + online eviction) by each decode-step implementation against snapkv
 (append + the paged decode kernel), interleaved rounds in one process. Prints a table: the
 median whole step (model forward of one token), the median time inside the attend op (the
-AttentionInterface call: op dispatch + runtime.decode, summed over the 30 layers) and inside
-runtime.decode alone, each also as a ratio to snapkv's.
+AttentionInterface call: op dispatch + engine.decode.decode, summed over the 30 layers) and inside
+engine.decode.decode alone, each also as a ratio to snapkv's.
 
     PYTHONPATH=. python3 benchmarks/bench_online.py --threads 1
     PYTHONPATH=. python3 benchmarks/bench_online.py --threads 2 --specs snapkv zsmerge h2o
 
 Rows: "SPEC" runs the plan's choice (zsmerge, h2o on a CPU in fp32: the fused C++ step of
 kvcompile.kernels.online_step); "SPEC/torch" the same step's torch path; "SPEC/python" the
-runtime's own Python path (Plan.online_step = None: _attend_with_probs, _update_scores,
-_evict_online, _merge_victims). Every cache of a spec continues one prefilled cache (deep copies).
+engine's own Python path (Plan.online_step = None: _attend_with_probs, _update_scores,
+evict_online, merge_victims). Every cache of a spec continues one prefilled cache (deep copies).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 from transformers import AttentionInterface
 
 import kvcompile
-import kvcompile.runtime as runtime
+import kvcompile.engine.op as op
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels.online_step import TorchOnlineStep
 from kvcompile.models import load_model
@@ -67,8 +67,8 @@ def main() -> None:
                     caches[f"{spec}/{impl or 'python'}"] = other
 
     inside = {"attend": 0.0, "decode": 0.0}
-    attention = runtime.kvcompile_attention
-    decode = runtime.decode
+    attention = op.kvcompile_attention
+    decode = op.decode
 
     def timed_attention(*a, **k):
         t = time.perf_counter()
@@ -85,7 +85,7 @@ def main() -> None:
             inside["decode"] += time.perf_counter() - t
 
     AttentionInterface.register("kvcompile", timed_attention)
-    runtime.decode = timed_decode
+    op.decode = timed_decode
     token = torch.tensor([[1000]])
     steps = {name: [] for name in caches}
     attend = {name: [] for name in caches}
@@ -101,7 +101,7 @@ def main() -> None:
                         steps[name].append(time.perf_counter() - start)
                         attend[name].append(inside["attend"])
                         decoding[name].append(inside["decode"])
-    runtime.decode = decode
+    op.decode = decode
     AttentionInterface.register("kvcompile", attention)
 
     med = lambda xs: statistics.median(xs)  # noqa: E731

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from kvcompile import reference
-from kvcompile.cache import Entries, build_store
+from kvcompile.engine.pages import Entries, LayerStore
+from kvcompile.selection import select_with
 from kvcompile.kernels import select as ks
 from kvcompile.kernels.merge import merge_order, residual_merge
 from kvcompile.kernels.window_scores import score_fused
@@ -40,16 +41,18 @@ def topk_gather(scores, keys, values, budget: int, window: int):
 
 def select_gather(policy, scores, keys, values, positions, valid, lengths, total, impl="torch"):
     """The prefill path's selection kernel, then the kept rows written into fresh pages."""
-    kept = ks.select(policy, scores, positions, valid, lengths, total, 2, impl=impl)
+    selection = ks.backend_for(impl, scores)
+    kept = select_with(selection, policy, scores, positions, valid, lengths, total, 2)
     rows = Entries(keys, values, scores, positions, torch.ones_like(scores), kept)
-    return ks.build_pages([rows], 16, 0, impl=impl)
+    return LayerStore.build([rows], torch.zeros_like(lengths[:, None].expand(kept.shape[:2])), 16, 0,
+                            gather=selection.gather_pages)
 
 
 def reference_select_store(policy, scores, keys, values, positions, valid, lengths, total):
-    """The same with reference.select and cache.build_store (the path before the kernel)."""
+    """The same with reference.select and the plain row write (the path before the kernels)."""
     kept = reference.select(policy, scores, positions, valid, lengths, total, 2)
     rows = Entries(keys, values, scores, positions, torch.ones_like(scores), kept)
-    return build_store([rows], torch.zeros_like(lengths), 16, 0)
+    return LayerStore.build([rows], torch.zeros_like(lengths[:, None].expand(kept.shape[:2])), 16, 0)
 
 
 def main() -> None:

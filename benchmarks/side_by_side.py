@@ -35,6 +35,7 @@ that fails or runs past `--timeout` puts its error in its row; the run goes on.
     PYTHONPATH=. python3 benchmarks/side_by_side.py [--length 4000] [--new-tokens 32] [--rounds 2]
         [--specs full,snapkv,...] [--modes eager,compiled] [--presses full,snapkv,...]
         [--per-head 128] [--threads 2] [--timeout 900] [--out benchmarks/out/side_by_side.json]
+        [--before DIR]  (rows of an earlier checkout beside ours: a version against the one before)
 """
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def child(job: dict) -> dict:
         # a press for each prompt length (its ratio keeps per_head tokens of that prompt)
         around = (lambda m: contextlib.nullcontext()) if method == "full" else \
             (lambda m: make_press(method, job, m)(model))
-    else:
+    else:  # kvcompile, or kvcompile-before: an earlier checkout's (its folder first on PYTHONPATH)
         import kvcompile
         from kvcompile.cli import policy_for
         from kvcompile.models import load_model
@@ -176,6 +177,8 @@ def child(job: dict) -> dict:
         from importlib.metadata import version
 
         versions["kvpress"] = version("kvpress")
+    else:
+        versions["kvcompile"] = str(Path(sys.modules["kvcompile"].__file__).parent.parent)
     return {"prefill_s": t[1] - timer.start, "decode_tok_s": (len(t) - 2) / (t[-1] - t[1]) if len(t) > 2 else None,
             "new_tokens": len(new), "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "load_rss": load_rss, "kv_bytes": kv, "first_call_s": first_call,
@@ -308,6 +311,11 @@ def parent(args) -> None:
     common = {"prompt": str(work / "prompt.json"), "model": str(Path(args.model).resolve()), "threads": args.threads,
               "per_head": args.per_head, "new_tokens": args.new_tokens, "warmup_length": args.warmup_length}
     jobs = jobs_for(args)
+    if args.before:  # each of our compressing jobs again right after itself, from the earlier checkout
+        jobs = [x for j in jobs for x in ([j, {**j, "library": "kvcompile-before"}]
+                                          if j["library"] == "kvcompile" and j["method"] != "full" else [j])]
+    before_env = {**env, "PYTHONPATH": os.pathsep.join(x for x in (str(Path(args.before or ".").resolve()),
+                                                                   os.environ.get("PYTHONPATH")) if x)}
     uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()  # noqa: E731
     meta = {"date": args.date or time.strftime("%Y-%m-%d"), "command": " ".join(shlex.quote(a) for a in sys.argv),
             "uptime_start": uptime(), "prompt_tokens": len(prompt["input_ids"]), "answer": prompt["answer"],
@@ -322,8 +330,9 @@ def parent(args) -> None:
         order = list(range(len(jobs)))[:: -1 if r % 2 else 1]
         for i in order:
             job = {**common, **jobs[i]}
-            res = run_child(job, python if job["library"] == "kvpress" else sys.executable,
-                            kv_env if job["library"] == "kvpress" else env, args.timeout)
+            lib = job["library"]
+            res = run_child(job, python if lib == "kvpress" else sys.executable,
+                            {"kvpress": kv_env, "kvcompile-before": before_env}.get(lib, env), args.timeout)
             res.update(round=r, order=len(log))
             runs[i].append(res)
             log.append({**jobs[i], **res})
@@ -377,6 +386,10 @@ def main(argv=None) -> None:
     parser.add_argument("--inductor-cache", default=None,
                         help="TORCHINDUCTOR_CACHE_DIR for the children (default: a fresh one per run, so the "
                              "first compiled child compiles cold)")
+    parser.add_argument("--before", default=None, metavar="DIR",
+                        help="an earlier checkout of kvcompile (e.g. a git worktree): each of our compressing rows "
+                             "runs again from it, right after ours (library kvcompile-before), to compare two "
+                             "versions in one run")
     parser.add_argument("--date", default=None, help="date recorded in the JSON (default today)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "side_by_side.json"))
     parser.add_argument("--table-from", default=None, metavar="JSON",

@@ -25,7 +25,7 @@ from kvcompile.errors import CompileError
 from kvcompile.devices import DeviceError, execution_devices, has_hooks
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
-from kvcompile.runtime import kvcompile_attention, kvcompile_mask
+from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 from kvcompile.sharding import ShardingError, model_shard
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")

@@ -9,12 +9,12 @@ steps (`prefill`, called by compile()'s forward, hence by generate()):
    cache, held while scoring, as KVzip holds it); its outputs are the model's, unchanged;
 2. one reconstruction forward per chunk of `scoring.chunk` context tokens: the repeat prompt, the chat
    template's turn end and the chunk's tokens, at the positions after the prompt. Each layer's op
-   (`runtime.reconstruction_step`) attends over the full cache and the input's own keys (what the model
+   (`engine.reconstruction.reconstruction_step`) attends over the full cache and the input's own keys (what the model
    computes) and records, for the chunk's cached entries, the largest attention any reconstruction
    query of the head's group gives them (`KVzip.score_reconstruction`); it stores nothing, and the
    cache's length does not move;
 3. every layer's prompt entries selected by those scores with the policy's ranking, budget (layers,
-   heads, threshold, split) and merge rule: `runtime.compress_prompt_layer`, the per-layer selection
+   heads, threshold, split) and merge rule: `engine.prefill.compress_prompt_layer`, the per-layer selection
    every other scorer goes through (a cascade of layer budgets runs over the layers in order).
 
 Extra work: a forward over n + k·(p + overlap) tokens (n context tokens, k = ⌈n / chunk⌉ chunks, p the
@@ -131,7 +131,7 @@ def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
     """A fresh prompt under a reconstruction scorer (steps 1–3 of the module's docstring), through the
     model's `forward` (the compiled model's, with `kvcompile_cache` in kwargs). Returns the prompt's
     forward output (the model's own: its attention saw every entry)."""
-    from kvcompile.runtime import compress_prompt_layer
+    from kvcompile.engine.prefill import compress_prompt_layer
 
     ids, _ = _ids_and_mask(args, kwargs)
     plan = cache.plan

@@ -270,7 +270,7 @@ SPARE_RUN = 4  # pages: the most spares a head gets at once (64 tokens at the de
 
 def spare_pages(policy: Policy, headroom: int, page_size: int) -> int:
     """Spare pages per head for the tokens it stores while decoding, allocated in runs of this
-    many pages right after its last page (cache.append): enough for the headroom, but no more
+    many pages right after its last page (LayerStore.append): enough for the headroom, but no more
     than the decode schedule lets a head grow between compactions, and at most SPARE_RUN
     (generate()'s max_new_tokens can be 1024 where a head keeps 128: its spares would
     outweigh what it keeps); one page when nothing is known."""

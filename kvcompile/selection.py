@@ -52,6 +52,27 @@ def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Te
                         for b in range(len(valid))])
 
 
+def select_with(kernels, policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor,
+                total: Tensor | None, layer: int, used_slots: Tensor | None = None,
+                budgets: HeadBudgets | None = None) -> Tensor:
+    """`select` (same arguments, same result) with its cuts made by a selection backend's kernels
+    (`kernels`: a kvcompile.kernels.select.Selection): the ranking, protected sets and head budgets are
+    `select`'s own functions; the top-k over each head or over the layer (`kernels.keep_best`) and the
+    threshold's cut (`kernels.keep_threshold`) are the kernels, one call per layer, not one per sequence."""
+    valid, ranks, protected = ranked(policy, scores, positions, valid, lengths)
+    threshold = policy.budget.threshold
+    if threshold is not None:
+        if threshold.keeps_whole(layer):
+            return valid.clone()
+        return threshold.keep_ranked(ranks, protected, valid, scores, kernels.keep_threshold)
+    if total is None:
+        raise ValueError("select needs the layer's total unless the policy has a threshold")
+    heads = head_budgets(policy, valid, total, used_slots) if budgets is None else budgets
+    protected |= latest(positions, valid, heads.proximity)
+    # the heads part says how its selection is made of top-k's (its reference, per sequence, otherwise)
+    return policy.budget.heads.keep_ranked(ranks, protected, valid, heads.tokens, total, kernels.keep_best)
+
+
 # --- merge ---------------------------------------------------------------------------------------
 
 def merge_evicted(policy, keys: Tensor, values: Tensor, scores: Tensor, evicted: Tensor,

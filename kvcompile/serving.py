@@ -14,14 +14,15 @@ admits more requests into them. Head-wise budgets (AdaKV, LAVa) free their real 
 since kvcompile's pages are per (layer, head).
 
 Reservation rule: before every forward a request reserves an upper bound of what it holds after it
-(a prompt: its compressed bound; a decode step: its bytes now plus what one append can take), and
+(a prompt: its compressed bound; a decode step: its bytes now plus what one append can take: the page store's
+`LayerStore.nbytes` and `growth_bytes`), and
 `sync_blocks` raises if a request ever holds more than it reserved. A request's cache is built as
 generate() builds it, `plan.with_headroom(max_new_tokens)`: its heads get spare pages for the tokens
 they will append, at most `plan.SPARE_RUN` pages each (64 tokens at the default page size) whatever
 max_new_tokens is, so the 1024 new tokens transformers serve asks by default reserve what 64 do; past
 its spares a head takes its next run of pages while decoding, reserved one step ahead. A smaller
 headroom (one spare page) would admit a request with up to 3 pages per head less, but 16 to 31 decode
-steps later its first head on a full page grows the layer's pool by a quarter (`cache.append`), at 256
+steps later its first head on a full page grows the layer's pool by a quarter (`LayerStore.append`), at 256
 entries per head more than those 3 pages: admission would promise memory the request needs soon after,
 paid for with soft resets, and its heads' pages would stop being the runs the decode kernel streams.
 So the spares stay generate()'s.
@@ -78,10 +79,11 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvcompile.cache import KVCompileCache, LayerStore
+from kvcompile.cache import KVCompileCache
+from kvcompile.engine.pages import LayerStore
 from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
-from kvcompile.runtime import kvcompile_attention, kvcompile_mask
+from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 
 logger = logging.getLogger("kvcompile.serving")
 
@@ -242,45 +244,11 @@ class _Reservation:
 
 # --- bytes ----------------------------------------------------------------------------------
 
-_PAGE_FIELDS = ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages")
-
-
-def store_bytes(store: LayerStore) -> int:
-    """Bytes one layer's store holds (pages allocated in its pool, block table and per-head counters)."""
-    return sum(getattr(store, f.name).nbytes for f in dataclasses.fields(store)
-               if isinstance(getattr(store, f.name), Tensor))
-
-
-def page_bytes(store: LayerStore) -> int:
-    """Bytes of one page (its entries' key, value, score, position and count)."""
-    return sum(getattr(store, name)[0].nbytes for name in _PAGE_FIELDS)
-
-
-def step_growth_bytes(store: LayerStore, step: int) -> int:
-    """Bytes the store grows by when every head appends one entry (`cache.append`): nothing while each
-    head has room in its pages; a head on a full last page without spares takes a run of `step` pages,
-    from the pool's free pages or from a grown pool (`cache._grow`)."""
-    s = store.page_size
-    e = store.lengths
-    col = e // s
-    fresh = int(((col >= store.owned) & (e % s == 0)).sum())
-    if not fresh:
-        return 0
-    b, h = e.shape
-    pages = store.k_pages.shape[0]
-    grown = 0
-    if store.next_page + fresh * step > pages:
-        grown = max(fresh * step, pages // 4, b * h) * page_bytes(store)
-    width = int(col.max()) + step
-    table = max(0, width - store.block_table.shape[-1]) * b * h * store.block_table.element_size()
-    return grown + table
-
-
 def request_bytes(kv: RequestKV) -> int:
     """Bytes a request's kvcompile cache holds now: its stores, or the prompt chunks it holds until the
     chunk that ends the prompt."""
     cache = kv.cache
-    held = sum(store_bytes(s) for s in cache.stores if s is not None)
+    held = sum(s.nbytes for s in cache.stores if s is not None)
     if cache.chunks is not None:
         held += sum(t.nbytes for part in (cache.chunks.keys, cache.chunks.values, cache.chunks.queries)
                     for t in part if t is not None)
@@ -293,7 +261,7 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
     Pages: where the layer totals follow from the length alone (`plan.static_totals`: per_head / ratio
     budgets), a layer of total T holds at most ceil(T/S) + H pages of entries however its heads share T
     (each head rounds up once), else each head at most its tokens; every head adds its spare pages
-    (`build_store`). A prompt in chunks (`chunked`) holds every layer's keys, values and the query rows
+    (`LayerStore.build`). A prompt in chunks (`chunked`) holds every layer's keys, values and the query rows
     the scorer reads until its last chunk, which compresses layer after layer (a layer's chunks are let
     go as it is compressed): the larger of the two, plus one layer's chunks. The prompt's attention
     itself (one layer's full K/V at a time) is the forward's activation memory, not the cache's."""
@@ -308,9 +276,8 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
     else:
         pages = layers * whole
     pages += layers * heads * plan.spare_pages
-    entry = 2 * d * elt + 4 + 8 + 4  # key, value; score float32, position int64, count float32
     width = math.ceil(tokens / s) + plan.spare_pages
-    stores = pages * s * entry + layers * heads * (width * 8 + 4 * 8)  # + block table and per-head counters
+    stores = LayerStore.bound_bytes(pages, s, d, elt, layers * heads, width)  # + block tables and per-head counters
     if not chunked:
         return stores
     rows = min(tokens, plan.policy.scoring.query_rows(tokens))
@@ -494,8 +461,8 @@ class KVCompilePagedCache(PagedAttentionCache):
         forward of `request_len` tokens."""
         plan, kv = self.kvcompile.plan, self.kvcompile.requests.get(state.request_id)
         if kv is not None and kv.compressed:
-            step = kv.cache.plan.spare_pages  # a head past its spares takes this many pages (cache.append)
-            need = request_bytes(kv) + sum(step_growth_bytes(s, step) for s in kv.cache.stores) * request_len
+            step = kv.cache.plan.spare_pages  # a head past its spares takes this many pages (LayerStore.append)
+            need = request_bytes(kv) + sum(s.growth_bytes(step) for s in kv.cache.stores) * request_len
         else:
             plan = plan.with_headroom(self.headroom(state))
             prompt = self.prompt_length(state)

@@ -16,7 +16,7 @@ from kvcompile.cache import KVCompileCache
 from kvcompile.compile import compiled
 from kvcompile.policy import Policy
 from kvcompile.layer_state import LayerState
-from kvcompile.runtime import compress_prompt_layer, start_prompt
+from kvcompile.engine.prefill import compress_prompt_layer, start_prompt
 
 KEEP_ALL = {"name": "capture", "scoring": "recency", "budget": {"ratio": 1.0}}
 

@@ -1,10 +1,11 @@
-"""A decode step with no host synchronisation and static shapes (issue 23), on a simulated accelerator
+"""A decode step with no host synchronisation and static shapes, on a simulated accelerator
 (tests/sim_devices.py: its HostReads records every device-to-host read: item()/int()/bool(), tolist(),
 nonzero, masked_select, boolean-mask indexing, copies to the CPU, and the shapes of every op).
 
 For every shipped spec (and decode-time pruning), generate() on sim:0: the decode steps after the
 first must read nothing back to the host inside kvcompile's attend op, and every op there must see the
-same tensor shapes at every step, unless the plan names the step's host reads as an exception
+same tensor shapes at every step and leave every page tensor, length and count in its storage (what a
+captured CUDA graph replays into), unless the plan names the step's host reads as an exception
 (`Plan.host_syncs`, shown by plan.describe()).
 
 Not collected by the suite's own run (the name does not match test_*.py): tests/test_devices.py runs
@@ -16,7 +17,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import kvcompile
-from kvcompile import runtime
+from kvcompile.engine import op
 import sim_devices
 from test_devices import LAYERS, load, saved  # noqa: F401  (saved: the fixture)
 from tp_run import PRUNING, inputs, small_budget, spec_names
@@ -40,22 +41,32 @@ class NextStep(LogitsProcessor):
         return scores
 
 
-def decode_reads(model, name, monkeypatch, steps=STEPS):
-    """(reads, shapes, plan): per forward (0: the prompt, 1: the first decode step, ...), the host reads
-    and the op shapes recorded inside kvcompile's attend op."""
-    ids, mask = (x.to("sim:0") for x in inputs())
-    with sim_devices.recording() as rec:
-        inner = runtime._attend
+def storage(t) -> int:
+    """Where a tensor's data lives (a SimTensor's: its CPU tensor's)."""
+    return getattr(t, "elem", t).data_ptr()
 
-        def scoped(*args, **kwargs):
+
+def decode_reads(model, name, monkeypatch, steps=STEPS):
+    """(reads, shapes, plan, places): per forward (0: the prompt, 1: the first decode step, ...), the host
+    reads and the op shapes recorded inside kvcompile's attend op, and where every layer's page tensors
+    (`LayerStore.tensors()`) live after it."""
+    ids, mask = (x.to("sim:0") for x in inputs())
+    places = {}
+    with sim_devices.recording() as rec:
+        inner = op._attend
+
+        def scoped(cache, *args, **kwargs):
             with rec.scope():
-                return inner(*args, **kwargs)
-        monkeypatch.setattr(runtime, "_attend", scoped)
+                out = inner(cache, *args, **kwargs)
+            places[len(rec.reads) - 1] = [tuple(storage(t) for t in store.tensors()) for store in cache.stores
+                                          if store is not None]
+            return out
+        monkeypatch.setattr(op, "_attend", scoped)
         with torch.no_grad(), kvcompile.compiled(model, small_budget(name)):
             plan = model.kvcompile_plan
             model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                            logits_processor=LogitsProcessorList([NextStep(rec)]))
-    return rec.reads[:-1], rec.shapes[:-1], plan
+    return rec.reads[:-1], rec.shapes[:-1], plan, places
 
 
 def count(reads) -> list[int]:
@@ -83,7 +94,7 @@ def test_decode_steps_read_nothing_back_and_keep_their_shapes(model, name, monke
     nothing back to the host and runs every op on the shapes of the step before, but for the plan's named
     exceptions (Plan.host_syncs: the reads in the functions it names; a step with such a read may change
     shapes)."""
-    reads, shapes, plan = decode_reads(model, name, monkeypatch)
+    reads, shapes, plan, places = decode_reads(model, name, monkeypatch)
     named = {fn for fns in plan.host_syncs.values() for fn in fns}
     unnamed = [(i, kind, at) for i in range(2, len(reads)) for kind, at, inside, stack in reads[i]
                if inside and not stack & named]
@@ -91,6 +102,9 @@ def test_decode_steps_read_nothing_back_and_keep_their_shapes(model, name, monke
     synced = {i for i in range(2, len(reads)) if count(reads[i:i + 1])[0]}
     changed = [i for i in range(3, len(reads)) if shapes[i] != shapes[i - 1] and not {i, i - 1} & synced]
     assert not changed, f"{name}: op shapes change at decode steps {changed} (no host read there)"
+    # what a captured CUDA graph replays into: every page tensor, length and count keeps its storage
+    moved = [i for i in range(3, len(reads)) if places[i] != places[i - 1] and not {i, i - 1} & synced]
+    assert not moved, f"{name}: page tensors move to new storage at decode steps {moved} (no host read there)"
     if not plan.host_syncs:
         assert not synced
 
@@ -98,7 +112,7 @@ def test_decode_steps_read_nothing_back_and_keep_their_shapes(model, name, monke
 def test_a_spec_with_a_named_exception_shows_it_and_the_rest_of_its_steps_read_nothing(model, monkeypatch):
     """zsmerge: its online-eviction budget may outgrow the pages a head holds after the prompt (Plan.host_syncs,
     in plan.describe()); steps that take no page read nothing back."""
-    reads, _, plan = decode_reads(model, "zsmerge", monkeypatch)
+    reads, _, plan, _ = decode_reads(model, "zsmerge", monkeypatch)
     assert "host_syncs: {'page allocation" in plan.describe()
     per_step = count(reads)[2:]
     assert sum(per_step) <= 2 * LAYERS * 2, per_step  # a page per layer at most, twice here

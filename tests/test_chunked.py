@@ -15,7 +15,6 @@ from torch.testing import assert_close
 import kvcompile
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
-from kvcompile.runtime import store_heads
 from kvcompile.spec import SpecError, available_specs, loads_spec
 from test_decode import assert_same_cache
 from tiny import left_pad, prompt, tiny_model
@@ -83,7 +82,7 @@ def run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps):
             rings[layer] = q if rings[layer] is None else torch.cat([rings[layer], q], dim=2)
     assert cache.compressing is None
     for layer in range(layers):
-        assert_same_cache(store_heads(cache.stores[layer]), ref.heads[layer])
+        assert_same_cache(cache.stores[layer].to_heads(), ref.heads[layer])
     lengths = real.sum(-1)
     held = torch.tensor([[[len(x.positions) for x in row] for row in ref.heads[layer]] for layer in range(layers)])
     budgets = reference.decode_budgets(policy, lengths, layers, h, held.permute(1, 0, 2))
@@ -104,7 +103,7 @@ def run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps):
                     reference.decode_prune(policy, ref.heads[layer], rings[layer], position + 1, budgets[:, layer],
                                            layer, scale)
             assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-5)
-            assert_same_cache(store_heads(cache.stores[layer]), ref.heads[layer])
+            assert_same_cache(cache.stores[layer].to_heads(), ref.heads[layer])
     if steps:
         assert torch.equal(cache.budgets, budgets)
     return cache
@@ -361,4 +360,4 @@ def test_op_given_several_chunks_in_one_call_equals_chunk_by_chunk():
                 torch.ops.kvcompile.attend(q[:, :, s], k[:, :, s], v[:, :, s], None, layer, cache.handle, 0.3)
         caches.append(cache)
     for layer in range(2):
-        assert_same_cache(store_heads(caches[0].stores[layer]), store_heads(caches[1].stores[layer]))
+        assert_same_cache(caches[0].stores[layer].to_heads(), caches[1].stores[layer].to_heads())

@@ -200,7 +200,6 @@ def test_a_policy_that_compresses_while_prefilling_in_chunks():
     every policy: the prefill graph of a first chunk, one of the later chunks (their padding mask is longer
     than their ids: a guard of transformers' mask code), the decode graph; a prompt of other lengths compiles
     nothing new. (Last in this file: the tests above count the graphs a fresh process compiles.)"""
-    from kvcompile.runtime import store_heads
     from test_decode import assert_same_cache
 
     llama = tiny_model("llama")
@@ -227,7 +226,7 @@ def test_a_policy_that_compresses_while_prefilling_in_chunks():
         assert torch.equal(a.kept(), b.kept()), name
         for layer in range(llama.config.num_hidden_layers):
             assert torch.equal(a.kept_positions(layer), b.kept_positions(layer)), name
-            assert_same_cache(store_heads(b.stores[layer]), store_heads(a.stores[layer]))
+            assert_same_cache(b.stores[layer].to_heads(), a.stores[layer].to_heads())
         assert_close(comp_logits, eager_logits, rtol=1e-4, atol=1e-4)
         # it evicted: fewer entries than the 75 prompt tokens + 5 appended of 2 rows x 3 layers x 2 heads
         assert int(a.kept().sum()) < 2 * 3 * 2 * 80 or policy.budget.threshold is not None, name

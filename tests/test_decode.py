@@ -13,7 +13,6 @@ from torch.testing import assert_close
 import kvcompile
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
-from kvcompile.runtime import store_heads
 from tiny import prompt, tiny_model
 
 POLICIES = {
@@ -96,7 +95,7 @@ def token_by_token(policy, q, k, v, mask, steps, rand, page):
     state = cache.states[0]
     selection = reference.compress(policy, [state])
     heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
-    assert_same_cache(store_heads(cache.stores[0]), heads)
+    assert_same_cache(cache.stores[0].to_heads(), heads)
     lengths = torch.full((b,), n) if mask is None else mask.sum(-1)
     held = torch.tensor([[[len(x.positions) for x in row] for row in heads]]).transpose(0, 1)
     budgets = reference.decode_budgets(policy, lengths, 1, h, held)
@@ -116,7 +115,7 @@ def token_by_token(policy, q, k, v, mask, steps, rand, page):
             if (step + 1) % every == 0:
                 reference.decode_prune(policy, heads, ring, position + 1, budgets[:, 0], 0, scale)
         assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-5)
-        assert_same_cache(store_heads(cache.stores[0]), heads)
+        assert_same_cache(cache.stores[0].to_heads(), heads)
     return cache, selection, budgets
 
 
@@ -143,7 +142,7 @@ def test_online_counts_and_bounded_memory_over_500_tokens(key):
         assert store.next_page == int(store.owned.sum())
         assert bool((store.owned <= (cache.budgets[:, 0] + page - 1) // page + 1).all())
         assert bool((store.owned <= pages + 1).all())  # at most one page beyond what it holds
-    heads = store_heads(cache.stores[0])
+    heads = cache.stores[0].to_heads()
     for row in heads:
         for x in row:
             tokens = int((x.positions >= 0).sum())

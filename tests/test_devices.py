@@ -190,7 +190,7 @@ def test_layers_that_run_on_meta_are_refused():
 
 
 def test_a_layer_on_another_device_than_its_cache_is_refused_at_its_step():
-    """The runtime's own check (kvcompile.runtime.attend): once the prompt fixed the cache's device,
+    """The runtime's own check (kvcompile.engine.op.attend): once the prompt fixed the cache's device,
     a step on another device raises before it touches the pages."""
     import dataclasses
 

@@ -13,17 +13,20 @@ recorded in benchmarks/RESULTS.md, none of them has passed anywhere.
 - The compiled entry on CUDA gives the eager entry's tokens and kept entries.
 - flash-attn's prefill path, where flash_attn imports.
 """
+import dataclasses
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 import kvcompile
 from kvcompile import reference
-from kvcompile.cache import Entries
+from kvcompile.engine.pages import Entries, LayerStore
 from kvcompile.kernels import merge as km
 from kvcompile.kernels import select as ks
 from kvcompile.kernels.paged_attention import paged_attention
 from kvcompile.kernels.window_scores import window_scores
+from kvcompile.selection import select_with
 from kvcompile.spec import load_spec
 from tiny import left_pad, prompt, tiny_model
 
@@ -122,17 +125,18 @@ def test_selection_and_gather_triton_equal_the_torch_lowering_and_the_reference(
     total = None if policy.budget.threshold is not None else torch.full((B,), 128 * H)
     cpu = (scores, positions, valid, lengths, total)
     gpu = tuple(None if x is None else x.to(CUDA) for x in cpu)
-    got = ks.select(policy, *gpu, 2, impl="triton")
-    assert torch.equal(got, ks.select(policy, *gpu, 2, impl="torch"))
+    got = select_with(ks.backend("triton"), policy, *gpu, 2)
+    assert torch.equal(got, select_with(ks.backend("torch", cuda=True), policy, *gpu, 2))
     assert torch.equal(got.cpu(), reference.select(policy, *cpu, 2))
     assert 0 < int(got.sum()) < int(valid.sum())  # the budget really cut
     k, v = randn(B, H, n, D, dtype=torch.bfloat16, gen=gen), randn(B, H, n, D, dtype=torch.bfloat16, gen=gen)
     rows = Entries(k, v, gpu[0], gpu[1], torch.ones(B, H, n, device=CUDA), got)
-    pages = ks.build_pages([rows], PAGE, 4, impl="triton")
-    expected = ks.build_pages([rows], PAGE, 4, impl="torch")
-    for field in pages._fields:
-        mine, ref = getattr(pages, field), getattr(expected, field)
-        assert mine == ref if isinstance(mine, int) else torch.equal(mine, ref), field
+    slots = torch.zeros(B, H, dtype=torch.long, device=CUDA)
+    pages = LayerStore.build([rows], slots, PAGE, 4, gather=ks.backend("triton").gather_pages)
+    expected = LayerStore.build([rows], slots, PAGE, 4, gather=ks.backend("torch", cuda=True).gather_pages)
+    for field in dataclasses.fields(pages):
+        mine, ref = getattr(pages, field.name), getattr(expected, field.name)
+        assert torch.equal(mine, ref) if isinstance(mine, torch.Tensor) else mine == ref, field.name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -191,21 +195,21 @@ def test_flash_attn_prefill_path(monkeypatch):
     """Where flash_attn imports: an unpadded bf16 prompt's attention goes through it, equal to SDPA at
     an 8B layer's shapes, and generate() on a bf16 model on CUDA takes that path in every layer."""
     pytest.importorskip("flash_attn", reason="flash-attn is not installed here (optional: pip install kvcompile[flash])")
-    from kvcompile import runtime
+    from kvcompile.engine import prefill
 
     calls = []
-    flash = runtime._flash_attn()
+    flash = prefill._flash_attn()
     assert flash is not None
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return flash(*args, **kwargs)
 
-    monkeypatch.setattr(runtime, "_flash_attn", lambda: counting)
+    monkeypatch.setattr(prefill, "_flash_attn", lambda: counting)
     gen = torch.Generator().manual_seed(4)
     q = randn(1, H * G, 2048, D, dtype=torch.bfloat16, gen=gen)
     k, v = randn(1, H, 2048, D, dtype=torch.bfloat16, gen=gen), randn(1, H, 2048, D, dtype=torch.bfloat16, gen=gen)
-    out = runtime.prompt_attention(q, k, v, None, D ** -0.5)
+    out = prefill.prompt_attention(q, k, v, None, D ** -0.5)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert len(calls) == 1
     assert_close(out, expected, **TOLERANCE[torch.bfloat16])

@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 import kvcompile
-import kvcompile.runtime  # noqa: F401  (registers torch.ops.kvcompile.attend)
+import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels import choice, merge, online_step, paged_attention, select, window_scores
 from kvcompile.kernels.paged_attention_cpp import PARALLEL_WORK as CPP_PARALLEL_WORK

@@ -1,5 +1,5 @@
 """kvcompile.kernels.attention_column_sums: the prompt's attention and the weighted column sums
-of its probabilities in one pass, against the model's attention (runtime.prompt_attention) and
+of its probabilities in one pass, against the model's attention (engine.prefill.prompt_attention) and
 the scorers' N×N specification (Decayed.score, Accumulated.score); and how the plan chooses it."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvcompile.kernels.attention_column_sums import attention_column_sums, runs_
 from kvcompile.layer_state import LayerState
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policies.scoring import Accumulated, Decayed
-from kvcompile.runtime import prompt_attention
+from kvcompile.engine.prefill import prompt_attention
 from tiny import prompt, tiny_model
 
 CPU = torch.device("cpu")

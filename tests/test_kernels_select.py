@@ -1,16 +1,23 @@
 """Selection kernels (Triton under the interpreter, torch lowering) against
-kvcompile.reference.select, and the gather into pages against kvcompile.cache.build_store."""
+kvcompile.reference.select, and the page store built through the gather kernels against the page layout
+written out (kvcompile.engine.pages)."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.testing import assert_close
 
 from kvcompile import reference
-from kvcompile.cache import Entries, build_store
+from kvcompile.engine.pages import Entries, LayerStore
 from kvcompile.kernels import select as ks
 from kvcompile.policies.ranking import rank
+from kvcompile.selection import select_with
 from kvcompile.spec import load_spec
 from tiny import on_triton
+
+def kernel_select(policy, scores, *args, impl=None, **kwargs):
+    """`reference.select` with its cuts made by the selection backend of `impl` (selection.select_with)."""
+    return select_with(ks.backend_for(impl, scores), policy, scores, *args, **kwargs)
+
 
 SMALL_WINDOW = {"by_score": {"sinks": 1, "window": 2}}
 POLICIES = {  # real specs, with windows small enough that the budget matters at N ≤ 12
@@ -62,7 +69,7 @@ def check_select(impl, name, layer_case):
     used = used if policy.merges else None
     expected = reference.select(policy, scores, positions, valid, lengths, total, layer, used_slots=used)
     inputs = on_triton(impl, scores, positions, valid, lengths, total)
-    got = ks.select(policy, *inputs, layer, used_slots=on_triton(impl, used)[0], impl=impl).cpu()
+    got = kernel_select(policy, *inputs, layer, used_slots=on_triton(impl, used)[0], impl=impl).cpu()
     assert got.dtype == torch.bool
     assert torch.equal(got, expected)
 
@@ -94,7 +101,7 @@ def test_select_at_a_longer_prompt(impl, name):
     policy = POLICIES[name] if name != "dbudgetkv" else load_spec("dbudgetkv")
     total = None if policy.budget.threshold is not None else torch.tensor([100, 400])
     expected = reference.select(policy, scores, positions, valid, lengths, total, 2)
-    got = ks.select(policy, *on_triton(impl, scores, positions, valid, lengths, total), 2, impl=impl).cpu()
+    got = kernel_select(policy, *on_triton(impl, scores, positions, valid, lengths, total), 2, impl=impl).cpu()
     assert torch.equal(got, expected)
     assert 0 < int(got.sum()) < int(valid.sum())  # the budget really cut
 
@@ -149,7 +156,7 @@ def test_threshold_at_the_exact_boundary(impl, t, kept):
     positions = torch.arange(4).view(1, 1, 4)
     valid = torch.ones(1, 1, 4, dtype=torch.bool)
     args = (scores, positions, valid, torch.tensor([4]), None, 2)
-    got = ks.select(policy, *on_triton(impl, *args), impl=impl).cpu()
+    got = kernel_select(policy, *on_triton(impl, *args), impl=impl).cpu()
     assert got[0, 0].nonzero().flatten().tolist() == kept
     assert torch.equal(got, reference.select(policy, *args))
 
@@ -164,7 +171,7 @@ def test_compiled_select_matches_reference():
         valid = torch.ones(1, 2, 20, dtype=torch.bool)
         lengths, total = torch.tensor([20]), None if name == "dbudgetkv" else torch.tensor([13])
         expected = reference.select(policy, scores, positions, valid, lengths, total, 2)
-        assert torch.equal(ks.select(policy, scores, positions, valid, lengths, total, 2, impl="compiled"),
+        assert torch.equal(kernel_select(policy, scores, positions, valid, lengths, total, 2, impl="compiled"),
                            expected)
 
 
@@ -173,10 +180,10 @@ def test_compiled_select_matches_reference():
 
 @st.composite
 def page_cases(draw):
-    """build_store's inputs: one or two sources (residual slots, then tokens), fp32 or fp16,
+    """LayerStore.build's inputs: one or two sources (residual slots, then tokens), fp32 or fp16,
     random `take` (some heads empty, some spanning pages), a page size and spare pages."""
     b, h = draw(st.integers(1, 2)), draw(st.integers(1, 3))
-    d = draw(st.sampled_from([2, 3, 8]))  # build_store's pages hold keys and values of one width
+    d = draw(st.sampled_from([2, 3, 8]))  # the store's pages hold keys and values of one width
     dtype = draw(st.sampled_from([torch.float32, torch.float16]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     shapes = [(draw(st.integers(1, 20)), draw(st.sampled_from([0.0, 0.4, 1.0])))]  # the tokens
@@ -193,28 +200,60 @@ def page_cases(draw):
     return sources, draw(st.sampled_from([1, 4, 16])), draw(st.integers(0, 3))
 
 
+def written_out(sources, slots, page_size, spare):
+    """The page layout, entry by entry: head (b, h) (row-major order) owns ceil(n/S) + spare consecutive
+    pages after the previous head's; its i-th taken row (the sources one after the other, entry order)
+    is slot i % S of its page i // S."""
+    b, h = sources[0].take.shape[:2]
+    n = sum(src.take.sum(-1) for src in sources)
+    owned = (n + page_size - 1) // page_size + spare
+    cap, width = int(owned.sum()), max(1, int(owned.max()))
+    first = sources[0]
+    out = {"k_pages": first.keys.new_zeros(cap, page_size, first.keys.shape[-1]),
+           "v_pages": first.values.new_zeros(cap, page_size, first.values.shape[-1]),
+           "score_pages": torch.zeros(cap, page_size), "pos_pages": torch.full((cap, page_size), -1),
+           "count_pages": torch.zeros(cap, page_size), "block_table": torch.zeros(b, h, width, dtype=torch.long),
+           "lengths": n, "owned": owned, "slots": slots}
+    base = 0
+    for bi in range(b):
+        for hi in range(h):
+            out["block_table"][bi, hi, :owned[bi, hi]] = torch.arange(base, base + int(owned[bi, hi]))
+            i = 0
+            for src in sources:
+                for e in range(src.take.shape[-1]):
+                    if src.take[bi, hi, e]:
+                        page, slot = base + i // page_size, i % page_size
+                        for field, x in (("k_pages", src.keys), ("v_pages", src.values), ("score_pages", src.scores),
+                                         ("pos_pages", src.positions), ("count_pages", src.counts)):
+                            out[field][page, slot] = x[bi, hi, e]
+                        i += 1
+            base += int(owned[bi, hi])
+    return out, cap
+
+
 def check_pages(impl, case):
     sources, page_size, spare = case
     slots = sources[0].take.sum(-1)
-    expected = build_store(sources, slots, page_size, spare)
-    got = ks.build_pages(*on_triton(impl, sources), page_size, spare, impl=impl)
-    assert got.next_page == expected.next_page
-    for field in ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages", "block_table", "lengths",
-                  "owned"):
-        mine, ref = getattr(got, field).cpu(), getattr(expected, field)
+    expected, cap = written_out(sources, slots, page_size, spare)
+    moved = on_triton(impl, *sources)
+    got = LayerStore.build(list(moved), on_triton(impl, slots)[0], page_size, spare,
+                           gather=ks.backend_for(impl, moved[0].keys).gather_pages)
+    assert got.next_page == cap
+    for field, ref in expected.items():
+        mine = getattr(got, field).cpu()
         assert mine.dtype == ref.dtype, field
         assert_close(mine, ref, rtol=0, atol=0, msg=field)  # a copy: bitwise
 
 
 @settings(max_examples=30, deadline=None)
 @given(case=page_cases())
-def test_triton_gather_matches_build_store(case):
+def test_triton_gather_matches_the_page_layout(case):
     check_pages("triton", case)
 
 
 @settings(max_examples=60, deadline=None)
 @given(case=page_cases())
-def test_torch_gather_matches_build_store(case):
+def test_torch_gather_matches_the_page_layout(case):
     check_pages("torch", case)
 
 

@@ -198,9 +198,9 @@ def test_continuous_batching_is_refused():
 def test_reconstruction_attention_and_scores_in_row_blocks(kv_heads, n, t, rows, data):
     """The reconstruction's attention equals SDPA over the cache and the own keys (causal), and its
     scores the plain softmax over KVzip's keys, whatever the row blocks."""
-    from kvcompile.runtime import _attention_after
+    from kvcompile.engine.reconstruction import _attention_after
     from kvcompile.policies.scoring import KVzip
-    from kvcompile.runtime import prompt_attention
+    from kvcompile.engine.prefill import prompt_attention
 
     start = data.draw(st.integers(0, n - 1))
     end = data.draw(st.integers(start + 1, n))

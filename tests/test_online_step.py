@@ -1,6 +1,6 @@
 """The fused decode step (kvcompile.kernels.online_step) of running scores and online eviction:
 its C++ kernel and its torch path against the runtime's own Python path (`_attend_with_probs` +
-`_update_scores` + `_evict_online` + `_merge_victims`, run with Plan.online_impl = None) and
+`_update_scores` + `evict_online` + `merge_victims`, run with Plan.online_impl = None) and
 against reference.decode_step, token by token; and how the plan chooses it."""
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from kvcompile.cache import KVCompileCache
 from kvcompile.layer_state import LayerState
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policies.scoring import ExpectedAttention, KeyNorm
-from kvcompile.runtime import store_heads
 from kvcompile.spec import SpecError, loads_spec
 from kvcompile.sweep import capture
 from test_decode import assert_same_cache
@@ -159,7 +158,7 @@ def test_chunked_prefill_equals_the_reference_chunk_by_chunk(pad):
             want = ref.step(layer, q, k, v, mask[:, start:end], d ** -0.5)
             assert_close(got, want, rtol=1e-4, atol=1e-5)
     for layer in range(layers):
-        assert_same_cache(store_heads(cache.stores[layer]), ref.heads[layer])
+        assert_same_cache(cache.stores[layer].to_heads(), ref.heads[layer])
 
 
 def test_tensor_parallel_ranks_gather_only_what_the_allocator_needs():

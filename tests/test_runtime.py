@@ -195,7 +195,7 @@ def test_bad_spec_changes_nothing(llama):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn runs only on a CUDA GPU; none here")
 def test_flash_attn_prefill_matches_sdpa():
     pytest.importorskip("flash_attn", reason="flash-attn is an optional extra (pip install kvcompile[flash])")
-    from kvcompile.runtime import prompt_attention
+    from kvcompile.engine.prefill import prompt_attention
 
     q = torch.randn(2, 8, 64, 64, device="cuda", dtype=torch.float16)
     k = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16)

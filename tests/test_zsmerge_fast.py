@@ -1,6 +1,6 @@
 """ZSMerge's fast paths against the eager reference: the decayed score in query chunks
 (scoring.decayed_scores_chunked, what the runtime calls), online eviction vectorised over
-(sequence, head) (runtime._evict_online / _merge_victims) and the batched cache.remove."""
+(sequence, head) (engine.online.evict_online / merge_victims) and the batched LayerStore.remove."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import kvcompile
-from kvcompile import reference, runtime
-from kvcompile.cache import Entries, KVCompileCache, build_store, remove
+from kvcompile import reference
+from kvcompile.cache import KVCompileCache
+from kvcompile.engine.pages import Entries, LayerStore
 from kvcompile.plan import build_plan
 from kvcompile.policies.scoring import Accumulated, Decayed, decayed_scores_chunked
 from kvcompile.reference import LayerState
-from kvcompile.runtime import store_heads
 from test_decode import assert_same_cache
 
 
@@ -127,7 +127,7 @@ def test_online_eviction_equals_reference_token_by_token(b, h, g, extra, per_hea
         want = reference.decode_step(policy, heads, qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], lengths + step,
                                      budgets[:, 0], scale)
         assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-5)
-        assert_same_cache(store_heads(cache.stores[0]), heads)
+        assert_same_cache(cache.stores[0].to_heads(), heads)
         assert torch.equal(cache.stores[0].slots, (cache.stores[0].gather()[3] < 0).logical_and(
             cache.stores[0].gather()[5]).sum(-1))  # the slot counter follows the slots held
 
@@ -143,7 +143,7 @@ def test_prefill_slots_are_labelled_by_index():
     state = cache.states[0]
     selection = reference.compress(policy, [state])
     heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
-    assert_same_cache(store_heads(cache.stores[0]), heads)
+    assert_same_cache(cache.stores[0].to_heads(), heads)
 
 
 def test_several_victims_in_one_step():
@@ -163,7 +163,7 @@ def test_several_victims_in_one_step():
     torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.handle, 0.5)
     reference.decode_step(policy, heads, qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], torch.full((b,), n), budgets[:, 0],
                           0.5)
-    assert_same_cache(store_heads(cache.stores[0]), heads)
+    assert_same_cache(cache.stores[0].to_heads(), heads)
     tokens = [int((x.positions >= 0).sum()) for row in heads for x in row]
     assert tokens == [14] * (b * h)  # 21 tokens, 7 of them evicted in one step: 6 into free slots, 1 folded
 
@@ -178,12 +178,12 @@ def test_batched_remove_equals_one_at_a_time(b, h, page, seed):
     entries = Entries(torch.randn(b, h, m, d, generator=gen), torch.randn(b, h, m, d, generator=gen),
                       torch.rand(b, h, m, generator=gen), torch.arange(m).expand(b, h, m).clone(),
                       torch.ones(b, h, m), take)
-    one, many = (build_store([entries], torch.zeros(b, h, dtype=torch.long), page, 0) for _ in range(2))
+    one, many = (LayerStore.build([entries], torch.zeros(b, h, dtype=torch.long), page, 0) for _ in range(2))
     heads = (torch.rand(b, h, generator=gen) < 0.6).nonzero(as_tuple=True)
     victims = (torch.rand(b, h, generator=gen) * one.lengths).long()[heads]
     for bi, hi, e in zip(*heads, victims):
-        remove(one, int(bi), int(hi), int(e))
-    remove(many, heads[0], heads[1], victims)
+        one.remove(int(bi), int(hi), int(e))
+    many.remove(heads[0], heads[1], victims)
     for x, y in zip(one.gather(), many.gather()):
         assert torch.equal(torch.where(one.gather()[5].view(*x.shape[:3], *[1] * (x.dim() - 3)), x, 0),
                            torch.where(many.gather()[5].view(*y.shape[:3], *[1] * (y.dim() - 3)), y, 0))

@@ -5,13 +5,13 @@
 q (B, Hq, N, d) the prompt's queries, k, v (B, H, N, d) its keys and values (Hq = H·G,
 query head h·G + g belongs to KV head h), valid (B, N) bool or None (every token real),
 weights (N,) float32 the row weights w_j. Returns
-- out (B, Hq, N, d): the model's causal attention, `runtime.prompt_attention(q, k, v,
+- out (B, Hq, N, d): the model's causal attention, `engine.prefill.prompt_attention(q, k, v,
   valid, scale)`: query j sees the real keys i ≤ j, and a pad query sees itself only;
 - sums (B, Hq, N) float32: Σ over the real queries j of w_j · A[j, i], with A the causal
   softmax attention of the scorers (`policies.scoring.attention_rows`: a pad query's row
   is 0).
 
-A chunk of a chunked prompt (runtime.compress_chunk): q holds the queries of the last T ≤ N keys
+A chunk of a chunked prompt (engine.chunked.compress_chunk): q holds the queries of the last T ≤ N keys
 (query t is key N − T + t, it sees the keys up to itself), weights (T,) weigh its rows, and the
 first E ≤ N − T keys are the entries the layer holds, with `bias` (B, H, E) added to their
 logits (the merge rule's α·log w; −inf where a head holds nothing); a pad query sees none of

@@ -1,10 +1,11 @@
 """One decode step of a layer whose scores run (H2O, ZSMerge) or that evicts online (ZSMerge
-Alg. 1), fused: what the runtime's Python path does in `append` + `_attend_with_probs` +
-`_update_scores` + `_evict_online` + `_merge_victims` + `cache.remove`, in one call.
+Alg. 1), fused: what the engine's Python path does in `LayerStore.append` + `_attend_with_probs` +
+`_update_scores` + `evict_online` + `merge_victims` + `LayerStore.remove_where`, in one call.
 
-    out = online_step_cpp(store, q, k, v, position, split, rule, scale)   # None: not run
+    out = online_step_cpp(pages, q, k, v, position, split, rule, scale)   # None: not run
 
-store: a layer's `LayerStore` (docs/INTERNALS.md "Paged cache layout"), updated in place;
+pages: a layer's page tensors (`kvcompile.engine.pages.PageTensors`, `LayerStore.tensors()`: docs/INTERNALS.md
+"Paged cache layout"), updated in place;
 q (B, Hq, d), k, v (B, H, d) the new token's query, key and value of every head; position
 (B,) long its logical position; split (B, H, 3) long the ZSMerge (proximity, context,
 residual) of every head (`DecodeState.split[:, layer]`), or None when nothing is evicted;
@@ -25,7 +26,8 @@ attention output (B, Hq, d). Semantics, all heads at once (each head independent
 Impls (`kvcompile.kernels.choice.resolve("online_step", ...)`): "cpp" (online_step.cpp beside
 this module, built with Inductor's C++ toolchain once per (G, d), as paged_attention_cpp;
 fp32 CPU, any head dim, one thread, no host sync) and "torch" (the runtime's own Python path,
-kvcompile.runtime: append, _attend_with_probs, _update_scores, _evict_online). The C++ kernel
+kvcompile.engine.decode and kvcompile.engine.online: LayerStore.append, _attend_with_probs, _update_scores,
+evict_online). The C++ kernel
 runs the common case of a decode step: every head's next entry has a page and at most one
 token leaves; otherwise (a head taking a fresh page, the first step after a prompt that filled
 the cache: several rounds) it changes nothing and returns None, and the runtime's path runs
@@ -36,7 +38,7 @@ the GQA mean).
 Backends (`Plan.online_step`): `CppOnlineStep` (the C++ kernel, with the plan's StepRule and when it
 runs: every step where scores run or tokens leave, else only below `one_thread_work` multiply-adds, where
 the paged-attention kernel would run on one thread anyway) and `TorchOnlineStep` (the runtime's path:
-`runs` is False). `backend.runs(store, query_heads)` says whether `backend(store, q, k, v, position,
+`runs` is False). `backend.runs(pages, query_heads)` says whether `backend(pages, q, k, v, position,
 split, scale)` is called for a step.
 """
 from __future__ import annotations
@@ -72,23 +74,23 @@ def _alpha(alpha: float) -> Tensor:
 _NO_SPLIT = torch.zeros(1, 3, dtype=torch.long)
 
 
-def _writable_layout(store) -> bool:
-    """The store's tensors have the layout the C++ kernel writes into in place."""
-    return (store.k_pages.dtype == torch.float32 and store.v_pages.dtype == torch.float32
-            and store.lengths.dtype == torch.long and store.slots.dtype == torch.long
-            and store.block_table.dtype == torch.long and store.owned.dtype == torch.long
-            and store.k_pages.is_contiguous() and store.v_pages.is_contiguous()
-            and store.lengths.is_contiguous() and store.slots.is_contiguous()
-            and store.block_table.is_contiguous() and store.owned.is_contiguous())
+def _writable_layout(pages) -> bool:
+    """The page tensors have the layout the C++ kernel writes into in place."""
+    return (pages.k_pages.dtype == torch.float32 and pages.v_pages.dtype == torch.float32
+            and pages.lengths.dtype == torch.long and pages.slots.dtype == torch.long
+            and pages.block_table.dtype == torch.long and pages.owned.dtype == torch.long
+            and pages.k_pages.is_contiguous() and pages.v_pages.is_contiguous()
+            and pages.lengths.is_contiguous() and pages.slots.is_contiguous()
+            and pages.block_table.is_contiguous() and pages.owned.is_contiguous())
 
 
-def online_step_cpp(store, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
+def online_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
                     rule, scale: float) -> Tensor | None:
     """The C++ kernel: the output (B, Hq, d), or None when the common case does not hold for
-    some head (the store is then untouched)."""
+    some head (the pages are then untouched)."""
     b, hq, d = q.shape
     h = k.shape[1]
-    if not _writable_layout(store) or q.dtype != torch.float32 or k.dtype != torch.float32 \
+    if not _writable_layout(pages) or q.dtype != torch.float32 or k.dtype != torch.float32 \
             or v.dtype != torch.float32 or position.dtype != torch.long:
         return None
     out = torch.empty(b, hq, d)
@@ -97,9 +99,9 @@ def online_step_cpp(store, q: Tensor, k: Tensor, v: Tensor, position: Tensor, sp
         split = split.contiguous()
     _kernel(hq // h, d)(
         q if q.is_contiguous() else q.contiguous(), k if k.is_contiguous() else k.contiguous(),
-        v if v.is_contiguous() else v.contiguous(), position, store.k_pages, store.v_pages, store.score_pages,
-        store.pos_pages, store.count_pages, store.block_table, store.lengths, store.slots, store.owned,
-        _NO_SPLIT if split is None else split, out, b, h, store.block_table.shape[-1], store.page_size,
+        v if v.is_contiguous() else v.contiguous(), position, pages.k_pages, pages.v_pages, pages.score_pages,
+        pages.pos_pages, pages.count_pages, pages.block_table, pages.lengths, pages.slots, pages.owned,
+        _NO_SPLIT if split is None else split, out, b, h, pages.block_table.shape[-1], pages.k_pages.shape[1],
         float(scale), int(rule.decay is not None), float(rule.decay or 0.0), int(rule.gqa_max),
         int(rule.alpha is not None), _alpha(float(rule.alpha or 0.0)), int(rule.evict and split is not None),
         status)
@@ -108,16 +110,16 @@ def online_step_cpp(store, q: Tensor, k: Tensor, v: Tensor, position: Tensor, sp
 
 @dataclass(frozen=True)
 class OnlineStep(KernelBackend):
-    """A decode step backend: `runs(store, query_heads)` whether this step goes through it, and
-    `backend(store, q, k, v, position, split, scale)` -> the output (B, Hq, d), or None where the
-    kernel's common case does not hold (the store untouched; the runtime's path runs that step)."""
+    """A decode step backend: `runs(pages, query_heads)` whether this step goes through it, and
+    `backend(pages, q, k, v, position, split, scale)` -> the output (B, Hq, d), or None where the
+    kernel's common case does not hold (the pages untouched; the engine's path runs that step)."""
 
     name: ClassVar[str]
 
-    def runs(self, store, query_heads: int) -> bool:
+    def runs(self, pages, query_heads: int) -> bool:
         return False
 
-    def __call__(self, store, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
+    def __call__(self, pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
                  scale: float) -> Tensor | None:
         return None
 
@@ -126,12 +128,12 @@ class OnlineStep(KernelBackend):
 
 @dataclass(frozen=True)
 class TorchOnlineStep(OnlineStep):
-    """The runtime's own Python path (append, _attend_with_probs, _update_scores, _evict_online)."""
+    """The engine's own Python path (LayerStore.append, _attend_with_probs, _update_scores, evict_online)."""
 
     name: ClassVar[str] = "torch"
 
     def describe(self) -> str:
-        return "torch (the runtime's path)"
+        return "torch (the engine's path)"
 
 
 @dataclass(frozen=True)
@@ -147,14 +149,14 @@ class CppOnlineStep(OnlineStep):
     always: bool = True
     one_thread_work: int = paged_attention_cpp.PARALLEL_WORK
 
-    def runs(self, store, query_heads: int) -> bool:
+    def runs(self, pages, query_heads: int) -> bool:
         if self.always:
             return True
-        heads = store.lengths.shape[1]
-        return int(store.lengths.sum()) * (query_heads // heads) * store.k_pages.shape[-1] < self.one_thread_work
+        heads = pages.lengths.shape[1]
+        return int(pages.lengths.sum()) * (query_heads // heads) * pages.k_pages.shape[-1] < self.one_thread_work
 
-    def __call__(self, store, q, k, v, position, split, scale):
-        return online_step_cpp(store, q, k, v, position, split, self.rule, scale)
+    def __call__(self, pages, q, k, v, position, split, scale):
+        return online_step_cpp(pages, q, k, v, position, split, self.rule, scale)
 
     def build(self, group: int, head_dim: int) -> None:
         _kernel(group, head_dim)

@@ -11,15 +11,13 @@ kernel ever compares scores or breaks a tie itself.
 - `keep_threshold`: DBudgetKV (Ni et al., 2025, §3.2–3.3, Alg. 1, Eq. 2) per head: evict
   the longest least-important-first prefix of the unprotected entries whose removal keeps
   1 − ‖s_kept‖₂ / ‖s‖₂ ≤ t, in float64 (`AttentionNorm.keep`).
-- `select`: `kvcompile.selection.select` through these two (same arguments, same result);
-  each heads and threshold part composes its selection from them (`keep_ranked`).
+The policy's logic (ranking, protected sets, head budgets) is not here: `kvcompile.selection.select_with`
+runs it and calls these two kernels (each heads and threshold part composes its selection from them:
+`keep_ranked`).
 
 Gather: `gather_pages` writes the `take` (B, H, E) rows of each head — key, value, score,
-position, count — into its pages (docs/INTERNALS.md "Paged cache layout": entry e of head
-(b, h) at slot e % S of page block_table[b, h, e // S]), in entry order, from entry
-`start` (B, H) on; `page_table` lays pages out as `kvcompile.cache.build_store` does
-(each head ceil(n/S) consecutive pages and its spares, heads in row-major order) and `build_pages` is
-build_store through the gather (the runtime's prefill path).
+position, count — into pages the page store allocated (`kvcompile.engine.pages.LayerStore.build`: entry e
+of head (b, h) at slot e % S of page block_table[b, h, e // S]), in entry order, from entry `start` (B, H) on.
 
 Implementations (dispatchers take impl = "triton" | "torch" | "compiled" | None = Triton
 on CUDA, else torch; `kvcompile.kernels.choice.resolve("select", ...)`):
@@ -32,8 +30,8 @@ on CUDA, else torch; `kvcompile.kernels.choice.resolve("select", ...)`):
   cumulative sum as the reference; the gather by index_put. No Python loop over heads
   or sequences.
 Backends (`Plan.selection`): `TritonSelection`, `TorchSelection` (one thread on a CPU), `CompiledSelection`,
-one set of methods (`select`, `keep_best`, `keep_threshold`, `gather_pages`, `build_pages`); `backend(name)`
-makes one, and the module functions with `impl=` go through it.
+one set of methods (`keep_best`, `keep_threshold`, `gather_pages`); `backend(name)` makes one, `backend_for(impl,
+like)` the one an `impl=` names on a tensor's device, and the module functions with `impl=` go through it.
 Exactness: top-k masks are equal to the reference's by construction (distinct integer
 ranks). The threshold's float64 sums may associate differently from the reference's
 cumsum (Triton: blocked sums), which can only matter when a norm change equals t to the
@@ -45,7 +43,7 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +59,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 
-def _backend(impl: str | None, like: Tensor) -> "Selection":
+def backend_for(impl: str | None, like: Tensor) -> "Selection":
     """The backend of `impl` (resolved by `kvcompile.kernels.choice.resolve` on `like`'s device)."""
     return backend(resolve("select", impl, like.device, like.dtype), cuda=like.is_cuda)
 
@@ -80,51 +78,16 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-# --------------------------------------------------------------------------- the policy
-
-def select(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor, total: Tensor | None,
-           layer: int, used_slots: Tensor | None = None, *, impl: str | None = None, budgets=None) -> Tensor:
-    """`kvcompile.reference.select` by the kernels: kept (B, H, M) bool. `budgets`: the heads'
-    HeadBudgets when the caller has them (a tensor-parallel rank: computed over all heads).
-
-    The ranking (one stable sort order), protected sets and head budgets (exact integer
-    arithmetic, `reference.head_budgets`) are the reference's own functions; the top-k
-    over each head or over the layer, and the threshold cut, are the kernels."""
-    return _backend(impl, scores).select(policy, scores, positions, valid, lengths, total, layer, used_slots,
-                                         budgets=budgets)
-
-
-def _select(policy, scores, positions, valid, lengths, total, layer, used_slots, backend, budgets=None):
-    from kvcompile.allocation import head_budgets, latest, ranked  # the budget arithmetic, protected sets
-
-    valid, ranks, protected = ranked(policy, scores, positions, valid, lengths)
-    threshold = policy.budget.threshold
-    if threshold is not None:
-        if threshold.keeps_whole(layer):
-            return valid.clone()
-        return threshold.keep_ranked(ranks, protected, valid, scores, backend.keep_threshold)
-    if total is None:
-        raise ValueError("select needs the layer's total unless the policy has a threshold")
-    heads = head_budgets(policy, valid, total, used_slots) if budgets is None else budgets
-    protected |= latest(positions, valid, heads.proximity)
-    # the heads part says how its selection is made of top-k's (its reference, per sequence, otherwise)
-    return policy.budget.heads.keep_ranked(ranks, protected, valid, heads.tokens, total, backend.keep_best)
-
-
 @dataclass(frozen=True)
 class Selection(KernelBackend):
-    """A selection and gather backend (what `Plan.selection` holds): `select`, `keep_best`, `keep_threshold`,
-    `gather_pages` and `build_pages` with the module functions' arguments (without `impl`)."""
+    """A selection and gather backend (what `Plan.selection` holds): `keep_best`, `keep_threshold` and
+    `gather_pages` with the module functions' arguments (without `impl`)."""
 
     name: ClassVar[str]
 
     def serial(self):
         """The context the backend's calls run in (TorchSelection: one thread)."""
         return contextlib.nullcontext()
-
-    def select(self, policy, scores, positions, valid, lengths, total, layer, used_slots=None, *, budgets=None):
-        with self.serial():
-            return _select(policy, scores, positions, valid, lengths, total, layer, used_slots, self, budgets)
 
     def keep_best(self, ranks, kept, valid, budget, *, pooled: bool = False) -> Tensor:
         b, h, m = ranks.shape
@@ -143,12 +106,9 @@ class Selection(KernelBackend):
                      scores, positions, counts, take) -> None:
         if take.numel() == 0:
             return
-        self._gather_pages(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start, keys, values,
-                           scores, positions, counts, take)
-
-    def build_pages(self, sources, page_size: int, spare_pages: int) -> "Pages":
         with self.serial():
-            return _build_pages(sources, page_size, spare_pages, self)
+            self._gather_pages(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start, keys,
+                               values, scores, positions, counts, take)
 
     def _keep_best(self, ranks, kept, valid, budget, pooled):
         raise NotImplementedError
@@ -226,7 +186,7 @@ def keep_best(ranks: Tensor, kept: Tensor, valid: Tensor, budget: Tensor, *, poo
     """kept (B, H, M) bool, plus the lowest-ranked valid entries not yet kept, up to `budget`
     entries in all: per head with budget (B, H), or per sequence over all heads (pooled)
     with budget (B,). ranks (B, H, M) distinct in [0, H·M) per sequence."""
-    return _backend(impl, ranks).keep_best(ranks, kept, valid, budget, pooled=pooled)
+    return backend_for(impl, ranks).keep_best(ranks, kept, valid, budget, pooled=pooled)
 
 
 def keep_best_torch(ranks: Tensor, kept: Tensor, valid: Tensor, budget: Tensor, pooled: bool = False) -> Tensor:
@@ -267,7 +227,7 @@ def keep_threshold(ranks: Tensor, protected: Tensor, valid: Tensor, scores: Tens
     ones, taken least important (highest rank) first, whose eviction changes the score norm
     by at most t: 1 − ‖s_kept‖₂ / ‖s‖₂ ≤ t (norms over valid entries, float64; a head whose
     scores are all 0 changes by 0). ranks, protected, valid, scores (B, H, M)."""
-    return _backend(impl, ranks).keep_threshold(ranks, protected, valid, scores, t)
+    return backend_for(impl, ranks).keep_threshold(ranks, protected, valid, scores, t)
 
 
 def keep_threshold_torch(ranks: Tensor, protected: Tensor, valid: Tensor, scores: Tensor, t: float) -> Tensor:
@@ -309,57 +269,6 @@ def _compiled(fn):
 
 # --------------------------------------------------------------------------- gather
 
-def page_table(counts: Tensor, page_size: int, spare_pages: int = 0) -> tuple[Tensor, Tensor]:
-    """build_store's layout for heads of `counts` (B, H) entries: block table (B, H, max(1, most
-    pages)) long, head (b, h) owning ceil(n/S) + spare_pages consecutive pages in row-major
-    head order (unused columns 0), and the pages each head owns (B, H)."""
-    owned = (counts + page_size - 1) // page_size + spare_pages
-    base = owned.flatten().cumsum(0).reshape(counts.shape) - owned
-    cols = torch.arange(max(int(owned.max()), 1) if owned.numel() else 1, device=counts.device)
-    return torch.where(cols < owned[..., None], base[..., None] + cols, 0), owned
-
-
-class Pages(NamedTuple):
-    """One layer's pages, as `kvcompile.cache.LayerStore` holds them (without `slots`)."""
-
-    k_pages: Tensor  # (P, S, d)
-    v_pages: Tensor  # (P, S, d)
-    score_pages: Tensor  # (P, S) float32
-    pos_pages: Tensor  # (P, S) long, −1 where nothing is stored
-    count_pages: Tensor  # (P, S) float32
-    block_table: Tensor  # (B, H, ·) long
-    lengths: Tensor  # (B, H) long entries per head
-    next_page: int  # pages [next_page, P) are free
-    owned: Tensor  # (B, H) long pages each head owns (its entries' and its spares)
-
-
-def build_pages(sources, page_size: int, spare_pages: int, *, impl: str | None = None) -> Pages:
-    """`kvcompile.cache.build_store` by the gather kernel: the taken rows of `sources` (each
-    with keys, values, scores, positions, counts, take like `cache.Entries`), one source after
-    the other per head, in fresh pages laid out by `page_table`, `spare_pages` per head."""
-    return _backend(impl, sources[0].keys).build_pages(sources, page_size, spare_pages)
-
-
-def _build_pages(sources, page_size: int, spare_pages: int, backend: Selection) -> Pages:
-    first = sources[0]
-    d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
-    taken = [src.take.sum(-1) for src in sources]  # each (B, H)
-    lengths = torch.stack(taken).sum(0)
-    block_table, owned = page_table(lengths, page_size, spare_pages)
-    cap = int(owned.sum())
-    pages = Pages(first.keys.new_zeros(cap, page_size, d), first.values.new_zeros(cap, page_size, dv),
-                  torch.zeros(cap, page_size, dtype=torch.float32, device=dev),
-                  torch.full((cap, page_size), -1, dtype=torch.long, device=dev),
-                  torch.zeros(cap, page_size, dtype=torch.float32, device=dev), block_table, lengths.clone(), cap,
-                  owned)
-    start = torch.zeros_like(lengths)
-    for src, count in zip(sources, taken):
-        backend.gather_pages(*pages[:6], start, src.keys, src.values, src.scores, src.positions, src.counts,
-                             src.take)
-        start = start + count
-    return pages
-
-
 def gather_pages(k_pages: Tensor, v_pages: Tensor, score_pages: Tensor, pos_pages: Tensor, count_pages: Tensor,
                  block_table: Tensor, start: Tensor, keys: Tensor, values: Tensor, scores: Tensor,
                  positions: Tensor, counts: Tensor, take: Tensor, *, impl: str | None = None) -> None:
@@ -370,7 +279,7 @@ def gather_pages(k_pages: Tensor, v_pages: Tensor, score_pages: Tensor, pos_page
     (B, H, E) float, positions (B, H, E) long, take (B, H, E) bool. The i-th taken row of
     head (b, h) (entry order) becomes its entry start[b, h] + i. "compiled" runs the torch
     lowering (the copy is memory-bound: nothing to fuse)."""
-    _backend(impl, keys).gather_pages(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
+    backend_for(impl, keys).gather_pages(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
                                       keys, values, scores, positions, counts, take)
 
 

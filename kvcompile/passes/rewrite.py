@@ -20,7 +20,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-import kvcompile.runtime  # noqa: F401  (registers torch.ops.kvcompile.attend)
+import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
 from kvcompile.cache import BOUND_HANDLE
 from kvcompile.passes.find import PassError, returns_tuple, sdpa_arguments
 

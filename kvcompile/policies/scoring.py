@@ -241,7 +241,7 @@ class Scorer(Part):
 
     def score_chunk_from_column_sums(self, sums: Tensor, state: LayerState, carried: Tensor | None) -> Tensor:
         """`score_chunk` from the column sums (B, Hq, N) of `column_weights(R)` over the chunk's R query rows
-        (the chunk's attention computed them: runtime.compress_chunk)."""
+        (the chunk's attention computed them: engine.chunked.compress_chunk)."""
         return self.carry(self.score_from_column_sums(sums, state), carried, state)
 
 

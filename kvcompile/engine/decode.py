@@ -1,0 +1,144 @@
+"""A decode step: append the new entries to their heads' pages, then attention over the pages with the
+merge rule's per-entry bias (ZSMerge Eq. 8: α·log w) when the policy merges; then the decode schedule:
+running scores (H2O, ZSMerge), online eviction (engine.online) and `decode: every` pruning."""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from kvcompile.allocation import decode_budgets, head_split
+from kvcompile.engine.compress import choose, over_heads
+from kvcompile.engine.online import evict_online
+from kvcompile.engine.pages import LayerStore
+from kvcompile.engine.state import DecodeState
+from kvcompile.selection import decode_prune
+
+if TYPE_CHECKING:
+    from kvcompile.cache import KVCompileCache
+
+
+def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float,
+           start: int | None = None) -> Tensor:
+    """Append T new tokens and attend over the pages (new token t sees entries up to itself);
+    then the decode schedule: running scores, ZSMerge online eviction, periodic pruning.
+    `start`: the sequence index of the first new token (default: what the cache holds)."""
+    plan = cache.plan
+    start = cache.seq_length if start is None else start
+    store = cache.stores[layer]
+    running, online, every = plan.running_scores, plan.online_eviction, plan.prune_every
+    if cache.decoding is None:
+        if all(s is not None for s in cache.stores):
+            cache.decoding = start_decode(cache)
+        elif online or every:  # tokens after a prompt that ends inside this call: later layers are not compressed yet
+            raise RuntimeError("kvcompile: the decode schedule needs every layer compressed before tokens follow "
+                               "the prompt in the same call")
+    pad, width = cache.prompt.pad if cache.decoding is None else cache.decoding.pad, cache.prompt.width
+    outs = []
+    for i in range(q.shape[2]):
+        position = start + i - pad  # logical position among real tokens
+        out = None
+        if plan.online_step is not None and plan.online_step.runs(store.tensors(), q.shape[1]):
+            # append, attention, running scores, online eviction: one fused step
+            split = cache.decoding.split[:, layer] if online else None
+            out = plan.online_step(store.tensors(), q[:, :, i], k[:, :, i], v[:, :, i], position, split, scale)
+        if out is not None:
+            out = out.to(q.dtype)
+            store.room -= 1  # the fused step appended into the pages the head owns
+        else:  # no fused step, or not its common case (a head taking a fresh page, several to evict)
+            store.append(k[:, :, i], v[:, :, i], position, step=plan.spare_pages)
+            if running or online:
+                out, probs = _attend_with_probs(cache, store, q[:, :, i], scale)
+                if running:
+                    _update_scores(cache, store, probs)
+                if online:
+                    evict_online(cache, store, layer)
+            else:
+                out = paged_attention(cache, store, q[:, :, i], scale)
+        outs.append(out)
+        if every:
+            if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries
+                cache.rings[layer] = torch.cat([cache.rings[layer], q[:, :, i, None]], dim=2)[:, :, -plan.ring_rows:]
+            generated = start - width + i + 1
+            if generated % every == 0:
+                _prune(cache, layer, position + 1, scale)
+                store = cache.stores[layer]
+    return torch.stack(outs, dim=2)
+
+
+def start_decode(cache: KVCompileCache) -> DecodeState:
+    """Per-head decode budgets (and the ZSMerge split of each), fixed after the prompt."""
+    plan = cache.plan
+    policy = plan.policy
+    lengths = cache.prompt.lengths
+    budgets = decode_budgets(policy, lengths, plan.num_layers, plan.num_heads, cache.kept(lengths.device), plan.heads)
+    totals = None
+    if plan.shard is not None and plan.prune_every and policy.budget.threshold is None:
+        totals = over_heads(plan, budgets.sum(-1))  # (B, L): what pruning keeps per layer, over all heads
+    split = None
+    if policy.budget.split is not None:
+        split = torch.tensor([[[head_split(policy, int(n)) for n in row] for row in per_b]
+                              for per_b in budgets.tolist()], dtype=torch.long, device=budgets.device)  # (B, L, H, 3)
+    return DecodeState(budgets, split, cache.prompt.pad, totals)
+
+
+def _gather(store):
+    flat, stored = store.entries()
+    d = store.k_pages.shape[-1]
+    return flat, stored, store.k_pages.reshape(-1, d)[flat], store.v_pages.reshape(-1, d)[flat]
+
+
+def _attend_with_probs(cache: KVCompileCache, store, q: Tensor, scale: float):
+    """Decode attention over the gathered entries, also returning the attention of every entry
+    reduced over each GQA group as the scorer reduces it (B, H, E): the running scores need it."""
+    plan = cache.plan
+    flat, stored, keys, values = _gather(store)
+    b, hq, d = q.shape
+    h = keys.shape[1]
+    g = hq // h
+    logits = torch.einsum("bhgd,bhed->bhge", q.float().view(b, h, g, d), keys.float()) * scale
+    bias = plan.merge_bias(store.count_pages.reshape(-1)[flat])
+    if bias is not None:
+        logits = logits + bias[:, :, None, :]
+    logits = logits.masked_fill(~stored[:, :, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhge,bhed->bhgd", probs, values.float()).reshape(b, hq, d).to(q.dtype)
+    return out, plan.policy.scoring.reduce_group(probs, 2)
+
+
+def _update_scores(cache: KVCompileCache, store, probs: Tensor) -> None:
+    """Each token entry's running score ← scoring.running_update(score, attention), written with no host
+    read: entries past a head's pages share page 0 in `store.entries()`, so the new scores are written
+    by two scatter-adds that are exact whatever the order (s − s = 0, then 0 + new; the others add 0)."""
+    flat, stored = store.entries()
+    pos = store.pos_pages.reshape(-1)[flat]
+    scores = store.score_pages.view(-1)
+    old = scores[flat]
+    new = cache.policy.scoring.running_update(old, probs)
+    tokens = stored & (pos >= 0)
+    flat = flat.reshape(-1)
+    scores.scatter_add_(0, flat, torch.where(tokens, -old, 0.0).reshape(-1))
+    scores.scatter_add_(0, flat, torch.where(tokens, new, 0.0).to(scores.dtype).reshape(-1))
+
+
+def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> None:
+    """`decode: every n`: re-score the layer with the ring of latest queries and prune it back
+    to its budget (selection.decode_prune), then write it into fresh pages."""
+    heads = cache.stores[layer].to_heads()
+    totals, ranks = cache.decoding.totals, None
+    if cache.plan.shard is not None:
+        ranks = functools.partial(choose, cache, kernels=False)
+    decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
+                 total=None if totals is None else totals[:, layer], choose=ranks)
+    cache.stores[layer] = LayerStore.from_heads(heads, cache.page_size, cache.plan.spare_pages)
+
+
+def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:
+    """Attention of one query per head over that head's pages, with the merge rule's bias, by the
+    plan's decode attention backend."""
+    bias = cache.plan.merge_bias(store.count_pages)
+    return cache.plan.decode_attention(q, store.k_pages, store.v_pages, store.block_table, store.lengths, bias,
+                                       scale)
+

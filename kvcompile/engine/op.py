@@ -1,0 +1,178 @@
+"""The one op: `torch.ops.kvcompile.attend(q, k, v, mask, layer, handle, scale)`, and transformers' attention
+and mask interfaces that call it.
+
+The op runs one layer's step on its cache: the prompt (engine.prefill: in one call, or in calls the cache
+was told to expect; engine.chunked: in chunks the policy compresses after each), a decode step
+(engine.decode), or a reconstruction scorer's forwards (engine.reconstruction). Every choice (which scorer,
+selection, merge and decode kernels, what decoding does, spare pages) was made by the plan
+(kvcompile.plan) the cache carries: the engine reads it.
+
+The op is an opaque `torch.library.custom_op` with a fake implementation, so compiled graphs treat it
+as one call and do not recompile as the cache grows.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from kvcompile.cache import KVCompileCache, lookup_cache
+from kvcompile.engine.chunked import chunked_prefill
+from kvcompile.engine.decode import decode
+from kvcompile.engine.prefill import prefill, prompt_attention, prompt_chunk
+from kvcompile.engine.reconstruction import reconstruction_step
+
+
+@torch.library.custom_op("kvcompile::attend", mutates_args=())
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, handle: int,
+           scale: float) -> Tensor:
+    """Prefill attention + scoring + compression, or decode append + paged attention.
+
+    q (B, Hq, T, d), k/v (B, H, T, d): the layer's new queries, keys, values after RoPE;
+    mask (B, ≥T) bool padding mask (True = real token) or None. Returns (B, Hq, T, d).
+    """
+    cache = lookup_cache(handle)
+    if k.shape[1] != len(cache.plan.kv_heads):
+        if cache.plan.shard is None and k.shape[1] > len(cache.plan.kv_heads):
+            cause = "the cache was made for a model with fewer KV heads (make it from this model)"
+        else:
+            cause = ("the cache was made for another model, or for another tensor-parallel split (a sharded model "
+                     "needs its cache from kvcompile.compile(model, ...), or a plan built with "
+                     "shard=kvcompile.sharding.model_shard(model))")
+        raise RuntimeError(f"kvcompile: layer {layer} computes {k.shape[1]} KV heads but the cache's plan holds "
+                           f"{len(cache.plan.kv_heads)}: {cause}")
+    expected = cache.plan.layer_device(layer)
+    if (layer or cache.stores[0] is not None) and expected is not None and q.device != expected:
+        raise RuntimeError(  # compile() (or layer 0's first prompt) fixed where each layer runs: kvcompile.devices
+            f"kvcompile: layer {layer} runs on {q.device} but its pages live on {expected}: the cache's plan puts "
+            "every layer where it was told (kvcompile.compile() reads each layer's device off the model; a cache "
+            "built from a policy and a config alone puts them all where layer 0's first prompt runs). Compile the "
+            "model again after moving it, and give a model whose layers run on several devices the cache its "
+            "generate() makes, or KVCompileCache.from_plan(model.kvcompile_plan)")
+    if cache.plan.layer_devices is not None:  # layers on several devices: the state every layer reads, here
+        cache.state_to(q.device)
+    dtype = q.dtype
+    autocast = torch.is_autocast_enabled(q.device.type)
+    if autocast:  # as the model's SDPA under autocast: q, k, v in the autocast dtype (module doc of _attend)
+        low = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(low), k.to(low), v.to(low)
+    # Triton launches on the current CUDA device: the layer's (a pipeline's layers run on several GPUs)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext(), \
+            torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        out = _attend(cache, q, k, v, mask, layer, scale)
+    if layer == cache.num_layers - 1 and not (cache.reconstruction is not None and cache.reconstruction.scoring):
+        cache.seq_length += q.shape[2]  # (a reconstruction forward adds nothing to the cache)
+    return out.to(dtype).contiguous()
+
+
+def _attend(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
+            scale: float) -> Tensor:
+    """attend()'s step on the layer's device: the prompt (in one call, in calls, or in chunks the policy
+    compresses after each) or decode.
+
+    Under torch.autocast, attend() gets q and k in float32 (RoPE's float32 cos and sin promote them)
+    and v in the autocast dtype; the model's own SDPA would cast all three to the autocast dtype,
+    and so does attend(): q, k, v in that dtype, then this step with autocast off (the plan's
+    caches compile()'s entry makes are planned for that dtype, `Plan.with_dtype`, and the pages hold
+    it), and the output back in q's dtype (the o_proj that follows casts it to the autocast dtype
+    again, without loss)."""
+    if cache.reconstruction is not None:  # a reconstruction scorer's prompt or reconstruction pass (kvcompile.kvzip)
+        return reconstruction_step(cache, q, k, v, mask, layer, scale)
+    if cache.plan.prefill_chunk and (cache.stores[layer] is None or cache.compressing is not None):
+        out = chunked_prefill(cache, q, k, v, mask, layer, scale)
+    elif cache.stores[layer] is None:
+        chunks = cache.chunks
+        if chunks is None:
+            out = prefill(cache, q, k, v, mask, layer, scale)
+        elif cache.seq_length + q.shape[2] <= chunks.length:
+            out = prompt_chunk(cache, q, k, v, mask, layer, scale)
+        else:  # the prompt ends inside this call (assisted decoding sends it with candidate tokens)
+            end = chunks.length
+            cut = end - cache.seq_length
+            head = prompt_chunk(cache, q[:, :, :cut], k[:, :, :cut], v[:, :, :cut],
+                                None if mask is None else mask[:, :end], layer, scale)
+            tail = decode(cache, q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], layer, scale, start=end)
+            out = torch.cat([head, tail], dim=2)
+    else:
+        if not torch.is_inference_mode_enabled():
+            cache.stores[layer].writable()  # a cache made under inference_mode, used outside it
+        out = decode(cache, q, k, v, layer, scale)
+    return out
+
+
+@attend.register_fake
+def _(q, k, v, mask, layer, handle, scale):
+    return q.new_empty(q.shape)
+
+
+def _plain_prompt(cache: KVCompileCache, q: Tensor, k: Tensor, layer: int) -> bool:
+    """attend() just ran the plain prompt path at `layer`: a fresh cache's prompt in one call, whose
+    output is the model's causal attention over the prompt (`prefill`; the first chunk of a prompt
+    compressed chunk by chunk is the same attention). Read after the call, from the cache's state."""
+    prompt, n = cache.prompt, k.shape[2]
+    last = layer == cache.plan.num_layers - 1
+    return (prompt is not None and cache.decoding is None and cache.chunks is None and prompt.width == n
+            and q.shape[2] == n and cache.seq_length == (n if last else 0))
+
+
+def _setup_backward(ctx, inputs, output):
+    q, k, v, mask, layer, handle, scale = inputs
+    cache = lookup_cache(handle)
+    ctx.plain = _plain_prompt(cache, q, k, layer)
+    ctx.scale = scale
+    valid = cache.prompt.valid if ctx.plain else None
+    ctx.save_for_backward(q, k, v, None if valid is None or bool(valid.all()) else valid)
+
+
+def _backward(ctx, grad):
+    """Backward through a prompt's attention (saliency maps, gradients of the prompt's logits): the
+    prompt path's output is the model's causal attention over the prompt (`prompt_attention`), so its
+    gradient is that attention's, recomputed here. The compression does not change the prompt's
+    outputs, and nothing else is differentiable: a decode step or a prompt continued in later calls
+    attends to what the policy kept (selection is not differentiable), refused with the reason."""
+    if not ctx.plain:
+        raise RuntimeError("kvcompile: backward through kvcompile.attend is defined for a prompt's attention only "
+                           "(a fresh cache, the prompt in one forward call); this call decoded or continued a "
+                           "cache, whose attention reads the entries the policy selected (not differentiable): "
+                           "run it under torch.no_grad(), or differentiate the prompt's forward call")
+    q, k, v, valid = ctx.saved_tensors
+    with torch.enable_grad():
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = prompt_attention(*inputs, valid, ctx.scale)
+        grads = torch.autograd.grad(out, inputs, grad.to(out.dtype), allow_unused=True)
+    return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (q, k, v))), None, None, None, None)
+
+
+attend.register_autograd(_backward, setup_context=_setup_backward)
+# What the op mutates: the cache its handle names (pages, lengths, scores), none of its tensor arguments
+# (`mutates_args=()` says exactly that). It declares no effect: its output is every layer's attention,
+# which the next layer consumes, so data dependencies alone order the calls and keep each one
+# (tests/test_isolation.py). An ordered effect (`attend.register_effect`) would add an effect token to
+# the graph, and torch 2.13's Inductor does not cache graphs holding its `with_effects` operator: every
+# process would compile the model again (docs/INTERNALS.md "The op and its two entries").
+
+
+# --- transformers' attention and mask interfaces ------------------------------------------
+
+def kvcompile_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers AttentionInterface entry: routes to `torch.ops.kvcompile.attend`."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    cache = kwargs.get("kvcompile_cache")
+    mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    if cache is None:  # no KVCompileCache (use_cache=False or another cache): plain attention
+        offset = key.shape[2] - query.shape[2]
+        out = prompt_attention(query, key, value, mask, scale, offset)
+    else:
+        out = torch.ops.kvcompile.attend(query, key, value, mask, module.layer_idx, cache.handle, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def kvcompile_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                   attention_mask=None, **kwargs):
+    """transformers AttentionMaskInterface entry: the op takes the 2-D padding mask as is
+    (True = real token); None when nothing is padded."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask.bool()
+

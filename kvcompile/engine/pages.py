@@ -1,0 +1,372 @@
+"""The page store: one layer's paged KV entries, and the only code that builds, appends to, removes
+from, selects rows of and measures them (docs/INTERNALS.md "Paged cache layout").
+
+Layout: pages of S = `page_size` entries; page p holds, in slot i, an entry's key `k_pages[p, i]`,
+value `v_pages[p, i]`, score, logical position (−1 − r for residual slot r, −1 where nothing is
+stored) and merge count (1 for a plain token, 0 for an empty slot). Each (sequence, KV head) owns
+pages through its block table row: entry e of head (b, h) is slot e % S of page
+`block_table[b, h, e // S]`. A head's residual slots come first, then its prompt tokens in position
+order, then its generated tokens. A new store gives each head ceil(n/S) + spare consecutive pages,
+heads in row-major order; a head's decode appends then stay in order in the pool, which the decode
+kernel reads at streaming speed.
+
+Kernels take and return tensors (the gather kernel `kvcompile.kernels.select.gather_pages_*` writes
+the taken rows into pages the store allocated; the decode kernels read `k_pages`, `v_pages`,
+`block_table`, `lengths`); serving asks the store for its bytes.
+
+Decode-time state is updated in place where it can be (`lengths`, `slots`, the pages): a decode step
+that needs no new page keeps every tensor's storage, what a captured CUDA graph replays into.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from kvcompile.selection import HeadEntries
+
+# The bytes every stored entry carries besides its key and value: score float32, position int64, count float32.
+ENTRY_METADATA_BYTES = 4 + 8 + 4
+# Bytes per head beside its block table row: lengths, slots, owned (int64) and one more word of slack.
+HEAD_COUNTER_BYTES = 4 * 8
+PAGE_FIELDS = ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages")
+
+
+@dataclass
+class Entries:
+    """Candidate entries of one layer, per head: `take` (B, H, E) selects what is stored."""
+
+    keys: Tensor  # (B, H, E, d)
+    values: Tensor  # (B, H, E, d)
+    scores: Tensor  # (B, H, E) float
+    positions: Tensor  # (B, H, E) long, −1 − r for residual slot r
+    counts: Tensor  # (B, H, E) float merge counts (1 = plain token, 0 = empty slot)
+    take: Tensor  # (B, H, E) bool
+
+
+def page_table(counts: Tensor, page_size: int, spare_pages: int = 0) -> tuple[Tensor, Tensor]:
+    """The layout of a new store for heads of `counts` (B, H) entries: block table (B, H, max(1, most
+    pages)) long, head (b, h) owning ceil(n/S) + spare_pages consecutive pages in row-major head order
+    (unused columns 0), and the pages each head owns (B, H)."""
+    owned = (counts + page_size - 1) // page_size + spare_pages
+    base = owned.flatten().cumsum(0).reshape(counts.shape) - owned
+    cols = torch.arange(max(int(owned.max()), 1) if owned.numel() else 1, device=counts.device)
+    return torch.where(cols < owned[..., None], base[..., None] + cols, 0), owned
+
+
+def gather_rows(k_pages: Tensor, v_pages: Tensor, score_pages: Tensor, pos_pages: Tensor, count_pages: Tensor,
+                block_table: Tensor, start: Tensor, keys: Tensor, values: Tensor, scores: Tensor,
+                positions: Tensor, counts: Tensor, take: Tensor) -> None:
+    """The plain write of the taken rows into pages (what the gather kernels compute): the i-th taken row
+    of head (b, h), in entry order, becomes its entry start[b, h] + i."""
+    from kvcompile.kernels.select import gather_pages_torch
+
+    if take.numel():
+        gather_pages_torch(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start, keys, values,
+                           scores, positions, counts, take)
+
+
+class PageTensors(NamedTuple):
+    """A store's tensors, what a kernel that updates pages in place takes (kvcompile.kernels.online_step)."""
+
+    k_pages: Tensor
+    v_pages: Tensor
+    score_pages: Tensor
+    pos_pages: Tensor
+    count_pages: Tensor
+    block_table: Tensor
+    lengths: Tensor
+    slots: Tensor
+    owned: Tensor
+
+
+@dataclass
+class LayerStore:
+    """One layer's pages. Entries carry their key, value, score, logical position
+    (−1 − r for residual slot r) and merge count (1 for a plain token, 0 for an empty slot)."""
+
+    k_pages: Tensor  # (P, S, d)
+    v_pages: Tensor  # (P, S, d)
+    score_pages: Tensor  # (P, S) float32
+    pos_pages: Tensor  # (P, S) int64
+    count_pages: Tensor  # (P, S) float32
+    block_table: Tensor  # (B, H, M) int64
+    lengths: Tensor  # (B, H) int64: entries stored per head
+    slots: Tensor  # (B, H) occupied residual slots at the start of each head (0 when the policy drops)
+    next_page: int  # bump allocator: pages [next_page, P) are free
+    owned: Tensor  # (B, H) int64: pages a head owns, block_table[b, h, :owned]; those past its
+    #                 entries are its spares, consecutive after its last page where the pool allows
+    settled: bool = False  # on the host: every head holds at most its online-eviction budget (ZSMerge), so
+    #                        a decode step evicts at most one entry per head (engine.online.evict_online)
+    room: int = 0  # on the host: appends every head can still take in the pages it owns (a lower bound:
+    #                 removals and crops only add room); while positive an append reads nothing back
+
+    # --- building --------------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int,
+              gather: Callable = gather_rows) -> "LayerStore":
+        """A store holding the taken rows of `sources`, one source after the other per head (merge slots
+        first), in fresh pages laid out by `page_table` with `spare_pages` per head; `slots` (B, H) the
+        occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or the plain
+        `gather_rows`). Only the taken rows are copied (no dense copy of the layer)."""
+        first = sources[0]
+        d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
+        taken = [src.take.sum(-1) for src in sources]  # each (B, H)
+        lengths = torch.stack(taken).sum(0)
+        block_table, owned = page_table(lengths, page_size, spare_pages)
+        cap, room = torch.stack([owned.sum(), (owned * page_size - lengths).min()]).tolist() if owned.numel() \
+            else (0, 0)
+        store = cls(k_pages=first.keys.new_zeros(cap, page_size, d), v_pages=first.values.new_zeros(cap, page_size, dv),
+                    score_pages=torch.zeros(cap, page_size, dtype=torch.float32, device=dev),
+                    pos_pages=torch.full((cap, page_size), -1, dtype=torch.long, device=dev),
+                    count_pages=torch.zeros(cap, page_size, dtype=torch.float32, device=dev),
+                    block_table=block_table, lengths=lengths.clone(), slots=slots.to(dev, torch.long).clone(),
+                    next_page=cap, owned=owned, room=room)
+        start = torch.zeros_like(lengths)
+        for src, count in zip(sources, taken):
+            if src.take.numel():
+                gather(store.k_pages, store.v_pages, store.score_pages, store.pos_pages, store.count_pages,
+                       store.block_table, start, src.keys, src.values, src.scores, src.positions, src.counts,
+                       src.take)
+            start = start + count
+        return store
+
+    @classmethod
+    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int) -> "LayerStore":
+        """A store holding every head's entries in order (the inverse of `to_heads`)."""
+        b, h = len(heads), len(heads[0])
+        width = max(1, max(len(x.positions) for row in heads for x in row))
+        first = heads[0][0]
+        dev = first.keys.device
+        keys = first.keys.new_zeros(b, h, width, first.keys.shape[-1])
+        values = first.values.new_zeros(b, h, width, first.values.shape[-1])
+        scores = torch.zeros(b, h, width, device=dev)
+        pos = torch.full((b, h, width), -1, dtype=torch.long, device=dev)
+        counts = torch.zeros(b, h, width, device=dev)
+        take = torch.zeros(b, h, width, dtype=torch.bool, device=dev)
+        for i, row in enumerate(heads):
+            for j, x in enumerate(row):
+                n = len(x.positions)
+                keys[i, j, :n], values[i, j, :n], scores[i, j, :n] = x.keys, x.values, x.scores
+                pos[i, j, :n], counts[i, j, :n], take[i, j, :n] = x.positions, x.counts, True
+        return cls.build([Entries(keys, values, scores, pos, counts, take)], (take & (pos < 0)).sum(-1), page_size,
+                         spare_pages)
+
+    def rows(self, index: Tensor, spare_pages: int) -> "LayerStore":
+        """A new store whose row i is a copy of row index[i] of this one (entries in the same order,
+        merge slots first), each head on fresh pages with its spares (beam search, batch selection)."""
+        k, v, scores, pos, counts, stored = self.gather()
+        index = index.to(k.device)
+        taken = Entries(k[index], v[index], scores[index], pos[index], counts[index], stored[index])
+        return LayerStore.build([taken], self.slots[index], self.page_size, spare_pages)
+
+    def writable(self) -> None:
+        """Make a store made under torch.inference_mode() updatable outside it (its inference
+        tensors are copied once into ordinary ones; DynamicCache concatenates, we write in place)."""
+        if not self.k_pages.is_inference():
+            return
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor) and value.is_inference():
+                setattr(self, f.name, value.clone())
+
+    # --- reading ---------------------------------------------------------------------------------------
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
+
+    def pages_per_head(self) -> Tensor:
+        """(B, H) pages holding entries (a head's spares not counted)."""
+        return (self.lengths + self.page_size - 1) // self.page_size
+
+    def entries(self) -> tuple[Tensor, Tensor]:
+        """Page and slot of every entry slot (B, H, M·S), and which of them are stored."""
+        s = self.page_size
+        e = torch.arange(self.block_table.shape[-1] * s, device=self.lengths.device)
+        page = self.block_table[..., e // s]
+        return page * s + e % s, e < self.lengths[..., None]
+
+    def gather(self):
+        """The stored entries as dense per-head tensors (B, H, E, ·), padded beyond lengths:
+        keys, values, scores, positions, counts, stored."""
+        flat, stored = self.entries()
+        d = self.k_pages.shape[-1]
+        return (self.k_pages.reshape(-1, d)[flat], self.v_pages.reshape(-1, self.v_pages.shape[-1])[flat],
+                self.score_pages.reshape(-1)[flat], self.pos_pages.reshape(-1)[flat],
+                self.count_pages.reshape(-1)[flat], stored)
+
+    def tensors(self) -> PageTensors:
+        """The store's tensors, for a kernel that reads or updates them in place."""
+        return PageTensors(self.k_pages, self.v_pages, self.score_pages, self.pos_pages, self.count_pages,
+                           self.block_table, self.lengths, self.slots, self.owned)
+
+    def to_heads(self) -> list[list[HeadEntries]]:
+        """Every head's entries as HeadEntries (entry order kept)."""
+        k, v, scores, pos, counts, _ = self.gather()
+        return [[HeadEntries(k[b, h, :n], v[b, h, :n], pos[b, h, :n], scores[b, h, :n], counts[b, h, :n])
+                 for h, n in enumerate(row)] for b, row in enumerate(self.lengths.tolist())]
+
+    # --- changing --------------------------------------------------------------------------------------
+
+    def append(self, k: Tensor, v: Tensor, positions: Tensor, step: int = 1) -> None:
+        """Append one entry per head: k, v (B, H, d), positions (B,) long. O(1) amortised:
+        a head whose last page is full moves on to its next spare page; one without spares
+        takes a run of `step` fresh consecutive pages from the pool (its next spares, so its
+        pages stay in runs the decode kernel streams), which grows (rarely) when none is left.
+
+        While `room` (a host count: appends every head's owned pages still take) is positive,
+        nothing is read back to the host, no shape changes and every tensor keeps its storage: the
+        slot of each head is computed on the device and `lengths` is bumped in place. Only when it runs
+        out does the append read the heads that need pages (one host read, Plan.host_syncs "page
+        allocation": the generation outgrew the pages reserved for it)."""
+        b, h, d = k.shape
+        s = self.page_size
+        e = self.lengths  # (B, H)
+        col = e // s
+        if self.room <= 0:
+            self._allocate(col, e, step)
+        page = self.block_table.gather(-1, col[..., None]).squeeze(-1)
+        slot = e % s
+        self.k_pages[page, slot] = k
+        self.v_pages[page, slot] = v
+        self.score_pages[page, slot] = 0.0
+        self.pos_pages[page, slot] = positions[:, None].expand(b, h)
+        self.count_pages[page, slot] = 1.0
+        self.lengths += 1
+        self.room -= 1
+
+    def _allocate(self, col: Tensor, e: Tensor, step: int) -> None:
+        """Give every head on a full last page without spares a run of `step` fresh pages (the one host
+        read of `append`), and count the room left."""
+        b, h = e.shape
+        s = self.page_size
+        need = (col >= self.owned) & (e % s == 0)
+        fresh, self.room = torch.stack([need.sum(), (self.owned * s - e).min()]).tolist()
+        if not fresh:
+            return
+        if self.next_page + fresh * step > self.k_pages.shape[0]:
+            self._grow(max(fresh * step, self.k_pages.shape[0] // 4, b * h))
+        width = int(col.max()) + step
+        if width > self.block_table.shape[-1]:
+            self.block_table = torch.nn.functional.pad(self.block_table, (0, width - self.block_table.shape[-1]))
+        bi, hi = need.nonzero(as_tuple=True)
+        first = self.next_page + torch.arange(fresh, device=e.device) * step  # each head's run
+        run = torch.arange(step, device=e.device)
+        self.block_table[bi[:, None], hi[:, None], col[bi, hi][:, None] + run] = first[:, None] + run
+        self.owned = torch.where(need, col + step, self.owned)
+        self.next_page += fresh * step
+        self.room = int((self.owned * s - e).min())
+
+    def _grow(self, extra: int) -> None:
+        """Add `extra` free pages to the pool (copies the compressed pool: amortised O(1))."""
+        for name in PAGE_FIELDS:
+            t = getattr(self, name)
+            fill = -1 if name == "pos_pages" else 0
+            setattr(self, name, torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]))
+
+    def remove(self, b, h, e) -> None:
+        """Remove entry e of head (b, h) in O(1): the head's last entry moves into its place
+        (order within a head does not matter to attention); an emptied page stays the head's, a
+        spare for its next appends (memory held counts only pages with entries).
+        b, h, e are ints, or 1-D long tensors naming distinct heads (one entry each, removed at once)."""
+        s = self.page_size
+        dev = self.lengths.device
+        b, h, e = (x if isinstance(x, Tensor) else torch.tensor([x], dtype=torch.long, device=dev) for x in (b, h, e))
+        last = self.lengths[b, h] - 1
+        ends = torch.stack([last, e])  # (2, K): the head's last entry and the removed one
+        src, dst = self.block_table[b, h, ends // s] * s + ends % s
+        for name in PAGE_FIELDS:
+            t = getattr(self, name)
+            entries = t.view(-1, *t.shape[2:])
+            entries[dst] = entries[src]  # e == last copies the entry onto itself
+        self.lengths[b, h] = last
+
+    def remove_where(self, leaving: Tensor, e: Tensor) -> None:
+        """`remove` of entry e[b, h] (B, H) from every head with leaving[b, h] (B, H) bool, at once, with no
+        host read and in place (fixed shapes): the other heads copy one of their own entries onto itself."""
+        s = self.page_size
+        last = self.lengths - 1
+        dst = torch.where(leaving, e, last.clamp(min=0))
+        src = torch.where(leaving, last, dst)
+        ends = torch.stack([src, dst], dim=-1)  # (B, H, 2)
+        src, dst = (self.block_table.gather(-1, ends // s) * s + ends % s).unbind(-1)
+        for name in PAGE_FIELDS:
+            t = getattr(self, name)
+            entries = t.view(-1, *t.shape[2:])
+            entries[dst] = entries[src]
+        self.lengths.sub_(leaving.to(self.lengths.dtype))
+
+    def crop(self, cutoff: Tensor) -> None:
+        """Keep the residual slots and the entries of logical position below cutoff (B, 1, 1): decode
+        appends sit after a head's prompt entries, in order, so what is cut is a suffix."""
+        _, _, _, pos, _, stored = self.gather()
+        self.lengths = (stored & ((pos < cutoff.to(pos.device)) | (pos < 0))).sum(-1)
+
+    # --- measuring -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def entry_bytes(head_dim: int, element_size: int) -> int:
+        """Bytes of one stored entry: its key and value, and its score, position and count."""
+        return 2 * head_dim * element_size + ENTRY_METADATA_BYTES
+
+    @staticmethod
+    def bound_bytes(pages: int, page_size: int, head_dim: int, element_size: int, heads: int,
+                    table_width: int) -> int:
+        """Bytes of stores holding `pages` pages over `heads` (sequence, head) rows of block tables
+        `table_width` wide (what serving reserves for a prompt before it runs)."""
+        return (pages * page_size * LayerStore.entry_bytes(head_dim, element_size)
+                + heads * (table_width * 8 + HEAD_COUNTER_BYTES))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the store holds: its pool of pages (allocated, used or not), block table and per-head counters."""
+        return sum(getattr(self, f.name).nbytes for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), Tensor))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (its entries' key, value, score, position and count)."""
+        return sum(getattr(self, name)[0].nbytes for name in PAGE_FIELDS)
+
+    def kv_bytes_held(self) -> int:
+        """Key and value bytes of the pages that hold entries (every head's partly filled last page counted whole)."""
+        return int(self.pages_per_head().sum()) * self.page_size * self.kv_entry_bytes
+
+    @property
+    def kv_entry_bytes(self) -> int:
+        """Key and value bytes of one entry."""
+        return self.k_pages.shape[-1] * self.k_pages.element_size() + self.v_pages.shape[-1] * self.v_pages.element_size()
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        """Key and value bytes of the whole pool (pages in use, spare or free)."""
+        return self.k_pages.nbytes + self.v_pages.nbytes
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Bytes of the pool's scores, positions, counts and the block table."""
+        return self.score_pages.nbytes + self.pos_pages.nbytes + self.count_pages.nbytes + self.block_table.nbytes
+
+    def growth_bytes(self, step: int) -> int:
+        """Bytes the store grows by when every head appends one entry (`append`): nothing while each
+        head has room in its pages; a head on a full last page without spares takes a run of `step` pages,
+        from the pool's free pages or from a grown pool (`_grow`)."""
+        s = self.page_size
+        e = self.lengths
+        col = e // s
+        fresh = int(((col >= self.owned) & (e % s == 0)).sum())
+        if not fresh:
+            return 0
+        b, h = e.shape
+        pages = self.k_pages.shape[0]
+        grown = 0
+        if self.next_page + fresh * step > pages:
+            grown = max(fresh * step, pages // 4, b * h) * self.page_bytes
+        width = int(col.max()) + step
+        table = max(0, width - self.block_table.shape[-1]) * b * h * self.block_table.element_size()
+        return grown + table
