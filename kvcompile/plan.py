@@ -170,6 +170,11 @@ class Plan:
         rope = None if self.rope is None else torch.tensor(self.rope, dtype=torch.float32, device=k.device)
         return LayerState(q, k, v, mask, scale, rope)
 
+    @property
+    def storage(self):
+        """The precision of the kept entries (the policy's storage part)."""
+        return self.policy.storage
+
     def layer_device(self, layer: int) -> torch.device | None:
         """The device `layer` runs on, and its pages live on (None: not known before the first prompt)."""
         return self.device if self.layer_devices is None else self.layer_devices[layer]
@@ -235,7 +240,8 @@ class Plan:
                 text = backend.describe()
             lines.append(f"{name}: {text}")
         fields = ("running_scores", "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade",
-                  "lazy_cascade", "prefill_chunk", "kv_heads", "heads_exchange", "layer_devices", "host_syncs")
+                  "lazy_cascade", "prefill_chunk", "kv_heads", "heads_exchange", "layer_devices", "host_syncs",
+                  "storage")
         return "\n".join(lines + [f"{name}: {getattr(self, name)}" for name in fields])
 
 
@@ -293,6 +299,18 @@ def _resolve(op: str, requested: str | None, device, dtype, head_dim: int) -> st
             raise ValueError(f"{op}: unknown impl {requested!r}; one of {' | '.join(IMPLS[op])}")
         return None
     return resolve(op, requested, device, dtype, head_dim=head_dim)
+
+
+def _quantized_decode(impl: str, device, dtype, head_dim: int, storage):
+    """The decode attention backend over quantized pages (kernels.paged_attention_quant) for the float
+    pages' choice `impl`: the C++ kernel where it runs for the part's groups, Triton where asked (a GPU),
+    else the eager reference (dequantize, then attend)."""
+    from kvcompile.kernels import paged_attention_quant as quant
+
+    group = storage.group_size(head_dim)
+    if impl == "cpp" and quant.supports(device, dtype, head_dim, (group,)):
+        return dataclasses.replace(quant.backend("cpp"), key_group=group, value_group=group)
+    return quant.backend("triton" if impl == "triton" else "torch")
 
 
 def _step_rule(policy: Policy, online: bool) -> StepRule | None:
@@ -407,8 +425,19 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: decode: {decode.name} with merge: {policy.merge.name} has no online "
                         f"eviction path (supported merge rules: "
                         f"{', '.join(c.name for c in _ONLINE_MERGES)})")
+    storage = policy.storage
+    if storage.quantizes:
+        why = storage.check_head_dim(head_dim)
+        if why is not None:
+            raise PlanError(f"kvcompile: storage: {storage.name}: {why}")
+        if policy.merges:
+            raise PlanError(f"kvcompile: storage: {storage.name} with merge: {policy.merge.name}: a residual slot's "
+                            "key and value are running means of the tokens merged into it, which quantized pages "
+                            "do not keep yet; use merge: drop, or storage: model_dtype")
     online_impl, step_rule = None, None
-    if scoring.running or online:
+    if storage.quantizes:
+        pass  # the fused C++ step writes float pages: quantized pages take the engine's path
+    elif scoring.running or online:
         step_rule = _step_rule(policy, online)
         if step_rule is not None:
             try:
@@ -435,7 +464,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             if score_impl == "part" else window_scores.backend(score_impl),
             selection=select.backend(select_impl, cuda=cuda),
             prompt_merge=None if merge_impl is None else merge.backend(merge_impl, merge_compile_above),
-            decode_attention=paged_attention.backend(decode_impl),
+            decode_attention=paged_attention.backend(decode_impl) if not storage.quantizes else
+            _quantized_decode(decode_impl, device, dtype, head_dim, storage),
             online_step=None if online_impl is None else online_step.backend(
                 online_impl, step_rule, always=scoring.running or online),
             chunk_attention=None if not policy.schedule.chunk_tokens else chunk_attention.CppChunkAttention()

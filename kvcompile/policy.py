@@ -12,11 +12,12 @@ from kvcompile.policies.merge import Drop
 from kvcompile.policies.ranking import ByScore
 from kvcompile.policies.schedule import Schedule
 from kvcompile.policies.scoring import WindowAttention
+from kvcompile.policies.storage import ModelDtype
 
 
 @dataclass(frozen=True)
 class Policy:
-    """A KV-cache compression policy: scoring, ranking, budget, merge rule, schedule."""
+    """A KV-cache compression policy: scoring, ranking, budget, merge rule, schedule, storage."""
 
     name: str = "policy"
     scoring: object = field(default_factory=WindowAttention)
@@ -24,6 +25,7 @@ class Policy:
     budget: Budget = field(default_factory=lambda: Budget(per_head=128))
     merge: object = field(default_factory=Drop)
     schedule: Schedule = field(default_factory=Schedule)
+    storage: object = field(default_factory=ModelDtype)  # the precision of kept entries
     description: str = field(default="", compare=False)
     source: str | None = field(default=None, compare=False)  # the spec file it came from
 
@@ -68,6 +70,7 @@ def policy_to_mapping(policy: Policy) -> dict:
         "merge": _part_mapping(policy.merge),
         "schedule": {"cascade": schedule.cascade, "decode": _part_mapping(schedule.decode),
                      "prefill": _part_mapping(schedule.prefill)},
+        "storage": _part_mapping(policy.storage),
     }
 
 

@@ -263,7 +263,7 @@ class ChunkedPrefill:
                 total = layer_totals(policy, lengths, self.num_layers, h_)[:, layer]
             kept, merged = select_and_merge(policy, keys, values, scores, positions, valid, lengths, total, layer,
                                             slots)
-            self.heads[layer] = _entries_of(keys, values, positions, scores, kept, merged)
+            self.heads[layer] = _entries_of(keys, values, positions, scores, kept, merged, policy.storage)
             return out.to(q.dtype)
         self.entropy.append(layer_entropy(scores, valid))
         capacity = [_held_count(self.heads[j]) for j in range(layer)]
@@ -279,10 +279,10 @@ class ChunkedPrefill:
             ck, cv, cs, cp, cvalid = _tokens_of(below)
             kept, merged = select_and_merge(policy, ck, cv, cs, cp, cvalid, lengths, totals[:, j], j,
                                             _slots_of(below, ck) if policy.merges else None)
-            self.heads[j] = _entries_of(ck, cv, cp, cs, kept, merged)
+            self.heads[j] = _entries_of(ck, cv, cp, cs, kept, merged, policy.storage)
         kept, merged = select_and_merge(policy, keys, values, scores, positions, valid, lengths, totals[:, layer],
                                         layer, slots)
-        self.heads[layer] = _entries_of(keys, values, positions, scores, kept, merged)
+        self.heads[layer] = _entries_of(keys, values, positions, scores, kept, merged, policy.storage)
         return out.to(q.dtype)
 
 
@@ -329,16 +329,29 @@ def _tokens_of(heads):
     return keys, values, scores, positions, valid
 
 
-def _entries_of(keys, values, positions, scores, kept, merged) -> list[list[HeadEntries]]:
-    """[b][h] HeadEntries: the kept candidates in position order, then the occupied slots."""
+def stored(storage, x: Tensor) -> Tensor:
+    """What a storage part keeps of entries x (…, d): x itself in the model's dtype, or for a part that
+    quantizes x̂ = code · scale + zero of each entry's groups (kvcompile.kernels.quantize; float32)."""
+    if storage is None or not storage.quantizes:
+        return x
+    from kvcompile.kernels.quantize import dequantize, quantize
+
+    rows = x.reshape(-1, x.shape[-1])
+    q = quantize(rows, storage.bits, storage.group_size(x.shape[-1]))
+    return dequantize(q.codes, q.scale, q.zero, storage.bits).reshape(x.shape)
+
+
+def _entries_of(keys, values, positions, scores, kept, merged, storage=None) -> list[list[HeadEntries]]:
+    """[b][h] HeadEntries: the kept candidates in position order (as `storage` keeps them), then the
+    occupied slots."""
     heads = []
     for b in range(kept.shape[0]):
         row = []
         for h in range(kept.shape[1]):
             keep = kept[b, h].nonzero().squeeze(1)
             keep = keep[positions[b, h, keep].argsort()]
-            x = HeadEntries(keys[b, h, keep], values[b, h, keep], positions[b, h, keep], scores[b, h, keep].float(),
-                            torch.ones(len(keep)))
+            x = HeadEntries(stored(storage, keys[b, h, keep]), stored(storage, values[b, h, keep]),
+                            positions[b, h, keep], scores[b, h, keep].float(), torch.ones(len(keep)))
             if merged is not None:
                 for r in range(merged.counts.shape[-1]):
                     if merged.counts[b, h, r] > 0:
@@ -389,7 +402,8 @@ def decode_heads(policy, state: LayerState, kept: Tensor, merged: Merged | None,
         row = []
         for h in range(h_):
             keep = kept[b, h]
-            entry = HeadEntries(state.keys[b, h, keep], state.values[b, h, keep], positions[b, keep],
+            entry = HeadEntries(stored(policy.storage, state.keys[b, h, keep]),
+                                stored(policy.storage, state.values[b, h, keep]), positions[b, keep],
                                 scores[b, h, keep].float(), torch.ones(int(keep.sum())))
             if merged is not None:
                 for r in range(merged.counts.shape[-1]):
@@ -441,7 +455,7 @@ def decode_step(policy, heads: list[list[HeadEntries]], q: Tensor, k: Tensor, v:
     for b in range(b_):
         for h in range(h_):
             head = heads[b][h]
-            head.add(k[b, h], v[b, h], int(position[b]), 0.0, 1.0)
+            head.add(stored(policy.storage, k[b, h]), stored(policy.storage, v[b, h]), int(position[b]), 0.0, 1.0)
             bias = torch.zeros(len(head.counts))
             if policy.merges:
                 bias = torch.where(head.tokens(), 0.0, policy.merge.bias(head.counts))

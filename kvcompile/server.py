@@ -640,6 +640,7 @@ class KVCompileServer:
         (`RequestSampling.pick`); the same forwards as `generate(prompt, past_key_values=copy)` on the compiled
         model (the in-process multi-turn path, docs/SPECS.md §4b)."""
         torch = self._torch
+        from kvcompile.engine.pages import LayerStore
         from kvcompile.serving import request_bytes, RequestKV
 
         def emit(tokens, finished, error=None):
@@ -647,7 +648,7 @@ class KVCompileServer:
 
         try:
             plan = self.cache.kvcompile.plan
-            entry_bytes = 2 * plan.head_dim * self.cache.dtype.itemsize + 16  # key, value, score, position, count
+            entry_bytes = LayerStore.entry_bytes(plan.storage, plan.head_dim, self.cache.dtype.itemsize)
             heads = plan.num_layers * len(plan.kv_heads)
             added = len(job.prompt_ids) - job.reused + job.max_new_tokens
             held = job.entry.nbytes + heads * entry_bytes * (added + plan.page_size * (plan.spare_pages + 1))

@@ -277,7 +277,8 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
         pages = layers * whole
     pages += layers * heads * plan.spare_pages
     width = math.ceil(tokens / s) + plan.spare_pages
-    stores = LayerStore.bound_bytes(pages, s, d, elt, layers * heads, width)  # + block tables and per-head counters
+    entry = LayerStore.entry_bytes(plan.storage, d, elt)
+    stores = LayerStore.bound_bytes(pages, s, entry, layers * heads, width)  # + block tables and per-head counters
     if not chunked:
         return stores
     rows = min(tokens, plan.policy.scoring.query_rows(tokens))

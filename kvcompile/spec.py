@@ -9,6 +9,7 @@ Grammar (docs/SPECS.md is the full reference, docs/INTERNALS.md "YAML" the contr
              threshold: <part>, split: {proximity, context, residual}}   required
     merge: <part>                   default: drop
     schedule: prefill | cascade | {cascade: bool, decode: <part>, prefill: <part>}   default: prefill
+    storage: <part>                 default: model_dtype
 
     <part> = name                   all fields at their defaults
            | {name: {field: value, ...}}
@@ -46,7 +47,7 @@ from kvcompile.policies.fields import field_range
 from kvcompile.policies.schedule import Schedule
 from kvcompile.policy import Policy, policy_to_mapping, policy_to_yaml  # noqa: F401  (public here too)
 
-SECTIONS = ("name", "scoring", "ranking", "budget", "merge", "schedule")
+SECTIONS = ("name", "scoring", "ranking", "budget", "merge", "schedule", "storage")
 REQUIRED = ("scoring", "budget")
 BUDGET_KEYS = ("per_head", "ratio", "layers", "heads", "threshold", "split")
 SCHEDULE_KEYS = ("cascade", "decode", "prefill")
@@ -396,9 +397,10 @@ def _build(data, src: _Source, default_name: str, description: str, source) -> P
     budget = _budget(data["budget"], src)
     merge = _part("merge", data.get("merge", "drop"), ("merge",), src)
     schedule = _schedule(data.get("schedule", "prefill"), src)
+    storage = _part("storage", data.get("storage", "model_dtype"), ("storage",), src)
     _check_together(ranking, budget, merge, schedule, src, scoring)
     return Policy(name=name, scoring=scoring, ranking=ranking, budget=budget, merge=merge,
-                  schedule=schedule, description=description, source=source)
+                  schedule=schedule, storage=storage, description=description, source=source)
 
 
 # ---------------------------------------------------------------------------------------
@@ -498,7 +500,7 @@ def _apply_overrides(data: dict, overrides: dict) -> tuple[dict, set]:
         elif key == "name":
             data[key] = value
             touched.add((key,))
-        elif key in ("scoring", "ranking", "merge"):
+        elif key in ("scoring", "ranking", "merge", "storage"):
             data[key] = _merge_part(data.get(key), value, (key,), touched)
         elif key == "budget":
             data[key] = _merge_budget(data.get(key), value, touched)

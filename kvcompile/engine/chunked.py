@@ -94,6 +94,7 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
         slot_count = torch.zeros(b, h, dtype=torch.long, device=q.device)
     else:
         hk, hv, hs, hp, hc, stored = store.gather()
+        hk, hv = hk.to(k.dtype), hv.to(v.dtype)  # quantized pages dequantize to float32
         slot_count = store.slots
     # the attention over the held entries and the chunk (and, for a column-sum scorer, its score: chunk_scores)
     weights = policy.scoring.column_weights(t) if plan.chunk_scores else None

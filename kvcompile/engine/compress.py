@@ -101,7 +101,7 @@ def store_layer(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
                                   -1 - torch.arange(counts.shape[-1], device=counts.device).expand_as(counts),  # slot r at -1 - r
                                   counts.float(), occupied))
     return LayerStore.build(sources, slots, cache.page_size, cache.plan.spare_pages,
-                            gather=cache.plan.selection.gather_pages)
+                            gather=cache.plan.selection.gather_pages, storage=cache.policy.storage)
 
 
 def over_heads(plan, x: Tensor) -> Tensor:

@@ -84,17 +84,12 @@ def start_decode(cache: KVCompileCache) -> DecodeState:
     return DecodeState(budgets, split, cache.prompt.pad, totals)
 
 
-def _gather(store):
-    flat, stored = store.entries()
-    d = store.k_pages.shape[-1]
-    return flat, stored, store.k_pages.reshape(-1, d)[flat], store.v_pages.reshape(-1, d)[flat]
-
-
 def _attend_with_probs(cache: KVCompileCache, store, q: Tensor, scale: float):
     """Decode attention over the gathered entries, also returning the attention of every entry
     reduced over each GQA group as the scorer reduces it (B, H, E): the running scores need it."""
     plan = cache.plan
-    flat, stored, keys, values = _gather(store)
+    flat, stored = store.entries()
+    keys, values = store.kv_rows(flat)
     b, hq, d = q.shape
     h = keys.shape[1]
     g = hq // h
@@ -132,13 +127,13 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
         ranks = functools.partial(choose, cache, kernels=False)
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
                  total=None if totals is None else totals[:, layer], choose=ranks)
-    cache.stores[layer] = LayerStore.from_heads(heads, cache.page_size, cache.plan.spare_pages)
+    cache.stores[layer] = LayerStore.from_heads(heads, cache.page_size, cache.plan.spare_pages,
+                                                storage=cache.policy.storage)
 
 
 def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:
     """Attention of one query per head over that head's pages, with the merge rule's bias, by the
     plan's decode attention backend."""
     bias = cache.plan.merge_bias(store.count_pages)
-    return cache.plan.decode_attention(q, store.k_pages, store.v_pages, store.block_table, store.lengths, bias,
-                                       scale)
+    return cache.plan.decode_attention(q, *store.kv(), store.block_table, store.lengths, bias, scale)
 

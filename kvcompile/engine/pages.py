@@ -33,6 +33,7 @@ ENTRY_METADATA_BYTES = 4 + 8 + 4
 # Bytes per head beside its block table row: lengths, slots, owned (int64) and one more word of slack.
 HEAD_COUNTER_BYTES = 4 * 8
 PAGE_FIELDS = ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages")
+QUANT_FIELDS = ("k_scale", "k_zero", "v_scale", "v_zero")  # a quantized store's pages besides the codes
 
 
 @dataclass
@@ -83,6 +84,20 @@ class PageTensors(NamedTuple):
     owned: Tensor
 
 
+def _write_rows(pages: tuple[Tensor, ...], rows: tuple[Tensor, ...], block_table: Tensor, start: Tensor,
+               take: Tensor) -> None:
+    """The plain row write for any per-entry page tensors (P, S, ...) from rows (B, H, E, ...): the i-th
+    taken row of head (b, h), in entry order, becomes its entry start[b, h] + i."""
+    if not take.numel():
+        return
+    s = pages[0].shape[1]
+    bi, hi, ei = take.nonzero(as_tuple=True)
+    entry = start[bi, hi] + (take.cumsum(-1) - 1)[bi, hi, ei]
+    page, slot = block_table[bi, hi, entry // s], entry % s
+    for p, r in zip(pages, rows):
+        p[page, slot] = r[bi, hi, ei].to(p.dtype)
+
+
 @dataclass
 class LayerStore:
     """One layer's pages. Entries carry their key, value, score, logical position
@@ -103,16 +118,26 @@ class LayerStore:
     #                        a decode step evicts at most one entry per head (engine.online.evict_online)
     room: int = 0  # on the host: appends every head can still take in the pages it owns (a lower bound:
     #                 removals and crops only add room); while positive an append reads nothing back
+    storage: object = None  # the policy's storage part where it quantizes (kvcompile.policies.storage):
+    #   k_pages and v_pages then hold its integer codes, uint8 (P, S, d · bits / 8), and these its float32
+    #   scale and zero point per group of channels of each entry (P, S, d / group); None: float pages
+    k_scale: Tensor | None = None
+    k_zero: Tensor | None = None
+    v_scale: Tensor | None = None
+    v_zero: Tensor | None = None
 
     # --- building --------------------------------------------------------------------------------------
 
     @classmethod
     def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int,
-              gather: Callable = gather_rows) -> "LayerStore":
+              gather: Callable = gather_rows, storage=None) -> "LayerStore":
         """A store holding the taken rows of `sources`, one source after the other per head (merge slots
         first), in fresh pages laid out by `page_table` with `spare_pages` per head; `slots` (B, H) the
         occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or the plain
-        `gather_rows`). Only the taken rows are copied (no dense copy of the layer)."""
+        `gather_rows`). Only the taken rows are copied (no dense copy of the layer). `storage`: a storage
+        part that quantizes (the rows are written as its codes, scales and zero points), or None."""
+        if storage is not None and storage.quantizes:
+            return cls._build_quantized(sources, slots, page_size, spare_pages, storage)
         first = sources[0]
         d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
         taken = [src.take.sum(-1) for src in sources]  # each (B, H)
@@ -136,7 +161,35 @@ class LayerStore:
         return store
 
     @classmethod
-    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int) -> "LayerStore":
+    def _build_quantized(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int,
+                         storage) -> "LayerStore":
+        """`build` for a storage part that quantizes: each source's keys and values quantized per entry
+        (kvcompile.kernels.quantize, the part's bits and group), then the codes written as the float rows
+        would be and the scales and zero points beside them (the plain row write: a copy)."""
+        from kvcompile.kernels.quantize import quantize
+
+        encoded = []
+        for src in sources:
+            k = quantize(src.keys, storage.bits, storage.group_size(src.keys.shape[-1]))
+            v = quantize(src.values, storage.bits, storage.group_size(src.values.shape[-1]))
+            encoded.append((dataclasses.replace(src, keys=k.codes, values=v.codes), k, v))
+        store = cls.build([e[0] for e in encoded], slots, page_size, spare_pages)
+        cap, groups = store.k_pages.shape[0], encoded[0][1].scale.shape[-1]
+        vgroups = encoded[0][2].scale.shape[-1]
+        dev = store.k_pages.device
+        store.storage = storage
+        store.k_scale, store.k_zero = (torch.zeros(cap, page_size, groups, device=dev) for _ in range(2))
+        store.v_scale, store.v_zero = (torch.zeros(cap, page_size, vgroups, device=dev) for _ in range(2))
+        start = torch.zeros_like(store.lengths)
+        for src, k, v in encoded:
+            _write_rows((store.k_scale, store.k_zero, store.v_scale, store.v_zero), (k.scale, k.zero, v.scale, v.zero),
+                        store.block_table, start, src.take)
+            start = start + src.take.sum(-1)
+        return store
+
+    @classmethod
+    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int,
+                   storage=None) -> "LayerStore":
         """A store holding every head's entries in order (the inverse of `to_heads`)."""
         b, h = len(heads), len(heads[0])
         width = max(1, max(len(x.positions) for row in heads for x in row))
@@ -154,7 +207,7 @@ class LayerStore:
                 keys[i, j, :n], values[i, j, :n], scores[i, j, :n] = x.keys, x.values, x.scores
                 pos[i, j, :n], counts[i, j, :n], take[i, j, :n] = x.positions, x.counts, True
         return cls.build([Entries(keys, values, scores, pos, counts, take)], (take & (pos < 0)).sum(-1), page_size,
-                         spare_pages)
+                         spare_pages, storage=storage)
 
     def rows(self, index: Tensor, spare_pages: int) -> "LayerStore":
         """A new store whose row i is a copy of row index[i] of this one (entries in the same order,
@@ -162,7 +215,7 @@ class LayerStore:
         k, v, scores, pos, counts, stored = self.gather()
         index = index.to(k.device)
         taken = Entries(k[index], v[index], scores[index], pos[index], counts[index], stored[index])
-        return LayerStore.build([taken], self.slots[index], self.page_size, spare_pages)
+        return LayerStore.build([taken], self.slots[index], self.page_size, spare_pages, storage=self.storage)
 
     def writable(self) -> None:
         """Make a store made under torch.inference_mode() updatable outside it (its inference
@@ -193,12 +246,31 @@ class LayerStore:
 
     def gather(self):
         """The stored entries as dense per-head tensors (B, H, E, ·), padded beyond lengths:
-        keys, values, scores, positions, counts, stored."""
+        keys, values (dequantized, float32, where the pages hold codes), scores, positions, counts, stored."""
         flat, stored = self.entries()
-        d = self.k_pages.shape[-1]
-        return (self.k_pages.reshape(-1, d)[flat], self.v_pages.reshape(-1, self.v_pages.shape[-1])[flat],
-                self.score_pages.reshape(-1)[flat], self.pos_pages.reshape(-1)[flat],
+        keys, values = self.kv_rows(flat)
+        return (keys, values, self.score_pages.reshape(-1)[flat], self.pos_pages.reshape(-1)[flat],
                 self.count_pages.reshape(-1)[flat], stored)
+
+    def kv_rows(self, flat: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of the entries at page · S + slot `flat` (any shape), as floats: the pages' own,
+        or x̂ = code · scale + zero of quantized pages (float32)."""
+        rows = lambda t: t.reshape(-1, t.shape[-1])[flat]  # noqa: E731
+        if self.storage is None:
+            return rows(self.k_pages), rows(self.v_pages)
+        from kvcompile.kernels.quantize import dequantize
+
+        bits = self.storage.bits
+        return (dequantize(rows(self.k_pages), rows(self.k_scale), rows(self.k_zero), bits),
+                dequantize(rows(self.v_pages), rows(self.v_scale), rows(self.v_zero), bits))
+
+    def kv(self) -> tuple[Tensor, ...]:
+        """What a decode attention backend reads besides the block table and lengths: (k_pages, v_pages),
+        or for quantized pages (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
+        (kvcompile.kernels.paged_attention_quant)."""
+        if self.storage is None:
+            return self.k_pages, self.v_pages
+        return self.k_pages, self.k_scale, self.k_zero, self.v_pages, self.v_scale, self.v_zero
 
     def tensors(self) -> PageTensors:
         """The store's tensors, for a kernel that reads or updates them in place."""
@@ -232,8 +304,14 @@ class LayerStore:
             self._allocate(col, e, step)
         page = self.block_table.gather(-1, col[..., None]).squeeze(-1)
         slot = e % s
-        self.k_pages[page, slot] = k
-        self.v_pages[page, slot] = v
+        if self.storage is None:
+            self.k_pages[page, slot] = k
+            self.v_pages[page, slot] = v
+        else:
+            from kvcompile.kernels.quantize import quantize_into_pages
+
+            quantize_into_pages(k, self.k_pages, self.k_scale, self.k_zero, page, slot, self.storage.bits)
+            quantize_into_pages(v, self.v_pages, self.v_scale, self.v_zero, page, slot, self.storage.bits)
         self.score_pages[page, slot] = 0.0
         self.pos_pages[page, slot] = positions[:, None].expand(b, h)
         self.count_pages[page, slot] = 1.0
@@ -262,9 +340,13 @@ class LayerStore:
         self.next_page += fresh * step
         self.room = int((self.owned * s - e).min())
 
+    def _page_fields(self) -> tuple[str, ...]:
+        """The names of the per-entry page tensors (P, S, ...) this store holds."""
+        return PAGE_FIELDS if self.storage is None else PAGE_FIELDS + QUANT_FIELDS
+
     def _grow(self, extra: int) -> None:
         """Add `extra` free pages to the pool (copies the compressed pool: amortised O(1))."""
-        for name in PAGE_FIELDS:
+        for name in self._page_fields():
             t = getattr(self, name)
             fill = -1 if name == "pos_pages" else 0
             setattr(self, name, torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]))
@@ -280,7 +362,7 @@ class LayerStore:
         last = self.lengths[b, h] - 1
         ends = torch.stack([last, e])  # (2, K): the head's last entry and the removed one
         src, dst = self.block_table[b, h, ends // s] * s + ends % s
-        for name in PAGE_FIELDS:
+        for name in self._page_fields():
             t = getattr(self, name)
             entries = t.view(-1, *t.shape[2:])
             entries[dst] = entries[src]  # e == last copies the entry onto itself
@@ -295,7 +377,7 @@ class LayerStore:
         src = torch.where(leaving, last, dst)
         ends = torch.stack([src, dst], dim=-1)  # (B, H, 2)
         src, dst = (self.block_table.gather(-1, ends // s) * s + ends % s).unbind(-1)
-        for name in PAGE_FIELDS:
+        for name in self._page_fields():
             t = getattr(self, name)
             entries = t.view(-1, *t.shape[2:])
             entries[dst] = entries[src]
@@ -310,17 +392,17 @@ class LayerStore:
     # --- measuring -------------------------------------------------------------------------------------
 
     @staticmethod
-    def entry_bytes(head_dim: int, element_size: int) -> int:
-        """Bytes of one stored entry: its key and value, and its score, position and count."""
-        return 2 * head_dim * element_size + ENTRY_METADATA_BYTES
+    def entry_bytes(storage, head_dim: int, element_size: int) -> int:
+        """Bytes of one stored entry: its key and value as `storage` keeps them (a storage part), and its
+        score, position and count."""
+        return storage.entry_bytes(head_dim, element_size) + ENTRY_METADATA_BYTES
 
     @staticmethod
-    def bound_bytes(pages: int, page_size: int, head_dim: int, element_size: int, heads: int,
-                    table_width: int) -> int:
-        """Bytes of stores holding `pages` pages over `heads` (sequence, head) rows of block tables
-        `table_width` wide (what serving reserves for a prompt before it runs)."""
-        return (pages * page_size * LayerStore.entry_bytes(head_dim, element_size)
-                + heads * (table_width * 8 + HEAD_COUNTER_BYTES))
+    def bound_bytes(pages: int, page_size: int, entry_bytes: int, heads: int, table_width: int) -> int:
+        """Bytes of stores holding `pages` pages of entries of `entry_bytes` each (`entry_bytes`) over
+        `heads` (sequence, head) rows of block tables `table_width` wide (what serving reserves for a
+        prompt before it runs)."""
+        return pages * page_size * entry_bytes + heads * (table_width * 8 + HEAD_COUNTER_BYTES)
 
     @property
     def nbytes(self) -> int:
@@ -330,8 +412,8 @@ class LayerStore:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page (its entries' key, value, score, position and count)."""
-        return sum(getattr(self, name)[0].nbytes for name in PAGE_FIELDS)
+        """Bytes of one page (its entries' key, value, score, position and count; codes and scales)."""
+        return sum(getattr(self, name)[0].nbytes for name in self._page_fields())
 
     def kv_bytes_held(self) -> int:
         """Key and value bytes of the pages that hold entries (every head's partly filled last page counted whole)."""
@@ -339,13 +421,13 @@ class LayerStore:
 
     @property
     def kv_entry_bytes(self) -> int:
-        """Key and value bytes of one entry."""
-        return self.k_pages.shape[-1] * self.k_pages.element_size() + self.v_pages.shape[-1] * self.v_pages.element_size()
+        """Key and value bytes of one entry (codes, scales and zero points of a quantized one)."""
+        return sum(t[0, 0].nbytes for t in self.kv())
 
     @property
     def kv_bytes_allocated(self) -> int:
-        """Key and value bytes of the whole pool (pages in use, spare or free)."""
-        return self.k_pages.nbytes + self.v_pages.nbytes
+        """Key and value bytes of the whole pool (pages in use, spare or free; codes, scales and zero points)."""
+        return sum(t.nbytes for t in self.kv())
 
     @property
     def metadata_bytes(self) -> int:

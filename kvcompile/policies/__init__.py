@@ -1,5 +1,5 @@
 """The part library. Importing it registers every part (see registry.PARTS)."""
-from kvcompile.policies import budgets, merge, ranking, schedule, scoring  # noqa: F401  (registration)
+from kvcompile.policies import budgets, merge, ranking, schedule, scoring, storage  # noqa: F401  (registration)
 from kvcompile.policies.registry import FAMILIES, PARTS, lookup, part
 
-__all__ = ["FAMILIES", "PARTS", "lookup", "part", "budgets", "merge", "ranking", "schedule", "scoring"]
+__all__ = ["FAMILIES", "PARTS", "lookup", "part", "budgets", "merge", "ranking", "schedule", "scoring", "storage"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-FAMILIES = ("scoring", "ranking", "layers", "heads", "threshold", "merge", "decode", "prefill")
+FAMILIES = ("scoring", "ranking", "layers", "heads", "threshold", "merge", "decode", "prefill", "storage")
 
 # What each family's parts must implement (the base classes provide the rest).
 REQUIRED = {
@@ -33,6 +33,7 @@ REQUIRED = {
     "merge": ("merge", "shrink", "bias"),
     "decode": ("spare_growth",),
     "prefill": (),
+    "storage": (),
 }
 
 PARTS: dict[str, dict[str, type]] = {family: {} for family in FAMILIES}
