@@ -26,15 +26,11 @@ are only inserted later, by the rewrite pass); the rewrite wires its arguments i
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBase
-
-if TYPE_CHECKING:
-    from kvcompile.cache import KVCompileCache
 
 
 class CacheRef(OpaqueBase):
@@ -42,12 +38,12 @@ class CacheRef(OpaqueBase):
 
     __slots__ = ("_cache",)
 
-    def __init__(self, cache: KVCompileCache | None = None):
+    def __init__(self, cache=None):
         self._cache = None if cache is None else weakref.ref(cache)
 
     @property
-    def cache(self) -> KVCompileCache:
-        """The cache this reference names; RuntimeError once it was collected (or for a reference that
+    def cache(self):
+        """The KVCompileCache this reference names; RuntimeError once it was collected (or for a reference that
         was pickled: it names nothing)."""
         cache = None if self._cache is None else self._cache()
         if cache is None:
