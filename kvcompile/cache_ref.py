@@ -48,7 +48,7 @@ class CacheRef(OpaqueBase):
         cache = None if self._cache is None else self._cache()
         if cache is None:
             raise RuntimeError("kvcompile: this CacheRef names no live KVCompileCache (the cache was collected, or "
-                               "the reference was pickled or copied without its cache): pass the cache's own "
+                               "the reference was unpickled, which names nothing): pass a live cache's own "
                                "`cache.ref`")
         return cache
 
