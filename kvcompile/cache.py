@@ -14,53 +14,17 @@ same op serves the eager and the compiled entry.
 from __future__ import annotations
 
 import copy
-import itertools
-import threading
-import weakref
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
+from kvcompile.cache_ref import CacheRef, new_token
 from kvcompile.engine.pages import LayerStore
 from kvcompile.engine.state import ChunkedPrompt, DecodeState, PromptChunks, PromptState, device_of, map_tensors, rows_of
 from kvcompile.layer_state import LayerState
 from kvcompile.plan import Plan, build_plan
 from kvcompile.policy import Policy
-
-_LIVE: "weakref.WeakValueDictionary[int, KVCompileCache]" = weakref.WeakValueDictionary()
-_NEXT_HANDLE = itertools.count(1)
-BOUND_HANDLE = 0  # the handle of "the cache bound to this call" (the compiled entry's graphs bake it in)
-_BOUND = threading.local()  # per thread: the caches bound by `bind`, innermost last
-
-
-def lookup_cache(handle: int) -> "KVCompileCache":
-    """The cache `kvcompile.attend` works on: a cache's own handle (the eager entry passes it), or
-    BOUND_HANDLE, the cache that `bind` made this thread's current one (the compiled entry)."""
-    if handle == BOUND_HANDLE:
-        stack = getattr(_BOUND, "stack", None)
-        cache = stack[-1] if stack else None
-    else:
-        cache = _LIVE.get(handle)
-    if cache is None:
-        raise RuntimeError(f"kvcompile: no live KVCompileCache with handle {handle}"
-                           + (" (no cache is bound in this thread)" if handle == BOUND_HANDLE else ""))
-    return cache
-
-
-@contextmanager
-def bind(cache: "KVCompileCache"):
-    """Make `cache` what `kvcompile.attend(..., handle=BOUND_HANDLE, ...)` works on in this thread, for
-    the block: each thread (each generate() call) has its own binding; nested blocks restore the outer one."""
-    stack = getattr(_BOUND, "stack", None)
-    if stack is None:
-        stack = _BOUND.stack = []
-    stack.append(cache)
-    try:
-        yield cache
-    finally:
-        stack.pop()
 
 
 
@@ -111,8 +75,8 @@ class KVCompileCache(Cache):
         self.chunks: PromptChunks | None = None
         self.compressing: ChunkedPrompt | None = None  # a prompt compressed chunk by chunk, while it runs
         self.reconstruction = None  # kvcompile.kvzip.Reconstruction while a reconstruction scorer's prompt runs
-        self.handle = next(_NEXT_HANDLE)
-        _LIVE[self.handle] = self
+        self.ref = CacheRef(self)  # what kvcompile.attend gets for this cache, and the token it declares it
+        self.token = new_token()  # writes (kvcompile.cache_ref)
 
     def state_to(self, device: torch.device) -> None:
         """Move the state every layer reads to `device`, where the layer about to run lives (its
@@ -140,8 +104,8 @@ class KVCompileCache(Cache):
 
     def __deepcopy__(self, memo):
         """An independent cache (transformers' prefix-caching recipe deep-copies a prefilled
-        cache per question): its own pages and state, and its own handle, so the op writes
-        into the copy, never into the original. The plan is immutable and shared."""
+        cache per question): its own pages and state, and its own `ref` and `token`, so the op
+        writes into the copy, never into the original. The plan is immutable and shared."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         memo[id(self.plan)] = self.plan
@@ -149,11 +113,16 @@ class KVCompileCache(Cache):
         if bar is not None:
             memo[id(bar)] = None  # a progress bar is not copied
         for key, value in self.__dict__.items():
-            if key != "handle":
+            if key not in ("ref", "token"):
                 setattr(new, key, copy.deepcopy(value, memo))
-        new.handle = next(_NEXT_HANDLE)
-        _LIVE[new.handle] = new
+        new.ref, new.token = CacheRef(new), new_token()
         return new
+
+    def __setstate__(self, state):
+        """An unpickled (or shallow-copied) cache is a cache of its own: its own `ref` and `token` (a
+        pickled CacheRef names nothing: kvcompile.cache_ref)."""
+        self.__dict__.update(state)
+        self.ref, self.token = CacheRef(self), new_token()
 
     @classmethod
     def from_plan(cls, plan: Plan, record: bool = False, progress=None) -> "KVCompileCache":

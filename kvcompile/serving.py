@@ -735,7 +735,7 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     for seg in batch:
         end = start + seg.length
         outs.append(torch.ops.kvcompile.attend(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                               None, module.layer_idx, seg.kv.cache.handle, scale))
+                                               None, module.layer_idx, seg.kv.cache.ref, seg.kv.cache.token, scale))
         start = end
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None

@@ -75,8 +75,8 @@ def run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps):
         end = min(start + c, n)
         for layer in range(layers):
             q, k, v = rand(b, h * g, end - start, d), rand(b, h, end - start, d), rand(b, h, end - start, d)
-            got = torch.ops.kvcompile.attend(q, k, v, None if mask is None else mask[:, :end], layer, cache.handle,
-                                             scale)
+            got = torch.ops.kvcompile.attend(q, k, v, None if mask is None else mask[:, :end], layer, cache.ref,
+                                             cache.token, scale)
             want = ref.step(layer, q, k, v, None if mask is None else mask[:, start:end], scale)
             assert_close(got, want, rtol=1e-4, atol=1e-5)
             rings[layer] = q if rings[layer] is None else torch.cat([rings[layer], q], dim=2)
@@ -93,7 +93,7 @@ def run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps):
         position = lengths + step
         for layer in range(layers):
             qn, kn, vn = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
-            got = torch.ops.kvcompile.attend(qn, kn, vn, None, layer, cache.handle, scale)
+            got = torch.ops.kvcompile.attend(qn, kn, vn, None, layer, cache.ref, cache.token, scale)
             want = reference.decode_step(policy, ref.heads[layer], qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], position,
                                          budgets[:, layer], scale)
             if every:
@@ -336,7 +336,7 @@ def test_what_cannot_be_exact_is_refused_before_it_runs(llama):
         cache = KVCompileCache(lava, llama.config)
         q, k = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 40, 16)
         with pytest.raises(RuntimeError, match="16 tokens per forward call"):
-            torch.ops.kvcompile.attend(q, k, k, None, 0, cache.handle, 0.25)
+            torch.ops.kvcompile.attend(q, k, k, None, 0, cache.ref, cache.token, 0.25)
         assert cache.stores[0] is None
         cache = KVCompileCache(lava, llama.config)
         cache.expect_prompt(40)
@@ -357,7 +357,7 @@ def test_op_given_several_chunks_in_one_call_equals_chunk_by_chunk():
         for start in range(0, 30, per_call):
             for layer, (q, k, v) in enumerate(data):
                 s = slice(start, start + per_call)
-                torch.ops.kvcompile.attend(q[:, :, s], k[:, :, s], v[:, :, s], None, layer, cache.handle, 0.3)
+                torch.ops.kvcompile.attend(q[:, :, s], k[:, :, s], v[:, :, s], None, layer, cache.ref, cache.token, 0.3)
         caches.append(cache)
     for layer in range(2):
         assert_same_cache(caches[0].stores[layer].to_heads(), caches[1].stores[layer].to_heads())

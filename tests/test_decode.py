@@ -91,7 +91,7 @@ def token_by_token(policy, q, k, v, mask, steps, rand, page):
                              hidden_size=hq * d)
     cache = KVCompileCache(policy, config, page_size=page, record=True)
     scale = d ** -0.5
-    torch.ops.kvcompile.attend(q, k, v, mask, 0, cache.handle, scale)
+    torch.ops.kvcompile.attend(q, k, v, mask, 0, cache.ref, cache.token, scale)
     state = cache.states[0]
     selection = reference.compress(policy, [state])
     heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
@@ -104,7 +104,7 @@ def token_by_token(policy, q, k, v, mask, steps, rand, page):
     ring = q[:, :, n - min(policy.scoring.query_rows(n), n):]
     for step in range(steps):
         qn, kn, vn = rand(b, hq, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
-        got = torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.handle, scale)
+        got = torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.ref, cache.token, scale)
         position = lengths + step
         want = reference.decode_step(policy, heads, qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], position, budgets[:, 0],
                                      scale)
@@ -130,10 +130,11 @@ def test_online_counts_and_bounded_memory_over_500_tokens(key):
                              hidden_size=h * g * d)
     cache = KVCompileCache(policy, config, page_size=page)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.handle, 1.0)
+    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.ref,
+                               cache.token, 1.0)
     for step in range(500):
-        torch.ops.kvcompile.attend(rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d), None, 0, cache.handle,
-                                   1.0)
+        torch.ops.kvcompile.attend(rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d), None, 0, cache.ref,
+                                   cache.token, 1.0)
         store = cache.stores[0]
         assert bool((store.lengths <= cache.budgets[:, 0]).all())
         pages = (store.lengths + page - 1) // page
@@ -256,12 +257,13 @@ def test_alpha_zero_bias_path_is_exactly_the_plain_attention():
                              hidden_size=h * g * d)
     cache = KVCompileCache(policy, config, page_size=4)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.handle, 0.3)
+    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.ref,
+                               cache.token, 0.3)
     from kvcompile.kernels.paged_attention import paged_attention
 
     for _ in range(20):
-        torch.ops.kvcompile.attend(rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d), None, 0, cache.handle,
-                                   0.3)
+        torch.ops.kvcompile.attend(rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d), None, 0, cache.ref,
+                                   cache.token, 0.3)
     store = cache.stores[0]
     assert int(store.slots.sum()) > 0 and float(store.count_pages.max()) > 1  # slots hold merged tokens
     q = rand(b, h * g, d)

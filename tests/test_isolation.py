@@ -1,16 +1,24 @@
 """Nothing one model call leaves behind reaches another: two compiled models in one process, two
-threads each driving its own cache (one model or two, both entries), caches copied and collected,
-and the op's declared effect (docs/INTERNALS.md "The op and its two entries")."""
+threads each driving its own cache (one model or two, both entries; one compiled model's graphs run on
+two threads at once), caches copied, pickled and collected, and what the op declares it writes
+(docs/INTERNALS.md "The op and its two entries")."""
 from __future__ import annotations
 
 import copy
 import gc
+import pickle
+import threading
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import kvcompile
-from kvcompile.cache import lookup_cache
+import kvcompile.runtime  # noqa: F401  (registers torch.ops.kvcompile.attend)
+from kvcompile.cache import KVCompileCache
+from kvcompile.cache_ref import CacheRef
 from tiny import prompt, run_threads, tiny_model
 
 NEW = 5
@@ -84,55 +92,151 @@ def test_two_threads_each_continue_their_own_cache(mode):
     assert got == want
 
 
-def test_copied_and_collected_caches_are_never_reached_by_another_call():
-    """A deep copy has its own handle (the op writes the copy, not the original); a collected cache's
-    handle names nothing afterwards (a stale handle is refused, never given to another cache)."""
+def join(threads, timeout):
+    for thread in threads:
+        thread.join(timeout)
+    return [thread for thread in threads if thread.is_alive()]
+
+
+@pytest.mark.slow
+def test_one_compiled_model_runs_its_graphs_on_two_threads_at_once(monkeypatch):
+    """One compiled model, two threads each generating with its own cache: their graphs run at the same
+    time (both threads inside the op at once: a barrier there times out if the calls take turns), without
+    the compiled entry's one lock (TRACING, held by this thread meanwhile), and give the tokens of the same
+    calls made one after the other. New caches and a second model of the same class compile nothing, and
+    the graphs keep no cache alive. Only a call that traces takes TRACING: a cold model's first call waits
+    for it."""
+    from kvcompile.passes.backend import COMPILES, TRACING
+
+    model = tiny_model("llama", layers=2, seed=13)
+    policy = kvcompile.load_spec("h2o", per_head=72)
+    prompts = [prompt(90, seed=14), prompt(110, seed=15)]
+    with kvcompile.compiled(model, policy):
+        eager = [gen(model, ids)[0] for ids in prompts]
+    torch._dynamo.reset()  # no graph of this model's shape from an earlier test: its first call traces
+    with kvcompile.compiled(model, policy, mode="compiled"):
+        cold = {}
+        thread = threading.Thread(target=lambda: cold.update(out=gen(model, prompts[0])))
+        with TRACING:
+            thread.start()
+            assert join([thread], 3) and not cold  # tracing waits for TRACING
+        assert not join([thread], 600) and cold["out"][0] == eager[0]
+        first_cache = weakref.ref(cold.pop("out")[1])
+        gc.collect()
+        assert first_cache() is None  # the graphs (and dynamo's example inputs) hold its reference weakly
+        compiled, graphs = len(COMPILES), counters["stats"]["unique_graphs"]
+        assert [c["kind"] for c in COMPILES[-2:]] == ["prefill", "decode"]
+        assert [gen(model, ids)[0] for ids in prompts] == eager  # new caches, one after the other
+
+        barrier, met = threading.Barrier(2, timeout=60), set()
+        plain = CacheRef.cache
+
+        def meeting(ref):  # the op reads its cache: the first time per cache, wait for the other thread
+            cache = plain.fget(ref)
+            if id(cache) not in met:
+                met.add(id(cache))
+                barrier.wait()
+            return cache
+
+        monkeypatch.setattr(CacheRef, "cache", property(meeting))
+        got = [None, None]
+
+        def job(i):
+            got[i] = gen(model, prompts[i])[0]
+
+        threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
+        with TRACING:  # held all along: a call with a compiled graph that fits never takes it
+            for thread in threads:
+                thread.start()
+            stuck = join(threads, 300)
+        join(threads, 600)
+        monkeypatch.undo()
+        assert not stuck and not barrier.broken and got == eager
+        assert (len(COMPILES), counters["stats"]["unique_graphs"]) == (compiled, graphs)
+
+    other = tiny_model("llama", layers=2, seed=16)  # a second model of the same class and shape
+    with kvcompile.compiled(other, policy):
+        want = gen(other, prompts[1])[0]
+    with kvcompile.compiled(other, policy, mode="compiled"):
+        assert gen(other, prompts[1])[0] == want
+    assert (len(COMPILES), counters["stats"]["unique_graphs"]) == (compiled, graphs)
+
+
+def test_copied_pickled_and_collected_caches_are_never_reached_by_another_call():
+    """A deep copy (and an unpickled cache) has its own `ref` and `token`: the op writes the copy, not the
+    original. A cache's reference holds it weakly: once collected, a call through its reference is
+    refused, never given to another cache."""
     model = tiny_model("llama", layers=2, seed=10)
     ids = prompt(50, seed=11)
     with kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=40)):
         _, cache = gen(model, ids)
-        before = cache.kept().tolist()
+        before, token = cache.kept().tolist(), int(cache.token)
         twin = copy.deepcopy(cache)
-        assert twin.handle != cache.handle and lookup_cache(twin.handle) is twin
+        assert twin.ref is not cache.ref and twin.ref.cache is twin and cache.ref.cache is cache
+        assert twin.token is not cache.token
         more = torch.cat([ids, torch.tensor([[5, 6, 7]])], dim=1)
         with torch.no_grad():
             model(more[:, -3:], past_key_values=twin, position_ids=torch.arange(twin.get_seq_length(),
                                                                                 twin.get_seq_length() + 3)[None])
         assert cache.kept().tolist() == before and twin.kept().tolist() != before
-        handle = twin.handle
+        assert int(cache.token) == token and int(twin.token) == 2  # two layers, one call each
+        thawed = pickle.loads(pickle.dumps(cache))
+        assert thawed.ref.cache is thawed and thawed.kept().tolist() == before
+        assert pickle.loads(pickle.dumps(cache.ref))._cache is None  # a pickled reference names nothing
+        ref, alive = twin.ref, weakref.ref(twin)
         del twin
         gc.collect()
-        with pytest.raises(RuntimeError, match=f"no live KVCompileCache with handle {handle}"):
-            lookup_cache(handle)
-        _, fresh = gen(model, ids)
-        assert fresh.handle > handle  # handles are never reused
+        assert alive() is None
+        with pytest.raises(RuntimeError, match="names no live KVCompileCache"):
+            torch.ops.kvcompile.attend(*(torch.randn(1, 2, 1, 16) for _ in range(3)), None, 0, ref,
+                                       torch.zeros(1, dtype=torch.long), 0.25)
 
 
-def test_the_op_mutates_no_argument_and_its_calls_are_ordered_by_data():
-    """The op writes the cache its handle names, none of its tensor arguments, and its schema says so;
-    it declares no effect (an effect token costs Inductor's graph cache), because its calls are ordered
-    by data: in a rewritten graph of two layers, the second call's query descends from the first call's
-    output, so no compiler pass can reorder the two or drop the first."""
-    from kvcompile.passes.backend import run_passes
-    from test_passes import ATTEND, H, Stack, inputs, traced
+def test_the_op_declares_that_it_writes_its_cache():
+    """The op's schema takes the cache itself (an opaque reference) and declares one write, the cache's
+    token: q, k, v and the mask are read only. So a compiler keeps every call, in order, even one whose
+    output nothing reads and two that share no data: under torch.compile (AOTAutograd's
+    functionalization, then Inductor) the second call takes the first's token and the graph writes the
+    token back; both calls run, in order."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._library.opaque_object import get_opaque_type_name
 
-    op = torch.ops.kvcompile.attend.default
-    assert not any(arg.alias_info is not None and arg.alias_info.is_write for arg in op._schema.arguments)
-    args = inputs()
-    gm = traced(Stack(2, scale=0.3), args)
-    run_passes(gm, kv_heads=H, num_layers=2)
-    first, second = [n for n in gm.graph.nodes if n.target is ATTEND]
+    schema = torch.ops.kvcompile.attend.default._schema
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", "mask", "layer", "cache", "token", "scale"]
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == ["token"]
+    assert not schema.returns[0].alias_info  # a new tensor, no view of an input
+    assert get_opaque_type_name(CacheRef) == "kvcompile.cache_ref.CacheRef"
 
-    def ancestors(node):
-        seen, todo = set(), list(node.all_input_nodes)
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                todo.extend(n.all_input_nodes)
-        return seen
+    dims = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=8)
+    cache = KVCompileCache(kvcompile.load_spec("snapkv", per_head=64), dims)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 6, 8, generator=g)
+    k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(2))
 
-    assert first in ancestors(second.args[0]) and second not in ancestors(first)
+    def two_layers(q, k, v, ref, token):
+        torch.ops.kvcompile.attend(q, k, v, None, 0, ref, token, 0.3)  # output unused
+        return torch.ops.kvcompile.attend(q * 2, k * 2, v * 2, None, 1, ref, token, 0.3)  # no data from layer 0
+
+    seen = {}
+
+    def capture(gm, example_inputs, **kwargs):  # the functionalized forward graph, before Inductor
+        calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.auto_functionalized_v2]
+        (write_back,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+        first, second = (call.kwargs["_all_bases"][0] for call in calls)
+        seen.update(layers=[call.kwargs["layer"] for call in calls], first=first.op,
+                    second=second.op == "call_function" and second.args[0] is calls[0],
+                    write_back=write_back.args[0] is first and write_back.args[1].args[0] is calls[1])
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    fn = torch.compile(two_layers, backend=aot_autograd(fw_compiler=capture, keep_inference_input_mutations=True),
+                       fullgraph=True)  # as Inductor: the write-back of an input stays in the graph
+    with torch.no_grad():
+        fn(q, k, v, cache.ref, cache.token)
+    assert cache.seq_length == 6 and all(store is not None for store in cache.stores) and int(cache.token) == 2
+    # layer 0 writes the cache's token (a graph input), layer 1 writes what layer 0 wrote, and the graph
+    # writes layer 1's token back into the input
+    assert seen == {"layers": [0, 1], "first": "placeholder", "second": True, "write_back": True}
 
 
 @pytest.mark.slow

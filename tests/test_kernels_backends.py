@@ -63,11 +63,11 @@ def run_prompt_and_steps(cache: KVCompileCache, steps: int = 3, dtype=torch.floa
     outs = []
     for layer in range(CONFIG.num_hidden_layers):
         outs.append(torch.ops.kvcompile.attend(rand(1, 4, 120, 16), rand(1, 2, 120, 16), rand(1, 2, 120, 16), None,
-                                               layer, cache.handle, 0.25))
+                                               layer, cache.ref, cache.token, 0.25))
     for _ in range(steps):
         for layer in range(CONFIG.num_hidden_layers):
             outs.append(torch.ops.kvcompile.attend(rand(1, 4, 1, 16), rand(1, 2, 1, 16), rand(1, 2, 1, 16), None,
-                                                   layer, cache.handle, 0.25))
+                                                   layer, cache.ref, cache.token, 0.25))
     return outs
 
 

@@ -112,11 +112,11 @@ def test_fused_step_equals_the_python_path(kind, b, h, g, d, page, per_head, ext
     scale = d ** -0.5
     prompt, steps, _ = prompt_and_steps(pol, b, h, g, d, page, per_head + extra, 12, seed, pad)
     cache = one_layer(pol, b, h, g, d, page)
-    torch.ops.kvcompile.attend(*prompt, 0, cache.handle, scale)
+    torch.ops.kvcompile.attend(*prompt, 0, cache.ref, cache.token, scale)
     assert cache.plan.online_impl == "cpp"
     caches = {impl: with_impl(cache, impl) for impl in ("cpp", "torch", None)}
     for q, k, v in steps:
-        outs = {impl: torch.ops.kvcompile.attend(q, k, v, None, 0, c.handle, scale) for impl, c in caches.items()}
+        outs = {impl: torch.ops.kvcompile.attend(q, k, v, None, 0, c.ref, c.token, scale) for impl, c in caches.items()}
         for impl in ("cpp", "torch"):
             assert_close(outs[impl], outs[None], rtol=1e-5, atol=1e-5)
             assert_same_store(caches[impl].stores[0], caches[None].stores[0])
@@ -159,11 +159,11 @@ def test_cpp_runs_the_common_case_and_falls_back_where_it_does_not(monkeypatch):
     monkeypatch.setattr(online_step_module, "online_step_cpp", counting)
     prompt, steps, _ = prompt_and_steps(pol, b, h, g, d, 4, n, 6, 3, 0)
     cache = one_layer(pol, b, h, g, d, 4)
-    torch.ops.kvcompile.attend(*prompt, 0, cache.handle, 0.3)
+    torch.ops.kvcompile.attend(*prompt, 0, cache.ref, cache.token, 0.3)
     python = with_impl(cache, None)
     for q, k, v in steps:
-        got = torch.ops.kvcompile.attend(q, k, v, None, 0, cache.handle, 0.3)
-        want = torch.ops.kvcompile.attend(q, k, v, None, 0, python.handle, 0.3)
+        got = torch.ops.kvcompile.attend(q, k, v, None, 0, cache.ref, cache.token, 0.3)
+        want = torch.ops.kvcompile.attend(q, k, v, None, 0, python.ref, python.token, 0.3)
         assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert_same_store(cache.stores[0], python.stores[0])
     assert calls == [False] + [True] * 5
@@ -176,12 +176,12 @@ def test_a_head_past_its_spare_pages_falls_back():
     pol = policy("h2o", 8)
     prompt, steps, _ = prompt_and_steps(pol, 2, 2, 3, 16, 2, 20, 12, 7, 2)
     cache = one_layer(pol, 2, 2, 3, 16, 2)
-    torch.ops.kvcompile.attend(*prompt, 0, cache.handle, 0.25)
+    torch.ops.kvcompile.attend(*prompt, 0, cache.ref, cache.token, 0.25)
     assert cache.plan.step_rule.evict is False and cache.plan.step_rule.decay == 1.0
     python = with_impl(cache, None)
     for q, k, v in steps:
-        got = torch.ops.kvcompile.attend(q, k, v, None, 0, cache.handle, 0.25)
-        want = torch.ops.kvcompile.attend(q, k, v, None, 0, python.handle, 0.25)
+        got = torch.ops.kvcompile.attend(q, k, v, None, 0, cache.ref, cache.token, 0.25)
+        want = torch.ops.kvcompile.attend(q, k, v, None, 0, python.ref, python.token, 0.25)
         assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert_same_store(cache.stores[0], python.stores[0])
     assert bool((cache.stores[0].lengths == python.stores[0].lengths).all())
@@ -251,7 +251,9 @@ def test_parts_it_cannot_express_keep_the_python_path():
     cache = one_layer(pol, 1, 2, 1, 8, 4)
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    torch.ops.kvcompile.attend(rand(1, 2, 12, 8), rand(1, 2, 12, 8), rand(1, 2, 12, 8), None, 0, cache.handle, 0.3)
+    torch.ops.kvcompile.attend(rand(1, 2, 12, 8), rand(1, 2, 12, 8), rand(1, 2, 12, 8), None, 0, cache.ref, cache.token,
+                               0.3)
     for _ in range(3):
-        torch.ops.kvcompile.attend(rand(1, 2, 1, 8), rand(1, 2, 1, 8), rand(1, 2, 1, 8), None, 0, cache.handle, 0.3)
+        torch.ops.kvcompile.attend(rand(1, 2, 1, 8), rand(1, 2, 1, 8), rand(1, 2, 1, 8), None, 0, cache.ref,
+                                   cache.token, 0.3)
     assert bool((cache.stores[0].lengths <= cache.budgets[:, 0]).all())

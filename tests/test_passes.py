@@ -23,8 +23,7 @@ from torch.testing import assert_close
 
 import kvcompile
 from kvcompile.cache import KVCompileCache
-from kvcompile.passes import (ACTIVE_HANDLE, PassError, bind_cache, compile_forward, find_attention, remove_dead,
-                              rewrite_attention)
+from kvcompile.passes import PassError, compile_forward, find_attention, remove_dead, rewrite_attention
 from kvcompile.passes.backend import COMPILES, _GRAPH_CACHE, run_passes
 from kvcompile.passes.find import SDPA_KERNELS, sdpa_arguments
 from kvcompile.passes.rewrite import ATTEND, _dtype, shape, unrepeated
@@ -147,12 +146,14 @@ def test_rewrite_binds_layer_unrepeated_kv_mask_and_scale():
     found = find_attention(gm)
     new = rewrite_attention(gm, found, kv_heads=H)
     inp = placeholders(gm)
+    # no cache_input marker (a hand-built graph): the cache's ref and token became its last two inputs
+    assert list(inp)[-2:] == ["kvcompile_ref", "kvcompile_token"]
     assert [n.target for n in new] == [ATTEND, ATTEND]
     for layer, node in enumerate(new):
-        q, k, v, mask, lay, handle, scale = node.args
+        q, k, v, mask, lay, ref, token, scale = node.args
         assert k is inp["k"] and v is inp["v"]  # repeat_kv stripped
         assert mask.target is torch.ops.aten.ne.Scalar and mask.args[0] is inp["attention_mask"]
-        assert (lay, handle, scale) == (layer, ACTIVE_HANDLE, 0.3)
+        assert (lay, ref, token, scale) == (layer, inp["kvcompile_ref"], inp["kvcompile_token"], 0.3)
         assert node.meta["val"].shape == (B, H * G, T, D)
     assert not any(n.op == "call_function" and n.target is F.scaled_dot_product_attention for n in gm.graph.nodes)
 
@@ -167,7 +168,8 @@ def test_rewrite_default_scale_and_no_mask():
     for n in gm.graph.nodes:
         n.meta["nn_module_stack"] = {"x": ("model.layers.0.self_attn", Causal)}
     (node,) = rewrite_attention(gm, find_attention(gm))
-    assert node.args[1:] == (placeholders(gm)["k"], placeholders(gm)["v"], None, 0, ACTIVE_HANDLE, D ** -0.5)
+    inp = placeholders(gm)
+    assert node.args[1:] == (inp["k"], inp["v"], None, 0, inp["kvcompile_ref"], inp["kvcompile_token"], D ** -0.5)
 
 
 def test_rewrite_aten_kernel_variant():
@@ -176,7 +178,7 @@ def test_rewrite_aten_kernel_variant():
     rewrite_attention(gm, find_attention(gm), kv_heads=H)
     remove_dead(gm)
     assert not any(n.target in SDPA_KERNELS for n in gm.graph.nodes)
-    q, k, v, mask = placeholders(gm).values()
+    q, k, v, mask, _, _ = placeholders(gm).values()
     for node in attend_nodes(gm):
         assert node.args[1:3] == (k, v) and node.args[3].args[0] is mask
     assert not any(n.target is torch.ops.aten.expand.default for n in gm.graph.nodes)
@@ -185,9 +187,11 @@ def test_rewrite_aten_kernel_variant():
 def test_unrecognised_expansion_is_refused():
     """A tile-order expansion is not GQA grouping: it must not be stripped."""
     gm = traced(Stack(2, repeat="tile"), inputs())
+    before = [n.name for n in gm.graph.nodes]
     with pytest.raises(PassError, match="unrecognised GQA expansion"):
         rewrite_attention(gm, find_attention(gm), kv_heads=H)
     assert len(find_attention(gm)) == 2 and not attend_nodes(gm)  # nothing half-applied
+    assert [n.name for n in gm.graph.nodes] == before  # no cache input added either
 
 
 def test_padding_mask_errors_on_a_4d_mask_input():
@@ -290,24 +294,35 @@ def test_rewritten_graph_computes_the_attention(padded):
     run_passes(gm, kv_heads=H, num_layers=2)
     dims = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=H, head_dim=D)
     cache = KVCompileCache(full_budget_policy(T), dims)
-    with bind_cache(cache):
-        out = gm(*args)
+    out = gm(*args, cache.ref, cache.token)
     real = mask.bool()[:, None, :, None].expand_as(out)
     assert_close(out[real], expected[real])
     assert cache.seq_length == T and all(store is not None for store in cache.stores)
     assert torch.equal(cache.kept(), torch.full((B, 2, H), T) - (~mask.bool()).sum(-1)[:, None, None])
+    assert int(cache.token) == 2  # one declared write per attention call
 
 
-def test_bind_cache_restores_and_op_fails_unbound():
-    dims = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
+def test_one_rewritten_graph_serves_two_caches_and_refuses_a_collected_one():
+    """The cache is an input of the graph: the same graph runs on two caches, each written alone; a
+    reference whose cache was collected names nothing (the graph does not keep it alive)."""
+    import gc
+    import weakref
+
+    args = inputs()
+    gm = traced(Stack(2, scale=0.3), args)
+    run_passes(gm, kv_heads=H, num_layers=2)
+    dims = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=H, head_dim=D)
     a, b = KVCompileCache(full_budget_policy(T), dims), KVCompileCache(full_budget_policy(T), dims)
-    from kvcompile.cache import lookup_cache
-    with bind_cache(a):
-        with bind_cache(b):
-            assert lookup_cache(ACTIVE_HANDLE) is b
-        assert lookup_cache(ACTIVE_HANDLE) is a
-    with pytest.raises(RuntimeError, match="no live KVCompileCache"):
-        lookup_cache(ACTIVE_HANDLE)
+    out = gm(*args, a.ref, a.token)
+    assert a.seq_length == T and b.seq_length == 0 and b.stores == [None, None]
+    assert_close(gm(*args, b.ref, b.token), out)
+    assert a.seq_length == b.seq_length == T and (int(a.token), int(b.token)) == (2, 2)
+    ref, alive = b.ref, weakref.ref(b)
+    del b
+    gc.collect()
+    assert alive() is None
+    with pytest.raises(RuntimeError, match="names no live KVCompileCache"):
+        gm(*args, ref, torch.zeros(1, dtype=torch.long))
 
 
 def test_backend_refuses_graphs_without_attention_and_non_sdpa_models():
@@ -323,13 +338,15 @@ def test_backend_refuses_graphs_without_attention_and_non_sdpa_models():
 
 
 class WithPointwise(nn.Module):
-    """Two attention layers beside a wide pointwise op (as a decode step's 1536-wide SiLU)."""
+    """Two attention layers beside a wide pointwise op (as a decode step's 1536-wide SiLU), with the
+    compiled entry's marker of the cache's inputs (the backend refuses a graph without it)."""
 
     def __init__(self):
         super().__init__()
         self.attn = Stack(2)
 
-    def forward(self, q, k, v, attention_mask, wide):
+    def forward(self, q, k, v, attention_mask, wide, ref, token):
+        torch.ops.kvcompile.cache_input(ref, token)
         return self.attn(q, k, v, attention_mask), F.silu(wide) * wide
 
 
@@ -343,16 +360,16 @@ def test_static_graphs_get_no_parallel_region_for_small_loops(dynamic):
 
     from kvcompile.passes.backend import SERIAL_WORK, make_backend
 
-    args = (*inputs(), torch.randn(1, 4096))
-    expected = WithPointwise()(*args)
     dims = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=H, head_dim=D)
+    cache = KVCompileCache(full_budget_policy(T), dims)
+    args = (*inputs(), torch.randn(1, 4096))
+    expected = WithPointwise().attn(*args[:4]), F.silu(args[4]) * args[4]
     fn = torch.compile(WithPointwise(), backend=make_backend(H, 2), dynamic=dynamic, fullgraph=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                bind_cache(KVCompileCache(full_budget_policy(T), dims)), torch.no_grad():
-            (out, wide), code = run_and_get_code(fn, *args)
+        with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+            (out, wide), code = run_and_get_code(fn, *args, cache.ref, cache.token)
     finally:
         torch.set_num_threads(threads)
     assert_close(out, expected[0])
@@ -407,8 +424,8 @@ def test_passes_on_captured_llama(llama):
 
     policy = kvcompile.load_spec("snapkv", per_head=12, ranking={"by_score": {"window": 4}})
     cache = KVCompileCache(policy, llama.config, record=True)
-    with bind_cache(cache), torch.no_grad():
-        (logits,) = gm(*example)
+    with torch.no_grad():  # a graph captured without the compiled entry's marker: the cache's inputs come last
+        (logits,) = gm(*example, cache.ref, cache.token)
     eager = KVCompileCache(policy, llama.config, record=True)
     with kvcompile.compiled(llama, policy), torch.no_grad():
         expected = llama(ids, attention_mask=mask, position_ids=positions, past_key_values=eager).logits

@@ -154,7 +154,7 @@ def test_chunked_prefill_equals_the_reference_chunk_by_chunk(pad):
         end = min(start + 5, n)
         for layer in range(layers):
             q, k, v = (torch.randn(b, x, end - start, d, generator=gen) for x in (h * g, h, h))
-            got = torch.ops.kvcompile.attend(q, k, v, mask[:, :end], layer, cache.handle, d ** -0.5)
+            got = torch.ops.kvcompile.attend(q, k, v, mask[:, :end], layer, cache.ref, cache.token, d ** -0.5)
             want = ref.step(layer, q, k, v, mask[:, start:end], d ** -0.5)
             assert_close(got, want, rtol=1e-4, atol=1e-5)
     for layer in range(layers):

@@ -102,7 +102,7 @@ def test_bytes_are_the_arithmetic():
     for storage in ("model_dtype", "int8", "int4", {"int4": {"group": 8}}):
         policy = kvcompile.load_spec("snapkv", per_head=10, storage=storage, **SMALL)
         cache = KVCompileCache(policy, config, page_size=page)
-        torch.ops.kvcompile.attend(q, k, v, None, 0, cache.handle, d ** -0.5)
+        torch.ops.kvcompile.attend(q, k, v, None, 0, cache.ref, cache.token, d ** -0.5)
         store, part = cache.stores[0], policy.storage
         groups = d // part.group_size(d)
         entry = 2 * d * 4 if not part.quantizes else 2 * (d * part.bits // 8 + 2 * 4 * groups)

@@ -114,7 +114,7 @@ def test_online_eviction_equals_reference_token_by_token(b, h, g, extra, per_hea
     mask[-1, :min(3, n - 4)] = False
     scale = d ** -0.5
     cache = one_layer_cache(policy, b, h, g, d, page)
-    torch.ops.kvcompile.attend(q, k, v, None if bool(mask.all()) else mask, 0, cache.handle, scale)
+    torch.ops.kvcompile.attend(q, k, v, None if bool(mask.all()) else mask, 0, cache.ref, cache.token, scale)
     state = cache.states[0]
     selection = reference.compress(policy, [state])
     heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
@@ -123,7 +123,7 @@ def test_online_eviction_equals_reference_token_by_token(b, h, g, extra, per_hea
     budgets = reference.decode_budgets(policy, lengths, 1, h, held)
     for step in range(12):
         qn, kn, vn = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
-        got = torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.handle, scale)
+        got = torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.ref, cache.token, scale)
         want = reference.decode_step(policy, heads, qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], lengths + step,
                                      budgets[:, 0], scale)
         assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-5)
@@ -139,7 +139,8 @@ def test_prefill_slots_are_labelled_by_index():
     gen = torch.Generator().manual_seed(2)
     cache = one_layer_cache(policy, b, h, g, d, 4)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.handle, 0.5)
+    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.ref,
+                               cache.token, 0.5)
     state = cache.states[0]
     selection = reference.compress(policy, [state])
     heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
@@ -154,13 +155,14 @@ def test_several_victims_in_one_step():
     gen = torch.Generator().manual_seed(5)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     cache = one_layer_cache(policy, b, h, g, d, 4)
-    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.handle, 0.5)
+    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d), None, 0, cache.ref,
+                               cache.token, 0.5)
     state = cache.states[0]
     selection = reference.compress(policy, [state])
     heads = reference.decode_heads(policy, state, selection.kept[0], selection.merged[0], selection.scores[0])
     budgets = reference.decode_budgets(policy, torch.full((b,), n), 1, h, torch.full((b, 1, h), n))
     qn, kn, vn = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
-    torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.handle, 0.5)
+    torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.ref, cache.token, 0.5)
     reference.decode_step(policy, heads, qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], torch.full((b,), n), budgets[:, 0],
                           0.5)
     assert_same_cache(cache.stores[0].to_heads(), heads)

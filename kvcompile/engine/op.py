@@ -1,4 +1,4 @@
-"""The one op: `torch.ops.kvcompile.attend(q, k, v, mask, layer, handle, scale)`, and transformers' attention
+"""The one op: `torch.ops.kvcompile.attend(q, k, v, mask, layer, cache, token, scale)`, and transformers' attention
 and mask interfaces that call it.
 
 The op runs one layer's step on its cache: the prompt (engine.prefill: in one call, or in calls the cache
@@ -17,22 +17,25 @@ import contextlib
 import torch
 from torch import Tensor
 
-from kvcompile.cache import KVCompileCache, lookup_cache
+from kvcompile.cache import KVCompileCache
+from kvcompile.cache_ref import CacheRef
 from kvcompile.engine.chunked import chunked_prefill
 from kvcompile.engine.decode import decode
 from kvcompile.engine.prefill import prefill, prompt_attention, prompt_chunk
 from kvcompile.engine.reconstruction import reconstruction_step
 
 
-@torch.library.custom_op("kvcompile::attend", mutates_args=())
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, handle: int,
+@torch.library.custom_op("kvcompile::attend", mutates_args=("token",))
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, cache: CacheRef, token: Tensor,
            scale: float) -> Tensor:
     """Prefill attention + scoring + compression, or decode append + paged attention.
 
     q (B, Hq, T, d), k/v (B, H, T, d): the layer's new queries, keys, values after RoPE;
-    mask (B, ≥T) bool padding mask (True = real token) or None. Returns (B, Hq, T, d).
+    mask (B, ≥T) bool padding mask (True = real token) or None; `cache` and `token`: the
+    KVCompileCache's `ref` and `token` (kvcompile.cache_ref). Returns (B, Hq, T, d).
     """
-    cache = lookup_cache(handle)
+    cache = cache.cache
+    token.add_(1)  # the declared write (see below the op)
     if k.shape[1] != len(cache.plan.kv_heads):
         if cache.plan.shard is None and k.shape[1] > len(cache.plan.kv_heads):
             cause = "the cache was made for a model with fewer KV heads (make it from this model)"
@@ -102,7 +105,7 @@ def _attend(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
 
 
 @attend.register_fake
-def _(q, k, v, mask, layer, handle, scale):
+def _(q, k, v, mask, layer, cache, token, scale):
     return q.new_empty(q.shape)
 
 
@@ -117,8 +120,8 @@ def _plain_prompt(cache: KVCompileCache, q: Tensor, k: Tensor, layer: int) -> bo
 
 
 def _setup_backward(ctx, inputs, output):
-    q, k, v, mask, layer, handle, scale = inputs
-    cache = lookup_cache(handle)
+    q, k, v, mask, layer, ref, token, scale = inputs
+    cache = ref.cache
     ctx.plain = _plain_prompt(cache, q, k, layer)
     ctx.scale = scale
     valid = cache.prompt.valid if ctx.plain else None
@@ -141,16 +144,33 @@ def _backward(ctx, grad):
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
         out = prompt_attention(*inputs, valid, ctx.scale)
         grads = torch.autograd.grad(out, inputs, grad.to(out.dtype), allow_unused=True)
-    return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (q, k, v))), None, None, None, None)
+    return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (q, k, v))), None, None, None, None, None)
 
 
-attend.register_autograd(_backward, setup_context=_setup_backward)
-# What the op mutates: the cache its handle names (pages, lengths, scores), none of its tensor arguments
-# (`mutates_args=()` says exactly that). It declares no effect: its output is every layer's attention,
-# which the next layer consumes, so data dependencies alone order the calls and keep each one
-# (tests/test_isolation.py). An ordered effect (`attend.register_effect`) would add an effect token to
-# the graph, and torch 2.13's Inductor does not cache graphs holding its `with_effects` operator: every
-# process would compile the model again (docs/INTERNALS.md "The op and its two entries").
+class _Attend(torch.autograd.Function):
+    """The op with the gradient of a prompt's attention (`_setup_backward`, `_backward`), which the eager
+    entry calls where grad mode is on. torch.library refuses an autograd formula on an op whose schema
+    declares a write (`attend.register_autograd`: "non-functional operator"), so the formula sits in this
+    Function around the op; the write is the token's (never differentiable), and the op runs below it as
+    in any call."""
+
+    @staticmethod
+    def forward(q, k, v, mask, layer, cache, token, scale):
+        return torch.ops.kvcompile.attend(q, k, v, mask, layer, cache, token, scale)
+
+    setup_context = staticmethod(_setup_backward)
+    backward = staticmethod(_backward)
+
+
+# What the op mutates: the cache its `cache` argument names (pages, lengths, scores; a CacheRef, opaque to
+# torch), which no schema can name. The schema declares it as a write of that cache's `token` ((1,) int64,
+# `mutates_args=("token",)`; the op bumps it): functionalization and Inductor see every call as a write
+# of its cache's state, and all calls of a graph write the same token, so none is reordered, merged or
+# dropped, whatever data flows between them (tests/test_isolation.py). q, k, v, mask: not written. No
+# effect token: an ordered effect (`attend.register_effect`) would thread one through the graph, and torch
+# 2.13's Inductor does not cache graphs holding its `with_effects` operator, so every process would compile
+# the model again; the token is an ordinary graph input, which the FX graph cache takes (tests/
+# test_compiled.py's warm start; docs/INTERNALS.md "The op and its two entries").
 
 
 # --- transformers' attention and mask interfaces ------------------------------------------
@@ -164,7 +184,8 @@ def kvcompile_attention(module, query, key, value, attention_mask, scaling=None,
         offset = key.shape[2] - query.shape[2]
         out = prompt_attention(query, key, value, mask, scale, offset)
     else:
-        out = torch.ops.kvcompile.attend(query, key, value, mask, module.layer_idx, cache.handle, scale)
+        args = (query, key, value, mask, module.layer_idx, cache.ref, cache.token, scale)
+        out = _Attend.apply(*args) if torch.is_grad_enabled() else torch.ops.kvcompile.attend(*args)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -9,24 +9,34 @@ around the opaque op.
 "sdpa") in `torch.compile(backend=...)`. Two choices keep the graph independent of the
 cache, so generating never recompiles:
 
-- The handle. The op's `handle` argument is the constant ACTIVE_HANDLE, and the forward
-  wrapper binds the call's KVCompileCache to it for the duration of the call
-  (`bind_cache`). A 0-d tensor input would make the graph self-contained, but dynamo
-  drops graph inputs the model's code never reads, so it would have to be threaded
-  through the model; a baked per-cache int would recompile for every new cache. The
-  binding is per thread (`kvcompile.cache.bind`), so calls on several threads each work on
-  their own cache; nested calls are fine (the binding is restored). The compiled calls
-  themselves take turns (`CALLS`, one lock per process, held for one forward: a prefill or
-  one decode step): tracing patches process-wide configuration (dynamo's recompile limit,
-  `backed_size_oblivious`, switched off again while a graph runs), which a call on another
-  thread would otherwise see half-way. Concurrent generate() calls therefore interleave step
-  by step, each with its own cache, and a single caller pays one uncontended lock per step.
+- The cache's inputs. What torch.compile traces is `_forward_with_cache(forward, ref, token,
+  *args, **kwargs)` (`traced_function`), which calls `kvcompile.cache_input(ref, token)` and
+  then the model's forward: the call's KVCompileCache reaches the graph as two graph inputs,
+  its `ref` (an opaque reference object, on which dynamo guards by type only) and its `token`
+  (a (1,) tensor), which the rewrite wires into every `kvcompile.attend` (kvcompile.cache_ref;
+  without the marker call dynamo would drop them: the model's own code never reads them). A
+  baked per-cache constant would recompile for every new cache, a binding would be hidden
+  state: here each call names its cache, and one graph serves every cache and every thread.
 - The cache object. The traced forward gets a stateless stand-in (`GraphCache`): the
   real cache's `seq_length` is a Python int that dynamo would specialise on (one graph
   per generated token), and its mask sizes would give SDPA a (B, 1, T, past + T) mask
   against T new keys. The stand-in reports no past, so transformers builds a (B, 1, T, T)
   mask that the rewrite leaves dead; positions come from `position_ids`, which the
   wrapper computes from the real cache when the caller gives none.
+
+Threads. A call does not trace unless it must: it first runs `_forward_with_cache` in
+dynamo's run-only mode (`torch._dynamo.run`, per thread), which runs a compiled graph whose
+guards pass, with no lock and nothing patched; when none does, the function runs eagerly,
+and its first statement, `cache_input`, raises NotTraced before anything else runs. Only
+then does the call trace, holding `TRACING` and with the process-wide configuration that
+tracing needs patched (`backed_size_oblivious`, dynamo's recompile limit, `specialize_float`).
+`TRACING` is dynamo's own compile lock, which every torch.compile in the process takes while
+it compiles: no other compile (the op's kernels compile on first use) sees the patched
+configuration, and it is restored before the lock is released. A model traces once per
+graph kind (prefill, decode, under no_grad / inference_mode), so after its first prefill and
+decode step concurrent calls run their graphs at once, each on its own cache; a call waits
+only for a trace in progress that it needs itself, or to compile a kernel (tests/
+test_isolation.py).
 
 Shapes: one prefill graph and one decode graph serve every batch size and prompt length
 (`_mark_dynamic`). The batch (dim 0) and the sequence lengths (dim 1 of the ids, mask and
@@ -75,27 +85,31 @@ from __future__ import annotations
 import copy
 import functools
 import sys
-import threading
 import time
+import types
 
 import torch
 import torch.fx.experimental._config as fx_config
+from torch._dynamo.convert_frame import compile_lock
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import is_symbolic
 from transformers.cache_utils import Cache
 
-from kvcompile import cache as cache_module
 from kvcompile.cache import KVCompileCache
+from kvcompile.cache_ref import NotTraced
 from kvcompile.passes.dead import remove_dead
 from kvcompile.passes.find import PassError, find_attention
-from kvcompile.passes.rewrite import ACTIVE_HANDLE, rewrite_attention, shape
+from kvcompile.passes.rewrite import rewrite_attention, shape
 
-# transformers wraps every model's forward in one decorator function, so dynamo keeps the graphs
-# of every compiled model (each: prefill and decode, under no_grad and under inference_mode) on
-# one code object, whose default limit of 8 entries two model classes already fill (and with
+# dynamo keeps the graphs of every model compiled with one backend (models of one shape: each
+# prefill and decode, under no_grad and under inference_mode) on one code object
+# (`traced_function`), whose default limit of 8 entries two model classes already fill (and with
 # fullgraph=True the ninth is a hard failure). Each compiled model adds at most 4 entries.
 RECOMPILE_LIMIT = 64
+
+# The compiled entry's one lock, held only while a call traces (module doc, "Threads"): dynamo's own.
+TRACING = compile_lock
 
 COMPILES: list[dict] = []  # one record per graph the backend compiled (layers, nodes removed, seconds, ...)
 PROGRESS = True  # one line on stderr before and after each Inductor compile
@@ -131,24 +145,18 @@ def inductor_options(example_inputs, tokens=None, fixed_work=()) -> dict:
     return {} if symbolic else {"cpp.min_chunk_size": SERIAL_WORK}
 
 
-CALLS = threading.RLock()  # one compiled forward at a time per process (module doc, "The handle")
-
-
-def bind_cache(cache: KVCompileCache):
-    """Make `cache` the one `kvcompile.attend(..., handle=ACTIVE_HANDLE, ...)` works on, in this
-    thread, for the block (`kvcompile.cache.bind`)."""
-    return cache_module.bind(cache)
-
-
-def run_passes(gm: GraphModule, kv_heads: int | None = None, num_layers: int | None = None) -> dict:
+def run_passes(gm: GraphModule, kv_heads: int | None = None, num_layers: int | None = None,
+               require_marker: bool = False) -> dict:
     """find_attention → rewrite_attention → remove_dead, in place. With `num_layers`, every
-    layer 0 … L−1 must have its attention call (none may run uncompressed)."""
+    layer 0 … L−1 must have its attention call (none may run uncompressed). `require_marker`:
+    the graph must hold the compiled entry's `kvcompile.cache_input` call (a graph without one
+    gets its cache's `ref` and `token` as two inputs after its own: `rewrite.cache_inputs`)."""
     found = find_attention(gm)
     layers = sorted(layer for _, layer in found)
     if num_layers is not None and layers != list(range(num_layers)):
         raise PassError(f"kvcompile: attention found in layers {layers}, expected layers 0 … {num_layers - 1} "
                         "(a graph break? compile with fullgraph=True)")
-    new = rewrite_attention(gm, found, ACTIVE_HANDLE, kv_heads=kv_heads)
+    new = rewrite_attention(gm, found, kv_heads=kv_heads, require_marker=require_marker)
     removed = remove_dead(gm)
     q = shape(new[0].args[0]) if new else None
     mask = shape(new[0].args[3]) if new and new[0].args[3] is not None else None
@@ -179,7 +187,7 @@ def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num
     from torch._inductor.compile_fx import compile_fx
 
     start = time.perf_counter()
-    record = run_passes(gm, kv_heads, num_layers)
+    record = run_passes(gm, kv_heads, num_layers, require_marker=True)
     if not inductor:
         record.pop("fixed_work")
     record["kind"] = kind = graph_kind(record["tokens"])
@@ -207,8 +215,13 @@ def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num
 def _plain_shapes(compiled):
     """`compiled`, run with backed_size_oblivious off: the flag is for tracing the model
     (compile_forward), not for what the op compiles while it runs (the kernels'
-    torch.compile'd lowerings keep torch's default 0/1 specialisation)."""
+    torch.compile'd lowerings keep torch's default 0/1 specialisation). Only the tracing
+    thread (which holds TRACING) runs a graph with the flag on, right after tracing it;
+    another thread leaves the process-wide flag alone (it would switch it off under the
+    tracing thread), and any compile of its own waits for TRACING, the flag restored."""
     def run(*args):
+        if not (fx_config.backed_size_oblivious and TRACING._is_owned()):
+            return compiled(*args)
         with fx_config.patch(backed_size_oblivious=False):
             return compiled(*args)
 
@@ -221,6 +234,25 @@ def make_backend(kv_heads: int | None = None, num_layers: int | None = None, ind
     """One backend object per model shape, so dynamo reuses compiled graphs across
     compile_forward calls (a new backend object would compile again)."""
     return functools.partial(backend, kv_heads=kv_heads, num_layers=num_layers, inductor=inductor)
+
+
+def _forward_with_cache(forward, kvcompile_ref, kvcompile_token, *args, **kwargs):
+    """What torch.compile traces: the cache's inputs marked (kvcompile.cache_ref.cache_input: raises
+    NotTraced where this runs eagerly), then the model's forward."""
+    torch.ops.kvcompile.cache_input(kvcompile_ref, kvcompile_token)
+    return forward(*args, **kwargs)
+
+
+@functools.cache
+def traced_function(kv_heads: int | None = None, num_layers: int | None = None, inductor: bool = True):
+    """`_forward_with_cache` for one backend (`make_backend`'s arguments), with a code object of its
+    own: dynamo keeps graphs per code object, and its run-only mode (module doc, "Threads") runs any
+    graph whose guards pass, whichever backend compiled it. Its name is made of the arguments, the same
+    in every process."""
+    code = _forward_with_cache.__code__
+    name = f"_forward_with_cache_{kv_heads}_{num_layers}_{'inductor' if inductor else 'passes'}"
+    code = code.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, _forward_with_cache.__globals__, name)
 
 
 class GraphCache(Cache):
@@ -314,8 +346,8 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
         raise PassError(f"kvcompile: the compiled entry needs attn_implementation='sdpa', the model has "
                         f"{config._attn_implementation!r}")
     forward = forward or type(model).forward.__get__(model)
-    return CompiledForward(forward, make_backend(kv_heads or config.num_key_value_heads, config.num_hidden_layers,
-                                                 inductor), dynamic)
+    return CompiledForward(forward, (kv_heads or config.num_key_value_heads, config.num_hidden_layers, inductor),
+                           dynamic)
 
 
 class CompiledForward:
@@ -324,15 +356,19 @@ class CompiledForward:
     It holds the forward it compiles (a method bound to the model), so `copy.deepcopy` of a
     compiled model gives the copy a CompiledForward of the copy's own forward (its weights):
     the torch.compile'd function is made again for it (dynamo's guards decide whether the
-    copy reuses the original's graphs)."""
+    copy reuses the original's graphs). `key`: `make_backend`'s arguments (KV heads, layers,
+    Inductor or not). It holds no cache and no lock: each call passes its cache to the graph."""
 
-    def __init__(self, forward, backend, dynamic):
-        self.forward, self.backend, self.dynamic = forward, backend, dynamic
-        self.kvcompile_compiled = torch.compile(forward, dynamic=dynamic, fullgraph=True, backend=backend)
+    def __init__(self, forward, key: tuple, dynamic):
+        self.forward, self.key, self.dynamic = forward, key, dynamic
+        self.backend = make_backend(*key)
+        traced = traced_function(*key)
+        self.kvcompile_compiled = torch.compile(traced, dynamic=dynamic, fullgraph=True, backend=self.backend)
+        self.kvcompile_run = torch._dynamo.run(traced)  # the compiled graphs only, never a trace
         functools.update_wrapper(self, forward, updated=())
 
     def __deepcopy__(self, memo):
-        return CompiledForward(copy.deepcopy(self.forward, memo), self.backend, self.dynamic)
+        return CompiledForward(copy.deepcopy(self.forward, memo), self.key, self.dynamic)
 
     def __call__(self, *args, past_key_values=None, **kwargs):
         forward = self.forward
@@ -353,14 +389,27 @@ class CompiledForward:
             kwargs["logits_to_keep"] = torch.arange(-keep, 0, device=tokens.device)
         args = _same_kind(args, kwargs)
         _mark_dynamic(args, kwargs)
-        with CALLS, torch.no_grad(), bind_cache(past_key_values), \
-                fx_config.patch(backed_size_oblivious=True), \
+        inputs = (forward, past_key_values.ref, past_key_values.token, *args)
+        with torch.no_grad():
+            try:  # a compiled graph fits: it runs, nothing locked or patched (module doc, "Threads")
+                out = self.kvcompile_run(*inputs, past_key_values=_GRAPH_CACHE, **kwargs)
+            except NotTraced:
+                out = self._trace(inputs, kwargs)
+        if past_key_values.seq_length != start + t:
+            raise PassError("kvcompile: the compiled forward did not run kvcompile.attend in every layer; "
+                            "the cache was not updated")
+        return _with_cache(out, _GRAPH_CACHE, past_key_values)
+
+    def _trace(self, inputs, kwargs):
+        """The call, traced first: under TRACING, with the configuration tracing needs (module doc)."""
+        with TRACING, fx_config.patch(backed_size_oblivious=True), \
                 torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True):
             # specialize_float: a model's float attributes (its attention scale) stay constants of its graph;
             # else, once a second model of the same class with another head dim recompiles the shared code
             # object, dynamo makes the float a graph input and the op's scale is no longer known
-            out = self.kvcompile_compiled(*args, past_key_values=_GRAPH_CACHE, **kwargs)
-        if past_key_values.seq_length != start + t:  # e.g. dynamo fell back to eager (recompile limit)
-            raise PassError("kvcompile: the compiled forward did not run kvcompile.attend in every layer; "
-                            "the cache was not updated")
-        return _with_cache(out, _GRAPH_CACHE, past_key_values)
+            try:
+                return self.kvcompile_compiled(*inputs, past_key_values=_GRAPH_CACHE, **kwargs)
+            except NotTraced:  # dynamo ran the function eagerly instead (e.g. the recompile limit was reached)
+                raise PassError("kvcompile: dynamo did not compile the forward (it ran it eagerly: see "
+                                "TORCH_LOGS=recompiles), so kvcompile.attend would not run; the cache was not "
+                                "updated") from None

@@ -1,4 +1,5 @@
-"""Pass 2: rewrite each attention call into `torch.ops.kvcompile.attend` bound to its layer.
+"""Pass 2: rewrite each attention call into `torch.ops.kvcompile.attend` bound to its layer and
+to the call's cache.
 
 The op takes the layer's NEW keys and values with H KV heads (it stores them in the
 paged cache itself), so the GQA expansion transformers puts in front of SDPA when it
@@ -7,6 +8,11 @@ does not pass `enable_gqa` — `repeat_kv`: `k[:, :, None].expand(B, H, G, T, d)
 cache concatenation `cat([past, new], dim=-2)` (a DynamicCache). The op also takes the
 2-D padding mask (B, ≥T) the model received, not the 4-D mask built from it, and the
 scale SDPA was given (d**-0.5 when none).
+
+The cache reaches the op through two graph inputs, the cache's `ref` (an opaque CacheRef) and
+its `token` (kvcompile.cache_ref): in a graph of the compiled entry they are the arguments of its
+`kvcompile.cache_input(ref, token)` marker, which the rewrite erases; a graph traced without the
+entry's wrapper (hand-built graphs) gets them as two new inputs after its own.
 
 Shapes come from the nodes' fake values (`meta["val"]` / `meta["example_value"]`, or
 ShapeProp's `meta["tensor_meta"]`), which dynamo and make_fx graphs carry; run
@@ -20,13 +26,13 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+import kvcompile.cache_ref  # noqa: F401  (registers torch.ops.kvcompile.cache_input)
 import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
-from kvcompile.cache import BOUND_HANDLE
 from kvcompile.passes.find import PassError, returns_tuple, sdpa_arguments
 
 aten = torch.ops.aten
 ATTEND = torch.ops.kvcompile.attend.default
-ACTIVE_HANDLE = BOUND_HANDLE  # the reserved handle of "the cache bound for this call" (see backend.py)
+CACHE_INPUT = {torch.ops.kvcompile.cache_input, torch.ops.kvcompile.cache_input.default}  # dynamo records the packet
 
 _RESHAPE_METHODS = {"reshape", "view"}
 _RESHAPE_FUNCTIONS = {torch.reshape, aten.reshape.default, aten.view.default, aten._unsafe_view.default}
@@ -246,17 +252,56 @@ def _plan(gm: GraphModule, node: Node, kv_heads: int | None) -> dict:
     return {"q": q, "k": k, "v": v, "mask": padding_mask(gm, args["attn_mask"]), "scale": scale}
 
 
-def rewrite_attention(gm: GraphModule, found: list[tuple[Node, int]], handle: int = ACTIVE_HANDLE,
-                      kv_heads: int | None = None) -> list[Node]:
-    """Replace each SDPA call of `found` (from find_attention) by
-    `kvcompile.attend(q, k, v, mask, layer, handle, scale)`; returns the new nodes.
+def cache_marker(gm: GraphModule) -> Node | None:
+    """The compiled entry's `kvcompile.cache_input(ref, token)` call, None in a graph without one."""
+    marks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in CACHE_INPUT]
+    if len(marks) > 1:
+        raise PassError(f"kvcompile: {len(marks)} kvcompile.cache_input calls in one graph; the compiled entry "
+                        "makes one")
+    if marks and not all(isinstance(a, Node) and a.op == "placeholder" for a in marks[0].args):
+        raise PassError("kvcompile: kvcompile.cache_input's arguments are not graph inputs")
+    return marks[0] if marks else None
 
-    `handle` is baked into the graph as a constant: the reserved ACTIVE_HANDLE means "the
-    cache bound for the current call" (backend.bind_cache), so one graph serves every
-    cache. `kv_heads` (the model's KV heads), when given, is checked against the keys.
-    Every call is checked before any is rewritten: on error the graph is unchanged.
+
+NO_MARKER = ("kvcompile: the graph has no kvcompile.cache_input(ref, token) call, so no cache reaches its "
+             "attention: compile the model with kvcompile.compile(model, spec, mode='compiled') "
+             "(kvcompile.passes.compile_forward), whose traced function makes the call")
+
+
+def cache_inputs(gm: GraphModule) -> tuple[Node, Node]:
+    """The graph inputs that carry the call's cache (its `ref` and `token`): the arguments of
+    the compiled entry's `cache_input` marker, which is erased; in a graph without one, two new
+    inputs `kvcompile_ref` and `kvcompile_token` after the graph's own (its caller passes the
+    cache's `ref` and `token` last). A graph that dynamo calls (the backend's) must hold the
+    marker: dynamo passes the graph its own inputs only."""
+    mark = cache_marker(gm)
+    if mark is not None:
+        ref, token = mark.args
+        gm.graph.erase_node(mark)
+        return ref, token
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        ref = gm.graph.placeholder("kvcompile_ref")
+    with gm.graph.inserting_after(ref):
+        token = gm.graph.placeholder("kvcompile_token")
+    return ref, token
+
+
+def rewrite_attention(gm: GraphModule, found: list[tuple[Node, int]], kv_heads: int | None = None,
+                      require_marker: bool = False) -> list[Node]:
+    """Replace each SDPA call of `found` (from find_attention) by
+    `kvcompile.attend(q, k, v, mask, layer, ref, token, scale)`; returns the new nodes.
+
+    `ref` and `token` are graph inputs (`cache_inputs`), never constants: each call passes its
+    cache's, so one graph serves every cache. `kv_heads` (the model's KV heads), when given, is
+    checked against the keys; `require_marker`: refuse a graph without the `cache_input` marker
+    (the backend's). Every call is checked before any is rewritten: on error the graph is
+    unchanged.
     """
     plans = [_plan(gm, node, kv_heads) for node, _ in found]
+    if cache_marker(gm) is None and require_marker:
+        raise PassError(NO_MARKER)
+    ref, token = cache_inputs(gm)
     new_nodes = []
     masks: dict[Node, Node] = {}
     replaced: dict[Node, Node] = {}  # an earlier call's output may feed a later one
@@ -272,7 +317,7 @@ def rewrite_attention(gm: GraphModule, found: list[tuple[Node, int]], handle: in
         # a contiguous q makes the two agree (transformers' q is a transposed view).
         q = _insert(gm, node, aten.contiguous.default, plan["q"])
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(ATTEND, (q, plan["k"], plan["v"], mask, layer, handle, plan["scale"]))
+            new = gm.graph.call_function(ATTEND, (q, plan["k"], plan["v"], mask, layer, ref, token, plan["scale"]))
         new.meta = dict(node.meta)
         for key in ("val", "example_value"):
             if key in node.meta and returns_tuple(node):
