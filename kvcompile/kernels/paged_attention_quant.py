@@ -1,0 +1,552 @@
+"""Decode attention over quantized KV pages (int8, int4): precision as a part of the cache's layout.
+
+Contract: `kvcompile.kernels.paged_attention`'s (one query per head per step, GQA group
+G = Hq / H, block_table (B, H, M) int32 or int64, lengths (B, H), optional per-entry bias pages
+(P, S) added to the logits, softmax scale, default d^-1/2; entries past a head's length and
+block-table entries past its last page never read; an empty head gives zeros), with each float
+page pair `k_pages`, `v_pages` (P, S, d) replaced by quantized pages (kvcompile/kernels/quantize.py):
+
+    k_codes, v_codes   uint8 (P, S, d) for int8, (P, S, d // 2) for int4 (low nibble first);
+                       the bit width (one for keys and values) is read off their width
+    k_scale, k_zero    float32 (P, S, d // group_k): keys per token, groups of group_k channels;
+                       or (P, d): keys per channel, each channel over the page's S entries (KIVI)
+    v_scale, v_zero    float32 (P, S, d // group_v): values per token (KIVI, MiKV)
+
+The result is, by definition, `paged_attention_quant_torch`: every page dequantized
+(x̂ = code · scale + zero, `quantize.dequantize`), then `paged_attention.paged_attention_torch`
+on the float pages. With `return_lse=True` every implementation also returns the log-sum-exp of
+each query head's logits (B, Hq) (−inf for an empty head): `merge_partials` combines the result
+with an attention over other entries, as KIVI's full-precision residual needs
+(quantize.py's docstring says how a caller holds it).
+
+Implementations:
+- `paged_attention_quant_torch`: the eager reference above (the specification).
+- `paged_attention_quant_cpp` (paged_attention_quant.cpp beside this module): the fp32 C++
+  kernel's flash-decoding (kvcompile/kernels/paged_attention_cpp.py) over packed pages. A work item
+  is one (sequence, KV head, run of pages); each code row is read once and dequantized in
+  registers (int8: one widening load and a convert per vector; int4: the two nibbles of 8 bytes
+  split, interleaved back into channel order and widened). Keys per token: k̂ = code · scale + zero
+  per vector (a vector lies inside one group: groups are multiples of 16 channels), then q·k̂ for
+  the G query heads. Keys per channel: q·k̂ = Σ_c (q_c scale_c) code_c + Σ_c q_c zero_c, with
+  q_c scale_c and the constant computed once per page, so the codes go straight into the dot
+  products (KIVI's fused dequantize-and-multiply). A page's G·S dot vectors become its logits by a
+  transpose-and-add tree, exponentiated a vector at a time (online softmax, Milakov & Gimelshein
+  2018); each value row is dequantized once and accumulated for the G query heads. Every retained
+  byte (codes, scales, zeros, bias) is read once. fp32 queries on the CPU, head dim and both group
+  sizes multiples of 16, with Inductor's C++ toolchain; built once per (G, d).
+- `paged_attention_quant_triton`: the Triton paged kernel's flash-decoding
+  (`paged_attention.paged_attention_triton`): one program per (sequence · KV head, chunk of
+  entries) writes online-softmax partials, a second kernel combines them. Codes are loaded as
+  bytes (int4: each byte loaded for its two channels and the nibble shifted out), dequantized in
+  fp32, and both products run in fp32 (`input_precision="ieee"`: the dequantized values are not
+  representable in the 16-bit dtypes). Runs on CUDA, or anywhere under TRITON_INTERPRET=1 (fp32:
+  the interpreter computes bf16 wrong).
+
+Backends (one call signature, `backend(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+block_table, lengths, bias_pages, scale)` -> (B, Hq, d)): `CppQuantPagedAttention(parallel_work)`,
+`TorchQuantPagedAttention`, `TritonQuantPagedAttention`; `backend(name)` makes one from "cpp",
+"torch" or "triton".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvcompile.kernels import paged_attention_cpp as fp32_cpp
+from kvcompile.kernels.backend import KernelBackend
+from kvcompile.kernels.paged_attention import paged_attention_torch
+from kvcompile.kernels.paged_attention_cpp import load_cpp
+from kvcompile.kernels.quantize import dequantize
+
+try:  # Triton is optional: the C++ kernel and the torch reference cover machines without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+
+# Threads and work items as the fp32 C++ kernel (paged_attention_cpp): one thread below
+# PARALLEL_WORK multiply-adds a call.
+PARALLEL_WORK = fp32_cpp.PARALLEL_WORK
+ITEMS_PER_THREAD = fp32_cpp.ITEMS_PER_THREAD
+PREFETCH_AHEAD = fp32_cpp.PREFETCH_AHEAD
+CPP_GROUP = 16  # the C++ kernel's head dim and group sizes are multiples of this (the widest vector)
+
+_ARGTYPES = ("const float*", "const uint8_t*", "const float*", "const float*", "const uint8_t*",
+             "const float*", "const float*", "const int64_t*", "const int64_t*", "const float*", "float*",
+             "float*", "float*", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
+             "const int64_t", "const float", "const int64_t", "const int64_t", "const int64_t", "int64_t",
+             "const int64_t")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a call's quantized pages hold (read off their shapes by `check`)."""
+
+    bits: int  # 8 or 4, keys and values
+    k_channel: bool  # keys per channel (scale (P, d)) rather than per token
+    group_k: int  # channels per key group (S when per channel: the page's entries)
+    group_v: int  # channels per value group
+
+
+def check(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor, v_scale: Tensor,
+          v_zero: Tensor, block_table: Tensor, lengths: Tensor, bias_pages: Tensor | None = None) -> Layout:
+    """Validate a call's shapes and dtypes (ValueError naming the reason); returns the layout."""
+    fn = "paged_attention_quant"
+    if q.dim() != 3 or not q.is_floating_point():
+        raise ValueError(f"{fn}: q must be float (B, Hq, d), got {q.dtype} {tuple(q.shape)}")
+    b, hq, d = q.shape
+    if block_table.dim() != 3 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{fn}: block_table must be int32 or int64 (B, H, M), got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    h = block_table.shape[1]
+    if block_table.shape[0] != b or lengths.shape != (b, h) or h == 0 or hq % h:
+        raise ValueError(f"{fn}: q {tuple(q.shape)}, block_table {tuple(block_table.shape)}, lengths "
+                         f"{tuple(lengths.shape)} do not match")
+    if lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{fn}: lengths must be int32 or int64, got {lengths.dtype}")
+    if k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
+        raise ValueError(f"{fn}: codes must be uint8, got {k_codes.dtype}, {v_codes.dtype}")
+    if k_codes.dim() != 3 or k_codes.shape != v_codes.shape:
+        raise ValueError(f"{fn}: k_codes {tuple(k_codes.shape)} and v_codes {tuple(v_codes.shape)} must be "
+                         f"one shape (P, S, d · bits / 8)")
+    p, s, width = k_codes.shape
+    if width == d:
+        bits = 8
+    elif 2 * width == d:
+        bits = 4
+    else:
+        raise ValueError(f"{fn}: codes of {width} bytes an entry for head dim {d}: {d} (int8) or {d / 2:g} "
+                         f"(int4) expected")
+    for name, x in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
+        if x.dtype != torch.float32:
+            raise ValueError(f"{fn}: {name} must be float32, got {x.dtype}")
+    if k_scale.shape != k_zero.shape or v_scale.shape != v_zero.shape:
+        raise ValueError(f"{fn}: k_scale {tuple(k_scale.shape)} / k_zero {tuple(k_zero.shape)} and v_scale "
+                         f"{tuple(v_scale.shape)} / v_zero {tuple(v_zero.shape)} must match pairwise")
+    if k_scale.shape == (p, d):
+        k_channel, group_k = True, s
+    elif k_scale.dim() == 3 and k_scale.shape[:2] == (p, s) and k_scale.shape[2] and d % k_scale.shape[2] == 0:
+        k_channel, group_k = False, d // k_scale.shape[2]
+    else:
+        raise ValueError(f"{fn}: k_scale {tuple(k_scale.shape)} must be ({p}, {d}) (per channel) or "
+                         f"({p}, {s}, d // group) (per token, group dividing d = {d})")
+    if not (v_scale.dim() == 3 and v_scale.shape[:2] == (p, s) and v_scale.shape[2] and d % v_scale.shape[2] == 0):
+        raise ValueError(f"{fn}: v_scale {tuple(v_scale.shape)} must be ({p}, {s}, d // group) with the group "
+                         f"dividing d = {d} (values are quantized per token)")
+    if bias_pages is not None and bias_pages.shape != (p, s):
+        raise ValueError(f"{fn}: bias_pages {tuple(bias_pages.shape)} must be ({p}, {s})")
+    return Layout(bits, k_channel, group_k, d // v_scale.shape[2])
+
+
+def _dequantized(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, layout: Layout) -> tuple[Tensor, Tensor]:
+    k = dequantize(k_codes, k_scale, k_zero, layout.bits, "channel" if layout.k_channel else "token")
+    v = dequantize(v_codes, v_scale, v_zero, layout.bits, "token")
+    return k, v
+
+
+# --------------------------------------------------------------------------- torch (reference)
+
+def paged_attention_quant_torch(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
+                                v_scale: Tensor, v_zero: Tensor, block_table: Tensor, lengths: Tensor,
+                                bias_pages: Tensor | None = None, scale: float | None = None, *,
+                                return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The specification: every page dequantized (`quantize.dequantize`: code · scale + zero, fp32),
+    then `paged_attention_torch` (eager: gather + matmul) on the float pages -> (B, Hq, d) in q's
+    dtype. return_lse: also the log-sum-exp of each query head's logits (B, Hq) float32, −inf
+    for an empty head (the same gathered logits, `torch.logsumexp`)."""
+    layout = check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
+    k_pages, v_pages = _dequantized(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, layout)
+    out = paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+    if not return_lse:
+        return out
+    return out, _lse_torch(q, k_pages, block_table, lengths, bias_pages, scale)
+
+
+def _lse_torch(q, k_pages, block_table, lengths, bias_pages, scale) -> Tensor:
+    """log Σ_t exp(logit_t) over each query head's valid entries (B, Hq); −inf for an empty head."""
+    b, hq, d = q.shape
+    h, m = block_table.shape[1:]
+    s = k_pages.shape[1]
+    scale = d ** -0.5 if scale is None else scale
+    live = torch.arange(m, device=q.device) < (lengths[..., None] + s - 1) // s
+    table = torch.where(live, block_table, 0).long()
+    keys = k_pages[table].view(b, h, m * s, d)
+    logits = torch.matmul(q.float().view(b, h, hq // h, d), keys.transpose(-1, -2)) * scale
+    if bias_pages is not None:
+        logits = logits + bias_pages[table].view(b, h, 1, m * s).float()
+    valid = torch.arange(m * s, device=q.device) < lengths[..., None]
+    return torch.logsumexp(logits.masked_fill(~valid[:, :, None], float("-inf")), -1).view(b, hq)
+
+
+def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
+    """The attention over two disjoint sets of entries from the attention over each and its
+    log-sum-exp (B, Hq): out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b}), taken
+    relative to the larger lse; a set with lse −inf (no entry) has weight 0, zeros when both are
+    empty. -> (B, Hq, d) in out_a's dtype."""
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    den = wa + wb
+    out = (wa[..., None] * out_a.float() + wb[..., None] * out_b.float()) / torch.where(den > 0, den, 1.0)[..., None]
+    return out.to(out_a.dtype)
+
+
+def dense_attention_lse(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float | None = None
+                        ) -> tuple[Tensor, Tensor]:
+    """Attention of q (B, Hq, d) over a small dense float cache k, v (B, H, W, d), entry w of head h
+    valid when w < lengths[b, h] (KIVI's full-precision residual page) -> (out (B, Hq, d) in q's
+    dtype, lse (B, Hq)); an empty head gives zeros and lse −inf. Eager torch."""
+    b, hq, d = q.shape
+    h, w = k.shape[1:3]
+    scale = d ** -0.5 if scale is None else scale
+    logits = torch.matmul(q.float().view(b, h, hq // h, d), k.float().transpose(-1, -2)) * scale
+    valid = torch.arange(w, device=q.device) < lengths[..., None]
+    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    weights = torch.softmax(logits, -1).nan_to_num(0.0)
+    out = torch.matmul(weights, v.float().masked_fill(~valid[..., None], 0.0))
+    return out.view(b, hq, d).to(q.dtype), lse.view(b, hq)
+
+
+# -------------------------------------------------------------------------------------- C++
+
+def cpp_source(g: int, d: int, group_k: int, group_v: int) -> str:
+    """The kernel's C++ for G query heads per KV head, head dim d, keys in groups of group_k
+    channels (0: per channel) and values in groups of group_v channels (package data, after the
+    #defines of these and the prefetch distance)."""
+    return fp32_cpp.cpp_source("paged_attention_quant.cpp", G=g, D=d, GK=group_k, GV=group_v, AHEAD=PREFETCH_AHEAD)
+
+
+def _kernel(g: int, d: int, group_k: int, group_v: int):
+    """The C++ kernel built once per (G, d, key group (0: per channel), value group): compile-time
+    constants, so every loop over the head dim unrolls; int8 and int4 in one build."""
+    return load_cpp(_ARGTYPES, "paged_attention_quant.cpp", G=g, D=d, GK=group_k, GV=group_v,
+                    AHEAD=PREFETCH_AHEAD)
+
+
+def supports(device: torch.device | str, dtype: torch.dtype, head_dim: int, groups: tuple[int, ...] = ()) -> bool:
+    """The C++ kernel runs here: fp32 queries on the CPU, head dim and the per-token group sizes
+    `groups` multiples of 16 (a vector never straddles two groups), and a C++ toolchain."""
+    return (fp32_cpp.supports(device, dtype, head_dim)
+            and all(group % CPP_GROUP == 0 for group in groups))
+
+
+def _dense(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
+def paged_attention_quant_cpp(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
+                              v_scale: Tensor, v_zero: Tensor, block_table: Tensor, lengths: Tensor,
+                              bias_pages: Tensor | None = None, scale: float | None = None, *,
+                              return_lse: bool = False, threads: int | None = None, chunk: int | None = None,
+                              parallel_work: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Decode attention of q (B, Hq, d) fp32 over quantized pages on the CPU -> (B, Hq, d) (and the
+    log-sum-exp (B, Hq) with return_lse), equal to `paged_attention_quant_torch` up to float
+    summation order.
+
+    threads: OpenMP threads (default: torch's when the call has at least `parallel_work`
+    multiply-adds, default PARALLEL_WORK, else 1); chunk: entries per work item (default: whole
+    pages, about ITEMS_PER_THREAD runs per thread over all heads), as `paged_attention_cpp`."""
+    layout = check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
+    b, hq, d = q.shape
+    groups = (layout.group_v,) + (() if layout.k_channel else (layout.group_k,))
+    if not (supports(q.device, q.dtype, d, groups) and k_codes.device.type == "cpu"):
+        raise ValueError(f"paged_attention_quant_cpp: fp32 CPU tensors, head dim and per-token groups "
+                         f"multiples of {CPP_GROUP} and a C++ compiler; here {q.device.type}, {q.dtype}, head dim "
+                         f"{d}, groups {groups}")
+    h, m = block_table.shape[1:]
+    s = k_codes.shape[1]
+    g = hq // h
+    scale = d ** -0.5 if scale is None else scale
+    max_threads = torch.get_num_threads() if threads is None else threads
+    work = (PARALLEL_WORK if parallel_work is None else parallel_work) if threads is None else 0
+    runs = max(1, -(-ITEMS_PER_THREAD * max_threads // (b * h))) if chunk is None else max(1, -(-m * s // chunk))
+    workspace = torch.empty(b * h * runs * g * (d + 2))
+    out = torch.empty(b, hq, d)
+    lse = torch.empty(b, hq) if return_lse else out
+    f32, u8 = torch.float32, torch.uint8
+    kernel = _kernel(g, d, 0 if layout.k_channel else layout.group_k, layout.group_v)
+    kernel(_dense(q, f32), _dense(k_codes, u8), _dense(k_scale, f32), _dense(k_zero, f32), _dense(v_codes, u8),
+           _dense(v_scale, f32), _dense(v_zero, f32), _dense(block_table, torch.long), _dense(lengths, torch.long),
+           _dense(bias_pages, f32) if bias_pages is not None else out, workspace, out, lse, b * h, m, s,
+           int(bias_pages is not None), int(return_lse), float(scale), max_threads, ITEMS_PER_THREAD, work,
+           chunk or 0, layout.bits)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------- triton
+
+CHUNK_TOKENS = 256  # entries per program (as paged_attention.CHUNK_TOKENS)
+# Entries per inner step: 16 keeps the fp32 tiles (codes, dequantized K and V, 16 x 128 at d = 128) in
+# registers on sm_80 / sm_90 without a spill (tests/test_kernels_quant.py compiles it); 32 spills for int4.
+BLOCK_N = 16
+MIN_BLOCK_N = 16  # tl.dot's smallest K dimension (as paged_attention.MIN_BLOCK_N)
+
+
+def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
+                                 v_scale: Tensor, v_zero: Tensor, block_table: Tensor, lengths: Tensor,
+                                 bias_pages: Tensor | None = None, scale: float | None = None, *,
+                                 return_lse: bool = False, block_n: int = BLOCK_N,
+                                 chunk_tokens: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Flash-decoding in Triton over quantized pages: grid (B·H, chunks) of partials, then a (B·H,)
+    reduce -> (B, Hq, d) in q's dtype (and the log-sum-exp (B, Hq) float32 with return_lse).
+
+    block_n: entries per inner step (rounded up to a power of two, at least MIN_BLOCK_N); chunk_tokens:
+    entries per program (default CHUNK_TOKENS, rounded up to a multiple of the block_n asked for), a runtime
+    argument, so one compiled kernel serves every cache size. Codes, scales and zeros are read
+    as contiguous tensors (made so when they are not); the block table and lengths as given."""
+    if triton is None:
+        raise RuntimeError("paged_attention_quant_triton needs triton")
+    layout = check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
+    b, hq, d = q.shape
+    h, m = block_table.shape[1:]
+    s = k_codes.shape[1]
+    g = hq // h
+    scale = d ** -0.5 if scale is None else scale
+    chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+    chunk_tokens = -(-chunk_tokens // block_n) * block_n
+    block_n = max(MIN_BLOCK_N, triton.next_power_of_2(block_n))
+    chunks = max(1, -(-(m * s) // chunk_tokens))
+    q = q.contiguous()
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
+        x.contiguous() for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
+    parts = b * h * chunks * g
+    work = torch.empty(parts * (d + 2), device=q.device, dtype=torch.float32)
+    acc_part, m_part, l_part = work[: parts * d], work[parts * d: parts * (d + 1)], work[parts * (d + 1):]
+    has_bias = bias_pages is not None
+    bias = bias_pages if has_bias else k_scale  # a dummy pointer when there is no bias
+    block_g, block_d = triton.next_power_of_2(g), triton.next_power_of_2(d)
+    _quant_partials_kernel[(b * h, chunks)](
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias,
+        m_part, l_part, acc_part, scale, h, chunk_tokens, chunks,
+        block_table.stride(0), block_table.stride(1), block_table.stride(2),
+        lengths.stride(0), lengths.stride(1),
+        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
+        G=g, D=d, S=s, W=k_codes.shape[2], BITS=layout.bits, K_CHANNEL=layout.k_channel,
+        NGK=1 if layout.k_channel else d // layout.group_k, GROUP_K=layout.group_k,
+        NGV=d // layout.group_v, GROUP_V=layout.group_v, HAS_BIAS=has_bias,
+        BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, device=q.device, dtype=torch.float32) if return_lse else m_part
+    _quant_reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, lse, chunks, G=g, D=d, HAS_LSE=return_lse,
+                                   BLOCK_G=block_g, BLOCK_D=block_d)
+    return (out, lse) if return_lse else out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _codes(ptrs, mask, BITS: tl.constexpr):
+        """The codes of a (BLOCK_N, BLOCK_D · BITS / 8) tile of code bytes as a (BLOCK_N, BLOCK_D) int32
+        tile: int8 as they are; int4 split into the low nibble (channel 2i) and the high nibble
+        (channel 2i + 1) of byte i and interleaved back into channel order."""
+        raw = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        if BITS == 4:
+            raw = tl.interleave(raw & 15, raw >> 4)
+        return raw
+
+    @triton.jit
+    def _quant_partials_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, len_ptr,
+                               bias_ptr, m_ptr, l_ptr, acc_ptr, scale, H, chunk_tokens, num_chunks,
+                               stride_tb, stride_th, stride_tm, stride_lb, stride_lh, stride_bp, stride_bs,
+                               G: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                               BITS: tl.constexpr, K_CHANNEL: tl.constexpr, NGK: tl.constexpr,
+                               GROUP_K: tl.constexpr, NGV: tl.constexpr, GROUP_V: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                               BLOCK_D: tl.constexpr):
+        """Online-softmax partials of one (sequence·KV head, chunk) for its G query heads, the
+        codes dequantized to fp32 as they are loaded."""
+        bh = tl.program_id(0)
+        chunk = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_g = offs_g < G
+        mask_d = offs_d < D
+        q = tl.load(q_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        offs_w = tl.arange(0, BLOCK_D * BITS // 8)  # code bytes of an entry (int4: two codes each)
+        mask_w = offs_w < W
+        length = tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32)
+        table_row = table_ptr + b.to(tl.int64) * stride_tb + h * stride_th
+        lo = chunk * chunk_tokens
+        hi = tl.minimum(lo + chunk_tokens, length)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            t = start + offs_n
+            valid = t < hi
+            page = tl.load(table_row + (t // S) * stride_tm, mask=valid, other=0).to(tl.int64)
+            entry = page * S + t % S  # the entry's row in the pool, (BLOCK_N,)
+            kv_mask = valid[:, None] & mask_d[None, :]
+            codes = _codes(kc_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :], BITS)
+            if K_CHANNEL:
+                at = page[:, None] * D + offs_d[None, :]
+            else:
+                at = entry[:, None] * NGK + (offs_d // GROUP_K)[None, :]
+            k = (codes.to(tl.float32) * tl.load(ks_ptr + at, mask=kv_mask, other=0.0)
+                 + tl.load(kz_ptr + at, mask=kv_mask, other=0.0))
+            logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_G, BLOCK_N)
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + page * stride_bp + (t % S) * stride_bs, mask=valid, other=0.0)
+                logits += bias.to(tl.float32)[None, :]
+            logits = tl.where(valid[None, :], logits, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(logits - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            codes = _codes(vc_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :], BITS)
+            at = entry[:, None] * NGV + (offs_d // GROUP_V)[None, :]
+            v = (codes.to(tl.float32) * tl.load(vs_ptr + at, mask=kv_mask, other=0.0)
+                 + tl.load(vz_ptr + at, mask=kv_mask, other=0.0))
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        part = (bh * num_chunks + chunk) * G + offs_g
+        tl.store(m_ptr + part, m_i, mask=mask_g)
+        tl.store(l_ptr + part, l_i, mask=mask_g)
+        tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+
+    @triton.jit
+    def _quant_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, num_chunks, G: tl.constexpr,
+                             D: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_G: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        """Combine the chunk partials of one (sequence·KV head): rescale to a common max; the
+        log-sum-exp m + log l (−inf for an empty head) when asked."""
+        bh = tl.program_id(0)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < G
+        mask_gd = mask_g[:, None] & (offs_d < D)[None, :]
+        m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for c in range(num_chunks):
+            m_c = tl.load(m_ptr + (bh * num_chunks + c) * G + offs_g, mask=mask_g, other=float("-inf"))
+            m_all = tl.maximum(m_all, m_c)
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        den = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for c in range(num_chunks):
+            part = (bh * num_chunks + c) * G + offs_g
+            w = tl.exp(tl.load(m_ptr + part, mask=mask_g, other=float("-inf")) - m_safe)
+            den += w * tl.load(l_ptr + part, mask=mask_g, other=0.0)
+            acc += w[:, None] * tl.load(acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_gd, other=0.0)
+        out = acc / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(out_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask_gd)
+        if HAS_LSE:
+            lse = tl.where(den > 0, m_safe + tl.log(tl.where(den > 0, den, 1.0)), float("-inf"))
+            tl.store(lse_ptr + bh * G + offs_g, lse, mask=mask_g)
+
+
+# ---------------------------------------------------------------------------------- backends
+
+@dataclass(frozen=True)
+class QuantPagedAttention(KernelBackend):
+    """A quantized decode attention backend: `backend(q, k_codes, k_scale, k_zero, v_codes, v_scale,
+    v_zero, block_table, lengths, bias_pages, scale)` -> (B, Hq, d), the module docstring's
+    contract (shapes checked on every call)."""
+
+    name: ClassVar[str]
+
+    def __call__(self, q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
+                 v_scale: Tensor, v_zero: Tensor, block_table: Tensor, lengths: Tensor,
+                 bias_pages: Tensor | None = None, scale: float | None = None) -> Tensor:
+        check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
+        return self.run(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths,
+                        bias_pages, scale)
+
+    def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
+            scale) -> Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class CppQuantPagedAttention(QuantPagedAttention):
+    """The C++ CPU kernel (`paged_attention_quant_cpp`): fp32 queries, head dim and groups multiples
+    of 16. A call of fewer than `parallel_work` multiply-adds runs on one thread. `key_group` (0:
+    keys per channel) and `value_group`, when given, are the layout `build` compiles the kernel for
+    ahead of the first call (one build per (G, d, key group, value group)); any layout runs."""
+
+    name: ClassVar[str] = "cpp"
+    parallel_work: int = PARALLEL_WORK
+    key_group: int | None = None
+    value_group: int | None = None
+
+    def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
+            scale):
+        return paged_attention_quant_cpp(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                         lengths, bias_pages, scale, parallel_work=self.parallel_work)
+
+    def build(self, group: int, head_dim: int) -> None:
+        if self.key_group is not None and self.value_group is not None:
+            _kernel(group, head_dim, self.key_group, self.value_group)
+
+    def describe(self) -> str:
+        return f"cpp, quantized pages (one thread below {self.parallel_work} multiply-adds a call, else torch's threads)"
+
+
+@dataclass(frozen=True)
+class TorchQuantPagedAttention(QuantPagedAttention):
+    """The eager reference: dequantize the pages, then `paged_attention_torch`."""
+
+    name: ClassVar[str] = "torch"
+
+    def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
+            scale):
+        return paged_attention_quant_torch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                           lengths, bias_pages, scale)
+
+
+@dataclass(frozen=True)
+class TritonQuantPagedAttention(QuantPagedAttention):
+    """Flash-decoding in Triton over quantized pages: CUDA tensors, or any under TRITON_INTERPRET=1."""
+
+    name: ClassVar[str] = "triton"
+
+    def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
+            scale):
+        return paged_attention_quant_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                            lengths, bias_pages, scale)
+
+
+def backend(name: str) -> QuantPagedAttention:
+    """The backend of impl `name`: "cpp" | "torch" | "triton" (ValueError for another name)."""
+    if name == "cpp":
+        return CppQuantPagedAttention(PARALLEL_WORK)
+    if name not in ("torch", "triton"):
+        raise ValueError(f"paged_attention_quant: unknown impl {name!r}; one of cpp | torch | triton")
+    return {"triton": TritonQuantPagedAttention, "torch": TorchQuantPagedAttention}[name]()
+
+
+def target_cases(model, dtype: torch.dtype) -> list:
+    """(case name, a call of `paged_attention_quant_triton`) at a model's shapes (kvcompile.kernels.
+    targets.Model: batch 1, its KV heads, query heads, head dim, page and prompt), one per variant:
+    int8 and int4, keys per token (group 32, as KIVI's) or per channel, with and without bias.
+    What kvcompile.kernels.targets compiles for sm_80 / sm_90 (tests/test_kernels_quant.py)."""
+    from kvcompile.kernels.quantize import code_width
+
+    b, h, hq, d, s, n = 1, model.kv_heads, model.q_heads, model.head_dim, model.page, model.prompt
+    pages = -(-n // s)
+    pool = b * h * pages + 4
+
+    def call(bits: int, k_channel: bool, bias: bool):
+        q = torch.zeros(b, hq, d, dtype=dtype)
+        codes = torch.zeros(pool, s, code_width(d, bits), dtype=torch.uint8)
+        per_token = torch.zeros(pool, s, d // 32)
+        k_scale = torch.zeros(pool, d) if k_channel else per_token
+        table = torch.zeros(b, h, pages, dtype=torch.int32)
+        lengths = torch.full((b, h), n, dtype=torch.int32)
+        bias_pages = torch.zeros(pool, s) if bias else None
+        return lambda: paged_attention_quant_triton(q, codes, k_scale, k_scale, codes, per_token, per_token,
+                                                    table, lengths, bias_pages, return_lse=bias)
+
+    return [(f"quantized decode, int{bits}, keys per {'channel' if k_channel else 'token'}"
+             f"{', merge bias, lse' if bias else ''}", call(bits, k_channel, bias))
+            for bits in (8, 4) for k_channel in (False, True) for bias in (False, True)
+            if not bias or (bits == 8 and not k_channel)]
