@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -308,6 +309,18 @@ def test_cpp_matches_reference(seed, batch, heads, page, pages, bits, bias, layo
     assert_close(out, expected)
     assert_close(got_lse, lse)
     assert_close(pq.CppQuantPagedAttention()(*args), reference)  # the default split of the work
+
+
+@settings(max_examples=20, deadline=None)
+@given(**dict(shapes, page=st.sampled_from([1, 4, 16])), threads=st.sampled_from([1, 2]))
+def test_cpp_portable_code_paths_match_reference(seed, batch, heads, page, pages, bits, bias, threads):
+    """The C++ kernel's paths for CPUs without AVX2 (ARM: at::vec and plain loops for the codes and
+    the logit sums), built here with the x86 ISA macro undefined (KVCOMPILE_PORTABLE)."""
+    kernel = pq.load_cpp(pq._ARGTYPES, "paged_attention_quant.cpp", G=3, D=64, GK=0, GV=32,
+                         AHEAD=pq.PREFETCH_AHEAD, PORTABLE=1)
+    args, expected = quant_case(seed, batch, heads, 3, 64, page, pages, bits, None, 32, bias)
+    with mock.patch.object(pq, "_kernel", lambda *layout: kernel):
+        assert_close(pq.paged_attention_quant_cpp(*args, threads=threads, chunk=4), expected)
 
 
 def test_lse_merges_a_full_precision_residual():

@@ -2,6 +2,10 @@
 // head's pages, the codes dequantized in registers. Built by kvcompile/kernels/paged_attention_quant.py
 // through Inductor's C++ toolchain; the contract, the layout and the design are in that module's
 // docstring, the quantizer (KIVI / MiKV's asymmetric round-to-nearest) in kvcompile/kernels/quantize.py.
+#if defined(KVCOMPILE_PORTABLE) && KVCOMPILE_PORTABLE  // tests: the code paths of CPUs without AVX2 (ARM:
+#undef CPU_CAPABILITY_AVX2                                  // at::vec and plain loops) on an x86 machine
+#undef CPU_CAPABILITY_AVX512
+#endif
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <cmath>
 #include <cstring>

@@ -21,29 +21,39 @@ with an attention over other entries, as KIVI's full-precision residual needs
 
 Implementations:
 - `paged_attention_quant_torch`: the eager reference above (the specification).
-- `paged_attention_quant_cpp` (paged_attention_quant.cpp beside this module): the fp32 C++
-  kernel's flash-decoding (kvcompile/kernels/paged_attention_cpp.py) over packed pages. A work item
-  is one (sequence, KV head, run of pages); each code row is read once and dequantized in
-  registers (int8: one widening load and a convert per vector; int4: the two nibbles of 8 bytes
-  split, interleaved back into channel order and widened). Keys per token: k̂ = code · scale + zero
-  per vector (a vector lies inside one group: groups are multiples of 16 channels), then q·k̂ for
-  the G query heads. Keys per channel: q·k̂ = Σ_c (q_c scale_c) code_c + Σ_c q_c zero_c, with
-  q_c scale_c and the constant computed once per page, so the codes go straight into the dot
-  products (KIVI's fused dequantize-and-multiply). A page's G·S dot vectors become its logits by a
-  transpose-and-add tree, exponentiated a vector at a time (online softmax, Milakov & Gimelshein
-  2018); each value row is dequantized once and accumulated for the G query heads. Every retained
-  byte (codes, scales, zeros, bias) is read once. fp32 queries on the CPU, head dim and both group
-  sizes multiples of 16, with Inductor's C++ toolchain; built once per (G, d).
+- `paged_attention_quant_cpp` (paged_attention_quant.cpp beside this module): the fp32 C++ kernel's
+  flash-decoding (kvcompile/kernels/paged_attention_cpp.py) over packed pages. A work item is one
+  (sequence, KV head, run of pages), on OpenMP threads above PARALLEL_WORK multiply-adds a call;
+  each code row is read once and decoded in registers (int8: a widening load and a convert per
+  vector; int4: a broadcast dword shifted right by 4c in lane c and masked, which the low-nibble-
+  first order makes a straight variable shift). q·k: keys per channel take
+  q·k̂ = Σ_c (q_c scale_c) code_c + Σ_c q_c zero_c, q_c scale_c and the constant once per page
+  (KIVI's fused dequantize-and-multiply); keys per token in one group take
+  scale · (q·code) + zero · Σ_c q_c, applied to the page's logits as vectors; keys in several
+  groups are dequantized vector by vector (code · scale + zero, a vector never straddles two
+  groups). Two entries a step share each query load, with enough independent FMA chains to hide
+  their latency. A page's G·S dot vectors become its logits by a transpose-and-add tree and are
+  exponentiated a vector at a time (online softmax, Milakov & Gimelshein 2018). P·V runs in
+  blocks of value vectors whose G accumulators stay in registers over the page's entries; each
+  value vector is dequantized once for the G query heads. Every retained byte (codes, scales,
+  zeros, bias) is read once. fp32 queries on the CPU; head dim and per-token group sizes multiples
+  of 16 (`supports`); built once per (G, d, key group, value group) — compile-time constants, so
+  every loop over d unrolls — with int8 and int4 in each build. AVX2 and AVX-512 have their own
+  decode and reduction code (the AVX-512 code is compile-checked only: the development machine
+  has AVX2); other CPUs (ARM) take at::vec and plain loops, tested on x86 by building with
+  KVCOMPILE_PORTABLE, which removes the x86 ISA macro.
 - `paged_attention_quant_triton`: the Triton paged kernel's flash-decoding
   (`paged_attention.paged_attention_triton`): one program per (sequence · KV head, chunk of
-  entries) writes online-softmax partials, a second kernel combines them. Codes are loaded as
-  bytes (int4: each byte loaded for its two channels and the nibble shifted out), dequantized in
-  fp32, and both products run in fp32 (`input_precision="ieee"`: the dequantized values are not
-  representable in the 16-bit dtypes). Runs on CUDA, or anywhere under TRITON_INTERPRET=1 (fp32:
-  the interpreter computes bf16 wrong).
+  entries) writes online-softmax partials, a second kernel combines them. Codes are loaded as a
+  tile of bytes (int4: split into low and high nibbles, `tl.interleave`d back into channel
+  order), dequantized in fp32, and both products run in fp32 (`input_precision="ieee"`: the dequantized values are not
+  representable in the 16-bit dtypes), BLOCK_N = 16 entries a step, which keeps the fp32 tiles in
+  registers on sm_80 and sm_90 (no spill: tests/test_kernels_quant.py compiles it). Runs on CUDA,
+  or anywhere under TRITON_INTERPRET=1 (fp32: the interpreter computes bf16 wrong).
 
 Backends (one call signature, `backend(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-block_table, lengths, bias_pages, scale)` -> (B, Hq, d)): `CppQuantPagedAttention(parallel_work)`,
+block_table, lengths, bias_pages, scale)` -> (B, Hq, d)): `CppQuantPagedAttention(parallel_work,
+key_group, value_group)` (the layout `build` compiles ahead of the first call),
 `TorchQuantPagedAttention`, `TritonQuantPagedAttention`; `backend(name)` makes one from "cpp",
 "torch" or "triton".
 """
@@ -457,7 +467,7 @@ class QuantPagedAttention(KernelBackend):
     def __call__(self, q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
                  v_scale: Tensor, v_zero: Tensor, block_table: Tensor, lengths: Tensor,
                  bias_pages: Tensor | None = None, scale: float | None = None) -> Tensor:
-        check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
+        # every implementation's function checks the call (`check`) once
         return self.run(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths,
                         bias_pages, scale)
 
