@@ -34,14 +34,17 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 #define KVCOMPILE_REGS (L >= 16 ? 32 : 16)
 #endif
 constexpr int64_t REGS = KVCOMPILE_REGS;
+// Registers a loop holds besides its accumulators: int4 decoding keeps one constant (the shifts).
+template <int BITS>
+constexpr int64_t decode_regs() { return BITS == 4 ? 1 : 0; }
 // P·V in blocks of JB value vectors: G * JB accumulators and a value vector with its scale and zero
 // stay in registers while a page's entries stream through (the weights p are FMA memory operands).
+template <int BITS>
 constexpr int64_t pick_jb() {
     for (int64_t jb = DV; jb > 1; --jb)
-        if (DV % jb == 0 && G * jb + 3 <= REGS) return jb;
+        if (DV % jb == 0 && G * jb + 3 + decode_regs<BITS>() <= REGS) return jb;
     return 1;
 }
-constexpr int64_t JB = pick_jb();
 // Keys per token in one group (GK = D): q·k̂ = scale · (q·code) + zero · Σ_c q_c, applied to a page's
 // logits, L entries a vector, after the sums. Keys in several groups are dequantized vector by vector.
 constexpr bool KFACT = !KCH && NGK == 1;
@@ -49,12 +52,14 @@ constexpr bool KDEQ = !KCH && NGK > 1;
 // q·k: KE entries a step share each query vector load, with KC chains of partial sums per (entry,
 // query head), so that KE * KC * G independent FMA chains hide the FMA latency within the registers.
 constexpr int64_t KE = 2 * G + 4 <= REGS ? 2 : 1;
+template <int BITS>
 constexpr int64_t pick_kc() {
     int64_t kc = 1;
-    while (kc < 4 && DV % (2 * kc) == 0 && KE * 2 * kc * G + KE + 1 + (KDEQ ? 2 * KE : 0) <= REGS) kc *= 2;
+    while (kc < 4 && DV % (2 * kc) == 0 &&
+           KE * 2 * kc * G + KE + 1 + (KDEQ ? 2 * KE : 0) + decode_regs<BITS>() <= REGS)
+        kc *= 2;
     return kc;
 }
-constexpr int64_t KC = pick_kc();
 
 static inline float hsum(const Vec& x) {
     return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
@@ -68,7 +73,8 @@ static inline float hmax(const Vec& x) {
 // Vector J of an entry's codes as floats, channels in order (J is a constant once the loops around
 // it unroll). int8: a widening load and a convert. int4 (channel 2i in the low nibble of byte i,
 // 2i + 1 in its high nibble): little-endian dword i holds codes 8i .. 8i + 7, code 8i + c at bits
-// 4c .. 4c + 3, so a broadcast dword shifted right by 4c in lane c and masked gives 8 codes.
+// 4c .. 4c + 3, so a broadcast dword shifted left by 28 - 4c in lane c, then right by 28, gives 8
+// codes (one constant register: the shifts).
 template <int BITS>
 static inline Vec decode(const uint8_t* row, int64_t J) {
     if constexpr (BITS == 8) {
@@ -84,16 +90,15 @@ static inline Vec decode(const uint8_t* row, int64_t J) {
     } else {
 #if defined(CPU_CAPABILITY_AVX512)  // 8 bytes: dword 0 to lanes 0-7, dword 1 to lanes 8-15
         const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        const __m512i shifts = _mm512_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
         const __m512i x = _mm512_permutexvar_epi32(
             spread, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + J * 8))));
-        return Vec(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(x, shifts), _mm512_set1_epi32(0xF))));
-#elif defined(CPU_CAPABILITY_AVX2)  // 4 bytes: the dword broadcast to 8 lanes
-        const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        return Vec(_mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_sllv_epi32(x, shifts), 28)));
+#elif defined(CPU_CAPABILITY_AVX2)  // 4 bytes: the dword broadcast to 8 lanes; lane c: << (28 - 4c), >> 28
+        const __m256i shifts = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
         int32_t word;
         std::memcpy(&word, row + J * 4, 4);
-        return Vec(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts),
-                                                       _mm256_set1_epi32(0xF))));
+        return Vec(_mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(word), shifts), 28)));
 #else
         float f[L];
         for (int64_t c0 = 0; c0 < L; ++c0) {
@@ -192,7 +197,7 @@ static inline float softmax_step(float* row, int64_t S, int64_t first, int64_t l
 // partial sums out[e][g] (their lanes sum to q·k̂, or to q·code for KCH and KFACT).
 template <int BITS, int64_t NE>
 static inline void qk_dots(const uint8_t* krow, const float* qk, const float* sr, const float* zr, Vec (&out)[NE][G]) {
-    constexpr int64_t W = D * BITS / 8;
+    constexpr int64_t W = D * BITS / 8, KC = pick_kc<BITS>();
     Vec d[NE][KC][G];
 #pragma GCC unroll 64
     for (int64_t e = 0; e < NE; ++e)
@@ -236,6 +241,7 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
                     const float* bias, int64_t bh, int64_t M, int64_t S, int64_t lo, int64_t hi,
                     float* logit, float* dots, float* m_out, float* l_out, float* acc) {
     constexpr int64_t W = D * BITS / 8;  // code bytes per entry
+    constexpr int64_t JB = pick_jb<BITS>();
     alignas(64) float qv[G * D];  // the scaled queries
     alignas(64) float qs[G * D];  // keys per channel: the scaled queries times the page's key scales
     float m[G], l[G], rescale[G], cz[G], qsum[G];  // qsum: Σ_c q_c (scaled), for KFACT

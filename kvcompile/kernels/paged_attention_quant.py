@@ -25,8 +25,8 @@ Implementations:
   flash-decoding (kvcompile/kernels/paged_attention_cpp.py) over packed pages. A work item is one
   (sequence, KV head, run of pages), on OpenMP threads above PARALLEL_WORK multiply-adds a call;
   each code row is read once and decoded in registers (int8: a widening load and a convert per
-  vector; int4: a broadcast dword shifted right by 4c in lane c and masked, which the low-nibble-
-  first order makes a straight variable shift). q·k: keys per channel take
+  vector; int4: a broadcast dword shifted left by 28 − 4c in lane c and right by 28, which the
+  low-nibble-first order makes two shifts). q·k: keys per channel take
   q·k̂ = Σ_c (q_c scale_c) code_c + Σ_c q_c zero_c, q_c scale_c and the constant once per page
   (KIVI's fused dequantize-and-multiply); keys per token in one group take
   scale · (q·code) + zero · Σ_c q_c, applied to the page's logits as vectors; keys in several
@@ -36,7 +36,8 @@ Implementations:
   exponentiated a vector at a time (online softmax, Milakov & Gimelshein 2018). P·V runs in
   blocks of value vectors whose G accumulators stay in registers over the page's entries; each
   value vector is dequantized once for the G query heads. Every retained byte (codes, scales,
-  zeros, bias) is read once. fp32 queries on the CPU; head dim and per-token group sizes multiples
+  zeros, bias) comes from memory once (a value group wider than a block has its scale and zero
+  loaded again, from L1, by the entry's next block). fp32 queries on the CPU; head dim and per-token group sizes multiples
   of 16 (`supports`); built once per (G, d, key group, value group) — compile-time constants, so
   every loop over d unrolls — with int8 and int4 in each build. AVX2 and AVX-512 have their own
   decode and reduction code (the AVX-512 code is compile-checked only: the development machine
