@@ -27,7 +27,8 @@ the low nibble and channel 2i + 1 in the high nibble ("low nibble first").
 
 Writing into pages:
 - `quantize_into_pages`: one appended entry per head (per-token groups): codes, scale and zero of
-  each entry written at (page, slot), given as tensors (no host read: cache.append's page and slot).
+  each entry written at (page, slot), given as tensors (no host read: the page and slot an append
+  computes on the device).
 - `quantize_pages_into`: whole pages (N, S, d) written at page ids (N,), either axis: a prompt's
   pages, or a per-channel key page once it is full.
 
