@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import kvcompile
-import kvcompile.runtime  # noqa: F401  (registers torch.ops.kvcompile.attend)
+import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
 from kvcompile.cache import KVCompileCache
 from kvcompile.cache_ref import CacheRef
 from tiny import prompt, run_threads, tiny_model

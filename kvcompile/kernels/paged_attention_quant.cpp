@@ -1,17 +1,20 @@
 // Paged decode attention on the CPU over quantized pages (int8, int4): flash-decoding over each
 // head's pages, the codes dequantized in registers. Built by kvcompile/kernels/paged_attention_quant.py
 // through Inductor's C++ toolchain; the contract, the layout and the design are in that module's
-// docstring, the quantizer in kvcompile/kernels/quantize.py.
+// docstring, the quantizer (KIVI / MiKV's asymmetric round-to-nearest) in kvcompile/kernels/quantize.py.
+#if defined(KVCOMPILE_PORTABLE) && KVCOMPILE_PORTABLE  // tests: the code paths of CPUs without AVX2 (ARM:
+#undef CPU_CAPABILITY_AVX2                                  // at::vec and plain loops) on an x86 machine
+#undef CPU_CAPABILITY_AVX512
+#endif
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <utility>
 #include <vector>
 
 // The loader defines KVCOMPILE_G, KVCOMPILE_D, KVCOMPILE_GK, KVCOMPILE_GV and KVCOMPILE_AHEAD before
 // this file: one build per (G, D, key group, value group), so every loop over the head dim unrolls
-// and each group's scale and zero are broadcast once per entry; the bit width is a template argument.
+// and each group's scale and zero are read once per entry; the bit width is a template argument.
 constexpr int64_t G = KVCOMPILE_G, D = KVCOMPILE_D, AHEAD = KVCOMPILE_AHEAD;
 constexpr int64_t GK = KVCOMPILE_GK;  // channels per key group; 0: keys per channel (over a page)
 constexpr int64_t GV = KVCOMPILE_GV;  // channels per value group
@@ -25,22 +28,37 @@ constexpr int64_t DV = D / L;
 constexpr int64_t NGK = KCH ? 1 : D / GK, NGV = D / GV;  // groups per entry
 constexpr int64_t VPGK = KCH ? DV : GK / L, VPGV = GV / L;  // vectors per group
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-// Value vectors per block of P·V: G * JB accumulators stay in registers (16 vector registers with
-// AVX2, 32 with AVX-512) while a page's entries stream through them.
-constexpr int64_t ACC_REGS = L >= 16 ? 24 : 12;
+
+// Vector registers: 16 with AVX2, 32 with AVX-512; the loops below are sized to fit them.
+#ifndef KVCOMPILE_REGS
+#define KVCOMPILE_REGS (L >= 16 ? 32 : 16)
+#endif
+constexpr int64_t REGS = KVCOMPILE_REGS;
+// Registers a loop holds besides its accumulators: int4 decoding keeps one constant (the shifts).
+template <int BITS>
+constexpr int64_t decode_regs() { return BITS == 4 ? 1 : 0; }
+// P·V in blocks of JB value vectors: G * JB accumulators and a value vector with its scale and zero
+// stay in registers while a page's entries stream through (the weights p are FMA memory operands).
+template <int BITS>
 constexpr int64_t pick_jb() {
     for (int64_t jb = DV; jb > 1; --jb)
-        if (DV % jb == 0 && G * jb <= ACC_REGS) return jb;
+        if (DV % jb == 0 && G * jb + 3 + decode_regs<BITS>() <= REGS) return jb;
     return 1;
 }
-constexpr int64_t JB = pick_jb();
-
-// f(std::integral_constant<int64_t, i>) for i = 0 .. N-1, unrolled at compile time.
-template <int64_t N, typename F>
-static inline void unroll(F&& f) {
-    [&]<int64_t... I>(std::integer_sequence<int64_t, I...>) {
-        (f(std::integral_constant<int64_t, I>{}), ...);
-    }(std::make_integer_sequence<int64_t, N>{});
+// Keys per token in one group (GK = D): q·k̂ = scale · (q·code) + zero · Σ_c q_c, applied to a page's
+// logits, L entries a vector, after the sums. Keys in several groups are dequantized vector by vector.
+constexpr bool KFACT = !KCH && NGK == 1;
+constexpr bool KDEQ = !KCH && NGK > 1;
+// q·k: KE entries a step share each query vector load, with KC chains of partial sums per (entry,
+// query head), so that KE * KC * G independent FMA chains hide the FMA latency within the registers.
+constexpr int64_t KE = 2 * G + 4 <= REGS ? 2 : 1;
+template <int BITS>
+constexpr int64_t pick_kc() {
+    int64_t kc = 1;
+    while (kc < 4 && DV % (2 * kc) == 0 &&
+           KE * 2 * kc * G + KE + 1 + (KDEQ ? 2 * KE : 0) + decode_regs<BITS>() <= REGS)
+        kc *= 2;
+    return kc;
 }
 
 static inline float hsum(const Vec& x) {
@@ -52,89 +70,44 @@ static inline float hmax(const Vec& x) {
 }
 
 // ----------------------------------------------------------------------------------- codes
-// The codes of one entry (W = D * BITS / 8 bytes), vectors [J, J + N) as floats, channels in
-// order. int4: channel 2i in the low nibble of byte i, channel 2i + 1 in its high nibble.
-
-#if defined(CPU_CAPABILITY_AVX512)
-static inline Vec widen(__m128i bytes) { return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes))); }
-#elif defined(CPU_CAPABILITY_AVX2)
-static inline Vec widen(__m128i bytes) { return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))); }
-#endif
-
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// The codes of the packed bytes of x in channel order: nibbles of bytes 0-7 (lo), of bytes 8-15 (hi).
-static inline __m128i nibbles_lo(__m128i x) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm_unpacklo_epi8(_mm_and_si128(x, mask), _mm_and_si128(_mm_srli_epi16(x, 4), mask));
-}
-static inline __m128i nibbles_hi(__m128i x) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm_unpackhi_epi8(_mm_and_si128(x, mask), _mm_and_si128(_mm_srli_epi16(x, 4), mask));
-}
-#endif
-
-template <int BITS, int64_t J, int64_t N>
-static inline void decode(const uint8_t* row, Vec* out) {
-    static_assert(J + N <= DV);
+// Vector J of an entry's codes as floats, channels in order (J is a constant once the loops around
+// it unroll). int8: a widening load and a convert. int4 (channel 2i in the low nibble of byte i,
+// 2i + 1 in its high nibble): little-endian dword i holds codes 8i .. 8i + 7, code 8i + c at bits
+// 4c .. 4c + 3, so a broadcast dword shifted left by 28 - 4c in lane c, then right by 28, gives 8
+// codes (one constant register: the shifts).
+template <int BITS>
+static inline Vec decode(const uint8_t* row, int64_t J) {
     if constexpr (BITS == 8) {
-        unroll<N>([&](auto i) {
-            constexpr int64_t j = J + decltype(i)::value;
 #if defined(CPU_CAPABILITY_AVX512)
-            out[i] = widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j * 16)));
+        return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + J * 16)))));
 #elif defined(CPU_CAPABILITY_AVX2)
-            out[i] = widen(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j * 8)));
+        return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + J * 8)))));
 #else
-            float f[L];
-            for (int64_t c = 0; c < L; ++c) f[c] = float(row[j * L + c]);
-            out[i] = Vec::loadu(f);
+        float f[L];
+        for (int64_t c = 0; c < L; ++c) f[c] = float(row[J * L + c]);
+        return Vec::loadu(f);
 #endif
-        });
     } else {
-#if defined(CPU_CAPABILITY_AVX512)  // 16 bytes: 32 codes, two vectors
-        unroll<N / 2>([&](auto i) {
-            constexpr int64_t j = J + 2 * decltype(i)::value;
-            const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j * 8));
-            out[2 * i] = widen(nibbles_lo(x));
-            out[2 * i + 1] = widen(nibbles_hi(x));
-        });
-        if constexpr (N % 2)
-            out[N - 1] = widen(nibbles_lo(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (J + N - 1) * 8))));
-#elif defined(CPU_CAPABILITY_AVX2)  // 8 bytes: 16 codes, two vectors
-        unroll<N / 2>([&](auto i) {
-            constexpr int64_t j = J + 2 * decltype(i)::value;
-            const __m128i c = nibbles_lo(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j * 4)));
-            out[2 * i] = widen(c);
-            out[2 * i + 1] = widen(_mm_srli_si128(c, 8));
-        });
-        if constexpr (N % 2) {
-            int32_t four;
-            std::memcpy(&four, row + (J + N - 1) * 4, 4);
-            out[N - 1] = widen(nibbles_lo(_mm_cvtsi32_si128(four)));
-        }
+#if defined(CPU_CAPABILITY_AVX512)  // 8 bytes: dword 0 to lanes 0-7, dword 1 to lanes 8-15
+        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m512i shifts = _mm512_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+        const __m512i x = _mm512_permutexvar_epi32(
+            spread, _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + J * 8))));
+        return Vec(_mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_sllv_epi32(x, shifts), 28)));
+#elif defined(CPU_CAPABILITY_AVX2)  // 4 bytes: the dword broadcast to 8 lanes; lane c: << (28 - 4c), >> 28
+        const __m256i shifts = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+        int32_t word;
+        std::memcpy(&word, row + J * 4, 4);
+        return Vec(_mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(word), shifts), 28)));
 #else
-        for (int64_t i = 0; i < N; ++i) {
-            float f[L];
-            for (int64_t c0 = 0; c0 < L; ++c0) {
-                const int64_t c = (J + i) * L + c0;
-                f[c0] = float((row[c / 2] >> (4 * (c % 2))) & 0xF);
-            }
-            out[i] = Vec::loadu(f);
+        float f[L];
+        for (int64_t c0 = 0; c0 < L; ++c0) {
+            const int64_t c = J * L + c0;
+            f[c0] = float((row[c / 2] >> (4 * (c % 2))) & 0xF);
         }
+        return Vec::loadu(f);
 #endif
     }
-}
-
-// x[i] = x[i] * scale + zero for vectors [J, J + N) of an entry whose groups (VPG vectors each)
-// have scales sr and zeros zr: each group's pair broadcast once.
-template <int64_t VPG, int64_t J, int64_t N>
-static inline void dequant(Vec* x, const float* sr, const float* zr) {
-    constexpr int64_t first = J / VPG, last = (J + N - 1) / VPG;
-    unroll<last - first + 1>([&](auto gi) {
-        constexpr int64_t grp = first + decltype(gi)::value;
-        constexpr int64_t lo = std::max(J, grp * VPG) - J, hi = std::min(J + N, (grp + 1) * VPG) - J;
-        const Vec sc(sr[grp]), zc(zr[grp]);
-        unroll<hi - lo>([&](auto i) { x[lo + i] = at::vec::fmadd(x[lo + i], sc, zc); });
-    });
 }
 
 // ------------------------------------------------------------------------- logit reductions
@@ -200,7 +173,7 @@ static inline float softmax_step(float* row, int64_t S, int64_t first, int64_t l
         for (int64_t s = first; s < last; ++s) row[s] = 0.f;
         return 1.f;
     }
-    const float rescale = std::exp(m - m_new);  // 0 when m = -inf, 1 when the max holds
+    const float rescale = m_new == m ? 1.f : std::exp(m - m_new);  // 0 when m = -inf
     float sum = 0.f;
     if (whole) {
         Vec total(0.f);
@@ -218,6 +191,46 @@ static inline float softmax_step(float* row, int64_t S, int64_t first, int64_t l
     return rescale;
 }
 
+// ----------------------------------------------------------------------------------- q·k
+// The dot products of the G query heads qk (G, D) with NE consecutive entries' keys (codes from
+// krow, W bytes apart; per-token scales and zeros from sr, zr, NGK apart when KDEQ), as vectors of
+// partial sums out[e][g] (their lanes sum to q·k̂, or to q·code for KCH and KFACT).
+template <int BITS, int64_t NE>
+static inline void qk_dots(const uint8_t* krow, const float* qk, const float* sr, const float* zr, Vec (&out)[NE][G]) {
+    constexpr int64_t W = D * BITS / 8, KC = pick_kc<BITS>();
+    Vec d[NE][KC][G];
+#pragma GCC unroll 64
+    for (int64_t e = 0; e < NE; ++e)
+#pragma GCC unroll 64
+        for (int64_t c = 0; c < KC; ++c)
+#pragma GCC unroll 64
+            for (int64_t g = 0; g < G; ++g) d[e][c][g] = Vec(0.f);
+#pragma GCC unroll 64
+    for (int64_t j = 0; j < DV; ++j) {
+        Vec k[NE];
+#pragma GCC unroll 64
+        for (int64_t e = 0; e < NE; ++e) {
+            k[e] = decode<BITS>(krow + e * W, j);
+            if constexpr (KDEQ) k[e] = at::vec::fmadd(k[e], Vec(sr[e * NGK + j / VPGK]), Vec(zr[e * NGK + j / VPGK]));
+        }
+#pragma GCC unroll 64
+        for (int64_t g = 0; g < G; ++g) {
+            const Vec qj = Vec::loadu(qk + g * D + j * L);
+#pragma GCC unroll 64
+            for (int64_t e = 0; e < NE; ++e) d[e][j % KC][g] = at::vec::fmadd(qj, k[e], d[e][j % KC][g]);
+        }
+    }
+#pragma GCC unroll 64
+    for (int64_t e = 0; e < NE; ++e)
+#pragma GCC unroll 64
+        for (int64_t g = 0; g < G; ++g) {
+            Vec dot = d[e][0][g];
+#pragma GCC unroll 64
+            for (int64_t c = 1; c < KC; ++c) dot = dot + d[e][c][g];
+            out[e][g] = dot;
+        }
+}
+
 // ------------------------------------------------------------------------------- one work item
 // Entries [lo, hi) of head bh -> m (G), l (G), acc (G, D). BITS: 8 or 4 (keys and values). Keys
 // per channel (KCH: scale, zero (P, D)) or per token ((P, S, NGK)); values per token ((P, S, NGV)).
@@ -228,13 +241,22 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
                     const float* bias, int64_t bh, int64_t M, int64_t S, int64_t lo, int64_t hi,
                     float* logit, float* dots, float* m_out, float* l_out, float* acc) {
     constexpr int64_t W = D * BITS / 8;  // code bytes per entry
-    alignas(64) float qv[G][D];  // the scaled queries; per channel, times the page's key scales
-    alignas(64) float qs[G][D];
-    for (int64_t g = 0; g < G; ++g)
-        for (int64_t j = 0; j < DV; ++j) (Vec::loadu(q + (bh * G + g) * D + j * L) * Vec(scale)).store(qv[g] + j * L);
-    float m[G], l[G], rescale[G], cz[G];
-    for (int64_t g = 0; g < G; ++g) { m[g] = NEG_INF; l[g] = 0.f; cz[g] = 0.f; }
+    constexpr int64_t JB = pick_jb<BITS>();
+    alignas(64) float qv[G * D];  // the scaled queries
+    alignas(64) float qs[G * D];  // keys per channel: the scaled queries times the page's key scales
+    float m[G], l[G], rescale[G], cz[G], qsum[G];  // qsum: Σ_c q_c (scaled), for KFACT
+    for (int64_t g = 0; g < G; ++g) {
+        Vec t(0.f);
+        for (int64_t j = 0; j < DV; ++j) {
+            const Vec x = Vec::loadu(q + (bh * G + g) * D + j * L) * Vec(scale);
+            x.store(qv + g * D + j * L);
+            t = t + x;
+        }
+        qsum[g] = hsum(t);
+        m[g] = NEG_INF; l[g] = 0.f; cz[g] = 0.f;
+    }
     for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+    const float* qk = KCH ? qs : qv;
     const bool whole = S % L == 0;  // a page's logits fill whole vectors
     const bool tree = TREE && whole;
     for (int64_t start = lo; start < hi; ) {
@@ -243,7 +265,8 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
         const int64_t last = std::min<int64_t>(S, first + (hi - start));
         const uint8_t* kpage = kc + page * S * W;
         const uint8_t* vpage = vc + page * S * W;
-        // Prefetch AHEAD pages on where the run's pages do not follow each other in the pool.
+        // A page that does not follow its predecessor in the pool defeats the hardware prefetcher:
+        // start the loads of the page AHEAD pages on where the pages up to it do not lie in order.
         if (start / S + AHEAD < (hi + S - 1) / S) {
             const int64_t next = table[bh * M + start / S + AHEAD];
             if (next != page + AHEAD) {
@@ -266,36 +289,41 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
         if constexpr (KCH) {
             for (int64_t g = 0; g < G; ++g) {
                 Vec z(0.f);
+#pragma GCC unroll 64
                 for (int64_t j = 0; j < DV; ++j) {
-                    const Vec qj = Vec::loadu(qv[g] + j * L);
-                    (qj * Vec::loadu(ks + page * D + j * L)).store(qs[g] + j * L);
+                    const Vec qj = Vec::loadu(qv + g * D + j * L);
+                    (qj * Vec::loadu(ks + page * D + j * L)).store(qs + g * D + j * L);
                     z = at::vec::fmadd(qj, Vec::loadu(kz + page * D + j * L), z);
                 }
                 cz[g] = hsum(z);
             }
         }
-        const float* qk = KCH ? qs[0] : qv[0];
-        // q·k of each entry: a vector of partial sums per query head (two chains each).
-        for (int64_t s = first; s < last; ++s) {
-            Vec k[DV];
-            decode<BITS, 0, DV>(kpage + s * W, k);
-            if constexpr (!KCH) dequant<VPGK, 0, DV>(k, ks + (page * S + s) * NGK, kz + (page * S + s) * NGK);
-            Vec d0[G], d1[G];
-            unroll<G>([&](auto g) { d0[g] = Vec(0.f); d1[g] = Vec(0.f); });
-            unroll<DV>([&](auto j) {
-                unroll<G>([&](auto g) {
-                    if constexpr (decltype(j)::value % 2 == 0)
-                        d0[g] = at::vec::fmadd(Vec::loadu(qk + g * D + j * L), k[j], d0[g]);
-                    else
-                        d1[g] = at::vec::fmadd(Vec::loadu(qk + g * D + j * L), k[j], d1[g]);
-                });
-            });
-            if (tree) {
-                unroll<G>([&](auto g) { (d0[g] + d1[g]).store(dots + (g * S + s) * L); });
+        // q·k of each entry, KE at a time: a vector of partial sums per query head, into `dots`
+        // (summed to logits by the tree below) or summed here.
+        const float* ksp = KCH ? ks : ks + page * S * NGK;
+        const float* kzp = KCH ? kz : kz + page * S * NGK;
+        for (int64_t s = first; s < last; ) {
+            Vec out[KE][G];
+            int64_t n = KE;
+            if (s + KE <= last) {
+                qk_dots<BITS, KE>(kpage + s * W, qk, ksp + s * NGK, kzp + s * NGK, out);
             } else {
-                const float b = bias ? bias[page * S + s] : 0.f;
-                unroll<G>([&](auto g) { logit[g * S + s] = hsum(d0[g] + d1[g]) + cz[g] + b; });
+                Vec one[1][G];
+                qk_dots<BITS, 1>(kpage + s * W, qk, ksp + s * NGK, kzp + s * NGK, one);
+                for (int64_t g = 0; g < G; ++g) out[0][g] = one[0][g];
+                n = 1;
             }
+            for (int64_t e = 0; e < n; ++e)
+                for (int64_t g = 0; g < G; ++g) {
+                    if (tree) {
+                        out[e][g].store(dots + (g * S + s + e) * L);
+                    } else {
+                        float x = hsum(out[e][g]);
+                        if constexpr (KFACT) x = x * ksp[s + e] + kzp[s + e] * qsum[g];
+                        logit[g * S + s + e] = x + cz[g] + (bias ? bias[page * S + s + e] : 0.f);
+                    }
+                }
+            s += n;
         }
         if (tree) {  // the page's logits, L entries a vector; entries outside [first, last) -> -inf
             const Vec lane = Vec::arange(0.f, 1.f);
@@ -304,7 +332,10 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
                 const Vec valid = (t >= Vec(float(first))) & (t < Vec(float(last)));
                 const Vec b = bias ? Vec::loadu(bias + page * S + s0) : Vec(0.f);
                 for (int64_t g = 0; g < G; ++g) {
-                    const Vec row = lane_sums(dots + (g * S + s0) * L) + Vec(cz[g]) + b;
+                    Vec row = lane_sums(dots + (g * S + s0) * L);
+                    if constexpr (KFACT)
+                        row = at::vec::fmadd(row, Vec::loadu(ksp + s0), Vec::loadu(kzp + s0) * Vec(qsum[g]));
+                    row = row + Vec(cz[g]) + b;
                     Vec::blendv(Vec(NEG_INF), row, valid).store(logit + g * S + s0);
                 }
             }
@@ -315,25 +346,37 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
             }
         }
         for (int64_t g = 0; g < G; ++g) rescale[g] = softmax_step(logit + g * S, S, first, last, whole, m[g], l[g]);
+        // p of each (query head, entry) as a whole vector in `dots` (free once the logits are read):
+        // the FMAs below take it from memory, a load instead of a broadcast per use.
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t s = first; s < last; ++s) Vec(logit[g * S + s]).store(dots + (g * S + s) * L);
         // P·V̂ in blocks of JB value vectors: G * JB accumulators in registers over the page's
         // entries, each value vector dequantized once for the G query heads.
-        unroll<DV / JB>([&](auto blk) {
-            constexpr int64_t J = decltype(blk)::value * JB;
+        const float* vsp = vs + page * S * NGV;
+        const float* vzp = vz + page * S * NGV;
+#pragma GCC unroll 64
+        for (int64_t J = 0; J < DV; J += JB) {
             Vec a[G][JB];
-            unroll<G>([&](auto g) {
-                unroll<JB>([&](auto i) { a[g][i] = Vec::loadu(acc + g * D + (J + i) * L) * Vec(rescale[g]); });
-            });
+#pragma GCC unroll 64
+            for (int64_t g = 0; g < G; ++g)
+#pragma GCC unroll 64
+                for (int64_t i = 0; i < JB; ++i) a[g][i] = Vec::loadu(acc + g * D + (J + i) * L) * Vec(rescale[g]);
             for (int64_t s = first; s < last; ++s) {
-                Vec v[JB];
-                decode<BITS, J, JB>(vpage + s * W, v);
-                dequant<VPGV, J, JB>(v, vs + (page * S + s) * NGV, vz + (page * S + s) * NGV);
-                unroll<G>([&](auto g) {
-                    const Vec p(logit[g * S + s]);
-                    unroll<JB>([&](auto i) { a[g][i] = at::vec::fmadd(p, v[i], a[g][i]); });
-                });
+#pragma GCC unroll 64
+                for (int64_t i = 0; i < JB; ++i) {
+                    const int64_t grp = (J + i) / VPGV;
+                    const Vec v = at::vec::fmadd(decode<BITS>(vpage + s * W, J + i), Vec(vsp[s * NGV + grp]),
+                                                 Vec(vzp[s * NGV + grp]));
+#pragma GCC unroll 64
+                    for (int64_t g = 0; g < G; ++g)
+                        a[g][i] = at::vec::fmadd(Vec::loadu(dots + (g * S + s) * L), v, a[g][i]);
+                }
             }
-            unroll<G>([&](auto g) { unroll<JB>([&](auto i) { a[g][i].store(acc + g * D + (J + i) * L); }); });
-        });
+#pragma GCC unroll 64
+            for (int64_t g = 0; g < G; ++g)
+#pragma GCC unroll 64
+                for (int64_t i = 0; i < JB; ++i) a[g][i].store(acc + g * D + (J + i) * L);
+        }
         start += last - first;
     }
     for (int64_t g = 0; g < G; ++g) { m_out[g] = m[g]; l_out[g] = l[g]; }

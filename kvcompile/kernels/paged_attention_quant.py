@@ -21,29 +21,40 @@ with an attention over other entries, as KIVI's full-precision residual needs
 
 Implementations:
 - `paged_attention_quant_torch`: the eager reference above (the specification).
-- `paged_attention_quant_cpp` (paged_attention_quant.cpp beside this module): the fp32 C++
-  kernel's flash-decoding (kvcompile/kernels/paged_attention_cpp.py) over packed pages. A work item
-  is one (sequence, KV head, run of pages); each code row is read once and dequantized in
-  registers (int8: one widening load and a convert per vector; int4: the two nibbles of 8 bytes
-  split, interleaved back into channel order and widened). Keys per token: k̂ = code · scale + zero
-  per vector (a vector lies inside one group: groups are multiples of 16 channels), then q·k̂ for
-  the G query heads. Keys per channel: q·k̂ = Σ_c (q_c scale_c) code_c + Σ_c q_c zero_c, with
-  q_c scale_c and the constant computed once per page, so the codes go straight into the dot
-  products (KIVI's fused dequantize-and-multiply). A page's G·S dot vectors become its logits by a
-  transpose-and-add tree, exponentiated a vector at a time (online softmax, Milakov & Gimelshein
-  2018); each value row is dequantized once and accumulated for the G query heads. Every retained
-  byte (codes, scales, zeros, bias) is read once. fp32 queries on the CPU, head dim and both group
-  sizes multiples of 16, with Inductor's C++ toolchain; built once per (G, d).
+- `paged_attention_quant_cpp` (paged_attention_quant.cpp beside this module): the fp32 C++ kernel's
+  flash-decoding (kvcompile/kernels/paged_attention_cpp.py) over packed pages. A work item is one
+  (sequence, KV head, run of pages), on OpenMP threads above PARALLEL_WORK multiply-adds a call;
+  each code row is read once and decoded in registers (int8: a widening load and a convert per
+  vector; int4: a broadcast dword shifted left by 28 − 4c in lane c and right by 28, which the
+  low-nibble-first order makes two shifts). q·k: keys per channel take
+  q·k̂ = Σ_c (q_c scale_c) code_c + Σ_c q_c zero_c, q_c scale_c and the constant once per page
+  (KIVI's fused dequantize-and-multiply); keys per token in one group take
+  scale · (q·code) + zero · Σ_c q_c, applied to the page's logits as vectors; keys in several
+  groups are dequantized vector by vector (code · scale + zero, a vector never straddles two
+  groups). Two entries a step share each query load, with enough independent FMA chains to hide
+  their latency. A page's G·S dot vectors become its logits by a transpose-and-add tree and are
+  exponentiated a vector at a time (online softmax, Milakov & Gimelshein 2018). P·V runs in
+  blocks of value vectors whose G accumulators stay in registers over the page's entries; each
+  value vector is dequantized once for the G query heads. Every retained byte (codes, scales,
+  zeros, bias) comes from memory once (a value group wider than a block has its scale and zero
+  loaded again, from L1, by the entry's next block). fp32 queries on the CPU; head dim and per-token group sizes multiples
+  of 16 (`supports`); built once per (G, d, key group, value group) — compile-time constants, so
+  every loop over d unrolls — with int8 and int4 in each build. AVX2 and AVX-512 have their own
+  decode and reduction code (the AVX-512 code is compile-checked only: the development machine
+  has AVX2); other CPUs (ARM) take at::vec and plain loops, tested on x86 by building with
+  KVCOMPILE_PORTABLE, which removes the x86 ISA macro.
 - `paged_attention_quant_triton`: the Triton paged kernel's flash-decoding
   (`paged_attention.paged_attention_triton`): one program per (sequence · KV head, chunk of
-  entries) writes online-softmax partials, a second kernel combines them. Codes are loaded as
-  bytes (int4: each byte loaded for its two channels and the nibble shifted out), dequantized in
-  fp32, and both products run in fp32 (`input_precision="ieee"`: the dequantized values are not
-  representable in the 16-bit dtypes). Runs on CUDA, or anywhere under TRITON_INTERPRET=1 (fp32:
-  the interpreter computes bf16 wrong).
+  entries) writes online-softmax partials, a second kernel combines them. Codes are loaded as a
+  tile of bytes (int4: split into low and high nibbles, `tl.interleave`d back into channel
+  order), dequantized in fp32, and both products run in fp32 (`input_precision="ieee"`: the dequantized values are not
+  representable in the 16-bit dtypes), BLOCK_N = 16 entries a step, which keeps the fp32 tiles in
+  registers on sm_80 and sm_90 (no spill: tests/test_kernels_quant.py compiles it). Runs on CUDA,
+  or anywhere under TRITON_INTERPRET=1 (fp32: the interpreter computes bf16 wrong).
 
 Backends (one call signature, `backend(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-block_table, lengths, bias_pages, scale)` -> (B, Hq, d)): `CppQuantPagedAttention(parallel_work)`,
+block_table, lengths, bias_pages, scale)` -> (B, Hq, d)): `CppQuantPagedAttention(parallel_work,
+key_group, value_group)` (the layout `build` compiles ahead of the first call),
 `TorchQuantPagedAttention`, `TritonQuantPagedAttention`; `backend(name)` makes one from "cpp",
 "torch" or "triton".
 """
@@ -280,7 +291,10 @@ def paged_attention_quant_cpp(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zer
 # ----------------------------------------------------------------------------------- triton
 
 CHUNK_TOKENS = 256  # entries per program (as paged_attention.CHUNK_TOKENS)
-BLOCK_N = 64  # entries per inner step
+# Entries per inner step: 16 keeps the fp32 tiles (codes, dequantized K and V, 16 x 128 at d = 128) in
+# registers on sm_80 / sm_90 without a spill (tests/test_kernels_quant.py compiles it); 32 spills for int4.
+BLOCK_N = 16
+MIN_BLOCK_N = 16  # tl.dot's smallest K dimension (as paged_attention.MIN_BLOCK_N)
 
 
 def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
@@ -291,8 +305,8 @@ def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_
     """Flash-decoding in Triton over quantized pages: grid (B·H, chunks) of partials, then a (B·H,)
     reduce -> (B, Hq, d) in q's dtype (and the log-sum-exp (B, Hq) float32 with return_lse).
 
-    block_n: entries per inner step (a power of two, at least 16 is rounded up to); chunk_tokens:
-    entries per program (default CHUNK_TOKENS, rounded up to a multiple of block_n), a runtime
+    block_n: entries per inner step (rounded up to a power of two, at least MIN_BLOCK_N); chunk_tokens:
+    entries per program (default CHUNK_TOKENS, rounded up to a multiple of the block_n asked for), a runtime
     argument, so one compiled kernel serves every cache size. Codes, scales and zeros are read
     as contiguous tensors (made so when they are not); the block table and lengths as given."""
     if triton is None:
@@ -303,9 +317,9 @@ def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_
     s = k_codes.shape[1]
     g = hq // h
     scale = d ** -0.5 if scale is None else scale
-    block_n = max(16, triton.next_power_of_2(block_n))
     chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     chunk_tokens = -(-chunk_tokens // block_n) * block_n
+    block_n = max(MIN_BLOCK_N, triton.next_power_of_2(block_n))
     chunks = max(1, -(-(m * s) // chunk_tokens))
     q = q.contiguous()
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
@@ -336,6 +350,16 @@ def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_
 if triton is not None:
 
     @triton.jit
+    def _codes(ptrs, mask, BITS: tl.constexpr):
+        """The codes of a (BLOCK_N, BLOCK_D · BITS / 8) tile of code bytes as a (BLOCK_N, BLOCK_D) int32
+        tile: int8 as they are; int4 split into the low nibble (channel 2i) and the high nibble
+        (channel 2i + 1) of byte i and interleaved back into channel order."""
+        raw = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        if BITS == 4:
+            raw = tl.interleave(raw & 15, raw >> 4)
+        return raw
+
+    @triton.jit
     def _quant_partials_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, len_ptr,
                                bias_ptr, m_ptr, l_ptr, acc_ptr, scale, H, chunk_tokens, num_chunks,
                                stride_tb, stride_th, stride_tm, stride_lb, stride_lh, stride_bp, stride_bs,
@@ -357,11 +381,8 @@ if triton is not None:
         mask_d = offs_d < D
         q = tl.load(q_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
                     mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        if BITS == 4:  # byte of each channel, and the shift of its nibble (low nibble first)
-            byte_d = offs_d // 2
-            shift_d = (offs_d % 2) * 4
-        else:
-            byte_d = offs_d
+        offs_w = tl.arange(0, BLOCK_D * BITS // 8)  # code bytes of an entry (int4: two codes each)
+        mask_w = offs_w < W
         length = tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32)
         table_row = table_ptr + b.to(tl.int64) * stride_tb + h * stride_th
         lo = chunk * chunk_tokens
@@ -375,9 +396,7 @@ if triton is not None:
             page = tl.load(table_row + (t // S) * stride_tm, mask=valid, other=0).to(tl.int64)
             entry = page * S + t % S  # the entry's row in the pool, (BLOCK_N,)
             kv_mask = valid[:, None] & mask_d[None, :]
-            codes = tl.load(kc_ptr + entry[:, None] * W + byte_d[None, :], mask=kv_mask, other=0).to(tl.int32)
-            if BITS == 4:
-                codes = (codes >> shift_d[None, :]) & 15
+            codes = _codes(kc_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :], BITS)
             if K_CHANNEL:
                 at = page[:, None] * D + offs_d[None, :]
             else:
@@ -393,9 +412,7 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(logits - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            codes = tl.load(vc_ptr + entry[:, None] * W + byte_d[None, :], mask=kv_mask, other=0).to(tl.int32)
-            if BITS == 4:
-                codes = (codes >> shift_d[None, :]) & 15
+            codes = _codes(vc_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :], BITS)
             at = entry[:, None] * NGV + (offs_d // GROUP_V)[None, :]
             v = (codes.to(tl.float32) * tl.load(vs_ptr + at, mask=kv_mask, other=0.0)
                  + tl.load(vz_ptr + at, mask=kv_mask, other=0.0))
@@ -451,7 +468,7 @@ class QuantPagedAttention(KernelBackend):
     def __call__(self, q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
                  v_scale: Tensor, v_zero: Tensor, block_table: Tensor, lengths: Tensor,
                  bias_pages: Tensor | None = None, scale: float | None = None) -> Tensor:
-        check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
+        # every implementation's function checks the call (`check`) once
         return self.run(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths,
                         bias_pages, scale)
 

@@ -1,8 +1,8 @@
 """Asymmetric integer quantization of KV pages (int8, int4): the quantizer and its inverse.
 
-The quantizer is the round-to-nearest asymmetric one of KIVI (Liu et al., 2024, arXiv
-2402.02750, §3.1: Q(X) = ⌊(X − z_X) / s_X⌉ with z_X = min X, s_X = (max X − min X) / (2^B − 1))
-and MiKV (Yang et al., 2024, arXiv 2402.18096, §3.1: the same per-token quantizer, scale
+The quantizer is the asymmetric round-to-nearest one of KIVI (Liu et al., 2024, arXiv
+2402.02750: Q(X) = ⌊(X − z_X) / s_X⌉ with z_X = min X, s_X = (max X − min X) / (2^B − 1)) and of
+MiKV (Yang et al., 2024, arXiv 2402.18096: the same quantizer per token, scale
 α = (max − min) / (2^b − 1), zero point β = min). For one group x of values (fp32 arithmetic,
 in this order):
 
@@ -15,7 +15,7 @@ Scale 1 where the quotient is 0 (a constant group, or a range below 2^bits − 1
 makes every code 0 and x̂ = zero exactly for a constant group; elsewhere |x − x̂| ≤ scale / 2 up to
 fp32 rounding. x must be finite (nothing is checked on the device: no host read per call).
 
-Groups (KIVI §3: keys per channel, values per token):
+Groups (KIVI: keys per channel, values per token):
 - axis "token": `group` consecutive channels of one entry (default: all d). For pages (P, S, d):
   scale, zero (P, S, d // group). Values always, keys optionally.
 - axis "channel": one channel over the page's S entries (KIVI's key quantization; its group of
@@ -27,7 +27,8 @@ the low nibble and channel 2i + 1 in the high nibble ("low nibble first").
 
 Writing into pages:
 - `quantize_into_pages`: one appended entry per head (per-token groups): codes, scale and zero of
-  each entry written at (page, slot), given as tensors (no host read: cache.append's page and slot).
+  each entry written at (page, slot), given as tensors (no host read: the page and slot an append
+  computes on the device).
 - `quantize_pages_into`: whole pages (N, S, d) written at page ids (N,), either axis: a prompt's
   pages, or a per-channel key page once it is full.
 
