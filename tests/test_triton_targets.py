@@ -16,7 +16,7 @@ pytest.importorskip("triton.backends.nvidia.compiler",
 import triton  # noqa: E402  (after the skip)
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kvcompile.kernels import merge, paged_attention, select, targets, window_scores  # noqa: E402
+from kvcompile.kernels import merge, paged_attention, paged_attention_quant, select, targets, window_scores  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,8 @@ def describe(row) -> str:
 def test_every_kernel_compiles_for_every_target_and_dtype(rows):
     errors = [f"{describe(r)}: {r['error']}" for r in rows if "error" in r]
     assert not errors, "\n".join(errors)
-    expected = set().union(*(kernels_of(m) for m in (paged_attention, window_scores, merge, select)))
+    expected = set().union(*(kernels_of(m) for m in (paged_attention, paged_attention_quant, window_scores, merge,
+                                                     select)))
     assert len(expected) >= 9
     for arch in targets.ARCHS:
         for dtype in targets.DTYPES:

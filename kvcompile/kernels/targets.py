@@ -89,7 +89,7 @@ class _TargetDriver:
 def _cases(model: Model, dtype: torch.dtype):
     """(case name, a call of a launch function) at the model's shapes, one per variant a
     shipped spec selects (bias or not, pooling, GQA reduction, value weight, pooled budgets)."""
-    from kvcompile.kernels import merge, select, window_scores, paged_attention
+    from kvcompile.kernels import merge, paged_attention, paged_attention_quant, select, window_scores
 
     b, h, hq, d, s, n = 1, model.kv_heads, model.q_heads, model.head_dim, model.page, model.prompt
     pages = -(-n // s)
@@ -146,6 +146,7 @@ def _cases(model: Model, dtype: torch.dtype):
         ("keep best pooled (adakv, lava)", lambda: select.keep_best_triton(ranks, flags, flags, budget.sum(-1), True)),
         ("keep threshold (dbudgetkv)", lambda: select.keep_threshold_triton(ranks, flags, flags, scores, 0.01)),
         ("gather pages", gather()),
+        *paged_attention_quant.target_cases(model, dtype),  # decode over int8 / int4 pages (storage parts)
     ]
 
 
