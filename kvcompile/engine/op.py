@@ -197,7 +197,8 @@ def kvcompile_attention(module, query, key, value, attention_mask, scaling=None,
             out = _Attend.apply(*args)
         elif torch.compiler.is_compiling():  # traced by a torch.compile around the eager entry: the op
             out = torch.ops.kvcompile.attend(*args)
-        else:  # the op's body, without the dispatcher in between (run_layer)
+        else:  # the op's body, without the dispatcher in between (run_layer); the same declared write
+            cache.token.add_(1)
             out = run_layer(query, key, value, mask, module.layer_idx, cache, scale)
     return out.transpose(1, 2).contiguous(), None
 
