@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import time
 
 import torch
 
@@ -29,37 +28,12 @@ from kvcompile.kernels import paged_attention_cpp as fp32_cpp
 from kvcompile.kernels import paged_attention_quant as pq
 from kvcompile.kernels.quantize import quantize
 
-
-def timed(fn, repeat: int, before=None) -> float:
-    """Best seconds per call over `repeat` calls after two warm-up calls (the minimum is the least
-    disturbed by other processes); `before()` runs untimed ahead of each call."""
-    fn(), fn()
-    best = float("inf")
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def cache_flusher(megabytes: int):
-    """Writes `megabytes` of memory: the pages then come from memory (the "cold" column)."""
-    buffer = torch.empty(megabytes * 2**20 // 4)
-    return lambda: buffer.fill_(1.0)
-
-
-def copy_bandwidth(megabytes: int, repeat: int) -> float:
-    """Bytes moved (read + write) per second by a torch copy of a large fp32 tensor."""
-    src = torch.randn(megabytes * 2**20 // 4)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), repeat)
+from bench_decode import cache_flusher, copy_bandwidth, timed  # benchmarks/ is the script's folder, so on sys.path
 
 
 def paged_cache(per_head: int, heads: int, group: int, dim: int, page: int, gen: torch.Generator):
     """q (1, H·G, d) and fp32 pages holding `per_head` entries of every head, each head's pages one
-    after the other in the pool (as build_store lays out a compressed prompt)."""
+    after the other in the pool (as the page store lays out a compressed prompt)."""
     pages = -(-per_head // page)
     k_pages = torch.randn(heads * pages, page, dim, generator=gen)
     v_pages = torch.randn(heads * pages, page, dim, generator=gen)
@@ -119,7 +93,7 @@ def main() -> None:
     print(f"copy bandwidth (read + write, {args.copy_mb} MB): {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s; "
           f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print(f"warm: the same call repeated; cold: {args.flush_mb} MB written before each call (pages from memory)")
-    print(f"| H,G,d | tokens/head | kernel | MB read | warm ms | cold ms | cold GB/s | fp32 cold ÷ this |")
+    print("| H,G,d | tokens/head | kernel | MB read | warm ms | cold ms | cold GB/s | fp32 cold ÷ this |")
     print("|---|---|---|---|---|---|---|---|")
     for shape, per_head, name, warm, cold, size, speedup in rows:
         print(f"| {shape} | {per_head} | {name} | {size / 1e6:.1f} | {warm * 1e3:.3f} | {cold * 1e3:.3f} | "
