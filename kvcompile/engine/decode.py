@@ -40,10 +40,11 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     for i in range(q.shape[2]):
         position = start + i - pad  # logical position among real tokens
         out = None
-        if plan.online_step is not None and plan.online_step.runs(store.tensors(), q.shape[1]):
+        pages = None if plan.online_step is None else store.tensors()
+        if pages is not None and plan.online_step.runs(pages, q.shape[1]):
             # append, attention, running scores, online eviction: one fused step
             split = cache.decoding.split[:, layer] if online else None
-            out = plan.online_step(store.tensors(), q[:, :, i], k[:, :, i], v[:, :, i], position, split, scale)
+            out = plan.online_step(pages, q[:, :, i], k[:, :, i], v[:, :, i], position, split, scale)
         if out is not None:
             out = out.to(q.dtype)
             store.room -= 1  # the fused step appended into the pages the head owns

@@ -386,7 +386,8 @@ class LayerStore:
     def crop(self, cutoff: Tensor) -> None:
         """Keep the residual slots and the entries of logical position below cutoff (B, 1, 1): decode
         appends sit after a head's prompt entries, in order, so what is cut is a suffix."""
-        _, _, _, pos, _, stored = self.gather()
+        flat, stored = self.entries()  # positions only: no key or value is read (nor dequantized)
+        pos = self.pos_pages.reshape(-1)[flat]
         self.lengths = (stored & ((pos < cutoff.to(pos.device)) | (pos < 0))).sum(-1)
 
     # --- measuring -------------------------------------------------------------------------------------
