@@ -63,11 +63,10 @@ def gather_rows(k_pages: Tensor, v_pages: Tensor, score_pages: Tensor, pos_pages
                 positions: Tensor, counts: Tensor, take: Tensor) -> None:
     """The plain write of the taken rows into pages (what the gather kernels compute): the i-th taken row
     of head (b, h), in entry order, becomes its entry start[b, h] + i."""
-    from kvcompile.kernels.select import gather_pages_torch
+    from kvcompile.kernels.select import gather_pages_torch  # imported on first use: not at `import kvcompile`
 
-    if take.numel():
-        gather_pages_torch(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start, keys, values,
-                           scores, positions, counts, take)
+    gather_pages_torch(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start, keys, values,
+                       scores, positions, counts, take)
 
 
 class PageTensors(NamedTuple):
@@ -82,20 +81,6 @@ class PageTensors(NamedTuple):
     lengths: Tensor
     slots: Tensor
     owned: Tensor
-
-
-def _write_rows(pages: tuple[Tensor, ...], rows: tuple[Tensor, ...], block_table: Tensor, start: Tensor,
-               take: Tensor) -> None:
-    """The plain row write for any per-entry page tensors (P, S, ...) from rows (B, H, E, ...): the i-th
-    taken row of head (b, h), in entry order, becomes its entry start[b, h] + i."""
-    if not take.numel():
-        return
-    s = pages[0].shape[1]
-    bi, hi, ei = take.nonzero(as_tuple=True)
-    entry = start[bi, hi] + (take.cumsum(-1) - 1)[bi, hi, ei]
-    page, slot = block_table[bi, hi, entry // s], entry % s
-    for p, r in zip(pages, rows):
-        p[page, slot] = r[bi, hi, ei].to(p.dtype)
 
 
 @dataclass
@@ -180,9 +165,11 @@ class LayerStore:
         store.storage = storage
         store.k_scale, store.k_zero = (torch.zeros(cap, page_size, groups, device=dev) for _ in range(2))
         store.v_scale, store.v_zero = (torch.zeros(cap, page_size, vgroups, device=dev) for _ in range(2))
+        from kvcompile.kernels.select import write_rows
+
         start = torch.zeros_like(store.lengths)
         for src, k, v in encoded:
-            _write_rows((store.k_scale, store.k_zero, store.v_scale, store.v_zero), (k.scale, k.zero, v.scale, v.zero),
+            write_rows((store.k_scale, store.k_zero, store.v_scale, store.v_zero), (k.scale, k.zero, v.scale, v.zero),
                         store.block_table, start, src.take)
             start = start + src.take.sum(-1)
         return store

@@ -285,16 +285,22 @@ def gather_pages(k_pages: Tensor, v_pages: Tensor, score_pages: Tensor, pos_page
 
 def gather_pages_torch(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
                        keys, values, scores, positions, counts, take) -> None:
-    """The lowering: entry = start + (running count of take) − 1, then one index_put per field."""
-    s = k_pages.shape[1]
+    """The lowering: `write_rows` of the five page fields."""
+    write_rows((k_pages, v_pages, score_pages, pos_pages, count_pages), (keys, values, scores, positions, counts),
+               block_table, start, take)
+
+
+def write_rows(pages: tuple, rows: tuple, block_table: Tensor, start: Tensor, take: Tensor) -> None:
+    """Any per-entry page tensors (P, S, ...) from rows (B, H, E, ...): entry = start + (running count of
+    take) − 1 of the row's head, then one index_put per tensor (a quantized store's scales use it too)."""
+    if not take.numel():
+        return
+    s = pages[0].shape[1]
     bi, hi, ei = take.nonzero(as_tuple=True)  # row-major: per head, in entry order
     entry = start[bi, hi] + (take.cumsum(-1) - 1)[bi, hi, ei]
     page, slot = block_table[bi, hi, entry // s].long(), entry % s
-    k_pages[page, slot] = keys[bi, hi, ei].to(k_pages.dtype)
-    v_pages[page, slot] = values[bi, hi, ei].to(v_pages.dtype)
-    score_pages[page, slot] = scores[bi, hi, ei].to(score_pages.dtype)
-    pos_pages[page, slot] = positions[bi, hi, ei].to(pos_pages.dtype)
-    count_pages[page, slot] = counts[bi, hi, ei].to(count_pages.dtype)
+    for p, r in zip(pages, rows):
+        p[page, slot] = r[bi, hi, ei].to(p.dtype)
 
 
 def gather_pages_triton(k_pages, v_pages, score_pages, pos_pages, count_pages, block_table, start,
