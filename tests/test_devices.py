@@ -74,8 +74,8 @@ def run(model, name, ids, mask):
 def described(cache, plan, sequences) -> dict:
     """What a run kept, on the CPU (its pages may live on several devices)."""
     return {"tokens": sequences[:, -NEW_TOKENS:].tolist(), "entries": entries(cache), "plan": plan,
-            "pages": {s.k_pages.device for s in cache.stores}, "kept": cache.kept().cpu(),
-            "layers": tuple(s.k_pages.device for s in cache.stores),
+            "pages": {s.device for s in cache.stores}, "kept": cache.kept().cpu(),
+            "layers": tuple(s.device for s in cache.stores),
             "positions": [cache.kept_positions(layer).cpu() for layer in range(len(cache.stores))],
             "bytes": {k: v for k, v in cache.memory_report().items() if k.startswith("bytes")}}
 

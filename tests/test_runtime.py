@@ -28,12 +28,15 @@ def compile_options(policy) -> dict:
 
 
 def full_budget(name: str, n: int, layers: int):
-    """The spec with a budget that covers the whole prompt (nothing may be evicted)."""
-    policy = kvcompile.load_spec(name)
+    """The spec with a budget that covers the whole prompt (nothing may be evicted), its entries in the model's
+    dtype (a quantizing storage part rounds them by design: tests/test_storage*.py check it against the
+    reference, and a tiered part with every entry in full precision against the plain model)."""
+    policy = kvcompile.load_spec(name, storage="model_dtype")
     if policy.budget.threshold is not None:
-        return kvcompile.load_spec(name, budget={"threshold": {"attention_norm": {"keep_layers": layers}}})
-    return kvcompile.load_spec(name, per_head=n + 64) if policy.budget.per_head else \
-        kvcompile.load_spec(name, ratio=1.0)
+        return kvcompile.load_spec(name, budget={"threshold": {"attention_norm": {"keep_layers": layers}}},
+                                   storage="model_dtype")
+    return kvcompile.load_spec(name, per_head=n + 64, storage="model_dtype") if policy.budget.per_head else \
+        kvcompile.load_spec(name, ratio=1.0, storage="model_dtype")
 
 
 def small_budget(name: str):

@@ -103,3 +103,143 @@ def test_a_prompt_compressed_in_chunks_equals_the_reference(storage, key, n, chu
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
     run_both(policy, 2, 1, 2, 2, n, 8, None, 4, rand, steps)
+
+
+CONFIG = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, num_attention_heads=1, head_dim=8, hidden_size=8)
+
+
+@pytest.mark.parametrize("spec, overrides, why", [
+    ("h2o", {"storage": {"mixed": {"full": 0.5}}}, "running scores"),
+    ("zsmerge", {"storage": {"mixed": {"full": 0.5}}}, "residual slot"),
+    ("snapkv", {"storage": "kivi", "schedule": {"decode": {"every": {"n": 2}}}}, "decode: every re-selects"),
+    ("snapkv", {"storage": {"kivi": {"tokens": 24}}}, "multiple of the page size 16"),
+    ("snapkv", {"storage": {"mixed": {"group": 3}}}, "group 3 does not divide the head dim 8"),
+])
+def test_what_cannot_run_is_refused_before_anything_runs(spec, overrides, why):
+    with pytest.raises(PlanError, match=why):
+        build_plan(kvcompile.load_spec(spec, **overrides), CONFIG)
+
+
+def test_spec_errors_name_the_file_line_and_field(tmp_path):
+    spec = tmp_path / "m.yaml"
+    spec.write_text("scoring: window_attention\nbudget: {per_head: 8}\nstorage: {mixed: {full: 1.5}}\n")
+    with pytest.raises(kvcompile.spec.SpecError, match=r"m.yaml:3: storage.mixed.full"):
+        kvcompile.load_spec(spec)
+    spec.write_text("scoring: window_attention\nbudget: {per_head: 8}\nstorage: {kivi: {bits: 2}}\n")
+    with pytest.raises(kvcompile.spec.SpecError, match=r"m.yaml:3: storage.kivi.bits"):
+        kvcompile.load_spec(spec)
+
+
+def test_the_split_is_the_parts_rule():
+    """mixed: the round(full · n) best-scored tokens stay floats (ties to the later position); kivi: L(n)."""
+    part = kvcompile.load_spec("snapkv", storage={"mixed": {"full": 0.4}}).storage
+    assert [part.high_count(n) for n in (0, 1, 2, 5, 10)] == [0, 0, 1, 2, 4]  # round half to even: 0.4 → 0
+    kivi = kvcompile.load_spec("kivi").storage
+    assert [kivi.quantized_count(n) for n in (0, 127, 128, 159, 160, 200)] == [0, 0, 0, 0, 32, 64]
+    from kvcompile.engine.pages import Entries
+    from kvcompile.engine.tiers import high_tier
+
+    scores = torch.tensor([[[0.5, 0.9, 0.5, 0.1, 0.7]]])
+    take = torch.tensor([[[True, True, True, True, False]]])
+    src = Entries(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2), scores, torch.arange(5)[None, None],
+                  torch.ones(1, 1, 5), take)
+    mixed = kvcompile.load_spec("snapkv", storage={"mixed": {"full": 0.5}}).storage
+    assert high_tier(mixed, src).tolist() == [[[False, True, True, False, False]]]  # 0.9, then the later 0.5
+
+
+def test_bytes_are_the_arithmetic_and_split_by_precision():
+    """A tiered store's bytes: its float pages, and its codes with their scales (KIVI's keys: two float32 per
+    channel a page of `tokens` entries); memory_report() splits bytes_held by precision."""
+    d, h, page = 16, 2, 4
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=h, head_dim=d,
+                             hidden_size=h * d)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 30, d, generator=gen) for _ in range(3))
+    for storage, low_entry in (({"mixed": {"full": 0.25, "bits": 8}}, 2 * (16 + 8)),
+                               ({"kivi": {"bits": 4, "residual": 4, "tokens": 8}}, None)):
+        policy = kvcompile.load_spec("snapkv", per_head=20, storage=storage, **SMALL)
+        cache = KVCompileCache(policy, config, page_size=page)
+        torch.ops.kvcompile.attend(q, k, v, None, 0, cache.ref, cache.token, d ** -0.5)
+        store = cache.stores[0]
+        hi, lo = store.high, store.low
+        high_pages, low_pages = int(hi.pages_per_head().sum()), int(lo.pages_per_head().sum())
+        if low_entry is None:  # kivi: keys d/2 bytes of codes, values d/2 + 8; per page 2·4·d of key scales
+            assert lo.page_size == 8 and lo.k_scale.shape[1:] == (d,)
+            low_page = 8 * (d // 2 + d // 2 + 8) + 2 * 4 * d
+            assert lo.lengths.tolist() == [[16, 16]] and hi.lengths.tolist() == [[4, 4]]  # L(20) = 16
+        else:
+            low_page = page * low_entry
+            assert hi.lengths.tolist() == [[5, 5]] and lo.lengths.tolist() == [[15, 15]]  # round(0.25 · 20) = 5
+        report = cache.memory_report()
+        assert report["bytes_by_precision"] == {"model_dtype": high_pages * page * 2 * d * 4,
+                                                f"int{policy.storage.bits}": low_pages * low_page}
+        assert report["bytes_held"] == sum(report["bytes_by_precision"].values())
+        assert report["bytes_full"] == 30 * h * 2 * d * 4
+
+
+@pytest.mark.parametrize("storage", [{"mixed": {"full": 1.0}}, {"kivi": {"residual": 4096}}], ids=str)
+@pytest.mark.parametrize("beams", [1, 2])
+def test_everything_in_full_precision_is_the_plain_model(storage, beams):
+    """A budget covering the sequence with every entry in the high tier: generate() (greedy and beam search,
+    whose row copies run TieredStore.rows) gives the plain model's tokens and logits."""
+    model = tiny_model("llama", layers=2)
+    ids = prompt(40, seed=3)
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, num_beams=beams, return_dict_in_generate=True,
+              output_logits=True)
+    with torch.no_grad():
+        plain = model.generate(ids, **kw)
+        policy = kvcompile.load_spec("snapkv", per_head=4096, storage=storage, **SMALL)
+        with kvcompile.compiled(model, policy):
+            got = model.generate(ids, **kw)
+    assert torch.equal(got.sequences, plain.sequences)
+    for a, b in zip(plain.logits, got.logits):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert type(got.past_key_values.stores[0]).__name__ == "TieredStore"
+
+
+@pytest.mark.parametrize("name", ["kivi", "lava_mixed", "snapkv_int4"])
+def test_shipped_precision_specs_generate_within_fewer_bytes(name):
+    """The shipped specs on a tiny model: generate() runs, and the cache holds fewer bytes than the same
+    policy in the model's dtype, in the precisions the spec names."""
+    model = tiny_model("llama", layers=2)
+    ids = prompt(300, seed=4)
+    held = {}
+    for storage in ("model_dtype", None):
+        overrides = {} if storage is None else {"storage": storage}
+        policy = kvcompile.load_spec(name, **overrides)
+        if name != "kivi":
+            policy = kvcompile.load_spec(name, per_head=64, **overrides)
+        with torch.no_grad(), kvcompile.compiled(model, policy):
+            out = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                                 return_dict_in_generate=True)
+        report = out.past_key_values.memory_report()
+        held[storage] = report["bytes_held"]
+        if storage is None:
+            assert set(report["bytes_by_precision"]) == ({"int4"} if name == "snapkv_int4" else {"model_dtype", "int4"})
+        if name == "kivi" and storage is None:  # nothing evicted: a head holds every token, the first L(n) as codes
+            store = out.past_key_values.stores[0]
+            n = ids.shape[1] + 39
+            assert store.lengths.flatten().tolist() == [n] * store.lengths.numel()
+            assert store.low.lengths.flatten().tolist() == [policy.storage.quantized_count(n)] * store.lengths.numel()
+    assert held[None] < held["model_dtype"]
+
+
+@pytest.mark.parametrize("name", ["kivi", "lava_mixed", "snapkv_int4"])
+def test_under_autocast_the_precision_specs_stay_close_to_their_fp32_run(name):
+    """An fp32 model under torch.autocast(bfloat16): the float tier in bf16, the codes' attention in fp32 (the
+    torch backend: the C++ kernel takes fp32 queries); logits within bf16 rounding of the fp32 run of the same
+    spec, and with KIVI's whole sequence in its full-precision tier, of the plain model under autocast."""
+    model = tiny_model("llama", layers=2)
+    ids = prompt(60, seed=6)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    policy = kvcompile.load_spec(name, per_head=40) if name != "kivi" else kvcompile.load_spec(name)
+    with torch.no_grad():
+        with kvcompile.compiled(model, policy):
+            fp32 = model.generate(ids, **kw)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain = model.generate(ids, **kw)
+            with kvcompile.compiled(model, policy):
+                got = model.generate(ids, **kw)
+    want = plain if name == "kivi" else fp32  # kivi: 66 tokens < residual 128, all in the float tier
+    for a, b in zip(want.logits, got.logits):
+        torch.testing.assert_close(b.float(), a.float(), atol=0.1, rtol=0.05)

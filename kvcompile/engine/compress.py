@@ -103,7 +103,7 @@ def store_layer(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
                                   counts.float(), occupied))
     return store_type(cache.policy.storage).build(sources, slots, cache.page_size, cache.plan.spare_pages,
                                                   gather=cache.plan.selection.gather_pages,
-                                                  storage=cache.policy.storage)
+                                                  storage=cache.policy.storage, dtype=cache.plan.dtype)
 
 
 def over_heads(plan, x: Tensor) -> Tensor:

@@ -129,7 +129,8 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
                  total=None if totals is None else totals[:, layer], choose=ranks)
     cache.stores[layer] = store_type(cache.policy.storage).from_heads(heads, cache.page_size, cache.plan.spare_pages,
-                                                                     storage=cache.policy.storage)
+                                                                     storage=cache.policy.storage,
+                                                                     dtype=cache.plan.dtype)
 
 
 def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:

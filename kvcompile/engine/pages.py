@@ -115,12 +115,16 @@ class LayerStore:
 
     @classmethod
     def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int,
-              gather: Callable = gather_rows, storage=None) -> "LayerStore":
+              gather: Callable = gather_rows, storage=None, dtype: torch.dtype | None = None) -> "LayerStore":
         """A store holding the taken rows of `sources`, one source after the other per head (merge slots
         first), in fresh pages laid out by `page_table` with `spare_pages` per head; `slots` (B, H) the
         occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or the plain
         `gather_rows`). Only the taken rows are copied (no dense copy of the layer). `storage`: a storage
-        part that quantizes (the rows are written as its codes, scales and zero points), or None."""
+        part that quantizes (the rows are written as its codes, scales and zero points), or None. `dtype`: the
+        float pages' dtype (the model's; default: the rows'): re-selected rows read from codes are float32."""
+        if dtype is not None and (storage is None or not storage.quantizes):
+            sources = [dataclasses.replace(src, keys=src.keys.to(dtype), values=src.values.to(dtype))
+                       for src in sources]
         if storage is not None and storage.quantizes:
             return cls._build_quantized(sources, slots, page_size, spare_pages, storage)
         first = sources[0]
@@ -167,7 +171,7 @@ class LayerStore:
 
     @classmethod
     def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int,
-                   storage=None) -> "LayerStore":
+                   storage=None, dtype: torch.dtype | None = None) -> "LayerStore":
         """A store holding every head's entries in order (the inverse of `to_heads`)."""
         b, h = len(heads), len(heads[0])
         width = max(1, max(len(x.positions) for row in heads for x in row))
@@ -185,7 +189,7 @@ class LayerStore:
                 keys[i, j, :n], values[i, j, :n], scores[i, j, :n] = x.keys, x.values, x.scores
                 pos[i, j, :n], counts[i, j, :n], take[i, j, :n] = x.positions, x.counts, True
         return cls.build([Entries(keys, values, scores, pos, counts, take)], (take & (pos < 0)).sum(-1), page_size,
-                         spare_pages, storage=storage)
+                         spare_pages, storage=storage, dtype=dtype)
 
     def rows(self, index: Tensor, spare_pages: int) -> "LayerStore":
         """A new store whose row i is a copy of row index[i] of this one (entries in the same order,
@@ -210,6 +214,10 @@ class LayerStore:
     @property
     def page_size(self) -> int:
         return self.k_pages.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_pages.device
 
     def pages_per_head(self) -> Tensor:
         """(B, H) pages holding entries (a head's spares not counted)."""

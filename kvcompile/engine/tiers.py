@@ -70,7 +70,7 @@ class TieredStore:
 
     @classmethod
     def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int, gather=None,
-              storage=None) -> "TieredStore":
+              storage=None, dtype: torch.dtype | None = None) -> "TieredStore":
         """The taken rows of `sources` split by `high_tier`, each tier in a store of its own (the low one
         in pages of `storage.tokens` entries for KIVI). `slots` must be empty: tiered parts do not merge."""
         src = _cat(sources)
@@ -83,7 +83,7 @@ class TieredStore:
         high = high_tier(storage, src)
         kw = {} if gather is None else {"gather": gather}
         none = torch.zeros_like(slots)
-        hi = LayerStore.build([dataclasses.replace(src, take=high)], none, page_size, spare_pages, **kw)
+        hi = LayerStore.build([dataclasses.replace(src, take=high)], none, page_size, spare_pages, dtype=dtype, **kw)
         low_page = storage.tokens if storage.key_axis == "channel" else page_size
         lo = LayerStore.build([dataclasses.replace(src, take=src.take & ~high)], none, low_page, spare_pages,
                               storage=storage.low())
@@ -92,13 +92,13 @@ class TieredStore:
         return store
 
     @classmethod
-    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int, storage=None
-                   ) -> "TieredStore":
+    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int, storage=None,
+                   dtype: torch.dtype | None = None) -> "TieredStore":
         """A store holding every head's entries, split again into tiers (`decode: every`)."""
         flat = LayerStore.from_heads(heads, page_size, spare_pages)
         k, v, scores, pos, counts, stored = flat.gather()
         return cls.build([Entries(k, v, scores, pos, counts, stored)], flat.slots, page_size, spare_pages,
-                         storage=storage)
+                         storage=storage, dtype=dtype)
 
     def rows(self, index: Tensor, spare_pages: int) -> "TieredStore":
         """Row i a copy of row index[i] (beam search), each tier kept as it is."""
@@ -148,8 +148,13 @@ class TieredStore:
                                for f in dataclasses.fields(HeadEntries)))
                  for a, b in zip(row_a, row_b)] for row_a, row_b in zip(low, high)]
 
-    def precision_of(self, name: str) -> LayerStore:
-        return self.high if name == "high" else self.low
+    @property
+    def device(self) -> torch.device:
+        return self.high.device
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Both tiers' tensors (no fused kernel takes a tiered store: the plan runs its Python path)."""
+        return tuple(self.high.tensors()) + tuple(self.low.tensors())
 
     # --- changing --------------------------------------------------------------------------------------
 
