@@ -243,3 +243,34 @@ def test_under_autocast_the_precision_specs_stay_close_to_their_fp32_run(name):
     want = plain if name == "kivi" else fp32  # kivi: 66 tokens < residual 128, all in the float tier
     for a, b in zip(want.logits, got.logits):
         torch.testing.assert_close(b.float(), a.float(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("storage", [{"mixed": {"full": 0.5, "bits": 4}}, {"kivi": {"residual": 8, "tokens": 16}},
+                                     "int4"], ids=str)
+def test_continuous_batching_equals_generate(storage):
+    """Three requests through transformers' continuous-batching engine (kvcompile.serving) under a precision
+    part: each gives what it gives alone through generate(), and every block comes back."""
+    from test_serving import compiled, prompts, reference, serve
+
+    model = compiled("adakv", per_head=40, storage=storage)
+    ids = prompts([150, 90, 190])
+    tokens, report = serve(model, ids, max_batch_tokens=96)
+    assert tokens == [reference(model, x) for x in ids]
+    assert report["requests"] == {}
+
+
+@pytest.mark.parametrize("storage", [{"mixed": {"full": 0.5, "bits": 4}}, {"kivi": {"residual": 8, "tokens": 16}}],
+                         ids=str)
+def test_a_continued_cache_equals_one_generation(storage):
+    """generate() continued from its own returned cache (a second turn) gives the tokens of one longer
+    generate() over the same ids: the tiers carry over (KIVI's groups keep leaving the float tier)."""
+    model = tiny_model("llama", layers=2)
+    ids = prompt(80, seed=9)
+    kw = dict(do_sample=False, return_dict_in_generate=True)
+    policy = kvcompile.load_spec("snapkv", per_head=30, storage=storage, **SMALL)
+    with torch.no_grad(), kvcompile.compiled(model, policy):
+        whole = model.generate(ids, max_new_tokens=30, min_new_tokens=30, **kw)
+        first = model.generate(ids, max_new_tokens=12, min_new_tokens=12, **kw)
+        second = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=18,
+                                min_new_tokens=18, **kw)
+    assert torch.equal(second.sequences, whole.sequences)
