@@ -80,7 +80,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
-from kvcompile.engine.pages import LayerStore
+from kvcompile.engine.pages import ENTRY_METADATA_BYTES, LayerStore
 from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
@@ -278,7 +278,17 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
     pages += layers * heads * plan.spare_pages
     width = math.ceil(tokens / s) + plan.spare_pages
     entry = LayerStore.entry_bytes(plan.storage, d, elt)
-    stores = LayerStore.bound_bytes(pages, s, entry, layers * heads, width)  # + block tables and per-head counters
+    rows = layers * heads
+    storage = plan.storage
+    if storage.tiered:
+        # two stores a layer (engine.tiers): each head rounds each tier up once and each tier has its spares;
+        # counted in pages of S entries of the larger of the two entry sizes, a low page of `low` entries as
+        # ceil(low / S) of them (its per-page key scales, KIVI, are within its entries' bound)
+        low = storage.tokens if storage.key_axis == "channel" else s
+        entry = max(entry, math.ceil(storage.low_entry_bytes(d)) + ENTRY_METADATA_BYTES)
+        pages += rows * (1 + math.ceil(low / s) * (1 + plan.spare_pages))
+        rows *= 2
+    stores = LayerStore.bound_bytes(pages, s, entry, rows, width)  # + block tables and per-head counters
     if not chunked:
         return stores
     rows = min(tokens, plan.policy.scoring.query_rows(tokens))

@@ -274,3 +274,25 @@ def test_a_continued_cache_equals_one_generation(storage):
         second = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=18,
                                 min_new_tokens=18, **kw)
     assert torch.equal(second.sequences, whole.sequences)
+
+
+@pytest.mark.parametrize("storage", MIXED + KIVI + [{"mixed": {"full": 0.9, "bits": 4, "group": 2}}], ids=str)
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "lava"])
+def test_what_serving_reserves_for_a_prompt_covers_its_two_tiers(storage, name):
+    """serving.prompt_bound_bytes (a request's admission) is at least the bytes a tiered cache holds after
+    the prompt, for lengths around page and group boundaries."""
+    from kvcompile.serving import prompt_bound_bytes
+
+    d, h, g, layers = 16, 2, 2, 2
+    config = SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
+                             hidden_size=h * g * d)
+    spec = dict(POLICIES[name])
+    policy = kvcompile.load_spec(spec.pop("name"), per_head=9, storage=storage, **spec)
+    gen = torch.Generator().manual_seed(0)
+    for n in (5, 9, 16, 17, 33, 40):
+        cache = KVCompileCache(policy, config, page_size=4)
+        for layer in range(layers):
+            q, k, v = torch.randn(1, h * g, n, d, generator=gen), *(torch.randn(1, h, n, d, generator=gen) for _ in "kv")
+            torch.ops.kvcompile.attend(q, k, v, None, layer, cache.ref, cache.token, d ** -0.5)
+        held = sum(s.nbytes for s in cache.stores)
+        assert held <= prompt_bound_bytes(cache.plan, n, 4, h * g, chunked=False), n

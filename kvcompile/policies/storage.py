@@ -72,6 +72,14 @@ class Storage(Part):
         """Bytes per kept entry on average over a long prompt (a tiered part's mix of its tiers)."""
         return self.entry_bytes(head_dim, element_size)
 
+    def low_entry_bytes(self, head_dim: int) -> float:
+        """Key and value bytes of one entry stored as codes (a per-channel page's scales shared out)."""
+        groups = head_dim // self.group_size(head_dim)
+        values = head_dim * self.bits // 8 + 2 * 4 * groups
+        if self.key_axis == "channel":
+            return values + head_dim * self.bits // 8 + 2 * 4 * head_dim / self.tokens
+        return 2 * values
+
 
 @part("storage", "model_dtype")
 @dataclass(frozen=True)
@@ -127,8 +135,7 @@ class MixedByScore(Storage):
         return round(self.full * n)
 
     def mean_entry_bytes(self, head_dim: int, element_size: int) -> float:
-        return (self.full * 2 * head_dim * element_size
-                + (1 - self.full) * self.low().entry_bytes(head_dim, element_size))
+        return self.full * 2 * head_dim * element_size + (1 - self.full) * self.low_entry_bytes(head_dim)
 
 
 @part("storage", "kivi")
@@ -158,9 +165,4 @@ class Kivi(Storage):
         return 0 if n < self.residual else self.tokens * ((n - self.residual) // self.tokens)
 
     def mean_entry_bytes(self, head_dim: int, element_size: int) -> float:
-        # over a long prompt nearly every entry is quantized: keys' codes and one scale and zero per channel
-        # over `tokens` entries, values as the low part stores them
-        codes = head_dim * self.bits // 8
-        keys = codes + 2 * 4 * head_dim / self.tokens
-        values = codes + 2 * 4 * head_dim // self.group_size(head_dim)
-        return keys + values
+        return self.low_entry_bytes(head_dim)  # over a long prompt nearly every entry is codes
