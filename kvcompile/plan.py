@@ -288,6 +288,7 @@ def spare_pages(policy: Policy, headroom: int, page_size: int) -> int:
 # Prompt merges with a batched kernel (kernels.merge.residual_merge: the sequential rule, bit for bit);
 # other merge rules run their own `merge` per head. Online eviction is vectorised for these rules.
 _MERGE_KERNELS = (Residual,)
+_TIERED_MERGES = (Residual,)  # slots a tiered store keeps in its high tier, with the merge bias there
 _ONLINE_MERGES = (Residual, Drop)
 
 
@@ -301,7 +302,7 @@ def _resolve(op: str, requested: str | None, device, dtype, head_dim: int) -> st
     return resolve(op, requested, device, dtype, head_dim=head_dim)
 
 
-def _quantized_decode(impl: str, device, dtype, head_dim: int, storage):
+def _quantized_decode(impl: str, device, dtype, head_dim: int, storage, tiered: bool):
     """The decode attention backend over quantized pages (kernels.paged_attention_quant) for the float
     pages' choice `impl`: the C++ kernel where it runs for the part's groups, Triton where asked (a GPU),
     else the eager reference (dequantize, then attend)."""
@@ -313,7 +314,7 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage):
         codes = dataclasses.replace(quant.backend("cpp"), key_group=key_group, value_group=group)
     else:
         codes = quant.backend("triton" if impl == "triton" else "torch")
-    if storage.tiered:  # entries in the model's dtype beside the codes (kvcompile.engine.tiers)
+    if tiered:  # entries in the model's dtype beside the codes (kvcompile.engine.tiers)
         from kvcompile.engine.tiers import TieredPagedAttention
 
         return TieredPagedAttention(codes)
@@ -321,14 +322,20 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage):
 
 
 def _tiered_refusal(policy: Policy, page_size: int) -> str | None:
-    """Why a tiered storage part (two precisions a head, kvcompile.engine.tiers) cannot run this policy."""
+    """Why a policy whose entries take two precisions (Policy.tiered: a tiered storage part, or codes beside
+    merge slots; kvcompile.engine.tiers) cannot run."""
     storage, scoring, decode = policy.storage, policy.scoring, policy.schedule.decode
     if scoring.running:
         return (f"scoring: {scoring.name} updates every entry's score while decoding, over one pool of pages; "
                 "a head's entries in two tiers have no running scores yet")
     if decode is not None and decode.online:
         return f"decode: {decode.name} evicts entries one at a time from one pool of pages, which two tiers are not"
+    if policy.merges and not isinstance(policy.merge, _TIERED_MERGES):
+        return f"merge: {policy.merge.name} has no slots kept beside codes (supported: residual)"
     if storage.key_axis == "channel":
+        if policy.merges:
+            return ("merge: residual keeps slots in the full-precision tier, whose oldest entries KIVI turns into "
+                    "codes")
         if decode is not None and decode.prune_every:
             return ("decode: every re-selects a head's entries, and KIVI's groups of keys per channel are fixed "
                     "by each head's count (entries leave only by the prompt's selection)")
@@ -455,11 +462,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         why = storage.check_head_dim(head_dim)
         if why is not None:
             raise PlanError(f"kvcompile: storage: {storage.name}: {why}")
-        if policy.merges:
-            raise PlanError(f"kvcompile: storage: {storage.name} with merge: {policy.merge.name}: a residual slot's "
-                            "key and value are running means of the tokens merged into it, which quantized pages "
-                            "do not keep yet; use merge: drop, or storage: model_dtype")
-        if storage.tiered:
+        if policy.tiered:
             why = _tiered_refusal(policy, page_size)
             if why is not None:
                 raise PlanError(f"kvcompile: storage: {storage.name}: {why}")
@@ -494,7 +497,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             selection=select.backend(select_impl, cuda=cuda),
             prompt_merge=None if merge_impl is None else merge.backend(merge_impl, merge_compile_above),
             decode_attention=paged_attention.backend(decode_impl) if not storage.quantizes else
-            _quantized_decode(decode_impl, device, dtype, head_dim, storage),
+            _quantized_decode(decode_impl, device, dtype, head_dim, storage, policy.tiered),
             online_step=None if online_impl is None else online_step.backend(
                 online_impl, step_rule, always=scoring.running or online),
             chunk_attention=None if not policy.schedule.chunk_tokens else chunk_attention.CppChunkAttention()

@@ -39,6 +39,12 @@ class Policy:
         """Evicted tokens are kept in merge slots (the merge rule says)."""
         return self.merge.merges
 
+    @property
+    def tiered(self) -> bool:
+        """Each head's entries in two precisions (kvcompile.engine.tiers): a tiered storage part, or codes
+        beside merge slots, which keep their running means in the model's dtype."""
+        return self.storage.tiered or (self.storage.quantizes and self.merges)
+
     def to_yaml(self) -> str:
         return policy_to_yaml(self)
 

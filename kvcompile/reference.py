@@ -361,8 +361,8 @@ def _per_channel(storage, x: Tensor) -> Tensor:
 def tiers(storage, heads: list[list[HeadEntries]]) -> None:
     """A tiered storage part's split of every head, in place (kvcompile.policies.storage), applied when a
     head's entries are chosen (a prompt's selection, a chunk's, the cascade's, `decode: every`):
-    - mixed: the round(full · n) tokens of highest score (ties: the later position) keep their values, the
-      others become x̂, each entry alone (`group` channels per scale);
+    - mixed: of its n tokens, the round(full · n) of highest score (ties: the later position) keep their
+      values, the others become x̂, each entry alone (`group` channels per scale); merge slots keep theirs;
     - kivi: in position order, the first L(n) tokens in groups of `tokens`: each group's keys x̂ per
       channel over the group, its values x̂ per entry; the last n − L(n) keep theirs.
     Values already stored are taken as they are (re-quantizing x̂ gives x̂ again up to float rounding)."""
@@ -370,13 +370,14 @@ def tiers(storage, heads: list[list[HeadEntries]]) -> None:
         return
     for row in heads:
         for head in row:
-            n = len(head.positions)
+            tokens = head.tokens().nonzero().squeeze(1).tolist()  # merge slots keep their running means
+            n = len(tokens)
             if storage.key_axis == "channel":
-                order = head.positions.argsort()
+                order = head.positions.argsort()[len(head.positions) - n:]  # the tokens, in position order
                 for j in range(0, storage.quantized_count(n), storage.tokens):
                     _quantize_group(storage, head, order[j:j + storage.tokens])
                 continue
-            by_score = sorted(range(n), key=lambda e: (-float(head.scores[e]), -int(head.positions[e])))
+            by_score = sorted(tokens, key=lambda e: (-float(head.scores[e]), -int(head.positions[e])))
             low = torch.tensor(by_score[storage.high_count(n):], dtype=torch.long)
             if len(low):
                 head.keys[low] = _per_token(storage, head.keys[low].float()).to(head.keys.dtype)

@@ -280,7 +280,7 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
     entry = LayerStore.entry_bytes(plan.storage, d, elt)
     rows = layers * heads
     storage = plan.storage
-    if storage.tiered:
+    if plan.policy.tiered:
         # two stores a layer (engine.tiers): each head rounds each tier up once and each tier has its spares;
         # counted in pages of S entries of the larger of the two entry sizes, a low page of `low` entries as
         # ceil(low / S) of them (its per-page key scales, KIVI, are within its entries' bound)

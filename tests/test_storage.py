@@ -132,7 +132,7 @@ def test_spec_errors_name_the_file_line_and_field(tmp_path):
 
 
 @pytest.mark.parametrize("spec, overrides, why", [
-    ("zsmerge", {"storage": "int8"}, "residual slot"),
+    ("zsmerge", {"storage": "int8"}, "decayed updates every entry's score while decoding"),
     ("snapkv", {"storage": {"int8": {"group": 3}}}, "group 3 does not divide the head dim 8"),
 ])
 def test_what_cannot_run_is_refused_before_anything_runs(spec, overrides, why):

@@ -36,6 +36,10 @@ POLICIES = {  # every allocator family, a cascade, a threshold
     "dbudgetkv": dict(name="dbudgetkv", budget={"threshold": {"attention_norm": {"keep_layers": 0}}},
                       ranking={"by_position": {"window": 1}}),
 }
+MERGING = {  # residual slots beside codes: the slots' running means in the high tier
+    "lava_residual": dict(name="lava_residual", scoring={"lava": {"window": 2}}),
+    "snapkv_residual": dict(name="lava_residual", scoring={"window_attention": {"window": 2}}),
+}
 EVERY = {  # decode-time pruning: the split is made again (mixed only)
     "adakv_every": dict(name="adakv", ranking={"by_score": {"window": 4}}, scoring={"window_attention": {"window": 4}},
                         schedule={"decode": {"every": {"n": 2}}}),
@@ -110,7 +114,8 @@ CONFIG = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, num_attenti
 
 @pytest.mark.parametrize("spec, overrides, why", [
     ("h2o", {"storage": {"mixed": {"full": 0.5}}}, "running scores"),
-    ("zsmerge", {"storage": {"mixed": {"full": 0.5}}}, "residual slot"),
+    ("zsmerge", {"storage": {"mixed": {"full": 0.5}}}, "decayed updates every entry's score while decoding"),
+    ("lava_residual", {"storage": "kivi"}, "merge: residual keeps slots in the full-precision tier"),
     ("snapkv", {"storage": "kivi", "schedule": {"decode": {"every": {"n": 2}}}}, "decode: every re-selects"),
     ("snapkv", {"storage": {"kivi": {"tokens": 24}}}, "multiple of the page size 16"),
     ("snapkv", {"storage": {"mixed": {"group": 3}}}, "group 3 does not divide the head dim 8"),
@@ -296,3 +301,18 @@ def test_what_serving_reserves_for_a_prompt_covers_its_two_tiers(storage, name):
             torch.ops.kvcompile.attend(q, k, v, None, layer, cache.ref, cache.token, d ** -0.5)
         held = sum(s.nbytes for s in cache.stores)
         assert held <= prompt_bound_bytes(cache.plan, n, 4, h * g, chunked=False), n
+
+
+@pytest.mark.parametrize("storage", ["int4", {"int8": {"group": 4}}, MIXED[0]], ids=str)
+@settings(max_examples=8, deadline=None)
+@given(key=st.sampled_from(sorted(MERGING)), b=st.integers(1, 2), h=st.integers(1, 2), g=st.integers(1, 2),
+       n=st.integers(8, 24), steps=st.integers(1, 8), per_head=st.integers(6, 12), page=st.sampled_from([2, 4]),
+       d=st.sampled_from([8, 16]), seed=st.integers(0, 2 ** 16))
+def test_merge_slots_beside_codes_equal_the_reference(storage, key, b, h, g, n, steps, per_head, page, d, seed):
+    """A prompt merge (residual slots, ZSMerge's rule at prefill) with quantized tokens: the slots' running
+    means stay in the model's dtype (the high tier, with the merge bias α·log w), the tokens as codes."""
+    policy = policy_for(MERGING[key], storage, per_head)
+    rand, (q, k, v) = random_heads(seed, b, h, g, n, d)
+    cache, _, _ = token_by_token(policy, q, k, v, None, steps, rand, page)
+    store = cache.stores[0]
+    assert type(store).__name__ == "TieredStore" and torch.equal(store.slots, store.high.slots)

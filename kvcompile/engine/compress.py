@@ -101,7 +101,7 @@ def store_layer(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
         sources.insert(0, Entries(merged.keys, merged.values, torch.zeros_like(counts, dtype=torch.float32),
                                   -1 - torch.arange(counts.shape[-1], device=counts.device).expand_as(counts),  # slot r at -1 - r
                                   counts.float(), occupied))
-    return store_type(cache.policy.storage).build(sources, slots, cache.page_size, cache.plan.spare_pages,
+    return store_type(cache.policy).build(sources, slots, cache.page_size, cache.plan.spare_pages,
                                                   gather=cache.plan.selection.gather_pages,
                                                   storage=cache.policy.storage, dtype=cache.plan.dtype)
 

@@ -128,7 +128,7 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
         ranks = functools.partial(choose, cache, kernels=False)
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
                  total=None if totals is None else totals[:, layer], choose=ranks)
-    cache.stores[layer] = store_type(cache.policy.storage).from_heads(heads, cache.page_size, cache.plan.spare_pages,
+    cache.stores[layer] = store_type(cache.policy).from_heads(heads, cache.page_size, cache.plan.spare_pages,
                                                                      storage=cache.policy.storage,
                                                                      dtype=cache.plan.dtype)
 
@@ -136,6 +136,5 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
 def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:
     """Attention of one query per head over that head's pages, with the merge rule's bias, by the
     plan's decode attention backend."""
-    bias = cache.plan.merge_bias(store.count_pages) if cache.policy.merges else None
-    return store.attend(cache.plan.decode_attention, q, bias, scale)
+    return store.attend(cache.plan.decode_attention, q, cache.plan.merge_bias, scale)
 

@@ -267,10 +267,11 @@ class LayerStore:
         return PageTensors(self.k_pages, self.v_pages, self.score_pages, self.pos_pages, self.count_pages,
                            self.block_table, self.lengths, self.slots, self.owned)
 
-    def attend(self, backend, q: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+    def attend(self, backend, q: Tensor, merge_bias, scale: float) -> Tensor:
         """Decode attention of one query per head over its pages by a decode attention backend
-        (kvcompile.kernels.paged_attention, or paged_attention_quant for codes), with per-entry bias pages."""
-        return backend(q, *self.kv(), self.block_table, self.lengths, bias, scale)
+        (kvcompile.kernels.paged_attention, or paged_attention_quant for codes), with the per-entry bias pages
+        `merge_bias(count_pages)` (None where the policy drops)."""
+        return backend(q, *self.kv(), self.block_table, self.lengths, merge_bias(self.count_pages), scale)
 
     def to_heads(self) -> list[list[HeadEntries]]:
         """Every head's entries as HeadEntries (entry order kept)."""

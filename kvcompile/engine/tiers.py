@@ -49,14 +49,27 @@ def _rank(take: Tensor, primary: Tensor, secondary: Tensor) -> Tensor:
 
 
 def high_tier(storage, src: Entries) -> Tensor:
-    """(B, H, E) bool: the taken candidates the tiered part keeps in the model's dtype."""
-    n = src.take.sum(-1)
+    """(B, H, E) bool: the taken candidates kept in the model's dtype: merge slots (their running means), and
+    the tokens the tiered part chooses (none for a part that stores every token as codes)."""
+    tokens = src.take & (src.positions >= 0)
+    slots = src.take & (src.positions < 0)
+    if not storage.tiered:
+        return slots
+    n = tokens.sum(-1)
     if storage.key_axis == "channel":  # KIVI: the n − L(n) latest positions
         r, g = storage.residual, storage.tokens
         low = torch.where(n < r, 0, g * torch.div(n - r, g, rounding_mode="floor"))
-        return src.take & (_rank(src.take, src.positions, src.positions) < (n - low)[..., None])
+        return slots | (tokens & (_rank(tokens, src.positions, src.positions) < (n - low)[..., None]))
     high = torch.round(n.double() * storage.full).long()  # round(full · n), half to even, as the part says
-    return src.take & (_rank(src.take, src.scores.float(), src.positions) < high[..., None])
+    return slots | (tokens & (_rank(tokens, src.scores.float(), src.positions) < high[..., None]))
+
+
+def _entry_order(positions: Tensor, stored: Tensor) -> Tensor:
+    """(B, H, E) the order of a head's entries as one store holds them: merge slots in slot order (position
+    −1 − r), then tokens in position order, then what is not stored."""
+    big = torch.iinfo(torch.long).max
+    key = torch.where(positions < 0, -big + (-1 - positions), positions)
+    return torch.argsort(torch.where(stored, key, big), dim=-1, stable=True)
 
 
 @dataclass
@@ -72,18 +85,17 @@ class TieredStore:
     def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int, gather=None,
               storage=None, dtype: torch.dtype | None = None) -> "TieredStore":
         """The taken rows of `sources` split by `high_tier`, each tier in a store of its own (the low one
-        in pages of `storage.tokens` entries for KIVI). `slots` must be empty: tiered parts do not merge."""
+        in pages of `storage.tokens` entries for KIVI). `slots` (B, H): the occupied merge slots, the high tier's first entries."""
         src = _cat(sources)
-        if storage.key_axis == "channel":  # the low tier's groups are consecutive tokens: rows in position order
-            order = torch.argsort(torch.where(src.take, src.positions, torch.iinfo(torch.long).max), dim=-1,
-                                  stable=True)
-            src = Entries(*(getattr(src, f.name).gather(2, order if getattr(src, f.name).dim() == 3 else
-                                                        order[..., None].expand_as(getattr(src, f.name)))
-                            for f in dataclasses.fields(Entries)))
+        # one order for every head: slots, then tokens by position (KIVI's groups: consecutive tokens)
+        order = _entry_order(src.positions, src.take)
+        src = Entries(*(getattr(src, f.name).gather(2, order if getattr(src, f.name).dim() == 3 else
+                                                    order[..., None].expand_as(getattr(src, f.name)))
+                        for f in dataclasses.fields(Entries)))
         high = high_tier(storage, src)
         kw = {} if gather is None else {"gather": gather}
         none = torch.zeros_like(slots)
-        hi = LayerStore.build([dataclasses.replace(src, take=high)], none, page_size, spare_pages, dtype=dtype, **kw)
+        hi = LayerStore.build([dataclasses.replace(src, take=high)], slots, page_size, spare_pages, dtype=dtype, **kw)
         low_page = storage.tokens if storage.key_axis == "channel" else page_size
         lo = LayerStore.build([dataclasses.replace(src, take=src.take & ~high)], none, low_page, spare_pages,
                               storage=storage.low())
@@ -127,7 +139,7 @@ class TieredStore:
 
     @property
     def room(self) -> int:
-        return self.high.room
+        return (self.high if self.storage.tiered else self.low).room
 
     settled = False  # tiered parts have no online eviction
 
@@ -135,11 +147,10 @@ class TieredStore:
         return self.high.pages_per_head() + self.low.pages_per_head()
 
     def gather(self):
-        """Both tiers' entries as LayerStore.gather gives them (B, H, E, ·): each head's stored entries first,
-        in position order (what a chunk's candidates and the cascade read), padded beyond lengths."""
+        """Both tiers' entries as LayerStore.gather gives them (B, H, E, ·): each head's merge slots in slot
+        order, then its tokens in position order (what a chunk's candidates and the cascade read), padded."""
         parts = [torch.cat([a, b], dim=2) for a, b in zip(self.low.gather(), self.high.gather())]
-        pos, stored = parts[3], parts[5]
-        order = torch.argsort(torch.where(stored, pos, torch.iinfo(pos.dtype).max), dim=-1, stable=True)
+        order = _entry_order(parts[3], parts[5])
         return tuple(x.gather(2, order[..., None].expand_as(x) if x.dim() == 4 else order) for x in parts)
 
     def to_heads(self) -> list[list[HeadEntries]]:
@@ -159,7 +170,11 @@ class TieredStore:
     # --- changing --------------------------------------------------------------------------------------
 
     def append(self, k: Tensor, v: Tensor, positions: Tensor, step: int = 1) -> None:
-        """Append one entry per head to the high tier; KIVI then moves a full group to the low tier."""
+        """Append one entry per head: to the high tier for a tiered part (KIVI then moves a full group to the
+        low tier), as codes for a part that stores every token so (its merge slots alone are floats)."""
+        if not self.storage.tiered:
+            self.low.append(k, v, positions, step)
+            return
         self.high.append(k, v, positions, step)
         if self.storage.key_axis == "channel":
             self._flush(step)
@@ -230,9 +245,10 @@ class TieredStore:
 
     # --- attention -------------------------------------------------------------------------------------
 
-    def attend(self, backend, q: Tensor, bias, scale: float) -> Tensor:
-        """Decode attention over both tiers (`TieredPagedAttention`)."""
-        return backend(q, self, scale)
+    def attend(self, backend, q: Tensor, merge_bias, scale: float) -> Tensor:
+        """Decode attention over both tiers (`TieredPagedAttention`); `merge_bias(count_pages)`: the merge
+        rule's logit bias pages (slots live in the high tier; a token's bias is 0)."""
+        return backend(q, self, merge_bias(self.high.count_pages), scale)
 
     # --- measuring -------------------------------------------------------------------------------------
 
@@ -282,11 +298,12 @@ class TieredPagedAttention(KernelBackend):
     def build(self, group: int, head_dim: int) -> None:
         self.low.build(group, head_dim)
 
-    def __call__(self, q: Tensor, store: TieredStore, scale: float) -> Tensor:
+    def __call__(self, q: Tensor, store: TieredStore, bias: Tensor | None, scale: float) -> Tensor:
         from kvcompile.kernels.paged_attention_quant import merge_partials, paged_attention_lse_torch
 
         hi, lo = store.high, store.low
-        out_h, lse_h = paged_attention_lse_torch(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, scale)
+        out_h, lse_h = paged_attention_lse_torch(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, scale,
+                                                 bias)
         out_l, lse_l = self.low(q, *lo.kv(), lo.block_table, lo.lengths, None, scale, return_lse=True)
         return merge_partials(out_h, lse_h, out_l, lse_l).to(q.dtype)
 
@@ -294,6 +311,7 @@ class TieredPagedAttention(KernelBackend):
         return f"model dtype: torch (with log-sum-exp); codes: {self.low.describe()}"
 
 
-def store_type(storage):
-    """The page store class for a storage part: TieredStore for a part of two tiers, else LayerStore."""
-    return TieredStore if storage is not None and storage.tiered else LayerStore
+def store_type(policy):
+    """The page store class of a policy's layers: TieredStore where its entries take two precisions
+    (Policy.tiered), else LayerStore."""
+    return TieredStore if policy.tiered else LayerStore

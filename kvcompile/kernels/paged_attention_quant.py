@@ -193,12 +193,12 @@ def _lse_torch(q, k_pages, block_table, lengths, bias_pages, scale) -> Tensor:
 
 
 def paged_attention_lse_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: Tensor,
-                              scale: float | None = None) -> tuple[Tensor, Tensor]:
-    """Decode attention over float pages (`paged_attention_torch`) and its log-sum-exp (B, Hq) (−inf for
-    an empty head): the high tier of a tiered store (kvcompile.engine.tiers), combined with the codes'
-    attention by `merge_partials`."""
-    out = paged_attention_torch(q, k_pages, v_pages, block_table, lengths, None, scale)
-    return out, _lse_torch(q, k_pages.float(), block_table, lengths, None, scale)
+                              scale: float | None = None, bias_pages: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Decode attention over float pages (`paged_attention_torch`, with per-entry bias pages) and its
+    log-sum-exp (B, Hq) (−inf for an empty head): the high tier of a tiered store (kvcompile.engine.tiers),
+    combined with the codes' attention by `merge_partials`."""
+    out = paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
+    return out, _lse_torch(q, k_pages.float(), block_table, lengths, bias_pages, scale)
 
 
 def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
