@@ -1,0 +1,167 @@
+"""Budgets at equal bytes (issue 24): `kvcompile eval --suite ruler --kv-bytes 1/16,1/32`.
+
+The byte arithmetic against written-out numbers (SmolLM2's head dim 64, fp32), the refusals, that an
+equal-bytes eval on a tiny model keeps the bytes it says (short of the target by less than one entry
+per head, its pages above it by less than a page per head), and the table that shows it."""
+from __future__ import annotations
+
+import json
+import re
+from fractions import Fraction
+
+import pytest
+
+import kvcompile
+from kvcompile import cli, ruler
+from tests.test_ruler import FILLER, TOK, tiny_for
+
+F16, F32 = Fraction(1, 16), Fraction(1, 32)
+D, FP32 = 64, 4  # SmolLM2-135M: head dim 64, fp32 on the CPU
+
+
+def spec(text):
+    return ruler.eval_spec(text)
+
+
+def test_entry_bytes_written_out():
+    # full entry: key + value, 64 channels of 4 bytes each
+    assert ruler.full_entry_bytes(D, FP32) == 2 * 64 * 4 == 512
+    # int8, one scale and zero point (float32) per entry: 2 * (64 codes + 4 + 4)
+    assert spec("snapkv@int8").storage.entry_bytes(D, FP32) == 144
+    # int4, two codes a byte: 2 * (32 + 4 + 4)
+    assert spec("snapkv@int4").storage.entry_bytes(D, FP32) == 80
+    # int4 with 32 channels per scale: 2 * (32 + 2 * (4 + 4))
+    assert spec("snapkv@int4g32").storage.entry_bytes(D, FP32) == 96
+    assert spec("snapkv").storage.entry_bytes(D, FP32) == 512
+
+
+@pytest.mark.parametrize("name, fraction, share, per_head", [
+    ("snapkv", F16, Fraction(1, 16), 250),            # 4000 / 16
+    ("snapkv", F32, Fraction(1, 32), 125),
+    ("snapkv@int4", F16, Fraction(2, 5), 1600),        # 512 / 16 / 80 = 0.4 -> 1600 of 4000
+    ("snapkv@int4", F32, Fraction(1, 5), 800),
+    ("snapkv@int8", F16, Fraction(2, 9), 888),         # 32 / 144 * 4000 = 888.9
+    ("snapkv@int4g32", F16, Fraction(1, 3), 1333),     # 32 / 96 * 4000 = 1333.3
+    ("adakv@int4g32", F32, Fraction(1, 6), 666),
+])
+def test_kept_share_and_per_head_written_out(name, fraction, share, per_head):
+    policy = spec(name)
+    assert ruler.kept_share_for_bytes(policy, fraction, D, FP32) == share
+    assert ruler.per_head_for_bytes(policy, 4000, fraction, D, FP32) == per_head
+    # what it holds: per_head entries per head of 30 layers x 3 KV heads, under the target by < 1 entry a head
+    e = policy.storage.entry_bytes(D, FP32)
+    target = ruler.target_bytes(4000, fraction, 30, 3, D, FP32)
+    assert target == float(fraction) * 4000 * 30 * 3 * 512
+    assert 0 <= target - per_head * 30 * 3 * e < 30 * 3 * e
+
+
+def test_eval_spec_names_and_storage():
+    p = spec("kvzip@int4g32")
+    assert p.name == "kvzip@int4g32" and p.storage.name == "int4" and p.storage.group == 32
+    assert spec("snapkv").name == "snapkv" and spec("snapkv").storage.name == "model_dtype"
+    with pytest.raises(kvcompile.SpecError, match="unknown storage 'int3'"):
+        spec("snapkv@int3")
+    with pytest.raises(kvcompile.SpecError):
+        spec("nope@int4")
+
+
+def test_byte_fractions_parse():
+    assert ruler.parse_byte_fraction("1/16") == F16 and ruler.parse_byte_fraction("0.0625") == F16
+    assert ruler.byte_label(0.03125) == "1/32" and ruler.byte_label(F16) == "1/16"
+    for bad in ("0", "2", "-1/4", "x", "1/0"):
+        with pytest.raises(ValueError):
+            ruler.parse_byte_fraction(bad)
+
+
+def test_unreachable_fractions_refused():
+    # int4 at 1/4 of the bytes would keep 1.6x the entries there are: every entry in int4 is 80/512 of them
+    with pytest.raises(ruler.BytesError, match=r"cannot hold 1/4 .* 80 bytes against 512 .* at most 5/32"):
+        ruler.kept_share_for_bytes(spec("snapkv@int4"), Fraction(1, 4), D, FP32)
+    with pytest.raises(ruler.BytesError, match="cannot hold 1/2"):
+        ruler.per_head_for_bytes(spec("snapkv@int8"), 4000, Fraction(1, 2), D, FP32)
+    assert ruler.kept_share_for_bytes(spec("snapkv@int8"), Fraction(9, 32), D, FP32) == 1  # exactly all of them
+    with pytest.raises(ruler.BytesError, match="threshold decides"):
+        ruler.kept_share_for_bytes(kvcompile.load_spec("dbudgetkv"), F16, D, FP32)
+    with pytest.raises(ruler.BytesError, match="keeps no entry"):
+        ruler.per_head_for_bytes(spec("knorm"), 10, F32, D, FP32)
+    # snapkv's 32-token window does not fit in 100 / 32 = 3 entries per head
+    with pytest.raises(ruler.BytesError, match="which it refuses: .*window"):
+        ruler.policies_for("snapkv", 100, None, None, [F32], (D, FP32))
+
+
+def test_cli_refuses_an_unreachable_fraction_before_any_sample(tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    tiny_for(TOK).save_pretrained(folder)
+    TOK.save_pretrained(folder)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["eval", "--suite", "ruler", "--model", str(folder), "--specs", "snapkv,snapkv@int8",
+                  "--kv-bytes", "1/2", "--quiet"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "snapkv@int8 cannot hold 1/2 of the full cache's bytes" in err and "at most 3/8" in err
+    for argv, message in ((["--kv-bytes", "1/16", "--kv-fraction", "0.1"], "not both --kv-fraction and --kv-bytes"),
+                          (["--kv-bytes", "1/0"], "byte fraction"),
+                          (["--specs", "snapkv@fp8"], "unknown storage 'fp8'")):
+        with pytest.raises(SystemExit):
+            cli.main(["eval", "--suite", "ruler", *argv])
+        assert re.search(message, capsys.readouterr().err), argv
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--specs", "snapkv@int4"])
+    assert "applies to --suite ruler" in capsys.readouterr().err
+
+
+def test_equal_bytes_eval_holds_the_bytes_it_says(tmp_path, capsys):
+    """A tiny model (3 layers, 2 KV heads, head dim 16, fp32): each spec's compressed cache holds the
+    target short of less than one entry per head, its pages above the target by less than one page
+    per head; the quantized specs keep E / e times the entries of the eviction-only ones."""
+    folder = tmp_path / "tiny"
+    model = tiny_for(TOK)
+    model.save_pretrained(folder)
+    TOK.save_pretrained(folder)
+    samples = ruler.ruler_samples(TOK, ["niah_single_1"], [700], 1, 0, FILLER)
+    data = tmp_path / "ds.jsonl"
+    ruler.dump_dataset(samples, data)
+    out = tmp_path / "bytes.json"
+    cli.main(["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--query", "agnostic",
+              "--specs", "snapkv,snapkv@int4,adakv@int8,knorm@int4g8", "--kv-bytes", "1/4,1/8",
+              "--max-new-tokens", "2", "--no-full", "--out", str(out), "--quiet"])
+    printed = capsys.readouterr().out
+    records = json.loads(out.read_text())["ruler"]
+    assert len(records) == 4 * 2
+    layers, heads, page = 3, 2, 16
+    entry = {"snapkv": 2 * 16 * 4, "snapkv@int4": 2 * (8 + 8), "adakv@int8": 2 * (16 + 8), "knorm@int4g8": 2 * (8 + 16)}
+    for r in records:
+        n, f, e = r["tokens"], Fraction(r["byte_fraction"]), entry[r["spec"]]
+        target = float(f * n * layers * heads * 2 * 16 * 4)
+        assert r["kv_bytes_target"] == target
+        assert r["kv_entry_bytes"] == e, "the store's entry bytes are the storage part's"
+        assert r["kv_bytes_entries"] == r["kv_entries"] * e
+        assert 0 <= target - r["kv_bytes_entries"] < layers * heads * e, r
+        assert 0 <= r["kv_bytes_pages"] - r["kv_bytes_entries"] < layers * heads * page * e, r
+        assert r["per_head"] == int(f * n * 128 / e)
+    snap = {r["byte_fraction"]: r["kv_entries"] for r in records if r["spec"] == "snapkv"}
+    int4 = {r["byte_fraction"]: r["kv_entries"] for r in records if r["spec"] == "snapkv@int4"}
+    assert all(abs(int4[f] - 4 * snap[f]) < 4 * layers * heads for f in snap)  # 128 / 32 = 4x the entries
+    # the table: one row per spec and byte fraction, the bytes held beside the target (ratio <= 1)
+    rows = [line for line in printed.splitlines() if re.match(r"^(snapkv|adakv|knorm)", line)]
+    assert len(rows) == 8 and all(" 1/4 B" in line or " 1/8 B" in line for line in rows)
+    assert "target KiB" in printed and "held/tgt" in printed
+    for line in rows:
+        ratio = float(line.split()[-2])
+        assert 0.9 < ratio <= 1.0, line
+
+
+def test_predictions_carry_bytes(tmp_path):
+    samples = ruler.ruler_samples(TOK, ["niah_single_1"], [700], 1, 0, FILLER)
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"index": 0, "mode": "agnostic", "method": "kvpress:snapkv@quanto4", "fraction": 0.4,
+                                "byte_fraction": 0.0625, "prediction": "x", "kv_bytes_target": 100.0,
+                                "kv_bytes_entries": 96, "kept_share": 0.4}) + "\n")
+    (r,) = ruler.load_predictions(path, samples, set())
+    assert ruler.budget_key(r) == ("bytes", 0.0625) and r["kv_bytes_entries"] == 96 and "extra" not in r
+    text = ruler.format_summary([r])
+    assert "1/16 B" in text and "0.9600" in text
+    path.write_text(json.dumps({"index": 0, "mode": "agnostic", "method": "m", "fraction": 0.4,
+                                "byte_fraction": 2, "prediction": "x"}) + "\n")
+    with pytest.raises(ruler.DatasetError, match="byte_fraction must be in"):
+        ruler.load_predictions(path, samples, set())
