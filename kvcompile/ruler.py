@@ -643,6 +643,8 @@ def eval_spec(text: str):
     zero point; without `gG` one per entry's head dim). Named as written (`snapkv@int4g32`)."""
     import kvcompile
 
+    if not isinstance(text, str):  # a Policy, a mapping or a Path: as load_spec takes it
+        return kvcompile.load_spec(text)
     base, sep, form = text.partition("@")
     policy = kvcompile.load_spec(base)
     if not sep:
