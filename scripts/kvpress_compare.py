@@ -702,8 +702,13 @@ class PipelineClock:
     (prefill + compression, then each question's answer) and generate_answer (one question:
     its forward pass and the greedy decode).  prefill_s = _forward - the answers."""
 
-    def __init__(self, pipe, probe=None):
+    def __init__(self, pipe, probe=None, keep_answer: bool = False):
         self.pipe = pipe
+        # keep_answer: skip kvpress's _remove_answer_from_cache (a QuantizedCache, one question per call): it
+        # slices the full-precision residual as a 4-d tensor, which fails (IndexError) once the question and
+        # answer filled the residual (residual_length) and transformers re-quantized everything and left an
+        # empty 1-d residual; the removal only serves a next question on the same cache, and there is none
+        self.keep_answer = keep_answer
         self.probe = probe  # probe(cache): read at the first question, before it is fed (the compressed cache)
         self.held = None
 
@@ -733,10 +738,12 @@ class PipelineClock:
             return out
 
         pipe.preprocess, pipe._forward, pipe.generate_answer = timed_preprocess, timed_forward, timed_answer
+        if self.keep_answer:
+            pipe._remove_answer_from_cache = lambda cache, lengths: None
         return self
 
     def __exit__(self, *exc):
-        for name in ("preprocess", "_forward", "generate_answer"):
+        for name in ("preprocess", "_forward", "generate_answer") + (("_remove_answer_from_cache",) if self.keep_answer else ()):
             delattr(self.pipe, name)  # back to the class's methods
 
     @property
@@ -858,7 +865,8 @@ def cmd_ruler(args) -> None:
             questions = [mode_inputs(s, mode)[1] for s in group]
             cpu = time.process_time()
             try:
-                with PipelineClock(pipe, probe) as clock, PeakRSS() as mem, torch.inference_mode():
+                with PipelineClock(pipe, probe, keep_answer=cache is not None) as clock, PeakRSS() as mem, \
+                        torch.inference_mode():
                     answers = pipe(context, questions=questions, answer_prefix=group[0]["answer_prefix"], press=press,
                                    max_new_tokens=group[0]["max_new_tokens"], cache=kv_cache)["answers"]
             except Exception as exc:  # a press that fails on a sample: no prediction, named at the end
@@ -945,11 +953,35 @@ def samples_subset(samples: Path, predictions: Path):
     return path, len(kept)
 
 
+def ruler_table_from_results(args) -> None:
+    """The table from a finished `kvcompile eval --suite ruler --out JSON` on the same samples file and
+    kvpress's predictions, without running kvcompile again (kvcompile's environment)."""
+    from kvcompile import ruler
+
+    results = [json.loads(Path(path).read_text()) for path in args.kvcompile_results.split(",") if path.strip()]
+    result = {**results[0], "results_files": args.kvcompile_results.split(",")}
+    ours = [r for res in results for r in res["ruler"]]
+    samples = ruler.load_dataset(args.samples)
+    theirs = ruler.load_predictions(args.predictions, samples, {r["spec"] for r in ours})
+    answered = {(r["index"], r["mode"]) for r in theirs}
+    mine = [r for r in ours if (r["index"], r["mode"]) in answered]  # the samples and modes both ran
+    if len(mine) < len(ours):
+        print(f"ruler-table: {len(ours) - len(mine)} kvcompile records of samples or modes kvpress did not answer "
+              "are left out", file=sys.stderr)
+    records = mine + theirs
+    print(ruler.format_summary(records))
+    if args.out:
+        Path(args.out).write_text(json.dumps({**result, "ruler": records, "predictions": args.predictions}, indent=1))
+        print(f"\nresults  {args.out}")
+
+
 def cmd_ruler_table(args, rest: list[str]) -> None:
     """`kvcompile eval --suite ruler` on the same samples, kvpress's predictions scored into its
     table: kvcompile's specs and kvpress's presses side by side per mode, fraction and task."""
     import subprocess
 
+    if args.kvcompile_results:
+        return ruler_table_from_results(args)
     meta_file = side_path(Path(args.predictions), "meta")
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     fractions = args.fractions or meta.get("fractions") or list(RULER_FRACTIONS)
@@ -1051,6 +1083,10 @@ def main(argv=None) -> None:
                      help="byte fractions for kvcompile's specs (default: those of an equal-bytes kvpress run, whose "
                           "meta has them); then --specs may name NAME@int4 / NAME@int8 / NAME@int4g32")
     tab.add_argument("--specs", default=None, help="kvcompile's specs, comma-separated (default kvcompile eval's)")
+    tab.add_argument("--kvcompile-results", default=None, metavar="JSON",
+                     help="finished `kvcompile eval --suite ruler --dataset SAMPLES --out JSON` runs on the same samples "
+                          "(comma-separated files, e.g. one per byte fraction): table them with kvpress's predictions "
+                          "instead of running kvcompile again")
     tab.add_argument("--out", default=None, help="kvcompile eval's --out JSON")
     tab.add_argument("--plot-dir", default=None, help="kvcompile eval's --plot-dir")
     tab.set_defaults(func=cmd_ruler_table)

@@ -27,6 +27,11 @@ setup_venv() {
     "$venv/bin/python" -m pip install -q "torch==2.13.0"
     "$venv/bin/python" -m pip install -q "kvpress==0.5.5"
   fi
+  # transformers' QuantizedCache (the equal-bytes comparison, `ruler --kv-bytes`) needs a backend:
+  # optimum-quanto (>= 0.2.5 for transformers' QuantoQuantizedLayer)
+  if ! "$venv/bin/python" -c "import optimum.quanto" 2>/dev/null; then
+    "$venv/bin/python" -m pip install -q "optimum-quanto==0.2.7"
+  fi
 }
 what=needle
 case "${1:-}" in
