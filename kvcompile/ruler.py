@@ -888,6 +888,7 @@ def format_summary(records: list[dict]) -> str:
     lines = []
     table = summary(records)
     held = held_bytes(records)
+    width = max([22] + [len(r["spec"]) + 2 for r in records])  # the method column fits the longest name
     tasks = list(dict.fromkeys(r["task"] for r in records))
     short = {t: t.replace("niah_", "").replace("multi", "m").replace("single_", "s") for t in tasks}
     for mode in ("aware", "agnostic"):
@@ -895,16 +896,16 @@ def format_summary(records: list[dict]) -> str:
             continue
         rows = table[mode]
         lines.append(f"\nRULER score (%), query-{mode}:")
-        lines.append(f"{'method':<22}{'budget':>9}" + "".join(f"{short[t]:>9}" for t in tasks) + f"{'average':>9}")
+        lines.append(f"{'method':<{width}}{'budget':>9}" + "".join(f"{short[t]:>9}" for t in tasks) + f"{'average':>9}")
         if held:  # equal bytes: rows grouped by byte fraction (largest first), then method
-            order = sorted(rows, key=lambda k: (k[0] != "full", -(k[1][1] or 0), k[0]))
+            order = sorted(rows, key=lambda k: (k[1][0] != "own", -(k[1][1] or 0), k[0]))
         else:
             order = sorted(rows, key=lambda k: (k[0] != "full", k[0], k[1][0], k[1][1] or 0))
         if held:
             lines[-1] += f"{'kept':>7}{'target KiB':>12}{'held KiB':>10}{'held/tgt':>9}{'pages KiB':>11}"
         for spec, key in order:
             cells = [f"{rows[(spec, key)][t]:>9.1f}" if t in rows[(spec, key)] else f"{'-':>9}" for t in tasks]
-            line = f"{spec:<22}{budget_text(key):>9}" + "".join(cells) + f"{rows[(spec, key)]['average']:>9.1f}"
+            line = f"{spec:<{width}}{budget_text(key):>9}" + "".join(cells) + f"{rows[(spec, key)]['average']:>9.1f}"
             if held and (mode, spec, key) in held:
                 h = held[(mode, spec, key)]
                 pages = f"{h['pages'] / 1024:>11.1f}" if h["pages"] is not None else f"{'-':>11}"
@@ -914,9 +915,10 @@ def format_summary(records: list[dict]) -> str:
     if held:
         lines.append("\nkept: share of the compressed part's entries kept; target: the byte fraction of the full "
                      "cache's key and value bytes (model dtype); held: the keys and values (codes, scales, zero "
-                     "points) the compressed cache holds before the question, mean per sample; pages: kvcompile's "
-                     "whole pages (each head's last page counted whole); kvcompile's 16 bytes of score, position "
-                     "and count per entry are in neither")
+                     "points) the compressed cache holds before the question, mean per sample; pages: the bytes its "
+                     "tensors take (kvcompile: whole pages, each head's last page counted whole; kvpress: every "
+                     "entry stored, masked ones included); kvcompile's 16 bytes of score, position and count per "
+                     "entry are in neither (docs/EVAL.md, Equal bytes)")
     return "\n".join(lines)
 
 
