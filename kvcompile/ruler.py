@@ -958,6 +958,7 @@ def plot_ruler(records: list[dict], plot_dir, heatmap_fraction: float = 0.25) ->
     modes = [m for m in ("aware", "agnostic") if m in table]
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
     uses_fraction = any(r["fraction"] is not None for r in records)
+    uses_bytes = any(r.get("byte_fraction") is not None for r in records)
     for ax, mode in zip(axes[0], modes):
         rows = table[mode]
         for spec in dict.fromkeys(k[0] for k in rows):
@@ -968,8 +969,9 @@ def plot_ruler(records: list[dict], plot_dir, heatmap_fraction: float = 0.25) ->
                 ax.axhline(rows[(spec, ("own", None))]["average"], linestyle="--",
                            color="grey" if spec == "full" else None,
                            label="full cache" if spec == "full" else f"{spec} (own budget)")
-        ax.set_xlabel("KV fraction kept" if uses_fraction else "budget (tokens per KV head)")
-        if not uses_fraction:
+        ax.set_xlabel("share of the full cache's KV bytes held" if uses_bytes else
+                      "KV fraction kept" if uses_fraction else "budget (tokens per KV head)")
+        if uses_bytes or not uses_fraction:
             ax.set_xscale("log", base=2)
         ax.set_ylabel("RULER score (%, mean over tasks)")
         ax.set_ylim(-3, 103)
