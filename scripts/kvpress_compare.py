@@ -48,6 +48,14 @@ RULER comparison (`bash scripts/kvpress_env.sh ruler`): answer quality, both que
                mode, kvcompile's specs and kvpress's presses side by side per fraction and task;
                options it does not know go on to kvcompile eval (--specs, --out, --plot-dir, ...).
   Timings are only meaningful from a quiet machine.
+
+Equal bytes (issue 24; docs/EVAL.md, "Equal bytes"): `ruler --kv-bytes 1/16,1/32 --caches quanto4` runs each
+press over transformers' QuantizedCache (optimum-quanto) keeping the share F * E / e of the entries (E, e: an
+entry's key + value bytes in the full cache and in the QuantizedCache; the arithmetic is above
+`parse_cache`), one sample per call, and records the bytes the cache holds right after compression
+(byte_fraction, kv_bytes_target, kv_entries, kv_bytes_entries, kv_bytes_pages, ...);
+`kvcompile eval --suite ruler --kv-bytes 1/16,1/32 --specs snapkv,snapkv@int4,...` does the same for
+kvcompile's specs, and `ruler-table --kvcompile-results K.json` tables both.
 """
 from __future__ import annotations
 
