@@ -255,16 +255,23 @@ class KVCompileCache(Cache):
         if not self.is_initialized:
             raise RuntimeError("memory_report(): the cache is empty (no prompt processed yet)")
         store = self.stores[0]
-        entry_bytes = store.kv_entry_bytes  # K and V of one entry
         pages = torch.stack([s.pages_per_head().to(store.lengths.device) for s in self.stores], dim=1)  # (B, L, H)
         kept = self.kept()
         b = kept.shape[0]
         meta = sum(s.metadata_bytes for s in self.stores)
         held = sum(s.kv_bytes_held() for s in self.stores)
-        full = b * self.seq_length * self.num_layers * len(self.plan.kv_heads) * entry_bytes
+        by_precision: dict[str, int] = {}
+        for s in self.stores:
+            for name, n in s.bytes_by_precision().items():
+                by_precision[name] = by_precision.get(name, 0) + n
+        entries = sum(s.kv_bytes_entries() for s in self.stores)
+        # the full cache: every token's key and value in the model's dtype
+        element = torch.empty((), dtype=self.plan.dtype).element_size() if self.plan.dtype is not None else 4
+        full = b * self.seq_length * self.num_layers * len(self.plan.kv_heads) * 2 * self.plan.head_dim * element
         report = {
             "bytes_held": held,
-            "bytes_entries": int(kept.sum()) * entry_bytes,
+            "bytes_by_precision": by_precision,
+            "bytes_entries": entries,
             "bytes_allocated": sum(s.kv_bytes_allocated for s in self.stores),
             "bytes_metadata": meta,
             "bytes_full": full,
@@ -273,7 +280,7 @@ class KVCompileCache(Cache):
             "page_size": self.page_size,
             "kv_heads": self.plan.kv_heads,
             # the empty slots of the pages held: each head's last page is filled only partly
-            "bytes_unused_slots": held - int(kept.sum()) * entry_bytes,
+            "bytes_unused_slots": held - entries,
         }
         if held > full:
             report["note"] = (

@@ -308,9 +308,34 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage):
     from kvcompile.kernels import paged_attention_quant as quant
 
     group = storage.group_size(head_dim)
+    key_group = 0 if storage.key_axis == "channel" else group  # 0: keys per channel (KIVI)
     if impl == "cpp" and quant.supports(device, dtype, head_dim, (group,)):
-        return dataclasses.replace(quant.backend("cpp"), key_group=group, value_group=group)
-    return quant.backend("triton" if impl == "triton" else "torch")
+        codes = dataclasses.replace(quant.backend("cpp"), key_group=key_group, value_group=group)
+    else:
+        codes = quant.backend("triton" if impl == "triton" else "torch")
+    if storage.tiered:  # entries in the model's dtype beside the codes (kvcompile.engine.tiers)
+        from kvcompile.engine.tiers import TieredPagedAttention
+
+        return TieredPagedAttention(codes)
+    return codes
+
+
+def _tiered_refusal(policy: Policy, page_size: int) -> str | None:
+    """Why a tiered storage part (two precisions a head, kvcompile.engine.tiers) cannot run this policy."""
+    storage, scoring, decode = policy.storage, policy.scoring, policy.schedule.decode
+    if scoring.running:
+        return (f"scoring: {scoring.name} updates every entry's score while decoding, over one pool of pages; "
+                "a head's entries in two tiers have no running scores yet")
+    if decode is not None and decode.online:
+        return f"decode: {decode.name} evicts entries one at a time from one pool of pages, which two tiers are not"
+    if storage.key_axis == "channel":
+        if decode is not None and decode.prune_every:
+            return ("decode: every re-selects a head's entries, and KIVI's groups of keys per channel are fixed "
+                    "by each head's count (entries leave only by the prompt's selection)")
+        if storage.tokens % page_size:
+            return (f"tokens {storage.tokens} must be a multiple of the page size {page_size}: a group leaves the "
+                    "full-precision pages a whole page run at a time")
+    return None
 
 
 def _step_rule(policy: Policy, online: bool) -> StepRule | None:
@@ -434,6 +459,10 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             raise PlanError(f"kvcompile: storage: {storage.name} with merge: {policy.merge.name}: a residual slot's "
                             "key and value are running means of the tokens merged into it, which quantized pages "
                             "do not keep yet; use merge: drop, or storage: model_dtype")
+        if storage.tiered:
+            why = _tiered_refusal(policy, page_size)
+            if why is not None:
+                raise PlanError(f"kvcompile: storage: {storage.name}: {why}")
     online_impl, step_rule = None, None
     if storage.quantizes:
         pass  # the fused C++ step writes float pages: quantized pages take the engine's path

@@ -18,7 +18,8 @@ from kvcompile.allocation import (HeadBudgets, decode_budgets, head_budgets, hea
                                   layer_totals, ranked)
 from kvcompile.layer_state import LayerState
 from kvcompile.policies import scoring as scoring_parts
-from kvcompile.selection import (HeadEntries, Merged, decode_prune, merge_evicted, select,  # noqa: F401
+from kvcompile import selection as _select
+from kvcompile.selection import (HeadEntries, Merged, merge_evicted, select,  # noqa: F401
                                  select_and_merge)
 from kvcompile.selection import _held_slots
 
@@ -332,13 +333,66 @@ def _tokens_of(heads):
 def stored(storage, x: Tensor) -> Tensor:
     """What a storage part keeps of entries x (…, d): x itself in the model's dtype, or for a part that
     quantizes x̂ = code · scale + zero of each entry's groups (kvcompile.kernels.quantize; float32)."""
-    if storage is None or not storage.quantizes:
+    if storage is None or not storage.quantizes or storage.tiered:  # a tiered part splits whole heads (`tiers`)
         return x
     from kvcompile.kernels.quantize import dequantize, quantize
 
     rows = x.reshape(-1, x.shape[-1])
     q = quantize(rows, storage.bits, storage.group_size(x.shape[-1]))
     return dequantize(q.codes, q.scale, q.zero, storage.bits).reshape(x.shape)
+
+
+def _per_token(storage, x: Tensor) -> Tensor:
+    """x̂ of entries x (E, d), each quantized alone in groups of the part's `group` channels."""
+    from kvcompile.kernels.quantize import dequantize, quantize
+
+    q = quantize(x, storage.bits, storage.group_size(x.shape[-1]))
+    return dequantize(q.codes, q.scale, q.zero, storage.bits)
+
+
+def _per_channel(storage, x: Tensor) -> Tensor:
+    """x̂ of a group of entries x (G, d), each channel quantized over the group (KIVI's keys)."""
+    from kvcompile.kernels.quantize import dequantize, quantize
+
+    q = quantize(x, storage.bits, None, "channel")
+    return dequantize(q.codes, q.scale, q.zero, storage.bits, "channel")
+
+
+def tiers(storage, heads: list[list[HeadEntries]]) -> None:
+    """A tiered storage part's split of every head, in place (kvcompile.policies.storage), applied when a
+    head's entries are chosen (a prompt's selection, a chunk's, the cascade's, `decode: every`):
+    - mixed: the round(full · n) tokens of highest score (ties: the later position) keep their values, the
+      others become x̂, each entry alone (`group` channels per scale);
+    - kivi: in position order, the first L(n) tokens in groups of `tokens`: each group's keys x̂ per
+      channel over the group, its values x̂ per entry; the last n − L(n) keep theirs.
+    Values already stored are taken as they are (re-quantizing x̂ gives x̂ again up to float rounding)."""
+    if storage is None or not storage.tiered:
+        return
+    for row in heads:
+        for head in row:
+            n = len(head.positions)
+            if storage.key_axis == "channel":
+                order = head.positions.argsort()
+                for j in range(0, storage.quantized_count(n), storage.tokens):
+                    _quantize_group(storage, head, order[j:j + storage.tokens])
+                continue
+            by_score = sorted(range(n), key=lambda e: (-float(head.scores[e]), -int(head.positions[e])))
+            low = torch.tensor(by_score[storage.high_count(n):], dtype=torch.long)
+            if len(low):
+                head.keys[low] = _per_token(storage, head.keys[low].float()).to(head.keys.dtype)
+                head.values[low] = _per_token(storage, head.values[low].float()).to(head.values.dtype)
+
+
+def _quantize_group(storage, head: HeadEntries, idx: Tensor) -> None:
+    head.keys[idx] = _per_channel(storage, head.keys[idx].float()).to(head.keys.dtype)
+    head.values[idx] = _per_token(storage, head.values[idx].float()).to(head.values.dtype)
+
+
+def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: Tensor, budgets: Tensor,
+                 layer: int, scale: float | None = None, **kwargs) -> None:
+    """`decode: every`: selection.decode_prune, then the storage part's split of each head (`tiers`)."""
+    _select.decode_prune(policy, heads, ring, lengths, budgets, layer, scale, **kwargs)
+    tiers(policy.storage, heads)
 
 
 def _entries_of(keys, values, positions, scores, kept, merged, storage=None) -> list[list[HeadEntries]]:
@@ -358,6 +412,7 @@ def _entries_of(keys, values, positions, scores, kept, merged, storage=None) -> 
                         x.add(merged.keys[b, h, r], merged.values[b, h, r], -1 - r, 0.0, float(merged.counts[b, h, r]))
             row.append(x)
         heads.append(row)
+    tiers(storage, heads)
     return heads
 
 
@@ -412,7 +467,19 @@ def decode_heads(policy, state: LayerState, kept: Tensor, merged: Merged | None,
                                   float(merged.counts[b, h, r]))
             row.append(entry)
         heads.append(row)
+    tiers(policy.storage, heads)
     return heads
+
+
+def _kivi_group_after_append(storage, head: HeadEntries) -> None:
+    """KIVI: the append that makes L(n) grow quantizes the new group (the `tokens` entries after the last
+    group, in position order); the groups before it stay as they are."""
+    if storage is None or not storage.tiered or storage.key_axis != "channel":
+        return
+    n = len(head.positions)
+    before, after = storage.quantized_count(n - 1), storage.quantized_count(n)
+    if after > before:
+        _quantize_group(storage, head, head.positions.argsort()[before:after])
 
 
 def _merge_one(policy, head: HeadEntries, e: int, slots: int) -> None:
@@ -456,6 +523,7 @@ def decode_step(policy, heads: list[list[HeadEntries]], q: Tensor, k: Tensor, v:
         for h in range(h_):
             head = heads[b][h]
             head.add(stored(policy.storage, k[b, h]), stored(policy.storage, v[b, h]), int(position[b]), 0.0, 1.0)
+            _kivi_group_after_append(policy.storage, head)
             bias = torch.zeros(len(head.counts))
             if policy.merges:
                 bias = torch.where(head.tokens(), 0.0, policy.merge.bias(head.counts))

@@ -12,7 +12,7 @@ from torch import Tensor
 from kvcompile.allocation import decode_budgets, head_split
 from kvcompile.engine.compress import choose, over_heads
 from kvcompile.engine.online import evict_online
-from kvcompile.engine.pages import LayerStore
+from kvcompile.engine.tiers import store_type
 from kvcompile.engine.state import DecodeState
 from kvcompile.selection import decode_prune
 
@@ -128,13 +128,13 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
         ranks = functools.partial(choose, cache, kernels=False)
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
                  total=None if totals is None else totals[:, layer], choose=ranks)
-    cache.stores[layer] = LayerStore.from_heads(heads, cache.page_size, cache.plan.spare_pages,
-                                                storage=cache.policy.storage)
+    cache.stores[layer] = store_type(cache.policy.storage).from_heads(heads, cache.page_size, cache.plan.spare_pages,
+                                                                     storage=cache.policy.storage)
 
 
 def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:
     """Attention of one query per head over that head's pages, with the merge rule's bias, by the
     plan's decode attention backend."""
-    bias = cache.plan.merge_bias(store.count_pages)
-    return cache.plan.decode_attention(q, *store.kv(), store.block_table, store.lengths, bias, scale)
+    bias = cache.plan.merge_bias(store.count_pages) if cache.policy.merges else None
+    return store.attend(cache.plan.decode_attention, q, bias, scale)
 

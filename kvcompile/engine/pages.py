@@ -148,30 +148,21 @@ class LayerStore:
     @classmethod
     def _build_quantized(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int,
                          storage) -> "LayerStore":
-        """`build` for a storage part that quantizes: each source's keys and values quantized per entry
-        (kvcompile.kernels.quantize, the part's bits and group), then the codes written as the float rows
-        would be and the scales and zero points beside them (the plain row write: a copy)."""
+        """`build` for a storage part that quantizes: the rows laid out in float pages as `build` lays them,
+        then every page quantized (kvcompile.kernels.quantize, the part's bits): values per token, keys per
+        token or, for `key_axis` "channel", each channel over the page's entries (KIVI: the caller fills
+        every page it quantizes so; an empty slot of a per-token page is quantized alone and never read)."""
         from kvcompile.kernels.quantize import quantize
 
-        encoded = []
-        for src in sources:
-            k = quantize(src.keys, storage.bits, storage.group_size(src.keys.shape[-1]))
-            v = quantize(src.values, storage.bits, storage.group_size(src.values.shape[-1]))
-            encoded.append((dataclasses.replace(src, keys=k.codes, values=v.codes), k, v))
-        store = cls.build([e[0] for e in encoded], slots, page_size, spare_pages)
-        cap, groups = store.k_pages.shape[0], encoded[0][1].scale.shape[-1]
-        vgroups = encoded[0][2].scale.shape[-1]
-        dev = store.k_pages.device
+        store = cls.build(sources, slots, page_size, spare_pages)
+        d = store.k_pages.shape[-1]
+        channel = storage.key_axis == "channel"
+        k = quantize(store.k_pages, storage.bits, None if channel else storage.group_size(d),
+                     "channel" if channel else "token")
+        v = quantize(store.v_pages, storage.bits, storage.group_size(store.v_pages.shape[-1]))
         store.storage = storage
-        store.k_scale, store.k_zero = (torch.zeros(cap, page_size, groups, device=dev) for _ in range(2))
-        store.v_scale, store.v_zero = (torch.zeros(cap, page_size, vgroups, device=dev) for _ in range(2))
-        from kvcompile.kernels.select import write_rows
-
-        start = torch.zeros_like(store.lengths)
-        for src, k, v in encoded:
-            write_rows((store.k_scale, store.k_zero, store.v_scale, store.v_zero), (k.scale, k.zero, v.scale, v.zero),
-                        store.block_table, start, src.take)
-            start = start + src.take.sum(-1)
+        store.k_pages, store.k_scale, store.k_zero = k
+        store.v_pages, store.v_scale, store.v_zero = v
         return store
 
     @classmethod
@@ -248,8 +239,12 @@ class LayerStore:
         from kvcompile.kernels.quantize import dequantize
 
         bits = self.storage.bits
-        return (dequantize(rows(self.k_pages), rows(self.k_scale), rows(self.k_zero), bits),
-                dequantize(rows(self.v_pages), rows(self.v_scale), rows(self.v_zero), bits))
+        if self.storage.key_axis == "channel":  # a scale and zero per page and channel: x̂_c = code_c · s_c + z_c
+            page = flat // self.page_size
+            keys = dequantize(rows(self.k_pages), self.k_scale[page], self.k_zero[page], bits)
+        else:
+            keys = dequantize(rows(self.k_pages), rows(self.k_scale), rows(self.k_zero), bits)
+        return keys, dequantize(rows(self.v_pages), rows(self.v_scale), rows(self.v_zero), bits)
 
     def kv(self) -> tuple[Tensor, ...]:
         """What a decode attention backend reads besides the block table and lengths: (k_pages, v_pages),
@@ -263,6 +258,11 @@ class LayerStore:
         """The store's tensors, for a kernel that reads or updates them in place."""
         return PageTensors(self.k_pages, self.v_pages, self.score_pages, self.pos_pages, self.count_pages,
                            self.block_table, self.lengths, self.slots, self.owned)
+
+    def attend(self, backend, q: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+        """Decode attention of one query per head over its pages by a decode attention backend
+        (kvcompile.kernels.paged_attention, or paged_attention_quant for codes), with per-entry bias pages."""
+        return backend(q, *self.kv(), self.block_table, self.lengths, bias, scale)
 
     def to_heads(self) -> list[list[HeadEntries]]:
         """Every head's entries as HeadEntries (entry order kept)."""
@@ -297,6 +297,10 @@ class LayerStore:
         else:
             from kvcompile.kernels.quantize import quantize_into_pages
 
+            if self.storage.key_axis == "channel":
+                raise RuntimeError("kvcompile: pages of keys per channel take whole pages (engine.tiers), "
+                                   "not single entries")
+
             quantize_into_pages(k, self.k_pages, self.k_scale, self.k_zero, page, slot, self.storage.bits)
             quantize_into_pages(v, self.v_pages, self.v_scale, self.v_zero, page, slot, self.storage.bits)
         self.score_pages[page, slot] = 0.0
@@ -308,32 +312,57 @@ class LayerStore:
     def _allocate(self, col: Tensor, e: Tensor, step: int) -> None:
         """Give every head on a full last page without spares a run of `step` fresh pages (the one host
         read of `append`), and count the room left."""
-        b, h = e.shape
-        s = self.page_size
-        need = (col >= self.owned) & (e % s == 0)
-        fresh, self.room = torch.stack([need.sum(), (self.owned * s - e).min()]).tolist()
+        need = col >= self.owned  # its pages all full: e = owned · S
+        fresh, self.room = torch.stack([need.sum(), (self.owned * self.page_size - e).min()]).tolist()
         if not fresh:
             return
+        self._take_pages(need, fresh, step)
+        self.room = int((self.owned * self.page_size - e).min())
+
+    def ensure_pages(self, col: Tensor, step: int) -> None:
+        """Make every head own a page at block-table column col[b, h] (B, H): a head that owns fewer takes a
+        run of `step` fresh consecutive pages (step > col − owned). One host read, two where pages are taken."""
+        need = col >= self.owned
+        fresh = int(need.sum())
+        if fresh:
+            self._take_pages(need, fresh, step)
+
+    def _take_pages(self, need: Tensor, fresh: int, step: int) -> None:
+        """A run of `step` fresh consecutive pages after the last page of each of the `fresh` heads with
+        need[b, h], from the pool's free pages or a grown pool."""
+        b, h = need.shape
         if self.next_page + fresh * step > self.k_pages.shape[0]:
             self._grow(max(fresh * step, self.k_pages.shape[0] // 4, b * h))
-        width = int(col.max()) + step
+        width = int(torch.where(need, self.owned, 0).max()) + step
         if width > self.block_table.shape[-1]:
             self.block_table = torch.nn.functional.pad(self.block_table, (0, width - self.block_table.shape[-1]))
         bi, hi = need.nonzero(as_tuple=True)
-        first = self.next_page + torch.arange(fresh, device=e.device) * step  # each head's run
-        run = torch.arange(step, device=e.device)
-        self.block_table[bi[:, None], hi[:, None], col[bi, hi][:, None] + run] = first[:, None] + run
-        self.owned = torch.where(need, col + step, self.owned)
+        first = self.next_page + torch.arange(fresh, device=need.device) * step  # each head's run
+        run = torch.arange(step, device=need.device)
+        self.block_table[bi[:, None], hi[:, None], self.owned[bi, hi][:, None] + run] = first[:, None] + run
+        self.owned = torch.where(need, self.owned + step, self.owned)
         self.next_page += fresh * step
-        self.room = int((self.owned * s - e).min())
 
     def _page_fields(self) -> tuple[str, ...]:
-        """The names of the per-entry page tensors (P, S, ...) this store holds."""
+        """The names of the per-entry page tensors (P, S, ...) this store holds (an entry moves with them)."""
+        if self.storage is None:
+            return PAGE_FIELDS
+        if self.storage.key_axis == "channel":
+            return PAGE_FIELDS + ("v_scale", "v_zero")
+        return PAGE_FIELDS + QUANT_FIELDS
+
+    def _pool_fields(self) -> tuple[str, ...]:
+        """The names of every tensor with a row per page (P, ...): the pool."""
         return PAGE_FIELDS if self.storage is None else PAGE_FIELDS + QUANT_FIELDS
+
+    def _movable(self) -> None:
+        if self.storage is not None and self.storage.key_axis == "channel":
+            raise RuntimeError("kvcompile: an entry of a page of keys per channel cannot move alone: the "
+                               "page's scales hold for all its entries")
 
     def _grow(self, extra: int) -> None:
         """Add `extra` free pages to the pool (copies the compressed pool: amortised O(1))."""
-        for name in self._page_fields():
+        for name in self._pool_fields():
             t = getattr(self, name)
             fill = -1 if name == "pos_pages" else 0
             setattr(self, name, torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]))
@@ -343,6 +372,7 @@ class LayerStore:
         (order within a head does not matter to attention); an emptied page stays the head's, a
         spare for its next appends (memory held counts only pages with entries).
         b, h, e are ints, or 1-D long tensors naming distinct heads (one entry each, removed at once)."""
+        self._movable()
         s = self.page_size
         dev = self.lengths.device
         b, h, e = (x if isinstance(x, Tensor) else torch.tensor([x], dtype=torch.long, device=dev) for x in (b, h, e))
@@ -358,6 +388,7 @@ class LayerStore:
     def remove_where(self, leaving: Tensor, e: Tensor) -> None:
         """`remove` of entry e[b, h] (B, H) from every head with leaving[b, h] (B, H) bool, at once, with no
         host read and in place (fixed shapes): the other heads copy one of their own entries onto itself."""
+        self._movable()
         s = self.page_size
         last = self.lengths - 1
         dst = torch.where(leaving, e, last.clamp(min=0))
@@ -405,12 +436,31 @@ class LayerStore:
 
     def kv_bytes_held(self) -> int:
         """Key and value bytes of the pages that hold entries (every head's partly filled last page counted whole)."""
-        return int(self.pages_per_head().sum()) * self.page_size * self.kv_entry_bytes
+        return int(self.pages_per_head().sum()) * self.kv_page_bytes
+
+    @property
+    def kv_page_bytes(self) -> int:
+        """Key and value bytes of one page (codes, scales and zero points of a quantized one)."""
+        return sum(t[0].nbytes for t in self.kv())
 
     @property
     def kv_entry_bytes(self) -> int:
-        """Key and value bytes of one entry (codes, scales and zero points of a quantized one)."""
-        return sum(t[0, 0].nbytes for t in self.kv())
+        """Key and value bytes of one entry (a per-channel page's scales shared out over its entries)."""
+        return self.kv_page_bytes // self.page_size
+
+    def kv_bytes_entries(self) -> int:
+        """Key and value bytes of the stored entries alone (a per-channel page's scales shared out over its
+        entries)."""
+        return int(self.lengths.sum()) * self.kv_page_bytes // self.page_size
+
+    @property
+    def precision(self) -> str:
+        """The name of the format the entries are stored in: "model_dtype", "int8" or "int4"."""
+        return "model_dtype" if self.storage is None else f"int{self.storage.bits}"
+
+    def bytes_by_precision(self) -> dict[str, int]:
+        """kv_bytes_held() under the name of its format."""
+        return {self.precision: self.kv_bytes_held()}
 
     @property
     def kv_bytes_allocated(self) -> int:

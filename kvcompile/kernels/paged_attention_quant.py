@@ -192,6 +192,15 @@ def _lse_torch(q, k_pages, block_table, lengths, bias_pages, scale) -> Tensor:
     return torch.logsumexp(logits.masked_fill(~valid[:, :, None], float("-inf")), -1).view(b, hq)
 
 
+def paged_attention_lse_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: Tensor,
+                              scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """Decode attention over float pages (`paged_attention_torch`) and its log-sum-exp (B, Hq) (−inf for
+    an empty head): the high tier of a tiered store (kvcompile.engine.tiers), combined with the codes'
+    attention by `merge_partials`."""
+    out = paged_attention_torch(q, k_pages, v_pages, block_table, lengths, None, scale)
+    return out, _lse_torch(q, k_pages.float(), block_table, lengths, None, scale)
+
+
 def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
     """The attention over two disjoint sets of entries from the attention over each and its
     log-sum-exp (B, Hq): out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b}), taken
@@ -467,13 +476,14 @@ class QuantPagedAttention(KernelBackend):
 
     def __call__(self, q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
                  v_scale: Tensor, v_zero: Tensor, block_table: Tensor, lengths: Tensor,
-                 bias_pages: Tensor | None = None, scale: float | None = None) -> Tensor:
+                 bias_pages: Tensor | None = None, scale: float | None = None, *,
+                 return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         # every implementation's function checks the call (`check`) once
         return self.run(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths,
-                        bias_pages, scale)
+                        bias_pages, scale, return_lse)
 
     def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
-            scale) -> Tensor:
+            scale, return_lse=False) -> Tensor | tuple[Tensor, Tensor]:
         raise NotImplementedError
 
 
@@ -490,9 +500,10 @@ class CppQuantPagedAttention(QuantPagedAttention):
     value_group: int | None = None
 
     def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
-            scale):
+            scale, return_lse=False):
         return paged_attention_quant_cpp(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                         lengths, bias_pages, scale, parallel_work=self.parallel_work)
+                                         lengths, bias_pages, scale, parallel_work=self.parallel_work,
+                                         return_lse=return_lse)
 
     def build(self, group: int, head_dim: int) -> None:
         if self.key_group is not None and self.value_group is not None:
@@ -509,9 +520,9 @@ class TorchQuantPagedAttention(QuantPagedAttention):
     name: ClassVar[str] = "torch"
 
     def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
-            scale):
+            scale, return_lse=False):
         return paged_attention_quant_torch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                           lengths, bias_pages, scale)
+                                           lengths, bias_pages, scale, return_lse=return_lse)
 
 
 @dataclass(frozen=True)
@@ -521,9 +532,9 @@ class TritonQuantPagedAttention(QuantPagedAttention):
     name: ClassVar[str] = "triton"
 
     def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
-            scale):
+            scale, return_lse=False):
         return paged_attention_quant_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                            lengths, bias_pages, scale)
+                                            lengths, bias_pages, scale, return_lse=return_lse)
 
 
 def backend(name: str) -> QuantPagedAttention:

@@ -13,10 +13,16 @@ for each group x (round half to even), computed in float32. Attention reads x̂ 
 in registers); scores, positions and merge counts stay in float32 / int64 beside the codes. A part only
 names the format: the page store (kvcompile.engine.pages) quantizes, and kvcompile.kernels.quantize
 holds the formula's code.
+
+Two parts keep each head's entries in two precisions, a high tier in the model's dtype and a low tier of
+codes (the page store's `TieredStore`, kvcompile.engine.tiers): `mixed` splits a head's kept entries by
+score (MiKV), `kivi` by recency, with keys quantized per channel (KIVI). Attention over a head is the
+attention over both tiers, combined by their log-sum-exp.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from kvcompile.policies.fields import Part, bounded
 from kvcompile.policies.registry import part
@@ -28,10 +34,16 @@ class Storage(Part):
 
     bits: int | None = None
     group: int = 0
+    tiered = False  # each head's entries in two tiers, the model's dtype and `low()` (TieredStore)
+    key_axis = "token"  # keys quantized per token ("token") or each channel over a page ("channel", KIVI)
 
     @property
     def quantizes(self) -> bool:
         return self.bits is not None
+
+    def low(self) -> "Storage":
+        """The format of the quantized entries (a tiered part's low tier; the part itself otherwise)."""
+        return self
 
     def group_size(self, head_dim: int) -> int:
         """Channels per scale and zero point for a head dim."""
@@ -49,11 +61,16 @@ class Storage(Part):
         return None
 
     def entry_bytes(self, head_dim: int, element_size: int) -> int:
-        """Bytes of one entry's key and value (codes, scales and zero points included)."""
-        if not self.quantizes:
+        """Bytes of one entry's key and value (codes, scales and zero points included); for a tiered part,
+        an upper bound: an entry of its high tier (what a request's admission reserves)."""
+        if not self.quantizes or self.tiered:
             return 2 * head_dim * element_size
         groups = head_dim // self.group_size(head_dim)
         return 2 * (head_dim * self.bits // 8 + 2 * 4 * groups)
+
+    def mean_entry_bytes(self, head_dim: int, element_size: int) -> float:
+        """Bytes per kept entry on average over a long prompt (a tiered part's mix of its tiers)."""
+        return self.entry_bytes(head_dim, element_size)
 
 
 @part("storage", "model_dtype")
@@ -80,3 +97,70 @@ class Int4(Storage):
 
     group: int = bounded(0, low=0, why="channels per scale; 0 means the whole head dim")
     bits = 4
+
+
+def _low(bits: int, group: int) -> Storage:
+    return Int8(group=group) if bits == 8 else Int4(group=group)
+
+
+@part("storage", "mixed")
+@dataclass(frozen=True)
+class MixedByScore(Storage):
+    """Mixed precision by score (MiKV, Yang et al., 2024, "No Token Left Behind", arXiv 2402.18096, §3):
+    of each head's n kept tokens, the round(full · n) highest-scored stay in the model's dtype and the
+    rest are stored as `bits`-bit codes (per token, `group` channels per scale). Ties in score go to the
+    later position. The policy's budget counts both tiers: "10 % of the prompt in full precision and 20 %
+    more demoted to int4 instead of dropped" is a budget of 30 % with full = 1/3. Tokens generated after
+    the prompt join the high tier; `decode: every` splits each head again by the new scores (an entry
+    demoted earlier keeps the values its codes give)."""
+
+    full: float = bounded(0.5, low=0, high=1, why="the share of each head's kept tokens in the model's dtype")
+    bits: Literal[4, 8] = 4
+    group: int = bounded(0, low=0, why="channels per scale; 0 means the whole head dim")
+    tiered = True
+
+    def low(self) -> Storage:
+        return _low(self.bits, self.group)
+
+    def high_count(self, n: int) -> int:
+        """Tokens of a head of n kept tokens in the model's dtype: round(full · n), half to even."""
+        return round(self.full * n)
+
+    def mean_entry_bytes(self, head_dim: int, element_size: int) -> float:
+        return (self.full * 2 * head_dim * element_size
+                + (1 - self.full) * self.low().entry_bytes(head_dim, element_size))
+
+
+@part("storage", "kivi")
+@dataclass(frozen=True)
+class Kivi(Storage):
+    """KIVI (Liu et al., 2024, arXiv 2402.02750, §3.2, Alg. 1): keys quantized per channel over groups of
+    `tokens` consecutive tokens, values per token (`group` channels per scale), the most recent tokens in
+    the model's dtype. A head holding n tokens (in position order) keeps its first
+    L(n) = tokens · ⌊(n − residual) / tokens⌋ (0 when n < residual) quantized, group j being tokens
+    [j·tokens, (j + 1)·tokens), and its last n − L(n) (between `residual` and `residual + tokens − 1`)
+    in full precision: as a decode step brings the full-precision tail to residual + tokens, its oldest
+    `tokens` become one more quantized group. KIVI's 2-bit codes are not offered (the kernels hold 4 and
+    8 bits). Entries leave only by prompt selection: online eviction and `decode: every` are refused."""
+
+    bits: Literal[4, 8] = 4
+    residual: int = bounded(128, low=0, why="recent tokens kept in the model's dtype")
+    tokens: int = bounded(32, low=1, why="tokens per key channel's scale (KIVI's group size)")
+    group: int = bounded(0, low=0, why="value channels per scale; 0 means the whole head dim")
+    tiered = True
+    key_axis = "channel"
+
+    def low(self) -> Storage:
+        return self  # its codes' format is its own: keys per channel, values per token
+
+    def quantized_count(self, n: int) -> int:
+        """L(n): the tokens of a head of n that are stored as codes."""
+        return 0 if n < self.residual else self.tokens * ((n - self.residual) // self.tokens)
+
+    def mean_entry_bytes(self, head_dim: int, element_size: int) -> float:
+        # over a long prompt nearly every entry is quantized: keys' codes and one scale and zero per channel
+        # over `tokens` entries, values as the low part stores them
+        codes = head_dim * self.bits // 8
+        keys = codes + 2 * 4 * head_dim / self.tokens
+        values = codes + 2 * 4 * head_dim // self.group_size(head_dim)
+        return keys + values
