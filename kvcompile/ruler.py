@@ -631,6 +631,8 @@ def plain_answers(model, context_ids: list[int], questions: list[list[int]], max
 # in the target; the eval prints the page-rounded bytes beside it.
 
 STORAGE_FORMS = re.compile(r"^(int4|int8)(?:g(\d+))?$")
+MIXED_FORM = re.compile(r"^mixed(\d+)(?:int(4|8))?(?:g(\d+))?$")  # mixed25int4g32: 25 % of the kept in full precision
+KIVI_FORM = re.compile(r"^kivi(4|8)?$")
 
 
 class BytesError(ValueError):
@@ -649,13 +651,20 @@ def eval_spec(text: str):
     policy = kvcompile.load_spec(base)
     if not sep:
         return policy
-    match = STORAGE_FORMS.match(form)
-    if match is None:
+    match, mixed, kivi = STORAGE_FORMS.match(form), MIXED_FORM.match(form), KIVI_FORM.match(form)
+    if match is not None:
+        kind, group = match.groups()
+        storage = {kind: {"group": int(group)}} if group else kind
+    elif mixed is not None:  # MiKV: the highest-scored P % of each head's kept entries in the model's dtype
+        percent, bits, group = mixed.groups()
+        storage = {"mixed": {"full": int(percent) / 100, "bits": int(bits or 4), "group": int(group or 0)}}
+    elif kivi is not None:
+        storage = {"kivi": {"bits": int(kivi.group(1) or 4)}}
+    else:
         raise kvcompile.SpecError("override", None, "storage",
                                   f"{text!r}: unknown storage {form!r} after '@'",
-                                  "int8, int4, optionally gG for G channels per scale: int4g32")
-    kind, group = match.groups()
-    storage = {kind: {"group": int(group)}} if group else kind
+                                  "int8, int4 (gG for G channels per scale: int4g32), mixedP[int4|int8][gG] "
+                                  "(P % of the kept entries in full precision: mixed25int4), kivi, kivi8")
     return kvcompile.load_spec(policy, storage=storage, name=f"{policy.name}@{form}")
 
 
@@ -681,33 +690,69 @@ def full_entry_bytes(head_dim: int, element_size: int) -> int:
     return 2 * head_dim * element_size
 
 
+def mean_entry_bytes(storage, head_dim: int, element_size: int) -> float:
+    """A storage part's key + value bytes per kept entry on average (a tiered part's mix of its tiers)."""
+    mean = getattr(storage, "mean_entry_bytes", None)
+    return mean(head_dim, element_size) if mean is not None else storage.entry_bytes(head_dim, element_size)
+
+
+def head_bytes(storage, k: int, head_dim: int, element_size: int) -> float:
+    """Key + value bytes of one head holding k entries under `storage`: k entries of its format; for
+    `mixed` (MiKV) round(full * k) of them in the model's dtype and the rest in its low format; for `kivi`
+    its last k - L(k) in the model's dtype and L(k) quantized (at its mean bytes: keys' scales are per
+    channel over `tokens` entries)."""
+    full = full_entry_bytes(head_dim, element_size)
+    if getattr(storage, "tiered", False):
+        if hasattr(storage, "high_count"):
+            h = storage.high_count(k)
+            return h * full + (k - h) * storage.low().entry_bytes(head_dim, element_size)
+        if hasattr(storage, "quantized_count"):
+            q = storage.quantized_count(k)
+            return (k - q) * full + q * storage.mean_entry_bytes(head_dim, element_size)
+    return k * storage.entry_bytes(head_dim, element_size)
+
+
 def kept_share_for_bytes(policy, byte_fraction, head_dim: int, element_size: int) -> Fraction:
     """The share of the entries `policy` keeps so that its keys and values take `byte_fraction` of
-    the full cache's bytes: F * E / e. Refused (BytesError) where it cannot: above 1 (even every
-    entry in its storage takes less) or for a spec whose threshold decides its own budget."""
+    the full cache's bytes: F * E / e (e: its storage's mean bytes per entry). Refused (BytesError)
+    where it cannot: above 1 (even every entry in its storage takes less) or for a spec whose
+    threshold decides its own budget."""
     name = policy.name
     if policy.budget.threshold is not None:
         raise BytesError(f"{name}: its threshold decides how many entries it keeps, so no byte fraction can be "
                          "set; leave it out of an equal-bytes run")
     full = full_entry_bytes(head_dim, element_size)
-    e = policy.storage.entry_bytes(head_dim, element_size)
+    e = Fraction(mean_entry_bytes(policy.storage, head_dim, element_size)).limit_denominator(1 << 20)
     share = Fraction(byte_fraction) * full / e
     if share > 1:
         raise BytesError(f"{name} cannot hold {byte_label(byte_fraction)} of the full cache's bytes: it stores an "
-                         f"entry's key and value in {e} bytes against {full} in the model's dtype, so keeping every "
-                         f"entry holds only {e / full:.2%} of them; give a byte fraction of at most {byte_label(Fraction(e, full))}")
+                         f"entry's key and value in {float(e):g} bytes against {full} in the model's dtype, so keeping "
+                         f"every entry holds only {float(e) / full:.2%} of them; give a byte fraction of at most "
+                         f"{byte_label(e / full)}")
     return share
 
 
 def per_head_for_bytes(policy, n: int, byte_fraction, head_dim: int, element_size: int) -> int:
-    """floor(F * n * E / e): the entries per KV head and layer holding `byte_fraction` of the bytes of
-    a full cache of n tokens (BytesError where none or more than n would)."""
-    share = kept_share_for_bytes(policy, byte_fraction, head_dim, element_size)
-    per_head = math.floor(share * n)
-    if per_head < 1:
+    """The most entries per KV head and layer whose bytes (head_bytes) stay within `byte_fraction` of the
+    bytes of a full cache of n tokens: floor(F * n * E / e) for a one-format storage (BytesError where
+    none, or more than n, would)."""
+    kept_share_for_bytes(policy, byte_fraction, head_dim, element_size)
+    storage = policy.storage
+    budget = Fraction(byte_fraction) * n * full_entry_bytes(head_dim, element_size)
+    if head_bytes(storage, n, head_dim, element_size) < budget:
+        raise BytesError(f"{policy.name} cannot hold {byte_label(byte_fraction)} of the bytes of {n} tokens: keeping "
+                         f"all {n} takes less")
+    low, high = 0, n  # the largest k with head_bytes(k) <= budget (head_bytes grows with k)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if head_bytes(storage, mid, head_dim, element_size) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    if low < 1:
         raise BytesError(f"{policy.name} at {byte_label(byte_fraction)} of the bytes of {n} tokens keeps no entry "
-                         f"per head ({float(share * n):.2f}); give a larger byte fraction or a longer prompt")
-    return per_head
+                         f"per head; give a larger byte fraction or a longer prompt")
+    return low
 
 
 def target_bytes(n: int, byte_fraction, layers: int, kv_heads: int, head_dim: int, element_size: int) -> float:

@@ -55,10 +55,31 @@ def test_kept_share_and_per_head_written_out(name, fraction, share, per_head):
     assert 0 <= target - per_head * 30 * 3 * e < 30 * 3 * e
 
 
+def test_mixed_precision_per_head_written_out():
+    """MiKV's mixed part, 25 % of the kept in fp32 and the rest int4: a head of k entries takes
+    round(k / 4) * 512 + (k - round(k / 4)) * 80 bytes; at 1/16 of 4,000 tokens' 512 bytes (128,000 a head):
+    k = 682 takes 170 * 512 + 512 * 80 = 128,000 exactly, k = 683 takes 171 * 512 + 512 * 80 = 128,512."""
+    policy = spec("snapkv@mixed25int4")
+    assert policy.storage.name == "mixed" and policy.storage.full == 0.25 and policy.storage.bits == 4
+    assert ruler.head_bytes(policy.storage, 682, D, FP32) == 128000
+    assert ruler.head_bytes(policy.storage, 683, D, FP32) == 128512
+    assert ruler.per_head_for_bytes(policy, 4000, F16, D, FP32) == 682
+    assert ruler.mean_entry_bytes(policy.storage, D, FP32) == 0.25 * 512 + 0.75 * 80 == 188
+    # a mix cannot hold more than every entry's bytes: 25 % fp32 + 75 % int4 of every entry is 188 / 512
+    with pytest.raises(ruler.BytesError, match="cannot hold 1/2"):
+        ruler.kept_share_for_bytes(policy, Fraction(1, 2), D, FP32)
+    # KIVI keeps its last 128 entries in fp32 (128 x 512 bytes a head): at 1/32 of 4,000 tokens (64,000 a head)
+    # nothing is quantized yet, so it keeps 125 entries, as eviction alone would
+    assert ruler.per_head_for_bytes(spec("snapkv@kivi"), 4000, F32, D, FP32) == 125
+
+
 def test_eval_spec_names_and_storage():
     p = spec("kvzip@int4g32")
     assert p.name == "kvzip@int4g32" and p.storage.name == "int4" and p.storage.group == 32
     assert spec("snapkv").name == "snapkv" and spec("snapkv").storage.name == "model_dtype"
+    p = spec("kvzip@mixed10int8g32")
+    assert p.storage.name == "mixed" and (p.storage.full, p.storage.bits, p.storage.group) == (0.1, 8, 32)
+    assert spec("snapkv@kivi").storage.name == "kivi" and spec("snapkv@kivi8").storage.bits == 8
     with pytest.raises(kvcompile.SpecError, match="unknown storage 'int3'"):
         spec("snapkv@int3")
     with pytest.raises(kvcompile.SpecError):
@@ -123,14 +144,24 @@ def test_equal_bytes_eval_holds_the_bytes_it_says(tmp_path, capsys):
     ruler.dump_dataset(samples, data)
     out = tmp_path / "bytes.json"
     cli.main(["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--query", "agnostic",
-              "--specs", "snapkv,snapkv@int4,adakv@int8,knorm@int4g8", "--kv-bytes", "1/4,1/8",
+              "--specs", "snapkv,snapkv@int4,adakv@int8,knorm@int4g8,snapkv@mixed25int4", "--kv-bytes", "1/4,1/8",
               "--max-new-tokens", "2", "--no-full", "--out", str(out), "--plot-dir", str(tmp_path / "plots"), "--quiet"])
     assert (tmp_path / "plots" / "ruler_vs_kv.png").stat().st_size > 0
     printed = capsys.readouterr().out
     records = json.loads(out.read_text())["ruler"]
-    assert len(records) == 4 * 2
+    assert len(records) == 5 * 2
     layers, heads, page = 3, 2, 16
     entry = {"snapkv": 2 * 16 * 4, "snapkv@int4": 2 * (8 + 8), "adakv@int8": 2 * (16 + 8), "knorm@int4g8": 2 * (8 + 16)}
+    for r in [r for r in records if r["spec"] == "snapkv@mixed25int4"]:
+        # 25 % of each head's kept in fp32 (128 bytes), the rest int4 (32): short of the target by less
+        # than one fp32 entry a head, its two tiers' pages above it by less than two pages a head
+        n, f = r["tokens"], Fraction(r["byte_fraction"])
+        target = float(f * n * layers * heads * 2 * 16 * 4)
+        assert 0 <= target - r["kv_bytes_entries"] < layers * heads * 128, r
+        assert 0 <= r["kv_bytes_pages"] - r["kv_bytes_entries"] < layers * heads * 2 * page * 128, r
+        k = r["per_head"]
+        assert r["kv_bytes_entries"] == layers * heads * (round(k / 4) * 128 + (k - round(k / 4)) * 32)
+    records = [r for r in records if r["spec"] != "snapkv@mixed25int4"]
     for r in records:
         n, f, e = r["tokens"], Fraction(r["byte_fraction"]), entry[r["spec"]]
         target = float(f * n * layers * heads * 2 * 16 * 4)
@@ -145,7 +176,7 @@ def test_equal_bytes_eval_holds_the_bytes_it_says(tmp_path, capsys):
     assert all(abs(int4[f] - 4 * snap[f]) < 4 * layers * heads for f in snap)  # 128 / 32 = 4x the entries
     # the table: one row per spec and byte fraction, the bytes held beside the target (ratio <= 1)
     rows = [line for line in printed.splitlines() if re.match(r"^(snapkv|adakv|knorm)", line)]
-    assert len(rows) == 8 and all(" 1/4 B" in line or " 1/8 B" in line for line in rows)
+    assert len(rows) == 10 and all(" 1/4 B" in line or " 1/8 B" in line for line in rows)
     assert "target KiB" in printed and "held/tgt" in printed
     for line in rows:
         ratio = float(line.split()[-2])
