@@ -64,6 +64,19 @@ def kept_fractions(text: str) -> list[float]:
     return values
 
 
+def byte_fractions(text: str) -> list:
+    """--kv-bytes: byte fractions of the full cache, comma-separated, each 1/16 or 0.0625, in (0, 1]."""
+    from kvcompile.ruler import parse_byte_fraction
+
+    try:
+        values = [parse_byte_fraction(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected byte fractions such as 1/16,1/32, got {text!r}")
+    return values
+
+
 def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -538,11 +551,14 @@ def cmd_eval(args) -> None:
     (the MEASURED fields are each run's own measurements)."""
     from kvcompile.data import needle_suite
 
-    for spec in args.specs:
-        policy_for(spec, None)  # bad names fail before the model loads
     if args.suite == "ruler":
         return cmd_eval_ruler(args)
+    for spec in args.specs:
+        if "@" in spec:
+            fail(f"{spec}: a storage after '@' applies to --suite ruler (or write a spec file with its storage part)")
+        policy_for(spec, None)  # bad names fail before the model loads
     ruler_only = [flag for flag, value in (("--tasks", args.tasks), ("--kv-fraction", args.kv_fraction),
+                                           ("--kv-bytes", args.kv_bytes),
                                            ("--dataset", args.dataset), ("--dump-dataset", args.dump_dataset),
                                            ("--predictions", args.predictions)) if value is not None]
     if ruler_only:
@@ -626,8 +642,11 @@ def ruler_settings(args):
     """(tasks, fractions, budgets) of a ruler eval from its arguments, or a clear exit."""
     from kvcompile import ruler
 
-    if args.kv_fraction is not None and args.budgets is not None:
-        fail("give --kv-fraction (share of the KV kept) or --budgets (tokens per head), not both")
+    given = [flag for flag, value in (("--kv-fraction", args.kv_fraction), ("--kv-bytes", args.kv_bytes),
+                                      ("--budgets", args.budgets)) if value is not None]
+    if len(given) > 1:
+        fail(f"give one of --kv-fraction (share of the KV kept), --kv-bytes (share of the full cache's bytes) or "
+             f"--budgets (tokens per head), not both {' and '.join(given)}")
     if args.depths != [0.1, 0.5, 0.9] or args.continuation:
         fail("--depths and --continuation apply to --suite needle")
     tasks = args.tasks
@@ -638,7 +657,8 @@ def ruler_settings(args):
                      "file with --dataset PATH (docs/EVAL.md)")
             if task not in ruler.TASKS and args.dataset is None:
                 fail(f"unknown RULER task {task!r}: one of {', '.join(ruler.TASKS)}")
-    fractions = None if args.budgets is not None else (args.kv_fraction or list(RULER_FRACTIONS))
+    fractions = None if args.budgets is not None or args.kv_bytes is not None else \
+        (args.kv_fraction or list(RULER_FRACTIONS))
     return tasks, fractions, args.budgets
 
 
@@ -671,18 +691,34 @@ def cmd_eval_ruler(args) -> None:
     from kvcompile import ruler
 
     tasks, fractions, budgets = ruler_settings(args)
+    policies = {}
+    for spec in args.specs:  # bad names and storages fail before the model loads
+        try:
+            policies[spec] = ruler.eval_spec(spec)
+        except (ValueError, TypeError) as exc:
+            fail(str(exc))
     if args.dataset is None:
         haystack()  # the set-up command named before the model loads
     ranks = None if args.dump_dataset else eval_ranks()
     lead = ranks is None or ranks.rank == 0
     quiet = args.quiet or not lead
     model, tokenizer = load(args)
+    if args.kv_bytes:  # a byte fraction a spec cannot hold is refused before any sample runs
+        from kvcompile.models import model_summary
+
+        geometry = (model_summary(model)["head_dim"], next(model.parameters()).element_size())
+        for policy in policies.values():
+            for f in args.kv_bytes:
+                try:
+                    ruler.kept_share_for_bytes(policy, f, *geometry)
+                except ruler.BytesError as exc:
+                    fail(f"--kv-bytes: {exc}")
     samples = ruler_samples_for(args, tokenizer, tasks, quiet)
     if args.dump_dataset:
         ruler.dump_dataset(samples, args.dump_dataset)
         print(f"dataset  {len(samples)} samples written to {args.dump_dataset}")
         return
-    reserved = {FULL} | {policy_for(spec, None).name for spec in args.specs}
+    reserved = {FULL} | {policy.name for policy in policies.values()}
     extra = []
     if args.predictions:
         try:
@@ -699,7 +735,11 @@ def cmd_eval_ruler(args) -> None:
         error, records = None, []
         try:
             records = ruler.run_ruler(model, tokenizer, samples, args.specs, modes, fractions, budgets,
-                                      full=args.full, quiet=quiet, ranks=ranks)
+                                      full=args.full, quiet=quiet, ranks=ranks, kv_bytes=args.kv_bytes)
+        except ruler.BytesError as exc:
+            if ranks is None:
+                fail(f"--kv-bytes: {exc}")
+            error = f"--kv-bytes: {exc}"
         except Exception:
             if ranks is None:
                 raise
@@ -724,8 +764,11 @@ def cmd_eval_ruler(args) -> None:
                 dist.destroy_process_group()
     records = records + extra
     print(ruler.format_summary(records))
+    arguments = {k: v for k, v in vars(args).items() if k != "func"}
+    if args.kv_bytes:
+        arguments["kv_bytes"] = [ruler.byte_label(f) for f in args.kv_bytes]
     result = {"model": model.config.name_or_path, "date": time.strftime("%Y-%m-%d"), "suite": "ruler",
-              "args": {k: v for k, v in vars(args).items() if k != "func"}, "samples": len(samples),
+              "args": arguments, "samples": len(samples),
               "ruler": records}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -1017,6 +1060,14 @@ def build_parser() -> argparse.ArgumentParser:
                             f"default {','.join(map(str, RULER_FRACTIONS))}): per_head = floor(F x n) for each "
                             "sample, n its compressed tokens (agnostic: the context's, chat template included; "
                             "aware: context + question)")
+    ruler.add_argument("--kv-bytes", type=byte_fractions, default=None, metavar="F,F",
+                       help="budgets at equal bytes instead: each spec keeps the share of entries whose keys and "
+                            "values (codes, scales and zero points, as its storage part stores them) take F of the "
+                            "full cache's bytes in the model's dtype, e.g. 1/16,1/32: per_head = floor(F x n x E / e), "
+                            "E and e an entry's bytes in the model's dtype and in the spec's storage. A spec NAME@int4, "
+                            "NAME@int8 or NAME@int4g32 (32 channels per scale) runs NAME with that storage. A fraction "
+                            "a spec cannot hold is refused; the table shows the bytes held beside the target "
+                            "(docs/EVAL.md, Equal bytes)")
     ruler.add_argument("--dataset", metavar="PATH",
                        help="run your own samples instead: JSONL or Parquet in kvpress's columns (context, question, "
                             "answers or answer; optional answer_prefix, max_new_tokens, task, index)")

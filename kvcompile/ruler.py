@@ -27,6 +27,7 @@ import re
 import string
 import uuid
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
 
@@ -524,6 +525,9 @@ def load_dataset(path, max_new_tokens: int | None = None) -> list[dict]:
 
 
 PREDICTION_FIELDS = ("index", "mode", "method", "fraction", "prediction")
+# optional, with byte_fraction (an equal-bytes run): what the other tool's compressed cache held
+BYTES_FIELDS = ("kv_bytes_target", "kv_bytes_entries", "kv_bytes_pages", "kv_entries", "kv_entry_bytes", "kept_share",
+                "storage")
 
 
 def load_predictions(path, samples: list[dict], reserved: set[str]) -> list[dict]:
@@ -559,14 +563,22 @@ def load_predictions(path, samples: list[dict], reserved: set[str]) -> list[dict
                 raise DatasetError(f"{where}: fraction must be in (0, 1] or null, got {fraction!r}")
             if not isinstance(row["prediction"], str):
                 raise DatasetError(f"{where}: prediction must be text")
+            byte_fraction = row.get("byte_fraction")
+            if byte_fraction is not None and (isinstance(byte_fraction, bool) or
+                                              not isinstance(byte_fraction, (int, float)) or not 0 < byte_fraction <= 1):
+                raise DatasetError(f"{where}: byte_fraction must be in (0, 1] or null, got {byte_fraction!r}")
             s = by_index[row["index"]]
             fraction = None if fraction is None or fraction == 1 else float(fraction)
-            extra = {k: v for k, v in row.items() if k not in PREDICTION_FIELDS}
+            held = {k: row[k] for k in BYTES_FIELDS if row.get(k) is not None}
+            if byte_fraction is not None:
+                held["byte_fraction"] = float(byte_fraction)
+            extra = {k: v for k, v in row.items() if k not in PREDICTION_FIELDS and k not in BYTES_FIELDS
+                     and k != "byte_fraction"}
             records.append({"index": s["index"], "task": s["task"], "length": s["length"], "mode": row["mode"],
                             "spec": row["method"], "fraction": fraction, "per_head": None, "tokens": None,
                             "question_tokens": None, "prediction": row["prediction"], "answers": s["answers"],
                             "score": score(s["task"], row["prediction"], s["answers"]), "kv_bytes": None,
-                            "kv_bytes_full": None, "source": "predictions", **({"extra": extra} if extra else {})})
+                            "kv_bytes_full": None, "source": "predictions", **held, **({"extra": extra} if extra else {})})
     return records
 
 
@@ -606,13 +618,168 @@ def plain_answers(model, context_ids: list[int], questions: list[list[int]], max
     return out
 
 
-def policies_for(spec: str, n: int, fractions, budgets) -> list[tuple[float | None, "object"]]:
-    """(fraction, policy) for each budget of `spec` on a compressed part of n tokens: per_head
-    = floor(fraction * n) (at least 1) for each fraction, else each of `budgets` tokens per
-    head; a spec whose threshold decides its budget runs once at its own (fraction None)."""
+# --- equal bytes: budgets as a share of the full cache's bytes (issue 24) -----------------------
+#
+# A byte fraction F of a spec whose storage part keeps an entry's key and value in e bytes (codes,
+# scales and zero points: Storage.entry_bytes) holds, on a compressed part of n tokens,
+#     per_head = floor(F * n * E / e)   entries per KV head and layer,  E = 2 * head_dim * element size
+# (E: one entry of the full cache, in the model's dtype), so that its keys and values take
+# per_head * L * H * e <= F * (n * L * H * E) bytes, short of it by less than one entry per head.
+# Only keys and values count (with their scales and zero points), as for kvpress's QuantizedCache
+# (scripts/kvpress_compare.py): kvcompile's 16 bytes of score, position and count beside each entry
+# (pages.ENTRY_METADATA_BYTES), its block tables and the unused slots of each head's last page are not
+# in the target; the eval prints the page-rounded bytes beside it.
+
+STORAGE_FORMS = re.compile(r"^(int4|int8)(?:g(\d+))?$")
+MIXED_FORM = re.compile(r"^mixed(\d+)(?:int(4|8))?(?:g(\d+))?$")  # mixed25int4g32: 25 % of the kept in full precision
+KIVI_FORM = re.compile(r"^kivi(4|8)?$")
+
+
+class BytesError(ValueError):
+    """A byte fraction a spec cannot hold (the message says why and what would)."""
+
+
+def eval_spec(text: str):
+    """The policy of an eval spec: a shipped name or YAML file, optionally with `@STORAGE` to store
+    its kept entries in another precision: `@int8`, `@int4`, `@int4g32` (32 channels per scale and
+    zero point; without `gG` one per entry's head dim). Named as written (`snapkv@int4g32`)."""
     import kvcompile
 
-    base = kvcompile.load_spec(spec)
+    if not isinstance(text, str):  # a Policy, a mapping or a Path: as load_spec takes it
+        return kvcompile.load_spec(text)
+    base, sep, form = text.partition("@")
+    policy = kvcompile.load_spec(base)
+    if not sep:
+        return policy
+    match, mixed, kivi = STORAGE_FORMS.match(form), MIXED_FORM.match(form), KIVI_FORM.match(form)
+    if match is not None:
+        kind, group = match.groups()
+        storage = {kind: {"group": int(group)}} if group else kind
+    elif mixed is not None:  # MiKV: the highest-scored P % of each head's kept entries in the model's dtype
+        percent, bits, group = mixed.groups()
+        storage = {"mixed": {"full": int(percent) / 100, "bits": int(bits or 4), "group": int(group or 0)}}
+    elif kivi is not None:
+        storage = {"kivi": {"bits": int(kivi.group(1) or 4)}}
+    else:
+        raise kvcompile.SpecError("override", None, "storage",
+                                  f"{text!r}: unknown storage {form!r} after '@'",
+                                  "int8, int4 (gG for G channels per scale: int4g32), mixedP[int4|int8][gG] "
+                                  "(P % of the kept entries in full precision: mixed25int4), kivi, kivi8")
+    return kvcompile.load_spec(policy, storage=storage, name=f"{policy.name}@{form}")
+
+
+def parse_byte_fraction(text: str) -> Fraction:
+    """A byte fraction written `1/16` or `0.0625`, in (0, 1]."""
+    try:
+        value = Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"a byte fraction is written 1/16 or 0.0625, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise ValueError(f"a byte fraction is in (0, 1], got {text!r}")
+    return value
+
+
+def byte_label(value) -> str:
+    """1/16 for 0.0625; the decimal where no small denominator writes it."""
+    f = Fraction(value).limit_denominator(4096)
+    return f"{f.numerator}/{f.denominator}" if abs(float(f) - float(value)) < 1e-12 else f"{float(value):.4g}"
+
+
+def full_entry_bytes(head_dim: int, element_size: int) -> int:
+    """Key + value bytes of one entry of the full cache (the model's dtype)."""
+    return 2 * head_dim * element_size
+
+
+def mean_entry_bytes(storage, head_dim: int, element_size: int) -> float:
+    """A storage part's key + value bytes per kept entry on average (a tiered part's mix of its tiers)."""
+    mean = getattr(storage, "mean_entry_bytes", None)
+    return mean(head_dim, element_size) if mean is not None else storage.entry_bytes(head_dim, element_size)
+
+
+def head_bytes(storage, k: int, head_dim: int, element_size: int) -> float:
+    """Key + value bytes of one head holding k entries under `storage`: k entries of its format; for
+    `mixed` (MiKV) round(full * k) of them in the model's dtype and the rest in its low format; for `kivi`
+    its last k - L(k) in the model's dtype and L(k) quantized (at its mean bytes: keys' scales are per
+    channel over `tokens` entries)."""
+    full = full_entry_bytes(head_dim, element_size)
+    if getattr(storage, "tiered", False):
+        if hasattr(storage, "high_count"):
+            h = storage.high_count(k)
+            return h * full + (k - h) * storage.low().entry_bytes(head_dim, element_size)
+        if hasattr(storage, "quantized_count"):
+            q = storage.quantized_count(k)
+            return (k - q) * full + q * storage.mean_entry_bytes(head_dim, element_size)
+    return k * storage.entry_bytes(head_dim, element_size)
+
+
+def kept_share_for_bytes(policy, byte_fraction, head_dim: int, element_size: int) -> Fraction:
+    """The share of the entries `policy` keeps so that its keys and values take `byte_fraction` of
+    the full cache's bytes: F * E / e (e: its storage's mean bytes per entry). Refused (BytesError)
+    where it cannot: above 1 (even every entry in its storage takes less) or for a spec whose
+    threshold decides its own budget."""
+    name = policy.name
+    if policy.budget.threshold is not None:
+        raise BytesError(f"{name}: its threshold decides how many entries it keeps, so no byte fraction can be "
+                         "set; leave it out of an equal-bytes run")
+    full = full_entry_bytes(head_dim, element_size)
+    e = Fraction(mean_entry_bytes(policy.storage, head_dim, element_size)).limit_denominator(1 << 20)
+    share = Fraction(byte_fraction) * full / e
+    if share > 1:
+        raise BytesError(f"{name} cannot hold {byte_label(byte_fraction)} of the full cache's bytes: it stores an "
+                         f"entry's key and value in {float(e):g} bytes against {full} in the model's dtype, so keeping "
+                         f"every entry holds only {float(e) / full:.2%} of them; give a byte fraction of at most "
+                         f"{byte_label(e / full)}")
+    return share
+
+
+def per_head_for_bytes(policy, n: int, byte_fraction, head_dim: int, element_size: int) -> int:
+    """The most entries per KV head and layer whose bytes (head_bytes) stay within `byte_fraction` of the
+    bytes of a full cache of n tokens: floor(F * n * E / e) for a one-format storage (BytesError where
+    none, or more than n, would)."""
+    kept_share_for_bytes(policy, byte_fraction, head_dim, element_size)
+    storage = policy.storage
+    budget = Fraction(byte_fraction) * n * full_entry_bytes(head_dim, element_size)
+    if head_bytes(storage, n, head_dim, element_size) < budget:
+        raise BytesError(f"{policy.name} cannot hold {byte_label(byte_fraction)} of the bytes of {n} tokens: keeping "
+                         f"all {n} takes less")
+    low, high = 0, n  # the largest k with head_bytes(k) <= budget (head_bytes grows with k)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if head_bytes(storage, mid, head_dim, element_size) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    if low < 1:
+        raise BytesError(f"{policy.name} at {byte_label(byte_fraction)} of the bytes of {n} tokens keeps no entry "
+                         f"per head; give a larger byte fraction or a longer prompt")
+    return low
+
+
+def target_bytes(n: int, byte_fraction, layers: int, kv_heads: int, head_dim: int, element_size: int) -> float:
+    """F * (the full cache's key and value bytes for n tokens)."""
+    return float(Fraction(byte_fraction) * n * layers * kv_heads * full_entry_bytes(head_dim, element_size))
+
+
+def policies_for(spec: str, n: int, fractions, budgets, kv_bytes=None,
+                 geometry: tuple[int, int] | None = None) -> list[tuple[float | None, "object"]]:
+    """(fraction, policy) for each budget of `spec` on a compressed part of n tokens: per_head
+    = floor(fraction * n) (at least 1) for each fraction, else each of `budgets` tokens per
+    head; a spec whose threshold decides its budget runs once at its own (fraction None).
+    `kv_bytes` (byte fractions, with `geometry` = (head_dim, element size)): (byte fraction, policy)
+    with per_head_for_bytes (BytesError where the spec cannot hold it)."""
+    import kvcompile
+
+    base = eval_spec(spec)
+    if kv_bytes:
+        out = []
+        for f in kv_bytes:
+            per_head = per_head_for_bytes(base, n, f, *geometry)
+            try:
+                out.append((f, kvcompile.load_spec(base, per_head=per_head)))
+            except kvcompile.SpecError as exc:
+                raise BytesError(f"{base.name} at {byte_label(f)} of the bytes keeps {per_head} entries per head of "
+                                 f"{n}, which it refuses: {exc}") from None
+        return out
     if base.budget.threshold is not None:
         return [(None, base)]
     if fractions:
@@ -629,14 +796,15 @@ def context_groups(samples: list[dict]) -> list[list[dict]]:
 
 
 def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=None, budgets=None,
-              full: bool = True) -> list[dict]:
+              full: bool = True, kv_bytes=None) -> list[dict]:
     """Records of one context group in one mode: the full cache, then each spec and budget.
     agnostic: the context is captured once and compressed once per policy; every question
     continues from its own copy. aware: each sample's context + question is captured once and
-    compressed once per policy."""
+    compressed once per policy. `kv_bytes`: byte fractions instead of fractions / budgets (each
+    record then has the target and the bytes the compressed cache holds, before the question)."""
     import torch
 
-    from kvcompile.models import full_kv_bytes
+    from kvcompile.models import full_kv_bytes, model_summary
     from kvcompile.sweep import capture, feed, greedy, not_replayable, prefilled, replay
 
     stop = eos_ids(model)
@@ -647,13 +815,15 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     else:
         units = [((ids, [q]), [s]) for s in group for ids, q in [mode_prompt(tokenizer, s, "aware")]]
     records = []
+    shape = model_summary(model)
+    geometry = (shape["head_dim"], next(model.parameters()).element_size())
 
-    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full):
+    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full, held=None):
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         return {"index": s["index"], "task": s["task"], "length": s["length"], "mode": mode, "spec": spec,
                 "fraction": fraction, "per_head": per_head, "tokens": n, "question_tokens": len(q),
                 "prediction": text, "answers": s["answers"], "score": score(s["task"], text, s["answers"]),
-                "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile"}
+                "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile", **(held or {})}
 
     for (ids, questions), members in units:
         n = len(ids)
@@ -676,29 +846,40 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
             return replay(policy, model.config, states, headroom=headroom)
 
         for spec in specs:
-            for fraction, policy in policies_for(spec, n, fractions, budgets):
+            for fraction, policy in policies_for(spec, n, fractions, budgets, kv_bytes, geometry):
                 per_head = policy.budget.per_head if policy.budget.threshold is None else None
                 base = compressed(policy)
+                held = None
+                if kv_bytes:  # the compressed context's bytes, before any question or answer is appended
+                    report = base.memory_report()
+                    kept = int(report["kept"].sum())
+                    held = {"byte_fraction": float(fraction), "storage": policy.storage.name,
+                            "kv_bytes_target": target_bytes(n, fraction, shape["layers"], len(report["kv_heads"]),
+                                                            *geometry),
+                            "kv_entries": kept, "kv_bytes_entries": report["bytes_entries"],
+                            "kv_bytes_pages": report["bytes_held"], "kv_entry_bytes": report["bytes_entries"] // kept,
+                            "kept_share": kept / (n * shape["layers"] * len(report["kv_heads"]))}
+                    fraction = None
                 for j, (s, q) in enumerate(zip(members, questions)):
                     cache = base if j == len(questions) - 1 else copy.deepcopy(base)
                     logits = feed(model, cache, torch.tensor([q], device=model.device), tokenizer=tokenizer)
                     tokens = greedy(model, cache, logits, max_new, stop, tokenizer=tokenizer)[0].tolist()
                     report = cache.memory_report()
                     records.append(record(s, policy.name, fraction, per_head, n, q, tokens,
-                                          report["bytes_held"], report["bytes_full"]))
+                                          report["bytes_held"], report["bytes_full"], held))
         states = None  # this context's captured states go before the next context is captured
     return records
 
 
 def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agnostic"), fractions=None,
-              budgets=None, full: bool = True, quiet: bool = False, ranks=None):
+              budgets=None, full: bool = True, quiet: bool = False, ranks=None, kv_bytes=None):
     """Every record of `samples` in each mode; with `ranks` (a sharded eval) only the context
     groups `ranks.mine(g)` gives this process, as (key, record) pairs ordered as one process
     orders them (Ranks.gather sorts by key)."""
     from tqdm.auto import tqdm
 
-    if not fractions and not budgets and specs:
-        raise ValueError("give fractions (KV kept) or budgets (tokens per head) for the specs")
+    if not fractions and not budgets and not kv_bytes and specs:
+        raise ValueError("give fractions (KV kept), byte fractions or budgets (tokens per head) for the specs")
     groups = context_groups(samples)
     mine = [g for g in range(len(groups)) if ranks is None or ranks.mine(g)]
     out = []
@@ -706,7 +887,7 @@ def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agn
                disable=quiet)
     for g in mine:
         for m, mode in enumerate(modes):
-            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full)):
+            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full, kv_bytes)):
                 out.append(((g, m, r), rec))
             bar.update(len(groups[g]))
     bar.close()
@@ -716,7 +897,10 @@ def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agn
 # --- summaries ------------------------------------------------------------------------------
 
 def budget_key(r: dict):
-    """The budget column of a record: its fraction, else its tokens per head (None: own / full)."""
+    """The budget column of a record: its byte fraction, its fraction, else its tokens per head
+    (None: own / full)."""
+    if r.get("byte_fraction") is not None:
+        return ("bytes", r["byte_fraction"])
     if r["fraction"] is not None:
         return ("fraction", r["fraction"])
     if r["spec"] != "full" and r["source"] == "kvcompile" and r["per_head"] is not None:
@@ -726,6 +910,8 @@ def budget_key(r: dict):
 
 def budget_text(key) -> str:
     kind, value = key
+    if kind == "bytes":
+        return f"{byte_label(value)} B"
     return f"{value:.0%} KV" if kind == "fraction" else f"{value}/head" if kind == "per_head" else "-"
 
 
@@ -746,6 +932,8 @@ def format_summary(records: list[dict]) -> str:
     """The summary table, one block per mode: rows method x budget, columns tasks and average."""
     lines = []
     table = summary(records)
+    held = held_bytes(records)
+    width = max([22] + [len(r["spec"]) + 2 for r in records])  # the method column fits the longest name
     tasks = list(dict.fromkeys(r["task"] for r in records))
     short = {t: t.replace("niah_", "").replace("multi", "m").replace("single_", "s") for t in tasks}
     for mode in ("aware", "agnostic"):
@@ -753,12 +941,51 @@ def format_summary(records: list[dict]) -> str:
             continue
         rows = table[mode]
         lines.append(f"\nRULER score (%), query-{mode}:")
-        lines.append(f"{'method':<22}{'budget':>9}" + "".join(f"{short[t]:>9}" for t in tasks) + f"{'average':>9}")
-        order = sorted(rows, key=lambda k: (k[0] != "full", k[0], k[1][0], k[1][1] or 0))
+        lines.append(f"{'method':<{width}}{'budget':>9}" + "".join(f"{short[t]:>9}" for t in tasks) + f"{'average':>9}")
+        if held:  # equal bytes: rows grouped by byte fraction (largest first), then method
+            order = sorted(rows, key=lambda k: (k[1][0] != "own", -(k[1][1] or 0), k[0]))
+        else:
+            order = sorted(rows, key=lambda k: (k[0] != "full", k[0], k[1][0], k[1][1] or 0))
+        if held:
+            lines[-1] += f"{'kept':>7}{'target KiB':>12}{'held KiB':>10}{'held/tgt':>9}{'pages KiB':>11}"
         for spec, key in order:
             cells = [f"{rows[(spec, key)][t]:>9.1f}" if t in rows[(spec, key)] else f"{'-':>9}" for t in tasks]
-            lines.append(f"{spec:<22}{budget_text(key):>9}" + "".join(cells) + f"{rows[(spec, key)]['average']:>9.1f}")
+            line = f"{spec:<{width}}{budget_text(key):>9}" + "".join(cells) + f"{rows[(spec, key)]['average']:>9.1f}"
+            if held and (mode, spec, key) in held:
+                h = held[(mode, spec, key)]
+                pages = f"{h['pages'] / 1024:>11.1f}" if h["pages"] is not None else f"{'-':>11}"
+                line += (f"{h['share']:>7.1%}{h['target'] / 1024:>12.1f}{h['entries'] / 1024:>10.1f}"
+                         f"{h['entries'] / h['target']:>9.4f}" + pages)
+            lines.append(line)
+    if held:
+        lines.append("\nkept: share of the compressed part's entries kept; target: the byte fraction of the full "
+                     "cache's key and value bytes (model dtype); held: the keys and values (codes, scales, zero "
+                     "points) the compressed cache holds before the question, mean per sample; pages: the bytes its "
+                     "tensors take (kvcompile: whole pages, each head's last page counted whole; kvpress: every "
+                     "entry stored, masked ones included); kvcompile's 16 bytes of score, position and count per "
+                     "entry are in neither (docs/EVAL.md, Equal bytes)")
     return "\n".join(lines)
+
+
+def held_bytes(records: list[dict]) -> dict:
+    """{(mode, method, budget key): mean target, held (entries) and page bytes and kept share} of the
+    records that carry an equal-bytes measurement."""
+    sums: dict = {}
+    for r in records:
+        if r.get("kv_bytes_target") is None or r.get("kv_bytes_entries") is None:
+            continue
+        acc = sums.setdefault((r["mode"], r["spec"], budget_key(r)), {"target": 0.0, "entries": 0.0, "pages": 0.0,
+                                                                      "share": 0.0, "n": 0, "paged": True})
+        acc["target"] += r["kv_bytes_target"]
+        acc["entries"] += r["kv_bytes_entries"]
+        acc["share"] += r.get("kept_share") or 0.0
+        if r.get("kv_bytes_pages") is None:
+            acc["paged"] = False
+        else:
+            acc["pages"] += r["kv_bytes_pages"]
+        acc["n"] += 1
+    return {k: {"target": v["target"] / v["n"], "entries": v["entries"] / v["n"], "share": v["share"] / v["n"],
+                "pages": v["pages"] / v["n"] if v["paged"] else None} for k, v in sums.items()}
 
 
 def plot_ruler(records: list[dict], plot_dir, heatmap_fraction: float = 0.25) -> list[Path]:
@@ -776,6 +1003,7 @@ def plot_ruler(records: list[dict], plot_dir, heatmap_fraction: float = 0.25) ->
     modes = [m for m in ("aware", "agnostic") if m in table]
     fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False)
     uses_fraction = any(r["fraction"] is not None for r in records)
+    uses_bytes = any(r.get("byte_fraction") is not None for r in records)
     for ax, mode in zip(axes[0], modes):
         rows = table[mode]
         for spec in dict.fromkeys(k[0] for k in rows):
@@ -786,8 +1014,9 @@ def plot_ruler(records: list[dict], plot_dir, heatmap_fraction: float = 0.25) ->
                 ax.axhline(rows[(spec, ("own", None))]["average"], linestyle="--",
                            color="grey" if spec == "full" else None,
                            label="full cache" if spec == "full" else f"{spec} (own budget)")
-        ax.set_xlabel("KV fraction kept" if uses_fraction else "budget (tokens per KV head)")
-        if not uses_fraction:
+        ax.set_xlabel("share of the full cache's KV bytes held" if uses_bytes else
+                      "KV fraction kept" if uses_fraction else "budget (tokens per KV head)")
+        if uses_bytes or not uses_fraction:
             ax.set_xscale("log", base=2)
         ax.set_ylabel("RULER score (%, mean over tasks)")
         ax.set_ylim(-3, 103)

@@ -48,15 +48,25 @@ RULER comparison (`bash scripts/kvpress_env.sh ruler`): answer quality, both que
                mode, kvcompile's specs and kvpress's presses side by side per fraction and task;
                options it does not know go on to kvcompile eval (--specs, --out, --plot-dir, ...).
   Timings are only meaningful from a quiet machine.
+
+Equal bytes (issue 24; docs/EVAL.md, "Equal bytes"): `ruler --kv-bytes 1/16,1/32 --caches quanto4` runs each
+press over transformers' QuantizedCache (optimum-quanto) keeping the share F * E / e of the entries (E, e: an
+entry's key + value bytes in the full cache and in the QuantizedCache; the arithmetic is above
+`parse_cache`), one sample per call, and records the bytes the cache holds right after compression
+(byte_fraction, kv_bytes_target, kv_entries, kv_bytes_entries, kv_bytes_pages, ...);
+`kvcompile eval --suite ruler --kv-bytes 1/16,1/32 --specs snapkv,snapkv@int4,...` does the same for
+kvcompile's specs, and `ruler-table --kvcompile-results K.json` tables both.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 PRESSES = ("snapkv", "pyramidkv", "adakv")
@@ -497,7 +507,8 @@ def done_runs(path: Path) -> set:
         for line in f:
             if line.strip():
                 r = json.loads(line)
-                done.add(run_key(r["index"], r["mode"], r["method"], r["fraction"]))
+                budget = r["byte_fraction"] if r.get("byte_fraction") is not None else r["fraction"]
+                done.add(run_key(r["index"], r["mode"], r["method"], budget))
     return done
 
 
@@ -512,6 +523,147 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 def side_path(out: Path, what: str) -> Path:
     """kvpress_ruler.jsonl -> kvpress_ruler.{what}.json (the run's metadata, the fed token ids)."""
     return out.with_name(f"{out.stem}.{what}.json")
+
+
+# --- equal bytes: a press over transformers' QuantizedCache (issue 24) ---------------------------
+#
+# transformers' QuantizedCache with optimum-quanto ("quanto" backend; transformers 5.2's
+# QuantoQuantizedLayer, axis 0 for keys and values) quantizes each key and value tensor (B, H, T, d)
+# in groups of `q_group_size` consecutive elements of the flattened tensor, so with a group that divides
+# the head dim d, per token and head: g channels share one scale and one shift, both in the model's dtype
+# (optimum-quanto's MaxOptimizer: scale = (max - min) / (2^bits - 1), shift = -min; WeightQBitsTensor
+# keeps codes packed two (4 bits) or four (2 bits) a byte in a PackedTensor, `_scale` and `_shift`
+# beside them).  One entry (key + value) of such a cache therefore takes
+#     e = 2 * (d * bits / 8 + (d / g) * 2 * element_size)   bytes
+# (d = 64, fp32: 4 bits, g = 64: 2 * (32 + 8) = 80; g = 32: 96; 2 bits, g = 64: 48), the same as
+# kvcompile's `storage: int4` (g = 0 or 64: 80, g = 32: 96) -- and E = 2 * d * element_size = 512 for
+# an entry of the full (DynamicCache) cache.  Its full-precision residual (`residual_length`, 128 by
+# default) holds the tokens appended after the prefill until it fills, then everything is quantized
+# again; kvpress's presses compress at the prefill and leave the residual empty (base_press.py /
+# kvzip_press.py set `keys` to an empty tensor), so right after compression the cache holds
+# kept * e bytes and no residual.  A byte fraction F of the full cache's bytes (n context tokens)
+# is held by keeping the share F * E / e of the entries: compression_ratio = 1 - F * E / e (80 bytes:
+# 1/16 -> keep 0.4, 1/32 -> 0.2).  What is counted: codes, scales and shifts (and a residual, were
+# there one), measured from the cache's tensors right after compression (before the first question is
+# fed) and checked against e; the question and answer tokens that follow go to the residual in full
+# precision.  AdaKVPress (expected_attention here) and KVzipPress do not evict: they keep every entry
+# and mask the pruned ones in attention (masked_key_indices), so their cache stores every entry; the
+# equal-bytes target counts the entries they keep unmasked (as kvpress states its compression ratio),
+# and `kv_bytes_pages` records the bytes their tensors really hold.
+
+CACHE_FORM = re.compile(r"^quanto([24])(?:g(\d+))?$")
+QUANTO_GROUP = 64  # transformers' QuantizedCache default q_group_size
+RESIDUAL_LENGTH = 128  # transformers' QuantizedCache default residual_length
+
+
+def parse_cache(text: str) -> dict | None:
+    """--caches item: `dynamic` (transformers' DynamicCache, kvpress's default) -> None, or
+    `quanto4`, `quanto2`, `quanto4g32` -> QuantizedCache with optimum-quanto, that many bits, g channels a scale."""
+    if text == "dynamic":
+        return None
+    m = CACHE_FORM.match(text)
+    if m is None:
+        raise ValueError(f"unknown cache {text!r}: dynamic, quanto4, quanto2 or quantoBgG (e.g. quanto4g32)")
+    return {"backend": "quanto", "bits": int(m.group(1)), "group": int(m.group(2) or QUANTO_GROUP)}
+
+
+def cache_label(cache: dict | None) -> str:
+    return "dynamic" if cache is None else f"quanto{cache['bits']}g{cache['group']}"
+
+
+def caches(text: str) -> list:
+    try:
+        return [parse_cache(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def byte_fractions(text: str) -> list:
+    """--kv-bytes: byte fractions of the full cache, 1/16 or 0.0625, each in (0, 1]."""
+    out = []
+    for x in text.split(","):
+        if not x.strip():
+            continue
+        try:
+            f = Fraction(x.strip())
+        except (ValueError, ZeroDivisionError):
+            raise argparse.ArgumentTypeError(f"a byte fraction is written 1/16 or 0.0625, got {x!r}") from None
+        if not 0 < f <= 1:
+            raise argparse.ArgumentTypeError(f"a byte fraction is in (0, 1], got {x!r}")
+        out.append(f)
+    if not out:
+        raise argparse.ArgumentTypeError("no byte fraction given")
+    return out
+
+
+def entry_bytes(cache: dict | None, head_dim: int, element_size: int) -> int:
+    """Key + value bytes of one entry: the full cache's 2 d s, or the QuantizedCache's
+    2 (d bits / 8 + (d / g) 2 s) (codes, one scale and one shift per g channels, in the model's dtype)."""
+    if cache is None:
+        return 2 * head_dim * element_size
+    if head_dim % cache["group"] or (head_dim * cache["bits"]) % 8:
+        raise ValueError(f"{cache_label(cache)}: the group {cache['group']} does not divide the head dim {head_dim}")
+    return 2 * (head_dim * cache["bits"] // 8 + (head_dim // cache["group"]) * 2 * element_size)
+
+
+def kept_share(cache: dict | None, byte_fraction, head_dim: int, element_size: int) -> Fraction:
+    """F * E / e: the share of entries kept so that the keys and values take `byte_fraction` of the
+    full cache's bytes; ValueError where it is above 1 (the fraction cannot be held)."""
+    full, e = entry_bytes(None, head_dim, element_size), entry_bytes(cache, head_dim, element_size)
+    share = Fraction(byte_fraction) * full / e
+    if share > 1:
+        raise ValueError(f"{cache_label(cache)} cannot hold {Fraction(byte_fraction)} of the full cache's bytes: an "
+                         f"entry takes {e} bytes against {full}, so keeping every entry holds {e / full:.2%} of them; "
+                         f"give at most {Fraction(e, full)}")
+    return share
+
+
+def tensor_bytes(t) -> int:
+    """Bytes a tensor stores; a tensor subclass (optimum-quanto's WeightQBitsTensor, PackedTensor) by its
+    inner tensors (packed codes, scales, shifts)."""
+    if hasattr(t, "__tensor_flatten__") and type(t).__name__ != "Tensor":
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def cache_held(cache, model) -> dict:
+    """What a kvpress cache holds now: entries stored (per layer, batch and KV head), the bytes of their
+    tensors (quantized part + full-precision residual), and the entries masked by a press that masks
+    instead of evicting (module.masked_key_indices)."""
+    from transformers import QuantizedCache
+
+    stored = stored_bytes = masked = residual = expected = 0
+    for i, layer in enumerate(cache.layers):
+        if isinstance(cache, QuantizedCache):
+            qk, qv = layer._quantized_keys, layer._quantized_values
+            stored += qk.shape[0] * qk.shape[1] * qk.shape[2]
+            stored_bytes += tensor_bytes(qk) + tensor_bytes(qv)
+            for q in (qk, qv):  # the arithmetic, with quanto's packing of whole rows of g codes
+                rows = q.numel() // layer.q_group_size
+                expected += quanto_tensor_bytes(rows, layer.nbits, layer.q_group_size, q._scale.element_size())
+            if layer.keys.dim() == 4:
+                residual += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
+                stored += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
+            stored_bytes += tensor_bytes(layer.keys) + tensor_bytes(layer.values)
+        else:
+            stored += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
+            stored_bytes += tensor_bytes(layer.keys) + tensor_bytes(layer.values)
+        indices = getattr(model.model.layers[i].self_attn, "masked_key_indices", None)
+        masked += 0 if indices is None else len(indices[0])
+    if isinstance(cache, QuantizedCache):
+        expected += sum(tensor_bytes(layer.keys) + tensor_bytes(layer.values) for layer in cache.layers)
+        if expected != stored_bytes:
+            raise RuntimeError(f"the QuantizedCache's tensors hold {stored_bytes} bytes, the arithmetic says {expected}")
+    return {"stored": stored, "stored_bytes": stored_bytes, "masked": masked, "residual": residual}
+
+
+def quanto_tensor_bytes(rows: int, bits: int, group: int, element_size: int) -> int:
+    """Bytes of one optimum-quanto WeightQBitsTensor of `rows` groups of `group` codes (axis 0): the codes
+    packed 8 / bits rows a byte along the rows (PackedTensor; an odd row count is padded to a whole byte,
+    at most `group` bytes), and one scale and one shift per row in the model's dtype."""
+    per_byte = 8 // bits
+    return -(-rows // per_byte) * group + rows * 2 * element_size
 
 
 def ruler_press(name: str, fraction: float):
@@ -558,8 +710,15 @@ class PipelineClock:
     (prefill + compression, then each question's answer) and generate_answer (one question:
     its forward pass and the greedy decode).  prefill_s = _forward - the answers."""
 
-    def __init__(self, pipe):
+    def __init__(self, pipe, probe=None, keep_answer: bool = False):
         self.pipe = pipe
+        # keep_answer: skip kvpress's _remove_answer_from_cache (a QuantizedCache, one question per call): it
+        # slices the full-precision residual as a 4-d tensor, which fails (IndexError) once the question and
+        # answer filled the residual (residual_length) and transformers re-quantized everything and left an
+        # empty 1-d residual; the removal only serves a next question on the same cache, and there is none
+        self.keep_answer = keep_answer
+        self.probe = probe  # probe(cache): read at the first question, before it is fed (the compressed cache)
+        self.held = None
 
     def __enter__(self):
         pipe = self.pipe
@@ -579,16 +738,20 @@ class PipelineClock:
             return out
 
         def timed_answer(*a, **k):
+            if self.probe is not None and self.held is None:
+                self.held = self.probe(k["cache"])
             start = time.perf_counter()
             out = answer(*a, **k)
             self.answer_s.append(time.perf_counter() - start)
             return out
 
         pipe.preprocess, pipe._forward, pipe.generate_answer = timed_preprocess, timed_forward, timed_answer
+        if self.keep_answer:
+            pipe._remove_answer_from_cache = lambda cache, lengths: None
         return self
 
     def __exit__(self, *exc):
-        for name in ("preprocess", "_forward", "generate_answer"):
+        for name in ("preprocess", "_forward", "generate_answer") + (("_remove_answer_from_cache",) if self.keep_answer else ()):
             delattr(self.pipe, name)  # back to the class's methods
 
     @property
@@ -597,6 +760,28 @@ class PipelineClock:
 
     def fed_ids(self) -> tuple[list[int], list[list[int]]]:
         return self.fed["context_ids"][0].tolist(), [q[0].tolist() for q in self.fed["questions_ids"]]
+
+
+def bytes_record(held: dict, cache: dict | None, byte_fraction, context_tokens: int, model) -> dict:
+    """The equal-bytes fields of a prediction record from `cache_held` (read right after compression):
+    the target F * (full cache bytes of the context), the entries kept (unmasked), their bytes at the
+    arithmetic's e per entry (checked against the tensors' own bytes), and the bytes the tensors hold."""
+    config = model.config
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = next(model.parameters()).element_size()
+    e = entry_bytes(cache, head_dim, size)
+    # e per entry, up to quanto's padding of each tensor's codes to a whole byte (< group bytes a tensor)
+    slack = 0 if cache is None else 2 * layers * cache["group"]
+    if held["residual"] == 0 and not 0 <= held["stored_bytes"] - held["stored"] * e < max(slack, 1):
+        raise RuntimeError(f"{cache_label(cache)}: the cache's tensors hold {held['stored_bytes']} bytes for "
+                           f"{held['stored']} entries, not {e} an entry: the byte arithmetic is wrong here")
+    kept = held["stored"] - held["masked"]
+    return {"byte_fraction": float(byte_fraction), "storage": cache_label(cache),
+            "kv_bytes_target": float(Fraction(byte_fraction) * context_tokens * layers * heads * 2 * head_dim * size),
+            "kv_entries": kept, "kv_entry_bytes": e, "kv_bytes_entries": kept * e,
+            "kv_bytes_pages": held["stored_bytes"], "kv_masked_entries": held["masked"],
+            "kv_residual_entries": held["residual"], "kept_share": kept / (context_tokens * layers * heads)}
 
 
 def cmd_ruler(args) -> None:
@@ -618,10 +803,26 @@ def cmd_ruler(args) -> None:
     done = done_runs(out) if args.resume else set()
     if not args.resume:
         out.write_text("")
-    runs = ([(FULL, None)] if args.full else []) + [(p, f) for p in args.presses for f in args.fractions]
+    # a run: (press, KV share kept, cache (None: DynamicCache), byte fraction (None: a --fractions run))
+    full_runs = [(FULL, None, None, None)] if args.full else []
+    if args.kv_bytes:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        try:
+            shares = {(cache_label(c), f): kept_share(c, f, head_dim, 4) for c in args.caches for f in args.kv_bytes}
+        except ValueError as exc:
+            sys.exit(f"ruler --kv-bytes: {exc}")
+        runs = full_runs + [(p, float(shares[(cache_label(c), f)]), c, f) for p in args.presses for c in args.caches
+                            for f in args.kv_bytes]
+    else:
+        runs = full_runs + [(p, f, None, None) for p in args.presses for f in args.fractions]
     groups = {mode: context_groups(samples, mode) for mode in args.modes}
+    singles = {mode: [[s] for g in groups[mode] for s in g] for mode in args.modes}
     pipes: dict = {}
-    presses_meta = {p: {str(f): repr(ruler_press(p, f)) for f in args.fractions} for p in args.presses}
+    presses_meta = {p: {str(fr): repr(ruler_press(p, fr)) for fr in sorted({r[1] for r in runs if r[0] == p})}
+                    for p in args.presses}
     meta = {"model": model_dir, "samples_file": str(Path(args.samples).resolve()), "samples": len(samples),
             "modes": args.modes, "fractions": args.fractions, "presses": presses_meta, "full": args.full,
             "threads": torch.get_num_threads(), "dtype": "float32", "device": "cpu",
@@ -629,6 +830,10 @@ def cmd_ruler(args) -> None:
             "versions": {"kvpress": version("kvpress"), "transformers": transformers.__version__,
                          "torch": torch.__version__},
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            **({"kv_bytes": [str(f) for f in args.kv_bytes], "caches": [cache_label(c) for c in args.caches],
+                "residual_length": args.residual_length,
+                "kept_shares": {f"{cache_label(c)} {f}": float(shares[(cache_label(c), f)])
+                                for c in args.caches for f in args.kv_bytes}} if args.kv_bytes else {}),
             "timings": "prefill_s (prefill + compression, shared by a group's questions), decode_s (the "
                        "question's forward pass + greedy decode), peak_rss_bytes (the pipeline call, above its start), "
                        "call_cpu_s (the process's CPU seconds in the whole call, all threads)"}
@@ -636,29 +841,45 @@ def cmd_ruler(args) -> None:
     tokens_file = side_path(out, "tokens")
     failures: list[dict] = []
     token_groups = json.loads(tokens_file.read_text())["groups"] if args.resume and tokens_file.is_file() else []
-    todo = [(mode, press, fraction, group) for mode in args.modes for press, fraction in runs
-            for group in groups[mode]
-            if any(run_key(s["index"], mode, method_name(press), fraction) not in done for s in group)]
+    def label(press, cache):
+        return method_name(press if cache is None else f"{press}@{cache_label(cache)}")
+
+    # a QuantizedCache answers one question per call: kvpress's _remove_answer_from_cache slices the
+    # quantized tensors (optimum-quanto returns them dequantized), so a second question would not see
+    # the quantized context
+    todo = [(mode, press, fraction, cache, bf, group) for mode in args.modes for press, fraction, cache, bf in runs
+            for group in (groups if cache is None else singles)[mode]
+            if any(run_key(s["index"], mode, label(press, cache), bf if bf is not None else fraction) not in done
+                   for s in group)]
     bar = tqdm(todo, desc="kvpress ruler", unit="call", disable=args.quiet)
     with open(out, "a", encoding="utf-8") as f:
-        for mode, press_name, fraction, group in bar:
+        for mode, press_name, fraction, cache, bf, group in bar:
             eager = press_name == "observed_attention"
             if eager not in pipes:
                 pipes[eager] = kvpress_pipeline(model_dir, eager)
                 with torch.inference_mode():
                     pipes[eager]("A short warm-up text. " * 8, question="What is it?", max_new_tokens=2)
             pipe = pipes[eager]
-            bar.set_postfix_str(f"{mode} {press_name} {fraction or ''}".strip())
+            bar.set_postfix_str(f"{mode} {label(press_name, cache)} {bf or fraction or ''}".strip())
             press = None if press_name == FULL else ruler_press(press_name, fraction)
+            kv_cache = None
+            if cache is not None:
+                from transformers import QuantizedCache
+
+                kv_cache = QuantizedCache(backend=cache["backend"], config=pipe.model.config, nbits=cache["bits"],
+                                          q_group_size=cache["group"], residual_length=args.residual_length)
+            probe = None if bf is None else (lambda c, model=pipe.model: cache_held(c, model))
             context, _ = mode_inputs(group[0], mode)
             questions = [mode_inputs(s, mode)[1] for s in group]
             cpu = time.process_time()
             try:
-                with PipelineClock(pipe) as clock, PeakRSS() as mem, torch.inference_mode():
+                with PipelineClock(pipe, probe, keep_answer=cache is not None) as clock, PeakRSS() as mem, \
+                        torch.inference_mode():
                     answers = pipe(context, questions=questions, answer_prefix=group[0]["answer_prefix"], press=press,
-                                   max_new_tokens=group[0]["max_new_tokens"])["answers"]
+                                   max_new_tokens=group[0]["max_new_tokens"], cache=kv_cache)["answers"]
             except Exception as exc:  # a press that fails on a sample: no prediction, named at the end
-                failures.append({"mode": mode, "method": method_name(press_name), "fraction": fraction,
+                failures.append({"mode": mode, "method": label(press_name, cache), "fraction": fraction,
+                                 "byte_fraction": None if bf is None else str(bf),
                                  "indices": [s["index"] for s in group], "error": f"{type(exc).__name__}: {exc}"})
                 side_path(out, "meta").write_text(json.dumps({**meta, "failures": failures}, indent=1))
                 continue
@@ -669,14 +890,17 @@ def cmd_ruler(args) -> None:
                 token_groups.append({"mode": mode, "indices": [s["index"] for s in group],
                                      "context_ids": context_ids, "questions_ids": questions_ids})
                 tokens_file.write_text(json.dumps({"model": model_dir, "groups": token_groups}))
+            held = {}
+            if bf is not None:
+                held = bytes_record(clock.held, cache, bf, len(context_ids), pipe.model)
             for s, answer, decode_s, q_ids in zip(group, answers, clock.answer_s, questions_ids):
-                record = {"index": s["index"], "task": s["task"], "mode": mode, "method": method_name(press_name),
+                record = {"index": s["index"], "task": s["task"], "mode": mode, "method": label(press_name, cache),
                           "fraction": fraction, "prediction": answer,
                           "press": None if press is None else repr(press),
                           "compression_ratio": 0.0 if press is None else press.compression_ratio,
                           "context_tokens": len(context_ids), "question_tokens": len(q_ids), "group_size": len(group),
                           "prefill_s": clock.prefill_s, "decode_s": decode_s, "preprocess_s": clock.preprocess_s,
-                          "peak_rss_bytes": mem.bytes, "call_cpu_s": cpu}
+                          "peak_rss_bytes": mem.bytes, "call_cpu_s": cpu, **held}
                 f.write(json.dumps(record) + "\n")
             f.flush()
     for fail in failures:
@@ -737,11 +961,35 @@ def samples_subset(samples: Path, predictions: Path):
     return path, len(kept)
 
 
+def ruler_table_from_results(args) -> None:
+    """The table from a finished `kvcompile eval --suite ruler --out JSON` on the same samples file and
+    kvpress's predictions, without running kvcompile again (kvcompile's environment)."""
+    from kvcompile import ruler
+
+    results = [json.loads(Path(path).read_text()) for path in args.kvcompile_results.split(",") if path.strip()]
+    result = {**results[0], "results_files": args.kvcompile_results.split(",")}
+    ours = [r for res in results for r in res["ruler"]]
+    samples = ruler.load_dataset(args.samples)
+    theirs = ruler.load_predictions(args.predictions, samples, {r["spec"] for r in ours})
+    answered = {(r["index"], r["mode"]) for r in theirs}
+    mine = [r for r in ours if (r["index"], r["mode"]) in answered]  # the samples and modes both ran
+    if len(mine) < len(ours):
+        print(f"ruler-table: {len(ours) - len(mine)} kvcompile records of samples or modes kvpress did not answer "
+              "are left out", file=sys.stderr)
+    records = mine + theirs
+    print(ruler.format_summary(records))
+    if args.out:
+        Path(args.out).write_text(json.dumps({**result, "ruler": records, "predictions": args.predictions}, indent=1))
+        print(f"\nresults  {args.out}")
+
+
 def cmd_ruler_table(args, rest: list[str]) -> None:
     """`kvcompile eval --suite ruler` on the same samples, kvpress's predictions scored into its
     table: kvcompile's specs and kvpress's presses side by side per mode, fraction and task."""
     import subprocess
 
+    if args.kvcompile_results:
+        return ruler_table_from_results(args)
     meta_file = side_path(Path(args.predictions), "meta")
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     fractions = args.fractions or meta.get("fractions") or list(RULER_FRACTIONS)
@@ -753,8 +1001,10 @@ def cmd_ruler_table(args, rest: list[str]) -> None:
         print(f"ruler-table: kvpress answered {subset[1]} of the file's samples; kvcompile runs those ({subset[0]})",
               file=sys.stderr)
         samples = str(subset[0])
+    kv_bytes = [x.strip() for x in args.kv_bytes.split(",") if x.strip()] if args.kv_bytes else meta.get("kv_bytes")
+    budget = ["--kv-bytes", ",".join(kv_bytes)] if kv_bytes else ["--kv-fraction", ",".join(map(str, fractions))]
     cmd = [sys.executable, "-m", "kvcompile", "eval", "--suite", "ruler", "--dataset", samples,
-           "--predictions", args.predictions, "--kv-fraction", ",".join(map(str, fractions)), "--query", query]
+           "--predictions", args.predictions, *budget, "--query", query]
     cmd += ["--specs", args.specs] if args.specs else []
     cmd += ["--out", args.out] if args.out else []
     cmd += ["--plot-dir", args.plot_dir] if args.plot_dir else []
@@ -803,6 +1053,14 @@ def main(argv=None) -> None:
                    help="KV shares kept, comma-separated (default 0.1,0.25,0.5); compression_ratio = 1 - f")
     r.add_argument("--modes", type=choices(MODES), default=list(MODES),
                    help="aware, agnostic or both comma-separated (default aware,agnostic)")
+    r.add_argument("--kv-bytes", type=byte_fractions, default=None, metavar="F,F",
+                   help="equal bytes instead of --fractions: each press keeps the share F * E / e of the entries, "
+                        "E the full cache's and e the --caches cache's bytes per entry (e.g. 1/16,1/32)")
+    r.add_argument("--caches", type=caches, default=[parse_cache("quanto4")], metavar="C,C",
+                   help="with --kv-bytes: the cache under each press: quanto4 (default; transformers' QuantizedCache, "
+                        "optimum-quanto, 4 bits, 64 channels a scale), quanto2, quanto4g32, or dynamic (no quantization)")
+    r.add_argument("--residual-length", type=int, default=RESIDUAL_LENGTH,
+                   help=f"QuantizedCache's full-precision residual (default {RESIDUAL_LENGTH}, transformers')")
     r.add_argument("--limit", type=int, default=None, help="only the first N samples of the file")
     r.add_argument("--no-full", dest="full", action="store_false", help="skip the run without a press")
     r.add_argument("--model", default=str(home / "models" / "smollm2-135m"),
@@ -829,7 +1087,14 @@ def main(argv=None) -> None:
     tab.add_argument("--fractions", type=kept_fractions, default=None,
                      help="KV shares kept for kvcompile's specs (default: those of the kvpress run)")
     tab.add_argument("--modes", type=choices(MODES), default=None, help="default: those of the kvpress run")
+    tab.add_argument("--kv-bytes", default=None, metavar="F,F",
+                     help="byte fractions for kvcompile's specs (default: those of an equal-bytes kvpress run, whose "
+                          "meta has them); then --specs may name NAME@int4 / NAME@int8 / NAME@int4g32")
     tab.add_argument("--specs", default=None, help="kvcompile's specs, comma-separated (default kvcompile eval's)")
+    tab.add_argument("--kvcompile-results", default=None, metavar="JSON",
+                     help="finished `kvcompile eval --suite ruler --dataset SAMPLES --out JSON` runs on the same samples "
+                          "(comma-separated files, e.g. one per byte fraction): table them with kvpress's predictions "
+                          "instead of running kvcompile again")
     tab.add_argument("--out", default=None, help="kvcompile eval's --out JSON")
     tab.add_argument("--plot-dir", default=None, help="kvcompile eval's --plot-dir")
     tab.set_defaults(func=cmd_ruler_table)

@@ -11,6 +11,10 @@
 #        RULER_SEED (0), RULER_TASKS (all), KVPRESS_PRESSES (all nine), KVPRESS_FRACTIONS
 #        (0.1,0.25,0.5), KVPRESS_MODES (aware,agnostic), KVPRESS_THREADS (2); KVPRESS_RESUME=1
 #        keeps the predictions already written.  Long: see scripts/kvpress_compare.py's docstring.
+#        Equal bytes (issue 24): KVPRESS_KV_BYTES=1/16,1/32 runs the presses over transformers'
+#        QuantizedCache (KVPRESS_CACHES, default quanto4) at those shares of the full cache's bytes
+#        instead of KVPRESS_FRACTIONS, and kvcompile's specs at the same bytes (--specs may name
+#        NAME@int4, NAME@int8); docs/EVAL.md, "Equal bytes".
 # kvpress pins transformers < 5.3, so it gets its own virtual environment (.venv-kvpress);
 # kvcompile's environment (python3) makes the prompts and runs our specs.  Needs
 # `bash scripts/setup.sh demo` first (the converted SmolLM2 and the haystack text).
@@ -26,6 +30,11 @@ setup_venv() {
     # (kvpress 0.5.5: transformers >=4.56,<5.3).
     "$venv/bin/python" -m pip install -q "torch==2.13.0"
     "$venv/bin/python" -m pip install -q "kvpress==0.5.5"
+  fi
+  # transformers' QuantizedCache (the equal-bytes comparison, `ruler --kv-bytes`) needs a backend:
+  # optimum-quanto (>= 0.2.5 for transformers' QuantoQuantizedLayer)
+  if ! "$venv/bin/python" -c "import optimum.quanto" 2>/dev/null; then
+    "$venv/bin/python" -m pip install -q "optimum-quanto==0.2.7"
   fi
 }
 what=needle
@@ -44,9 +53,11 @@ if [ "$what" = ruler ]; then
     --seed "${RULER_SEED:-0}" "${tasks[@]}" --dump-dataset "$samples"
   resume=()
   [ "${KVPRESS_RESUME:-0}" = 1 ] && resume=(--resume)
+  budget=(--fractions "${KVPRESS_FRACTIONS:-0.1,0.25,0.5}")
+  [ -n "${KVPRESS_KV_BYTES:-}" ] && budget=(--kv-bytes "$KVPRESS_KV_BYTES" --caches "${KVPRESS_CACHES:-quanto4}")
   "$venv/bin/python" scripts/kvpress_compare.py ruler --samples "$samples" --out "$preds" \
     --presses "${KVPRESS_PRESSES:-snapkv,pyramidkv,adakv_snapkv,streaming_llm,tova,observed_attention,knorm,expected_attention,kvzip}" \
-    --fractions "${KVPRESS_FRACTIONS:-0.1,0.25,0.5}" --modes "${KVPRESS_MODES:-aware,agnostic}" \
+    "${budget[@]}" --modes "${KVPRESS_MODES:-aware,agnostic}" \
     --threads "${KVPRESS_THREADS:-2}" "${resume[@]}"
   "$py" scripts/kvpress_compare.py tokens --samples "$samples" --tokens "$out/kvpress_ruler.tokens.json"
   "$py" scripts/kvpress_compare.py ruler-table --samples "$samples" --predictions "$preds" \
