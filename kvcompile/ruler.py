@@ -692,24 +692,14 @@ def full_entry_bytes(head_dim: int, element_size: int) -> int:
 
 def mean_entry_bytes(storage, head_dim: int, element_size: int) -> float:
     """A storage part's key + value bytes per kept entry on average (a tiered part's mix of its tiers)."""
-    mean = getattr(storage, "mean_entry_bytes", None)
-    return mean(head_dim, element_size) if mean is not None else storage.entry_bytes(head_dim, element_size)
+    return storage.mean_entry_bytes(head_dim, element_size)
 
 
 def head_bytes(storage, k: int, head_dim: int, element_size: int) -> float:
-    """Key + value bytes of one head holding k entries under `storage`: k entries of its format; for
-    `mixed` (MiKV) round(full * k) of them in the model's dtype and the rest in its low format; for `kivi`
-    its last k - L(k) in the model's dtype and L(k) quantized (at its mean bytes: keys' scales are per
-    channel over `tokens` entries)."""
-    full = full_entry_bytes(head_dim, element_size)
-    if getattr(storage, "tiered", False):
-        if hasattr(storage, "high_count"):
-            h = storage.high_count(k)
-            return h * full + (k - h) * storage.low().entry_bytes(head_dim, element_size)
-        if hasattr(storage, "quantized_count"):
-            q = storage.quantized_count(k)
-            return (k - q) * full + q * storage.mean_entry_bytes(head_dim, element_size)
-    return k * storage.entry_bytes(head_dim, element_size)
+    """Key + value bytes of one head holding k entries under `storage` (Storage.head_bytes: for `mixed`
+    round(full * k) of them in the model's dtype and the rest as codes; for `kivi` its last k - L(k) in
+    the model's dtype and L(k) as codes, keys' scales per channel shared by `tokens` entries)."""
+    return storage.head_bytes(k, head_dim, element_size)
 
 
 def kept_share_for_bytes(policy, byte_fraction, head_dim: int, element_size: int) -> Fraction:

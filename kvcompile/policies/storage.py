@@ -72,6 +72,10 @@ class Storage(Part):
         """Bytes per kept entry on average over a long prompt (a tiered part's mix of its tiers)."""
         return self.entry_bytes(head_dim, element_size)
 
+    def head_bytes(self, k: int, head_dim: int, element_size: int) -> float:
+        """Key and value bytes of one head holding k entries (a tiered part: each entry in its tier's format)."""
+        return k * self.entry_bytes(head_dim, element_size)
+
     def low_entry_bytes(self, head_dim: int) -> float:
         """Key and value bytes of one entry stored as codes (a per-channel page's scales shared out)."""
         groups = head_dim // self.group_size(head_dim)
@@ -137,6 +141,10 @@ class MixedByScore(Storage):
     def mean_entry_bytes(self, head_dim: int, element_size: int) -> float:
         return self.full * 2 * head_dim * element_size + (1 - self.full) * self.low_entry_bytes(head_dim)
 
+    def head_bytes(self, k: int, head_dim: int, element_size: int) -> float:
+        high = self.high_count(k)
+        return high * 2 * head_dim * element_size + (k - high) * self.low_entry_bytes(head_dim)
+
 
 @part("storage", "kivi")
 @dataclass(frozen=True)
@@ -166,3 +174,7 @@ class Kivi(Storage):
 
     def mean_entry_bytes(self, head_dim: int, element_size: int) -> float:
         return self.low_entry_bytes(head_dim)  # over a long prompt nearly every entry is codes
+
+    def head_bytes(self, k: int, head_dim: int, element_size: int) -> float:
+        low = self.quantized_count(k)
+        return (k - low) * 2 * head_dim * element_size + low * self.low_entry_bytes(head_dim)
