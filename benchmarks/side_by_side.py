@@ -288,9 +288,12 @@ def table(rows: list[dict], needle: bool) -> str:
 
 
 def parent(args) -> None:
+    from kvcompile.spec import available_specs
+
     for name in args.specs:
-        if name not in SPECS and not Path(name).is_file():
-            sys.exit(f"--specs: unknown spec {name!r} (choose from {', '.join(SPECS)} or a YAML path)")
+        if name not in ("full", *available_specs()) and not Path(name).is_file():
+            sys.exit(f"--specs: unknown spec {name!r} (choose from full, {', '.join(available_specs())} or a YAML "
+                     "path)")
     for name in args.presses:
         if name not in PRESSES:
             sys.exit(f"--presses: no kvpress press for {name!r} (choose from {', '.join(PRESSES)})")

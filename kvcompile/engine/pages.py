@@ -304,14 +304,14 @@ class LayerStore:
             self.k_pages[page, slot] = k
             self.v_pages[page, slot] = v
         else:
-            from kvcompile.kernels.quantize import quantize_into_pages
+            from kvcompile.kernels.quantize import quantize_pair_into_pages
 
             if self.storage.key_axis == "channel":
                 raise RuntimeError("kvcompile: pages of keys per channel take whole pages (engine.tiers), "
                                    "not single entries")
 
-            quantize_into_pages(k, self.k_pages, self.k_scale, self.k_zero, page, slot, self.storage.bits)
-            quantize_into_pages(v, self.v_pages, self.v_scale, self.v_zero, page, slot, self.storage.bits)
+            quantize_pair_into_pages(k, v, (self.k_pages, self.k_scale, self.k_zero),
+                                     (self.v_pages, self.v_scale, self.v_zero), page, slot, self.storage.bits)
         self.score_pages[page, slot] = 0.0
         self.pos_pages[page, slot] = positions[:, None].expand(b, h)
         self.count_pages[page, slot] = 1.0

@@ -212,8 +212,9 @@ def _valid(lengths: Tensor, tokens: int) -> Tensor:
     return torch.arange(tokens, device=lengths.device) < lengths[..., None]
 
 
-def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
-    """Eager path: gather each head's pages, then grouped attention by matmul."""
+def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse: bool = False):
+    """Eager path: gather each head's pages, then grouped attention by matmul (return_lse: also the
+    log-sum-exp of each query head's logits (B, Hq), −inf for an empty head, from the same logits)."""
     b, hq, d = q.shape
     h, m = block_table.shape[1:]
     s = k_pages.shape[1]
@@ -227,7 +228,8 @@ def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
         logits = logits + bias_pages[table].view(b, h, 1, m * s).float()
     logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # an empty head gives zeros
-    return torch.matmul(weights, values).view(b, hq, d).to(q.dtype)
+    out = torch.matmul(weights, values).view(b, hq, d).to(q.dtype)
+    return (out, torch.logsumexp(logits, dim=-1).view(b, hq)) if return_lse else out
 
 
 def _fused(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, chunk: int = 256):

@@ -136,7 +136,7 @@ def quantize(x: Tensor, bits: int = 8, group: int | None = None, axis: str = "to
         if group is not None:
             raise ValueError("quantize: axis 'channel' groups a channel over the page's S entries; "
                              f"group must be None, got {group!r}")
-        lo, hi = x.aminmax(dim=-2)
+        lo, hi = x.amin(dim=-2), x.amax(dim=-2)  # not aminmax: torch 2.13's CPU aminmax takes ms on some strides
         scale, zero = _scale_zero(lo, hi, bits)  # (…, d)
         codes = _codes(x, scale[..., None, :], zero[..., None, :], bits)
     else:
@@ -144,7 +144,7 @@ def quantize(x: Tensor, bits: int = 8, group: int | None = None, axis: str = "to
         if not isinstance(group, int) or group <= 0 or d % group:
             raise ValueError(f"quantize: group must be a positive divisor of d = {d}, got {group!r}")
         xg = x.unflatten(-1, (d // group, group))  # (…, S, d // group, group)
-        lo, hi = xg.aminmax(dim=-1)
+        lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)
         scale, zero = _scale_zero(lo, hi, bits)  # (…, S, d // group)
         codes = _codes(xg, scale[..., None], zero[..., None], bits).flatten(-2)
     return QuantPages(pack_int4(codes) if bits == 4 else codes, scale, zero)
@@ -218,3 +218,19 @@ def quantize_pages_into(x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, p
     codes[page] = q.codes
     scale[page] = q.scale
     zero[page] = q.zero
+
+
+def quantize_pair_into_pages(k: Tensor, v: Tensor, k_pages: tuple[Tensor, Tensor, Tensor],
+                             v_pages: tuple[Tensor, Tensor, Tensor], page: Tensor, slot: Tensor, bits: int) -> None:
+    """`quantize_into_pages` of a key and a value per head at once (k_pages, v_pages: each (codes, scale, zero)):
+    one quantization of the two stacked where their layouts match (a decode step's append), else two."""
+    if k.shape != v.shape or k_pages[1].shape[1:] != v_pages[1].shape[1:]:
+        quantize_into_pages(k, *k_pages, page, slot, bits)
+        quantize_into_pages(v, *v_pages, page, slot, bits)
+        return
+    d, group = _check_pages(*k_pages, bits, "token", "quantize_pair_into_pages")
+    q = quantize(torch.stack([k, v])[..., None, :], bits, group, "token")
+    for i, (codes, scale, zero) in enumerate((k_pages, v_pages)):
+        codes[page, slot] = q.codes[i, ..., 0, :]
+        scale[page, slot] = q.scale[i, ..., 0, :]
+        zero[page, slot] = q.zero[i, ..., 0, :]
