@@ -138,15 +138,17 @@ def _update_scores(cache: KVCompileCache, store, probs: Tensor) -> None:
 
 def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> None:
     """`decode: every n`: re-score the layer with the ring of latest queries and prune it back
-    to its budget (selection.decode_prune), then write it into fresh pages."""
+    to its budget (selection.decode_prune), then write it into fresh pages, copied into the layer's own
+    tensors where they fit (LayerStore.refill: a graph recorded from the steps before replays after it)."""
     heads = cache.stores[layer].to_heads()
     totals, ranks = cache.decoding.totals, None
     if cache.plan.shard is not None:
         ranks = functools.partial(choose, cache, kernels=False)
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
                  total=None if totals is None else totals[:, layer], choose=ranks)
-    cache.stores[layer] = LayerStore.from_heads(heads, cache.page_size, cache.plan.spare_pages,
-                                                storage=cache.policy.storage)
+    store = LayerStore.from_heads(heads, cache.page_size, cache.plan.spare_pages, storage=cache.policy.storage)
+    if not cache.stores[layer].refill(store):  # into the layer's own tensors where it fits (a captured step's)
+        cache.stores[layer] = store
 
 
 def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:
