@@ -148,3 +148,47 @@ def test_a_decode_step_replays_from_its_captured_graph(model, name):
         assert not exceptions and (traced, replayed) == (1, STEPS - 1)
     else:  # the steps between the exceptions ran from a graph
         assert traced + replayed == STEPS - len(eager) + 1 and traced + replayed >= 3, (traced, replayed, eager)
+
+
+def record_fx(run, buffers: list, tensors: list):
+    """kvcompile.graphs' recorder on the CPU: the step traced by make_fx into an aten graph (it runs while
+    traced), the static buffers and the cache's tensors as its inputs; its replay runs the graph on them."""
+    held = {}
+
+    def step(*inputs):
+        held["logits"] = run(*inputs).logits
+        return held["logits"]
+
+    graph = make_fx(step, tracing_mode="real")(*buffers, *tensors)
+    opaque = {str(n.target) for n in graph.graph.nodes if str(n.target).startswith("kvcompile")}
+    assert not opaque, opaque
+    return held["logits"], lambda: graph(*buffers, *tensors)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "zsmerge", "h2o_every"])
+def test_generate_replays_its_decode_steps_through_the_graph_runner(model, name):
+    """kvcompile.graphs.DecodeGraphs, what mode="reduce-overhead" puts on a compiled model's forward, driven by
+    generate() with the FX recorder above in place of a CUDA graph: the same tokens and kept entries as
+    generate() without it; every step after the first, the warm-up and the recording replays, but the plan's
+    named exceptions (run as without graphs, and counted by reason)."""
+    from kvcompile.graphs import DecodeGraphs
+
+    ids, mask = inputs()
+    run = dict(attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+               return_dict_in_generate=True)
+    with torch.no_grad(), kvcompile.compiled(model, small_budget(name), kernels="torch", page_size=PAGE):
+        want = model.generate(ids, **run)
+        graphs = model.forward.graphs = DecodeGraphs(record_fx, "cpu")
+        got = model.generate(ids, **run)
+    assert torch.equal(got.sequences, want.sequences)
+    cache = got.past_key_values
+    assert_same(cache, want.past_key_values, STEPS)
+    calls = STEPS - 1  # decode calls: the prompt's call gives the first token
+    named = sum(n for reason, n in graphs.eager.items() if reason in cache.plan.host_syncs)
+    assert set(graphs.eager) - set(cache.plan.host_syncs) == {"warm-up", next(iter(graphs.eager))}
+    assert graphs.eager["warm-up"] == graphs.captures and graphs.replays + graphs.captures + named + 1 + \
+        graphs.eager["warm-up"] == calls, (graphs.eager, graphs.captures, graphs.replays)
+    if not cache.plan.host_syncs:
+        assert (graphs.captures, graphs.replays) == (1, calls - 3)
+    else:
+        assert graphs.replays >= 1
