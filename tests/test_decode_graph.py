@@ -192,3 +192,29 @@ def test_generate_replays_its_decode_steps_through_the_graph_runner(model, name)
         assert (graphs.captures, graphs.replays) == (1, calls - 3)
     else:
         assert graphs.replays >= 1
+
+
+def test_reduce_overhead_is_refused_with_the_reason_where_decode_cannot_be_replayed(model):
+    """Off CUDA, compile(mode="reduce-overhead") is refused before the model changes; so are the plans whose
+    decode a CUDA graph cannot replay (a pipeline over devices, a tensor-parallel rank, pruning after every
+    token); the others are not (tests/test_gpu.py runs the mode on CUDA)."""
+    import dataclasses
+
+    from kvcompile import CompileError
+    from kvcompile.graphs import refusal
+    from kvcompile.plan import build_plan
+
+    with pytest.raises(CompileError, match=r"replays decode steps as CUDA graphs, which needs a CUDA device \(the "
+                                           r"model is on cpu\): here mode must be 'eager' or 'compiled'"):
+        kvcompile.compile(model, "snapkv", mode="reduce-overhead")
+    assert "forward" not in model.__dict__ and not hasattr(model, "kvcompile_plan")
+    cuda = dict(device="cuda", dtype=torch.float32)
+    for name in SPECS:
+        assert refusal(build_plan(small_budget(name), model.config, **cuda)) is None, name
+    plan = build_plan(small_budget("snapkv"), model.config, **cuda)
+    pipeline = dataclasses.replace(plan, layer_devices=(torch.device("cuda", 0), torch.device("cuda", 1)))
+    assert "the layers run on several devices" in refusal(pipeline)
+    assert "a tensor-parallel rank" in refusal(dataclasses.replace(plan, shard=object()))
+    every = kvcompile.load_spec("h2o", per_head=48, ranking={"by_score": {"window": 3}},
+                                schedule={"decode": {"every": {"n": 1}}})
+    assert "decode: every 1" in refusal(build_plan(every, model.config, **cuda))
