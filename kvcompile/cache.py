@@ -123,7 +123,7 @@ class KVCompileCache(Cache):
                 or self.compressing is not None or self.reconstruction is not None:
             return "not a decode step after the first (the first sets up the decode state)"
         if self.plan.online_eviction and not all(store.settled for store in self.stores):
-            return "the first decode step (ZSMerge's eviction rounds after the prompt are counted on the host)"
+            return "ZSMerge's first eviction rounds on these pages are counted on the host (the first decode step)"
         if any(store.room < tokens for store in self.stores):
             return self.plan.host_sync_name("append")
         every = self.plan.prune_every

@@ -24,6 +24,7 @@ tests/test_gpu.py runs this on CUDA against the eager entry's tokens.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import Counter
 
@@ -78,13 +79,19 @@ class DecodeGraphs:
     (the cache's `host_step()`, "warm-up" for the first capturable step on new tensors). One graph at a time:
     a step on other tensors (another cache) records a new one, and the old one's memory pool is freed.
     `record`: how a step is recorded (`record_cuda`; tests/test_decode_graph.py records an FX graph of aten
-    ops on the CPU with the same signature), for tensors on `device_type`."""
+    ops on the CPU with the same signature), for tensors on `device_type`. Calls on several threads take
+    turns (one lock: the static buffers and the graph are shared); a deep copy of the model gets its own,
+    empty."""
 
     def __init__(self, record=record_cuda, device_type: str = "cuda"):
         self.record, self.device_type = record, device_type
         self.replays = self.captures = 0
         self.eager: Counter[str] = Counter()
+        self.lock = threading.Lock()
         self._reset()
+
+    def __deepcopy__(self, memo):
+        return DecodeGraphs(self.record, self.device_type)
 
     def _reset(self):
         self.replay = self.buffers = self.key = self.cache = None
@@ -95,6 +102,10 @@ class DecodeGraphs:
         step = self._inputs(cache, args, kwargs)
         if step is None:
             return None
+        with self.lock:
+            return self._step(forward, cache, step, kwargs)
+
+    def _step(self, forward, cache, step, kwargs: dict):
         reason = cache.host_step(1)
         if reason is not None:
             self.eager[reason] += 1
