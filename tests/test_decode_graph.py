@@ -29,11 +29,15 @@ from torch.testing import assert_close
 import kvcompile
 from kvcompile import KVCompileCache
 from tiny import tiny_model
-from tp_run import PRUNING, entries, inputs, small_budget, spec_names
+from kvcompile.kvzip import RepeatPrompt
+from tp_run import PRUNING, SPECS_DIR, entries, inputs, small_budget, spec_names
 
 PAGE = 4  # entries per page: the replayed steps cross page boundaries into the pages reserved up front
 STEPS = 12  # decode steps after the first
-SPECS = spec_names() + list(PRUNING)
+REPEAT = RepeatPrompt(first=(5, 6, 7, 8), later=(9, 10), suffix=(11, 12))  # a reconstruction scorer's (kvzip)
+RECONSTRUCTING = sorted(p.stem for p in SPECS_DIR.glob("*.yaml")
+                        if getattr(kvcompile.load_spec(p.stem).scoring, "reconstructs", False))
+SPECS = spec_names() + RECONSTRUCTING + list(PRUNING)  # every shipped spec, and decode-time pruning
 # the specs whose decode may need the host at some step of this generation, and for what (Plan.host_syncs):
 # ZSMerge's eviction budget may outgrow its pages; pruning every n tokens re-selects on the host, and its
 # spare pages are only what a head grows by between two prunings (plan.spare_pages)
@@ -98,7 +102,10 @@ def decode_replayed(model, name: str, steps: int = STEPS):
     """The run described in the module doc; returns (the plan, the reasons of the steps that ran eagerly,
     how many steps were traced and replayed)."""
     ids, mask = inputs()
-    kvcompile.compile(model, small_budget(name), kernels="torch", page_size=PAGE)
+    options = {}
+    if name in RECONSTRUCTING:  # its prompt runs unpadded (tests/test_kvzip.py), with its repeat prompt
+        ids, mask, options = ids[:1], mask[:1], dict(repeat_prompt=REPEAT)
+    kvcompile.compile(model, small_budget(name), kernels="torch", page_size=PAGE, **options)
     try:
         plan = model.kvcompile_plan.with_headroom(steps + 1)
         cache = KVCompileCache.from_plan(plan)
