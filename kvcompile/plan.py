@@ -226,7 +226,7 @@ class Plan:
     def host_sync_name(self, function: str) -> str:
         """The name of the exception in `host_syncs` whose host reads run in the engine's `function` (the key
         a cache counts them under, KVCompileCache.host_syncs); a page allocation the plan does not name (a
-        cache made without a generation length, headroom 0: nothing was reserved for it) has a name of its own."""
+        cache made without a generation length, or decoding past its headroom) has a name of its own."""
         for name, functions in self.host_syncs.items():
             if function in functions:
                 return name
@@ -283,8 +283,8 @@ class _Dims:
         self.head_dim = plan.head_dim
 
 
-UNRESERVED_PAGES = ("page allocation: no headroom reserved (a cache made without a generation length): 2 reads per "
-                    "layer each time a head takes a page")
+UNRESERVED_PAGES = ("page allocation: past the pages reserved for the generation (a cache made without a generation "
+                    "length, or decoding past its headroom): 2 reads per layer each time a head takes a page")
 SPARE_RUN = 4  # pages: the most spares a head gets at once (64 tokens at the default page size)
 
 

@@ -137,17 +137,19 @@ def decode_replayed(model, name: str, steps: int = STEPS):
             if logits is not None:
                 assert_close(logits, want, rtol=1e-4, atol=1e-5)
             tokens = want[:, -1:].argmax(-1)
-        return cache.plan, eager, traced, replayed
+        return cache, eager, traced, replayed
     finally:
         kvcompile.uncompile(model)
 
 
 @pytest.mark.parametrize("name", SPECS)
 def test_a_decode_step_replays_from_its_captured_graph(model, name):
-    plan, eager, traced, replayed = decode_replayed(model, name)
+    cache, eager, traced, replayed = decode_replayed(model, name)
+    plan = cache.plan
     assert eager[0].startswith("not a decode step after the first")  # the first sets up the decode state
     exceptions = set(eager[1:])
     assert exceptions <= set(plan.host_syncs), exceptions  # every other eager step is a named exception
+    assert set(cache.host_syncs) == exceptions  # and the cache counted its host reads under that name
     # the plans that name host reads while decoding are exactly these, for exactly these reasons
     assert sorted(kind for kind in NAMED.get(name, ()) for key in plan.host_syncs if key.startswith(kind)) == \
         sorted(NAMED.get(name, ())) and len(plan.host_syncs) == len(NAMED.get(name, ())), plan.host_syncs
