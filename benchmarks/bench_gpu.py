@@ -19,8 +19,8 @@ Three subcommands, each printing Markdown tables (paste them into RESULTS.md wit
   query / 8 KV heads, head dim 128, bf16, built on the device, nothing downloaded): the full cache
   against snapkv, adakv, lava and zsmerge at 128 and 512 tokens per KV head, batch 8, 1 and 32,
   32k and 8k random-token prompts, in kvcompile's eager and compiled entries, and the decode step in
-  a CUDA graph (mode "reduce-overhead": kvcompile.compile(model, spec, mode="reduce-overhead"); its
-  refusal is printed where kvcompile has no such mode; for the full cache, transformers' static
+  a CUDA graph (mode "reduce-overhead": kvcompile.compile(model, spec, mode="reduce-overhead"), kvcompile.graphs;
+  its refusal is printed off CUDA; for the full cache, transformers' static
   cache, which generate() compiles with CUDA graphs on a GPU). Columns: prefill s, the first decode
   step (compiles land there), median ms per decode step, tok/s (batch ÷ step), KV GiB held, peak
   GiB (torch.cuda.max_memory_allocated) and the run's own peak above what was allocated before it,

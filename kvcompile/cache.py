@@ -14,6 +14,7 @@ same op serves the eager and the compiled entry.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import torch
 from torch import Tensor
@@ -77,6 +78,8 @@ class KVCompileCache(Cache):
         self.reconstruction = None  # kvcompile.kvzip.Reconstruction while a reconstruction scorer's prompt runs
         self.ref = CacheRef(self)  # what kvcompile.attend gets for this cache, and the token it declares it
         self.token = new_token()  # writes (kvcompile.cache_ref)
+        self.host_syncs: Counter[str] = Counter()  # the plan's named host reads while decoding (Plan.host_syncs)
+        #   -> layers that ran one: every other decode step after the first reads nothing back
 
     def state_to(self, device: torch.device) -> None:
         """Move the state every layer reads to `device`, where the layer about to run lives (its
@@ -90,6 +93,52 @@ class KVCompileCache(Cache):
         state = getattr(self, name)
         if state is not None and device_of(state) not in (None, device):
             setattr(self, name, map_tensors(state, lambda x: x.to(device)))
+
+    def count_host_sync(self, function: str) -> None:
+        """A layer's decode step runs the host reads of the engine's `function`: counted under the plan's name
+        for them (Plan.host_sync_name)."""
+        self.host_syncs[self.plan.host_sync_name(function)] += 1
+
+    # --- a decode step as a pure function of device tensors (kvcompile.graphs) ---------------------------
+    def decode_tensors(self) -> list[Tensor]:
+        """Every tensor a decode step reads or writes: each layer's pages, block table and counters, the decode
+        state (budgets, split, pads, the length on the device) and the rings of latest queries. A step that
+        needs the host for nothing (`host_step` None) keeps all of them in their storage and reads nothing
+        else of the cache but Python values fixed since the first step, so a graph captured from one step
+        replays the next ones on them."""
+        out = [t for store in self.stores if store is not None for t in store.state_tensors()]
+        if self.decoding is not None:
+            out += [getattr(self.decoding, f) for f in self.decoding.__dataclass_fields__
+                    if isinstance(getattr(self.decoding, f), Tensor)]
+        return out + [ring for ring in self.rings if ring is not None]
+
+    def host_step(self, tokens: int = 1) -> str | None:
+        """Why the next decode call of `tokens` tokens per sequence needs the host, or None where it does not:
+        it is then a pure function of `decode_tensors()` and the call's inputs, and a graph captured from such a
+        step replays it (followed by `replayed(tokens)`, the step's host bookkeeping). The reasons: the first
+        decode step (it sets up the decode state), a prompt still arriving, or one of the plan's named
+        exceptions (Plan.host_syncs) falling in this step: a page allocation, a `decode: every` pruning."""
+        if self.decoding is None or any(store is None for store in self.stores) or self.chunks is not None \
+                or self.compressing is not None or self.reconstruction is not None:
+            return "not a decode step after the first (the first sets up the decode state)"
+        if self.plan.online_eviction and not all(store.settled for store in self.stores):
+            return "ZSMerge's first eviction rounds on these pages are counted on the host (the first decode step)"
+        if any(store.room < tokens for store in self.stores):
+            return self.plan.host_sync_name("append")
+        every = self.plan.prune_every
+        if every:
+            generated = self.seq_length - self.prompt.width
+            if any((generated + i + 1) % every == 0 for i in range(tokens)):
+                return self.plan.host_sync_name("_prune")
+        return None
+
+    def replayed(self, tokens: int = 1) -> None:
+        """The host's bookkeeping of a decode step of `tokens` tokens that ran as a replayed graph (which skips
+        the op's Python): what the op's body does on the host in such a step (`host_step` None), nothing else."""
+        self.seq_length += tokens
+        for store in self.stores:
+            store.replayed(tokens)
+        self.token.add_(tokens * self.num_layers)  # the op's declared write, once per layer
 
     def expect_prompt(self, length: int) -> None:
         """The next `length` tokens (pads included) are one prompt, given in several forward
@@ -228,6 +277,8 @@ class KVCompileCache(Cache):
         for store in self.stores:
             store.crop(cutoff)
         self.seq_length = max_length
+        if self.decoding is not None and self.decoding.length is not None:
+            self.decoding.length = self.decoding.length.new_tensor(max_length)
 
     # --- reports -------------------------------------------------------------------------
     def kept(self, device: torch.device | None = None) -> Tensor:

@@ -238,9 +238,12 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     `model.generate(...)` and `model(...)` then use a fresh KVCompileCache per call unless
     one is passed. Errors (bad spec, unsupported model) are raised before anything changes.
 
-    mode: "eager" (transformers' AttentionInterface routes to the kvcompile op) or
+    mode: "eager" (transformers' AttentionInterface routes to the kvcompile op),
     "compiled" (torch.compile with the kvcompile backend: FX passes rewrite the captured
-    SDPA calls into the op, Inductor fuses the rest; see kvcompile.passes).
+    SDPA calls into the op, Inductor fuses the rest; see kvcompile.passes) or, on a CUDA device,
+    "reduce-overhead" (the compiled entry, its decode steps replayed from CUDA graphs where the
+    cache's step needs no host: kvcompile.graphs; refused, with the reason, where the plan's
+    decode cannot be: kvcompile.graphs.refusal).
     kernels: the kernels (KVCompileCache); by default Triton on a GPU, the C++ decode kernel
     on a CPU for fp32, else the torch lowering ("compiled" in compiled mode).
 
@@ -253,8 +256,9 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     token ids (kvcompile.kvzip.RepeatPrompt, or built from the tokenizer; default: the tokenizer saved
     in the model's local checkpoint folder).
     """
-    if mode not in ("eager", "compiled"):
-        raise ValueError(f"kvcompile: mode must be 'eager' or 'compiled', got {mode!r}")
+    if mode not in ("eager", "compiled", "reduce-overhead"):
+        raise ValueError(f"kvcompile: mode must be 'eager', 'compiled' or 'reduce-overhead', got {mode!r}")
+    traced = mode != "eager"  # the compiled entry (reduce-overhead: with its decode steps in CUDA graphs)
     _check_transformers()
     if isinstance(spec, Policy) and not overrides:
         policy = spec
@@ -263,7 +267,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
         policy = load_spec(spec, **overrides)
     _check_model(model)
-    if mode == "compiled" and has_hooks(model):
+    if traced and has_hooks(model):
         raise CompileError("kvcompile: the compiled entry cannot trace accelerate's hooks on model.forward "
                            "(device_map dispatch, offload); compile with mode='eager', which keeps them running")
     if page_size < 1:
@@ -275,15 +279,21 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         # layer's where they run on several (a pipeline over GPUs)
         device, layer_devices = execution_devices(model)
         plan = build_plan(policy, model.config, device=device, dtype=model.dtype, kernels=kernels,
-                          page_size=page_size, compiled_entry=mode == "compiled", shard=shard,
+                          page_size=page_size, compiled_entry=traced, shard=shard,
                           layer_devices=layer_devices)
     except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
+    if mode == "reduce-overhead":
+        from kvcompile import graphs
+
+        why = graphs.refusal(plan)
+        if why is not None:
+            raise CompileError(f"kvcompile: {why}")
     repeat = None
     if getattr(policy.scoring, "reconstructs", False):  # a second, model-level pass scores the prompt
         from kvcompile import kvzip
 
-        kvzip.check(plan, mode)
+        kvzip.check(plan, "compiled" if traced else mode)
         repeat = kvzip.repeat_prompt_for(model, tokenizer, repeat_prompt)
     build_kernels(plan, model.config.num_attention_heads // model.config.num_key_value_heads)
     if hasattr(model, _STATE):
@@ -294,7 +304,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
              "instance": {name: model.__dict__[name] for name in ("forward", "generate", "init_continuous_batching")
                           if name in model.__dict__}}
     forward, generate = model.forward, model.generate
-    if mode == "compiled":
+    if traced:
         from kvcompile.passes import compile_forward
 
         model.set_attn_implementation("sdpa")
@@ -310,6 +320,10 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         saved["cache_implementation"] = cache_implementation
         model.generation_config.cache_implementation = None
     model.forward = Entry(model, "forward", forward, plan, progress, repeat)
+    if mode == "reduce-overhead":
+        from kvcompile.graphs import DecodeGraphs
+
+        model.forward.graphs = DecodeGraphs()
     model.generate = Entry(model, "generate", generate, plan, progress, repeat)
     # continuous batching (generate_batch, transformers serve's engine) with kvcompile's caches: kvcompile.serving
     model.init_continuous_batching = functools.partial(_init_continuous_batching, model)
@@ -328,6 +342,8 @@ class Entry:
     torch.compile'd function again for the copy). The state of a call lives in the call (its
     cache, passed along), so calls on several threads do not share anything but the plan,
     which is immutable."""
+
+    graphs = None  # the forward's decode steps in CUDA graphs (mode="reduce-overhead": kvcompile.graphs.DecodeGraphs)
 
     def __init__(self, model, kind: str, wrapped, plan, progress, repeat=None):
         self.model, self.kind, self.wrapped, self.plan, self.progress = model, kind, wrapped, plan, progress
@@ -417,6 +433,10 @@ def _forward(entry: Entry, *args, past_key_values=None, use_cache=None, **kwargs
         chunk = past_key_values.plan.prefill_chunk
         if fresh and chunk and t is not None and t > chunk and past_key_values.compressing is None:
             return _forward_in_chunks(forward, chunk, past_key_values, args, {**kwargs, "use_cache": use_cache})
+        if entry.graphs is not None and not fresh:  # a decode step, from a CUDA graph where it needs no host
+            out = entry.graphs(forward, past_key_values, args, {**kwargs, "use_cache": use_cache})
+            if out is not None:
+                return out
     return forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
 
 

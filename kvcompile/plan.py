@@ -211,16 +211,28 @@ class Plan:
         name -> the runtime functions that read, with when and how often in the name. Every other decode
         step after the first runs on the device alone, with the same tensor shapes at each step."""
         out = {}
+        grows = []
         if self.headroom > self.spare_pages * self.page_size:
-            out["page allocation: past the headroom reserved as spare pages, 2 reads per layer each time a "
-                "head runs out of pages"] = ("append",)
+            grows.append("past the headroom reserved as spare pages")
         if self.online_eviction:
-            out["page allocation: a head whose ZSMerge budget outgrows the pages it holds after the prompt, "
-                "2 reads per layer at each page it takes"] = ("append",)
+            grows.append("a head whose ZSMerge budget outgrows the pages it holds after the prompt")
+        if grows:
+            out[f"page allocation: {'; '.join(grows)}: 2 reads per layer each time a head takes a page"] = ("append",)
         if self.prune_every:
             out[f"decode: every {self.prune_every}: the pruning step re-selects on the host (per-head "
                 "lists), every n steps"] = ("_prune",)
         return out
+
+    def host_sync_name(self, function: str) -> str:
+        """The name of the exception in `host_syncs` whose host reads run in the engine's `function` (the key
+        a cache counts them under, KVCompileCache.host_syncs); a page allocation the plan does not name (a
+        cache made without a generation length, or decoding past its headroom) has a name of its own."""
+        for name, functions in self.host_syncs.items():
+            if function in functions:
+                return name
+        if function == "append":
+            return UNRESERVED_PAGES
+        raise KeyError(f"kvcompile: the plan names no host read in {function!r}")
 
     def describe(self) -> str:
         """One line per decision, for logs and `kvcompile run --verbose`: each implementation's backend with
@@ -271,6 +283,8 @@ class _Dims:
         self.head_dim = plan.head_dim
 
 
+UNRESERVED_PAGES = ("page allocation: past the pages reserved for the generation (a cache made without a generation "
+                    "length, or decoding past its headroom): 2 reads per layer each time a head takes a page")
 SPARE_RUN = 4  # pages: the most spares a head gets at once (64 tokens at the default page size)
 
 

@@ -756,7 +756,7 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
 def check_batching(model, plan: Plan, generation_config, cb_config: ContinuousBatchingConfig) -> None:
     """Refuse, before the engine starts, what continuous batching cannot run with kvcompile."""
     saved = getattr(model, "_kvcompile", {})
-    if saved.get("mode") == "compiled":
+    if saved.get("mode") in ("compiled", "reduce-overhead"):
         raise BatchingError("kvcompile: continuous batching runs the eager entry; compile the model with "
                             "mode='eager' (the compiled entry's graph is traced for generate()'s cache)")
     if plan.shard is not None:

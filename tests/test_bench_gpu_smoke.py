@@ -88,7 +88,7 @@ def test_e2e_small():
         assert (batch, "full", "eager") in ran and (batch, "full", "reduce-overhead") in ran
         for spec in ("snapkv", "adakv", "lava", "zsmerge"):
             assert (batch, f"{spec} 48/head", "eager") in ran and (batch, f"{spec} 48/head", "compiled") in ran
-    # kvcompile has no CUDA-graph entry: the row says why, not a crash
+    # off CUDA kvcompile's CUDA-graph entry (kvcompile.graphs) is refused: the row says why, not a crash
     refused = [row for row in rows if row[3] == "reduce-overhead" and row[2] != "full"]
     assert refused and all("refused" in row[-1] and "mode must be" in row[-1] for row in refused)
     assert "targets (issue 15): compressed decode at 48/head ≥ 3× the full cache's tok/s" in out

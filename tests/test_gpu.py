@@ -10,7 +10,8 @@ recorded in benchmarks/RESULTS.md, none of them has passed anywhere.
   in bf16 and fp16, against the torch lowerings on the same GPU tensors (and the selection against
   the reference on the CPU). Both sides compute in fp32 from the same inputs, so the tolerances are
   the output dtype's rounding, not the input's.
-- The compiled entry on CUDA gives the eager entry's tokens and kept entries.
+- The compiled entry on CUDA gives the eager entry's tokens and kept entries, and so does mode="reduce-overhead"
+  (its decode steps replayed from a CUDA graph: kvcompile.graphs).
 - flash-attn's prefill path, where flash_attn imports.
 """
 import dataclasses
@@ -187,6 +188,34 @@ def test_compiled_entry_generates_the_eager_tokens_on_cuda(spec):
         runs[mode] = out.sequences[:, ids.shape[1]:].cpu(), report["kept"].cpu()
     assert torch.equal(runs["compiled"][0], runs["eager"][0])
     assert torch.equal(runs["compiled"][1], runs["eager"][1])
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "h2o", "zsmerge"])
+def test_reduce_overhead_replays_decode_steps_and_generates_the_eager_tokens_on_cuda(spec):
+    """mode="reduce-overhead" (kvcompile.graphs): the compiled entry with its decode steps replayed from a CUDA
+    graph generates the eager entry's tokens and keeps the same entries; after the first step and the warm-up
+    one, a step is recorded and the rest replay, but the plan's named exceptions (Plan.host_syncs), which run
+    as without graphs and are counted (tests/test_decode_graph.py proves the replay on the CPU)."""
+    model = tiny_model("llama", layers=3).to(CUDA)
+    ids, mask = left_pad([prompt(220, seed=1)[0], prompt(150, seed=2)[0]])
+    ids, mask = ids.to(CUDA), mask.to(CUDA)
+    new = 24
+    runs = {}
+    for mode in ("eager", "reduce-overhead"):
+        with kvcompile.compiled(model, spec, per_head=48, mode=mode):
+            graphs = model.forward.graphs
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                     do_sample=False, return_dict_in_generate=True)
+        cache = out.past_key_values
+        runs[mode] = out.sequences[:, ids.shape[1]:].cpu(), cache.memory_report()["kept"].cpu()
+    assert torch.equal(runs["reduce-overhead"][0], runs["eager"][0])
+    assert torch.equal(runs["reduce-overhead"][1], runs["eager"][1])
+    assert graphs.captures >= 1 and graphs.replays >= 1, (graphs.captures, graphs.replays, graphs.eager)
+    named = sum(n for reason, n in graphs.eager.items() if reason in cache.plan.host_syncs)
+    assert graphs.replays + graphs.captures + graphs.eager["warm-up"] + named + 1 == new - 1, graphs.eager
+    if not cache.plan.host_syncs:
+        assert (graphs.captures, graphs.replays) == (1, new - 4), graphs.eager
 
 
 # ----------------------------------------------------------------------------- flash-attn

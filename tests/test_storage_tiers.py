@@ -316,3 +316,22 @@ def test_merge_slots_beside_codes_equal_the_reference(storage, key, b, h, g, n, 
     cache, _, _ = token_by_token(policy, q, k, v, None, steps, rand, page)
     store = cache.stores[0]
     assert type(store).__name__ == "TieredStore" and torch.equal(store.slots, store.high.slots)
+
+
+@pytest.mark.parametrize("storage", [{"kivi": {"bits": 8, "residual": 4, "tokens": 4}}, MIXED[0]], ids=str)
+def test_decode_steps_replay_from_a_captured_graph(monkeypatch, storage):
+    """A tiered layer's decode step (KIVI's flushes included: a group leaves the float tier every 4 steps) is
+    a pure function of the cache's tensors: traced once (make_fx) and replayed for the next steps, it keeps
+    what eager decoding keeps (tests/test_decode_graph.py's run), with no step needing the host."""
+    import test_decode_graph as graph
+
+    name = "kivi" if "kivi" in storage else "snapkv"
+    policy = kvcompile.load_spec(name, storage=storage) if name == "kivi" else \
+        kvcompile.load_spec(name, per_head=48, storage=storage, **SMALL)
+    monkeypatch.setattr(graph, "small_budget", lambda _: policy)
+    cache, eager, traced, replayed = graph.decode_replayed(tiny_model("llama", layers=2), name)
+    assert eager[1:] == [] and (traced, replayed) == (1, graph.STEPS - 1)
+    store = cache.stores[0]
+    if name == "kivi":  # the groups left as the count says
+        for n_h, low in zip(store.lengths.flatten().tolist(), store.low.lengths.flatten().tolist()):
+            assert low == policy.storage.quantized_count(n_h) > 0

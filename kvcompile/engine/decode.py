@@ -26,7 +26,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     then the decode schedule: running scores, ZSMerge online eviction, periodic pruning.
     `start`: the sequence index of the first new token (default: what the cache holds)."""
     plan = cache.plan
-    start = cache.seq_length if start is None else start
+    given, start = start is not None, cache.seq_length if start is None else start
     store = cache.stores[layer]
     running, online, every = plan.running_scores, plan.online_eviction, plan.prune_every
     if cache.decoding is None:
@@ -36,9 +36,12 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
             raise RuntimeError("kvcompile: the decode schedule needs every layer compressed before tokens follow "
                                "the prompt in the same call")
     pad, width = cache.prompt.pad if cache.decoding is None else cache.decoding.pad, cache.prompt.width
+    # the first new token's logical position among real tokens (B,): from the device's count of the cache's
+    # length once decoding (a step replayed from a captured graph reads it), else from the host's
+    first = (start if given or cache.decoding is None else cache.decoding.length) - pad
     outs = []
     for i in range(q.shape[2]):
-        position = start + i - pad  # logical position among real tokens
+        position = first + i
         out = None
         pages = None if plan.online_step is None else store.tensors()
         if pages is not None and plan.online_step.runs(pages, q.shape[1]):
@@ -49,6 +52,8 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
             out = out.to(q.dtype)
             store.room -= 1  # the fused step appended into the pages the head owns
         else:  # no fused step, or not its common case (a head taking a fresh page, several to evict)
+            if store.room <= 0:  # the append reads the heads that need a page (Plan.host_syncs), counted
+                cache.count_host_sync("append")
             store.append(k[:, :, i], v[:, :, i], position, step=plan.spare_pages)
             if running or online:
                 out, probs = _attend_with_probs(cache, store, q[:, :, i], scale)
@@ -61,9 +66,10 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
         outs.append(out)
         if every:
             if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries
-                cache.rings[layer] = torch.cat([cache.rings[layer], q[:, :, i, None]], dim=2)[:, :, -plan.ring_rows:]
-            generated = start - width + i + 1
+                _ring_push(cache, layer, q[:, :, i, None])
+            generated = start - width + i + 1  # the host's count: pruning is a named exception (Plan.host_syncs)
             if generated % every == 0:
+                cache.count_host_sync("_prune")
                 _prune(cache, layer, position + 1, scale)
                 store = cache.stores[layer]
     return torch.stack(outs, dim=2)
@@ -82,7 +88,18 @@ def start_decode(cache: KVCompileCache) -> DecodeState:
     if policy.budget.split is not None:
         split = torch.tensor([[[head_split(policy, int(n)) for n in row] for row in per_b]
                               for per_b in budgets.tolist()], dtype=torch.long, device=budgets.device)  # (B, L, H, 3)
-    return DecodeState(budgets, split, cache.prompt.pad, totals)
+    pad = cache.prompt.pad
+    return DecodeState(budgets, split, pad, totals, torch.tensor(cache.seq_length, device=pad.device))
+
+
+def _ring_push(cache: KVCompileCache, layer: int, row: Tensor) -> None:
+    """The ring of latest queries (B, Hq, ≤R, d) takes `row` (B, Hq, 1, d), dropping its oldest row once it holds
+    `plan.ring_rows`: in place then (its storage kept, what a captured step replays into)."""
+    ring, rows = cache.rings[layer], cache.plan.ring_rows
+    if ring.shape[2] == rows and not (ring.is_inference() and not torch.is_inference_mode_enabled()):
+        ring.copy_(torch.cat([ring[:, :, 1:], row], dim=2))
+    else:
+        cache.rings[layer] = torch.cat([ring, row], dim=2)[:, :, -rows:]
 
 
 def _attend_with_probs(cache: KVCompileCache, store, q: Tensor, scale: float):
@@ -121,16 +138,18 @@ def _update_scores(cache: KVCompileCache, store, probs: Tensor) -> None:
 
 def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> None:
     """`decode: every n`: re-score the layer with the ring of latest queries and prune it back
-    to its budget (selection.decode_prune), then write it into fresh pages."""
+    to its budget (selection.decode_prune), then write it into fresh pages, copied into the layer's own
+    tensors where they fit (LayerStore.refill: a graph recorded from the steps before replays after it)."""
     heads = cache.stores[layer].to_heads()
     totals, ranks = cache.decoding.totals, None
     if cache.plan.shard is not None:
         ranks = functools.partial(choose, cache, kernels=False)
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
                  total=None if totals is None else totals[:, layer], choose=ranks)
-    cache.stores[layer] = store_type(cache.policy).from_heads(heads, cache.page_size, cache.plan.spare_pages,
-                                                                     storage=cache.policy.storage,
-                                                                     dtype=cache.plan.dtype)
+    store = store_type(cache.policy).from_heads(heads, cache.page_size, cache.plan.spare_pages,
+                                                storage=cache.policy.storage, dtype=cache.plan.dtype)
+    if not cache.stores[layer].refill(store):  # into the layer's own tensors where it fits (a captured step's)
+        cache.stores[layer] = store
 
 
 def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:

@@ -410,6 +410,37 @@ class LayerStore:
             entries[dst] = entries[src]
         self.lengths.sub_(leaving.to(self.lengths.dtype))
 
+    def state_tensors(self) -> list[Tensor]:
+        """Every tensor of the store (pages, scales, block table, counters): what a decode step reads or writes."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
+
+    def replayed(self, tokens: int) -> None:
+        """The host bookkeeping of `tokens` appends that ran as a replayed graph (`append` counts `room` down)."""
+        self.room -= tokens
+
+    def refill(self, other: "LayerStore") -> bool:
+        """Take `other`'s entries and layout into this store's own tensors, where they fit (the same rows,
+        storage part and entry shapes, no more pages, no wider block table): every tensor keeps its storage,
+        what a captured decode step replays into (a `decode: every` pruning rebuilds a layer). False, and
+        nothing changed, where they do not fit."""
+        fields = self._pool_fields()
+        p, m = other.k_pages.shape[0], other.block_table.shape[-1]
+        if other.storage != self.storage or other.lengths.shape != self.lengths.shape or p > self.k_pages.shape[0] \
+                or m > self.block_table.shape[-1] or any(
+                    (getattr(other, n).shape[1:], getattr(other, n).dtype) != (getattr(self, n).shape[1:],
+                                                                              getattr(self, n).dtype) for n in fields):
+            return False
+        for name in fields:
+            getattr(self, name)[:p].copy_(getattr(other, name))
+        self.pos_pages[p:] = -1  # the free pool, as `_grow` leaves it
+        self.count_pages[p:] = 0
+        self.block_table[..., :m].copy_(other.block_table)
+        self.block_table[..., m:] = 0
+        for name in ("lengths", "slots", "owned"):
+            getattr(self, name).copy_(getattr(other, name))
+        self.next_page, self.room, self.settled = other.next_page, other.room, other.settled
+        return True
+
     def crop(self, cutoff: Tensor) -> None:
         """Keep the residual slots and the entries of logical position below cutoff (B, 1, 1): decode
         appends sit after a head's prompt entries, in order, so what is cut is a suffix."""

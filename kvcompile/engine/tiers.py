@@ -139,7 +139,23 @@ class TieredStore:
 
     @property
     def room(self) -> int:
-        return (self.high if self.storage.tiered else self.low).room
+        """Appends (decode steps) the store takes with no host read: its appending tier's room, and for KIVI
+        the steps its low tier's owned pages cover (`flush_room`)."""
+        room = self._appending.room
+        return min(room, self.flush_room) if self.storage.key_axis == "channel" else room
+
+    @property
+    def _appending(self) -> LayerStore:
+        return self.high if self.storage.tiered else self.low
+
+    def state_tensors(self) -> list[Tensor]:
+        return self.high.state_tensors() + self.low.state_tensors()
+
+    def replayed(self, tokens: int) -> None:
+        """The host bookkeeping of `tokens` appends that ran as a replayed graph (`append`, `_flush`)."""
+        self._appending.replayed(tokens)
+        if self.storage.key_axis == "channel":
+            self.flush_room -= tokens
 
     settled = False  # tiered parts have no online eviction
 
@@ -172,10 +188,7 @@ class TieredStore:
     def append(self, k: Tensor, v: Tensor, positions: Tensor, step: int = 1) -> None:
         """Append one entry per head: to the high tier for a tiered part (KIVI then moves a full group to the
         low tier), as codes for a part that stores every token so (its merge slots alone are floats)."""
-        if not self.storage.tiered:
-            self.low.append(k, v, positions, step)
-            return
-        self.high.append(k, v, positions, step)
+        self._appending.append(k, v, positions, step)
         if self.storage.key_axis == "channel":
             self._flush(step)
 
@@ -230,6 +243,10 @@ class TieredStore:
         col = lo.lengths // self.storage.tokens
         lo.ensure_pages(col + 1, step + 1)
         self._count_flush_room()
+
+    def refill(self, other: "TieredStore") -> bool:
+        """Not in place: a pruned tiered layer takes new tensors (a captured decode step records again)."""
+        return False
 
     def crop(self, cutoff: Tensor) -> None:
         """Keep the entries of logical position below cutoff (B, 1, 1), in both tiers. KIVI's groups are fixed
