@@ -85,7 +85,9 @@ class TieredStore:
     def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int, gather=None,
               storage=None, dtype: torch.dtype | None = None) -> "TieredStore":
         """The taken rows of `sources` split by `high_tier`, each tier in a store of its own (the low one
-        in pages of `storage.tokens` entries for KIVI). `slots` (B, H): the occupied merge slots, the high tier's first entries."""
+        in pages of `storage.tokens` entries for KIVI). `slots` (B, H): the occupied merge slots, the high
+        tier's first entries. `dtype`: the high tier's (the model's; re-selected rows read from codes are
+        float32)."""
         src = _cat(sources)
         # one order for every head: slots, then tokens by position (KIVI's groups: consecutive tokens)
         order = _entry_order(src.positions, src.take)
