@@ -10,7 +10,7 @@
 # pytest, requests, httpx, anyio, click, h11; transformers 5.17.0, below pyproject's floor; no pydantic,
 # fastapi, uvicorn or openai. So this fetches, at the versions installed here (`pip show`, the versions
 # the suite passes with):
-# - transformers (pyproject: transformers>=5.21.0,<6) and regex (transformers checks its floor at import);
+# - transformers (pyproject: transformers>=5.21.0,<5.24) and regex (transformers checks its floor at import);
 # - hypothesis (the property tests; the image's version is unknown) and typing-extensions, anyio;
 # - `kvcompile serve`'s stack for tests/test_serve_http.py: fastapi, starlette, pydantic, pydantic-core,
 #   annotated-types, typing-inspection, annotated-doc, opentelemetry-api, uvicorn, h11, openai, jiter, sniffio,
