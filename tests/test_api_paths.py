@@ -276,3 +276,37 @@ def test_memory_report_says_when_whole_pages_exceed_the_full_cache():
         assert report["bytes_unused_slots"] == report["bytes_held"] - report["bytes_entries"] >= 0
     assert short["bytes_held"] > short["bytes_full"] and "whole pages of 16 entries" in short["note"]
     assert long["bytes_held"] < long["bytes_full"] and "note" not in long
+
+
+def test_the_cache_is_taken_under_either_name_and_handed_on_under_the_installed_ones(monkeypatch):
+    """transformers 5.24 renamed generate()/forward()'s `past_key_values` to `cache` (kvcompile.cache_arg): the
+    entries take either name; two different caches at once are refused (transformers would drop one silently)."""
+    from kvcompile import cache_arg
+
+    a, b = object(), object()
+    for installed in ("cache", "past_key_values"):
+        monkeypatch.setattr(cache_arg, "NAME", installed)
+        assert cache_arg.given(a) == {installed: a}
+        kwargs = {"past_key_values": a, "x": 1}
+        assert cache_arg.take(kwargs) is a and kwargs == {"x": 1}
+    monkeypatch.setattr(cache_arg, "NAME", "cache")
+    kwargs = {"cache": a, "past_key_values": a}
+    assert cache_arg.take(kwargs) is a and not kwargs
+    with pytest.raises(ValueError, match="two caches"):
+        cache_arg.take({"cache": a, "past_key_values": b})
+
+
+def test_the_cache_says_no_layer_is_linear_so_a_continued_prompt_is_cut_to_its_new_tokens():
+    """generate() (5.24 on) feeds only the tokens after a continued cache unless every layer is linear attention
+    (`all(cache.is_linear)`); the cache keeps no transformers `layers`, so it says so per layer itself. The
+    second turn must equal the plain model's (tests/test_generate_compat.py's continuation, on any version)."""
+    model = tiny_model("llama", layers=2)
+    ids = prompt(N, seed=2)
+    with kvcompile.compiled(model, full("snapkv")):
+        first = gen(model, ids, return_dict_in_generate=True)
+        cache = first.past_key_values
+        assert cache.is_linear == cache.is_sliding == cache.is_dummy == [False, False]
+        turn = torch.cat([first.sequences, prompt(7, seed=3)], dim=1)
+        got = gen(model, turn, past_key_values=cache)
+    plain = gen(model, turn)
+    assert got.tolist() == plain.tolist()

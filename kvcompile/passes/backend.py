@@ -96,6 +96,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import is_symbolic
 from transformers.cache_utils import Cache
 
+from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.cache_ref import NotTraced
 from kvcompile.passes.dead import remove_dead
@@ -280,8 +281,8 @@ _GRAPH_CACHE = GraphCache()
 
 
 def _with_cache(out, stand_in, cache):
-    if hasattr(out, "past_key_values"):
-        out.past_key_values = cache
+    if hasattr(out, cache_arg.NAME):
+        setattr(out, cache_arg.NAME, cache)
     elif isinstance(out, tuple):
         out = tuple(cache if item is stand_in else item for item in out)
     return out
@@ -370,11 +371,12 @@ class CompiledForward:
     def __deepcopy__(self, memo):
         return CompiledForward(copy.deepcopy(self.forward, memo), self.key, self.dynamic)
 
-    def __call__(self, *args, past_key_values=None, **kwargs):
+    def __call__(self, *args, **kwargs):
         forward = self.forward
+        past_key_values = cache_arg.take(kwargs)
         kwargs.pop("kvcompile_cache", None)
         if not isinstance(past_key_values, KVCompileCache):
-            return forward(*args, past_key_values=past_key_values, **kwargs)
+            return forward(*args, **cache_arg.given(past_key_values), **kwargs)
         tokens = args[0] if args else kwargs.get("input_ids")
         if tokens is None:
             tokens = kwargs["inputs_embeds"]
@@ -392,7 +394,7 @@ class CompiledForward:
         inputs = (forward, past_key_values.ref, past_key_values.token, *args)
         with torch.no_grad():
             try:  # a compiled graph fits: it runs, nothing locked or patched (module doc, "Threads")
-                out = self.kvcompile_run(*inputs, past_key_values=_GRAPH_CACHE, **kwargs)
+                out = self.kvcompile_run(*inputs, **cache_arg.given(_GRAPH_CACHE), **kwargs)
             except NotTraced:
                 out = self._trace(inputs, kwargs)
         if past_key_values.seq_length != start + t:
@@ -408,7 +410,7 @@ class CompiledForward:
             # else, once a second model of the same class with another head dim recompiles the shared code
             # object, dynamo makes the float a graph input and the op's scale is no longer known
             try:
-                return self.kvcompile_compiled(*inputs, past_key_values=_GRAPH_CACHE, **kwargs)
+                return self.kvcompile_compiled(*inputs, **cache_arg.given(_GRAPH_CACHE), **kwargs)
             except NotTraced:  # dynamo ran the function eagerly instead (e.g. the recompile limit was reached)
                 raise PassError("kvcompile: dynamo did not compile the forward (it ran it eagerly: see "
                                 "TORCH_LOGS=recompiles), so kvcompile.attend would not run; the cache was not "
