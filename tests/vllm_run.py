@@ -19,7 +19,8 @@ def main(args: dict) -> dict:
     options = dict(model=args["model"], dtype="float32", enforce_eager=True, seed=0,
                    max_model_len=args.get("max_model_len", 1024), enable_prefix_caching=False,
                    enable_chunked_prefill=False, max_num_batched_tokens=args.get("max_model_len", 1024),
-                   block_size=args.get("block_size", 32), **args.get("options", {}))
+                   block_size=args.get("block_size", 32), async_scheduling=False,
+                   **args.get("options", {}))
     llm = LLM(**options)
     params = SamplingParams(max_tokens=args["max_tokens"], temperature=0, ignore_eos=True)
     engine = llm.llm_engine
