@@ -80,8 +80,9 @@ from importlib.metadata import entry_points
 out["entry_points"] = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "kvcompile"]
 os.environ["KVCOMPILE_VLLM_SPEC"] = "snapkv"
 os.environ["KVCOMPILE_VLLM_PER_HEAD"] = "64"
-from vllm.plugins import load_general_plugins
-load_general_plugins()  # vLLM's own loader, through the entry point
+import vllm.plugins
+vllm.plugins.plugins_loaded = False  # an import above may have run the loader while the spec was unset
+vllm.plugins.load_general_plugins()  # vLLM's own loader, through the entry point
 out["on_path"] = AttentionBackendEnum.CPU_ATTN.get_path()
 from vllm.engine.arg_utils import EngineArgs
 base = dict(model=MODEL, dtype="float32", enforce_eager=True, max_model_len=512, max_num_batched_tokens=512,
@@ -187,3 +188,65 @@ def test_compressed_vllm_equals_kvcompile(model_and_prompts, spec, tmp_path):
     blocks = out["blocks"]
     assert blocks["total"] - blocks["after_decode"] == blocks_held(n, bs, skipped)
     assert blocks["end"] == blocks["total"]
+
+
+def test_serve_engine_vllm_refuses_before_starting():
+    """`kvcompile serve --engine vllm` checks the spec before vLLM starts: a refused policy and a
+    transformers-only option exit with code 2 and the reason."""
+    cmd = [str(PYTHON), "-m", "kvcompile", "serve", "--engine", "vllm", "--model", str(MODEL)]
+    refused = subprocess.run(cmd + ["--spec", "adakv"], cwd=ROOT, env=vllm_env(), capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "head-wise" in refused.stderr, refused.stderr[-2000:]
+    reuse = subprocess.run(cmd + ["--spec", "snapkv", "--reuse-context"], cwd=ROOT, env=vllm_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert reuse.returncode == 2 and "--reuse-context" in reuse.stderr, reuse.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_serve_engine_vllm_answers_as_kvcompile(model_and_prompts):
+    """`kvcompile serve --engine vllm --spec snapkv --per-head 64` starts vLLM's OpenAI server with the plugin;
+    a greedy completion of a prompt (token ids) is kvcompile's own generate() under that spec. The server's
+    process group is stopped at the end."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    import kvcompile
+
+    model, prompts = model_and_prompts
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(PYTHON), "-m", "kvcompile", "serve", "--engine", "vllm", "--model", str(MODEL), "--spec", "snapkv",
+           "--per-head", "64", "--port", str(port), "--max-model-len", "1024", "--kv-tokens", "8192"]
+    log = open(ROOT / ".pytest_cache" / "vllm_serve.log", "w") if (ROOT / ".pytest_cache").is_dir() else subprocess.DEVNULL
+    server = subprocess.Popen(cmd, cwd=ROOT, env=vllm_env(), stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert server.poll() is None, "the server exited"
+            assert time.time() < deadline, "the server did not answer /health in 300 s"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        body = json.dumps({"model": str(MODEL), "prompt": prompts[0], "max_tokens": MAX_TOKENS, "temperature": 0})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body.encode(),
+                                         headers={"Content-Type": "application/json"})
+        text = json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["text"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+    from transformers import AutoTokenizer
+
+    x = torch.tensor([prompts[0]])
+    with kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=64)), torch.no_grad():
+        want = model.generate(x, max_new_tokens=MAX_TOKENS, do_sample=False)[0, x.shape[1]:]
+    assert text == AutoTokenizer.from_pretrained(MODEL).decode(want, skip_special_tokens=True)
