@@ -149,7 +149,9 @@ def test_budget_covering_the_prompt_equals_plain_vllm(model_and_prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["snapkv", "pyramidkv"])
+# knorm is left out: key norms are RoPE-invariant, so repeated tokens tie to within 1e-7 at the cut, and
+# vLLM's and transformers' forwards round differently: its kept entries differ on ties (docs/VLLM.md)
+@pytest.mark.parametrize("spec", ["snapkv", "pyramidkv", "streamingllm", "h2o", "tova"])
 def test_compressed_vllm_equals_kvcompile(model_and_prompts, spec, tmp_path):
     """64 entries per head on prompts of a few hundred tokens: vLLM's greedy tokens are kvcompile's generate()
     under the same spec; each request's kept (layer, head, position) entries are kvcompile's reference
