@@ -973,6 +973,21 @@ def add_common(p, spec: bool = True, per_head_default: str = "the spec's own", d
                             "refused for a spec whose threshold decides its own budget (dbudgetkv)")
 
 
+def serve_vllm(args, model: str) -> None:
+    """--engine vllm: vLLM's OpenAI server with kvcompile's plugin configured (docs/VLLM.md); replaces this process."""
+    from kvcompile.vllm.serve import VllmServe
+
+    if args.reuse_context:
+        fail("--reuse-context runs on the transformers engine only (--engine transformers)")
+    server = VllmServe(spec=args.spec, per_head=args.per_head, model=model, host=args.host, port=args.port,
+                       kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
+                       served_model_name=args.served_model_name)
+    try:
+        server.exec()
+    except (ImportError, ValueError, OSError) as exc:
+        fail(str(exc))
+
+
 def cmd_serve(args) -> None:
     """transformers' OpenAI-compatible server with continuous batching on the compiled model."""
     from kvcompile.compile import CompileError
@@ -988,6 +1003,9 @@ def cmd_serve(args) -> None:
         if not is_converted():
             fail(f"the embedded SmolLM2 is not prepared: run `{SETUP_COMMAND}`, or pass --model PATH")
         model = str(default_model_dir())
+    if args.engine == "vllm":
+        serve_vllm(args, model)
+        return
     options = ServeOptions(spec=policy_for(args.spec, args.per_head), model=model, host=args.host, port=args.port,
                            kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
                            log_level="error" if args.quiet else "warning",
@@ -1139,6 +1157,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "whose compressed prompt needs more is refused with 400")
     srv.add_argument("--max-batch-tokens", type=positive, default=2048, metavar="N",
                      help="tokens one forward packs; longer prompts are split (default 2048)")
+    srv.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                     help="transformers: transformers' continuous batching on the compiled model (default); vllm: "
+                          "vLLM's OpenAI server with kvcompile's vLLM plugin (run from the vLLM environment, "
+                          ".venv-vllm/bin/kvcompile; prompt-time policies with equal head budgets only, docs/VLLM.md)")
+    srv.add_argument("--max-model-len", type=positive, default=4096, metavar="N",
+                     help="--engine vllm: the longest prompt + answer (default 4096); a prompt is prefilled in one step")
     srv.add_argument("--reuse-context", action="store_true",
                      help="keep each finished request's compressed cache (prompt + answer); a later request whose "
                           "prompt starts with a kept one (a chat client continuing the conversation) continues a copy "

@@ -1,0 +1,31 @@
+"""kvcompile inside vLLM: a `vllm.general_plugins` entry point (docs/VLLM.md).
+
+vLLM calls `register` in each of its processes. With KVCOMPILE_VLLM_SPEC unset it does nothing.
+With it set, it loads and validates the spec, refuses (PluginError, which vLLM does not catch) what
+cannot run exactly yet, and patches vLLM 0.32.0 (kvcompile.vllm.patches) so that every request's prompt
+is compressed by the policy once prefilled and the blocks no head reads any more go back to the pool.
+This module imports nothing at import time: vLLM swallows import errors of a plugin, and an
+enabled plugin must never fail silently into an uncompressed run.
+"""
+from __future__ import annotations
+
+
+def register() -> None:
+    """The entry point (pyproject: [project.entry-points."vllm.general_plugins"] kvcompile)."""
+    import os
+
+    from kvcompile.vllm.settings import RECORD_ENV, PluginError, from_env, refusal
+
+    settings = from_env()
+    if settings is None:
+        return
+    policy = settings.policy()
+    why = refusal(policy)
+    if why is not None:
+        raise PluginError(f"kvcompile: the vLLM plugin cannot run {policy.name}: {why}")
+    from kvcompile.vllm import patches
+
+    patches.apply(policy)
+    from kvcompile.vllm.backend import STEP
+
+    STEP.record_to = os.environ.get(RECORD_ENV) or None

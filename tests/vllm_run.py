@@ -1,0 +1,45 @@
+"""Run vLLM (in the vLLM environment) on token-id prompts and print one JSON line after RESULT: greedy
+tokens of the prompts run together and one at a time, and the KV block pool's free counts (total, after
+the first prompt's prefill and first decode step, at the end). The engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so its block pool can be read. The plugin is whatever the environment
+configures (KVCOMPILE_VLLM_SPEC...). Used by tests/test_vllm_plugin.py:
+
+    .venv-vllm/bin/python tests/vllm_run.py '{"model": "models/smollm2-135m", "prompts": [[...]], "max_tokens": 8}'
+"""
+import json
+import os
+import sys
+
+
+def main(args: dict) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    options = dict(model=args["model"], dtype="float32", enforce_eager=True, seed=0,
+                   max_model_len=args.get("max_model_len", 1024), enable_prefix_caching=False,
+                   enable_chunked_prefill=False, max_num_batched_tokens=args.get("max_model_len", 1024),
+                   block_size=args.get("block_size", 32), async_scheduling=False,
+                   **args.get("options", {}))
+    llm = LLM(**options)
+    params = SamplingParams(max_tokens=args["max_tokens"], temperature=0, ignore_eos=True)
+    engine = llm.llm_engine
+    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    total = pool.get_num_free_blocks()
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
+    # the first prompt stepped by hand: blocks held after its prefill and after its first decode step
+    engine.add_request("stepped", prompts[0], params)
+    engine.step()
+    after_prefill = pool.get_num_free_blocks()
+    engine.step()
+    after_decode = pool.get_num_free_blocks()
+    while engine.has_unfinished_requests():
+        engine.step()
+    together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+    return {"together": together, "alone": alone, "blocks": {"total": total, "after_prefill": after_prefill,
+            "after_decode": after_decode, "end": pool.get_num_free_blocks()}, "block_size": options["block_size"]}
+
+
+if __name__ == "__main__":
+    print("RESULT" + json.dumps(main(json.loads(sys.argv[1]))))
