@@ -23,7 +23,7 @@ from tiny import left_pad, prompt, tiny_model
 REPEAT = RepeatPrompt(first=(5, 6, 7, 8), later=(9, 10), suffix=(11, 12))  # token ids of a tiny vocabulary
 
 # KVzip's scores with every allocator family: uniform heads, pooled heads (AdaKV), pyramid layers, LAVa's
-# entropy layers (a cascade inside each chunk), a residual merge with a split, a threshold (DBudgetKV)
+# entropy layers (a cascade inside each chunk), a residual merge with a split, a threshold (DBudgetKV), int4 pages
 VARIANTS = {
     "kvzip": dict(name="kvzip"),
     "kvzip_adakv": dict(name="kvzip_adakv"),
@@ -33,6 +33,7 @@ VARIANTS = {
                      budget={"split": {"proximity": 0.1, "context": 0.8, "residual": 0.1}}),
     "threshold": dict(name="dbudgetkv", scoring={"kvzip": {}}, ranking={"by_score": {"sinks": 4, "window": 0}},
                       budget={"threshold": {"attention_norm": {"t": 0.05, "keep_layers": 0}}}),
+    "int4": dict(name="kvzip", storage={"int4": {"group": 0}}),
 }
 
 
