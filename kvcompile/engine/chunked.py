@@ -75,6 +75,7 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     h = k.shape[1]
     g = hq // h
     real = start_chunk(cache, q, mask, layer, start, end)
+    plan = cache.plan  # bound to the prompt's tensors by the first chunk
     held = held_entries(cache, layer, k, v)
     # the attention over the held entries and the chunk (and, for a column-sum scorer, its score: chunk_scores)
     weights = policy.scoring.column_weights(t) if plan.chunk_scores else None
