@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import kvcompile
+import kvcompile.engine.op  # noqa: F401  registers torch.ops.kvcompile.attend, which run_both calls (run alone, nothing else imports it)
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
 from kvcompile.spec import SpecError, available_specs, loads_spec
