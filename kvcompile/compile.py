@@ -428,11 +428,10 @@ def _forward(entry: Entry, *args, use_cache=None, **kwargs):
             if not past_key_values.is_initialized:  # its prompt runs in the autocast dtype, if any
                 past_key_values.plan = _autocast_plan(past_key_values.plan)
         kwargs["kvcompile_cache"] = past_key_values
-        if fresh and entry.repeat is not None and past_key_values.reconstruction is None:
-            from kvcompile import kvzip
-
-            return kvzip.prefill(forward, past_key_values, entry.repeat, args, {**kwargs, "use_cache": use_cache})
         chunk = past_key_values.plan.prefill_chunk
+        if entry.repeat is not None and past_key_values.reconstruction is None and (
+                fresh or past_key_values.compressing is not None):  # a reconstruction scorer's prompt
+            return _reconstructed_prompt(entry, forward, past_key_values, t, args, {**kwargs, "use_cache": use_cache})
         if fresh and chunk and t is not None and t > chunk and past_key_values.compressing is None:
             return _forward_in_chunks(forward, chunk, past_key_values, args, {**kwargs, "use_cache": use_cache})
         if entry.graphs is not None and not fresh:  # a decode step, from a CUDA graph where it needs no host
@@ -440,6 +439,22 @@ def _forward(entry: Entry, *args, use_cache=None, **kwargs):
             if out is not None:
                 return out
     return forward(*args, **cache_arg.given(past_key_values), use_cache=use_cache, **kwargs)
+
+
+def _reconstructed_prompt(entry: Entry, forward, cache: KVCompileCache, t: int | None, args, kwargs):
+    """A prompt call under a reconstruction scorer (scoring: kvzip, kvcompile.kvzip): the whole prompt in one
+    pass where it is one chunk (or the policy does not chunk), else chunk by chunk (schedule.prefill: chunk):
+    this call's chunk, or, for a fresh cache given the whole prompt, every chunk in turn."""
+    from kvcompile import kvzip
+
+    chunk, prompt = cache.plan.prefill_chunk, cache.compressing
+    step = kvzip.chunk_forward(forward, entry.repeat)
+    if cache.seq_length or (prompt is not None and prompt.length != t):  # the next chunk of the prompt
+        return step(*args, past_key_values=cache, **kwargs)
+    if not chunk or t is None or t <= chunk:  # the whole prompt, one chunk: one-pass KVzip exactly
+        cache.compressing = None
+        return kvzip.prefill(forward, cache, entry.repeat, args, kwargs)
+    return _forward_in_chunks(step, chunk, cache, args, kwargs)  # the whole prompt, chunk after chunk
 
 
 def _total_length(t: int, kwargs: dict, gen) -> int:
@@ -464,10 +479,12 @@ def _generate(entry: Entry, *args, **kwargs):
         kwargs.get("prompt_lookup_num_tokens", getattr(gen, "prompt_lookup_num_tokens", None)))
     if assisted:
         _check_crop(plan)
-    if entry.repeat is not None and (assisted or kwargs.get("prefill_chunk_size",
-                                                            getattr(gen, "prefill_chunk_size", None))):
+    if entry.repeat is not None and (assisted or not plan.prefill_chunk and kwargs.get(
+            "prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))):
         raise CompileError(f"kvcompile: {plan.policy.name} scores its prompt by reconstruction once the whole "
-                           "prompt has run in one forward; generate without an assistant or prefill_chunk_size")
+                           "prompt has run in one forward (or, with schedule: {prefill: {chunk: c}}, once each chunk "
+                           "has); generate without an assistant, and without prefill_chunk_size unless the policy "
+                           "chunks its prefill")
     uses_cache = kwargs.get("use_cache", getattr(gen, "use_cache", True)) is not False
     t = _length(args, kwargs)
     fresh = past_key_values is None or not past_key_values.seq_length

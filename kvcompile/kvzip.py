@@ -65,15 +65,17 @@ class RepeatPrompt:
 
         return cls(ids(FIRST), ids(LATER), ids(suffix))
 
-    def inputs(self, ids: Tensor, spans: list[tuple[int, int]], overlap: int) -> list[Tensor]:
-        """The reconstruction input (B, T_k) of every chunk of the prompt `ids` (B, N)."""
+    def inputs(self, ids: Tensor, spans: list[tuple[int, int]], overlap: int, offset: int = 0) -> list[Tensor]:
+        """The reconstruction input (B, T_k) of every span [s, e) of the prompt, whose token ids `ids`
+        (B, ·) start at position `offset` (from at least `overlap` tokens before the first span, where
+        there are that many): `first` before the span at 0, else `later` and the `overlap` tokens before s."""
         out = []
-        for k, (s, e) in enumerate(spans):
-            lead = self.first if k == 0 else self.later
+        for s, e in spans:
+            lead = self.first if s == 0 else self.later
             head = torch.tensor(lead, dtype=ids.dtype, device=ids.device).expand(ids.shape[0], -1)
-            quoted = ids[:, max(0, s - overlap):s] if k else ids[:, :0]
+            quoted = ids[:, max(0, s - overlap) - offset:s - offset] if s else ids[:, :0]
             tail = torch.tensor(self.suffix, dtype=ids.dtype, device=ids.device).expand(ids.shape[0], -1)
-            out.append(torch.cat([head, quoted, tail, ids[:, s:e]], dim=1))
+            out.append(torch.cat([head, quoted, tail, ids[:, s - offset:e - offset]], dim=1))
         return out
 
 
@@ -109,6 +111,13 @@ class Reconstruction:
     scores: list[Tensor | None]  # per layer: (B, H, N) float32, filled chunk by chunk
     span: tuple[int, int] | None = None  # the chunk being reconstructed; None while the prompt itself runs
     query_heads: int = 0  # the model's query heads (read at the prompt's first layer)
+    chunk: tuple[int, int] | None = None  # under a chunked prefill: the prompt chunk [start, end) this pass
+    #   compresses (keys, values and scores then hold that chunk's entries only); None: the prompt in one pass
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the keys and values it holds (the full cache, or the chunk's entries)."""
+        return sum(x.nbytes for x in self.keys + self.values if x is not None)
 
     @property
     def scoring(self) -> bool:
@@ -159,6 +168,68 @@ def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
     return out
 
 
+def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
+    """One chunk [start, end) of a prompt that a reconstruction scorer compresses chunk by chunk
+    (schedule.prefill: chunk; reference.ChunkedKVzip is the specification), through the model's `forward`:
+
+    1. the chunk's forward: each layer's queries attend over the entries the layer holds and the chunk
+       (causal), and the chunk's keys and values are held (`engine.reconstruction._chunk_attention`);
+    2. one reconstruction forward per span of `scoring.chunk` tokens of the chunk (the repeat prompt:
+       `first` at position 0, else `later` and the `overlap` tokens before the span, from this call or the
+       previous one; the turn end; the span), at the positions after the chunk; its queries attend over the
+       held entries, the chunk and their own keys, and record the span's scores; nothing is stored;
+    3. every layer selects among its held entries and the chunk back to the budget of the tokens seen
+       (`engine.reconstruction.select_reconstructed`, a chunked prompt's selection).
+
+    The cache was told the prompt's length (`expect_prompt`: generate(), compile()'s forward); the call
+    brings the next chunk: it starts where the cache ends and ends at a multiple of c or at the prompt's
+    end. Returns the chunk's forward output."""
+    from kvcompile.engine.reconstruction import select_reconstructed
+
+    ids, _ = _ids_and_mask(args, kwargs)
+    plan = cache.plan
+    scorer = plan.policy.scoring
+    prompt = cache.compressing
+    c = plan.prefill_chunk
+    b, t = ids.shape
+    start = cache.seq_length
+    end = start + t
+    if start % c or t > c or end > prompt.length or (end % c and end != prompt.length):
+        raise CompileError(f"kvcompile: {plan.policy.name} reconstructs its prompt chunk by chunk (every {c} "
+                           f"tokens); a call of the prompt ({prompt.length} tokens) must bring the next chunk, "
+                           f"[{start}, {min(start + c, prompt.length)}), not {t} tokens: give the prompt in one "
+                           f"call, or generate(prefill_chunk_size={c})")
+    layers = plan.num_layers
+    cache.reconstruction = rec = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers,
+                                                chunk=(start, end))
+    try:
+        out = forward(*args, past_key_values=cache, **kwargs)
+        known = ids if prompt.ids is None else torch.cat([prompt.ids, ids], dim=1)  # from position end - its width
+        spans = [(s, min(s + scorer.chunk, end)) for s in range(start, end, scorer.chunk)]
+        for span, inputs in zip(spans, repeat.inputs(known, spans, scorer.overlap, offset=end - known.shape[1])):
+            rec.span = span
+            positions = torch.arange(end, end + inputs.shape[1], device=ids.device)[None].expand(b, -1)
+            forward(inputs, position_ids=positions, past_key_values=cache, kvcompile_cache=cache, use_cache=True,
+                    logits_to_keep=1)
+        rec.span = None
+        for layer in range(layers):
+            select_reconstructed(cache, layer)
+        prompt.ids = known[:, known.shape[1] - min(scorer.overlap, known.shape[1]):]
+    finally:
+        cache.reconstruction = None
+    if end == prompt.length:
+        cache.compressing = None
+    return out
+
+
+def chunk_forward(forward, repeat: RepeatPrompt):
+    """`forward` for compile()'s `_forward_in_chunks`: each chunk through `prefill_chunk`."""
+    def run(*args, past_key_values, **kwargs):
+        return prefill_chunk(forward, past_key_values, repeat, args, kwargs)
+
+    return run
+
+
 def check(plan, mode: str) -> None:
     """Refuse, at compile(), what a reconstruction scorer cannot run (CompileError, with the reason)."""
     name = plan.policy.name
@@ -170,7 +241,6 @@ def check(plan, mode: str) -> None:
                            "scores are per KV head (a rank would gather nothing beyond what its allocator gathers), "
                            "but the reconstruction pass has not been run sharded; load the model without tp_plan")
     schedule = plan.policy.schedule
-    if schedule.decode is not None or schedule.prefill is not None:
-        raise CompileError(f"kvcompile: {name}: scoring kvzip scores the whole prompt once, by reconstruction; "
-                           "it cannot re-score while decoding (schedule.decode) or chunk by chunk "
-                           "(schedule.prefill): use schedule: prefill")
+    if schedule.decode is not None:
+        raise CompileError(f"kvcompile: {name}: scoring kvzip scores the prompt by reconstruction, once per chunk; "
+                           "it cannot re-score while decoding (schedule.decode): drop schedule.decode")

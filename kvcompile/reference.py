@@ -9,6 +9,7 @@ positions 0 … n_b − 1 (n_b = its real length) and pad tokens are never kept.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -204,38 +205,52 @@ class ChunkedPrefill:
         scale = d ** -0.5 if scale is None else scale
         real = torch.ones(b_, t_, dtype=torch.bool) if mask is None else mask.bool()
         if layer == 0:
-            self.real = real.clone() if self.real is None else torch.cat([self.real, real], dim=1)
-            self.entropy = []
-            self.chunks += 1
+            self.start_chunk(real)
+        first = self.heads[layer] is None
+        held = self.held(layer, b_, h_, k, v)
+
+        # 1. attention of the chunk's queries over the held entries and the chunk (causal)
+        out = chunk_attention(policy, held, q, k, v, real, scale)
+
+        # 2. scores of the held tokens and the chunk's, per head, from the chunk's last R queries
+        rows = policy.scoring.query_rows(t_)
+
+        def score(b: int, h: int, keys: Tensor, values: Tensor, valid: Tensor, carried: Tensor) -> Tensor:
+            state = LayerState(q[b:b + 1, h * g:(h + 1) * g, t_ - rows:], keys[None, None], values[None, None],
+                               valid[None], scale, self.rope)
+            return policy.scoring.score_chunk(state, None if first else carried[None, None])[0, 0]
+
+        # 3. selection back to the budget of the tokens seen (4. inside the chunk's cascade)
+        self.select(layer, k, v, real, score)
+        return out.to(q.dtype)
+
+    def start_chunk(self, real: Tensor) -> None:
+        """A new chunk (B, T) of real tokens arrives (at layer 0)."""
+        self.real = real.clone() if self.real is None else torch.cat([self.real, real], dim=1)
+        self.entropy = []
+        self.chunks += 1
+
+    def held(self, layer: int, b_: int, h_: int, k: Tensor, v: Tensor) -> list[list[HeadEntries]]:
+        """[b][h] what the layer holds before this chunk (nothing before its first chunk)."""
+        if self.heads[layer] is not None:
+            return self.heads[layer]
+        d = k.shape[-1]
+        empty = HeadEntries(k.new_zeros(0, d), v.new_zeros(0, v.shape[-1]), torch.zeros(0, dtype=torch.long),
+                            torch.zeros(0), torch.zeros(0))
+        return [[empty] * h_ for _ in range(b_)]
+
+    def select(self, layer: int, k: Tensor, v: Tensor, real: Tensor, score) -> None:
+        """Steps 2–4 for one layer: its candidates, the held tokens (position order) then the chunk's
+        (k, v (B, H, T, d), real (B, T)), scored per head by `score(b, h, keys, values, valid, carried)`
+        (`carried`: the held tokens' scores, then 0 for the chunk's), selected back to the budget of the
+        tokens seen (LAVa's cascade inside the chunk for layer-dynamic budgets)."""
+        policy = self.policy
+        b_, h_, t_, d = k.shape
         lengths = self.real.sum(-1)  # real tokens seen, this chunk's included
         before = lengths - real.sum(-1)
         chunk_positions = before[:, None] + real.long().cumsum(-1) - 1  # (B, T); pads: not used
         first = self.heads[layer] is None
-        empty = HeadEntries(k.new_zeros(0, d), v.new_zeros(0, v.shape[-1]), torch.zeros(0, dtype=torch.long),
-                            torch.zeros(0), torch.zeros(0))
-        held = [[empty] * h_ for _ in range(b_)] if first else self.heads[layer]
-
-        # 1. attention of the chunk's queries over the held entries and the chunk (causal)
-        out = torch.zeros(b_, hq, t_, v.shape[-1])
-        for b in range(b_):
-            for h in range(h_):
-                x = held[b][h]
-                bias = torch.zeros(len(x.counts))
-                if policy.merges:
-                    bias = torch.where(x.tokens(), 0.0, policy.merge.bias(x.counts))
-                for t in range(t_):
-                    if real[b, t]:
-                        mine = real[b, :t + 1]
-                        keys = torch.cat([x.keys, k[b, h, :t + 1][mine]]).float()
-                        values = torch.cat([x.values, v[b, h, :t + 1][mine]]).float()
-                        logit_bias = torch.cat([bias, torch.zeros(int(mine.sum()))])
-                    else:  # a pad query sees itself only
-                        keys, values, logit_bias = k[b, h, t:t + 1].float(), v[b, h, t:t + 1].float(), torch.zeros(1)
-                    logits = q[b, h * g:(h + 1) * g, t].float() @ keys.T * scale + logit_bias
-                    out[b, h * g:(h + 1) * g, t] = torch.softmax(logits, dim=-1) @ values
-
-        # 2. scores of the held tokens and the chunk's, per head; the candidates of the selection
-        rows = policy.scoring.query_rows(t_)
+        held = self.held(layer, b_, h_, k, v)
         width = max(int(x.tokens().sum()) for row in held for x in row) + t_
         keys = k.new_zeros(b_, h_, width, d)
         values = v.new_zeros(b_, h_, width, v.shape[-1])
@@ -248,16 +263,14 @@ class ChunkedPrefill:
                 tok = x.tokens()
                 m = int(tok.sum())
                 kh, vh = torch.cat([x.keys[tok], k[b, h]]), torch.cat([x.values[tok], v[b, h]])
-                state = LayerState(q[b:b + 1, h * g:(h + 1) * g, t_ - rows:], kh[None, None], vh[None, None],
-                                   torch.cat([torch.ones(m, dtype=torch.bool), real[b]])[None], scale, self.rope)
-                carried = None if first else torch.cat([x.scores[tok], torch.zeros(t_)])[None, None]
+                ok = torch.cat([torch.ones(m, dtype=torch.bool), real[b]])
+                carried = torch.cat([x.scores[tok], torch.zeros(t_)])
                 keys[b, h, :m + t_], values[b, h, :m + t_] = kh, vh
-                scores[b, h, :m + t_] = policy.scoring.score_chunk(state, carried)[0, 0]
+                scores[b, h, :m + t_] = score(b, h, kh, vh, ok, carried)
                 positions[b, h, :m + t_] = torch.cat([x.positions[tok], chunk_positions[b]])
-                valid[b, h, :m + t_] = torch.cat([torch.ones(m, dtype=torch.bool), real[b]])
+                valid[b, h, :m + t_] = ok
         slots = None if first or not policy.merges else _slots_of(held, keys)
 
-        # 3. selection back to the budget of the tokens seen (4. inside the chunk's cascade)
         if policy.budget.threshold is not None or not policy.layer_dynamic:
             total = None
             if policy.budget.threshold is None:
@@ -265,7 +278,7 @@ class ChunkedPrefill:
             kept, merged = select_and_merge(policy, keys, values, scores, positions, valid, lengths, total, layer,
                                             slots)
             self.heads[layer] = _entries_of(keys, values, positions, scores, kept, merged, policy.storage)
-            return out.to(q.dtype)
+            return
         self.entropy.append(layer_entropy(scores, valid))
         capacity = [_held_count(self.heads[j]) for j in range(layer)]
         capacity.append(valid.sum((1, 2)) + _held_slots(slots, valid).sum(-1))
@@ -284,7 +297,40 @@ class ChunkedPrefill:
         kept, merged = select_and_merge(policy, keys, values, scores, positions, valid, lengths, totals[:, layer],
                                         layer, slots)
         self.heads[layer] = _entries_of(keys, values, positions, scores, kept, merged, policy.storage)
-        return out.to(q.dtype)
+
+
+def chunk_attention(policy, held: list[list[HeadEntries]], q: Tensor, k: Tensor, v: Tensor, real: Tensor,
+                    scale: float, seen_k: Tensor | None = None, seen_v: Tensor | None = None) -> Tensor:
+    """ChunkedPrefill's step 1, (B, Hq, T, d) float32: real query t of the chunk (q, k, v; real (B, T))
+    sees every entry its head holds (kept tokens and merge slots, with the merge rule's logit bias), then
+    `seen_k`, `seen_v` (B, H, T', d) where given (a reconstruction forward sees the chunk it reconstructs
+    whole), then the chunk's real tokens up to itself; a pad query sees itself only."""
+    b_, hq, t_, d = q.shape
+    h_ = k.shape[1]
+    g = hq // h_
+    out = torch.zeros(b_, hq, t_, v.shape[-1])
+    for b in range(b_):
+        for h in range(h_):
+            x = held[b][h]
+            bias = torch.zeros(len(x.counts))
+            if policy.merges:
+                bias = torch.where(x.tokens(), 0.0, policy.merge.bias(x.counts))
+            before_k, before_v = x.keys.float(), x.values.float()
+            if seen_k is not None:
+                before_k = torch.cat([before_k, seen_k[b, h].float()])
+                before_v = torch.cat([before_v, seen_v[b, h].float()])
+                bias = torch.cat([bias, torch.zeros(seen_k.shape[2])])
+            for t in range(t_):
+                if real[b, t]:
+                    mine = real[b, :t + 1]
+                    keys = torch.cat([before_k, k[b, h, :t + 1][mine].float()])
+                    values = torch.cat([before_v, v[b, h, :t + 1][mine].float()])
+                    logit_bias = torch.cat([bias, torch.zeros(int(mine.sum()))])
+                else:  # a pad query sees itself only
+                    keys, values, logit_bias = k[b, h, t:t + 1].float(), v[b, h, t:t + 1].float(), torch.zeros(1)
+                logits = q[b, h * g:(h + 1) * g, t].float() @ keys.T * scale + logit_bias
+                out[b, h * g:(h + 1) * g, t] = torch.softmax(logits, dim=-1) @ values
+    return out
 
 
 def _held_count(heads) -> Tensor:
@@ -652,3 +698,172 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
             most = probs[..., start:end].amax(dim=2)  # (B, Hq, e − s): the max over reconstruction rows
             scores[layer][:, :, start:end] = scoring_parts.reduce_gqa(most, h, "max")
     return scores, states
+
+
+# --- KVzip under a chunked prefill (scoring: kvzip, schedule: {prefill: {chunk: c}}) ------------------
+
+@dataclass
+class ChunkedKVzip:
+    """The specification of `scoring: kvzip` with `schedule: {prefill: {chunk: c}}`: KVzip's context
+    reconstruction (arXiv:2505.23416, §3) done chunk by chunk, so that only the budget plus one chunk is
+    ever held. The prompt (unpadded) is cut into chunks [start, end) of c tokens (the last one shorter);
+    for each chunk, in order:
+
+    1. The chunk's forward (`attend`, every layer): real query t sees every entry its head holds after the
+       previous chunk (kept tokens and merge slots, with the merge rule's logit bias) and the chunk's tokens
+       up to itself: ChunkedPrefill's step 1. The chunk's keys and values are held.
+    2. Its reconstruction (`reconstruct`, every layer of every forward): for each span [s, e) of the chunk,
+       `scoring.chunk` tokens from `start` on, the model reads KVzip's reconstruction input (`first` if s = 0,
+       else `later` followed by the `overlap` prompt tokens before s; the turn end; the span's tokens) at
+       positions end, end + 1, …, writing nothing. Its queries attend over the held entries, the whole
+       chunk and their own keys (causal); the span's entry i of KV head h gets
+           a[t, i] = exp(q_t·k_i·c) / Σ_{j ∈ S ∪ [s, e) ∪ {own keys u ≤ t}} exp(q_t·k_j·c)
+           s_h[i]  = max over the query heads of h's group and the rows t of a[t, i]
+       with S the sink entries: the tokens at positions < min(sinks, s) among those the head holds and the
+       chunk's (a head that evicted a sink leaves it out of the softmax).
+    3. Selection (`select`, layer after layer): ChunkedPrefill's steps 2–4 with KVzip's scores: the held
+       tokens keep the score they got when their own chunk was reconstructed, the chunk's tokens get the
+       scores of step 2, and `select_and_merge` keeps the budget of the tokens seen so far (ranking,
+       protected sets, layer and head allocation, threshold, merge rule, and LAVa's cascade inside the
+       chunk for layer-dynamic budgets, as for any other scorer).
+
+    Why this is KVzip: each score is a softmax over its span's own keys (plus the sinks and the
+    reconstruction's own keys), so scores of different chunks are comparable and the selection over held
+    tokens and the new chunk is KVzip's global selection restricted to what is still held. The
+    reconstruction reads the compressed cache (the held entries), as the chunk's forward does: with one
+    chunk nothing is held and this is one-pass KVzip exactly (`kvzip_scores` + `compress`): the spans are
+    those of `KVzip.chunks`, their repeat prompts and positions the same, the sinks the first
+    min(sinks, s) entries. Memory: the budget plus the chunk's keys and values at every layer (held from
+    step 1 to step 3), plus one reconstruction forward's activations.
+
+    `run(model, ids, repeat)` drives a transformers model through it (the prompt's logits come back)."""
+
+    policy: object
+    num_layers: int
+    chunked: ChunkedPrefill | None = None  # the held entries and the selection (steps 1 and 3–4 are its own)
+    chunk: tuple[int, int] | None = None  # the chunk [start, end) being compressed
+    span: tuple[int, int] | None = None  # the span being reconstructed; None while the chunk's forward runs
+    keys: list = field(default_factory=list)  # per layer: the chunk's keys (B, H, T, d), held until `select`
+    values: list = field(default_factory=list)
+    scores: list = field(default_factory=list)  # per layer: (B, H, T) the chunk's KVzip scores
+
+    def __post_init__(self):
+        if self.chunked is None:
+            self.chunked = ChunkedPrefill(self.policy, self.num_layers)
+        self.keys, self.values, self.scores = ([None] * self.num_layers for _ in range(3))
+
+    @property
+    def heads(self) -> list:
+        """Per layer: [b][h] HeadEntries, what each head holds."""
+        return self.chunked.heads
+
+    def begin(self, start: int, end: int) -> None:
+        self.chunk, self.span = (start, end), None
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Step 1 at one layer: the chunk's attention output (B, Hq, T, d); its keys and values held."""
+        b_, _, t_, _ = q.shape
+        real = torch.ones(b_, t_, dtype=torch.bool)
+        if layer == 0:
+            self.chunked.start_chunk(real)
+        held = self.chunked.held(layer, b_, k.shape[1], k, v)
+        self.keys[layer], self.values[layer] = k, v
+        self.scores[layer] = torch.zeros(b_, k.shape[1], t_)
+        return chunk_attention(self.policy, held, q, k, v, real, scale).to(q.dtype)
+
+    def reconstruct(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Step 2 at one layer, for the span being reconstructed: the reconstruction's attention output
+        (B, Hq, T, d) (over the held entries, the chunk, its own keys); the span's scores recorded."""
+        start, end = self.chunk
+        s, e = self.span
+        b_, hq, t_, _ = q.shape
+        h_ = k.shape[1]
+        g = hq // h_
+        chunk_k, chunk_v = self.keys[layer], self.values[layer]
+        held = self.chunked.held(layer, b_, h_, chunk_k, chunk_v)
+        out = chunk_attention(self.policy, held, q, k, v, torch.ones(b_, t_, dtype=torch.bool), scale,
+                              seen_k=chunk_k, seen_v=chunk_v)
+        sink = min(self.policy.scoring.sinks, s)
+        causal = torch.arange(t_)[None, :] <= torch.arange(t_)[:, None]  # (T, T): own key u ≤ row t
+        for b in range(b_):
+            for h in range(h_):
+                x = held[b][h]
+                tok = x.tokens()
+                positions = torch.cat([x.positions[tok], torch.arange(start, end)])
+                candidates = torch.cat([x.keys[tok].float(), chunk_k[b, h].float()])
+                sinks = candidates[positions < sink]
+                span = chunk_k[b, h, s - start:e - start].float()
+                keys = torch.cat([sinks, span, k[b, h].float()])  # (S + W + T, d)
+                allowed = torch.cat([torch.ones(t_, len(sinks) + len(span), dtype=torch.bool), causal], dim=1)
+                best = torch.zeros(e - s)
+                for head in range(h * g, (h + 1) * g):
+                    logits = (q[b, head].float() @ keys.T * scale).masked_fill(~allowed, float("-inf"))
+                    probs = torch.softmax(logits, dim=-1)[:, len(sinks):len(sinks) + len(span)]
+                    best = torch.maximum(best, probs.amax(dim=0))
+                self.scores[layer][b, h, s - start:e - start] = best
+        return out.to(q.dtype)
+
+    def select(self) -> None:
+        """Step 3, every layer in order: the held tokens and the chunk's, selected by their KVzip scores."""
+        for layer in range(self.num_layers):
+            k, v, chunk_scores = self.keys[layer], self.values[layer], self.scores[layer]
+            t_ = k.shape[2]
+
+            def score(b, h, keys, values, valid, carried):  # the held tokens' scores, then the chunk's
+                return torch.cat([carried[:len(carried) - t_], chunk_scores[b, h]])
+
+            self.chunked.select(layer, k, v, torch.ones(k.shape[0], t_, dtype=torch.bool), score)
+            self.keys[layer] = self.values[layer] = self.scores[layer] = None
+
+    def step(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """What the model's attention at `layer` computes now: step 1, or step 2 while a span is reconstructed."""
+        return self.attend(layer, q, k, v, scale) if self.span is None else self.reconstruct(layer, q, k, v, scale)
+
+    @classmethod
+    @torch.no_grad()
+    def run(cls, model, policy, ids: Tensor, repeat) -> tuple["ChunkedKVzip", Tensor]:
+        """The model (a transformers causal LM) through steps 1–3 on the prompt `ids` (B, N): the reference
+        and the prompt's logits (B, N, V), each chunk's from its forward. The model's attention is this
+        class's (`step`) for the duration of the call."""
+        ref = cls(policy, model.config.num_hidden_layers)
+        c, r, overlap = policy.schedule.chunk_tokens, policy.scoring.chunk, policy.scoring.overlap
+        b_, n = ids.shape
+        logits = []
+        with _reference_attention(model):
+            for start in range(0, n, c):
+                end = min(start + c, n)
+                ref.begin(start, end)
+                logits.append(model(ids[:, start:end], position_ids=torch.arange(start, end)[None].expand(b_, -1),
+                                    use_cache=False, kvcompile_reference=ref).logits)
+                spans = [(s, min(s + r, end)) for s in range(start, end, r)]
+                for span, rebuilt in zip(spans, repeat.inputs(ids, spans, overlap)):
+                    ref.span = span
+                    t_ = rebuilt.shape[1]
+                    model(rebuilt, position_ids=torch.arange(end, end + t_)[None].expand(b_, -1), use_cache=False,
+                          kvcompile_reference=ref)
+                ref.span = None
+                ref.select()
+        return ref, torch.cat(logits, dim=1)
+
+
+def _reference_step(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention entry while `ChunkedKVzip.run` drives a model: the reference's step."""
+    ref = kwargs["kvcompile_reference"]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return ref.step(module.layer_idx, query, key, value, scale).transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def _reference_attention(model):
+    """The model's attention routed to `_reference_step` inside the block (its own restored after)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("kvcompile_reference", _reference_step)
+    AttentionMaskInterface.register("kvcompile_reference", lambda *args, **kwargs: None)  # unpadded: no mask
+    saved = model.config._attn_implementation
+    model.set_attn_implementation("kvcompile_reference")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(saved or "sdpa")

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import kvcompile
+import kvcompile.engine.op  # noqa: F401  registers torch.ops.kvcompile.attend, which run_both calls (run alone, nothing else imports it)
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
 from kvcompile.spec import SpecError, available_specs, loads_spec
@@ -141,8 +142,8 @@ def test_every_family_evicts_across_chunks(key):
         assert int(kept[0].sum(-1).min()) < 40, "some prompt tokens were evicted"
 
 
-# kvzip scores a prompt by reconstructing it once the whole prompt ran: compile() refuses a chunked
-# prefill for it (tests/test_kvzip.py), so the chunked tests cover the other shipped specs
+# kvzip scores a prompt by reconstructing it with the model (a second, model-level forward per chunk), which
+# ChunkedPrefill's per-layer steps cannot feed: its chunked prefill is tests/test_kvzip_chunked.py's
 SPECS = [name for name in available_specs()
          if not getattr(kvcompile.load_spec(name).scoring, "reconstructs", False)]
 

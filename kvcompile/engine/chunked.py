@@ -3,6 +3,7 @@ over the entries held so far and itself, and the layer is compressed back to its
 chunk (reference.ChunkedPrefill is the specification)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,91 +74,175 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     b, hq, t, d = q.shape
     h = k.shape[1]
     g = hq // h
-    seen = torch.ones(b, end, dtype=torch.bool, device=q.device) if mask is None else mask[:, :end].bool()
-    real = seen[:, start:]
-    lengths = seen.sum(-1)
-    pad = end - lengths  # left pads so far: every pad comes before the real tokens
-    if layer == 0:
-        if start == 0:
-            cache.plan = plan = plan.bound_to(q)
-            cache.rings = [None] * plan.num_layers
-        totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads) if plan.static_totals else None
-        cache.prompt = PromptState(seen, lengths, pad, end, totals, [])
-        cache.decoding = None
-    store = cache.stores[layer]
-    first = store is None
-    if first:
-        hk, hv = k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, v.shape[-1])
-        hs, hc = torch.zeros(b, h, 0, device=q.device), torch.zeros(b, h, 0, device=q.device)
-        hp = torch.zeros(b, h, 0, dtype=torch.long, device=q.device)
-        stored = torch.zeros(b, h, 0, dtype=torch.bool, device=q.device)
-        slot_count = torch.zeros(b, h, dtype=torch.long, device=q.device)
-    else:
-        hk, hv, hs, hp, hc, stored = store.gather()
-        hk, hv = hk.to(k.dtype), hv.to(v.dtype)  # quantized pages dequantize to float32
-        slot_count = store.slots
+    real = start_chunk(cache, q, mask, layer, start, end)
+    plan = cache.plan  # bound to the prompt's tensors by the first chunk
+    held = held_entries(cache, layer, k, v)
     # the attention over the held entries and the chunk (and, for a column-sum scorer, its score: chunk_scores)
     weights = policy.scoring.column_weights(t) if plan.chunk_scores else None
-    out, sums = plan.chunk_attention(q, k, v, (hk, hv, plan.merge_bias(hc), stored), real, scale, weights)
-
-    # the candidates: held tokens (right-aligned, position order) then the chunk's tokens
-    e = torch.arange(hk.shape[2], device=q.device)
-    is_slot = stored & (e < slot_count[..., None])
-    tokens = (stored & ~is_slot).sum(-1)  # (B, H)
-    m = int(tokens.max()) if tokens.numel() else 0
-    cols = torch.arange(m, device=q.device)
-    lead = (m - tokens)[..., None]
-    held_valid = cols >= lead
-    src = (slot_count[..., None] + cols - lead).clamp(0, max(hk.shape[2] - 1, 0))
-    take = lambda x: x.gather(2, src[..., None].expand(*src.shape, x.shape[-1])) if x.dim() == 4 \
-        else x.gather(2, src)  # noqa: E731
-    positions = torch.arange(start, end, device=q.device)[None, :] - pad[:, None]  # (B, T) logical positions
-    keys = torch.cat([take(hk).to(k.dtype), k], dim=2)
-    values = torch.cat([take(hv).to(v.dtype), v], dim=2)
-    cand_pos = torch.cat([take(hp), positions[:, None].expand(b, h, t)], dim=2)
-    valid = torch.cat([held_valid, real[:, None].expand(b, h, t)], dim=2)
-    width = m + t
-    carried = None if first else torch.cat([take(hs), torch.zeros(b, h, t, device=q.device)], dim=2)
+    out, sums = plan.chunk_attention(q, k, v, held.attention(plan), real, scale, weights)
+    cand = candidates(cache, held, k, v, real, start, end)
     rows = policy.scoring.query_rows(t)
-    state = plan.state(q[:, :, t - rows:].reshape(b * h, g, rows, d), keys.reshape(b * h, 1, width, d),
-                       values.reshape(b * h, 1, width, values.shape[-1]), valid.reshape(b * h, width), scale)
-    carried = None if carried is None else carried.reshape(b * h, 1, width)
+    width = cand.keys.shape[2]
+    state = plan.state(q[:, :, t - rows:].reshape(b * h, g, rows, d), cand.keys.reshape(b * h, 1, width, d),
+                       cand.values.reshape(b * h, 1, width, cand.values.shape[-1]), cand.valid.reshape(b * h, width),
+                       scale)
+    carried = None if held.first else cand.scores.reshape(b * h, 1, width)
     if sums is None:
         scores = policy.scoring.score_chunk_prompt(state, carried)
     else:  # the kernel's column sums over [held entries, chunk] → the candidates' order, per query head
         sums = sums.view(b, h, g, -1)
-        own = sums[..., hk.shape[2]:]
+        own = sums[..., held.keys.shape[2]:]
+        m = cand.held
         if m:
-            own = torch.cat([sums[..., :hk.shape[2]].gather(3, src[:, :, None].expand(b, h, g, m)), own], dim=3)
+            own = torch.cat([sums[..., :held.keys.shape[2]].gather(3, cand.src[:, :, None].expand(b, h, g, m)), own],
+                            dim=3)
         scores = policy.scoring.score_chunk_from_column_sums(own.reshape(b * h, g, width), state, carried)
-    scores = scores.reshape(b, h, width)
-    slots = None
-    if policy.merges and not first:
-        size = int(slot_count.max())
-        slots = Merged(hk[:, :, :size], hv[:, :, :size], torch.where(is_slot[:, :, :size], hc[:, :, :size], 0).long())
+    select_chunk(cache, layer, held, cand, scores.reshape(b, h, width))
+    if plan.prune_every:  # the latest query rows, for pruning while decoding
+        ring = q if cache.rings[layer] is None else torch.cat([cache.rings[layer], q], dim=2)
+        cache.rings[layer] = ring[:, :, ring.shape[2] - min(plan.ring_rows, ring.shape[2]):].clone()
+    return out
 
+
+def start_chunk(cache: KVCompileCache, like: Tensor, mask: Tensor | None, layer: int, start: int,
+                end: int) -> Tensor:
+    """The chunk's state at its first layer (the prompt's real tokens, lengths and pads so far, a fresh
+    PromptState: a cascade's entropies start again in every chunk); returns the chunk's real tokens (B, T)."""
+    plan = cache.plan
+    b = like.shape[0]
+    seen = torch.ones(b, end, dtype=torch.bool, device=like.device) if mask is None else mask[:, :end].bool()
+    if layer == 0:
+        lengths = seen.sum(-1)
+        pad = end - lengths  # left pads so far: every pad comes before the real tokens
+        if start == 0:
+            cache.plan = plan = plan.bound_to(like)
+            cache.rings = [None] * plan.num_layers
+        totals = layer_totals(plan.policy, lengths, plan.num_layers, plan.num_heads) if plan.static_totals else None
+        cache.prompt = PromptState(seen, lengths, pad, end, totals, [])
+        cache.decoding = None
+    return seen[:, start:]
+
+
+@dataclass
+class Held:
+    """What a layer holds before a chunk: its pages gathered (B, H, E): keys, values, scores, positions,
+    merge counts, `stored` (the entry holds something), and the slots each head holds (B, H)."""
+
+    keys: Tensor
+    values: Tensor
+    scores: Tensor
+    positions: Tensor
+    counts: Tensor
+    stored: Tensor
+    slot_count: Tensor
+    first: bool  # the layer's first chunk: nothing held
+
+    def attention(self, plan, keys: Tensor | None = None, values: Tensor | None = None):
+        """The `held` argument of plan.chunk_attention: these entries (with the merge rule's logit bias),
+        followed by `keys`, `values` (B, H, T', d) that every query sees with no bias (a reconstruction
+        forward's view of the chunk it reconstructs)."""
+        bias = plan.merge_bias(self.counts)
+        if keys is None:
+            return self.keys, self.values, bias, self.stored
+        b, h, t = keys.shape[:3]
+        if bias is not None:
+            bias = torch.cat([bias, bias.new_zeros(b, h, t)], dim=2)
+        seen = torch.ones(b, h, t, dtype=torch.bool, device=keys.device)
+        return (torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2), bias,
+                torch.cat([self.stored, seen], dim=2))
+
+    def tokens(self) -> Tensor:
+        """(B, H, E) bool: the entries that are kept tokens (not merge slots)."""
+        e = torch.arange(self.keys.shape[2], device=self.keys.device)
+        return self.stored & (e >= self.slot_count[..., None])
+
+
+def held_entries(cache: KVCompileCache, layer: int, k: Tensor, v: Tensor) -> Held:
+    """The layer's pages gathered (`Held`), in the dtype of k and v (quantized pages dequantize)."""
+    b, h, _, d = k.shape
+    store = cache.stores[layer]
+    if store is None:
+        device = k.device
+        return Held(k.new_zeros(b, h, 0, d), v.new_zeros(b, h, 0, v.shape[-1]), torch.zeros(b, h, 0, device=device),
+                    torch.zeros(b, h, 0, dtype=torch.long, device=device), torch.zeros(b, h, 0, device=device),
+                    torch.zeros(b, h, 0, dtype=torch.bool, device=device),
+                    torch.zeros(b, h, dtype=torch.long, device=device), True)
+    hk, hv, hs, hp, hc, stored = store.gather()
+    return Held(hk.to(k.dtype), hv.to(v.dtype), hs, hp, hc, stored, store.slots, False)
+
+
+@dataclass
+class Candidates:
+    """A chunk's candidates at one layer (B, H, M + T): the held tokens right-aligned in position order, then
+    the chunk's tokens. `src` (B, H, M) the held entry of each held column, `held` = M."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    valid: Tensor
+    src: Tensor
+    held: int
+    scores: Tensor  # (B, H, M + T) the held tokens' scores, 0 for the chunk's
+    lengths: Tensor  # (B,) real tokens seen, this chunk's included
+
+
+def candidates(cache: KVCompileCache, held: Held, k: Tensor, v: Tensor, real: Tensor, start: int,
+               end: int) -> Candidates:
+    """The candidates of the chunk [start, end) at a layer: the held tokens (right-aligned, position
+    order) then the chunk's tokens, with their positions (index − pads) and validity."""
+    b, h, t, _ = k.shape
+    tokens = held.tokens().sum(-1)  # (B, H)
+    m = int(tokens.max()) if tokens.numel() else 0
+    cols = torch.arange(m, device=k.device)
+    lead = (m - tokens)[..., None]
+    held_valid = cols >= lead
+    src = (held.slot_count[..., None] + cols - lead).clamp(0, max(held.keys.shape[2] - 1, 0))
+    take = lambda x: x.gather(2, src[..., None].expand(*src.shape, x.shape[-1])) if x.dim() == 4 \
+        else x.gather(2, src)  # noqa: E731
+    pad = cache.prompt.pad
+    positions = torch.arange(start, end, device=k.device)[None, :] - pad[:, None]  # (B, T) logical positions
+    return Candidates(torch.cat([take(held.keys).to(k.dtype), k], dim=2),
+                      torch.cat([take(held.values).to(v.dtype), v], dim=2),
+                      torch.cat([take(held.positions), positions[:, None].expand(b, h, t)], dim=2),
+                      torch.cat([held_valid, real[:, None].expand(b, h, t)], dim=2), src, m,
+                      torch.cat([take(held.scores), torch.zeros(b, h, t, device=k.device)], dim=2),
+                      cache.prompt.lengths)
+
+
+def select_chunk(cache: KVCompileCache, layer: int, held: Held, cand: Candidates, scores: Tensor) -> None:
+    """The selection of a chunk's candidates scored `scores` (B, H, M + T) back to the budget of the tokens
+    seen, the evicted ones merged into the slots the head holds, written into fresh pages; inside a
+    chunk's cascade (reference.ChunkedPrefill, steps 3–4), LAVa's re-selection of the layers below."""
+    plan = cache.plan
+    policy = plan.policy
+    valid, lengths = cand.valid, cand.lengths
+    b, h = valid.shape[:2]
+    slots = None
+    if policy.merges and not held.first:
+        size = int(held.slot_count.max())
+        e = torch.arange(held.keys.shape[2], device=valid.device)
+        is_slot = held.stored & (e < held.slot_count[..., None])
+        slots = Merged(held.keys[:, :, :size], held.values[:, :, :size],
+                       torch.where(is_slot[:, :, :size], held.counts[:, :, :size], 0).long())
     prompt = cache.prompt
     if plan.cascade:  # LAVa Alg. 2 inside the chunk (reference.ChunkedPrefill, step 4)
         prompt.entropy.append(entropy(scores, valid))
-        used = torch.zeros_like(tokens) if slots is None else (slots.counts > 0).sum(-1)
-        held = torch.stack(prompt.held + [valid.sum((1, 2)) + used.sum(-1)], dim=1)
+        used = torch.zeros(b, h, dtype=torch.long, device=valid.device) if slots is None \
+            else (slots.counts > 0).sum(-1)
+        now = torch.stack(prompt.held + [valid.sum((1, 2)) + used.sum(-1)], dim=1)
         # the layers above still hold their previous chunk's entries: the layers seen share the rest
-        above = sum((s.lengths.sum(-1).to(q.device) for s in cache.stores[layer + 1:] if s is not None),
+        above = sum((s.lengths.sum(-1).to(valid.device) for s in cache.stores[layer + 1:] if s is not None),
                     torch.zeros_like(lengths))
         totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads,
-                              entropy=torch.stack(prompt.entropy, dim=1), capacity=held, reserved=above)
+                              entropy=torch.stack(prompt.entropy, dim=1), capacity=now, reserved=above)
     elif policy.budget.threshold is None:
         totals = layer_totals(policy, lengths, plan.num_layers, plan.num_heads)
     else:
         totals = None
-    kept, merged = select_and_merge(policy, keys, values, scores, cand_pos, valid, lengths,
+    kept, merged = select_and_merge(policy, cand.keys, cand.values, scores, cand.positions, valid, lengths,
                                     None if totals is None else totals[:, layer], layer, slots)
-    cache.stores[layer] = store_layer(cache, Entries(keys, values, scores, cand_pos, torch.ones_like(scores), kept), merged)
-    if plan.prune_every:  # the latest query rows, for pruning while decoding
-        ring = q if cache.rings[layer] is None else torch.cat([cache.rings[layer], q], dim=2)
-        cache.rings[layer] = ring[:, :, ring.shape[2] - min(plan.ring_rows, ring.shape[2]):].clone()
+    cache.stores[layer] = store_layer(cache, Entries(cand.keys, cand.values, scores, cand.positions,
+                                                     torch.ones_like(scores), kept), merged)
     if plan.cascade:
         prompt.held.append(cache.stores[layer].lengths.sum(-1))
         cascade(cache, layer, totals)
-    return out
-

@@ -70,6 +70,8 @@ class ChunkedPrompt:
     budget before the next one; the calls after `length` tokens decode."""
 
     length: int  # the whole prompt's length, pads included
+    ids: Tensor | None = None  # a reconstruction scorer (kvcompile.kvzip.prefill_chunk): the prompt's last token
+    #   ids so far (B, ≤ overlap), which the next chunk's repeat prompt quotes
 
 
 @dataclass

@@ -706,13 +706,23 @@ class KVzip(Scorer):
         queries (B, Hq, T, d): the reconstruction input's queries after RoPE; cached_k (B, H, N, d): the
         prompt's keys; own_k (B, H, T, d): the reconstruction input's keys (query t sees own keys u ≤ t).
         The softmax runs over KVzip's keys only: the first min(sinks, start) entries, the chunk's, the own
-        keys u ≤ t. Rows go in blocks of about `budget` logits (a max over rows splits), each block reading
-        the own keys up to its last row: memory O(budget) floats."""
+        keys u ≤ t (`score_keys`)."""
+        sink = min(self.sinks, start)
+        return self.score_keys(queries, cached_k[:, :, :sink], cached_k[:, :, start:end], own_k, scale,
+                               budget=budget)
+
+    def score_keys(self, queries: Tensor, sink_k: Tensor, chunk_k: Tensor, own_k: Tensor, scale: float,
+                   sink_valid: Tensor | None = None, budget: int = 1 << 23) -> Tensor:
+        """s_h[i] of the chunk's entries `chunk_k` (B, H, W, d): (B, H, W) float32, the softmax of each
+        reconstruction query over the sink entries `sink_k` (B, H, S, d) (those of `sink_valid` (B, H, S)
+        only, where given: a head that no longer holds a sink), the chunk's entries and the own keys u ≤ t.
+        Rows go in blocks of about `budget` logits (a max over rows splits), each block reading the own keys
+        up to its last row: memory O(budget) floats."""
         b, hq, t, d = queries.shape
-        h = cached_k.shape[1]
+        h = chunk_k.shape[1]
         g = hq // h
-        sink, width = min(self.sinks, start), end - start
-        keys = torch.cat([cached_k[:, :, :sink], cached_k[:, :, start:end], own_k], dim=2).float()
+        sink, width = sink_k.shape[2], chunk_k.shape[2]
+        keys = torch.cat([sink_k, chunk_k, own_k], dim=2).float()
         keys = keys.transpose(2, 3)  # (B, H, d, sink + width + T)
         q = queries.float().view(b, h, g, t, d)
         best = torch.zeros(b, h, width, dtype=torch.float32, device=queries.device)
@@ -724,6 +734,8 @@ class KVzip(Scorer):
             rows = q[:, :, :, lo:hi].reshape(b, h, g * (hi - lo), d)  # a group's rows share one matmul
             logits = torch.matmul(rows, keys[..., :seen]).mul_(scale).view(b, h, g, hi - lo, seen)
             logits[..., sink + width:].masked_fill_(own[None, :hi] > own[lo:hi, None], float("-inf"))
+            if sink_valid is not None:
+                logits[..., :sink].masked_fill_(~sink_valid[:, :, None, None, :], float("-inf"))
             probs = torch.softmax(logits, dim=-1)[..., sink:sink + width]
             best = torch.maximum(best, probs.amax(dim=(2, 3)))
         return best
