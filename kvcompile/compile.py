@@ -450,7 +450,7 @@ def _reconstructed_prompt(entry: Entry, forward, cache: KVCompileCache, t: int |
     chunk, prompt = cache.plan.prefill_chunk, cache.compressing
     step = kvzip.chunk_forward(forward, entry.repeat)
     if cache.seq_length or (prompt is not None and prompt.length != t):  # the next chunk of the prompt
-        return step(*args, past_key_values=cache, **kwargs)
+        return step(*args, **cache_arg.given(cache), **kwargs)
     if not chunk or t is None or t <= chunk:  # the whole prompt, one chunk: one-pass KVzip exactly
         cache.compressing = None
         return kvzip.prefill(forward, cache, entry.repeat, args, kwargs)

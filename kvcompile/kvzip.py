@@ -203,13 +203,13 @@ def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dic
     cache.reconstruction = rec = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers,
                                                 chunk=(start, end))
     try:
-        out = forward(*args, past_key_values=cache, **kwargs)
+        out = forward(*args, **cache_arg.given(cache), **kwargs)
         known = ids if prompt.ids is None else torch.cat([prompt.ids, ids], dim=1)  # from position end - its width
         spans = [(s, min(s + scorer.chunk, end)) for s in range(start, end, scorer.chunk)]
         for span, inputs in zip(spans, repeat.inputs(known, spans, scorer.overlap, offset=end - known.shape[1])):
             rec.span = span
             positions = torch.arange(end, end + inputs.shape[1], device=ids.device)[None].expand(b, -1)
-            forward(inputs, position_ids=positions, past_key_values=cache, kvcompile_cache=cache, use_cache=True,
+            forward(inputs, position_ids=positions, **cache_arg.given(cache), kvcompile_cache=cache, use_cache=True,
                     logits_to_keep=1)
         rec.span = None
         for layer in range(layers):
@@ -224,8 +224,9 @@ def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dic
 
 def chunk_forward(forward, repeat: RepeatPrompt):
     """`forward` for compile()'s `_forward_in_chunks`: each chunk through `prefill_chunk`."""
-    def run(*args, past_key_values, **kwargs):
-        return prefill_chunk(forward, past_key_values, repeat, args, kwargs)
+    def run(*args, **kwargs):
+        cache = cache_arg.take(kwargs)
+        return prefill_chunk(forward, cache, repeat, args, kwargs)
 
     return run
 
