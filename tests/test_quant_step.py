@@ -59,7 +59,7 @@ def assert_same_store(got, want):
     """Bit for bit the same pool, block table and counters (codes, scales, zero points, positions, ...)."""
     for name in PAGE_FIELDS:
         a, b = getattr(got, name), getattr(want, name)
-        assert a.shape == b.shape and torch.equal(a, b), name
+        assert (a is None and b is None) if a is None or b is None else a.shape == b.shape and torch.equal(a, b), name
     assert got.room == want.room and got.next_page == want.next_page
 
 
@@ -131,7 +131,7 @@ def test_fused_step_equals_the_unfused_path(bits, d, groups, b, h, g, page, per_
     torch.set_num_threads(threads)
     try:
         for _ in range(steps):
-            q, k, v = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
+            q, k, v = rand(b, h * g, 1, d) / magnitude ** 2, rand(b, h, 1, d), rand(b, h, 1, d)  # logits ~ 1
             got = torch.ops.kvcompile.attend(q, k, v, None, 0, cache.ref, cache.token, scale)
             want = torch.ops.kvcompile.attend(q, k, v, None, 0, other.ref, other.token, scale)
             assert_same_store(cache.stores[0], other.stores[0])
@@ -313,8 +313,10 @@ TIERED = {  # storage, spec: mixed precision (appends to the float tier), codes 
 
 def tiered_policy(key: str, per_head: int, alpha: float = 0.6):
     storage, spec = TIERED[key]
-    extra = {"merge": {"residual": {"alpha": alpha}}} if spec == "lava_residual" else {}
-    return kvcompile.load_spec(spec, per_head=per_head, storage=storage, **SMALL, **extra)
+    if spec == "lava_residual":  # its split's proximity is the recent window (ranking window 0)
+        return kvcompile.load_spec(spec, per_head=per_head, storage=storage, scoring={"lava": {"window": 2}},
+                                   merge={"residual": {"alpha": alpha}})
+    return kvcompile.load_spec(spec, per_head=per_head, storage=storage, **SMALL)
 
 
 def assert_same_tiers(got, want):
@@ -323,10 +325,10 @@ def assert_same_tiers(got, want):
 
 
 @needs_cpp
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(key=st.sampled_from(sorted(TIERED)), d=st.sampled_from([16, 32, 64]), b=st.integers(1, 3), h=st.integers(1, 3),
        g=st.integers(1, 4), page=st.sampled_from([2, 4, 16]), per_head=st.integers(6, 20), extra=st.integers(-3, 12),
-       steps=st.integers(1, 24), pad=st.integers(0, 4), alpha=st.sampled_from([0.0, 0.6, 1.0]),
+       steps=st.integers(1, 18), pad=st.integers(0, 4), alpha=st.sampled_from([0.0, 0.6, 1.0]),
        magnitude=st.sampled_from([1e-3, 1.0, 50.0]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2 ** 16))
 def test_tiered_step_equals_the_unfused_path(key, d, b, h, g, page, per_head, extra, steps, pad, alpha, magnitude,
                                              threads, seed):
@@ -350,7 +352,7 @@ def test_tiered_step_equals_the_unfused_path(key, d, b, h, g, page, per_head, ex
         torch.set_num_threads(threads)
         try:
             for _ in range(steps):
-                q, k, v = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
+                q, k, v = rand(b, h * g, 1, d) / magnitude ** 2, rand(b, h, 1, d), rand(b, h, 1, d)  # logits ~ 1
                 got = torch.ops.kvcompile.attend(q, k, v, None, 0, cache.ref, cache.token, scale)
                 want = torch.ops.kvcompile.attend(q, k, v, None, 0, other.ref, other.token, scale)
                 assert_same_tiers(cache.stores[0], other.stores[0])
@@ -365,7 +367,7 @@ def test_tiered_step_equals_the_unfused_path(key, d, b, h, g, page, per_head, ex
 
 @needs_cpp
 @pytest.mark.parametrize("key", sorted(TIERED))
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(b=st.integers(1, 2), h=st.integers(1, 2), g=st.integers(1, 3), n=st.integers(8, 20), steps=st.integers(1, 10),
        per_head=st.integers(6, 10), page=st.sampled_from([2, 4]), seed=st.integers(0, 2 ** 16))
 def test_tiered_step_equals_reference_token_by_token(key, b, h, g, n, steps, per_head, page, seed):
