@@ -335,6 +335,37 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage, tiered: 
     return codes
 
 
+def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_dim: int) -> bool:
+    """A fused step of a quantized store computes this policy's decode step here: codes per token (KIVI's keys
+    per channel move a page at a time: engine.tiers), no running scores, no online eviction, a merge bias of
+    the form α·log w where slots sit beside the codes (StepRule), and the quantized C++ kernel runs for its
+    groups (fp32 on a CPU, kernels None or "cpp"). One store of codes: kernels.quant_step; two tiers (mixed
+    precision, or merge slots beside the codes): kernels.tiered_step."""
+    storage = policy.storage
+    if policy.scoring.running or (policy.schedule.decode is not None and policy.schedule.decode.online) \
+            or storage.key_axis != "token" or _step_rule(policy, False) is None:
+        return False
+    if kernels not in (None, "cpp") or device is None or dtype is None:
+        return False
+    from kvcompile.kernels import paged_attention_quant as quant
+
+    return quant.supports(device, dtype, head_dim, (storage.low().group_size(head_dim),))
+
+
+def _quant_step(policy: Policy, rule: StepRule, head_dim: int):
+    """The fused step's backend for a policy's codes: kernels.quant_step.CppQuantStep for one store of codes,
+    kernels.tiered_step.CppTieredStep for two tiers (the appending one: the codes where every token is codes)."""
+    codes = policy.storage.low()
+    if not policy.tiered:
+        from kvcompile.kernels import quant_step
+
+        return quant_step.backend(codes.bits, codes.group_size(head_dim))
+    from kvcompile.kernels import tiered_step
+
+    return tiered_step.backend(codes.bits, codes.group_size(head_dim), rule.alpha,
+                               append_low=not policy.storage.tiered)
+
+
 def _tiered_refusal(policy: Policy, page_size: int) -> str | None:
     """Why a policy whose entries take two precisions (Policy.tiered: a tiered storage part, or codes beside
     merge slots; kvcompile.engine.tiers) cannot run."""
@@ -482,7 +513,12 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                 raise PlanError(f"kvcompile: storage: {storage.name}: {why}")
     online_impl, step_rule = None, None
     if storage.quantizes:
-        pass  # the fused C++ step writes float pages: quantized pages take the engine's path
+        # codes per token (one tier, or two: codes and floats) with neither running scores nor online eviction:
+        # the append and the attention over the codes (and the float tier) as one C++ call (kernels.quant_step,
+        # kernels.tiered_step) where the quantized C++ kernel runs; the rest take the engine's path
+        # (LayerStore.append / TieredStore.append, then attention)
+        if _quant_step_runs(policy, kernels, device, dtype, head_dim):
+            online_impl, step_rule = "cpp", _step_rule(policy, False)
     elif scoring.running or online:
         step_rule = _step_rule(policy, online)
         if step_rule is not None:
@@ -512,8 +548,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             prompt_merge=None if merge_impl is None else merge.backend(merge_impl, merge_compile_above),
             decode_attention=paged_attention.backend(decode_impl) if not storage.quantizes else
             _quantized_decode(decode_impl, device, dtype, head_dim, storage, policy.tiered),
-            online_step=None if online_impl is None else online_step.backend(
-                online_impl, step_rule, always=scoring.running or online),
+            online_step=None if online_impl is None else _quant_step(policy, step_rule, head_dim)
+            if storage.quantizes else online_step.backend(online_impl, step_rule, always=scoring.running or online),
             chunk_attention=None if not policy.schedule.chunk_tokens else chunk_attention.CppChunkAttention()
             if chunk_impl == "cpp" else chunk_attention.SdpaChunkAttention())
     prune_every = decode.prune_every if decode is not None else 0

@@ -50,7 +50,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
             out = plan.online_step(pages, q[:, :, i], k[:, :, i], v[:, :, i], position, split, scale)
         if out is not None:
             out = out.to(q.dtype)
-            store.room -= 1  # the fused step appended into the pages the head owns
+            store.replayed(1)  # the host's count of the append the fused step made into the pages heads own
         else:  # no fused step, or not its common case (a head taking a fresh page, several to evict)
             if store.room <= 0:  # the append reads the heads that need a page (Plan.host_syncs), counted
                 cache.count_host_sync("append")

@@ -83,6 +83,25 @@ class PageTensors(NamedTuple):
     owned: Tensor
 
 
+class QuantPageTensors(NamedTuple):
+    """A quantized store's tensors (`PageTensors` with k_pages, v_pages holding codes, and the scales and zero
+    points beside them), what the fused step of a quantized store takes (kvcompile.kernels.quant_step)."""
+
+    k_pages: Tensor
+    v_pages: Tensor
+    score_pages: Tensor
+    pos_pages: Tensor
+    count_pages: Tensor
+    block_table: Tensor
+    lengths: Tensor
+    slots: Tensor
+    owned: Tensor
+    k_scale: Tensor
+    k_zero: Tensor
+    v_scale: Tensor
+    v_zero: Tensor
+
+
 @dataclass
 class LayerStore:
     """One layer's pages. Entries carry their key, value, score, logical position
@@ -262,8 +281,13 @@ class LayerStore:
             return self.k_pages, self.v_pages
         return self.k_pages, self.k_scale, self.k_zero, self.v_pages, self.v_scale, self.v_zero
 
-    def tensors(self) -> PageTensors:
-        """The store's tensors, for a kernel that reads or updates them in place."""
+    def tensors(self) -> PageTensors | QuantPageTensors:
+        """The store's tensors, for a kernel that reads or updates them in place (with the scales and zero
+        points of quantized pages)."""
+        if self.storage is not None:
+            return QuantPageTensors(self.k_pages, self.v_pages, self.score_pages, self.pos_pages, self.count_pages,
+                                    self.block_table, self.lengths, self.slots, self.owned, self.k_scale,
+                                    self.k_zero, self.v_scale, self.v_zero)
         return PageTensors(self.k_pages, self.v_pages, self.score_pages, self.pos_pages, self.count_pages,
                            self.block_table, self.lengths, self.slots, self.owned)
 

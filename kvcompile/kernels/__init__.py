@@ -6,7 +6,9 @@
 - `merge`: the ZSMerge residual merge update.
 - `select`: prefill selection (top-k per head, pooled top-k, DBudgetKV threshold) and
   the gather of the kept rows into pages.
-- `online_step`: the fused decode step (C++); `attention_column_sums`: the prompt's attention
+- `online_step`: the fused decode step (C++); `quant_step`, `tiered_step`: the fused decode step of a
+  store of int8 / int4 codes and of a two-tier store (C++, over `paged_attention_quant`'s kernel);
+  `attention_column_sums`: the prompt's attention
   with its weighted column sums (C++); `chunk_attention`: a chunk's attention over the held
   entries and itself (a chunked prompt).
 - `choice`: `resolve`, which implementation of each of these runs (the `impl=` names,

@@ -39,7 +39,8 @@ Backends (`Plan.online_step`): `CppOnlineStep` (the C++ kernel, with the plan's 
 runs: every step where scores run or tokens leave, else only below `one_thread_work` multiply-adds, where
 the paged-attention kernel would run on one thread anyway) and `TorchOnlineStep` (the runtime's path:
 `runs` is False). `backend.runs(pages, query_heads)` says whether `backend(pages, q, k, v, position,
-split, scale)` is called for a step.
+split, scale)` is called for a step. The same slot and call hold the fused steps of quantized stores:
+`kernels.quant_step.CppQuantStep` (codes per token) and `kernels.tiered_step.CppTieredStep` (two tiers).
 """
 from __future__ import annotations
 

@@ -1,0 +1,79 @@
+// One decode step of a layer whose pages hold int8 / int4 codes (keys and values per token), fused: the new
+// key and value of every head quantized into the head's next slot (kvcompile/kernels/quantize.py's formula,
+// bit for bit), then the quantized pages' flash-decoding attention (paged_attention_quant.cpp, whose text
+// comes right before this one with its entry renamed `kvcompile_paged_attention_quant`). Built by
+// kvcompile/kernels/quant_step.py, where the contract is; the loader defines KVCOMPILE_G, _D, _GK, _GV.
+static_assert(!KCH, "the fused step appends entries one at a time: keys per token only (KIVI's per-channel "
+                    "pages take whole pages, kvcompile.engine.tiers)");
+
+// One entry x (D floats) -> its codes (D * BITS / 8 bytes; int4: channel 2i in the low nibble of byte i),
+// and the scale and zero point of each group of GRP channels. kvcompile.kernels.quantize's fp32 operations
+// in its order: zero = min, scale = (max - min) / (2^BITS - 1) (a true division: the build's flags have no
+// unsafe math and no contraction), 1 where that is 0, code = clamp(round((x - zero) / scale), 0, 2^BITS - 1)
+// with round half to even (nearbyint in the default rounding mode, as torch.round).
+template <int BITS, int64_t GRP>
+static inline void quantize_entry(const float* x, uint8_t* codes, float* scale, float* zero) {
+    constexpr float LEVELS = float((1 << BITS) - 1);
+    uint8_t c[D];
+    for (int64_t g = 0; g < D / GRP; ++g) {
+        const float* xg = x + g * GRP;
+        float lo = xg[0], hi = xg[0];
+        for (int64_t i = 1; i < GRP; ++i) {
+            lo = xg[i] < lo ? xg[i] : lo;
+            hi = xg[i] > hi ? xg[i] : hi;
+        }
+        float s = (hi - lo) / LEVELS;
+        if (s == 0.f) s = 1.f;
+        scale[g] = s;
+        zero[g] = lo;
+        for (int64_t i = 0; i < GRP; ++i) {
+            float r = std::nearbyint((xg[i] - lo) / s);
+            r = r < 0.f ? 0.f : (r > LEVELS ? LEVELS : r);
+            c[g * GRP + i] = static_cast<uint8_t>(r);
+        }
+    }
+    if constexpr (BITS == 8) {
+        for (int64_t i = 0; i < D; ++i) codes[i] = c[i];
+    } else {
+        for (int64_t i = 0; i < D / 2; ++i) codes[i] = static_cast<uint8_t>(c[2 * i] | (c[2 * i + 1] << 4));
+    }
+}
+
+template <int BITS>
+static void append_all(const float* k, const float* v, const int64_t* position, uint8_t* kc, float* ks, float* kz,
+                       uint8_t* vc, float* vs, float* vz, float* sp, int64_t* pp, float* cp, const int64_t* table,
+                       int64_t* lengths, int64_t B, int64_t H, int64_t M, int64_t S) {
+    constexpr int64_t W = D * BITS / 8;
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+        const int64_t e = lengths[bh];
+        const int64_t at = table[bh * M + e / S] * S + e % S;  // the head's next slot (LayerStore.append)
+        quantize_entry<BITS, GK>(k + bh * D, kc + at * W, ks + at * NGK, kz + at * NGK);
+        quantize_entry<BITS, GV>(v + bh * D, vc + at * W, vs + at * NGV, vz + at * NGV);
+        sp[at] = 0.f;
+        pp[at] = position[bh / H];
+        cp[at] = 1.f;
+        lengths[bh] = e + 1;
+    }
+}
+
+// status[0]: 0 = done; 1 = some head's next entry has no page it owns (a fresh page to take: the caller's
+// path runs the step) and nothing was changed. Threads, work items and the partials' workspace `work` as the
+// paged kernel's launch (its parallel_work and items_per_thread; chunk 0: whole pages).
+extern "C" void kernel(const float* q, const float* k, const float* v, const int64_t* position, uint8_t* kc,
+                       float* ks, float* kz, uint8_t* vc, float* vs, float* vz, float* sp, int64_t* pp, float* cp,
+                       const int64_t* table, int64_t* lengths, const int64_t* owned, float* work, float* out,
+                       const int64_t B, const int64_t H, const int64_t M, const int64_t S, const float scale,
+                       const int64_t max_threads, const int64_t items_per_thread, const int64_t parallel_work,
+                       const int64_t bits, int64_t* status) {
+    status[0] = 0;
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+        const int64_t col = lengths[bh] / S;
+        if (col >= owned[bh] || col >= M) { status[0] = 1; return; }
+    }
+    if (bits == 8)
+        append_all<8>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
+    else
+        append_all<4>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
+    kvcompile_paged_attention_quant(q, kc, ks, kz, vc, vs, vz, table, lengths, nullptr, work, out, out, B * H, M, S,
+                                    0, 0, scale, max_threads, items_per_thread, parallel_work, 0, bits);
+}
