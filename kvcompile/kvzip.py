@@ -137,6 +137,20 @@ def _ids_and_mask(args, kwargs) -> tuple[Tensor, Tensor | None]:
     return ids, mask
 
 
+def _reconstruct(forward, cache, repeat: RepeatPrompt, ids: Tensor, spans: list[tuple[int, int]], overlap: int,
+                 at: int, offset: int = 0) -> None:
+    """KVzip's reconstruction forwards, one per span [s, e) of the prompt (`ids` (B, ·) its tokens from position
+    `offset`): the span's repeat input at positions at, at + 1, …, each layer's op recording the span's scores
+    in `cache.reconstruction` and storing nothing."""
+    rec, b = cache.reconstruction, ids.shape[0]
+    for span, inputs in zip(spans, repeat.inputs(ids, spans, overlap, offset=offset)):
+        rec.span = span
+        positions = torch.arange(at, at + inputs.shape[1], device=ids.device)[None].expand(b, -1)
+        forward(inputs, position_ids=positions, **cache_arg.given(cache), kvcompile_cache=cache, use_cache=True,
+                logits_to_keep=1)
+    rec.span = None
+
+
 def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
     """A fresh prompt under a reconstruction scorer (steps 1–3 of the module's docstring), through the
     model's `forward` (the compiled model's, with `kvcompile_cache` in kwargs). Returns the prompt's
@@ -151,13 +165,7 @@ def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
     try:
         out = forward(*args, **cache_arg.given(cache), **kwargs)
         b, n = ids.shape
-        spans = scorer.chunks(n)
-        for span, inputs in zip(spans, repeat.inputs(ids, spans, scorer.overlap)):
-            rec.span = span
-            positions = torch.arange(n, n + inputs.shape[1], device=ids.device)[None].expand(b, -1)
-            forward(inputs, position_ids=positions, **cache_arg.given(cache), kvcompile_cache=cache, use_cache=True,
-                    logits_to_keep=1)
-        rec.span = None
+        _reconstruct(forward, cache, repeat, ids, scorer.chunks(n), scorer.overlap, at=n)
         for layer in range(layers):
             k, v = rec.keys[layer], rec.values[layer]
             queries = k.new_empty(b, rec.query_heads, 0, k.shape[-1])  # the scores are given: no query rows
@@ -191,7 +199,7 @@ def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dic
     scorer = plan.policy.scoring
     prompt = cache.compressing
     c = plan.prefill_chunk
-    b, t = ids.shape
+    t = ids.shape[1]
     start = cache.seq_length
     end = start + t
     if start % c or t > c or end > prompt.length or (end % c and end != prompt.length):
@@ -200,18 +208,13 @@ def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dic
                            f"[{start}, {min(start + c, prompt.length)}), not {t} tokens: give the prompt in one "
                            f"call, or generate(prefill_chunk_size={c})")
     layers = plan.num_layers
-    cache.reconstruction = rec = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers,
-                                                chunk=(start, end))
+    cache.reconstruction = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers,
+                                          chunk=(start, end))
     try:
         out = forward(*args, **cache_arg.given(cache), **kwargs)
         known = ids if prompt.ids is None else torch.cat([prompt.ids, ids], dim=1)  # from position end - its width
         spans = [(s, min(s + scorer.chunk, end)) for s in range(start, end, scorer.chunk)]
-        for span, inputs in zip(spans, repeat.inputs(known, spans, scorer.overlap, offset=end - known.shape[1])):
-            rec.span = span
-            positions = torch.arange(end, end + inputs.shape[1], device=ids.device)[None].expand(b, -1)
-            forward(inputs, position_ids=positions, **cache_arg.given(cache), kvcompile_cache=cache, use_cache=True,
-                    logits_to_keep=1)
-        rec.span = None
+        _reconstruct(forward, cache, repeat, known, spans, scorer.overlap, at=end, offset=end - known.shape[1])
         for layer in range(layers):
             select_reconstructed(cache, layer)
         prompt.ids = known[:, known.shape[1] - min(scorer.overlap, known.shape[1]):]
