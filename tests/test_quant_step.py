@@ -48,6 +48,17 @@ def one_layer(policy, b, h, g, d, page, kernels=None):
     return KVCompileCache(policy, config, page_size=page, kernels=kernels)
 
 
+def prefilled(policy, b, h, g, d, page, n, pad, rand, scale):
+    """One layer prefilled with n random entries a head (the batch's last row left-padded by up to `pad`),
+    and its copy whose decode steps take the engine's path (`unfused`)."""
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[-1, :min(pad, n - 3)] = False
+    cache = one_layer(policy, b, h, g, d, page)
+    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d),
+                               None if bool(mask.all()) else mask, 0, cache.ref, cache.token, scale)
+    return cache, unfused(cache)
+
+
 def unfused(cache: KVCompileCache) -> KVCompileCache:
     """A copy of a prefilled cache whose decode steps take the engine's path (append, then attention)."""
     new = copy.deepcopy(cache)
@@ -118,15 +129,9 @@ def test_fused_step_equals_the_unfused_path(bits, d, groups, b, h, g, page, per_
     policy = kvcompile.load_spec("snapkv", per_head=per_head, storage=storage_part(bits, group), **SMALL)
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen) * magnitude  # noqa: E731
-    n = max(4, per_head + extra)
-    mask = torch.ones(b, n, dtype=torch.bool)
-    mask[-1, :min(pad, n - 3)] = False
     scale = d ** -0.5
-    cache = one_layer(policy, b, h, g, d, page)
-    torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d),
-                               None if bool(mask.all()) else mask, 0, cache.ref, cache.token, scale)
+    cache, other = prefilled(policy, b, h, g, d, page, max(4, per_head + extra), pad, rand, scale)
     assert isinstance(cache.plan.online_step, CppQuantStep)
-    other = unfused(cache)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -339,15 +344,9 @@ def test_tiered_step_equals_the_unfused_path(key, d, b, h, g, page, per_head, ex
         policy = tiered_policy(key, per_head, alpha)
         gen = torch.Generator().manual_seed(seed)
         rand = lambda *shape: torch.randn(*shape, generator=gen) * magnitude  # noqa: E731
-        n = max(4, per_head + extra)
-        mask = torch.ones(b, n, dtype=torch.bool)
-        mask[-1, :min(pad, n - 3)] = False
         scale = d ** -0.5
-        cache = one_layer(policy, b, h, g, d, page)
-        torch.ops.kvcompile.attend(rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d),
-                                   None if bool(mask.all()) else mask, 0, cache.ref, cache.token, scale)
+        cache, other = prefilled(policy, b, h, g, d, page, max(4, per_head + extra), pad, rand, scale)
         assert isinstance(cache.plan.online_step, CppTieredStep)
-        other = unfused(cache)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:

@@ -72,19 +72,25 @@ def _kernel(g: int, d: int, group: int):
     return CppPythonBindingsCodeCache.load_pybinding(list(_ARGTYPES), source(g, d, group))
 
 
+def counters_layout(pages) -> bool:
+    """A store's block table and counters int64, scores and counts float32, and every tensor contiguous: what the
+    fused steps (this one, kernels.tiered_step) write into in place beside the keys and values."""
+    return (pages.lengths.dtype == torch.long and pages.block_table.dtype == torch.long
+            and pages.owned.dtype == torch.long and pages.pos_pages.dtype == torch.long
+            and pages.score_pages.dtype == torch.float32 and pages.count_pages.dtype == torch.float32
+            and all(t.is_contiguous() for t in pages))
+
+
 def _layout(pages, d: int, bits: int, group: int) -> bool:
     """The pages have the layout the kernel writes into in place: codes uint8 (P, S, d · bits / 8), scales and
-    zero points float32 (P, S, d / group), int64 block table and counters, all contiguous."""
+    zero points float32 (P, S, d / group), and `counters_layout`."""
     kc, vc, ks, kz, vs, vz = pages.k_pages, pages.v_pages, pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero
     width, groups = d * bits // 8, d // group
     return (kc.dtype == torch.uint8 and vc.dtype == torch.uint8 and kc.shape[-1] == width
             and vc.shape[-1] == width and ks.dtype == torch.float32 and kz.dtype == torch.float32
             and vs.dtype == torch.float32 and vz.dtype == torch.float32 and ks.dim() == 3
             and ks.shape[-1] == groups and kz.shape == ks.shape and vs.shape == ks.shape and vz.shape == ks.shape
-            and pages.lengths.dtype == torch.long and pages.block_table.dtype == torch.long
-            and pages.owned.dtype == torch.long and pages.pos_pages.dtype == torch.long
-            and pages.score_pages.dtype == torch.float32 and pages.count_pages.dtype == torch.float32
-            and all(t.is_contiguous() for t in pages))
+            and counters_layout(pages))
 
 
 def quant_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, scale: float, bits: int, group: int,

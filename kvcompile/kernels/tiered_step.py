@@ -35,8 +35,8 @@ from torch import Tensor
 
 from kvcompile.engine.pages import PageTensors, QuantPageTensors
 from kvcompile.kernels import paged_attention_quant as quant
-from kvcompile.kernels.online_step import OnlineStep
-from kvcompile.kernels.quant_step import _layout as _codes_layout
+from kvcompile.kernels.online_step import OnlineStep, _alpha
+from kvcompile.kernels.quant_step import _layout as _codes_layout, counters_layout
 
 _ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*",
              "float*", "float*", "float*", "int64_t*", "float*", "const int64_t*", "int64_t*", "const int64_t*",
@@ -64,19 +64,9 @@ def _kernel(g: int, d: int, group: int):
     return CppPythonBindingsCodeCache.load_pybinding(list(_ARGTYPES), source(g, d, group))
 
 
-@functools.cache
-def _alpha(alpha: float) -> Tensor:
-    """α as a float64 scalar tensor: the bias is computed in double, as MergeRule.bias does."""
-    return torch.tensor([alpha], dtype=torch.float64)
-
-
 def _float_layout(pages, d: int) -> bool:
     return (pages.k_pages.dtype == torch.float32 and pages.v_pages.dtype == torch.float32
-            and pages.k_pages.shape[-1] == d and pages.v_pages.shape[-1] == d
-            and pages.lengths.dtype == torch.long and pages.block_table.dtype == torch.long
-            and pages.owned.dtype == torch.long and pages.pos_pages.dtype == torch.long
-            and pages.score_pages.dtype == torch.float32 and pages.count_pages.dtype == torch.float32
-            and all(t.is_contiguous() for t in pages))
+            and pages.k_pages.shape[-1] == d and pages.v_pages.shape[-1] == d and counters_layout(pages))
 
 
 def tiered_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, scale: float, bits: int, group: int,
