@@ -5,6 +5,11 @@ the first prompt's prefill and first decode step, at the end). The engine core r
 configures (KVCOMPILE_VLLM_SPEC...). Used by tests/test_vllm_plugin.py:
 
     .venv-vllm/bin/python tests/vllm_run.py '{"model": "models/smollm2-135m", "prompts": [[...]], "max_tokens": 8}'
+
+With "runs": [{"spec": ..., "overrides": {...}, "record": file}, ...] (the plugin on), the same engine runs the
+prompts once per policy, each in turn set as the worker's policy (kvcompile.vllm.backend.STEP) between runs,
+when no request is in flight: one vLLM start for many policies (the scheduler reads only what the worker
+recorded). The result is then {"runs": [one result per policy]}.
 """
 import json
 import os
@@ -23,12 +28,28 @@ def main(args: dict) -> dict:
                    **args.get("options", {}))
     llm = LLM(**options)
     params = SamplingParams(max_tokens=args["max_tokens"], temperature=0, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
+    if "runs" not in args:
+        return run(llm, prompts, params, "stepped") | {"block_size": options["block_size"]}
+    from kvcompile.spec import load_spec
+    from kvcompile.vllm.backend import STEP
+    from kvcompile.vllm.settings import refusal
+
+    results = []
+    for i, spec in enumerate(args["runs"]):
+        policy = load_spec(spec["spec"], **spec.get("overrides", {}))
+        assert refusal(policy) is None, refusal(policy)
+        STEP.policy, STEP.record_to = policy, spec.get("record")
+        results.append(run(llm, prompts, params, f"stepped-{i}") | {"block_size": options["block_size"]})
+    return {"runs": results}
+
+
+def run(llm, prompts, params, stepped: str) -> dict:
     engine = llm.llm_engine
     pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     total = pool.get_num_free_blocks()
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
     # the first prompt stepped by hand: blocks held after its prefill and after its first decode step
-    engine.add_request("stepped", prompts[0], params)
+    engine.add_request(stepped, prompts[0], params)
     engine.step()
     after_prefill = pool.get_num_free_blocks()
     engine.step()
@@ -38,7 +59,7 @@ def main(args: dict) -> dict:
     together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     alone = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
     return {"together": together, "alone": alone, "blocks": {"total": total, "after_prefill": after_prefill,
-            "after_decode": after_decode, "end": pool.get_num_free_blocks()}, "block_size": options["block_size"]}
+            "after_decode": after_decode, "end": pool.get_num_free_blocks()}}
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
 """vLLM's CPU attention backend with kvcompile's prompt compression (docs/VLLM.md "Design").
 
-In the step that ends a request's prompt (the whole prompt: chunked prefill is refused), each layer,
-after vLLM's own attention: the layer's prompt state (the last R = scoring.query_rows(N) queries, every
-key and value, all after RoPE) is scored by the policy's scorer and selected by kvcompile's selection
-(kvcompile.selection.select, the definition its engine is tested against), with the layer totals of
-kvcompile.allocation; each KV head's K_{l,h} kept entries, in position order, are written (by vLLM's own
-cache update, in its layout) into the request's slots of logical positions [N − K_{l,h}, N). Decode tokens are written by vLLM at N, N + 1, …
-(slot mapping and RoPE positions unchanged). Any later attention of that request at layer l reads
-positions [N − K_{l,h}, seq_len) of head h only: a masked torch attention over vLLM's paged layout
-(vLLM's CPU kernel takes no per-request, per-head start), which replaces the kernel's output for those
-requests' tokens. Keys carry their RoPE, so the slot a kept key sits in does not change its logits.
+In the step that ends a request's prompt (the whole prompt: chunked prefill is refused), each layer, after
+vLLM's own attention over the prompt, scores it with the policy's scorer (from the layer's prompt state: the
+last R = scoring.query_rows(N) queries, every key and value, all after RoPE). After the last layer the
+selection runs over every layer's scores (kvcompile.vllm.packing.kept_entries: kvcompile's reference
+selection, LAVa's cascade included), and every (layer, KV head)'s kept entries are packed into the request's
+slots of positions [N − S, N), S = ⌈Σ K_{l,h} / (L·H)⌉, across heads and layers (kvcompile.vllm.packing).
+The worker keeps where they are (a Record) and reports N − S with the step's output; the scheduler returns
+the blocks wholly before it to vLLM's pool (kvcompile.vllm.patches).
+
+Decode tokens are written by vLLM at N, N + 1, … (slot mapping and RoPE positions unchanged). Any later
+attention of a compressed request at layer l gathers head h's K_{l,h} packed entries and its decode entries
+and attends over them (a padded, masked torch attention), in place of vLLM's kernel, which is given only the
+new tokens of such requests (their seq_len cut to their query length) so it does not attend over freed
+blocks for nothing. Keys carry their RoPE, so where a kept key sits does not change its logits.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -23,26 +28,57 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from kvcompile.layer_state import LayerState
-from kvcompile.vllm.settings import PluginError, kept_counts
+from kvcompile.vllm.packing import assign, kept_entries, padded, region, slots
+from kvcompile.vllm.settings import PluginError
+
+
+@dataclass
+class PackedLayer:
+    """One layer's kept entries of a compressed request, in (head, position) order: runs of them in some
+    layer's cache tensor (source layer, block ids, columns, offsets), and the heads as a padded batch
+    (index (H, W) into that order, valid (H, W))."""
+
+    runs: list  # [(source layer, blocks (n,), columns (n,), offsets (n,))]
+    index: torch.Tensor
+    valid: torch.Tensor
 
 
 @dataclass
 class Record:
-    """A compressed request: its prompt length and each (layer, KV head)'s first logical position read."""
+    """A compressed request: its prompt length N, the slots S its packed entries hold ([N − S, N)), and
+    where each layer's entries are."""
 
     prompt_length: int
-    starts: torch.Tensor  # (L, H) long: N − K_{l,h}
+    region: int
+    layers: list  # [PackedLayer] per layer
+
+    @property
+    def first_slot(self) -> int:
+        """N − S: the blocks wholly before this position are freed."""
+        return self.prompt_length - self.region
+
+
+@dataclass
+class Pending:
+    """A prompt in its step: every layer's scores so far (1, H, N), and its block row."""
+
+    block_row: torch.Tensor
+    scores: dict = field(default_factory=dict)
 
 
 @dataclass
 class Step:
-    """The worker's plugin state: the policy, this step's requests in batch order (request id, prompt
-    length; set by the patched model runner), and the compressed requests' records."""
+    """The worker's plugin state (the engine core's process: the scheduler reads `records`): the policy,
+    this step's requests in batch order (request id, prompt length; set by the patched model runner), the
+    prompts being compressed in this step, the compressed requests' records, and every layer's cache
+    tensor (vLLM allocates them once)."""
 
     policy: object = None
     requests: list | None = None
+    pending: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)
-    kept: dict = field(default_factory=dict)  # request id -> {layer: [[positions] per head]} while recording
+    reported: dict = field(default_factory=dict)  # request id -> N − S, compressed in this step (to the scheduler)
+    caches: dict = field(default_factory=dict)  # layer index -> its kv cache tensor
     record_to: str | None = None  # settings.RECORD_ENV
 
 
@@ -57,10 +93,25 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                               f"{self.head_dim}, block {self.block_size}); the plugin reads the 'vec' layout only")
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if STEP.requests is None and common_attn_metadata.num_reqs and STEP.records:
+        requests = STEP.requests
+        if requests is None and common_attn_metadata.num_reqs and STEP.records:
             raise PluginError("kvcompile: the step's requests are unknown (a model runner the plugin does not patch?)")
-        meta.kvcompile_requests = STEP.requests
+        seq_lens = common_attn_metadata.seq_lens.cpu().clone()
+        if requests and STEP.records:
+            # vLLM's kernel attends a compressed request's new tokens only to themselves (their output is
+            # replaced): never over its freed blocks, never over the whole context for nothing
+            starts = common_attn_metadata.query_start_loc_cpu.tolist()
+            cut = seq_lens.clone()
+            for i, (rid, n) in enumerate(requests):
+                record = STEP.records.get(rid)
+                new = starts[i + 1] - starts[i]
+                if record is not None and int(seq_lens[i]) - new >= n:
+                    cut[i] = new
+            common_attn_metadata = dataclasses.replace(
+                common_attn_metadata, seq_lens=cut.to(common_attn_metadata.seq_lens.device))
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        meta.kvcompile_requests = requests
+        meta.kvcompile_seq_lens = seq_lens.tolist()
         meta.kvcompile_layers = self.vllm_config.model_config.get_num_layers(self.vllm_config.parallel_config)
         return meta
 
@@ -74,83 +125,92 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         if not requests:
             return output
         index = extract_layer_index(layer.layer_name)
+        STEP.caches[index] = kv_cache
         starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
+        seq_lens = attn_metadata.kvcompile_seq_lens
+        num_layers = attn_metadata.kvcompile_layers
         for i, (rid, n) in enumerate(requests):
             q0, q1, seq = starts[i], starts[i + 1], seq_lens[i]
             first = seq - (q1 - q0)
             record = STEP.records.get(rid)
             if record is not None and first >= n:
-                out = self._attend_compressed(layer, query[q0:q1], kv_cache, attn_metadata.block_table[i],
-                                              record.starts[index], first, seq)
+                out = self._attend_compressed(query[q0:q1], kv_cache, attn_metadata.block_table[i],
+                                              record, index, first, seq)
                 output[q0:q1] = out.reshape(output[q0:q1].shape)
             elif first < n <= seq:
                 if first != 0 or seq != n:
                     raise PluginError(f"kvcompile: request {rid}'s prompt of {n} tokens came in a step covering "
                                       f"positions [{first}, {seq}) (chunked or recomputed): not one-pass compression")
-                self._compress(layer, rid, n, index, attn_metadata.kvcompile_layers, query[q0:q1], key[q0:q1],
-                               value[q0:q1], kv_cache, attn_metadata.block_table[i])
+                self._score(layer, rid, n, index, query[q0:q1], key[q0:q1], value[q0:q1], kv_cache,
+                            attn_metadata.block_table[i])
+                if index == num_layers - 1:
+                    self._compress(rid, n)
         return output
 
-    def _compress(self, layer, rid, n, index, num_layers, query, key, value, kv_cache, block_row):
-        """Score and select layer `index` of a whole n-token prompt; write each head's kept entries right-aligned."""
-        from kvcompile.allocation import layer_totals
-        from kvcompile.selection import select
-
-        policy, heads = STEP.policy, key.shape[1]
-        counts = kept_counts(policy, n, num_layers, heads)
-        if int(counts.min()) >= n:
-            return  # the budget covers the prompt at every (layer, head): nothing to do
-        record = STEP.records.get(rid)
-        if record is None:
-            record = STEP.records[rid] = Record(n, n - counts)
+    def _score(self, layer, rid, n, index, query, key, value, kv_cache, block_row):
+        """Score layer `index` of a whole n-token prompt (kept until the last layer: LAVa's cascade
+        re-selects lower layers with what the later ones score)."""
         # the layout this reader assumes is checked on what vLLM just wrote: never read a cache wrongly
-        keys, values = read_blocks(kv_cache, block_row, 0, n, layer.isa)
-        if not (torch.equal(keys[:, :n], key.transpose(0, 1)) and torch.equal(values[:, :n], value.transpose(0, 1))):
+        keys, values = read_positions(kv_cache, block_row, 0, n, layer.isa)
+        if not (torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))):
             raise PluginError(f"kvcompile: vLLM's CPU cache layout for isa {layer.isa!r} is not the one the plugin "
                               "reads (keys [head_dim, block], values [block, head_dim])")
+        policy = STEP.policy
         rows = policy.scoring.query_rows(n)
         state = LayerState(query[n - rows:].transpose(0, 1)[None], key.transpose(0, 1)[None],
                            value.transpose(0, 1)[None], scale=self.scale)
-        scores = policy.scoring.score(state)
-        positions = torch.arange(n).expand(1, heads, n)
-        valid = torch.ones(1, heads, n, dtype=torch.bool)
-        total = layer_totals(policy, torch.tensor([n]), num_layers, heads)[:, index]
-        kept = select(policy, scores, positions, valid, torch.tensor([n]), total, index)[0]  # (H, N)
-        if not torch.equal(kept.sum(-1), counts[index]):
-            raise PluginError(f"kvcompile: layer {index} kept {kept.sum(-1).tolist()} entries per head where the "
-                              f"scheduler counted {counts[index].tolist()}")
-        if STEP.record_to:
-            layers = STEP.kept.setdefault(rid, {})
-            layers[index] = [kept[h].nonzero().flatten().tolist() for h in range(heads)]
-            if len(layers) == num_layers:
-                with open(STEP.record_to, "a") as f:
-                    f.write(json.dumps({"request": rid, "kept": [layers[j] for j in range(num_layers)]}) + "\n")
-                del STEP.kept[rid]
-        width = int(counts[index].max())
-        if width >= n:
-            return  # some head keeps everything: its entries are where they are, the others' too (start 0)
-        # each head's kept entries right-aligned in positions [n - width, n); a head keeping fewer leaves its
-        # first slots unread (its start is n - K_{l,h}); written by vLLM's own cache update (its layout)
-        new_keys = key.new_zeros(width, heads, key.shape[-1])
-        new_values = value.new_zeros(width, heads, value.shape[-1])
-        for h in range(heads):
-            source = kept[h].nonzero().flatten()
-            new_keys[width - len(source):, h] = key[source, h]
-            new_values[width - len(source):, h] = value[source, h]
-        block_size = kv_cache.shape[2]
-        target = torch.arange(n - width, n)
-        slots = block_row[target // block_size].long() * block_size + target % block_size
-        self.do_kv_cache_update(layer, new_keys, new_values, kv_cache, slots)
+        pending = STEP.pending.setdefault(rid, Pending(block_row.clone()))
+        pending.scores[index] = policy.scoring.score(state)
 
-    def _attend_compressed(self, layer, query, kv_cache, block_row, starts, first, seq):
-        """Attention of T query tokens at positions [first, seq) over each head's [start_h, position]."""
-        begin = int(starts.min())
-        keys, values = read_blocks(kv_cache, block_row, begin, seq, layer.isa)
-        block_size = kv_cache.shape[2]
-        pos = begin // block_size * block_size + torch.arange(keys.shape[1])
+    def _compress(self, rid, n):
+        """After the last layer: select every layer's entries, pack them into [N − S, N) of the layers'
+        caches, and record where they are."""
+        pending = STEP.pending.pop(rid)
+        num_layers = len(pending.scores)
+        kept = [k[0] for k in kept_entries(STEP.policy, [pending.scores[j] for j in range(num_layers)])]
+        counts = torch.stack([k.sum(-1) for k in kept])  # (L, H)
+        if STEP.record_to:
+            with open(STEP.record_to, "a") as f:
+                f.write(json.dumps({"request": rid, "kept": [[k[h].nonzero().flatten().tolist()
+                                                                for h in range(k.shape[0])] for k in kept]}) + "\n")
+        if bool((counts >= n).all()):
+            return  # the budget covers the prompt at every (layer, head): nothing moves
+        size, heads = region(counts), counts.shape[1]
+        caches, block_row = STEP.caches, pending.block_row
+        block_size = caches[0].shape[2]
+        entries = []  # every layer's kept keys and values (E_l, d), read before anything is written
+        for j in range(num_layers):
+            keys, values = read_positions(caches[j], block_row, 0, n, "vec")
+            entries.append((keys[kept[j]], values[kept[j]]))  # (head, position) order
+        layers = []
+        for j, groups in enumerate(assign(counts)):
+            runs = []
+            for g in groups:
+                blocks, columns, offsets = slots(g.locations, n, size, heads, block_row, block_size)
+                end = g.start + len(g.locations)
+                key_view(caches[g.tensor])[blocks, columns, :, offsets] = entries[j][0][g.start:end]
+                value_view(caches[g.tensor])[blocks, columns, offsets] = entries[j][1][g.start:end]
+                runs.append((g.tensor, blocks, columns, offsets))
+            layers.append(PackedLayer(runs, *padded(counts[j])))
+        STEP.records[rid] = record = Record(n, size, layers)
+        STEP.reported[rid] = record.first_slot  # to the scheduler, with this step's output (kvcompile.vllm.patches)
+
+    def _attend_compressed(self, query, kv_cache, block_row, record, index, first, seq):
+        """Attention of T query tokens at positions [first, seq): head h over its packed entries and the
+        decode entries at positions [N, position]."""
+        packed = record.layers[index]
+        d = query.shape[-1]
+        keys = torch.cat([key_view(STEP.caches[t])[b, c, :, o] for t, b, c, o in packed.runs]) \
+            if packed.runs else query.new_zeros(1, d)
+        values = torch.cat([value_view(STEP.caches[t])[b, c, o] for t, b, c, o in packed.runs]) \
+            if packed.runs else query.new_zeros(1, d)
+        new_keys, new_values = read_positions(kv_cache, block_row, record.prompt_length, seq, "vec")
+        keys = torch.cat([keys[packed.index], new_keys], 1)  # (H, W + D, d)
+        values = torch.cat([values[packed.index], new_values], 1)
         qpos = torch.arange(first, seq)
-        mask = (pos >= starts[:, None, None]) & (pos <= qpos[None, :, None])  # (H, T, S)
+        kpos = torch.arange(record.prompt_length, seq)
+        mask = torch.cat([packed.valid[:, None, :].expand(-1, len(qpos), -1),
+                          (kpos[None, None, :] <= qpos[None, :, None]).expand(len(packed.valid), -1, -1)], -1)
         group = self.num_queries_per_kv
         q = query.transpose(0, 1)  # (Hq, T, d)
         out = F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 0).to(q.dtype),
@@ -159,20 +219,31 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         return out.transpose(0, 1)  # (T, Hq, d)
 
 
-def read_blocks(kv_cache, block_row, begin: int, end: int, isa: str):
-    """Keys and values (H, S, d) of the blocks holding logical positions [begin, end), from the first
-    position of begin's block. vLLM 0.32's CPU cache (LBHNC: [blocks, KV heads, block, 2·head_dim]) holds,
-    per block and head, the keys as [head_dim, block] (the "vec" ISA's transposed layout) then the values as
-    [block, head_dim]; other ISAs are refused (their layout is checked on the first prompt, see _compress)."""
+def key_view(kv_cache):
+    """Keys of vLLM 0.32's CPU cache under the "vec" ISA, (blocks, KV heads, head_dim, block): the cache
+    is [blocks, KV heads, block, 2·head_dim], each (block, head) holding its keys as [head_dim, block] then
+    its values as [block, head_dim]; other ISAs are refused (the layout is checked on every prompt)."""
+    blocks, heads, block_size, width = kv_cache.shape
+    return kv_cache.view(blocks, heads, 2, width // 2, block_size)[:, :, 0]
+
+
+def value_view(kv_cache):
+    """Values of the same cache, (blocks, KV heads, block, head_dim)."""
+    blocks, heads, block_size, width = kv_cache.shape
+    return kv_cache.view(blocks, heads, 2, block_size, width // 2)[:, :, 1]
+
+
+def read_positions(kv_cache, block_row, begin: int, end: int, isa: str):
+    """Keys and values (H, end − begin, d) of logical positions [begin, end) of a request (block_row its
+    block ids)."""
     if isa != "vec":
         raise PluginError(f"kvcompile: vLLM's CPU attention isa {isa!r}: the plugin reads the 'vec' layout only")
-    _, heads, block_size, width = kv_cache.shape
-    d = width // 2
-    ids = block_row[begin // block_size: -(-end // block_size)].long()
-    raw = kv_cache[ids].reshape(len(ids), heads, 2, block_size * d)
-    keys = raw[:, :, 0].reshape(len(ids), heads, d, block_size).transpose(-1, -2)
-    values = raw[:, :, 1].reshape(len(ids), heads, block_size, d)
-    return keys.transpose(0, 1).flatten(1, 2), values.transpose(0, 1).flatten(1, 2)
+    block_size = kv_cache.shape[2]
+    position = torch.arange(begin, end)
+    blocks, offsets = block_row[position // block_size].long(), position % block_size
+    keys = key_view(kv_cache)[blocks, :, :, offsets]  # (T, H, d)
+    values = value_view(kv_cache)[blocks, :, offsets]  # (T, H, d)
+    return keys.transpose(0, 1), values.transpose(0, 1)
 
 
 class KVCompileCPUBackend(CPUAttentionBackend):

@@ -7,24 +7,33 @@
 3. `GPUModelRunner._build_attention_metadata` (the CPU model runner's base): the step's request ids and
    prompt lengths, in batch order, are handed to the backend's metadata (`backend.STEP`);
    `GPUModelRunner._update_states`: a finished request's record is dropped.
-4. `FullAttentionManager.remove_skipped_blocks` (scheduler): once a request's prompt is processed, the
-   blocks wholly before min_{l,h}(N − K_{l,h}) are replaced by the null block and returned to the pool,
-   the path vLLM's sliding-window manager takes (`_remove_blocks_in_range`).
+4. `GPUModelRunner.sample_tokens` (worker) and `Scheduler.update_from_output` (engine core): the step's
+   ModelRunnerOutput carries, for each request the worker compressed in it, N − S (its kept entries now
+   lie in [N − S, N)); it travels with the output whatever the executor (in-process or vLLM's worker
+   processes). The scheduler keeps it in `Compressed`, shared with its KV cache manager.
+   `FullAttentionManager.remove_skipped_blocks`: the blocks wholly before N − S are replaced by the null
+   block and returned to the pool, the path vLLM's sliding-window manager takes (`_remove_blocks_in_range`);
+   `FullAttentionManager.free` forgets the request.
 5. `Scheduler._preempt_request`: a request preempted after its prompt was compressed would be recomputed
    from its full prompt and outputs (a different computation): refused with an error.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
-from kvcompile.vllm.settings import PluginError, first_kept
+from kvcompile.vllm.settings import PluginError
 
 TESTED_VLLM = "0.32.0"
+OUTPUT_FIELD = "kvcompile_first_slots"  # on a ModelRunnerOutput: {request id: N − S} compressed in its step
 
 
-@functools.lru_cache(maxsize=None)
-def _first_kept(policy, n: int, num_layers: int, num_heads: int) -> int:
-    return first_kept(policy, n, num_layers, num_heads)
+@dataclass
+class Compressed:
+    """The scheduler's view of the compressed requests: request id -> N − S, the first position the worker
+    still reads (from the step outputs). One per scheduler, shared with its full-attention manager."""
+
+    first_slots: dict = field(default_factory=dict)
 
 
 def check_version() -> None:
@@ -115,18 +124,26 @@ def apply(policy) -> None:
         check_config(vllm_config, policy)
         _check_kv_cache_config(kv_cache_config, policy)
         init(self, vllm_config, kv_cache_config, *args, **kwargs)
-        model = vllm_config.model_config
-        FullAttentionManager._kvcompile_shape = (model.get_num_layers(vllm_config.parallel_config),
-                                                 model.get_num_kv_heads(vllm_config.parallel_config))
+        self.kvcompile = Compressed()
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            manager.kvcompile = self.kvcompile
 
     Scheduler.__init__ = scheduler_init
+
+    update_from_output = Scheduler.update_from_output
+
+    @functools.wraps(update_from_output)
+    def scheduler_update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+        self.kvcompile.first_slots.update(getattr(model_runner_output, OUTPUT_FIELD, None) or {})
+        return update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs)
+
+    Scheduler.update_from_output = scheduler_update_from_output
 
     preempt = Scheduler._preempt_request
 
     @functools.wraps(preempt)
     def preempt_request(self, request, *args, **kwargs):
-        n = request.num_prompt_tokens
-        if request.num_computed_tokens >= n and _first_kept(policy, n, *FullAttentionManager._kvcompile_shape) > 0:
+        if request.request_id in self.kvcompile.first_slots:
             raise PluginError(f"kvcompile: vLLM preempted request {request.request_id} after its prompt was "
                               f"compressed ({policy.name}); recomputing it would attend to the whole prompt. "
                               "Give the KV cache more room (VLLM_CPU_KVCACHE_SPACE) or admit fewer requests "
@@ -140,12 +157,34 @@ def apply(policy) -> None:
     @functools.wraps(remove)
     def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
         remove(self, request_id, processed_computed_tokens, num_prompt_tokens)
-        if not num_prompt_tokens or processed_computed_tokens < num_prompt_tokens:
-            return  # the prompt's step has not come back: its attention still reads every block
-        skipped = _first_kept(policy, num_prompt_tokens, *self._kvcompile_shape)
-        self._remove_blocks_in_range(request_id, 0, skipped // self.block_size)
+        first = self.kvcompile.first_slots.get(request_id)
+        if first is None:
+            return  # not compressed (yet): its attention may read every block
+        self._remove_blocks_in_range(request_id, 0, first // self.block_size)
 
     FullAttentionManager.remove_skipped_blocks = remove_skipped_blocks
+
+    free = FullAttentionManager.free
+
+    @functools.wraps(free)
+    def free_request(self, request_id):
+        self.kvcompile.first_slots.pop(request_id, None)
+        return free(self, request_id)
+
+    FullAttentionManager.free = free_request
+
+    sample = GPUModelRunner.sample_tokens
+
+    @functools.wraps(sample)
+    def sample_tokens(self, *args, **kwargs):
+        output = sample(self, *args, **kwargs)
+        if backend.STEP.reported:
+            # an async output hands back its inner ModelRunnerOutput later: the field rides on that one
+            setattr(getattr(output, "_model_runner_output", output), OUTPUT_FIELD, dict(backend.STEP.reported))
+            backend.STEP.reported.clear()
+        return output
+
+    GPUModelRunner.sample_tokens = sample_tokens
 
     build = GPUModelRunner._build_attention_metadata
 

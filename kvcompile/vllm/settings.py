@@ -7,17 +7,15 @@
 The environment is the one place every vLLM process (the front end, the engine core, its worker)
 reads alike: vLLM loads the plugin in each of them, before any configuration exists.
 
-Only policies whose per-(layer, head) counts are a function of the prompt length alone run: then the
-scheduler knows, from N and the policy, which whole blocks no head of any layer reads any more
-(`kept_counts`), with nothing sent back from the worker. Everything else is refused by name.
+Every prefill-time policy that drops what it evicts runs, with any layer and head allocation (uniform,
+pyramid, LAVa's entropy cascade, AdaKV's pooled heads, DBudgetKV's threshold): its kept entries are packed
+into the request's last slots (kvcompile.vllm.packing). Everything else is refused by name.
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
-import torch
 
 SPEC_ENV, PER_HEAD_ENV, RATIO_ENV = "KVCOMPILE_VLLM_SPEC", "KVCOMPILE_VLLM_PER_HEAD", "KVCOMPILE_VLLM_RATIO"
 RECORD_ENV = "KVCOMPILE_VLLM_RECORD"  # a file: each compressed request's kept positions, one JSON line (tests)
@@ -56,15 +54,6 @@ def from_env(environ=os.environ) -> Settings | None:
 def refusal(policy) -> str | None:
     """Why the plugin cannot run `policy` exactly inside vLLM yet, or None."""
     budget, schedule = policy.budget, policy.schedule
-    if type(budget.heads).name != "uniform":
-        return (f"budget.heads {type(budget.heads).name} gives heads of a layer different, score-dependent budgets "
-                "(head-wise budgets need per-head lengths inside vLLM's blocks, not built yet)")
-    if budget.threshold is not None:
-        return ("budget.threshold decides each head's budget from its scores (data-dependent): the scheduler "
-                "cannot know which blocks are free without the worker's answer")
-    if policy.layer_dynamic:
-        return ("its layer budgets depend on the layers' scores (layers: entropy / a cascade): the scheduler "
-                "cannot know which blocks are free without the worker's answer")
     if budget.split is not None:
         return "budget.split (ZSMerge's proximity/residual split) is a decode-time policy"
     if schedule.decode is not None:
@@ -80,27 +69,3 @@ def refusal(policy) -> str | None:
     if policy.scoring.needs_rope:
         return f"scoring {type(policy.scoring).name} needs the model's rotary frequencies, not passed from vLLM yet"
     return None
-
-
-@functools.lru_cache(maxsize=256)
-def kept_counts(policy, n: int, num_layers: int, num_heads: int) -> torch.Tensor:
-    """(L, H) long: entries each (layer, KV head) keeps of an n-token prompt, from the prompt length and
-    the policy alone (kvcompile.allocation: the budgets kvcompile's own engine uses): a head keeps its
-    token budget, or its protected set (sinks, window) where that is larger, or the whole prompt."""
-    from kvcompile.allocation import head_budgets_of, layer_totals
-
-    totals = layer_totals(policy, torch.tensor([n]), num_layers, num_heads)[0]
-    tokens = torch.full((1, num_heads), n, dtype=torch.long)
-    positions = torch.arange(n)
-    protected = int(policy.ranking.protected(positions, torch.tensor(n)).sum())
-    rows = []
-    for total in totals.tolist():
-        budget = head_budgets_of(policy, tokens, torch.tensor([total]), torch.zeros_like(tokens)).tokens[0]
-        rows.append(torch.clamp(budget, min=min(protected, n)))
-    return torch.stack(rows)
-
-
-def first_kept(policy, n: int, num_layers: int, num_heads: int) -> int:
-    """The first logical position any (layer, head) still reads after compression: min over heads of
-    n − K_{l,h} (the kept entries are right-aligned at [n − K_{l,h}, n))."""
-    return n - int(kept_counts(policy, n, num_layers, num_heads).max())

@@ -1,0 +1,101 @@
+"""Where a compressed request's kept entries sit in vLLM's blocks: every (layer, KV head) packed into the
+request's last S slots (docs/VLLM.md "Packing"). Pure torch, no vLLM: tested in kvcompile's environment.
+
+vLLM hands a request blocks of `block_size` token slots, and a slot holds one key and one value for every
+KV head of every layer (one cache tensor per layer, the same block ids in each). Once a prompt of N tokens
+is compressed, (layer l, head h) keeps K_{l,h} entries, E = Σ K_{l,h} in all. Head-wise budgets (AdaKV,
+LAVa) and layer-wise ones (PyramidKV, LAVa's entropy) make the K_{l,h} unequal, so right-aligning each head's
+entries in its own column would hold max K_{l,h} slots per request. Instead the entries fill the slots of
+positions [N − S, N), S = ⌈E / (L·H)⌉, as one pool of L·S·H locations (tensor t, slot r, column c):
+
+- layer l first fills its own tensor's S·H locations, u = 0, 1, … (slot u // H, column u % H), with its
+  entries in (head, position) order;
+- what does not fit (E_l > S·H) goes to the free locations of the layers that hold fewer (E_t < S·H), in
+  layer order.
+
+The blocks wholly before position N − S go back to vLLM's pool: as many for a head-wise or layer-wise
+policy as for a uniform one of the same total. The attention of
+a compressed request gathers each head's entries from these locations (kvcompile.vllm.backend); decode
+tokens follow at positions N, N + 1, … in their own layer and column, as vLLM writes them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def region(counts: Tensor) -> int:
+    """S = ⌈Σ K_{l,h} / (L·H)⌉: the slots a compressed request keeps, counts (L, H) = K_{l,h}."""
+    layers, heads = counts.shape
+    return -(-int(counts.sum()) // (layers * heads))
+
+
+@dataclass
+class Group:
+    """A run of one layer's entries stored in one layer's tensor: `locations` u ∈ [0, S·H) of `tensor`'s
+    region (slot u // H, column u % H), for the layer's entries [start, start + len(locations))."""
+
+    tensor: int
+    start: int
+    locations: Tensor  # (n,) long
+
+
+def assign(counts: Tensor) -> list[list[Group]]:
+    """For each layer, the groups holding its E_l = Σ_h K_{l,h} entries in (head, position) order: its own
+    tensor's first min(E_l, S·H) locations, then the free locations of the layers holding fewer than S·H.
+    Every location of the L·S·H is used at most once, and every entry gets one."""
+    layers, heads = counts.shape
+    room = region(counts) * heads
+    totals = counts.sum(1).tolist()
+    free = [(t, e, room) for t, e in enumerate(totals) if e < room]  # (tensor, first free u, end)
+    out = []
+    for layer, total in enumerate(totals):
+        own = min(total, room)
+        groups = [Group(layer, 0, torch.arange(own))] if own else []
+        start = own
+        while start < total:
+            t, first, end = free[0]
+            take = min(end - first, total - start)
+            groups.append(Group(t, start, torch.arange(first, first + take)))
+            start += take
+            free[0] = (t, first + take, end)
+            if first + take == end:
+                free.pop(0)
+        out.append(groups)
+    return out
+
+
+def padded(counts: Tensor) -> tuple[Tensor, Tensor]:
+    """One layer's heads as a padded batch: index (H, W) into the layer's entries in (head, position)
+    order and valid (H, W) bool, W = max_h K_{l,h}; counts (H,)."""
+    width = int(counts.max()) if counts.numel() else 0
+    offsets = counts.cumsum(0) - counts
+    j = torch.arange(width)
+    index = offsets[:, None] + torch.minimum(j[None, :], (counts - 1).clamp(min=0)[:, None])
+    return index, j[None, :] < counts[:, None]
+
+
+def slots(locations: Tensor, prompt_length: int, region_slots: int, heads: int, block_row: Tensor,
+          block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(block id, column, offset in the block), each (n,) long, of region locations u: the slot of
+    position N − S + u // H, column u % H."""
+    position = prompt_length - region_slots + torch.div(locations, heads, rounding_mode="floor")
+    return block_row[position // block_size].long(), locations % heads, position % block_size
+
+
+def kept_entries(policy, scores: list[Tensor]) -> list[Tensor]:
+    """What `policy` keeps of one prompt, (1, H, N) bool per layer, from every layer's scores (1, H, N):
+    kvcompile's reference selection (kvcompile.reference.compress: fixed budgets layer by layer, LAVa's
+    cascade for layer-dynamic ones, DBudgetKV's threshold), the definition kvcompile's engine is tested
+    against. The policies the plugin runs drop what they evict (no merge), so the selection reads scores
+    only: the states passed carry the shapes, not the keys."""
+    from kvcompile.layer_state import LayerState
+    from kvcompile.reference import compress
+
+    if policy.merges:
+        raise ValueError(f"{policy.name} merges evicted entries: its selection needs the keys, not only scores")
+    shape = (*scores[0].shape, 0)
+    states = [LayerState(None, torch.empty(shape), torch.empty(shape)) for _ in scores]
+    return compress(policy, states, scores=scores).kept
