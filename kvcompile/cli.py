@@ -1160,7 +1160,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                      help="transformers: transformers' continuous batching on the compiled model (default); vllm: "
                           "vLLM's OpenAI server with kvcompile's vLLM plugin (run from the vLLM environment, "
-                          ".venv-vllm/bin/kvcompile; prompt-time policies with equal head budgets only, docs/VLLM.md)")
+                          ".venv-vllm/bin/kvcompile; prompt-time policies that drop, docs/VLLM.md)")
     srv.add_argument("--max-model-len", type=positive, default=4096, metavar="N",
                      help="--engine vllm: the longest prompt + answer (default 4096); a prompt is prefilled in one step")
     srv.add_argument("--reuse-context", action="store_true",

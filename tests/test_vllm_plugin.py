@@ -139,11 +139,12 @@ def blocks_held(n: int, block_size: int, first_kept: int) -> int:
 
 
 @pytest.mark.slow
-def test_budget_covering_the_prompt_equals_plain_vllm(model_and_prompts):
-    """per_head above the prompt length: nothing evicted, vLLM's greedy tokens and blocks as without the plugin."""
+def test_budget_covering_the_prompt_equals_plain_vllm(model_and_prompts, compressed_runs):
+    """per_head above the prompt length (snapkv at 2048, run by the plugin's engine): nothing evicted, vLLM's
+    greedy tokens and blocks as without the plugin."""
     _, prompts = model_and_prompts
     plain = run_vllm(prompts)
-    covered = run_vllm(prompts, spec="snapkv", per_head=2048)
+    covered, _ = compressed_runs["covered"]
     assert covered["together"] == plain["together"] and covered["alone"] == plain["alone"]
     assert covered["blocks"] == plain["blocks"]
     bs = plain["block_size"]
@@ -166,10 +167,12 @@ def compressed_runs(model_and_prompts, tmp_path_factory):
     folder = tmp_path_factory.mktemp("kept")
     runs = [{"spec": spec, "overrides": overrides, "record": str(folder / f"{spec}.jsonl")}
             for spec, overrides in COMPRESSED.items()]
+    runs.append({"spec": "snapkv", "overrides": {"per_head": 2048}})  # covers the prompts: nothing evicted
     args = {"model": str(MODEL), "prompts": prompts, "max_tokens": MAX_TOKENS, "runs": runs}
     out = run([str(ROOT / "tests" / "vllm_run.py"), json.dumps(args)], vllm_env(spec="snapkv", per_head=64),
               timeout=900)
-    return {spec: (result, folder / f"{spec}.jsonl") for spec, result in zip(COMPRESSED, out["runs"])}
+    names = [*COMPRESSED, "covered"]
+    return {name: (result, folder / f"{name}.jsonl") for name, result in zip(names, out["runs"])}
 
 
 @pytest.mark.slow

@@ -34,13 +34,26 @@ from kvcompile.vllm.settings import PluginError
 
 @dataclass
 class PackedLayer:
-    """One layer's kept entries of a compressed request, in (head, position) order: runs of them in some
-    layer's cache tensor (source layer, block ids, columns, offsets), and the heads as a padded batch
-    (index (H, W) into that order, valid (H, W))."""
+    """One layer's kept entries of a compressed request as a padded batch of its heads, (H, W), W = max_h
+    K_{l,h}: for each layer tensor that holds some of them, which of the (H, W) places it fills (None: all)
+    and their block ids, columns and offsets there; valid (H, W) marks the K_{l,h} real entries of each head
+    (the others repeat a real one and are masked)."""
 
-    runs: list  # [(source layer, blocks (n,), columns (n,), offsets (n,))]
-    index: torch.Tensor
+    sources: list  # [(source layer, places (H, W) bool or None, blocks, columns, offsets)]
     valid: torch.Tensor
+
+    def gather(self, caches: dict, like: torch.Tensor):
+        """Keys and values (H, W, d) of this layer's packed entries, read from the caches."""
+        if len(self.sources) == 1 and self.sources[0][1] is None:
+            t, _, b, c, o = self.sources[0]
+            return key_view(caches[t])[b, c, :, o], value_view(caches[t])[b, c, o]
+        heads, width = self.valid.shape
+        keys = like.new_empty(heads, width, like.shape[-1])
+        values = like.new_empty(heads, width, like.shape[-1])
+        for t, places, b, c, o in self.sources:
+            keys[places] = key_view(caches[t])[b, c, :, o]
+            values[places] = value_view(caches[t])[b, c, o]
+        return keys, values
 
 
 @dataclass
@@ -184,14 +197,21 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
             entries.append((keys[kept[j]], values[kept[j]]))  # (head, position) order
         layers = []
         for j, groups in enumerate(assign(counts)):
-            runs = []
+            where = []  # (tensor, block, column, offset) of each entry, in (head, position) order
             for g in groups:
                 blocks, columns, offsets = slots(g.locations, n, size, heads, block_row, block_size)
                 end = g.start + len(g.locations)
                 key_view(caches[g.tensor])[blocks, columns, :, offsets] = entries[j][0][g.start:end]
                 value_view(caches[g.tensor])[blocks, columns, offsets] = entries[j][1][g.start:end]
-                runs.append((g.tensor, blocks, columns, offsets))
-            layers.append(PackedLayer(runs, *padded(counts[j])))
+                where.append(torch.stack([torch.full_like(blocks, g.tensor), blocks, columns, offsets]))
+            index, valid = padded(counts[j])
+            if not where:  # the layer keeps nothing: its heads attend to their decode entries only
+                layers.append(PackedLayer([], valid))
+                continue
+            t, b, c, o = torch.cat(where, 1)[:, index]  # each (H, W)
+            sources = [(int(u), None if len(groups) == 1 else t == u, *(x[t == u] for x in (b, c, o)))
+                       for u in t.unique()] if len(groups) > 1 else [(groups[0].tensor, None, b, c, o)]
+            layers.append(PackedLayer(sources, valid))
         STEP.records[rid] = record = Record(n, size, layers)
         STEP.reported[rid] = record.first_slot  # to the scheduler, with this step's output (kvcompile.vllm.patches)
 
@@ -199,23 +219,20 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         """Attention of T query tokens at positions [first, seq): head h over its packed entries and the
         decode entries at positions [N, position]."""
         packed = record.layers[index]
-        d = query.shape[-1]
-        keys = torch.cat([key_view(STEP.caches[t])[b, c, :, o] for t, b, c, o in packed.runs]) \
-            if packed.runs else query.new_zeros(1, d)
-        values = torch.cat([value_view(STEP.caches[t])[b, c, o] for t, b, c, o in packed.runs]) \
-            if packed.runs else query.new_zeros(1, d)
         new_keys, new_values = read_positions(kv_cache, block_row, record.prompt_length, seq, "vec")
-        keys = torch.cat([keys[packed.index], new_keys], 1)  # (H, W + D, d)
-        values = torch.cat([values[packed.index], new_values], 1)
+        if packed.sources:
+            keys, values = packed.gather(STEP.caches, query)
+            keys, values = torch.cat([keys, new_keys], 1), torch.cat([values, new_values], 1)  # (H, W + D, d)
+        else:
+            keys, values = new_keys, new_values
         qpos = torch.arange(first, seq)
         kpos = torch.arange(record.prompt_length, seq)
         mask = torch.cat([packed.valid[:, None, :].expand(-1, len(qpos), -1),
                           (kpos[None, None, :] <= qpos[None, :, None]).expand(len(packed.valid), -1, -1)], -1)
-        group = self.num_queries_per_kv
         q = query.transpose(0, 1)  # (Hq, T, d)
-        out = F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 0).to(q.dtype),
-                                             values.repeat_interleave(group, 0).to(q.dtype),
-                                             attn_mask=mask.repeat_interleave(group, 0), scale=self.scale)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), scale=self.scale,
+                                             attn_mask=mask.repeat_interleave(self.num_queries_per_kv, 0),
+                                             enable_gqa=True)
         return out.transpose(0, 1)  # (T, Hq, d)
 
 
