@@ -56,6 +56,7 @@ def test_padded_heads_index_their_own_entries(per_head):
     index, valid = padded(counts)
     assert index.shape == valid.shape == (len(per_head), max(per_head))
     assert torch.equal(valid.sum(-1), counts)
+    assert index.numel() == 0 or 0 <= int(index.min()) <= int(index.max()) <= max(sum(per_head) - 1, 0)  # gatherable
     for h in range(len(per_head)):
         got = index[h][valid[h]]
         assert torch.equal(order[got], torch.full((per_head[h],), h, dtype=order.dtype))

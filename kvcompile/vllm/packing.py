@@ -74,7 +74,8 @@ def padded(counts: Tensor) -> tuple[Tensor, Tensor]:
     offsets = counts.cumsum(0) - counts
     j = torch.arange(width)
     index = offsets[:, None] + torch.minimum(j[None, :], (counts - 1).clamp(min=0)[:, None])
-    return index, j[None, :] < counts[:, None]
+    # a head keeping nothing points at an entry that exists (masked): never past the layer's last one
+    return index.clamp(max=max(int(counts.sum()) - 1, 0)), j[None, :] < counts[:, None]
 
 
 def slots(locations: Tensor, prompt_length: int, region_slots: int, heads: int, block_row: Tensor,
