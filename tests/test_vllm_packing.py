@@ -37,7 +37,8 @@ def test_every_entry_one_location_inside_the_region(layout):
             covered += len(g.locations)
             assert bool((g.locations >= 0).all()) and bool((g.locations < size * heads).all())
             blocks, columns, offsets = slots(g.locations, n, size, heads, block_row, block_size)
-            position = n - size + g.locations // heads
+            position = n - size + g.locations % size
+            assert torch.equal(columns, g.locations // size) and bool((columns < heads).all())
             assert bool((position >= n - size).all()) and bool((position < n).all())
             assert torch.equal(blocks, block_row[position // block_size])
             for t, b, c, o in zip([g.tensor] * len(blocks), blocks.tolist(), columns.tolist(), offsets.tolist()):

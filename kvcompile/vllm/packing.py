@@ -8,7 +8,7 @@ LAVa) and layer-wise ones (PyramidKV, LAVa's entropy) make the K_{l,h} unequal, 
 entries in its own column would hold max K_{l,h} slots per request. Instead the entries fill the slots of
 positions [N − S, N), S = ⌈E / (L·H)⌉, as one pool of L·S·H locations (tensor t, slot r, column c):
 
-- layer l first fills its own tensor's S·H locations, u = 0, 1, … (slot u // H, column u % H), with its
+- layer l first fills its own tensor's S·H locations, u = 0, 1, … (column u // S, slot u % S), with its
   entries in (head, position) order;
 - what does not fit (E_l > S·H) goes to the free locations of the layers that hold fewer (E_t < S·H), in
   layer order.
@@ -35,7 +35,7 @@ def region(counts: Tensor) -> int:
 @dataclass
 class Group:
     """A run of one layer's entries stored in one layer's tensor: `locations` u ∈ [0, S·H) of `tensor`'s
-    region (slot u // H, column u % H), for the layer's entries [start, start + len(locations))."""
+    region (column u // S, slot u % S), for the layer's entries [start, start + len(locations))."""
 
     tensor: int
     start: int
@@ -80,10 +80,13 @@ def padded(counts: Tensor) -> tuple[Tensor, Tensor]:
 
 def slots(locations: Tensor, prompt_length: int, region_slots: int, heads: int, block_row: Tensor,
           block_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(block id, column, offset in the block), each (n,) long, of region locations u: the slot of
-    position N − S + u // H, column u % H."""
-    position = prompt_length - region_slots + torch.div(locations, heads, rounding_mode="floor")
-    return block_row[position // block_size].long(), locations % heads, position % block_size
+    """(block id, column, offset in the block), each (n,) long, of region locations u: column u // S, the
+    slot of position N − S + u % S. Column by column, so a head's entries lie at consecutive offsets of
+    a block's column (vLLM's "vec" layout stores a column's keys as [head_dim, block]: consecutive
+    offsets are contiguous for each dimension), which is what the decode gather reads."""
+    position = prompt_length - region_slots + locations % region_slots
+    column = torch.div(locations, region_slots, rounding_mode="floor")
+    return block_row[position // block_size].long(), column, position % block_size
 
 
 def kept_entries(policy, scores: list[Tensor]) -> list[Tensor]:
