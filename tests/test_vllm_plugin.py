@@ -37,8 +37,10 @@ def run(args: list[str], env: dict, timeout: int) -> dict:
     return json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])
 
 
-def run_vllm(prompts: list[list[int]], timeout: int = 420, **plugin) -> dict:
-    args = {"model": str(MODEL), "prompts": prompts, "max_tokens": MAX_TOKENS}
+def run_vllm(prompts: list[list[int]], timeout: int = 420, more: dict | None = None, **plugin) -> dict:
+    """tests/vllm_run.py on `prompts` (`more`: its other arguments, "runs" or "options"); `plugin`: the
+    KVCOMPILE_VLLM_* settings."""
+    args = {"model": str(MODEL), "prompts": prompts, "max_tokens": MAX_TOKENS, **(more or {})}
     return run([str(ROOT / "tests" / "vllm_run.py"), json.dumps(args)], vllm_env(**plugin), timeout)
 
 
@@ -168,9 +170,7 @@ def compressed_runs(model_and_prompts, tmp_path_factory):
     runs = [{"spec": spec, "overrides": overrides, "record": str(folder / f"{spec}.jsonl")}
             for spec, overrides in COMPRESSED.items()]
     runs.append({"spec": "snapkv", "overrides": {"per_head": 2048}})  # covers the prompts: nothing evicted
-    args = {"model": str(MODEL), "prompts": prompts, "max_tokens": MAX_TOKENS, "runs": runs}
-    out = run([str(ROOT / "tests" / "vllm_run.py"), json.dumps(args)], vllm_env(spec="snapkv", per_head=64),
-              timeout=900)
+    out = run_vllm(prompts, timeout=900, more={"runs": runs}, spec="snapkv", per_head=64)
     names = [*COMPRESSED, "covered"]
     return {name: (result, folder / f"{name}.jsonl") for name, result in zip(names, out["runs"])}
 
@@ -225,10 +225,7 @@ def test_worker_process_reports_what_it_freed(model_and_prompts, compressed_runs
     budgets depend on the scores) gives the same tokens and frees the same blocks as with the worker
     in-process."""
     _, prompts = model_and_prompts
-    args = {"model": str(MODEL), "prompts": prompts, "max_tokens": MAX_TOKENS,
-            "options": {"distributed_executor_backend": "mp"}}
-    out = run([str(ROOT / "tests" / "vllm_run.py"), json.dumps(args)], vllm_env(spec="lava", per_head=64),
-              timeout=420)
+    out = run_vllm(prompts, more={"options": {"distributed_executor_backend": "mp"}}, spec="lava", per_head=64)
     want, _ = compressed_runs["lava"]
     assert out["together"] == want["together"] and out["alone"] == want["alone"]
     assert out["blocks"] == want["blocks"] and out["blocks"]["after_decode"] > want["blocks"]["after_prefill"]

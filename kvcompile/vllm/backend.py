@@ -44,7 +44,7 @@ class PackedLayer:
 
     def gather(self, caches: dict, like: torch.Tensor):
         """Keys and values (H, W, d) of this layer's packed entries, read from the caches."""
-        if len(self.sources) == 1 and self.sources[0][1] is None:
+        if self.sources[0][1] is None:  # one tensor holds them all
             t, _, b, c, o = self.sources[0]
             return key_view(caches[t])[b, c, :, o], value_view(caches[t])[b, c, o]
         heads, width = self.valid.shape
@@ -109,11 +109,11 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         requests = STEP.requests
         if requests is None and common_attn_metadata.num_reqs and STEP.records:
             raise PluginError("kvcompile: the step's requests are unknown (a model runner the plugin does not patch?)")
-        seq_lens = common_attn_metadata.seq_lens.cpu().clone()
+        seq_lens = common_attn_metadata.seq_lens.cpu()
+        starts = common_attn_metadata.query_start_loc_cpu.tolist()
         if requests and STEP.records:
             # vLLM's kernel attends a compressed request's new tokens only to themselves (their output is
             # replaced): never over its freed blocks, never over the whole context for nothing
-            starts = common_attn_metadata.query_start_loc_cpu.tolist()
             cut = seq_lens.clone()
             for i, (rid, n) in enumerate(requests):
                 record = STEP.records.get(rid)
@@ -124,6 +124,7 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 common_attn_metadata, seq_lens=cut.to(common_attn_metadata.seq_lens.device))
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         meta.kvcompile_requests = requests
+        meta.kvcompile_starts = starts
         meta.kvcompile_seq_lens = seq_lens.tolist()
         meta.kvcompile_layers = self.vllm_config.model_config.get_num_layers(self.vllm_config.parallel_config)
         return meta
@@ -139,8 +140,7 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
             return output
         index = extract_layer_index(layer.layer_name)
         STEP.caches[index] = kv_cache
-        starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.kvcompile_seq_lens
+        starts, seq_lens = attn_metadata.kvcompile_starts, attn_metadata.kvcompile_seq_lens
         num_layers = attn_metadata.kvcompile_layers
         for i, (rid, n) in enumerate(requests):
             q0, q1, seq = starts[i], starts[i + 1], seq_lens[i]
@@ -164,7 +164,7 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         """Score layer `index` of a whole n-token prompt (kept until the last layer: LAVa's cascade
         re-selects lower layers with what the later ones score)."""
         # the layout this reader assumes is checked on what vLLM just wrote: never read a cache wrongly
-        keys, values = read_positions(kv_cache, block_row, 0, n, layer.isa)
+        keys, values = read_positions(kv_cache, block_row, 0, n)
         if not (torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))):
             raise PluginError(f"kvcompile: vLLM's CPU cache layout for isa {layer.isa!r} is not the one the plugin "
                               "reads (keys [head_dim, block], values [block, head_dim])")
@@ -193,8 +193,8 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         block_size = caches[0].shape[2]
         entries = []  # every layer's kept keys and values (E_l, d), read before anything is written
         for j in range(num_layers):
-            keys, values = read_positions(caches[j], block_row, 0, n, "vec")
-            entries.append((keys[kept[j]], values[kept[j]]))  # (head, position) order
+            head, position = kept[j].nonzero(as_tuple=True)  # (head, position) order
+            entries.append(read_entries(caches[j], block_row, head, position))
         layers = []
         for j, groups in enumerate(assign(counts)):
             where = []  # (tensor, block, column, offset) of each entry, in (head, position) order
@@ -209,7 +209,7 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
                 layers.append(PackedLayer([], valid))
                 continue
             t, b, c, o = torch.cat(where, 1)[:, index]  # each (H, W)
-            sources = [(int(u), None if len(groups) == 1 else t == u, *(x[t == u] for x in (b, c, o)))
+            sources = [(int(u), t == u, *(x[t == u] for x in (b, c, o)))
                        for u in t.unique()] if len(groups) > 1 else [(groups[0].tensor, None, b, c, o)]
             layers.append(PackedLayer(sources, valid))
         STEP.records[rid] = record = Record(n, size, layers)
@@ -219,7 +219,7 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         """Attention of T query tokens at positions [first, seq): head h over its packed entries and the
         decode entries at positions [N, position]."""
         packed = record.layers[index]
-        new_keys, new_values = read_positions(kv_cache, block_row, record.prompt_length, seq, "vec")
+        new_keys, new_values = read_positions(kv_cache, block_row, record.prompt_length, seq)
         if packed.sources:
             keys, values = packed.gather(STEP.caches, query)
             keys, values = torch.cat([keys, new_keys], 1), torch.cat([values, new_values], 1)  # (H, W + D, d)
@@ -250,17 +250,17 @@ def value_view(kv_cache):
     return kv_cache.view(blocks, heads, 2, block_size, width // 2)[:, :, 1]
 
 
-def read_positions(kv_cache, block_row, begin: int, end: int, isa: str):
-    """Keys and values (H, end − begin, d) of logical positions [begin, end) of a request (block_row its
-    block ids)."""
-    if isa != "vec":
-        raise PluginError(f"kvcompile: vLLM's CPU attention isa {isa!r}: the plugin reads the 'vec' layout only")
+def read_entries(kv_cache, block_row, head, position):
+    """Keys and values (..., d) of a request's entries at KV heads `head` and logical positions `position`
+    (long tensors broadcast together; block_row its block ids)."""
     block_size = kv_cache.shape[2]
-    position = torch.arange(begin, end)
     blocks, offsets = block_row[position // block_size].long(), position % block_size
-    keys = key_view(kv_cache)[blocks, :, :, offsets]  # (T, H, d)
-    values = value_view(kv_cache)[blocks, :, offsets]  # (T, H, d)
-    return keys.transpose(0, 1), values.transpose(0, 1)
+    return key_view(kv_cache)[blocks, head, :, offsets], value_view(kv_cache)[blocks, head, offsets]
+
+
+def read_positions(kv_cache, block_row, begin: int, end: int):
+    """Keys and values (H, end − begin, d) of every KV head at logical positions [begin, end)."""
+    return read_entries(kv_cache, block_row, torch.arange(kv_cache.shape[1])[:, None], torch.arange(begin, end))
 
 
 class KVCompileCPUBackend(CPUAttentionBackend):
