@@ -22,53 +22,15 @@ import json
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
 from kvcompile.layer_state import LayerState
-from kvcompile.vllm.packing import assign, kept_entries, padded, region, slots
+from kvcompile.vllm.packed_attention import (DecodePlan, PackedLayer, Record, key_view, read_entries,
+                                              read_positions, value_view)
+from kvcompile.vllm.packing import kept_entries, locations, region
 from kvcompile.vllm.settings import PluginError
-
-
-@dataclass
-class PackedLayer:
-    """One layer's kept entries of a compressed request as a padded batch of its heads, (H, W), W = max_h
-    K_{l,h}: for each layer tensor that holds some of them, which of the (H, W) places it fills (None: all)
-    and their block ids, columns and offsets there; valid (H, W) marks the K_{l,h} real entries of each head
-    (the others repeat a real one and are masked)."""
-
-    sources: list  # [(source layer, places (H, W) bool or None, blocks, columns, offsets)]
-    valid: torch.Tensor
-
-    def gather(self, caches: dict, like: torch.Tensor):
-        """Keys and values (H, W, d) of this layer's packed entries, read from the caches."""
-        if self.sources[0][1] is None:  # one tensor holds them all
-            t, _, b, c, o = self.sources[0]
-            return key_view(caches[t])[b, c, :, o], value_view(caches[t])[b, c, o]
-        heads, width = self.valid.shape
-        keys = like.new_empty(heads, width, like.shape[-1])
-        values = like.new_empty(heads, width, like.shape[-1])
-        for t, places, b, c, o in self.sources:
-            keys[places] = key_view(caches[t])[b, c, :, o]
-            values[places] = value_view(caches[t])[b, c, o]
-        return keys, values
-
-
-@dataclass
-class Record:
-    """A compressed request: its prompt length N, the slots S its packed entries hold ([N − S, N)), and
-    where each layer's entries are."""
-
-    prompt_length: int
-    region: int
-    layers: list  # [PackedLayer] per layer
-
-    @property
-    def first_slot(self) -> int:
-        """N − S: the blocks wholly before this position are freed."""
-        return self.prompt_length - self.region
 
 
 @dataclass
@@ -84,7 +46,7 @@ class Step:
     """The worker's plugin state (the engine core's process: the scheduler reads `records`): the policy,
     this step's requests in batch order (request id, prompt length; set by the patched model runner), the
     prompts being compressed in this step, the compressed requests' records, and every layer's cache
-    tensor (vLLM allocates them once)."""
+    tensor (vLLM allocates them once) with their addresses (for the decode kernel, once all are known)."""
 
     policy: object = None
     requests: list | None = None
@@ -92,10 +54,31 @@ class Step:
     records: dict = field(default_factory=dict)
     reported: dict = field(default_factory=dict)  # request id -> N − S, compressed in this step (to the scheduler)
     caches: dict = field(default_factory=dict)  # layer index -> its kv cache tensor
+    addresses: torch.Tensor | None = None  # every layer's cache address, in layer order
     record_to: str | None = None  # settings.RECORD_ENV
+
+    def cache(self, index: int, kv_cache: torch.Tensor, num_layers: int) -> None:
+        """Layer `index`'s cache, as vLLM passes it to this step."""
+        known = self.caches.get(index)
+        if known is None or known.data_ptr() != kv_cache.data_ptr() or known.shape != kv_cache.shape:
+            self.caches[index] = kv_cache
+            self.addresses = None
+        if self.addresses is None and len(self.caches) == num_layers:
+            self.addresses = torch.tensor([self.caches[j].data_ptr() for j in range(num_layers)])
 
 
 STEP = Step()
+
+
+@dataclass
+class StepPlan:
+    """What the plugin does in one step, planned once by the metadata builder: the compressed requests'
+    decode attention (None: none decode in this step), the prompts to score, (batch row, request id, N,
+    first query row), and the model's layer count."""
+
+    decode: DecodePlan | None
+    prompts: list
+    layers: int
 
 
 class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -104,6 +87,10 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.isa != "vec":
             raise PluginError(f"kvcompile: vLLM's CPU attention picked isa {self.isa!r} (dtype {self.dtype}, head size "
                               f"{self.head_dim}, block {self.block_size}); the plugin reads the 'vec' layout only")
+        config = self.vllm_config
+        self.num_layers = config.model_config.get_num_layers(config.parallel_config)
+        self.kv_heads = config.model_config.get_num_kv_heads(config.parallel_config)
+        self.groups = config.model_config.get_num_attention_heads(config.parallel_config) // self.kv_heads
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         requests = STEP.requests
@@ -111,22 +98,31 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             raise PluginError("kvcompile: the step's requests are unknown (a model runner the plugin does not patch?)")
         seq_lens = common_attn_metadata.seq_lens.cpu()
         starts = common_attn_metadata.query_start_loc_cpu.tolist()
-        if requests and STEP.records:
+        decoding, prompts = [], []
+        for i, (rid, n) in enumerate(requests or ()):
+            seq = int(seq_lens[i])
+            new = starts[i + 1] - starts[i]
+            first = seq - new
+            record = STEP.records.get(rid)
+            if record is not None and first >= n:
+                decoding.append((i, record, starts[i], new, first))
+            elif first < n <= seq:
+                if first != 0 or seq != n:
+                    raise PluginError(f"kvcompile: request {rid}'s prompt of {n} tokens came in a step covering "
+                                      f"positions [{first}, {seq}) (chunked or recomputed): not one-pass compression")
+                prompts.append((i, rid, n, starts[i]))
+        if decoding:
             # vLLM's kernel attends a compressed request's new tokens only to themselves (their output is
             # replaced): never over its freed blocks, never over the whole context for nothing
             cut = seq_lens.clone()
-            for i, (rid, n) in enumerate(requests):
-                record = STEP.records.get(rid)
-                new = starts[i + 1] - starts[i]
-                if record is not None and int(seq_lens[i]) - new >= n:
-                    cut[i] = new
+            for i, _, _, new, _ in decoding:
+                cut[i] = new
             common_attn_metadata = dataclasses.replace(
                 common_attn_metadata, seq_lens=cut.to(common_attn_metadata.seq_lens.device))
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        meta.kvcompile_requests = requests
-        meta.kvcompile_starts = starts
-        meta.kvcompile_seq_lens = seq_lens.tolist()
-        meta.kvcompile_layers = self.vllm_config.model_config.get_num_layers(self.vllm_config.parallel_config)
+        decode = DecodePlan.plan(decoding, common_attn_metadata.block_table_tensor.cpu(), self.kv_heads,
+                                 self.groups, self.head_dim) if decoding else None
+        meta.kvcompile = StepPlan(decode, prompts, self.num_layers) if decoding or prompts else None
         return meta
 
 
@@ -135,29 +131,19 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
                 output_block_scale=None):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                  output_block_scale)
-        requests = getattr(attn_metadata, "kvcompile_requests", None)
-        if not requests:
+        plan = getattr(attn_metadata, "kvcompile", None)
+        if plan is None:
             return output
         index = extract_layer_index(layer.layer_name)
-        STEP.caches[index] = kv_cache
-        starts, seq_lens = attn_metadata.kvcompile_starts, attn_metadata.kvcompile_seq_lens
-        num_layers = attn_metadata.kvcompile_layers
-        for i, (rid, n) in enumerate(requests):
-            q0, q1, seq = starts[i], starts[i + 1], seq_lens[i]
-            first = seq - (q1 - q0)
-            record = STEP.records.get(rid)
-            if record is not None and first >= n:
-                out = self._attend_compressed(query[q0:q1], kv_cache, attn_metadata.block_table[i],
-                                              record, index, first, seq)
-                output[q0:q1] = out.reshape(output[q0:q1].shape)
-            elif first < n <= seq:
-                if first != 0 or seq != n:
-                    raise PluginError(f"kvcompile: request {rid}'s prompt of {n} tokens came in a step covering "
-                                      f"positions [{first}, {seq}) (chunked or recomputed): not one-pass compression")
-                self._score(layer, rid, n, index, query[q0:q1], key[q0:q1], value[q0:q1], kv_cache,
-                            attn_metadata.block_table[i])
-                if index == num_layers - 1:
-                    self._compress(rid, n)
+        STEP.cache(index, kv_cache, plan.layers)
+        if plan.decode is not None:
+            plan.decode.run(index, query, output.view(output.shape[0], -1, self.head_size), STEP.caches,
+                            STEP.addresses, self.scale)
+        for i, rid, n, q0 in plan.prompts:
+            self._score(layer, rid, n, index, query[q0:q0 + n], key[q0:q0 + n], value[q0:q0 + n], kv_cache,
+                        attn_metadata.block_table[i])
+            if index == plan.layers - 1:
+                self._compress(rid, n)
         return output
 
     def _score(self, layer, rid, n, index, query, key, value, kv_cache, block_row):
@@ -188,79 +174,23 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
                                                                 for h in range(k.shape[0])] for k in kept]}) + "\n")
         if bool((counts >= n).all()):
             return  # the budget covers the prompt at every (layer, head): nothing moves
-        size, heads = region(counts), counts.shape[1]
+        size = region(counts)
         caches, block_row = STEP.caches, pending.block_row
         block_size = caches[0].shape[2]
         entries = []  # every layer's kept keys and values (E_l, d), read before anything is written
         for j in range(num_layers):
             head, position = kept[j].nonzero(as_tuple=True)  # (head, position) order
             entries.append(read_entries(caches[j], block_row, head, position))
-        layers = []
-        for j, groups in enumerate(assign(counts)):
-            where = []  # (tensor, block, column, offset) of each entry, in (head, position) order
-            for g in groups:
-                blocks, columns, offsets = slots(g.locations, n, size, heads, block_row, block_size)
-                end = g.start + len(g.locations)
-                key_view(caches[g.tensor])[blocks, columns, :, offsets] = entries[j][0][g.start:end]
-                value_view(caches[g.tensor])[blocks, columns, offsets] = entries[j][1][g.start:end]
-                where.append(torch.stack([torch.full_like(blocks, g.tensor), blocks, columns, offsets]))
-            index, valid = padded(counts[j])
-            if not where:  # the layer keeps nothing: its heads attend to their decode entries only
-                layers.append(PackedLayer([], valid))
-                continue
-            t, b, c, o = torch.cat(where, 1)[:, index]  # each (H, W)
-            sources = [(int(u), t == u, *(x[t == u] for x in (b, c, o)))
-                       for u in t.unique()] if len(groups) > 1 else [(groups[0].tensor, None, b, c, o)]
-            layers.append(PackedLayer(sources, valid))
+        where = locations(counts, n, block_row, block_size)
+        for j in range(num_layers):
+            tensor, block, column, offset = where[j]
+            for t in tensor.unique().tolist():
+                at = tensor == t
+                key_view(caches[t])[block[at], column[at], :, offset[at]] = entries[j][0][at]
+                value_view(caches[t])[block[at], column[at], offset[at]] = entries[j][1][at]
+        layers = [PackedLayer(where[j], counts[j]) for j in range(num_layers)]
         STEP.records[rid] = record = Record(n, size, layers)
         STEP.reported[rid] = record.first_slot  # to the scheduler, with this step's output (kvcompile.vllm.patches)
-
-    def _attend_compressed(self, query, kv_cache, block_row, record, index, first, seq):
-        """Attention of T query tokens at positions [first, seq): head h over its packed entries and the
-        decode entries at positions [N, position]."""
-        packed = record.layers[index]
-        new_keys, new_values = read_positions(kv_cache, block_row, record.prompt_length, seq)
-        if packed.sources:
-            keys, values = packed.gather(STEP.caches, query)
-            keys, values = torch.cat([keys, new_keys], 1), torch.cat([values, new_values], 1)  # (H, W + D, d)
-        else:
-            keys, values = new_keys, new_values
-        qpos = torch.arange(first, seq)
-        kpos = torch.arange(record.prompt_length, seq)
-        mask = torch.cat([packed.valid[:, None, :].expand(-1, len(qpos), -1),
-                          (kpos[None, None, :] <= qpos[None, :, None]).expand(len(packed.valid), -1, -1)], -1)
-        q = query.transpose(0, 1)  # (Hq, T, d)
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), scale=self.scale,
-                                             attn_mask=mask.repeat_interleave(self.num_queries_per_kv, 0),
-                                             enable_gqa=True)
-        return out.transpose(0, 1)  # (T, Hq, d)
-
-
-def key_view(kv_cache):
-    """Keys of vLLM 0.32's CPU cache under the "vec" ISA, (blocks, KV heads, head_dim, block): the cache
-    is [blocks, KV heads, block, 2·head_dim], each (block, head) holding its keys as [head_dim, block] then
-    its values as [block, head_dim]; other ISAs are refused (the layout is checked on every prompt)."""
-    blocks, heads, block_size, width = kv_cache.shape
-    return kv_cache.view(blocks, heads, 2, width // 2, block_size)[:, :, 0]
-
-
-def value_view(kv_cache):
-    """Values of the same cache, (blocks, KV heads, block, head_dim)."""
-    blocks, heads, block_size, width = kv_cache.shape
-    return kv_cache.view(blocks, heads, 2, block_size, width // 2)[:, :, 1]
-
-
-def read_entries(kv_cache, block_row, head, position):
-    """Keys and values (..., d) of a request's entries at KV heads `head` and logical positions `position`
-    (long tensors broadcast together; block_row its block ids)."""
-    block_size = kv_cache.shape[2]
-    blocks, offsets = block_row[position // block_size].long(), position % block_size
-    return key_view(kv_cache)[blocks, head, :, offsets], value_view(kv_cache)[blocks, head, offsets]
-
-
-def read_positions(kv_cache, block_row, begin: int, end: int):
-    """Keys and values (H, end − begin, d) of every KV head at logical positions [begin, end)."""
-    return read_entries(kv_cache, block_row, torch.arange(kv_cache.shape[1])[:, None], torch.arange(begin, end))
 
 
 class KVCompileCPUBackend(CPUAttentionBackend):

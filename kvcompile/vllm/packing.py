@@ -89,6 +89,18 @@ def slots(locations: Tensor, prompt_length: int, region_slots: int, heads: int, 
     return block_row[position // block_size].long(), column, position % block_size
 
 
+
+def locations(counts: Tensor, prompt_length: int, block_row: Tensor, block_size: int) -> list[Tensor]:
+    """For each layer, where (4, E_l) = (layer tensor, block id, column, offset) of its kept entries in
+    (head, position) order: `assign`'s groups placed by `slots`."""
+    size, heads = region(counts), counts.shape[1]
+    out = []
+    for groups in assign(counts):
+        where = [torch.stack([torch.full_like(b, g.tensor), b, c, o]) for g in groups
+                 for b, c, o in [slots(g.locations, prompt_length, size, heads, block_row, block_size)]]
+        out.append(torch.cat(where, 1) if where else torch.zeros(4, 0, dtype=torch.long))
+    return out
+
 def kept_entries(policy, scores: list[Tensor]) -> list[Tensor]:
     """What `policy` keeps of one prompt, (1, H, N) bool per layer, from every layer's scores (1, H, N):
     kvcompile's reference selection (kvcompile.reference.compress: fixed budgets layer by layer, LAVa's
