@@ -10,10 +10,11 @@ The worker keeps where they are (a Record) and reports N − S with the step's o
 the blocks wholly before it to vLLM's pool (kvcompile.vllm.patches).
 
 Decode tokens are written by vLLM at N, N + 1, … (slot mapping and RoPE positions unchanged). Any later
-attention of a compressed request at layer l gathers head h's K_{l,h} packed entries and its decode entries
-and attends over them (a padded, masked torch attention), in place of vLLM's kernel, which is given only the
-new tokens of such requests (their seq_len cut to their query length) so it does not attend over freed
-blocks for nothing. Keys carry their RoPE, so where a kept key sits does not change its logits.
+attention of a compressed request at layer l attends head h over its K_{l,h} packed entries and its decode
+entries (kvcompile.vllm.packed_attention: planned once per step by the metadata builder, one C++ call per
+layer for every compressed request), in place of vLLM's kernel, which is given only the new tokens of such
+requests (their seq_len cut to their query length) so it does not attend over freed blocks for nothing.
+Keys carry their RoPE, so where a kept key sits does not change its logits.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from kvcompile.layer_state import LayerState
-from kvcompile.vllm.packed_attention import (DecodePlan, PackedLayer, Record, key_view, read_entries,
+from kvcompile.vllm.packed_attention import (DecodePlan, PackedLayer, Record, key_view, prepare, read_entries,
                                               read_positions, value_view)
 from kvcompile.vllm.packing import kept_entries, locations, region
 from kvcompile.vllm.settings import PluginError
@@ -91,6 +92,7 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         self.kv_heads = config.model_config.get_num_kv_heads(config.parallel_config)
         self.groups = config.model_config.get_num_attention_heads(config.parallel_config) // self.kv_heads
+        prepare(self.groups, self.head_dim, self.dtype)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         requests = STEP.requests

@@ -150,6 +150,15 @@ def _kernel(groups: int, head_dim: int):
     return load_cpp(_ARGTYPES, "packed_attention.cpp", G=groups, D=head_dim)
 
 
+def prepare(groups: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Builds the kernel for this model now (at engine start: not in a request's first decode step, which
+    would otherwise wait for the C++ compiler when Inductor's disk cache is cold); whether it runs here."""
+    if not supports(torch.device("cpu"), dtype, head_dim):
+        return False
+    _kernel(groups, head_dim)
+    return True
+
+
 @dataclass
 class DecodePlan:
     """One step's compressed requests, planned once (in the metadata builder) and run per layer.
