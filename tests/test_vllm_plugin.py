@@ -182,7 +182,8 @@ def test_compressed_vllm_equals_kvcompile(model_and_prompts, compressed_runs, sp
     head, position) entries are kvcompile's reference selection on the same prompt (head-wise budgets, LAVa's
     cascade and DBudgetKV's threshold included); together = alone; after the prompt the request holds the
     blocks from N − S on, S = ⌈Σ K_{l,h} / (L·H)⌉ (its entries packed across heads and layers), and every
-    block is back in the pool at the end."""
+    block is back in the pool at the end. Decode attention ran in the C++ kernel (fp32, head dim 64: the
+    kernel's case; tests/test_vllm_packed_attention.py holds it to the torch reference)."""
     import kvcompile
     from kvcompile.reference import compress
     from kvcompile.sweep import capture
@@ -191,6 +192,7 @@ def test_compressed_vllm_equals_kvcompile(model_and_prompts, compressed_runs, sp
     model, prompts = model_and_prompts
     policy = kvcompile.load_spec(spec, **COMPRESSED[spec])
     out, record = compressed_runs[spec]
+    assert out["decode_kernel"], "the worker's decode attention fell back to the torch reference"
 
     want_tokens, want_kept = [], []
     for ids in prompts:

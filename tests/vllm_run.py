@@ -9,7 +9,8 @@ configures (KVCOMPILE_VLLM_SPEC...). Used by tests/test_vllm_plugin.py:
 With "runs": [{"spec": ..., "overrides": {...}, "record": file}, ...] (the plugin on), the same engine runs the
 prompts once per policy, each in turn set as the worker's policy (kvcompile.vllm.backend.STEP) between runs,
 when no request is in flight: one vLLM start for many policies (the scheduler reads only what the worker
-recorded). The result is then {"runs": [one result per policy]}.
+recorded). The result is then {"runs": [one result per policy]}, each saying whether the worker's decode
+attention had the C++ kernel's cache addresses (kvcompile.vllm.packed_attention).
 """
 import json
 import os
@@ -40,7 +41,8 @@ def main(args: dict) -> dict:
         policy = load_spec(spec["spec"], **spec.get("overrides", {}))
         assert refusal(policy) is None, refusal(policy)
         STEP.policy, STEP.record_to = policy, spec.get("record")
-        results.append(run(llm, prompts, params, f"stepped-{i}") | {"block_size": options["block_size"]})
+        results.append(run(llm, prompts, params, f"stepped-{i}") | {"block_size": options["block_size"],
+                                                                       "decode_kernel": STEP.addresses is not None})
     return {"runs": results}
 
 

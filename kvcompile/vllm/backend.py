@@ -65,7 +65,11 @@ class Step:
             self.caches[index] = kv_cache
             self.addresses = None
         if self.addresses is None and len(self.caches) == num_layers:
-            self.addresses = torch.tensor([self.caches[j].data_ptr() for j in range(num_layers)])
+            caches = [self.caches[j] for j in range(num_layers)]
+            # the kernel finds a cell of any layer from one shape: contiguous caches of one shape, else the
+            # reference (no addresses)
+            if all(c.is_contiguous() and c.shape == caches[0].shape for c in caches):
+                self.addresses = torch.tensor([c.data_ptr() for c in caches])
 
 
 STEP = Step()

@@ -165,8 +165,8 @@ class DecodePlan:
 
     rows: (batch row, record, first query row, query rows T, position of the first); requests (B, 5),
     runs (R, 4) and head_runs (L, B·H, 2) (the runs of every record, head_runs indexing into them): the same
-    for the kernel (see packed_attention.cpp); block_table (rows,
-    max blocks) long; work: the multiply-adds of one layer (for the thread count)."""
+    for the kernel (see packed_attention.cpp); block_table (rows, max blocks) long; work: the multiply-adds
+    of one layer (for the thread count)."""
 
     rows: list
     requests: Tensor
@@ -194,7 +194,8 @@ class DecodePlan:
             scale: float, threads: int | None = None) -> None:
         """Writes the attention of every planned request at `layer` into its rows of output (tokens, Hq, d)
         (a view of vLLM's output): the kernel when it runs here (fp32, head dim a multiple of 16, a
-        toolchain; addresses: every layer cache's address, long), else the reference. threads: the
+        toolchain; addresses: every layer cache's address, long, given only when every cache is one
+        contiguous tensor of the same shape), else the reference. threads: the
         kernel's OpenMP threads (default: torch's when the layer's work is at least PARALLEL_WORK, else 1)."""
         tokens, hq, d = query.shape
         kernel = addresses is not None and query.dtype == output.dtype == caches[layer].dtype and \
