@@ -5,8 +5,8 @@ Each configuration runs in a fresh process of the vLLM environment (the plugin i
 environment variables at process start): the embedded SmolLM2-135M (fp32, eager, vLLM's CPU attention),
 `--requests` prompts of `--length` tokens (consecutive stretches of data/haystack.txt, one per request)
 added at once, `--new-tokens` greedy tokens each (ignore_eos), a KV pool of exactly `--kv-blocks` blocks
-of `--block-size` tokens (num_gpu_blocks_override), prefix caching and chunked prefill off (the plugin
-refuses them; the full-cache run uses the same settings). The engine core runs in-process and is stepped
+of `--block-size` tokens (num_gpu_blocks_override), prefix caching off (the plugin refuses it) and chunked
+prefill off (a whole prompt per step; the full-cache run uses the same settings). The engine core runs in-process and is stepped
 by hand. Columns:
 
 - peak run: the most requests in vLLM's running queue at once (read after every step);

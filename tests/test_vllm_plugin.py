@@ -116,8 +116,8 @@ print("RESULT" + json.dumps(out))
 def test_plugin_off_by_default_refuses_what_it_cannot_run():
     """Unset, the plugin changes nothing; set, it loads through vLLM's entry point and replaces the CPU
     backend; decode-time, merging, quantized, reconstruction and rotary-reading policies are refused with the
-    reason (head-wise, layer-dynamic and threshold budgets load); so are prefix caching, chunked prefill, an
-    fp8 cache, speculative decoding and another vLLM version."""
+    reason (head-wise, layer-dynamic and threshold budgets load); so are prefix caching, an fp8 cache,
+    speculative decoding and another vLLM version (chunked prefill is accepted)."""
     out = run(["-c", f"MODEL = {str(MODEL)!r}\n" + REFUSALS], vllm_env(), timeout=240)
     assert out["off_path"].startswith("vllm.") and out["off_after_refusals"] == out["off_path"]
     assert out["entry_points"] == ["kvcompile.vllm:register"]
@@ -129,7 +129,7 @@ def test_plugin_off_by_default_refuses_what_it_cannot_run():
     assert out["accepted"] == dict.fromkeys(("adakv", "lava", "pyramid_pooled", "dbudgetkv")), out["accepted"]
     assert out["config"]["accepted"] is None
     assert "prefix caching" in out["config"]["prefix_caching"]
-    assert "chunked prefill" in out["config"]["chunked_prefill"]
+    assert out["config"]["chunked_prefill"] is None
     assert "kv_cache_dtype fp8" in out["config"]["fp8"]
     assert out["config"]["speculative"] is not None  # the plugin or vLLM refuses it; it never runs
     assert "0.33.0" in out["version"] and "0.32.0" in out["version"]
@@ -231,6 +231,27 @@ def test_worker_process_reports_what_it_freed(model_and_prompts, compressed_runs
     want, _ = compressed_runs["lava"]
     assert out["together"] == want["together"] and out["alone"] == want["alone"]
     assert out["blocks"] == want["blocks"] and out["blocks"]["after_decode"] > want["blocks"]["after_prefill"]
+
+
+@pytest.mark.slow
+def test_chunked_prefill_compresses_as_one_pass(model_and_prompts, compressed_runs, tmp_path):
+    """Chunked prefill (128-token chunks: each prompt in 3 or 4 steps, the two prompts' chunks sharing steps
+    when run together): the worker keeps each layer's last queries across chunks and compresses in the
+    step that ends the prompt, so the kept entries, the greedy tokens and the blocks held equal the
+    one-pass runs', for a window scorer (snapkv), one reading every query (h2o) and LAVa's cascade."""
+    _, prompts = model_and_prompts
+    specs = ("snapkv", "h2o", "lava")
+    runs = [{"spec": spec, "overrides": COMPRESSED[spec], "record": str(tmp_path / f"{spec}.jsonl")} for spec in specs]
+    out = run_vllm(prompts, timeout=600, spec="snapkv", per_head=64,
+                   more={"runs": runs, "options": {"enable_chunked_prefill": True, "max_num_batched_tokens": 128}})
+    assert max(map(len, prompts)) > 2 * 128  # every prompt is chunked
+    for spec, got in zip(specs, out["runs"]):
+        want, record = compressed_runs[spec]
+        assert got["together"] == want["together"] and got["alone"] == want["alone"], spec
+        assert got["blocks"] == want["blocks"], spec
+        kept = {line["request"]: line["kept"] for line in map(json.loads, (tmp_path / f"{spec}.jsonl").read_text().splitlines())}
+        kept_one_pass = {line["request"]: line["kept"] for line in map(json.loads, record.read_text().splitlines())}
+        assert sorted(map(json.dumps, kept.values())) == sorted(map(json.dumps, kept_one_pass.values())), spec
 
 
 def test_serve_engine_vllm_refuses_before_starting():

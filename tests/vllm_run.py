@@ -25,8 +25,7 @@ def main(args: dict) -> dict:
     options = dict(model=args["model"], dtype="float32", enforce_eager=True, seed=0,
                    max_model_len=args.get("max_model_len", 1024), enable_prefix_caching=False,
                    enable_chunked_prefill=False, max_num_batched_tokens=args.get("max_model_len", 1024),
-                   block_size=args.get("block_size", 32), async_scheduling=False,
-                   **args.get("options", {}))
+                   block_size=args.get("block_size", 32), async_scheduling=False) | args.get("options", {})
     llm = LLM(**options)
     params = SamplingParams(max_tokens=args["max_tokens"], temperature=0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in args["prompts"]]
@@ -50,9 +49,11 @@ def run(llm, prompts, params, stepped: str) -> dict:
     engine = llm.llm_engine
     pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     total = pool.get_num_free_blocks()
-    # the first prompt stepped by hand: blocks held after its prefill and after its first decode step
+    # the first prompt stepped by hand: blocks held after its prefill (the step that gives its first token:
+    # the last chunk's, under chunked prefill) and after its first decode step
     engine.add_request(stepped, prompts[0], params)
-    engine.step()
+    while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
+        pass
     after_prefill = pool.get_num_free_blocks()
     engine.step()
     after_decode = pool.get_num_free_blocks()

@@ -1,8 +1,9 @@
 """vLLM's CPU attention backend with kvcompile's prompt compression (docs/VLLM.md "Design").
 
-In the step that ends a request's prompt (the whole prompt: chunked prefill is refused), each layer, after
-vLLM's own attention over the prompt, scores it with the policy's scorer (from the layer's prompt state: the
-last R = scoring.query_rows(N) queries, every key and value, all after RoPE). After the last layer the
+In the step that ends a request's prompt (the whole prompt, or its last chunk under chunked prefill: the
+earlier chunks' queries among the last R are kept meanwhile), each layer, after vLLM's own attention, scores
+the prompt with the policy's scorer (from the layer's prompt state: the last R = scoring.query_rows(N)
+queries, every key and value, all after RoPE, the keys and values read back from the cache). After the last layer the
 selection runs over every layer's scores (kvcompile.vllm.packing.kept_entries: kvcompile's reference
 selection, LAVa's cascade included), and every (layer, KV head)'s kept entries are packed into the request's
 slots of positions [N − S, N), S = ⌈Σ K_{l,h} / (L·H)⌉, across heads and layers (kvcompile.vllm.packing).
@@ -36,10 +37,13 @@ from kvcompile.vllm.settings import PluginError
 
 @dataclass
 class Pending:
-    """A prompt in its step: every layer's scores so far (1, H, N), and its block row."""
+    """A prompt being prefilled, in one step or in chunks over several: per layer, its queries at positions
+    [N − R, N) seen so far (R = scoring.query_rows(N)), as (rows, Hq, d) pieces in position order; once its
+    last chunk ran, every layer's scores (1, H, N) and its block row."""
 
-    block_row: torch.Tensor
+    queries: dict = field(default_factory=dict)  # layer -> [query rows]
     scores: dict = field(default_factory=dict)
+    block_row: torch.Tensor | None = None
 
 
 @dataclass
@@ -112,11 +116,12 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             record = STEP.records.get(rid)
             if record is not None and first >= n:
                 decoding.append((i, record, starts[i], new, first))
-            elif first < n <= seq:
-                if first != 0 or seq != n:
+            elif first < n:
+                if seq > n:
                     raise PluginError(f"kvcompile: request {rid}'s prompt of {n} tokens came in a step covering "
-                                      f"positions [{first}, {seq}) (chunked or recomputed): not one-pass compression")
-                prompts.append((i, rid, n, starts[i]))
+                                      f"positions [{first}, {seq}) (recomputed after preemption): its outputs "
+                                      "would attend before the prompt is compressed")
+                prompts.append((i, rid, n, starts[i], first, seq))  # the whole prompt or a chunk of it
         if decoding:
             # vLLM's kernel attends a compressed request's new tokens only to themselves (their output is
             # replaced): never over its freed blocks, never over the whole context for nothing
@@ -145,26 +150,40 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         if plan.decode is not None:
             plan.decode.run(index, query, output.view(output.shape[0], -1, self.head_size), STEP.caches,
                             STEP.addresses, self.scale)
-        for i, rid, n, q0 in plan.prompts:
-            self._score(layer, rid, n, index, query[q0:q0 + n], key[q0:q0 + n], value[q0:q0 + n], kv_cache,
+        for i, rid, n, q0, first, seq in plan.prompts:
+            rows = slice(q0, q0 + seq - first)
+            self._score(layer, rid, n, index, first, query[rows], key[rows], value[rows], kv_cache,
                         attn_metadata.block_table[i])
-            if index == plan.layers - 1:
+            if seq == n and index == plan.layers - 1:
                 self._compress(rid, n)
         return output
 
-    def _score(self, layer, rid, n, index, query, key, value, kv_cache, block_row):
-        """Score layer `index` of a whole n-token prompt (kept until the last layer: LAVa's cascade
-        re-selects lower layers with what the later ones score)."""
+    def _score(self, layer, rid, n, index, first, query, key, value, kv_cache, block_row):
+        """Layer `index` of an n-token prompt's positions [first, first + T) (the whole prompt or a chunk): keep
+        its queries among the last R, and in the chunk that ends the prompt score the layer (kept until the
+        last layer: LAVa's cascade re-selects lower layers with what the later ones score) from those queries
+        and every key and value of the prompt, read from the cache."""
+        seq = first + len(query)
         # the layout this reader assumes is checked on what vLLM just wrote: never read a cache wrongly
-        keys, values = read_positions(kv_cache, block_row, 0, n)
+        keys, values = read_positions(kv_cache, block_row, first, seq)
         if not (torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))):
             raise PluginError(f"kvcompile: vLLM's CPU cache layout for isa {layer.isa!r} is not the one the plugin "
                               "reads (keys [head_dim, block], values [block, head_dim])")
         policy = STEP.policy
         rows = policy.scoring.query_rows(n)
-        state = LayerState(query[n - rows:].transpose(0, 1)[None], key.transpose(0, 1)[None],
-                           value.transpose(0, 1)[None], scale=self.scale)
-        pending = STEP.pending.setdefault(rid, Pending(block_row.clone()))
+        pending = STEP.pending.setdefault(rid, Pending())
+        if first == 0:  # the prompt's first chunk (again, if it was preempted before it ended)
+            pending.queries[index] = []
+        kept_from = max(first, n - rows)
+        if kept_from < seq:
+            pending.queries[index].append(query[kept_from - first:].clone())
+        if seq < n:
+            return
+        if first > 0:
+            keys, values = read_positions(kv_cache, block_row, 0, n)
+        queries = torch.cat([query[:0], *pending.queries.pop(index)])  # no rows for a scorer reading none
+        state = LayerState(queries.transpose(0, 1)[None], keys[None], values[None], scale=self.scale)
+        pending.block_row = block_row.clone()
         pending.scores[index] = policy.scoring.score(state)
 
     def _compress(self, rid, n):

@@ -56,11 +56,6 @@ def check_config(config, policy) -> None:
     if config.cache_config.enable_prefix_caching:
         no("prefix caching on: a compressed request's blocks hold other positions than their hashes say "
            "(pass enable_prefix_caching=False)")
-    if config.scheduler_config.enable_chunked_prefill:
-        no("chunked prefill on: window scoring needs a prompt's last queries in the step that ends it "
-           "(pass enable_chunked_prefill=False, max_num_batched_tokens >= max_model_len)")
-    if (config.scheduler_config.long_prefill_token_threshold or 0) > 0:
-        no("long_prefill_token_threshold > 0, which splits a prompt over steps")
     if config.speculative_config is not None:
         no("speculative decoding")
     if config.cache_config.cache_dtype != "auto":
@@ -201,8 +196,9 @@ def apply(policy) -> None:
 
     @functools.wraps(update)
     def update_states(self, scheduler_output):
-        for rid in scheduler_output.finished_req_ids:
+        for rid in scheduler_output.finished_req_ids:  # finished or aborted (also while its prompt is in chunks)
             backend.STEP.records.pop(rid, None)
+            backend.STEP.pending.pop(rid, None)
         return update(self, scheduler_output)
 
     GPUModelRunner._update_states = update_states

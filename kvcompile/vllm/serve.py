@@ -21,8 +21,9 @@ class VllmServe:
     served_model_name: str | None = None
 
     def argv(self) -> list[str]:
-        """vLLM's server command: the settings the plugin needs (prefix caching and chunked prefill off, a whole
-        prompt per step), fp32 eager on the CPU, a KV pool of kv_tokens tokens in whole blocks."""
+        """vLLM's server command: the settings the plugin needs (prefix caching off), chunked prefill off (a
+        whole prompt per step, as benchmarks/bench_vllm.py measures; the plugin also runs with it on), fp32
+        eager on the CPU, a KV pool of kv_tokens tokens in whole blocks."""
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", self.host, "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
                 "--no-enable-prefix-caching", "--no-enable-chunked-prefill",

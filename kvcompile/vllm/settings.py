@@ -59,7 +59,8 @@ def refusal(policy) -> str | None:
     if schedule.decode is not None:
         return f"schedule.decode {type(schedule.decode).name} evicts while decoding; only prefill-time policies run"
     if schedule.prefill is not None:
-        return "schedule.prefill compresses while prefilling in chunks; only one-pass prompt compression runs"
+        return ("schedule.prefill: chunk evicts between a prompt's chunks; the plugin compresses once, in the step "
+                "that ends the prompt (vLLM's own chunked prefill runs)")
     if policy.merges:
         return f"merge {type(policy.merge).name} keeps merge slots with a logit bias, which vLLM's attention has not"
     if type(policy.storage).name != "model_dtype":
