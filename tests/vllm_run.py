@@ -52,8 +52,10 @@ def run(llm, prompts, params, stepped: str) -> dict:
     # the first prompt stepped by hand: blocks held after its prefill (the step that gives its first token:
     # the last chunk's, under chunked prefill) and after its first decode step
     engine.add_request(stepped, prompts[0], params)
-    while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
-        pass
+    [request] = [r for rid, r in engine.engine_core.engine_core.scheduler.requests.items()
+                 if rid.startswith(stepped + "-")]  # vLLM suffixes the id it was given
+    while request.num_output_tokens == 0:  # (step() returns no outputs here once llm.generate() ran)
+        engine.step()
     after_prefill = pool.get_num_free_blocks()
     engine.step()
     after_decode = pool.get_num_free_blocks()
