@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kvcompile.kernels.paged_attention_cpp import supports
-from kvcompile.vllm.packed_attention import DecodePlan, PackedLayer, Record, attend_reference, key_view, value_view
+from kvcompile.vllm.packed_attention import DecodePlan, PackedLayer, Record, key_view, value_view
 from kvcompile.vllm.packing import locations, region
 
 
@@ -54,19 +54,15 @@ def test_packed_decode_attention_equals_plain_attention_over_what_is_kept(step):
         kept = [[torch.randperm(n, generator=g)[:int(counts[j, h])].sort().values for h in range(heads)]
                 for j in range(layers)]
         where = locations(counts, n, block_row, bs)
+        packed = [PackedLayer(where[j], counts[j]) for j in range(layers)]
         for j in range(layers):  # what compression writes: each layer's kept entries at their packed places
-            head = torch.repeat_interleave(torch.arange(heads), counts[j])
-            position = torch.cat(kept[j]) if heads else torch.zeros(0, dtype=torch.long)
-            tensor, block, column, offset = where[j]
-            for u in tensor.unique().tolist():
-                at = tensor == u
-                key_view(caches[u])[block[at], column[at], :, offset[at]] = keys[j, head[at], position[at]]
-                value_view(caches[u])[block[at], column[at], offset[at]] = values[j, head[at], position[at]]
+            head, position = torch.repeat_interleave(torch.arange(heads), counts[j]), torch.cat(kept[j])
+            packed[j].write(caches, keys[j, head, position], values[j, head, position])
         for j in range(layers):  # decode entries at N, N + 1, … in their own layer and column, as vLLM writes
             for p in range(n, seq):
                 key_view(caches[j])[block_row[p // bs], :, :, p % bs] = keys[j, :, p]
                 value_view(caches[j])[block_row[p // bs], :, p % bs] = values[j, :, p]
-        record = Record(n, region(counts), [PackedLayer(where[j], counts[j]) for j in range(layers)])
+        record = Record(n, region(counts), packed)
         first = seq - t
         rows.append((i + 1, record, tokens, t, first))
         truth.append((keys, values, kept, n, first, t, tokens))

@@ -29,8 +29,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from kvcompile.layer_state import LayerState
-from kvcompile.vllm.packed_attention import (DecodePlan, PackedLayer, Record, key_view, prepare, read_entries,
-                                              read_positions, value_view)
+from kvcompile.vllm.packed_attention import DecodePlan, PackedLayer, Record, prepare, read_entries, read_positions
 from kvcompile.vllm.packing import kept_entries, locations, region
 from kvcompile.vllm.settings import PluginError
 
@@ -207,13 +206,9 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
             head, position = kept[j].nonzero(as_tuple=True)  # (head, position) order
             entries.append(read_entries(caches[j], block_row, head, position))
         where = locations(counts, n, block_row, block_size)
-        for j in range(num_layers):
-            tensor, block, column, offset = where[j]
-            for t in tensor.unique().tolist():
-                at = tensor == t
-                key_view(caches[t])[block[at], column[at], :, offset[at]] = entries[j][0][at]
-                value_view(caches[t])[block[at], column[at], offset[at]] = entries[j][1][at]
         layers = [PackedLayer(where[j], counts[j]) for j in range(num_layers)]
+        for layer, (keys, values) in zip(layers, entries):
+            layer.write(caches, keys, values)
         STEP.records[rid] = record = Record(n, size, layers)
         STEP.reported[rid] = record.first_slot  # to the scheduler, with this step's output (kvcompile.vllm.patches)
 

@@ -67,6 +67,14 @@ class PackedLayer:
     where: Tensor
     counts: Tensor
 
+    def write(self, caches: dict, keys: Tensor, values: Tensor) -> None:
+        """Stores the layer's kept keys and values (E, d), in (head, position) order, at their places."""
+        tensor, block, column, offset = self.where
+        for t in tensor.unique().tolist():
+            at = tensor == t
+            key_view(caches[t])[block[at], column[at], :, offset[at]] = keys[at]
+            value_view(caches[t])[block[at], column[at], offset[at]] = values[at]
+
     def gather(self, caches: dict, like: Tensor):
         """Keys and values (H, W, d), W = max_h K_{l,h}, and valid (H, W): each head's entries, padded."""
         keys = like.new_empty(self.where.shape[1], like.shape[-1])
@@ -81,10 +89,11 @@ class PackedLayer:
             return keys.new_empty(*index.shape, like.shape[-1]), values.new_empty(*index.shape, like.shape[-1]), valid
         return keys[index], values[index], valid
 
-    def runs(self, heads: int) -> tuple[Tensor, Tensor]:
+    def runs(self) -> tuple[Tensor, Tensor]:
         """The entries as runs (R, 4) = (tensor, cell = block·H + column, first offset, length) of
         consecutive offsets in one cell, in (head, position) order, and each head's number of runs (H,)."""
         tensor, block, column, offset = self.where
+        heads = len(self.counts)
         head = torch.repeat_interleave(torch.arange(heads), self.counts)
         cell = block * heads + column
         new = torch.ones(len(head), dtype=torch.bool)
@@ -109,8 +118,7 @@ class Record:
     head_runs: Tensor = field(init=False)
 
     def __post_init__(self):
-        heads = len(self.layers[0].counts)
-        per_layer = [layer.runs(heads) for layer in self.layers]
+        per_layer = [layer.runs() for layer in self.layers]
         self.runs = torch.cat([r for r, _ in per_layer]).contiguous()
         counts = torch.stack([c for _, c in per_layer])  # (L, H)
         ends = counts.flatten().cumsum(0).view_as(counts)
