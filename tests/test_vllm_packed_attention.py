@@ -1,26 +1,29 @@
 """kvcompile.vllm.packed_attention (no vLLM needed): the decode attention of compressed requests over their
 packed entries in vLLM's CPU cache layout. Both implementations, the torch reference and the C++ kernel
-(one call per layer for all requests), equal plain attention over what each head keeps plus its decode
-entries, for random budgets, block sizes, GQA groups and block tables; everything the cache holds that no
-request keeps is NaN, so reading a wrong slot cannot go unnoticed."""
+(one call per layer for all requests), equal kvcompile.reference.attend over what each head keeps plus
+its decode entries, for random budgets, block sizes, GQA groups and block tables; everything the cache
+holds that no request keeps is NaN, so reading a wrong slot cannot go unnoticed."""
 from __future__ import annotations
 
 import torch
 from hypothesis import given, settings, strategies as st
 
 from kvcompile.kernels.paged_attention_cpp import supports
+from kvcompile.reference import attend
 from kvcompile.vllm.packed_attention import DecodePlan, PackedLayer, Record, key_view, value_view
 from kvcompile.vllm.packing import locations, region
 
 
-def plain_attention(q, keys, values, scale):
-    """q (Hq, d) against keys and values (H, n_h, d) given per head as lists: softmax(q·k·scale)·v."""
-    groups = q.shape[0] // len(keys)
-    out = []
-    for head in range(q.shape[0]):
-        k, v = keys[head // groups], values[head // groups]
-        out.append(torch.softmax(k @ q[head] * scale, 0) @ v)
-    return torch.stack(out)
+def reference_attention(q, keys, values, scale):
+    """kvcompile.reference.attend of one query row q (Hq, d) over each KV head's keys and values, given per
+    head as lists of (n_h, d) (padded to one width, lengths masking the padding)."""
+    lengths = torch.tensor([[len(k) for k in keys]])
+    width = int(lengths.max())
+
+    def pad(xs):
+        return torch.stack([torch.cat([x, x.new_zeros(width - len(x), x.shape[-1])]) for x in xs])[None]
+
+    return attend(q[None, :, None], pad(keys), pad(values), lengths=lengths, scale=scale)[0, :, 0]
 
 
 @st.composite
@@ -34,7 +37,7 @@ def steps(draw):
 
 @settings(max_examples=60, deadline=None)
 @given(steps())
-def test_packed_decode_attention_equals_plain_attention_over_what_is_kept(step):
+def test_packed_decode_attention_equals_the_reference_over_what_is_kept(step):
     g = torch.Generator().manual_seed(step["seed"])
     layers, heads, groups, d, bs = (step[k] for k in ("layers", "heads", "groups", "head_dim", "block_size"))
     assert supports(torch.device("cpu"), torch.float32, d)  # the kernel runs here: CI's toolchain has g++
@@ -79,7 +82,7 @@ def test_packed_decode_attention_equals_plain_attention_over_what_is_kept(step):
                 p = first + r
                 ks = [torch.cat([keys[layer, h, kept[layer][h]], keys[layer, h, n:p + 1]]) for h in range(heads)]
                 vs = [torch.cat([values[layer, h, kept[layer][h]], values[layer, h, n:p + 1]]) for h in range(heads)]
-                want[q0 + r] = plain_attention(query[q0 + r], ks, vs, scale)
+                want[q0 + r] = reference_attention(query[q0 + r], ks, vs, scale)
         reference = torch.full_like(want, -7.0)
         plan.run(layer, query, reference, caches, None, scale)  # no addresses: the torch reference
         kernel = torch.full_like(want, -7.0)
