@@ -4,6 +4,8 @@
 #   bash scripts/gpu_session.sh tests     # pytest -m gpu, the kernel tests, then the rest (real Triton) ~9 min
 #   bash scripts/gpu_session.sh kernels   # e2e --small as a preflight, then bench_gpu.py kernels   ~4-7 min
 #   bash scripts/gpu_session.sh e2e       # benchmarks/bench_gpu.py e2e (8B-shaped random model)    ~8-9 min
+#   bash scripts/gpu_session.sh brief     # one call for a 15-minute lease: the gpu tests, the kernel  ~9 min
+#                                         # tests, bench kernels and e2e at one size, each cut short
 #
 # Arguments after the stage go to the benchmark (e.g. `e2e --lengths 8192 --batches 8`) or to both
 # pytest runs (e.g. `tests -k paged`). Each stage prints the GPU and the package versions first,
@@ -16,8 +18,8 @@ set -uo pipefail
 
 stage=${1:-}
 case "$stage" in
-  tests|kernels|e2e|bandwidth) shift ;;
-  *) echo "usage: bash scripts/gpu_session.sh tests|kernels|e2e|bandwidth [extra arguments]" >&2; exit 2 ;;
+  tests|kernels|e2e|bandwidth|brief) shift ;;
+  *) echo "usage: bash scripts/gpu_session.sh tests|kernels|e2e|bandwidth|brief [extra arguments]" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu-session}
@@ -68,14 +70,20 @@ case "$stage" in
     timeout -k 10 150 python3 -m pytest -m "not gpu" -v -p no:cacheprovider -rfEs -o faulthandler_timeout=120 \
       "${kernel_tests[@]}" "$@" || status=$?
     limit=$(( ${STAGE_SECONDS:-560} - (SECONDS - started) ))
-    echo "== 3/3 the rest of the suite (limit $limit s, what the stage's ${STAGE_SECONDS:-560} s leave; no -x;" \
+    if [ "$limit" -lt 30 ]; then  # `timeout 0` would mean no limit at all
+      echo "== 3/3 skipped: $limit s left of the stage's ${STAGE_SECONDS:-560} s"
+      limit=0
+    fi
+    [ "$limit" -gt 0 ] && echo "== 3/3 the rest of the suite (limit $limit s, what the stage's ${STAGE_SECONDS:-560} s leave; no -x;" \
          "PYTEST_ARGS='${PYTEST_ARGS:-}')"
     ignore=()
     for f in "${kernel_tests[@]}"; do ignore+=("--ignore=$f"); done
     # -v: each test's result is in the log as it finishes, so a suite cut by the limit still shows what ran
     # shellcheck disable=SC2086
-    timeout -k 10 "$limit" python3 -m pytest -m "not gpu" -v -p no:cacheprovider -rfEs --durations=20 \
-      -o faulthandler_timeout=240 "${ignore[@]}" ${PYTEST_ARGS:-} tests "$@" || status=$?
+    if [ "$limit" -gt 0 ]; then
+      timeout -k 10 "$limit" python3 -m pytest -m "not gpu" -v -p no:cacheprovider -rfEs --durations=20 \
+        -o faulthandler_timeout=240 "${ignore[@]}" ${PYTEST_ARGS:-} tests "$@" || status=$?
+    fi
     ;;
   kernels)
     # first the e2e stage's code at tiny shapes on this GPU (a minute): a failure there shows before the
@@ -91,6 +99,24 @@ case "$stage" in
     ;;
   bandwidth)
     timeout -k 10 120 python3 benchmarks/bench_gpu.py bandwidth "$@" || status=$?
+    ;;
+  brief)
+    # everything above, each cut to fit one 10-minute command (a lease of 15 minutes holds one such call and
+    # its start); arguments go to pytest
+    echo "== 1/4 pytest -m gpu (limit 150 s)"
+    timeout -k 10 150 python3 -m pytest -m gpu -v -p no:cacheprovider -rfEs -o faulthandler_timeout=120 \
+      tests/test_gpu.py "$@" || status=$?
+    echo "== 2/4 the kernel tests with real Triton (limit 110 s)"
+    timeout -k 10 110 python3 -m pytest -m "not gpu" -v -p no:cacheprovider -rfEs -o faulthandler_timeout=100 \
+      tests/test_kernels_*.py "$@" || status=$?
+    echo "== 3/4 bench_gpu.py kernels at 8k and 32k tokens per head (limit 100 s)"
+    timeout -k 10 100 python3 benchmarks/bench_gpu.py kernels --max-seconds 60 --tokens 8192 32768 || status=$?
+    limit=$(( ${STAGE_SECONDS:-560} - (SECONDS - started) ))
+    echo "== 4/4 bench_gpu.py e2e at 32k tokens, batch 8, 128 per head (limit $limit s)"
+    if [ "$limit" -gt 30 ]; then
+      timeout -k 10 "$limit" python3 benchmarks/bench_gpu.py e2e --max-seconds $((limit - 90)) \
+        --lengths 32768 --batches 8 --budgets 128 --specs snapkv lava --modes eager compiled || status=$?
+    fi
     ;;
 esac
 echo "== stage $stage done in $((SECONDS - started)) s, exit status $status (124: a time limit); log $OUT/$stage.log"
