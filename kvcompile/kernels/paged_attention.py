@@ -361,7 +361,8 @@ def paged_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     acc_part, m_part, l_part = work[: parts * d], work[parts * d: parts * (d + 1)], work[parts * (d + 1):]
     has_bias = bias_pages is not None
     bias = bias_pages if has_bias else k_pages  # a dummy pointer when there is no bias
-    block_g, block_d = triton.next_power_of_2(g), triton.next_power_of_2(d)
+    # q·Kᵀ's K dimension is d: tensor cores need at least 16 (loads are masked by D; the interpreter takes any)
+    block_g, block_d = triton.next_power_of_2(g), max(16, triton.next_power_of_2(d))
     # q·Kᵀ in the cache's dtype (tensor cores; products exact in fp32) unless q differs
     # or the cache is fp32; p·V in fp32 (p is not rounded to 16 bits).
     dot_fp32 = q.dtype != k_pages.dtype or k_pages.dtype == torch.float32

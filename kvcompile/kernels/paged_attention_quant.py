@@ -340,7 +340,8 @@ def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_
     acc_part, m_part, l_part = work[: parts * d], work[parts * d: parts * (d + 1)], work[parts * (d + 1):]
     has_bias = bias_pages is not None
     bias = bias_pages if has_bias else k_scale  # a dummy pointer when there is no bias
-    block_g, block_d = triton.next_power_of_2(g), triton.next_power_of_2(d)
+    # q·Kᵀ's K dimension is d: tensor cores need at least 16 (loads are masked by D; the interpreter takes any)
+    block_g, block_d = triton.next_power_of_2(g), max(16, triton.next_power_of_2(d))
     _quant_partials_kernel[(b * h, chunks)](
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias,
         m_part, l_part, acc_part, scale, h, chunk_tokens, chunks,
