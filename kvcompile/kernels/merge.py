@@ -308,7 +308,8 @@ def residual_merge_triton(slot_keys: Tensor, slot_values: Tensor, counts: Tensor
         keys.contiguous(), values.contiguous(), num.to(torch.int32).contiguous(),
         num_slots.to(torch.int32).contiguous(), out_keys, out_values, out_counts, e,
         S=s, D=d, DV=dv, BLOCK_S=triton.next_power_of_2(s),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv))
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        enable_fp_fusion=False)  # a multiply-add rounds twice, as in the torch lowering (kernel comment)
     return out_keys, out_values, out_counts
 
 
@@ -344,9 +345,11 @@ if triton is not None:
             target = tl.where(first_empty < BLOCK_S, first_empty, closest)
             hit = (offs_s == target)[:, None]
             w = counts.to(tl.float32)[:, None]
-            # Eq. 6–7 in fp32, rounded to the slots' dtype after every step (as stored).
-            new_k = ((w * slot_k + k[None, :]) / (w + 1.0)).to(ok_ptr.dtype.element_ty)
-            new_v = ((w * slot_v + v[None, :]) / (w + 1.0)).to(ov_ptr.dtype.element_ty)
+            # Eq. 6–7 in fp32, rounded to the slots' dtype after every step (as stored); each operation rounded
+            # as torch rounds it: no FMA contraction (the launch's enable_fp_fusion=False) and a correctly
+            # rounded division (`/` on a GPU is an approximate one)
+            new_k = tl.math.div_rn(w * slot_k + k[None, :], w + 1.0).to(ok_ptr.dtype.element_ty)
+            new_v = tl.math.div_rn(w * slot_v + v[None, :], w + 1.0).to(ov_ptr.dtype.element_ty)
             slot_k = tl.where(hit, new_k.to(tl.float32), slot_k)
             slot_v = tl.where(hit, new_v.to(tl.float32), slot_v)
             counts = tl.where(offs_s == target, counts + 1, counts)
