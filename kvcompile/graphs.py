@@ -122,10 +122,10 @@ class DecodeGraphs:
             cache.replayed(1)
             self.replays += 1
             return self._output(cache, logits)
-        if key != self.warm:  # new tensors: this step runs without a graph first
+        if key != self.warm:  # new tensors: this step runs without a graph first, called as the recorded one will be
             self.warm = key
             self.eager["warm-up"] += 1
-            return None
+            return self._output(cache, self._recordable(forward, cache, kwargs)(*step).logits)
         return self._output(cache, self._capture(forward, cache, step, kwargs, key))
 
     def _inputs(self, cache, args: tuple, kwargs: dict):
@@ -147,16 +147,23 @@ class DecodeGraphs:
             where = torch.tensor([cache.seq_length], device=ids.device)
         return ids, positions, where.reshape(1)
 
-    def _capture(self, forward, cache, step, kwargs: dict, key):
-        """Record this step in static buffers (`record`), which also runs it: its logits."""
-        self._reset()
-        buffers = [x.clone() for x in step]
+    @staticmethod
+    def _recordable(forward, cache, kwargs: dict):
+        """The step as a graph records it: the token, its positions and cache position, no mask. The warm-up step
+        runs it too, so that whatever the call compiles (dynamo's graphs, Inductor's autotuned kernels) is
+        compiled before the capture: autotuning synchronises the device, which a capture refuses."""
         extra = {name: kwargs[name] for name in ("logits_to_keep", "kvcompile_cache") if name in kwargs}
 
         def run(ids, positions, where, *tensors):
             return forward(ids, position_ids=positions, cache_position=where, **cache_arg.given(cache), use_cache=True,
                            **extra)
-        logits, self.replay = self.record(run, buffers, cache.decode_tensors())
+        return run
+
+    def _capture(self, forward, cache, step, kwargs: dict, key):
+        """Record this step in static buffers (`record`), which also runs it: its logits."""
+        self._reset()
+        buffers = [x.clone() for x in step]
+        logits, self.replay = self.record(self._recordable(forward, cache, kwargs), buffers, cache.decode_tensors())
         self.buffers, self.key, self.cache = buffers, key, weakref.ref(cache)
         self.captures += 1
         return logits
