@@ -909,6 +909,42 @@ def plot_quality(records, path) -> None:
     plt.close(fig)
 
 
+def cmd_tune(args) -> None:
+    """Search the part library for the best policy at a KV budget on calibration samples (kvcompile.tune);
+    write it as a spec YAML with its provenance and print the finalists."""
+    from kvcompile import ruler, tune
+
+    if (args.kv_fraction is None) == (args.kv_bytes is None):
+        fail("give one of --kv-fraction (share of the entries kept) or --kv-bytes (share of the full cache's bytes)")
+    try:
+        budget = tune.Budget(kv_fraction=args.kv_fraction,
+                             kv_bytes=None if args.kv_bytes is None else float(args.kv_bytes[0]))
+        space = (tune.load_space(args.space, args.kv_bytes is not None) if args.space
+                 else tune.default_space(args.kv_bytes is not None))
+        found, refused = tune.candidates(space)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    print(f"tune     {len(found)} candidates, {sum(refused.values())} refused by the spec validator", flush=True)
+    if args.dataset is None:
+        haystack()
+    model, tokenizer = load(args)
+    rows = ruler_samples_for(args, tokenizer, args.tasks, args.quiet)
+    samples = tune.samples_from_ruler(tokenizer, rows, args.query)
+    evaluator = tune.Evaluator(model, samples, budget, max(r["max_new_tokens"] for r in rows),
+                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    result = tune.tune(evaluator, space, seed=args.seed, eta=args.eta, confirm=args.confirm, records=args.records,
+                       progress=not args.quiet)
+    label = (f"{args.dataset}" if args.dataset else
+             f"RULER {','.join(args.tasks or ruler.TASKS)} x {args.samples}, seed {args.seed}") + f", {args.query}"
+    path = tune.write_spec(result, args.out, label)
+    print("| confirmed | proxy | candidate |\n|---|---|---|")
+    for t in [t for t in result.trials if t.confirmed]:
+        print(f"| {t.mean('confirmed'):.1f} | {t.mean():.4f} | {t.candidate.key} |")
+    if result.agreement is not None:
+        print(f"proxy and confirmation agree on {result.agreement:.0%} of the finalists' pairs")
+    print(f"best     {result.best.candidate.key}\nwritten  {path}")
+
+
 def cmd_plot(args) -> None:
     if args.kind == "budget-map":
         policy = policy_for(args.spec, args.per_head)
@@ -1175,6 +1211,33 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: a quarter of the KV pool); they are counted in the pool, and a request is "
                           "admitted only if it fits beside them")
     srv.set_defaults(func=cmd_serve)
+
+    tn = sub.add_parser("tune", help="search the part library for the best policy at a KV budget",
+                        description="Prefill each calibration sample once, replay every candidate policy of the "
+                                    "search space (the registered parts, --space to narrow or widen it) over it, "
+                                    "score candidates by the log-likelihood of the gold answer (successive halving "
+                                    "decides how many samples each gets), confirm the best by generation, and write "
+                                    "the winner as a spec YAML whose comments say how it was found.")
+    add_common(tn, spec=False, demo=False)
+    tn.add_argument("--seed", type=int, default=0, help="the calibration samples' seed and the search's order")
+    tn.add_argument("--tasks", type=names, default=None, help="RULER tasks to calibrate on (default: all)")
+    tn.add_argument("--samples", type=positive, default=20, help="calibration samples per task (default 20)")
+    tn.add_argument("--lengths", type=ints, default=None, help=f"prompt tokens (default {RULER_LENGTH})")
+    tn.add_argument("--dataset", default=None, metavar="FILE",
+                    help="calibrate on your own samples (JSON lines in kvpress's columns) instead of RULER's")
+    tn.add_argument("--max-new-tokens", type=positive, default=None, metavar="N", help="answer length (default: the task's)")
+    tn.add_argument("--kv-fraction", type=float, default=None, metavar="F", help="share of the KV entries kept, in (0, 1)")
+    tn.add_argument("--kv-bytes", type=byte_fractions, default=None, metavar="F",
+                    help="share of the full cache's key and value bytes (1/16 or 0.0625); precision is searched too")
+    tn.add_argument("--query", choices=("agnostic", "aware"), default="agnostic",
+                    help="compress the context without the question (default, kvpress's) or with it")
+    tn.add_argument("--space", default=None, metavar="YAML", help="the search space (default: every registered part)")
+    tn.add_argument("--eta", type=positive, default=3, help="successive halving keeps 1/eta per rung (default 3)")
+    tn.add_argument("--confirm", type=positive, default=3, help="finalists confirmed by generation (default 3)")
+    tn.add_argument("--records", default=None, metavar="JSONL",
+                    help="append every evaluation here and skip those already there (resume an interrupted search)")
+    tn.add_argument("--out", default="tuned.yaml", help="the spec written (default tuned.yaml)")
+    tn.set_defaults(func=cmd_tune)
 
     specs = sub.add_parser("specs", help="list the shipped policies",
                            description="List the shipped specs: name, budget and the first line of the description.")

@@ -1,0 +1,526 @@
+"""`kvcompile tune`: the compiler chooses the policy at a KV budget.
+
+Every mix of registered parts is a valid policy, so the best policy for a model and a budget can be searched
+for instead of hand-picked. The search space is the part library itself: for each searched family (scoring,
+the layer and head allocation, the schedule, the storage precision, the merge rule) the registered parts,
+each at the fields of the first shipped spec that uses it (else its declared defaults), plus optional grids
+of field values, each value checked against the field's declared range. A candidate is one spec mapping;
+the spec validator and the plan decide whether it exists (a refused candidate is skipped with its reason
+counted and never evaluated).
+
+Evaluation is cheap because a prompt's forward pass does not depend on a prefill-time policy: each
+calibration sample is prefilled once (`sweep.capture`, nothing evicted) and every candidate is replayed over
+the captured layers (`sweep.replay`). A candidate is scored first by a proxy, the mean log-likelihood of the
+gold answer's tokens teacher-forced after the compressed context (query-agnostic mode: after the question is
+fed through it, as a question after a compressed context is), then the best few are confirmed by greedy
+generation and the task's own score. Which candidates get how many samples is successive halving (Jamieson
+and Talwalkar, 2016): every candidate on a few samples, the best 1/eta on eta times as many, until the
+survivors have every sample. Halving rather than a model-based search (Optuna's TPE) because the space is
+categorical and small, a candidate's cost is nearly the same for all, and halving's result is a plain
+function of the seed (the samples' order), with no surrogate to explain.
+
+Budgets are equal in bytes where precision is searched: at `kv_bytes` = F (a fraction of the full cache's
+key and value bytes), a candidate keeps per_head_for_bytes(F) entries per KV head, so an int4 candidate keeps
+about four times the entries of a full-precision one in the same bytes. At `kv_fraction` = f every candidate
+keeps floor(f * n) entries per head and the storage stays the model's dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SEARCHED = ("scoring", "layers", "heads", "schedule", "storage", "merge")
+SCHEDULES = ("prefill", "cascade")  # the schedule forms a one-pass prefill can be replayed into
+
+
+class SpaceError(ValueError):
+    """A search space that names an unknown family, part or field, or a value outside a field's range."""
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search tries. `parts`: family -> the part names tried (schedule: "prefill" | "cascade").
+    `fields`: "family.part.field" -> the values tried for that field wherever the part is chosen. `ranking`:
+    the ranking section every candidate shares."""
+
+    parts: dict[str, tuple[str, ...]]
+    fields: dict[str, tuple] = field(default_factory=dict)
+    ranking: dict = field(default_factory=lambda: {"by_score": {"sinks": 0, "window": 32}})
+
+    def describe(self) -> list[str]:
+        lines = [f"{family}: {', '.join(names)}" for family, names in self.parts.items()]
+        lines += [f"{path}: {', '.join(map(str, values))}" for path, values in self.fields.items()]
+        return lines + [f"ranking: {json.dumps(self.ranking)}"]
+
+
+def _registry():
+    from kvcompile.policies import PARTS
+    return PARTS
+
+
+def seeded_fields() -> dict[tuple[str, str], dict]:
+    """(family, part) -> the fields of the first shipped spec (alphabetical) that uses the part, for the parts
+    that have required fields or whose shipped settings differ from their defaults (window_attention's pooling)."""
+    from kvcompile.spec import available_specs, load_spec, policy_to_mapping
+
+    found: dict[tuple[str, str], dict] = {}
+    for name in available_specs():
+        mapping = policy_to_mapping(load_spec(name))
+        sections = {"scoring": mapping.get("scoring"), "storage": mapping.get("storage"), "merge": mapping.get("merge"),
+                    "layers": mapping.get("budget", {}).get("layers"), "heads": mapping.get("budget", {}).get("heads")}
+        for family, value in sections.items():
+            if isinstance(value, dict):
+                (name, fields), = value.items()
+                found.setdefault((family, name), dict(fields or {}))
+    return found
+
+
+def default_space(bytes_budget: bool) -> Space:
+    """Every registered part of each searched family at its seeded fields; storage only where the budget is in
+    bytes (at an entry budget a lower precision only saves bytes, which the score does not see); merge `drop`
+    only (a merge rule needs a split budget, which the other families do not give)."""
+    parts = _registry()
+    chosen = {"scoring": tuple(sorted(parts["scoring"])), "layers": tuple(sorted(parts["layers"])),
+              "heads": tuple(sorted(parts["heads"])), "schedule": SCHEDULES,
+              "storage": tuple(sorted(parts["storage"])) if bytes_budget else ("model_dtype",),
+              "merge": ("drop",)}
+    return Space(chosen)
+
+
+def load_space(source, bytes_budget: bool) -> Space:
+    """A Space from a YAML file or a mapping: `{scoring: [lava, window_attention], storage: [int4],
+    fields: {ranking.by_score.window: [0, 32]}}`; a family left out keeps the default space's parts."""
+    import yaml
+
+    data = source if isinstance(source, dict) else yaml.safe_load(Path(source).read_text())
+    where = "the search space" if isinstance(source, dict) else str(source)
+    if not isinstance(data, dict):
+        raise SpaceError(f"{where}: a mapping of families to part lists (and `fields`, `ranking`) is expected")
+    default = default_space(bytes_budget)
+    parts = dict(default.parts)
+    registry = _registry()
+    for family, names in data.items():
+        if family in ("fields", "ranking"):
+            continue
+        if family not in SEARCHED:
+            raise SpaceError(f"{where}: unknown family {family!r}; searched families: {', '.join(SEARCHED)}")
+        names = [names] if isinstance(names, str) else names
+        if not isinstance(names, list) or not names:
+            raise SpaceError(f"{where}: {family} must be a part name or a non-empty list of part names")
+        known = SCHEDULES if family == "schedule" else tuple(registry[family])
+        for name in names:
+            if name not in known:
+                raise SpaceError(f"{where}: {family}: unknown part {name!r}; registered: {', '.join(sorted(known))}")
+        parts[family] = tuple(names)
+    fields = {}
+    for path, values in (data.get("fields") or {}).items():
+        fields[path] = tuple(_checked_values(where, path, values, registry))
+    ranking = data.get("ranking", default.ranking)
+    return Space(parts, fields, ranking)
+
+
+def _checked_values(where: str, path: str, values, registry) -> list:
+    from kvcompile.policies.fields import check_ranges
+
+    bits = path.split(".")
+    if len(bits) != 3 or bits[0] not in registry or bits[1] not in registry[bits[0]]:
+        raise SpaceError(f"{where}: fields: {path!r} is not family.part.field of a registered part")
+    cls = registry[bits[0]][bits[1]]
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    if bits[2] not in names:
+        raise SpaceError(f"{where}: fields: {path}: {bits[1]} has no field {bits[2]!r}; its fields: "
+                         f"{', '.join(names) or 'none'}")
+    if not isinstance(values, list) or not values:
+        raise SpaceError(f"{where}: fields: {path} must be a non-empty list of values")
+    probe = object.__new__(cls)  # check_ranges reads the fields it is given: check one field at a time
+    for value in values:
+        object.__setattr__(probe, bits[2], value)
+        for other in names:
+            if other != bits[2]:
+                object.__setattr__(probe, other, _valid_default(names[other]))
+        try:
+            check_ranges(probe)
+        except ValueError as exc:
+            raise SpaceError(f"{where}: fields: {path}: {exc}") from None
+    return values
+
+
+def _valid_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    key: str  # a stable name: the chosen parts and field values
+    mapping: dict  # a spec mapping without its budget total (set per sample: per_head)
+
+
+def _part_value(family: str, name: str, seeded: dict, grid: dict[str, tuple]):
+    """The part's spec value(s): one per combination of its grid fields."""
+    base = dict(seeded.get((family, name), {}))
+    axes = [(path.split(".")[2], values) for path, values in grid.items() if path.split(".")[:2] == [family, name]]
+    if not axes:
+        return [name if not base else {name: base}]
+    out = []
+    for combo in itertools.product(*(values for _, values in axes)):
+        fields = dict(base, **{f: v for (f, _), v in zip(axes, combo)})
+        out.append({name: fields})
+    return out
+
+
+def candidates(space: Space) -> tuple[list[Candidate], Counter]:
+    """Every candidate of the space that the spec validator accepts (at a nominal budget of 64 per head; the
+    real budget is set per sample), and the refused ones counted by reason."""
+    from kvcompile.spec import SpecError, load_spec
+
+    seeded = seeded_fields()
+    grid = dict(space.fields)
+    ranking_grid = {path: values for path, values in grid.items() if path.startswith("ranking.")}
+    options = {family: [v for name in space.parts[family] for v in
+                        ([name] if family == "schedule" else _part_value(family, name, seeded, grid))]
+               for family in SEARCHED}
+    rankings = [space.ranking]
+    if ranking_grid:
+        (rname, rfields), = space.ranking.items()
+        axes = [(p.split(".")[2], v) for p, v in ranking_grid.items() if p.split(".")[1] == rname]
+        rankings = [{rname: dict(rfields, **dict(zip([a for a, _ in axes], combo)))}
+                    for combo in itertools.product(*(v for _, v in axes))]
+    kept, refused, seen = [], Counter(), set()
+    for combo in itertools.product(*(options[f] for f in SEARCHED), rankings):
+        choice = dict(zip(SEARCHED + ("ranking",), combo))
+        mapping = {"name": "tuned", "scoring": choice["scoring"], "ranking": choice["ranking"],
+                   "budget": {"per_head": 64, "layers": choice["layers"], "heads": choice["heads"]},
+                   "merge": choice["merge"], "schedule": choice["schedule"], "storage": choice["storage"]}
+        key = _key(choice)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            policy = load_spec(mapping)
+        except SpecError as exc:
+            refused[_reason(str(exc))] += 1
+            continue
+        from kvcompile.sweep import not_replayable
+        why = not_replayable(policy)
+        if why is not None:
+            refused[f"not replayable from one captured prefill: {why.split(':')[0]}"] += 1
+            continue
+        kept.append(Candidate(key, mapping))
+    return kept, refused
+
+
+def _key(choice: dict) -> str:
+    def short(value):
+        if isinstance(value, str):
+            return value
+        (name, fields), = value.items()
+        return name + ("(" + ",".join(f"{k}={_flat(v)}" for k, v in sorted(fields.items())) + ")" if fields else "")
+    return " | ".join(f"{family}={short(choice[family])}" for family in SEARCHED + ("ranking",))
+
+
+def _flat(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_flat(v)}" for k, v in sorted(value.items())) + "}"
+    return str(value)
+
+
+def _reason(message: str) -> str:
+    """A refusal's reason without the file and values that vary between candidates."""
+    text = message.split(": ", 1)[-1]
+    return text.split(" (")[0][:160]
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+@dataclass
+class Sample:
+    """One calibration sample as token ids: the part compressed, the part fed after it (the question in
+    query-agnostic mode; empty in query-aware mode, where the question is part of `context`), the gold answer's
+    tokens, and what the task's score needs (task, answers)."""
+
+    index: int
+    context: list[int]
+    question: list[int]
+    gold: list[int]
+    task: str = ""
+    answers: list[str] = field(default_factory=list)
+
+
+def samples_from_ruler(tokenizer, rows: list[dict], mode: str) -> list[Sample]:
+    """Samples (kvcompile.ruler's rows or a dataset in kvpress's columns) as token ids in `mode`."""
+    from kvcompile.ruler import mode_prompt
+
+    out = []
+    for row in rows:
+        context, question = mode_prompt(tokenizer, row, mode)
+        gold = tokenizer.encode(" " + ", ".join(row["answers"]), add_special_tokens=False)
+        out.append(Sample(row["index"], context, question, gold, row["task"], list(row["answers"])))
+    return out
+
+
+@dataclass
+class Budget:
+    """kv_fraction: a share of the entries per head; kv_bytes: a share of the full cache's key and value bytes."""
+
+    kv_fraction: float | None = None
+    kv_bytes: float | None = None
+
+    def __post_init__(self):
+        if (self.kv_fraction is None) == (self.kv_bytes is None):
+            raise ValueError("tune: give exactly one of kv_fraction and kv_bytes")
+        value = self.kv_fraction if self.kv_bytes is None else self.kv_bytes
+        if not (isinstance(value, (int, float)) and 0 < value < 1):
+            raise ValueError(f"tune: the budget must be a number in (0, 1), got {value!r}")
+
+    def label(self) -> str:
+        return f"kv_fraction {self.kv_fraction:g}" if self.kv_bytes is None else f"kv_bytes {self.kv_bytes:g}"
+
+    def policy(self, mapping: dict, n: int, model):
+        """The candidate's Policy for a compressed part of n tokens."""
+        from kvcompile.models import model_summary
+        from kvcompile.ruler import per_head_for_bytes
+        from kvcompile.spec import load_spec
+
+        base = load_spec(mapping)
+        if self.kv_bytes is None:
+            return load_spec(base, per_head=max(1, math.floor(self.kv_fraction * n + 1e-9)))
+        geometry = (model_summary(model)["head_dim"], next(model.parameters()).element_size())
+        return load_spec(base, per_head=per_head_for_bytes(base, n, self.kv_bytes, *geometry))
+
+
+class Evaluator:
+    """The proxy and the confirmation of candidates on samples, one captured prefill per sample."""
+
+    def __init__(self, model, samples: list[Sample], budget: Budget, max_new_tokens: int = 32, decode=None):
+        self.model, self.samples, self.budget, self.max_new_tokens = model, samples, budget, max_new_tokens
+        self.decode = decode  # token ids -> text, for the confirmation's task score
+        self._states: dict[int, tuple] = {}
+
+    def _captured(self, i: int):
+        from kvcompile.sweep import capture
+
+        if i not in self._states:
+            self._states.clear()  # one sample's layers at a time (every query, key and value of a long prompt)
+            ids = torch.tensor([self.samples[i].context])
+            self._states[i] = capture(self.model, ids)
+        return self._states[i]
+
+    def _cache(self, candidate: Candidate, i: int, headroom: int):
+        from kvcompile.sweep import replay
+
+        states, logits = self._captured(i)
+        policy = self.budget.policy(candidate.mapping, len(self.samples[i].context), self.model)
+        return replay(policy, self.model.config, states, headroom=headroom), logits
+
+    @torch.no_grad()
+    def proxy(self, candidate: Candidate, i: int) -> float:
+        """Mean log p of the gold answer's tokens after the compressed context (and the question)."""
+        from kvcompile.sweep import feed, teacher_forced
+
+        s = self.samples[i]
+        cache, logits = self._cache(candidate, i, len(s.question) + len(s.gold))
+        if s.question:
+            logits = feed(self.model, cache, torch.tensor([s.question]))
+        gold = torch.tensor([s.gold])
+        rows = teacher_forced(self.model, cache, logits, gold)
+        return float(torch.log_softmax(rows.float(), -1)[0].gather(-1, gold[0][:, None]).mean())
+
+    @torch.no_grad()
+    def confirm(self, candidate: Candidate, i: int) -> float:
+        """The task's score of the greedy answer (100 where the decoded text holds every gold answer)."""
+        from kvcompile.ruler import eos_ids, score
+        from kvcompile.sweep import feed, greedy
+
+        s = self.samples[i]
+        cache, logits = self._cache(candidate, i, len(s.question) + self.max_new_tokens)
+        if s.question:
+            logits = feed(self.model, cache, torch.tensor([s.question]))
+        tokens = greedy(self.model, cache, logits, self.max_new_tokens, eos_ids(self.model))[0].tolist()
+        if self.decode is None:  # token-level: the gold tokens appear in order at the start
+            return 100.0 * float(tokens[:len(s.gold)] == s.gold)
+        return score(s.task, self.decode(tokens), s.answers)
+
+
+# ------------------------------------------------------------------------------------------ search
+
+@dataclass
+class Trial:
+    candidate: Candidate
+    proxy: dict[int, float] = field(default_factory=dict)  # sample index -> proxy score
+    confirmed: dict[int, float] = field(default_factory=dict)
+    error: str | None = None
+
+    def mean(self, what: str = "proxy") -> float:
+        values = getattr(self, what)
+        return sum(values.values()) / len(values) if values else -math.inf
+
+
+@dataclass
+class Result:
+    best: Trial
+    trials: list[Trial]
+    refused: Counter
+    rungs: list[tuple[int, int]]  # (candidates, samples each) per rung
+    agreement: float | None  # share of confirmed pairs the proxy orders as the confirmation does
+    seed: int
+    budget: Budget
+    space: Space
+    geometry: tuple[int, int]  # (head dim, bytes per element) of the model tuned for
+
+
+class Records:
+    """--resume: one JSON line per (candidate, sample, kind) evaluation, appended and flushed as it is made."""
+
+    def __init__(self, path=None):
+        self.path = None if path is None else Path(path)
+        self.seen: dict[tuple[str, int, str], float] = {}
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by an interruption: evaluated again
+                    continue
+                self.seen[(r["candidate"], r["sample"], r["kind"])] = r["value"]
+
+    def get(self, trial: Trial, i: int, kind: str, compute) -> float:
+        key = (trial.candidate.key, i, kind)
+        if key not in self.seen:
+            self.seen[key] = compute()
+            if self.path is not None:
+                with self.path.open("a") as f:
+                    f.write(json.dumps({"candidate": key[0], "sample": i, "kind": kind, "value": self.seen[key]}) + "\n")
+        return self.seen[key]
+
+
+def successive_halving(trials: list[Trial], order: list[int], evaluate, eta: int = 3, first: int = 1,
+                       progress=None) -> list[tuple[int, int]]:
+    """Every trial on the first `first` samples of `order`, then the best 1/eta (at least one) on eta times as
+    many, until the survivors have every sample; `evaluate(trial, i)` fills trial.proxy[i] (or trial.error).
+    Ties go to the earlier trial. Returns (trials, samples) per rung; the survivors are `trials` sorted best
+    first by the mean over the last rung's samples."""
+    alive, count, rungs = list(trials), max(1, first), []
+    while True:
+        count = min(count, len(order))
+        rungs.append((len(alive), count))
+        for i in order[:count]:  # samples outside: one sample's captured prefill serves every trial in turn
+            for trial in alive:
+                if trial.error is None and i not in trial.proxy:
+                    evaluate(trial, i)
+                    if progress is not None:
+                        progress()
+        alive = [t for t in alive if t.error is None]
+        alive.sort(key=lambda t: -t.mean())  # stable: ties keep the space's order
+        if count == len(order) or len(alive) <= 1:
+            trials[:] = alive + [t for t in trials if t not in alive]
+            return rungs
+        alive = alive[:max(1, math.ceil(len(alive) / eta))]
+        count *= eta
+
+
+def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confirm: int = 3, records=None,
+         progress: bool = True) -> Result:
+    """Search `space` for the best policy on the evaluator's samples (module doc)."""
+    from tqdm.auto import tqdm
+
+    found, refused = candidates(space)
+    if not found:
+        raise SpaceError("tune: the space has no candidate the spec validator accepts; refused: "
+                         + "; ".join(f"{n} × {why}" for why, n in refused.most_common()))
+    trials = [Trial(c) for c in found]
+    order = list(range(len(evaluator.samples)))
+    random.Random(seed).shuffle(order)
+    records = records if isinstance(records, Records) else Records(records)
+    total = _planned(len(trials), len(order), eta)
+    bar = tqdm(total=total, desc="tune: proxy", unit="eval", disable=not progress)
+
+    def evaluate(trial, i):
+        try:
+            trial.proxy[i] = records.get(trial, i, "proxy", lambda: evaluator.proxy(trial.candidate, i))
+        except (ValueError, RuntimeError) as exc:  # a plan that refuses this model or budget: never scored
+            trial.error = _reason(str(exc))
+            refused[trial.error] += 1
+
+    rungs = successive_halving(trials, order, evaluate, eta, progress=bar.update)
+    bar.close()
+    scored = [t for t in trials if t.error is None]
+    finalists = scored[:max(1, confirm)]
+    for i in tqdm(order, desc="tune: confirm", disable=not progress):
+        for trial in finalists:
+            trial.confirmed[i] = records.get(trial, i, "confirm", lambda: evaluator.confirm(trial.candidate, i))
+    best = max(finalists, key=lambda t: (t.mean("confirmed"), t.mean()))  # max keeps the first on a tie
+    from kvcompile.models import model_summary
+
+    geometry = (model_summary(evaluator.model)["head_dim"], next(evaluator.model.parameters()).element_size())
+    return Result(best, trials, refused, rungs, _agreement(finalists), seed, evaluator.budget, space, geometry)
+
+
+def _planned(n: int, samples: int, eta: int) -> int:
+    total, count = 0, 1
+    while True:
+        count = min(count, samples)
+        total += n * count
+        if count == samples or n <= 1:
+            return total
+        n, count = max(1, math.ceil(n / eta)), count * eta
+
+
+def _agreement(finalists: list[Trial]) -> float | None:
+    """Among the confirmed candidates, the share of pairs whose proxy order is their confirmed order (pairs
+    tied in either are left out); None with fewer than two such pairs."""
+    pairs = agree = 0
+    for a, b in itertools.combinations(finalists, 2):
+        dp, dc = a.mean() - b.mean(), a.mean("confirmed") - b.mean("confirmed")
+        if dp and dc:
+            pairs += 1
+            agree += (dp > 0) == (dc > 0)
+    return agree / pairs if pairs else None
+
+
+def write_spec(result: Result, path, samples_label: str) -> Path:
+    """The best candidate as a spec YAML whose comments say how it was found."""
+    import yaml
+
+    best = result.best
+    lines = ["# Found by `kvcompile tune` (successive halving over the part library; the proxy: mean log p of the",
+             "# gold answer after the compressed context; the finalists confirmed by greedy generation).",
+             f"# budget: {result.budget.label()}; seed {result.seed}; samples: {samples_label}",
+             f"# rungs (candidates x samples): {', '.join(f'{c} x {s}' for c, s in result.rungs)}",
+             f"# refused: {sum(result.refused.values())} candidates"
+             + "".join(f"\n#   {n} x {why}" for why, n in result.refused.most_common()),
+             "# space:"] + [f"#   {line}" for line in result.space.describe()]
+    lines.append("# finalists (confirmed score, proxy):")
+    for t in result.trials[:len([t for t in result.trials if t.confirmed])]:
+        lines.append(f"#   {t.mean('confirmed'):6.1f}  {t.mean():8.4f}  {t.candidate.key}")
+    if result.agreement is not None:
+        lines.append(f"# proxy and confirmation agree on {result.agreement:.0%} of the finalists' pairs")
+    Path(path).write_text("\n".join(lines) + "\n" + yaml.safe_dump(spec_mapping(result, Path(path).stem),
+                                                                      sort_keys=False))
+    return Path(path)
+
+
+def spec_mapping(result: Result, name: str) -> dict:
+    """The best candidate as a spec mapping whose budget is a ratio of the prompt: the kv fraction, or at a byte
+    budget the share of entries that fills it in the candidate's storage (kept_share_for_bytes)."""
+    from kvcompile.ruler import kept_share_for_bytes
+    from kvcompile.spec import load_spec
+
+    mapping = dict(result.best.candidate.mapping, name=name)
+    budget = {k: v for k, v in mapping["budget"].items() if k != "per_head"}
+    if result.budget.kv_bytes is None:
+        budget["ratio"] = result.budget.kv_fraction
+    else:
+        policy = load_spec(dict(mapping, budget=dict(budget, ratio=0.5)))
+        budget["ratio"] = float(kept_share_for_bytes(policy, result.budget.kv_bytes, *result.geometry))
+    return dict(mapping, budget=budget)

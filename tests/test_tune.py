@@ -1,0 +1,146 @@
+"""kvcompile.tune: the search space is the part library, refused candidates are never evaluated, successive
+halving finds a planted best candidate and is a function of its seed, an interrupted search resumes from its
+records, and the written spec reproduces the score it was chosen for."""
+import hashlib
+
+import pytest
+import torch
+
+import kvcompile
+from kvcompile import tune
+from kvcompile.policies import PARTS
+from kvcompile.policy import policy_to_mapping
+from tiny import prompt, tiny_model
+
+
+def test_the_default_space_is_the_part_library():
+    space = tune.default_space(bytes_budget=True)
+    for family in ("scoring", "layers", "heads", "storage"):
+        assert set(space.parts[family]) == set(PARTS[family]), family
+    assert tune.default_space(bytes_budget=False).parts["storage"] == ("model_dtype",)
+    found, refused = tune.candidates(space)
+    keys = [c.key for c in found]
+    assert len(keys) == len(set(keys)) and found
+    # every candidate is a spec the validator accepts
+    for c in found[:20]:
+        kvcompile.load_spec(c.mapping)
+    assert any("reconstruction" in why for why in refused), refused  # kvzip needs the model: not replayable
+
+
+def test_a_space_narrows_widens_and_is_checked_against_the_declared_ranges():
+    space = tune.load_space({"scoring": ["window_attention"], "layers": "uniform", "heads": ["uniform"],
+                             "schedule": ["prefill"], "fields": {"scoring.window_attention.window": [8, 16]}},
+                            bytes_budget=False)
+    found, _ = tune.candidates(space)
+    assert sorted(c.mapping["scoring"]["window_attention"]["window"] for c in found) == [8, 16]
+    with pytest.raises(tune.SpaceError, match=r"scoring\.decayed\.decay: decay must be a number in \(0, 1\]"):
+        tune.load_space({"fields": {"scoring.decayed.decay": [1.5]}}, bytes_budget=False)
+    with pytest.raises(tune.SpaceError, match="unknown part 'snap'; registered: .*window_attention"):
+        tune.load_space({"scoring": ["snap"]}, bytes_budget=False)
+    with pytest.raises(tune.SpaceError, match="unknown family 'rank'"):
+        tune.load_space({"rank": ["by_score"]}, bytes_budget=False)
+    with pytest.raises(tune.SpaceError, match="window_attention has no field 'width'"):
+        tune.load_space({"fields": {"scoring.window_attention.width": [3]}}, bytes_budget=False)
+
+
+class Planted:
+    """A stand-in evaluator: the proxy of a candidate is a fixed function of its key (the planted key best)
+    plus a per-sample wobble; calls are counted."""
+
+    def __init__(self, planted: str, samples: int = 9):
+        self.planted, self.calls, self.confirms = planted, [], []
+        self.samples = [tune.Sample(i, [], [], []) for i in range(samples)]
+        self.budget = tune.Budget(kv_fraction=0.25)
+        self.model = tiny_model(layers=1)
+
+    def _h(self, key: str, i: int) -> float:
+        return int(hashlib.sha256(f"{key}/{i}".encode()).hexdigest()[:8], 16) / 16**8
+
+    def proxy(self, candidate, i):
+        self.calls.append((candidate.key, i))
+        return (1.0 if candidate.key == self.planted else 0.0) + 0.5 * self._h(candidate.key, i)
+
+    def confirm(self, candidate, i):
+        self.confirms.append((candidate.key, i))
+        return 100.0 if candidate.key == self.planted else 50.0 * self._h(candidate.key, i)
+
+
+SMALL = {"scoring": ["window_attention", "key_norm", "last_token", "lava"], "layers": ["uniform", "pyramid"],
+         "heads": ["uniform", "pooled"], "schedule": ["prefill"]}
+
+
+def test_successive_halving_finds_a_planted_best_and_is_a_function_of_its_seed():
+    space = tune.load_space(SMALL, bytes_budget=False)
+    found, _ = tune.candidates(space)
+    planted = found[len(found) // 2].key
+    runs = []
+    for _ in range(2):
+        ev = Planted(planted)
+        result = tune.tune(ev, space, seed=7, progress=False)
+        runs.append(([t.candidate.key for t in result.trials], result.rungs, ev.calls))
+        assert result.best.candidate.key == planted
+        assert result.rungs[0] == (len(found), 1) and result.rungs[-1][1] == len(ev.samples)
+        assert len(ev.calls) < len(found) * len(ev.samples)  # not every candidate on every sample
+    assert runs[0] == runs[1]
+    other = tune.tune(Planted(planted), space, seed=8, progress=False)
+    assert other.best.candidate.key == planted
+
+
+def test_refused_candidates_are_counted_and_never_evaluated():
+    # entropy layers read scores as attention mass: key_norm's are not, so the spec validator refuses the pair
+    space = tune.load_space({"scoring": ["key_norm", "window_attention"], "layers": ["entropy", "uniform"],
+                             "heads": ["uniform"], "schedule": ["prefill", "cascade"]}, bytes_budget=False)
+    found, refused = tune.candidates(space)
+    assert sum(refused.values()) >= 1
+    ev = Planted(found[0].key)
+    result = tune.tune(ev, space, progress=False)
+    evaluated = {key for key, _ in ev.calls}
+    assert evaluated <= {c.key for c in found}
+    assert not any("scoring=key_norm" in key and "layers=entropy" in key for key in evaluated)
+    assert all(result.refused[why] >= n for why, n in refused.items())
+
+
+def test_an_interrupted_search_resumes_from_its_records(tmp_path):
+    space = tune.load_space(SMALL, bytes_budget=False)
+    found, _ = tune.candidates(space)
+    path = tmp_path / "tune.jsonl"
+    first = tune.tune(Planted(found[1].key), space, seed=3, records=path, progress=False)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:10])  # the last record cut mid-line
+    again = Planted(found[1].key)
+    second = tune.tune(again, space, seed=3, records=path, progress=False)
+    assert len(again.calls) + len(again.confirms) == 1  # only the cut record is evaluated again
+    assert [t.candidate.key for t in second.trials] == [t.candidate.key for t in first.trials]
+    assert second.best.candidate.key == first.best.candidate.key
+
+
+def test_tune_on_a_model_writes_a_spec_that_reproduces_its_score(tmp_path):
+    model = tiny_model(layers=2)
+    samples = [tune.Sample(i, prompt(96, seed=10 + i)[0].tolist(), prompt(4, seed=20 + i)[0].tolist(),
+                           prompt(3, seed=30 + i)[0].tolist()) for i in range(3)]
+    ev = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.25), max_new_tokens=3)
+    space = tune.load_space({"scoring": ["window_attention", "key_norm"], "layers": ["uniform"],
+                             "heads": ["uniform", "pooled"], "schedule": ["prefill"],
+                             "ranking": {"by_score": {"sinks": 0, "window": 8}}}, bytes_budget=False)
+    result = tune.tune(ev, space, seed=0, confirm=2, progress=False)
+    assert all(t.error is None for t in result.trials)
+    path = tune.write_spec(result, tmp_path / "tuned.yaml", "3 random prompts")
+    text = path.read_text()
+    assert "# Found by `kvcompile tune`" in text and "seed 0" in text and result.best.candidate.key in text
+    policy = kvcompile.load_spec(path)
+    assert policy.budget.ratio == 0.25 and policy.name == "tuned"
+    again = tune.Candidate("written", policy_to_mapping(policy))
+    scores = [ev.proxy(again, i) for i in range(len(samples))]
+    assert sum(scores) / len(scores) == pytest.approx(result.best.mean(), abs=0, rel=1e-6)
+    # the proxy is the mean log-likelihood of the gold tokens: a full cache gives the plain model's
+    with torch.no_grad():
+        s = samples[0]
+        ids = torch.tensor([s.context + s.question + s.gold])
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        n = len(s.context) + len(s.question)
+        plain = float(logp[n - 1:n - 1 + len(s.gold)].gather(-1, torch.tensor(s.gold)[:, None]).mean())
+    full = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.5), max_new_tokens=3)
+    full.budget.kv_fraction = 1.0  # a budget a search never takes (validated to (0, 1)): every entry kept
+    keep_all = tune.Candidate("all", {"name": "all", "scoring": "key_norm", "ranking": {"by_score": {"window": 0}},
+                                      "budget": {"per_head": 64}})
+    assert full.proxy(keep_all, 0) == pytest.approx(plain, abs=1e-4)
