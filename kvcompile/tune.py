@@ -350,7 +350,7 @@ class Evaluator:
         tokens = greedy(self.model, cache, logits, self.max_new_tokens, eos_ids(self.model))[0].tolist()
         if self.decode is None:  # token-level: the gold tokens appear in order at the start
             return 100.0 * float(tokens[:len(s.gold)] == s.gold)
-        return score(s.task, self.decode(tokens), s.answers)
+        return 100.0 * score(s.task, self.decode(tokens), s.answers)  # RULER's share of gold strings, in %
 
 
 # ------------------------------------------------------------------------------------------ search
@@ -467,13 +467,14 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
 
 
 def _planned(n: int, samples: int, eta: int) -> int:
-    total, count = 0, 1
+    """The evaluations successive halving makes (each rung's survivors on the samples they lack)."""
+    total, count, done = 0, 1, 0
     while True:
         count = min(count, samples)
-        total += n * count
+        total += n * (count - done)
         if count == samples or n <= 1:
             return total
-        n, count = max(1, math.ceil(n / eta)), count * eta
+        n, done, count = max(1, math.ceil(n / eta)), count, count * eta
 
 
 def _agreement(finalists: list[Trial]) -> float | None:

@@ -81,6 +81,7 @@ def test_successive_halving_finds_a_planted_best_and_is_a_function_of_its_seed()
         assert result.best.candidate.key == planted
         assert result.rungs[0] == (len(found), 1) and result.rungs[-1][1] == len(ev.samples)
         assert len(ev.calls) < len(found) * len(ev.samples)  # not every candidate on every sample
+        assert len(ev.calls) == tune._planned(len(found), len(ev.samples), 3)  # what the progress bar counts
     assert runs[0] == runs[1]
     other = tune.tune(Planted(planted), space, seed=8, progress=False)
     assert other.best.candidate.key == planted
