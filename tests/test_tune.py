@@ -145,3 +145,19 @@ def test_tune_on_a_model_writes_a_spec_that_reproduces_its_score(tmp_path):
     keep_all = tune.Candidate("all", {"name": "all", "scoring": "key_norm", "ranking": {"by_score": {"window": 0}},
                                       "budget": {"per_head": 64}})
     assert full.proxy(keep_all, 0) == pytest.approx(plain, abs=1e-4)
+
+
+def test_at_a_byte_budget_a_lower_precision_keeps_more_entries_in_the_same_bytes():
+    model = tiny_model(layers=1, head_dim=16)
+    budget = tune.Budget(kv_bytes=1 / 8)
+    base = {"name": "c", "scoring": "key_norm", "ranking": {"by_score": {"window": 0}}, "budget": {"per_head": 8}}
+    full = budget.policy(dict(base, storage="model_dtype"), 512, model)
+    int4 = budget.policy(dict(base, storage="int4"), 512, model)
+    assert full.budget.per_head == 64  # 1/8 of 512 entries in fp32
+    # an int4 entry of head dim 16: 2 x 8 bytes of codes + a scale and a zero point per vector (fp32 here)
+    entry = int4.storage.entry_bytes(16, 4)
+    assert int4.budget.per_head == (512 * 2 * 16 * 4 // 8) // entry > 3 * full.budget.per_head
+    with pytest.raises(ValueError, match="exactly one of kv_fraction and kv_bytes"):
+        tune.Budget(kv_fraction=0.25, kv_bytes=0.1)
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        tune.Budget(kv_fraction=1.5)
