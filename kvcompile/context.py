@@ -23,6 +23,7 @@ policy runs: with a query-aware one (snapkv, lava) the context's last window vot
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
-from kvcompile.compile import compiled
+from kvcompile.compile import compile as compile_model
 from kvcompile.policy import Policy
 
 
@@ -45,12 +46,37 @@ def _ids(x, batch: int | None = None) -> Tensor:
     return ids
 
 
+def _twin(model):
+    """`model` again, sharing its weights: its modules, config and generation config are copies (a deep copy
+    whose memo maps every parameter and buffer, and accelerate's offloaded weights, to themselves), so
+    compiling the twin changes nothing the user's model runs and copies no weight."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    for module in model.modules():
+        hooks = [getattr(module, "_hf_hook", None)]
+        hooks += list(getattr(hooks[0], "hooks", ()))  # accelerate's SequentialHook
+        for hook in hooks:
+            for name in ("weights_map", "tied_params_map"):  # offloaded weights, read where a layer runs
+                shared = getattr(hook, name, None)
+                if shared is not None:
+                    memo[id(shared)] = shared
+    manager = getattr(model, "_cached_continuous_batching_manager", None)
+    if manager is not None:  # a running engine (its threads) belongs to the user's model
+        memo[id(manager)] = None
+    return copy.deepcopy(model, memo)
+
+
 @dataclass
 class CompressedContext:
     """A context prefilled once and held compressed (`compress_context`). `cache`: the compressed
     KVCompileCache (never written after compress_context: each answer works on a deep copy);
     `ids` (B, N) and `attention_mask` (B, N) the context's tokens; `logits` (B, V) the logits of
-    its last position; `policy` what compressed it."""
+    its last position; `policy` what compressed it; `model` the user's model, never changed;
+    `runner` the twin of it compiled with `policy` (the model's weights, its own modules) that runs
+    the context and every answer.
+
+    Thread-safe: answers, generate() calls and conversations on several threads each work on a copy
+    of the cache with the runner, which no call changes (as concurrent generate() calls on a compiled
+    model); one Conversation is one sequence of turns, for one thread at a time."""
 
     model: object
     policy: Policy
@@ -58,6 +84,7 @@ class CompressedContext:
     ids: Tensor
     attention_mask: Tensor
     logits: Tensor = field(repr=False)
+    runner: object = field(repr=False, default=None)
 
     def copy_cache(self) -> KVCompileCache:
         """An independent copy of the compressed cache (its own pages: memory ∝ the kept entries)."""
@@ -71,8 +98,8 @@ class CompressedContext:
         ids = torch.cat([self.ids, question], dim=1)
         mask = torch.cat([self.attention_mask, torch.ones_like(question)], dim=1)
         kwargs.setdefault("do_sample", False)
-        with compiled(self.model, self.policy), torch.no_grad():
-            return self.model.generate(ids, attention_mask=mask, **cache_arg.given(self.copy_cache()), **kwargs)
+        with torch.no_grad():
+            return self.runner.generate(ids, attention_mask=mask, **cache_arg.given(self.copy_cache()), **kwargs)
 
     def answer(self, question_ids, max_new_tokens: int = 32, **kwargs) -> Tensor:
         """The greedy answer to `question_ids` (B, T): the new tokens (B, ≤ max_new_tokens)."""
@@ -102,8 +129,8 @@ class Conversation:
         ids = torch.cat([self.ids, turn], dim=1)
         mask = torch.cat([self.attention_mask, torch.ones_like(turn)], dim=1)
         kwargs.setdefault("do_sample", False)
-        with compiled(self.context.model, self.context.policy), torch.no_grad():
-            out = self.context.model.generate(ids, attention_mask=mask, **cache_arg.given(self.cache),
+        with torch.no_grad():
+            out = self.context.runner.generate(ids, attention_mask=mask, **cache_arg.given(self.cache),
                                               max_new_tokens=max_new_tokens, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
         self.ids, self.attention_mask = sequences, torch.cat(
@@ -113,9 +140,11 @@ class Conversation:
 
 def compress_context(model, context_ids, spec, attention_mask=None, **overrides) -> CompressedContext:
     """Prefill `context_ids` ((N,) or (B, N), left-padded with `attention_mask`) once with `spec`
-    (a name, path, mapping or Policy; overrides as in load_spec) and keep it compressed. The model
-    is compiled for the call only (kvcompile.compiled). Works for any policy; meant for query-agnostic
-    ones (expected_attention, knorm), whose compression does not depend on the question."""
+    (a name, path, mapping or Policy; overrides as in load_spec) and keep it compressed. `model` is left
+    as it is (plain, or compiled with its own policy): a twin of it that shares its weights is compiled
+    with `spec` and runs the context and its answers (`CompressedContext.runner`). Works for any policy;
+    meant for query-agnostic ones (expected_attention, knorm), whose compression does not depend on the
+    question."""
     from kvcompile.spec import load_spec
 
     policy = spec if isinstance(spec, Policy) and not overrides else load_spec(spec, **overrides)
@@ -123,10 +152,11 @@ def compress_context(model, context_ids, spec, attention_mask=None, **overrides)
     mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).reshape(ids.shape)
     mask = mask.to(ids.device)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() positions a left-padded batch
-    with compiled(model, policy), torch.no_grad():
-        cache = KVCompileCache.from_plan(model.kvcompile_plan)
-        out = model(ids, attention_mask=mask, position_ids=positions, **cache_arg.given(cache))
-    return CompressedContext(model, policy, cache, ids, mask, out.logits[:, -1])
+    runner = compile_model(_twin(model), policy)
+    with torch.no_grad():
+        cache = KVCompileCache.from_plan(runner.kvcompile_plan)
+        out = runner(ids, attention_mask=mask, position_ids=positions, **cache_arg.given(cache))
+    return CompressedContext(model, policy, cache, ids, mask, out.logits[:, -1], runner)
 
 
 # --- compressed sequences kept for the requests that continue them (kvcompile serve --reuse-context) ---------
