@@ -138,9 +138,11 @@ class Conversation:
         return sequences[:, ids.shape[1]:]
 
 
-def compress_context(model, context_ids, spec, attention_mask=None, **overrides) -> CompressedContext:
+def compress_context(model, context_ids, spec, attention_mask=None, *, tokenizer=None, repeat_prompt=None,
+                     **overrides) -> CompressedContext:
     """Prefill `context_ids` ((N,) or (B, N), left-padded with `attention_mask`) once with `spec`
-    (a name, path, mapping or Policy; overrides as in load_spec) and keep it compressed. `model` is left
+    (a name, path, mapping or Policy; overrides as in load_spec) and keep it compressed.
+    tokenizer / repeat_prompt: as in kvcompile.compile, for a reconstruction scorer (scoring: kvzip). `model` is left
     as it is (plain, or compiled with its own policy): a twin of it that shares its weights is compiled
     with `spec` and runs the context and its answers (`CompressedContext.runner`). Works for any policy;
     meant for query-agnostic ones (expected_attention, knorm), whose compression does not depend on the
@@ -152,7 +154,7 @@ def compress_context(model, context_ids, spec, attention_mask=None, **overrides)
     mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).reshape(ids.shape)
     mask = mask.to(ids.device)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() positions a left-padded batch
-    runner = compile_model(_twin(model), policy)
+    runner = compile_model(_twin(model), policy, tokenizer=tokenizer, repeat_prompt=repeat_prompt)
     with torch.no_grad():
         cache = KVCompileCache.from_plan(runner.kvcompile_plan)
         out = runner(ids, attention_mask=mask, position_ids=positions, **cache_arg.given(cache))

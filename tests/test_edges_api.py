@@ -84,3 +84,35 @@ def test_answers_from_several_threads_equal_the_sequential_ones():
     got = run_threads(jobs)
     assert got == [[w, w] for w in want]
     assert model.kvcompile_policy.name == "snapkv"
+
+
+# --- a reconstruction scorer's repeat prompt ------------------------------------------------------
+
+class LetterTokenizer:
+    """A tokenizer of a tiny vocabulary, no chat template: each character one id in 3 … 95."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [3 + ord(c) % 93 for c in text]
+
+
+def test_compress_context_takes_a_repeat_prompt_or_a_tokenizer():
+    from kvcompile.kvzip import RepeatPrompt
+
+    model = tiny_model("llama", layers=2)
+    policy = kvcompile.load_spec("kvzip", per_head=12, scoring={"kvzip": {"chunk": 16, "sinks": 2, "overlap": 4}})
+    context = prompt(40, seed=4)
+    with pytest.raises(CompileError, match="compress_context") as err:
+        kvcompile.compress_context(model, context, policy)
+    assert "tokenizer=" in str(err.value) and "repeat_prompt=" in str(err.value)
+    assert is_plain(model)
+    repeat = RepeatPrompt.from_tokenizer(LetterTokenizer())
+    with kvcompile.compiled(model, policy, repeat_prompt=repeat), torch.no_grad():
+        want = model(context, use_cache=True).past_key_values
+    for given in ({"repeat_prompt": repeat}, {"tokenizer": LetterTokenizer()}):
+        ctx = kvcompile.compress_context(model, context, policy, **given)
+        for layer in range(model.config.num_hidden_layers):
+            assert torch.equal(ctx.cache.kept_positions(layer), want.kept_positions(layer))
+        assert ctx.answer(prompt(4, seed=5), max_new_tokens=3).shape == (1, 3)
+    assert is_plain(model)
