@@ -36,14 +36,74 @@ from kvcompile.compile import compile as compile_model
 from kvcompile.policy import Policy
 
 
-def _ids(x, batch: int | None = None) -> Tensor:
-    ids = torch.as_tensor(x, dtype=torch.long)
+def _ids(x, name: str, batch: int | None = None, vocab: int | None = None) -> Tensor:
+    """Token ids (N,) or (B, N) as a (B, N) long tensor; refused: ids that are not integers (a float id is
+    not truncated), an empty or other shape, another number of rows than `batch`, ids outside the vocabulary."""
+    ids = torch.as_tensor(x)
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise TypeError(f"kvcompile: {name} must be integer token ids, got {ids.dtype} (ids are not rounded or "
+                        "truncated: convert them yourself if that is what they mean)")
+    ids = ids.long()
     ids = ids.reshape(1, -1) if ids.dim() == 1 else ids
     if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ValueError(f"kvcompile: expected token ids of shape (N,) or (B, N) with N >= 1, got {tuple(ids.shape)}")
+        raise ValueError(f"kvcompile: {name}: expected token ids of shape (N,) or (B, N) with N >= 1, got "
+                         f"{tuple(ids.shape)}")
     if batch is not None and ids.shape[0] != batch:
-        raise ValueError(f"kvcompile: the context has {batch} sequences, these ids {ids.shape[0]}")
+        raise ValueError(f"kvcompile: {name}: the context has {batch} sequences, these ids {ids.shape[0]}")
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"kvcompile: {name}: token ids must lie in [0, {vocab}) (the model's vocabulary), got "
+                         f"{int(ids.min())} … {int(ids.max())}")
     return ids
+
+
+def _mask(mask, shape: tuple[int, ...], what: str) -> Tensor:
+    """An attention mask of `shape` ((N,) given for one sequence is (1, N)), 1 at real tokens and 0 at pads."""
+    mask = torch.as_tensor(mask)
+    mask = mask.reshape(1, -1) if mask.dim() == 1 and len(shape) == 2 and shape[0] == 1 else mask
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"kvcompile: attention_mask has shape {tuple(mask.shape)}, and {what} {tuple(shape)}: one "
+                         "entry per token (1 a real token, 0 a pad)")
+    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("kvcompile: attention_mask must hold 1 (a real token) or 0 (a pad) only")
+    return mask.long()
+
+
+def _vocab(model) -> int:
+    return model.get_input_embeddings().weight.shape[0]
+
+
+# generate() arguments a compressed context gives itself (the tokens so far, and their cache)
+_GIVEN = ("inputs", "input_ids", "inputs_embeds", "past_key_values", "cache", "use_cache")
+
+
+def _continuation(ids: Tensor, mask: Tensor, new, name: str, kwargs: dict, vocab: int):
+    """The ids and mask of generate() for `new` tokens after `ids` / `mask` (a compressed context, or a
+    conversation so far), and its other kwargs; refused before anything runs: what the context gives itself,
+    and an attention mask that is not the new tokens' (all real: a pad after the context would be a hole,
+    which kvcompile does not mask) or the whole sequence's ending in those."""
+    given = [key for key in _GIVEN if key in kwargs]
+    if given:
+        raise TypeError(f"kvcompile: {name.removesuffix('_ids')} generation continues the compressed context's own "
+                        f"ids and cache: {', '.join(given)} cannot be given (pass only {name} and generate() "
+                        "options; a fresh sequence is model.generate's)")
+    question = _ids(new, name, ids.shape[0], vocab).to(ids.device)
+    kwargs = dict(kwargs)
+    whole = torch.cat([mask, torch.ones_like(question)], dim=1)
+    given_mask = kwargs.pop("attention_mask", None)
+    if given_mask is not None:
+        given_mask = torch.as_tensor(given_mask)
+        full = given_mask.dim() == 2 and given_mask.shape[-1] == whole.shape[1] != question.shape[1]
+        part = _mask(given_mask, whole.shape if full else question.shape,
+                     f"the sequence so far and {name} have" if full else f"{name} have").to(ids.device)
+        if full and not torch.equal(part[:, :mask.shape[1]], mask):
+            raise ValueError("kvcompile: attention_mask: its first entries differ from the compressed context's "
+                             "mask (give the mask of the new tokens alone, or the whole sequence's)")
+        if not bool(part[:, -question.shape[1]:].bool().all()):
+            raise ValueError(f"kvcompile: attention_mask marks a pad in {name}: a pad after the context would be "
+                             "a hole, and kvcompile masks only left padding (give each row's tokens without pads, "
+                             "rows of equal length)")
+    kwargs.setdefault("do_sample", False)
+    return torch.cat([ids, question], dim=1), whole, kwargs
 
 
 def _twin(model):
@@ -92,12 +152,17 @@ class CompressedContext:
 
     def generate(self, question_ids, **kwargs):
         """`model.generate` of the context followed by `question_ids` (B, T), continuing from a copy of
-        the compressed cache (the context is not recomputed). kwargs go to generate() (max_new_tokens,
-        do_sample, return_dict_in_generate, output_scores, ...); its sequences hold the context too."""
-        question = _ids(question_ids, self.ids.shape[0]).to(self.ids.device)
-        ids = torch.cat([self.ids, question], dim=1)
-        mask = torch.cat([self.attention_mask, torch.ones_like(question)], dim=1)
-        kwargs.setdefault("do_sample", False)
+        the compressed cache (the context is not recomputed); its sequences hold the context too.
+
+        kwargs go to generate(): max_new_tokens, sampling (do_sample, temperature, top_k, top_p, ...), logits
+        processors and stopping criteria, min_new_tokens, return_dict_in_generate, output_scores /
+        output_logits, prompt_lookup_num_tokens or assistant_model (where the policy allows them,
+        docs/GENERATE.md), prefill_chunk_size, and `attention_mask` (the question's: all ones, or the
+        whole sequence's). Refused before anything runs: num_beams or num_return_sequences above 1 (a
+        compressed context holds one row per sequence), use_cache=False, and the ids, embeddings or cache
+        the context gives itself."""
+        ids, mask, kwargs = _continuation(self.ids, self.attention_mask, question_ids, "question_ids", kwargs,
+                                          _vocab(self.runner))
         with torch.no_grad():
             return self.runner.generate(ids, attention_mask=mask, **cache_arg.given(self.copy_cache()), **kwargs)
 
@@ -105,7 +170,7 @@ class CompressedContext:
         """The greedy answer to `question_ids` (B, T): the new tokens (B, ≤ max_new_tokens)."""
         out = self.generate(question_ids, max_new_tokens=max_new_tokens, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
-        return sequences[:, self.ids.shape[1] + _ids(question_ids).shape[1]:]
+        return sequences[:, self.ids.shape[1] + _ids(question_ids, "question_ids").shape[1]:]
 
     def conversation(self) -> "Conversation":
         """A multi-turn conversation over this context, on its own copy of the cache."""
@@ -124,11 +189,9 @@ class Conversation:
 
     def say(self, turn_ids, max_new_tokens: int = 32, **kwargs) -> Tensor:
         """Append the turn `turn_ids` (B, T), generate greedily; returns the answer (B, ≤ max_new_tokens),
-        which joins the conversation (the next turn follows it)."""
-        turn = _ids(turn_ids, self.ids.shape[0]).to(self.ids.device)
-        ids = torch.cat([self.ids, turn], dim=1)
-        mask = torch.cat([self.attention_mask, torch.ones_like(turn)], dim=1)
-        kwargs.setdefault("do_sample", False)
+        which joins the conversation (the next turn follows it). kwargs: as CompressedContext.generate's."""
+        ids, mask, kwargs = _continuation(self.ids, self.attention_mask, turn_ids, "turn_ids", kwargs,
+                                          _vocab(self.context.runner))
         with torch.no_grad():
             out = self.context.runner.generate(ids, attention_mask=mask, **cache_arg.given(self.cache),
                                               max_new_tokens=max_new_tokens, **kwargs)
@@ -150,8 +213,8 @@ def compress_context(model, context_ids, spec, attention_mask=None, *, tokenizer
     from kvcompile.spec import load_spec
 
     policy = spec if isinstance(spec, Policy) and not overrides else load_spec(spec, **overrides)
-    ids = _ids(context_ids)
-    mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).reshape(ids.shape)
+    ids = _ids(context_ids, "context_ids", vocab=_vocab(model))
+    mask = torch.ones_like(ids) if attention_mask is None else _mask(attention_mask, ids.shape, "context_ids have")
     mask = mask.to(ids.device)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() positions a left-padded batch
     runner = compile_model(_twin(model), policy, tokenizer=tokenizer, repeat_prompt=repeat_prompt)

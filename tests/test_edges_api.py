@@ -116,3 +116,103 @@ def test_compress_context_takes_a_repeat_prompt_or_a_tokenizer():
             assert torch.equal(ctx.cache.kept_positions(layer), want.kept_positions(layer))
         assert ctx.answer(prompt(4, seed=5), max_new_tokens=3).shape == (1, 3)
     assert is_plain(model)
+
+
+# --- what ctx.generate() / answer() / say() accept, and what they refuse up front --------------------
+
+class Calls:
+    """Counts the decoder's forward calls: a refusal must come before anything runs."""
+
+    def __init__(self, model):
+        self.n = 0
+        model.model.register_forward_pre_hook(self.hook)
+
+    def hook(self, *args):
+        self.n += 1
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    model = tiny_model("llama", layers=2)
+    model.generation_config.eos_token_id = None
+    return kvcompile.compress_context(model, prompt(30, seed=4), "knorm", per_head=12)
+
+
+def test_generate_options_that_cannot_run_on_a_compressed_context_are_refused_up_front(ctx):
+    from transformers import GenerationConfig
+
+    calls, question = Calls(ctx.runner), prompt(4, seed=5)
+    chat = ctx.conversation()
+    for call in (ctx.generate, ctx.answer, chat.say):
+        for kwargs, error, match in (
+                ({"num_beams": 2}, CompileError, "num_beams=2"),
+                ({"num_return_sequences": 2, "do_sample": True}, CompileError, "num_return_sequences=2"),
+                ({"generation_config": GenerationConfig(num_beams=3, max_new_tokens=4)}, CompileError,
+                 "num_beams=3"),
+                ({"prompt_lookup_num_tokens": 2}, CompileError, "prompt-lookup decoding on a cache that already"),
+                ({"use_cache": False}, TypeError, "use_cache"),
+                ({"past_key_values": ctx.copy_cache()}, TypeError, "past_key_values"),
+                ({"inputs_embeds": torch.zeros(1, 4, 64)}, TypeError, "inputs_embeds")):
+            with pytest.raises(error, match=match):
+                call(question, **kwargs)
+    assert calls.n == 0
+    assert chat.ids.shape[1] == 30 and chat.cache.seq_length == 30  # the conversation is as it was
+
+
+def test_beams_and_candidates_on_any_continued_cache_are_refused_before_the_turn_runs():
+    model = kvcompile.compile(tiny_model("llama", layers=2), "knorm", per_head=12)
+    first = gen(model, prompt(30, seed=4), return_dict_in_generate=True)
+    turn = torch.cat([first.sequences, prompt(4, seed=5)], dim=1)
+    calls = Calls(model)
+    with pytest.raises(CompileError, match="num_beams=2"):
+        gen(model, turn, past_key_values=first.past_key_values, num_beams=2)
+    with pytest.raises(CompileError, match="prompt-lookup decoding on a cache that already holds a sequence"):
+        gen(model, turn, past_key_values=first.past_key_values, prompt_lookup_num_tokens=2)
+    assert calls.n == 0
+    assert gen(model, prompt(30, seed=4), num_beams=2).shape == (1, 30 + NEW)  # a fresh cache: beams run
+
+
+def test_the_options_a_compressed_context_takes_run(ctx):
+    question = prompt(4, seed=5)
+    want = ctx.answer(question, max_new_tokens=4)
+    assert ctx.answer(question, max_new_tokens=4, prefill_chunk_size=2).tolist() == want.tolist()
+    out = ctx.generate(question, max_new_tokens=4, return_dict_in_generate=True, output_scores=True)
+    assert len(out.scores) == 4 and out.sequences[:, -4:].tolist() == want.tolist()
+    torch.manual_seed(0)
+    sampled = ctx.answer(question, max_new_tokens=4, do_sample=True, top_k=5)
+    torch.manual_seed(0)
+    assert ctx.answer(question, max_new_tokens=4, do_sample=True, top_k=5).tolist() == sampled.tolist()
+
+
+def test_an_attention_mask_is_the_new_tokens_or_the_whole_sequences(ctx):
+    question = prompt(4, seed=5)
+    want = ctx.answer(question, max_new_tokens=4).tolist()
+    ones = torch.ones_like(question)
+    assert ctx.answer(question, max_new_tokens=4, attention_mask=ones).tolist() == want
+    whole = torch.cat([ctx.attention_mask, ones], dim=1)
+    assert ctx.answer(question, max_new_tokens=4, attention_mask=whole).tolist() == want
+    assert ctx.conversation().say(question, max_new_tokens=4, attention_mask=ones).tolist() == want
+    for mask, match in ((torch.ones(1, 3), r"attention_mask has shape \(1, 3\)"),
+                        (torch.ones(1, 33), r"attention_mask has shape \(1, 33\)"),
+                        (torch.tensor([[0, 1, 1, 1]]), "pad in question_ids"),
+                        (torch.cat([torch.zeros(1, 30), ones], 1), "differ from the compressed context's"),
+                        (torch.full((1, 4), 2), "1 .* or 0 .* only")):
+        with pytest.raises(ValueError, match=match):
+            ctx.answer(question, max_new_tokens=4, attention_mask=mask)
+
+
+def test_token_ids_must_be_integers_of_the_vocabulary(ctx):
+    question = prompt(4, seed=5)
+    for bad, error, match in ((question.float(), TypeError, "question_ids must be integer token ids, got torch.float32"),
+                              ([[5.7, 6.0]], TypeError, "integer token ids"),
+                              (torch.tensor([[5, 96]]), ValueError, r"\[0, 96\)"),
+                              (torch.tensor([[-1, 5]]), ValueError, r"\[0, 96\)"),
+                              (torch.zeros(1, 0, dtype=torch.long), ValueError, "N >= 1")):
+        with pytest.raises(error, match=match):
+            ctx.answer(bad)
+    model = ctx.model
+    with pytest.raises(TypeError, match="context_ids must be integer"):
+        kvcompile.compress_context(model, prompt(30, seed=4).double(), "knorm", per_head=12)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 29\), and context_ids have \(1, 30\)"):
+        kvcompile.compress_context(model, prompt(30, seed=4), "knorm", attention_mask=torch.ones(1, 29),
+                                   per_head=12)
