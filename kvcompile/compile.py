@@ -229,7 +229,8 @@ def _check_transformers() -> None:
                 transformers.__version__ not in requirement.specifier:
             raise CompileError(f"kvcompile: compile() supports transformers {requirement.specifier}, and this "
                                f"environment has transformers {transformers.__version__}; install a supported "
-                               "version (pip install -e . in kvcompile's own environment)")
+                               f"version: pip install \"transformers{requirement.specifier}\" (from a source "
+                               "checkout of kvcompile: pip install -e . in its own environment)")
 
 
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,

@@ -216,3 +216,24 @@ def test_token_ids_must_be_integers_of_the_vocabulary(ctx):
     with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 29\), and context_ids have \(1, 30\)"):
         kvcompile.compress_context(model, prompt(30, seed=4), "knorm", attention_mask=torch.ones(1, 29),
                                    per_head=12)
+
+
+# --- the supported transformers range ------------------------------------------------------------
+
+def test_another_transformers_is_refused_with_the_pip_command_of_the_supported_range(monkeypatch):
+    from importlib import metadata
+
+    import transformers
+    from packaging.requirements import Requirement
+
+    required = [r for r in map(Requirement, metadata.requires("kvcompile")) if r.name == "transformers" and not r.marker]
+    assert len(required) == 1
+    specifier = required[0].specifier
+    model = tiny_model("llama", layers=1)
+    for outside in ("4.57.0", "99.0.0"):
+        assert outside not in specifier
+        monkeypatch.setattr(transformers, "__version__", outside)
+        with pytest.raises(CompileError, match=f"has transformers {outside}") as err:
+            kvcompile.compile(model, "knorm", per_head=8)
+        assert f'pip install "transformers{specifier}"' in str(err.value)
+    assert is_plain(model)
