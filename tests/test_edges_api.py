@@ -237,3 +237,21 @@ def test_another_transformers_is_refused_with_the_pip_command_of_the_supported_r
             kvcompile.compile(model, "knorm", per_head=8)
         assert f'pip install "transformers{specifier}"' in str(err.value)
     assert is_plain(model)
+
+
+# --- a compiled model cast afterwards (docs/GENERATE.md) -------------------------------------------
+
+def test_a_model_cast_after_compile_is_refused_as_generate_md_says_and_compiling_after_runs():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "GENERATE.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| casting or moving a compiled model"))
+    quoted = re.search(r'"(the prompt runs in .*?) … (compile the model again after moving or casting it)"', row)
+    model = kvcompile.compile(tiny_model("llama", layers=1), "snapkv", per_head=36)
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError) as err:
+        gen(model, prompt(40, seed=3))
+    assert quoted and all(part in str(err.value) for part in quoted.groups())
+    kvcompile.compile(model, "snapkv", per_head=36)  # compiled again after the cast, as the row says
+    assert gen(model, prompt(40, seed=3)).shape == (1, 40 + NEW)
