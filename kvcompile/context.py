@@ -136,7 +136,7 @@ class CompressedContext:
 
     Thread-safe: answers, generate() calls and conversations on several threads each work on a copy
     of the cache with the runner, which no call changes (as concurrent generate() calls on a compiled
-    model); one Conversation is one sequence of turns, for one thread at a time."""
+    model); one Conversation is one sequence of turns: a second say() while one runs is refused."""
 
     model: object
     policy: Policy
@@ -186,18 +186,28 @@ class Conversation:
     cache: KVCompileCache
     ids: Tensor
     attention_mask: Tensor
+    _turn: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def say(self, turn_ids, max_new_tokens: int = 32, **kwargs) -> Tensor:
         """Append the turn `turn_ids` (B, T), generate greedily; returns the answer (B, ≤ max_new_tokens),
-        which joins the conversation (the next turn follows it). kwargs: as CompressedContext.generate's."""
+        which joins the conversation (the next turn follows it). kwargs: as CompressedContext.generate's.
+        A conversation is one sequence of turns: a say() while another runs (another thread) is refused
+        (RuntimeError; the turns of several conversations, or answers of their context, run at once)."""
         ids, mask, kwargs = _continuation(self.ids, self.attention_mask, turn_ids, "turn_ids", kwargs,
                                           _vocab(self.context.runner))
-        with torch.no_grad():
-            out = self.context.runner.generate(ids, attention_mask=mask, **cache_arg.given(self.cache),
-                                              max_new_tokens=max_new_tokens, **kwargs)
-        sequences = out.sequences if hasattr(out, "sequences") else out
-        self.ids, self.attention_mask = sequences, torch.cat(
-            [mask, torch.ones_like(sequences[:, ids.shape[1]:])], dim=1)
+        if not self._turn.acquire(blocking=False):
+            raise RuntimeError("kvcompile: this conversation's previous turn is still running (say() on another "
+                               "thread): a conversation is one sequence of turns, each continuing the last; give "
+                               "each thread its own ctx.conversation(), or wait for the turn")
+        try:
+            with torch.no_grad():
+                out = self.context.runner.generate(ids, attention_mask=mask, **cache_arg.given(self.cache),
+                                                  max_new_tokens=max_new_tokens, **kwargs)
+            sequences = out.sequences if hasattr(out, "sequences") else out
+            self.ids, self.attention_mask = sequences, torch.cat(
+                [mask, torch.ones_like(sequences[:, ids.shape[1]:])], dim=1)
+        finally:
+            self._turn.release()
         return sequences[:, ids.shape[1]:]
 
 

@@ -255,3 +255,31 @@ def test_a_model_cast_after_compile_is_refused_as_generate_md_says_and_compiling
     assert quoted and all(part in str(err.value) for part in quoted.groups())
     kvcompile.compile(model, "snapkv", per_head=36)  # compiled again after the cast, as the row says
     assert gen(model, prompt(40, seed=3)).shape == (1, 40 + NEW)
+
+
+def test_a_conversation_refuses_a_turn_while_another_runs_and_conversations_run_together(ctx):
+    import threading
+
+    chat, other = ctx.conversation(), ctx.conversation()
+    want = ctx.conversation().say(prompt(4, seed=5), max_new_tokens=3).tolist()
+    inside, release = threading.Event(), threading.Event()
+
+    class Hold:  # a stopping criterion that holds the first turn in generation until released
+        def __call__(self, input_ids, scores, **kwargs):
+            inside.set()
+            release.wait(30)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    from transformers import StoppingCriteriaList
+
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault(
+        "first", chat.say(prompt(4, seed=5), max_new_tokens=3, stopping_criteria=StoppingCriteriaList([Hold()]))))
+    first.start()
+    assert inside.wait(30)
+    with pytest.raises(RuntimeError, match="previous turn is still running"):
+        chat.say(prompt(4, seed=6), max_new_tokens=3)
+    assert other.say(prompt(4, seed=5), max_new_tokens=3).tolist() == want  # another conversation runs
+    release.set()
+    first.join(30)
+    assert results["first"].tolist() == want and chat.ids.shape[1] == 30 + 4 + 3
