@@ -217,7 +217,8 @@ def compress_context(model, context_ids, spec, attention_mask=None, *, tokenizer
     (a name, path, mapping or Policy; overrides as in load_spec) and keep it compressed.
     tokenizer / repeat_prompt: as in kvcompile.compile, for a reconstruction scorer (scoring: kvzip). `model` is left
     as it is (plain, or compiled with its own policy): a twin of it that shares its weights is compiled
-    with `spec` and runs the context and its answers (`CompressedContext.runner`). Works for any policy;
+    with `spec` and runs the context and its answers (`CompressedContext.runner`; its generation defaults
+    are model.generation_config as it is now: pass generate() options per call). Works for any policy;
     meant for query-agnostic ones (expected_attention, knorm), whose compression does not depend on the
     question."""
     from kvcompile.spec import load_spec
