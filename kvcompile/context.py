@@ -73,7 +73,7 @@ def _vocab(model) -> int:
 
 
 # generate() arguments a compressed context gives itself (the tokens so far, and their cache)
-_GIVEN = ("inputs", "input_ids", "inputs_embeds", "past_key_values", "cache", "use_cache")
+_GIVEN = ("inputs", "input_ids", "inputs_embeds", "past_key_values", "cache")
 
 
 def _continuation(ids: Tensor, mask: Tensor, new, name: str, kwargs: dict, vocab: int):
@@ -86,6 +86,9 @@ def _continuation(ids: Tensor, mask: Tensor, new, name: str, kwargs: dict, vocab
         raise TypeError(f"kvcompile: {name.removesuffix('_ids')} generation continues the compressed context's own "
                         f"ids and cache: {', '.join(given)} cannot be given (pass only {name} and generate() "
                         "options; a fresh sequence is model.generate's)")
+    if kwargs.get("use_cache") is False:
+        raise TypeError(f"kvcompile: {name.removesuffix('_ids')} generation continues the compressed context's "
+                        "cache: use_cache=False would run without it (leave use_cache unset)")
     question = _ids(new, name, ids.shape[0], vocab).to(ids.device)
     kwargs = dict(kwargs)
     whole = torch.cat([mask, torch.ones_like(question)], dim=1)
