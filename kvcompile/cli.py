@@ -662,13 +662,21 @@ def ruler_settings(args):
     return tasks, fractions, args.budgets
 
 
-def ruler_samples_for(args, tokenizer, tasks, quiet: bool):
+def context_limit(model) -> int | None:
+    """The model's context in tokens (its config's max_position_embeddings), where known."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
+def ruler_samples_for(args, tokenizer, tasks, quiet: bool, limit: int | None = None):
     """The samples: the user's file (--dataset, filtered by --tasks), else generated from --seed."""
     from kvcompile import ruler
 
+    if args.max_new_tokens is not None and limit and args.max_new_tokens > limit:
+        fail(f"--max-new-tokens {args.max_new_tokens}: at most the model's context ({limit} tokens)")
     if args.dataset is not None:
         try:
-            samples = ruler.load_dataset(args.dataset, args.max_new_tokens)
+            samples = ruler.load_dataset(args.dataset, args.max_new_tokens, limit)
         except ruler.DatasetError as exc:
             fail(str(exc))
         if tasks is not None:
@@ -713,7 +721,7 @@ def cmd_eval_ruler(args) -> None:
                     ruler.kept_share_for_bytes(policy, f, *geometry)
                 except ruler.BytesError as exc:
                     fail(f"--kv-bytes: {exc}")
-    samples = ruler_samples_for(args, tokenizer, tasks, quiet)
+    samples = ruler_samples_for(args, tokenizer, tasks, quiet, context_limit(model))
     if args.dump_dataset:
         ruler.dump_dataset(samples, args.dump_dataset)
         print(f"dataset  {len(samples)} samples written to {args.dump_dataset}")
@@ -726,6 +734,12 @@ def cmd_eval_ruler(args) -> None:
         except ruler.DatasetError as exc:
             fail(str(exc))
     modes = ("aware", "agnostic") if args.query == "both" else (args.query,)
+    try:  # every budget sized on every row's prompt before any model work: a short row refused, named
+        ruler.check_budgets(tokenizer, samples, args.specs, modes, fractions, budgets, args.kv_bytes,
+                            geometry if args.kv_bytes else None,
+                            args.dataset if args.dataset is not None else "the generated samples")
+    except ruler.DatasetError as exc:
+        fail(str(exc))
     groups = len(ruler.context_groups(samples))
     if ranks is not None and ranks.world > groups:
         fail(f"{ranks.world} ranks for {groups} contexts: launch at most {groups} (each rank runs whole contexts)")

@@ -229,7 +229,8 @@ def _check_transformers() -> None:
                 transformers.__version__ not in requirement.specifier:
             raise CompileError(f"kvcompile: compile() supports transformers {requirement.specifier}, and this "
                                f"environment has transformers {transformers.__version__}; install a supported "
-                               "version (pip install -e . in kvcompile's own environment)")
+                               f"version: pip install \"transformers{requirement.specifier}\" (from a source "
+                               "checkout of kvcompile: pip install -e . in its own environment)")
 
 
 def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: bool = False,
@@ -467,6 +468,29 @@ def _total_length(t: int, kwargs: dict, gen) -> int:
     return max(t, length) if length is not None else t
 
 
+def _check_rows(cache, args, kwargs: dict, gen) -> None:
+    """generate() expands every input row into max(num_beams, num_return_sequences) rows before the prompt
+    runs, but not the rows of a cache it is given: a cache that already holds a sequence (a turn continued, a
+    compressed context) must hold the rows the call runs. Refused up front otherwise (the page store would
+    fail mid-generation)."""
+    if not isinstance(cache, KVCompileCache) or not cache.seq_length or cache.prompt_lengths is None:
+        return
+    tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    if tokens is None or tokens.dim() < 2:
+        return
+    beams = kwargs.get("num_beams", getattr(gen, "num_beams", 1)) or 1
+    sequences = kwargs.get("num_return_sequences", getattr(gen, "num_return_sequences", 1)) or 1
+    rows, held = tokens.shape[0] * max(beams, sequences), cache.prompt_lengths.shape[0]
+    if rows != held:
+        asked = ", ".join(f"{name}={value}" for name, value in (("num_beams", beams),
+                                                                 ("num_return_sequences", sequences)) if value > 1)
+        raise CompileError(f"kvcompile: generate({asked}) runs {rows} rows from {tokens.shape[0]} input rows, and "
+                           f"the cache it continues (a compressed context, an earlier call's cache) holds {held}: "
+                           "generate() expands its inputs for beams and returned sequences, not a cache that "
+                           "already holds a sequence. Continue such a cache one row per sequence (greedy or "
+                           "sampling, without num_beams / num_return_sequences), or start from a fresh cache")
+
+
 def _generate(entry: Entry, *args, **kwargs):
     past_key_values = cache_arg.take(kwargs)
     model, plan, generate = entry.model, entry.plan, entry.wrapped
@@ -475,10 +499,17 @@ def _generate(entry: Entry, *args, **kwargs):
     _refuse_outputs(kwargs, gen)
     kwargs = _no_cache_implementation(kwargs, model)
     _check_cache(plan, past_key_values, "generate")
+    _check_rows(past_key_values, args, kwargs, gen)
     assisted = kwargs.get("assistant_model") is not None or bool(
         kwargs.get("prompt_lookup_num_tokens", getattr(gen, "prompt_lookup_num_tokens", None)))
     if assisted:
         _check_crop(plan)
+        if isinstance(past_key_values, KVCompileCache) and past_key_values.seq_length:
+            raise CompileError("kvcompile: assisted / prompt-lookup decoding on a cache that already holds a "
+                               "sequence (a turn continued, a compressed context) is not exact: the candidate "
+                               "tokens go with the new tokens into a compressed cache, and the tokens differ from "
+                               "the same call without them; generate without an assistant there (a fresh prompt "
+                               "takes one)")
     if entry.repeat is not None and (assisted or not plan.prefill_chunk and kwargs.get(
             "prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))):
         raise CompileError(f"kvcompile: {plan.policy.name} scores its prompt by reconstruction once the whole "

@@ -23,6 +23,7 @@ policy runs: with a query-aware one (snapkv, lava) the context's last window vot
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -31,18 +32,100 @@ from torch import Tensor
 
 from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
-from kvcompile.compile import compiled
+from kvcompile.compile import compile as compile_model
 from kvcompile.policy import Policy
 
 
-def _ids(x, batch: int | None = None) -> Tensor:
-    ids = torch.as_tensor(x, dtype=torch.long)
+def _ids(x, name: str, batch: int | None = None, vocab: int | None = None) -> Tensor:
+    """Token ids (N,) or (B, N) as a (B, N) long tensor; refused: ids that are not integers (a float id is
+    not truncated), an empty or other shape, another number of rows than `batch`, ids outside the vocabulary."""
+    ids = torch.as_tensor(x)
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise TypeError(f"kvcompile: {name} must be integer token ids, got {ids.dtype} (ids are not rounded or "
+                        "truncated: convert them yourself if that is what they mean)")
+    ids = ids.long()
     ids = ids.reshape(1, -1) if ids.dim() == 1 else ids
     if ids.dim() != 2 or ids.shape[1] == 0:
-        raise ValueError(f"kvcompile: expected token ids of shape (N,) or (B, N) with N >= 1, got {tuple(ids.shape)}")
+        raise ValueError(f"kvcompile: {name}: expected token ids of shape (N,) or (B, N) with N >= 1, got "
+                         f"{tuple(ids.shape)}")
     if batch is not None and ids.shape[0] != batch:
-        raise ValueError(f"kvcompile: the context has {batch} sequences, these ids {ids.shape[0]}")
+        raise ValueError(f"kvcompile: {name}: the context has {batch} sequences, these ids {ids.shape[0]}")
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"kvcompile: {name}: token ids must lie in [0, {vocab}) (the model's vocabulary), got "
+                         f"{int(ids.min())} … {int(ids.max())}")
     return ids
+
+
+def _mask(mask, shape: tuple[int, ...], what: str) -> Tensor:
+    """An attention mask of `shape` ((N,) given for one sequence is (1, N)), 1 at real tokens and 0 at pads."""
+    mask = torch.as_tensor(mask)
+    mask = mask.reshape(1, -1) if mask.dim() == 1 and len(shape) == 2 and shape[0] == 1 else mask
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"kvcompile: attention_mask has shape {tuple(mask.shape)}, and {what} {tuple(shape)}: one "
+                         "entry per token (1 a real token, 0 a pad)")
+    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("kvcompile: attention_mask must hold 1 (a real token) or 0 (a pad) only")
+    return mask.long()
+
+
+def _vocab(model) -> int:
+    return model.get_input_embeddings().weight.shape[0]
+
+
+# generate() arguments a compressed context gives itself (the tokens so far, and their cache)
+_GIVEN = ("inputs", "input_ids", "inputs_embeds", "past_key_values", "cache")
+
+
+def _continuation(ids: Tensor, mask: Tensor, new, name: str, kwargs: dict, vocab: int):
+    """The ids and mask of generate() for `new` tokens after `ids` / `mask` (a compressed context, or a
+    conversation so far), and its other kwargs; refused before anything runs: what the context gives itself,
+    and an attention mask that is not the new tokens' (all real: a pad after the context would be a hole,
+    which kvcompile does not mask) or the whole sequence's ending in those."""
+    given = [key for key in _GIVEN if key in kwargs]
+    if given:
+        raise TypeError(f"kvcompile: {name.removesuffix('_ids')} generation continues the compressed context's own "
+                        f"ids and cache: {', '.join(given)} cannot be given (pass only {name} and generate() "
+                        "options; a fresh sequence is model.generate's)")
+    if kwargs.get("use_cache") is False:
+        raise TypeError(f"kvcompile: {name.removesuffix('_ids')} generation continues the compressed context's "
+                        "cache: use_cache=False would run without it (leave use_cache unset)")
+    question = _ids(new, name, ids.shape[0], vocab).to(ids.device)
+    kwargs = dict(kwargs)
+    whole = torch.cat([mask, torch.ones_like(question)], dim=1)
+    given_mask = kwargs.pop("attention_mask", None)
+    if given_mask is not None:
+        given_mask = torch.as_tensor(given_mask)
+        full = given_mask.dim() == 2 and given_mask.shape[-1] == whole.shape[1] != question.shape[1]
+        part = _mask(given_mask, whole.shape if full else question.shape,
+                     f"the sequence so far and {name} have" if full else f"{name} have").to(ids.device)
+        if full and not torch.equal(part[:, :mask.shape[1]], mask):
+            raise ValueError("kvcompile: attention_mask: its first entries differ from the compressed context's "
+                             "mask (give the mask of the new tokens alone, or the whole sequence's)")
+        if not bool(part[:, -question.shape[1]:].bool().all()):
+            raise ValueError(f"kvcompile: attention_mask marks a pad in {name}: a pad after the context would be "
+                             "a hole, and kvcompile masks only left padding (give each row's tokens without pads, "
+                             "rows of equal length)")
+    kwargs.setdefault("do_sample", False)
+    return torch.cat([ids, question], dim=1), whole, kwargs
+
+
+def _twin(model):
+    """`model` again, sharing its weights: its modules, config and generation config are copies (a deep copy
+    whose memo maps every parameter and buffer, and accelerate's offloaded weights, to themselves), so
+    compiling the twin changes nothing the user's model runs and copies no weight."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    for module in model.modules():
+        hooks = [getattr(module, "_hf_hook", None)]
+        hooks += list(getattr(hooks[0], "hooks", ()))  # accelerate's SequentialHook
+        for hook in hooks:
+            for name in ("weights_map", "tied_params_map"):  # offloaded weights, read where a layer runs
+                shared = getattr(hook, name, None)
+                if shared is not None:
+                    memo[id(shared)] = shared
+    manager = getattr(model, "_cached_continuous_batching_manager", None)
+    if manager is not None:  # a running engine (its threads) belongs to the user's model
+        memo[id(manager)] = None
+    return copy.deepcopy(model, memo)
 
 
 @dataclass
@@ -50,7 +133,13 @@ class CompressedContext:
     """A context prefilled once and held compressed (`compress_context`). `cache`: the compressed
     KVCompileCache (never written after compress_context: each answer works on a deep copy);
     `ids` (B, N) and `attention_mask` (B, N) the context's tokens; `logits` (B, V) the logits of
-    its last position; `policy` what compressed it."""
+    its last position; `policy` what compressed it; `model` the user's model, never changed;
+    `runner` the twin of it compiled with `policy` (the model's weights, its own modules) that runs
+    the context and every answer.
+
+    Thread-safe: answers, generate() calls and conversations on several threads each work on a copy
+    of the cache with the runner, which no call changes (as concurrent generate() calls on a compiled
+    model); one Conversation is one sequence of turns: a second say() while one runs is refused."""
 
     model: object
     policy: Policy
@@ -58,6 +147,7 @@ class CompressedContext:
     ids: Tensor
     attention_mask: Tensor
     logits: Tensor = field(repr=False)
+    runner: object = field(repr=False, default=None)
 
     def copy_cache(self) -> KVCompileCache:
         """An independent copy of the compressed cache (its own pages: memory ∝ the kept entries)."""
@@ -65,20 +155,25 @@ class CompressedContext:
 
     def generate(self, question_ids, **kwargs):
         """`model.generate` of the context followed by `question_ids` (B, T), continuing from a copy of
-        the compressed cache (the context is not recomputed). kwargs go to generate() (max_new_tokens,
-        do_sample, return_dict_in_generate, output_scores, ...); its sequences hold the context too."""
-        question = _ids(question_ids, self.ids.shape[0]).to(self.ids.device)
-        ids = torch.cat([self.ids, question], dim=1)
-        mask = torch.cat([self.attention_mask, torch.ones_like(question)], dim=1)
-        kwargs.setdefault("do_sample", False)
-        with compiled(self.model, self.policy), torch.no_grad():
-            return self.model.generate(ids, attention_mask=mask, **cache_arg.given(self.copy_cache()), **kwargs)
+        the compressed cache (the context is not recomputed); its sequences hold the context too.
+
+        kwargs go to generate(): max_new_tokens, sampling (do_sample, temperature, top_k, top_p, ...), logits
+        processors and stopping criteria, min_new_tokens, return_dict_in_generate, output_scores /
+        output_logits, prompt_lookup_num_tokens or assistant_model (where the policy allows them,
+        docs/GENERATE.md), prefill_chunk_size, and `attention_mask` (the question's: all ones, or the
+        whole sequence's). Refused before anything runs: num_beams or num_return_sequences above 1 (a
+        compressed context holds one row per sequence), use_cache=False, and the ids, embeddings or cache
+        the context gives itself."""
+        ids, mask, kwargs = _continuation(self.ids, self.attention_mask, question_ids, "question_ids", kwargs,
+                                          _vocab(self.runner))
+        with torch.no_grad():
+            return self.runner.generate(ids, attention_mask=mask, **cache_arg.given(self.copy_cache()), **kwargs)
 
     def answer(self, question_ids, max_new_tokens: int = 32, **kwargs) -> Tensor:
         """The greedy answer to `question_ids` (B, T): the new tokens (B, ≤ max_new_tokens)."""
         out = self.generate(question_ids, max_new_tokens=max_new_tokens, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
-        return sequences[:, self.ids.shape[1] + _ids(question_ids).shape[1]:]
+        return sequences[:, self.ids.shape[1] + _ids(question_ids, "question_ids").shape[1]:]
 
     def conversation(self) -> "Conversation":
         """A multi-turn conversation over this context, on its own copy of the cache."""
@@ -94,39 +189,53 @@ class Conversation:
     cache: KVCompileCache
     ids: Tensor
     attention_mask: Tensor
+    _turn: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def say(self, turn_ids, max_new_tokens: int = 32, **kwargs) -> Tensor:
         """Append the turn `turn_ids` (B, T), generate greedily; returns the answer (B, ≤ max_new_tokens),
-        which joins the conversation (the next turn follows it)."""
-        turn = _ids(turn_ids, self.ids.shape[0]).to(self.ids.device)
-        ids = torch.cat([self.ids, turn], dim=1)
-        mask = torch.cat([self.attention_mask, torch.ones_like(turn)], dim=1)
-        kwargs.setdefault("do_sample", False)
-        with compiled(self.context.model, self.context.policy), torch.no_grad():
-            out = self.context.model.generate(ids, attention_mask=mask, **cache_arg.given(self.cache),
-                                              max_new_tokens=max_new_tokens, **kwargs)
-        sequences = out.sequences if hasattr(out, "sequences") else out
-        self.ids, self.attention_mask = sequences, torch.cat(
-            [mask, torch.ones_like(sequences[:, ids.shape[1]:])], dim=1)
+        which joins the conversation (the next turn follows it). kwargs: as CompressedContext.generate's.
+        A conversation is one sequence of turns: a say() while another runs (another thread) is refused
+        (RuntimeError; the turns of several conversations, or answers of their context, run at once)."""
+        ids, mask, kwargs = _continuation(self.ids, self.attention_mask, turn_ids, "turn_ids", kwargs,
+                                          _vocab(self.context.runner))
+        if not self._turn.acquire(blocking=False):
+            raise RuntimeError("kvcompile: this conversation's previous turn is still running (say() on another "
+                               "thread): a conversation is one sequence of turns, each continuing the last; give "
+                               "each thread its own ctx.conversation(), or wait for the turn")
+        try:
+            with torch.no_grad():
+                out = self.context.runner.generate(ids, attention_mask=mask, **cache_arg.given(self.cache),
+                                                  max_new_tokens=max_new_tokens, **kwargs)
+            sequences = out.sequences if hasattr(out, "sequences") else out
+            self.ids, self.attention_mask = sequences, torch.cat(
+                [mask, torch.ones_like(sequences[:, ids.shape[1]:])], dim=1)
+        finally:
+            self._turn.release()
         return sequences[:, ids.shape[1]:]
 
 
-def compress_context(model, context_ids, spec, attention_mask=None, **overrides) -> CompressedContext:
+def compress_context(model, context_ids, spec, attention_mask=None, *, tokenizer=None, repeat_prompt=None,
+                     **overrides) -> CompressedContext:
     """Prefill `context_ids` ((N,) or (B, N), left-padded with `attention_mask`) once with `spec`
-    (a name, path, mapping or Policy; overrides as in load_spec) and keep it compressed. The model
-    is compiled for the call only (kvcompile.compiled). Works for any policy; meant for query-agnostic
-    ones (expected_attention, knorm), whose compression does not depend on the question."""
+    (a name, path, mapping or Policy; overrides as in load_spec) and keep it compressed.
+    tokenizer / repeat_prompt: as in kvcompile.compile, for a reconstruction scorer (scoring: kvzip). `model` is left
+    as it is (plain, or compiled with its own policy): a twin of it that shares its weights is compiled
+    with `spec` and runs the context and its answers (`CompressedContext.runner`; its generation defaults
+    are model.generation_config as it is now: pass generate() options per call). Works for any policy;
+    meant for query-agnostic ones (expected_attention, knorm), whose compression does not depend on the
+    question."""
     from kvcompile.spec import load_spec
 
     policy = spec if isinstance(spec, Policy) and not overrides else load_spec(spec, **overrides)
-    ids = _ids(context_ids)
-    mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask).reshape(ids.shape)
+    ids = _ids(context_ids, "context_ids", vocab=_vocab(model))
+    mask = torch.ones_like(ids) if attention_mask is None else _mask(attention_mask, ids.shape, "context_ids have")
     mask = mask.to(ids.device)
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate() positions a left-padded batch
-    with compiled(model, policy), torch.no_grad():
-        cache = KVCompileCache.from_plan(model.kvcompile_plan)
-        out = model(ids, attention_mask=mask, position_ids=positions, **cache_arg.given(cache))
-    return CompressedContext(model, policy, cache, ids, mask, out.logits[:, -1])
+    runner = compile_model(_twin(model), policy, tokenizer=tokenizer, repeat_prompt=repeat_prompt)
+    with torch.no_grad():
+        cache = KVCompileCache.from_plan(runner.kvcompile_plan)
+        out = runner(ids, attention_mask=mask, position_ids=positions, **cache_arg.given(cache))
+    return CompressedContext(model, policy, cache, ids, mask, out.logits[:, -1], runner)
 
 
 # --- compressed sequences kept for the requests that continue them (kvcompile serve --reuse-context) ---------

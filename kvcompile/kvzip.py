@@ -96,7 +96,8 @@ def repeat_prompt_for(model, tokenizer=None, repeat_prompt: RepeatPrompt | None 
                 tokenizer = None
     if tokenizer is None:
         raise CompileError("kvcompile: scoring kvzip makes the model read a repeat prompt (text), and no tokenizer "
-                           "was found with the model: compile(model, spec, tokenizer=tokenizer), or "
+                           "was found with the model: pass tokenizer=tokenizer (to kvcompile.compile(model, spec, ...), "
+                           "kvcompile.compiled or kvcompile.compress_context), or "
                            "repeat_prompt=kvcompile.kvzip.RepeatPrompt(...) with its token ids")
     return RepeatPrompt.from_tokenizer(tokenizer)
 

@@ -449,51 +449,107 @@ def dump_dataset(samples: list[dict], path) -> None:
             f.write(json.dumps({c: s[c] for c in COLUMNS}, ensure_ascii=False) + "\n")
 
 
-def _read_rows(path: Path) -> list[dict]:
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
+
+
+def _jsonl_rows(path: Path, what: str = "a dataset is UTF-8 JSONL (one object a line) or Parquet") \
+        -> list[tuple[int, dict]]:
+    """(line, object) of every non-blank line of a UTF-8 JSONL file (a UTF-8 byte-order mark is allowed);
+    DatasetError naming the file and line for another encoding, bytes that are not UTF-8, or a line that is
+    not a JSON object (`what`: what the file must be, for the message)."""
+    rows = []
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if line_no == 1:
+                for bom, encoding in _BOMS:
+                    if raw.startswith(bom):
+                        raise DatasetError(f"{path}: the file is {encoding} (it starts with a {encoding} byte-order "
+                                           f"mark); {what}: convert it (iconv -f {encoding} -t UTF-8)")
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
+            if b"\x00" in raw:
+                raise DatasetError(f"{path}, line {line_no}: NUL bytes (UTF-16 or UTF-32 without a byte-order "
+                                   f"mark?); {what}")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"{path}, line {line_no}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte "
+                                   f"{exc.start + 1} of the line); {what}") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise DatasetError(f"{path}, line {line_no}: not JSON ({exc}); {what}") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}, line {line_no}: expected a JSON object, got {type(row).__name__}")
+            rows.append((line_no, row))
+    return rows
+
+
+def _read_rows(path: Path) -> list[tuple[int | None, dict]]:
+    """(line, row) of every row: the JSONL line, None in a Parquet file."""
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
     if path.suffix.lower() in (".parquet", ".pq"):
         try:
             import pyarrow.parquet as pq
 
-            return pq.read_table(path).to_pylist()
+            return [(None, row) for row in pq.read_table(path).to_pylist()]
         except ImportError:
             pass
         try:
             import pandas
 
-            return pandas.read_parquet(path).to_dict("records")
+            return [(None, row) for row in pandas.read_parquet(path).to_dict("records")]
         except ImportError:
             raise DatasetError(f"{path}: reading Parquet needs pyarrow (or pandas): pip install pyarrow") from None
         except Exception as exc:
             raise DatasetError(f"{path}: not a readable Parquet file: {exc}") from None
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise DatasetError(f"{path}, line {line_no}: not JSON ({exc}); a dataset is JSONL "
-                                   "(one object a line) or Parquet") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}, line {line_no}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
+    return _jsonl_rows(path)
 
 
-def load_dataset(path, max_new_tokens: int | None = None) -> list[dict]:
+def _answers(gold, where: str) -> list[str]:
+    """The gold strings: one string, or a list of strings (numbers are written as text)."""
+    if isinstance(gold, str):
+        return [gold]
+    if isinstance(gold, (dict, bytes)) or not hasattr(gold, "__iter__"):
+        raise DatasetError(f"{where}: 'answers' must be a string or a list of strings, got {gold!r} "
+                           f"({type(gold).__name__})")
+    gold = list(gold)
+    for a in gold:
+        if not isinstance(a, (str, numbers.Integral)) or isinstance(a, bool):
+            raise DatasetError(f"{where}: 'answers' must be a string or a list of strings, and holds {a!r} "
+                               f"({type(a).__name__})")
+    if not gold:
+        raise DatasetError(f"{where}: 'answers' is empty")
+    return [str(a) for a in gold]
+
+
+def _max_new_tokens(value, where: str, limit: int | None) -> int:
+    """A row's max_new_tokens: an integer in [1, limit] (limit: the model's context, where known)."""
+    allowed = f"an integer in [1, {limit}] (the model's context)" if limit else "an integer >= 1"
+    number = value if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+    if isinstance(value, float) and value.is_integer():
+        number = int(value)
+    if number is None or number < 1 or (limit and number > limit):
+        raise DatasetError(f"{where}: 'max_new_tokens' must be {allowed}, got {value!r}")
+    return int(number)
+
+
+def load_dataset(path, max_new_tokens: int | None = None, limit: int | None = None) -> list[dict]:
     """Samples from a JSONL or Parquet file in kvpress's columns: context, question, answers (or
     answer), optional answer_prefix, max_new_tokens, task, index, length. `max_new_tokens`, when
-    given, overrides the file's (else the file's, else 128)."""
+    given, overrides the file's (else the file's, else 128); a file's must be an integer in [1, `limit`]
+    (the model's context, where given). Errors name the file and the row (and its line where it is not
+    the row's number: blank lines in a JSONL file)."""
     path = Path(path)
     rows = _read_rows(path)
     if not rows:
         raise DatasetError(f"{path}: no rows")
     samples, seen = [], set()
-    for i, row in enumerate(rows):
-        where = f"{path}, row {i + 1}"
+    for i, (line, row) in enumerate(rows):
+        where = f"{path}, row {i + 1}" + (f" (line {line})" if line is not None and line != i + 1 else "")
         for column in ("context", "question"):
             if column not in row:
                 raise DatasetError(f"{where}: missing column '{column}' (a dataset needs context, question "
@@ -503,11 +559,7 @@ def load_dataset(path, max_new_tokens: int | None = None) -> list[dict]:
         gold = row.get("answers", row.get("answer"))
         if gold is None:
             raise DatasetError(f"{where}: missing column 'answers' (or 'answer'): the gold strings")
-        if isinstance(gold, str):
-            gold = [gold]
-        gold = [str(a) for a in list(gold)]
-        if not gold:
-            raise DatasetError(f"{where}: 'answers' is empty")
+        gold = _answers(gold, where)
         index = row.get("index", i)
         if not isinstance(index, numbers.Integral) or isinstance(index, bool) or int(index) in seen:
             raise DatasetError(f"{where}: 'index' must be a distinct integer, got {index!r}")
@@ -516,7 +568,12 @@ def load_dataset(path, max_new_tokens: int | None = None) -> list[dict]:
         length = row.get("length")
         if length is not None and not isinstance(length, numbers.Integral):
             raise DatasetError(f"{where}: 'length' must be an integer, got {length!r}")
-        new = max_new_tokens if max_new_tokens is not None else row.get("max_new_tokens") or 128
+        if max_new_tokens is not None:
+            new = max_new_tokens
+        elif row.get("max_new_tokens") is None:
+            new = 128
+        else:
+            new = _max_new_tokens(row["max_new_tokens"], where, limit)
         samples.append({"index": index, "task": str(row.get("task") or "dataset"),
                         "length": None if length is None else int(length), "context": row["context"], "question": row["question"],
                         "answer_prefix": str(row.get("answer_prefix") or ""), "answers": gold,
@@ -538,47 +595,40 @@ def load_predictions(path, samples: list[dict], reserved: set[str]) -> list[dict
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {line_no}"
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise DatasetError(f"{where}: not JSON ({exc})") from None
-            missing = [k for k in PREDICTION_FIELDS if not isinstance(row, dict) or k not in row]
-            if missing:
-                raise DatasetError(f"{where}: missing field(s) {', '.join(missing)} "
-                                   f"(a prediction is {{{', '.join(PREDICTION_FIELDS)}}})")
-            if row["index"] not in by_index:
-                raise DatasetError(f"{where}: index {row['index']!r} is not a sample of this run")
-            if row["mode"] not in ("aware", "agnostic"):
-                raise DatasetError(f"{where}: mode must be 'aware' or 'agnostic', got {row['mode']!r}")
-            if row["method"] in reserved:
-                raise DatasetError(f"{where}: method {row['method']!r} is also a kvcompile run here; "
-                                   "name it apart (e.g. 'kvpress:...')")
-            fraction = row["fraction"]
-            if fraction is not None and (not isinstance(fraction, (int, float)) or not 0 < fraction <= 1):
-                raise DatasetError(f"{where}: fraction must be in (0, 1] or null, got {fraction!r}")
-            if not isinstance(row["prediction"], str):
-                raise DatasetError(f"{where}: prediction must be text")
-            byte_fraction = row.get("byte_fraction")
-            if byte_fraction is not None and (isinstance(byte_fraction, bool) or
-                                              not isinstance(byte_fraction, (int, float)) or not 0 < byte_fraction <= 1):
-                raise DatasetError(f"{where}: byte_fraction must be in (0, 1] or null, got {byte_fraction!r}")
-            s = by_index[row["index"]]
-            fraction = None if fraction is None or fraction == 1 else float(fraction)
-            held = {k: row[k] for k in BYTES_FIELDS if row.get(k) is not None}
-            if byte_fraction is not None:
-                held["byte_fraction"] = float(byte_fraction)
-            extra = {k: v for k, v in row.items() if k not in PREDICTION_FIELDS and k not in BYTES_FIELDS
-                     and k != "byte_fraction"}
-            records.append({"index": s["index"], "task": s["task"], "length": s["length"], "mode": row["mode"],
-                            "spec": row["method"], "fraction": fraction, "per_head": None, "tokens": None,
-                            "question_tokens": None, "prediction": row["prediction"], "answers": s["answers"],
-                            "score": score(s["task"], row["prediction"], s["answers"]), "kv_bytes": None,
-                            "kv_bytes_full": None, "source": "predictions", **held, **({"extra": extra} if extra else {})})
+    for line_no, row in _jsonl_rows(path, "a predictions file is UTF-8 JSONL (one object a line)"):
+        where = f"{path}, line {line_no}"
+        missing = [k for k in PREDICTION_FIELDS if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise DatasetError(f"{where}: missing field(s) {', '.join(missing)} "
+                               f"(a prediction is {{{', '.join(PREDICTION_FIELDS)}}})")
+        if row["index"] not in by_index:
+            raise DatasetError(f"{where}: index {row['index']!r} is not a sample of this run")
+        if row["mode"] not in ("aware", "agnostic"):
+            raise DatasetError(f"{where}: mode must be 'aware' or 'agnostic', got {row['mode']!r}")
+        if row["method"] in reserved:
+            raise DatasetError(f"{where}: method {row['method']!r} is also a kvcompile run here; "
+                               "name it apart (e.g. 'kvpress:...')")
+        fraction = row["fraction"]
+        if fraction is not None and (not isinstance(fraction, (int, float)) or not 0 < fraction <= 1):
+            raise DatasetError(f"{where}: fraction must be in (0, 1] or null, got {fraction!r}")
+        if not isinstance(row["prediction"], str):
+            raise DatasetError(f"{where}: prediction must be text")
+        byte_fraction = row.get("byte_fraction")
+        if byte_fraction is not None and (isinstance(byte_fraction, bool) or
+                                          not isinstance(byte_fraction, (int, float)) or not 0 < byte_fraction <= 1):
+            raise DatasetError(f"{where}: byte_fraction must be in (0, 1] or null, got {byte_fraction!r}")
+        s = by_index[row["index"]]
+        fraction = None if fraction is None or fraction == 1 else float(fraction)
+        held = {k: row[k] for k in BYTES_FIELDS if row.get(k) is not None}
+        if byte_fraction is not None:
+            held["byte_fraction"] = float(byte_fraction)
+        extra = {k: v for k, v in row.items() if k not in PREDICTION_FIELDS and k not in BYTES_FIELDS
+                 and k != "byte_fraction"}
+        records.append({"index": s["index"], "task": s["task"], "length": s["length"], "mode": row["mode"],
+                        "spec": row["method"], "fraction": fraction, "per_head": None, "tokens": None,
+                        "question_tokens": None, "prediction": row["prediction"], "answers": s["answers"],
+                        "score": score(s["task"], row["prediction"], s["answers"]), "kv_bytes": None,
+                        "kv_bytes_full": None, "source": "predictions", **held, **({"extra": extra} if extra else {})})
     return records
 
 
@@ -785,6 +835,59 @@ def context_groups(samples: list[dict]) -> list[list[dict]]:
     for s in samples:
         groups.setdefault((s["context"], s["answer_prefix"], s["max_new_tokens"]), []).append(s)
     return list(groups.values())
+
+
+def check_budgets(tokenizer, samples: list[dict], specs, modes, fractions=None, budgets=None, kv_bytes=None,
+                  geometry=None, source: str = "the samples") -> None:
+    """Size every budget the run will compress before any model work: DatasetError naming the shortest row
+    (and how many rows are as short) where a spec refuses a budget at a row's prompt length (a fraction of a
+    short prompt below the spec's window and sinks, a byte fraction it cannot hold). A RULER or kvpress
+    comparison scores every method on the same rows, so a row is never skipped for one spec: the run is
+    refused up front instead of failing hours later, and the message says what to change."""
+    import kvcompile
+
+    if not specs:
+        return
+    if kv_bytes:
+        choices = [(f"{byte_label(b)} of the bytes", (None, None, [b])) for b in kv_bytes]
+    elif fractions:
+        choices = [(f"fraction {f}", ([f], None, None)) for f in fractions]
+    else:
+        choices = [(f"{b} tokens per head", (None, [b], None)) for b in budgets]
+    for mode in modes:
+        lengths = []  # (prompt tokens, sample) of every prompt this mode compresses
+        for group in context_groups(samples):
+            if mode == "agnostic":
+                lengths.append((len(prompt_ids(tokenizer, group[0]["context"], [], group[0]["answer_prefix"])[0]),
+                                group[0]))
+            else:
+                lengths += [(len(mode_prompt(tokenizer, s, "aware")[0]), s) for s in group]
+        lengths.sort(key=lambda x: x[0])
+        ns = sorted({n for n, _ in lengths})
+        for spec in specs:
+            for label, (f, b, k) in choices:
+                def refusal(n):
+                    try:
+                        policies_for(spec, n, f, b, k, geometry)
+                    except (kvcompile.SpecError, BytesError) as exc:
+                        return exc
+                    return None
+
+                first = refusal(ns[0])
+                if first is None:
+                    continue
+                low, high = 0, len(ns)  # a longer prompt keeps more: the first length that passes
+                while low < high:
+                    mid = (low + high) // 2
+                    low, high = (low, mid) if refusal(ns[mid]) is None else (mid + 1, high)
+                short = [s for n, s in lengths if high == len(ns) or n < ns[high]]
+                n, shortest = lengths[0]
+                raise DatasetError(
+                    f"{source}: the row of index {shortest['index']} (task {shortest['task']}) has a {mode} prompt of "
+                    f"{n} tokens, too short for {spec} at {label}: {first}. {len(short)} of {len(lengths)} {mode} "
+                    f"prompts are that short" + (f" (under {ns[high]} tokens)" if high < len(ns) else "") +
+                    ". Every method is scored on the same rows, so none is skipped: drop those rows, give a larger "
+                    "fraction or budget, or a spec with a smaller window and sinks")
 
 
 def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=None, budgets=None,

@@ -43,7 +43,7 @@ import yaml
 import kvcompile
 from kvcompile.policies import PARTS
 from kvcompile.policies.budgets import Budget, Split
-from kvcompile.policies.fields import field_range
+from kvcompile.policies.fields import FieldError, field_range
 from kvcompile.policies.schedule import Schedule
 from kvcompile.policy import Policy, policy_to_mapping, policy_to_yaml  # noqa: F401  (public here too)
 
@@ -53,6 +53,11 @@ BUDGET_KEYS = ("per_head", "ratio", "layers", "heads", "threshold", "split")
 SCHEDULE_KEYS = ("cascade", "decode", "prefill")
 SCHEDULE_FORMS = "prefill | cascade | {cascade: bool, decode: part, prefill: part}"
 SPLIT_TOLERANCE = 1e-6
+# A ratio keeps max(1, round(ratio·n)) tokens per head of an n-token prompt: below 1e-6 that is 1 token for
+# every prompt under 500,000 tokens, the floor rather than a fraction (per_head: 1 says it).
+RATIO_MIN = 1e-6
+RATIO_RANGE = ("a number in [1e-06, 1] (a smaller ratio keeps 1 token per head of any prompt under 500,000 "
+               "tokens: per_head: 1)")
 MAX_NODES = 10_000  # YAML nodes a spec may expand to through aliases (specs/ use < 100)
 
 KeyPath = tuple[str, ...]
@@ -83,6 +88,34 @@ class SpecError(ValueError):
 
 # PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string: accept it for float fields.
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without YAML 1.1's two number forms that turn a typo into another number: base 60
+    (`1:00` is 60, `1:30.5` is 90.5) and a leading-zero octal (`010` is 8). Both are plain text here, as in
+    YAML 1.2, so a number field refuses them as text (file, line, field) instead of reading another value."""
+
+
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_SpecLoader.add_implicit_resolver(  # decimal (0 or no leading zero), binary, hexadecimal
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"))
+_SpecLoader.add_implicit_resolver(  # YAML 1.1's floats but base 60
+    "tag:yaml.org,2002:float", re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
+    |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+_OTHER_NUMBER = re.compile(r"[-+]?(?:[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?|0[0-7_]+)")  # what YAML 1.1 would read
+
+
+def _number_text(value) -> str:
+    """A note for a number field given text that YAML 1.1 reads as a number (base 60, leading-zero octal)."""
+    if isinstance(value, str) and _OTHER_NUMBER.fullmatch(value.strip()):
+        kind = "a base-60 number (1:00 as 60)" if ":" in value else "an octal number (010 as 8)"
+        return f" (YAML 1.1 would read {value!r} as {kind}; a spec reads it as text: write the number in decimal)"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,7 +203,7 @@ def _value(hint, value, path: KeyPath, src: _Source, allowed: str | None = None)
         number = _integral(value)
         if number is not None:
             return number
-        raise src.error(path, f"expected an integer, got {_describe(value)}",
+        raise src.error(path, f"expected an integer, got {_describe(value)}{_number_text(value)}",
                         allowed or "an integer")
     if hint is float:
         if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
@@ -182,7 +215,7 @@ def _value(hint, value, path: KeyPath, src: _Source, allowed: str | None = None)
                 number = math.inf
             if math.isfinite(number):
                 return number
-        raise src.error(path, f"expected a finite number, got {_describe(value)}",
+        raise src.error(path, f"expected a finite number, got {_describe(value)}{_number_text(value)}",
                         allowed or "a number")
     if hint is str:
         if isinstance(value, str):
@@ -226,6 +259,8 @@ def _dataclass(cls, fields, path: KeyPath, src: _Source):
         kwargs[f.name] = value
     try:
         return cls(**kwargs)
+    except FieldError as exc:  # a rule of the part's that ties a field to another: the field named
+        raise src.error(path + (exc.field,), str(exc), exc.allowed) from None
     except (TypeError, ValueError) as exc:  # the part's own __post_init__ checks
         raise src.error(path, str(exc)) from None
 
@@ -267,9 +302,9 @@ def _budget(value, src: _Source) -> Budget:
             raise src.error(path + ("per_head",), f"{per_head} is not a budget",
                             "an integer > 0 (tokens per KV head per layer)")
     if ratio is not None:
-        ratio = _value(float, ratio, path + ("ratio",), src, "a number in (0, 1]")
-        if not 0 < ratio <= 1:
-            raise src.error(path + ("ratio",), f"{ratio!r} is out of range", "a number in (0, 1]")
+        ratio = _value(float, ratio, path + ("ratio",), src, RATIO_RANGE)
+        if not RATIO_MIN <= ratio <= 1:
+            raise src.error(path + ("ratio",), f"{ratio!r} is out of range", RATIO_RANGE)
     if per_head is not None and ratio is not None:
         raise src.error(path + ("ratio",), "both per_head and ratio are given",
                         "exactly one of per_head | ratio", blame=(path + ("per_head",),))
@@ -590,7 +625,7 @@ def _reader_error(exc: yaml.reader.ReaderError, text: str, file: str) -> SpecErr
 def _load_text(text: str, file: str, default_name: str, source, overrides: dict) -> Policy:
     loader = None
     try:
-        loader = yaml.SafeLoader(text)  # the reader checks every character here
+        loader = _SpecLoader(text)  # the reader checks every character here
         node = loader.get_single_node()
         if node is not None:
             _check_expansion(node, file)

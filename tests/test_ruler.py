@@ -185,6 +185,83 @@ def test_dataset_errors(tmp_path):
                 ruler.load_dataset(tmp_path / "d.parquet")
 
 
+def test_dataset_values_and_encodings_are_refused_naming_file_row_and_field(tmp_path):
+    row = {"context": "c", "question": "q", "answers": ["x"]}
+    for answers in (5, {"a": 1}, [["x"]], [None], True):
+        with pytest.raises(ruler.DatasetError, match=r"a\.jsonl, row 2: 'answers' must be a string or a list of "
+                                                     r"strings"):
+            ruler.load_dataset(write(tmp_path / "a.jsonl", [row, {**row, "answers": answers}]))
+    for new in (-3, 0, "4", 4.5, True):
+        with pytest.raises(ruler.DatasetError, match=r"a\.jsonl, row 1: 'max_new_tokens' must be an integer >= 1, "
+                                                     rf"got {re.escape(repr(new))}"):
+            ruler.load_dataset(write(tmp_path / "a.jsonl", [{**row, "max_new_tokens": new}]))
+    with pytest.raises(ruler.DatasetError, match=r"row 1: 'max_new_tokens' must be an integer in \[1, 1024\] \(the "
+                                                 r"model's context\), got 1000000000000"):
+        ruler.load_dataset(write(tmp_path / "a.jsonl", [{**row, "max_new_tokens": 10**12}]), limit=1024)
+    assert ruler.load_dataset(write(tmp_path / "a.jsonl", [{**row, "max_new_tokens": 4.0}]))[0]["max_new_tokens"] == 4
+    # the command line's --max-new-tokens overrides the file's (then not read)
+    assert ruler.load_dataset(write(tmp_path / "a.jsonl", [{**row, "max_new_tokens": 0}]), 7)[0]["max_new_tokens"] == 7
+    text = json.dumps(row) + "\n" + json.dumps({**row, "context": "café"}, ensure_ascii=False) + "\n"
+    for encoding, match in (("utf-16", r"u16\.jsonl: the file is UTF-16 \(it starts with a UTF-16 byte-order mark\)"),
+                            ("utf-32", r"u16\.jsonl: the file is UTF-32"),
+                            ("utf-16-le", r"u16\.jsonl, line 1: NUL bytes \(UTF-16 or UTF-32 without a byte-order"),
+                            ("latin-1", r"u16\.jsonl, line 2: not UTF-8 \(byte 0xe9 at byte 17 of the line\)")):
+        (tmp_path / "u16.jsonl").write_bytes(text.encode(encoding))
+        with pytest.raises(ruler.DatasetError, match=match):
+            ruler.load_dataset(tmp_path / "u16.jsonl")
+    (tmp_path / "bom.jsonl").write_bytes(text.encode("utf-8-sig"))
+    assert [s["context"] for s in ruler.load_dataset(tmp_path / "bom.jsonl")] == ["c", "café"]
+    (tmp_path / "gaps.jsonl").write_text(json.dumps(row) + "\n\n" + json.dumps({**row, "answers": 5}) + "\n")
+    with pytest.raises(ruler.DatasetError, match=r"gaps\.jsonl, row 2 \(line 3\): 'answers'"):
+        ruler.load_dataset(tmp_path / "gaps.jsonl")
+    (tmp_path / "p.jsonl").write_bytes(b'{"index": 0}\n\xff\n')
+    with pytest.raises(ruler.DatasetError, match=r"p\.jsonl, line 2: not UTF-8"):  # a predictions file too
+        ruler.load_predictions(tmp_path / "p.jsonl", [], set())
+
+
+def short_rows(tmp_path, lengths):
+    """A dataset whose rows have contexts of `lengths` characters (one token each), and its samples."""
+    rows = [{"index": i, "context": FILLER[:n], "question": " What?", "answers": ["x"], "max_new_tokens": 2}
+            for i, n in enumerate(lengths)]
+    path = write(tmp_path / "short.jsonl", rows)
+    return path, ruler.load_dataset(path)
+
+
+def test_a_row_too_short_for_a_spec_at_a_fraction_is_refused_up_front_naming_it(tmp_path):
+    """snapkv keeps its last 32 tokens: at fraction 0.25 a prompt under 128 tokens cannot hold them (at 0.5, one
+    under 64). The run
+    is refused before any model work, naming the shortest row and how many are as short (none is skipped:
+    every method is scored on the same rows)."""
+    path, samples = short_rows(tmp_path, [600, 80, 700, 100])
+    ruler.check_budgets(TOK, samples, ["snapkv"], ("aware", "agnostic"), fractions=[0.5], source=str(path))
+    with pytest.raises(ruler.DatasetError) as err:
+        ruler.check_budgets(TOK, samples, ["snapkv"], ("agnostic",), fractions=[0.5, 0.25], source=str(path))
+    message = str(err.value)
+    n = len(ruler.prompt_ids(TOK, FILLER[:80], [], "")[0])
+    assert message.startswith(f"{path}: the row of index 1 (task dataset) has a agnostic prompt of {n} tokens, "
+                              "too short for snapkv at fraction 0.25")
+    assert "sinks 0 + window 32 > per_head" in message and "2 of 4 agnostic prompts are that short" in message
+    ruler.check_budgets(TOK, samples, ["snapkv"], ("agnostic",), budgets=[40])  # tokens per head: no length
+    ruler.check_budgets(TOK, samples, ["dbudgetkv"], ("agnostic",), fractions=[0.01])  # a threshold: its own
+
+
+def test_eval_refuses_a_short_row_before_any_model_work(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "tiny"
+    tiny_for(TOK).save_pretrained(folder)
+    TOK.save_pretrained(folder)
+    path, _ = short_rows(tmp_path, [600, 40])
+    monkeypatch.setattr(ruler, "run_group", lambda *a, **k: pytest.fail("a model ran"))
+    out = tmp_path / "ruler.json"
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(path), "--specs", "snapkv",
+                  "--kv-fraction", "0.25", "--out", str(out), "--quiet"])
+    assert "the row of index 1 (task dataset)" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(path), "--specs", "snapkv",
+                  "--kv-fraction", "0.25", "--max-new-tokens", str(10**12), "--quiet"])
+    assert "at most the model's context (1024 tokens)" in capsys.readouterr().err
+
+
 def test_predictions_file(tmp_path):
     samples = [{"index": 3, "task": "niah_single_1", "length": 100, "context": "c", "question": "q",
                 "answer_prefix": "", "answers": ["42", "7"], "max_new_tokens": 8}]

@@ -93,7 +93,7 @@ CASES = [
     ("per_head negative", S + "budget: {per_head: -8}\n", 2, "budget.per_head", ["-8 is not a budget"]),
     ("per_head not an int", S + "budget: {per_head: 12.5}\n", 2, "budget.per_head",
      ["expected an integer, got 12.5"]),
-    ("ratio zero", S + "budget: {ratio: 0}\n", 2, "budget.ratio", ["out of range", "(0, 1]"]),
+    ("ratio zero", S + "budget: {ratio: 0}\n", 2, "budget.ratio", ["out of range", "[1e-06, 1]"]),
     ("ratio above one", S + "budget: {ratio: 1.5}\n", 2, "budget.ratio", ["1.5 is out of range"]),
     ("both per_head and ratio", S + "budget:\n  per_head: 64\n  ratio: 0.5\n", 4, "budget.ratio",
      ["both per_head and ratio", "exactly one of per_head | ratio"]),
@@ -602,3 +602,38 @@ def test_recursive_alias_and_deep_nesting():
     with pytest.raises(SpecError) as info:
         loads_spec("scoring: " + "[" * 5000 + "]" * 5000 + "\n" + B)
     assert_names(info.value, "<string>", None, None, "nested too deeply")
+
+
+def test_yaml_1_1_base_60_and_octal_numbers_are_text_refused_by_number_fields(tmp_path):
+    """`1:00` (YAML 1.1: 60) and `010` (YAML 1.1: 8) never become another number: a number field refuses
+    them as text, naming file, line and field; decimal, hexadecimal and `1e-3` still read as numbers."""
+    for text, field in (("budget: {per_head: 1:00}", "budget.per_head"), ("budget: {ratio: 0:30.5}", "budget.ratio"),
+                        ("budget: {per_head: 010}", "budget.per_head")):
+        path = tmp_path / "t.yaml"
+        path.write_text(f"name: t\nscoring: key_norm\n{text}\n")
+        with pytest.raises(SpecError, match="YAML 1.1 would read") as err:
+            load_spec(str(path))
+        assert (err.value.file, err.value.line, err.value.field) == (str(path), 3, field)
+        assert "(a string)" in str(err.value)
+    assert loads_spec("name: t\nscoring: key_norm\nbudget: {per_head: 0x40}\n").budget.per_head == 64
+    assert loads_spec("name: t\nscoring: key_norm\nbudget: {per_head: 1_024}\n").budget.per_head == 1024
+    assert loads_spec("name: t\nscoring: key_norm\nbudget: {ratio: 1e-3}\n").budget.ratio == 1e-3
+
+
+def test_ratio_below_one_token_in_a_million_is_refused_with_its_range():
+    for ratio in ("1e-300", "1e-7", "5.0e-324"):
+        with pytest.raises(SpecError, match=r"allowed: a number in \[1e-06, 1\]") as err:
+            loads_spec(f"name: t\nscoring: key_norm\nbudget:\n  ratio: {ratio}\n")
+        assert (err.value.line, err.value.field) == (4, "budget.ratio")
+    assert loads_spec("name: t\nscoring: key_norm\nbudget: {ratio: 1e-6}\n").budget.ratio == 1e-6
+
+
+def test_kvzip_overlap_is_at_most_its_chunk():
+    spec = "name: t\nscoring:\n  kvzip:\n    chunk: 50\n    overlap: {overlap}\nbudget: {{per_head: 8}}\n"
+    with pytest.raises(SpecError, match=r"overlap 51 is larger than chunk 50.*allowed: an integer in \[0, chunk\]") \
+            as err:
+        loads_spec(spec.format(overlap=51))
+    assert (err.value.line, err.value.field) == (5, "scoring.kvzip.overlap")
+    assert loads_spec(spec.format(overlap=50)).scoring.overlap == 50  # the whole previous chunk quoted
+    with pytest.raises(SpecError, match="scoring.kvzip.overlap"):
+        load_spec("kvzip", scoring={"kvzip": {"chunk": 16, "overlap": 17}})

@@ -74,8 +74,17 @@ def _hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
+class FieldError(ValueError):
+    """A part's field refused by the part's checks (its range, or a rule that ties it to another field):
+    `field` names it, `allowed` says what is, so the spec validator can point at its file, line and field."""
+
+    def __init__(self, field: str, message: str, allowed: str | None = None):
+        super().__init__(message)
+        self.field, self.allowed = field, allowed
+
+
 def check_ranges(obj) -> None:
-    """Raise ValueError for the first field of `obj` outside its declared range (or of the
+    """Raise FieldError (a ValueError) for the first field of `obj` outside its declared range (or of the
     wrong kind: a bool, or a non-integer for an int field), or not among its Literal choices."""
     hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
@@ -83,7 +92,7 @@ def check_ranges(obj) -> None:
         hint = hints.get(f.name)
         if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
             choices = " | ".join(repr(c) for c in typing.get_args(hint))
-            raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
+            raise FieldError(f.name, f"{f.name} must be one of {choices}, got {value!r}", choices)
         rng = field_range(f)
         if rng is None:
             continue
@@ -92,7 +101,8 @@ def check_ranges(obj) -> None:
             and not isinstance(value, bool)
         if not ok_type or not rng.contains(value):
             why = f" ({rng.why})" if rng.why else ""
-            raise ValueError(f"{f.name} must be {rng.describe(integer)}{why}, got {value!r}")
+            raise FieldError(f.name, f"{f.name} must be {rng.describe(integer)}{why}, got {value!r}",
+                             rng.describe(integer))
 
 
 class Part:

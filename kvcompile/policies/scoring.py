@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcompile.layer_state import LayerState
-from kvcompile.policies.fields import Part, bounded
+from kvcompile.policies.fields import FieldError, Part, bounded
 from kvcompile.policies.registry import part
 
 NEG_INF = float("-inf")
@@ -684,6 +684,13 @@ class KVzip(Scorer):
     overlap: int = bounded(8, low=0, why="previous chunk's last tokens quoted in the next repeat prompt (KVzip: 8)")
     gqa = "max"
     reconstructs = True  # scores come from a model-level reconstruction pass (kvcompile.kvzip)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.overlap > self.chunk:  # it would quote tokens of chunks before the previous one
+            raise FieldError("overlap", f"overlap {self.overlap} is larger than chunk {self.chunk}: the repeat "
+                             "prompt quotes the last `overlap` tokens of the previous chunk, which has `chunk`",
+                             f"an integer in [0, chunk] (here [0, {self.chunk}])")
 
     query_agnostic = True
 
