@@ -16,7 +16,8 @@ What a request gets (docs/GENERATE.md, "Serving"):
 - its own sampling: temperature, top_p and seed as `generate()` takes them, its own random generator
   (`kvcompile.serving.RequestSampling`); `stop` strings, `logprobs`, `stream_options.include_usage`.
 - a failure inside the engine fails the requests of that step with a 500 in the same shape; the engine
-  goes on (`KVCompileBatchingManager._generation_loop_body`).
+  goes on (`KVCompileBatchingManager._generation_loop_body`); a request whose own sampling cannot pick a token
+  fails alone (`KVCompileBatchProcessor._fail_picks`).
 
 The model name requests carry is `--served-model-name`, by default the `--model` argument as given
 (for the embedded SmolLM2, its folder path); `GET /v1/models` lists it.
@@ -36,6 +37,10 @@ from typing import Annotated, Any, Literal
 log = logging.getLogger("kvcompile.serve")
 
 DEFAULT_MAX_TOKENS = 1024  # a request without max_tokens: transformers serve's default (capped at the context)
+MIN_TEMPERATURE = 0.01  # below it (and above 0) the logits divided by the temperature overflow float32 for
+#   ordinary logits (1e-300 gives inf and nan probabilities) long before they differ from greedy: refused, as
+#   vLLM refuses to go below it (it raises such a temperature to 0.01)
+SEED_RANGE = (-2**63, 2**63 - 1)  # int64, as OpenAI's and vLLM's `seed`
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,30 @@ def _refuse(name: str, why: str = "") -> APIError:
 
 # --- the request models --------------------------------------------------------------------------
 
+def _unicode(text: str) -> str:
+    """`text` if it is valid Unicode text (encodable as UTF-8): JSON's `\\ud800` escapes give Python a lone UTF-16
+    surrogate, which no tokenizer and no UTF-8 stream can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone UTF-16 surrogate ({text[exc.start]!r} at character {exc.start}): not "
+                         "valid Unicode text") from None
+    return text
+
+
+def _temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or from {MIN_TEMPERATURE} to 2, got {value!r} (a smaller "
+                         "temperature gives non-finite probabilities; use 0 for greedy)")
+    return value
+
+
 def _models():
     """The pydantic request models (defined lazily: pydantic comes with the serving extra)."""
-    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+    from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
     Float = StrictFloat | StrictInt
+    Text = Annotated[StrictStr, AfterValidator(_unicode)]  # every string that reaches the tokenizer or the log
 
     class Strict(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
@@ -121,17 +145,17 @@ def _models():
         """Fields both endpoints share. Fields OpenAI knows but kvcompile does not honour are declared (so
         they are not "unrecognized") and refused by name when set to anything but their no-op value."""
 
-        model: StrictStr
+        model: Text
         max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-        temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+        temperature: Annotated[Float, Field(ge=0, le=2), AfterValidator(_temperature)] | None = None
         top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
-        seed: StrictInt | None = None
-        stop: Annotated[StrictStr, Field(min_length=1)] | Annotated[
-            list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=4)] | None = None
+        seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+        stop: Annotated[Text, Field(min_length=1)] | Annotated[
+            list[Annotated[Text, Field(min_length=1)]], Field(max_length=4)] | None = None
         n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
         stream: StrictBool | None = None
         stream_options: StreamOptions | None = None
-        user: StrictStr | None = None  # an end-user id: logged
+        user: Text | None = None  # an end-user id: logged
         frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
         presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
         logit_bias: dict[str, Float] | None = None
@@ -152,11 +176,11 @@ def _models():
                     raise _refuse("stream_options.continuous_usage_stats")
 
     class CompletionRequest(Common):
-        prompt: StrictStr | list[Any]
+        prompt: Text | list[Any]
         logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
         echo: StrictBool | None = None
         best_of: Annotated[StrictInt, Field(ge=1)] | None = None
-        suffix: StrictStr | None = None
+        suffix: Text | None = None
 
         def refuse_unsupported(self) -> None:
             super().refuse_unsupported()
@@ -178,12 +202,12 @@ def _models():
 
     class TextPart(Strict):
         type: Literal["text"]
-        text: StrictStr
+        text: Text
 
     class Message(Strict):
         role: Literal["system", "developer", "user", "assistant"]
-        content: StrictStr | list[TextPart]
-        name: StrictStr | None = None
+        content: Text | list[TextPart]
+        name: Text | None = None
 
         def text(self) -> str:
             return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -246,6 +270,10 @@ def _validation_error(exc) -> APIError:
     """A pydantic validation error as OpenAI's 400, naming the first field at fault."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": str(exc), "type": ""}
+    # a field with a union type (a string or text parts) has one error per member: name the member the value had
+    # the type of (its value is what is wrong), not the first member's type mismatch
+    same_field = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
+    first = next((e for e in same_field if not e.get("type", "").endswith("_type")), first)
     loc = []
     for part in first.get("loc", ()):
         if isinstance(part, int):
@@ -354,6 +382,9 @@ class Job:
         sent, seen = 0, 0
         while True:
             output = await self.queue.get()
+            if self.sampling.error is not None:  # its token could not be picked: what the output holds is a stand-in
+                self.cancel()
+                raise EngineFailure(f"{type(self.sampling.error).__name__}: {self.sampling.error}")
             if output.error is not None:
                 self.finished = True
                 self.forget()
