@@ -482,6 +482,18 @@ class ReuseJob(Job):
 
 # --- the server ------------------------------------------------------------------------------------
 
+def prompt_chars_bound(tokenizer, context: int | None) -> int | None:
+    """The most characters a prompt of `context` tokens can have: `context` times the longest token of the
+    vocabulary (added and special tokens included) in characters. A token's string in the vocabulary has at least
+    as many characters as the text it stands for (byte-level: one per byte; SentencePiece: `▁` for a space;
+    WordPiece: `##` more), so a longer prompt is past the context whatever its tokens, unless the tokenizer's
+    normalizer deletes characters (accents, control characters), which the tokenizers of causal LMs do not.
+    None: no context known."""
+    if context is None:
+        return None
+    return context * max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+
+
 def check_reuse(policy, options: ServeOptions) -> None:
     """Refuse, before anything loads, `--reuse-context` where a kept cache would not be what the policy keeps of the
     longer prompt for any question: a scorer that ranks the prompt by the question at its end."""
@@ -532,6 +544,11 @@ class KVCompileServer:
         eos = model.config.eos_token_id if eos is None else eos
         self.eos_token_id = -1 if eos is None else eos
         self.context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.max_prompt_chars = prompt_chars_bound(self.tokenizer, self.context)
+        # prompts are tokenized here, off the event loop (one at a time: a tokenizer is not shared across threads)
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcompile-tokenize")
         # the engine's own config is greedy and processes no logits: every request brings its own (RequestSampling)
         engine_config = GenerationConfig(do_sample=False, max_new_tokens=DEFAULT_MAX_TOKENS,
                                          eos_token_id=self.eos_token_id,
@@ -580,6 +597,18 @@ class KVCompileServer:
         if name != self.options.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.options.model_name}`",
                            param="model", code="model_not_found")
+
+    def _check_prompt_size(self, request, chat: bool) -> None:
+        """Refuse, before tokenizing it, a prompt whose characters are more than the context could hold
+        (`prompt_chars_bound`): a multi-megabyte prompt costs no tokenizer time."""
+        if self.max_prompt_chars is None:
+            return
+        chars = sum(len(m.text()) for m in request.messages) if chat else len(request.prompt)
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.context} tokens; the prompt has "
+                                f"{chars} characters, more than {self.context} tokens of this tokenizer can hold (at "
+                                f"most {self.max_prompt_chars // self.context} characters a token)",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
 
     def _prompt_ids(self, request, chat: bool) -> list[int]:
         if chat:
@@ -631,11 +660,13 @@ class KVCompileServer:
         return RequestSampling.for_config(self.model, config, seed=request.seed,
                                           top_logprobs=request.top_logprobs_asked)
 
-    def prepare(self, request, chat: bool, request_id: str) -> Job:
-        """Validate `request` against the model, its context and the pool; the Job to submit."""
+    async def prepare(self, request, chat: bool, request_id: str) -> Job:
+        """Validate `request` against the model, its context and the pool; the Job to submit. The prompt is
+        tokenized on the tokenizer's thread: the event loop (other requests' streams, /health) never waits on it."""
         request.refuse_unsupported()
         self._check_model(request.model)
-        ids = self._prompt_ids(request, chat)
+        self._check_prompt_size(request, chat)
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, request, chat)
         new = self._max_new_tokens(request, len(ids), chat)
         error = self.cache.admission_error(request_id, len(ids), new)
         if error is not None:
@@ -904,7 +935,7 @@ class KVCompileServer:
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             try:
                 body = await body_of(request, model, path)
-                job = server.prepare(body, chat, request_id)
+                job = await server.prepare(body, chat, request_id)
                 if body.stream:
                     job.submit()
                     include = bool(body.stream_options and body.stream_options.include_usage)
@@ -1051,6 +1082,7 @@ class KVCompileServer:
             self._reuse_thread.shutdown(wait=True, cancel_futures=True)
             self.kept.clear()
         self.manager.stop(block=True, timeout=10)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         counts = ", ".join(f"{k} {v}" for k, v in self.counts.items())
         log.info(f"shut down after {sum(self.counts.values())} requests ({counts}); at most "
                  f"{report['peak_requests']} at once; {report['soft_resets']} soft resets; "

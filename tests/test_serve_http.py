@@ -494,3 +494,57 @@ def test_a_sampling_value_that_cannot_sample_fails_only_its_request(served, monk
     metrics = server.metrics()
     assert metrics["failed_engine_steps"] == failed_steps
     assert metrics["blocks_free"] == metrics["blocks_total"] and not server.cache.kvcompile.sampling
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_past_the_context_by_size_is_refused_before_it_is_tokenized(served, monkeypatch, path):
+    """A prompt with more characters than the context's tokens can hold (the context times the vocabulary's
+    longest token) is refused with 400 context_length_exceeded without tokenizing it: a multi-megabyte prompt
+    costs no tokenizer time."""
+    server, tokenizer, folder, reference = served
+    calls = []
+    tokenize = server._prompt_ids
+    monkeypatch.setattr(server, "_prompt_ids", lambda *args: calls.append(args) or tokenize(*args))
+    chat = "chat" in path
+    param = "messages" if chat else "prompt"
+    assert server.max_prompt_chars == server.context * max(len(t) for t in tokenizer.get_vocab())
+    for chars in (server.max_prompt_chars + 1, 4 * 2**20):
+        text = ("abcdefghij" * (chars // 10 + 1))[:chars]
+        body = chat_body(folder, text) if chat else completion_body(folder, text)
+        error = error_of(requests.post(url(server, path), json=body, timeout=TIMEOUT), 400)
+        assert error["param"] == param and error["code"] == "context_length_exceeded"
+        assert f"{chars} characters" in error["message"]
+    assert not calls
+    post(server, path, chat_body(folder, PROMPT) if chat else completion_body(folder, PROMPT))  # tokenized
+    assert len(calls) == 1
+
+
+def test_health_answers_while_a_prompt_is_tokenized(served, monkeypatch):
+    """Tokenizing is off the event loop: while one request's prompt is being tokenized (held here until /health
+    has answered, at most 30 s), /health is answered."""
+    server, tokenizer, folder, reference = served
+    entered, release = threading.Event(), threading.Event()
+    tokenize = server._prompt_ids
+
+    def slow(request, chat):
+        if not chat and request.prompt.startswith("SLOW"):
+            entered.set()
+            release.wait(timeout=30)
+        return tokenize(request, chat)
+
+    monkeypatch.setattr(server, "_prompt_ids", slow)
+    replies = {}
+    asking = threading.Thread(target=lambda: replies.update(
+        slow=requests.post(url(server, "/v1/completions"), json=completion_body(folder, "SLOW " + PROMPT),
+                           timeout=TIMEOUT)))
+    asking.start()
+    try:
+        assert entered.wait(timeout=30)
+        assert requests.get(url(server, "/health"), timeout=10).json() == {"status": "ok"}
+        assert not release.is_set() and asking.is_alive()  # the slow prompt was still being tokenized
+    finally:
+        release.set()
+        asking.join(timeout=2 * TIMEOUT)
+    assert replies["slow"].status_code == 200, replies["slow"].text
+    want = expected(reference, tokenizer, tokenizer("SLOW " + PROMPT)["input_ids"])
+    assert replies["slow"].json()["choices"][0]["text"] == want
