@@ -56,6 +56,17 @@ class VllmServe:
         if why is not None:
             raise PluginError(f"kvcompile: the vLLM plugin cannot run {policy.name}: {why}")
 
+    def banner(self) -> str:
+        """What `kvcompile serve --engine vllm` prints before vLLM's own log: the plugin, its spec, the address."""
+        from kvcompile.vllm.settings import active_message, from_env
+
+        settings = from_env(self.env())
+        return (f"kvcompile serve --engine vllm: {active_message(settings, settings.policy())}; vLLM's OpenAI "
+                f"server for {self.model} on http://{self.host}:{self.port}/v1, KV pool {self.kv_tokens} tokens, "
+                f"max model length {self.max_model_len} (vLLM's log follows; each of its processes logs the plugin "
+                "line again as it loads it)")
+
     def exec(self) -> None:
         self.check()
+        print(self.banner(), flush=True)
         os.execve(self.argv()[0], self.argv(), self.env())
