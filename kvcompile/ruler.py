@@ -788,12 +788,13 @@ def context_groups(samples: list[dict]) -> list[list[dict]]:
 
 
 def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=None, budgets=None,
-              full: bool = True, kv_bytes=None) -> list[dict]:
+              full: bool = True, kv_bytes=None, note=None) -> list[dict]:
     """Records of one context group in one mode: the full cache, then each spec and budget.
     agnostic: the context is captured once and compressed once per policy; every question
     continues from its own copy. aware: each sample's context + question is captured once and
     compressed once per policy. `kv_bytes`: byte fractions instead of fractions / budgets (each
-    record then has the target and the bytes the compressed cache holds, before the question)."""
+    record then has the target and the bytes the compressed cache holds, before the question). `note`: called
+    with a line saying what runs next (the full cache, then each spec at each budget) as each phase starts."""
     import torch
 
     from kvcompile.models import full_kv_bytes, model_summary
@@ -819,7 +820,10 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
 
     for (ids, questions), members in units:
         n = len(ids)
+        say = (lambda what: note(f"{mode}, {n}-token context, {len(questions)} question(s): {what}")) if note \
+            else (lambda what: None)
         if full:
+            say("full cache")
             for s, q, tokens in zip(members, questions, plain_answers(model, ids, questions, max_new)):
                 held = full_kv_bytes(model, n + len(q) + len(tokens) - 1)
                 records.append(record(s, "full", None, None, n, q, tokens, held, held))
@@ -840,6 +844,7 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
         for spec in specs:
             for fraction, policy in policies_for(spec, n, fractions, budgets, kv_bytes, geometry):
                 per_head = policy.budget.per_head if policy.budget.threshold is None else None
+                say(f"{policy.name} " + (f"{per_head}/head" if per_head is not None else "(its threshold)"))
                 base = compressed(policy)
                 held = None
                 if kv_bytes:  # the compressed context's bytes, before any question or answer is appended
@@ -879,7 +884,9 @@ def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agn
                disable=quiet)
     for g in mine:
         for m, mode in enumerate(modes):
-            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full, kv_bytes)):
+            # the bar's note says which phase of the sample runs, as it starts: a sample takes minutes
+            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full,
+                                              kv_bytes, note=bar.set_postfix_str)):
                 out.append(((g, m, r), rec))
             bar.update(len(groups[g]))
     bar.close()
