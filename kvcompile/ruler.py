@@ -956,6 +956,10 @@ def format_summary(records: list[dict]) -> str:
                 line += (f"{h['share']:>7.1%}{h['target'] / 1024:>12.1f}{h['entries'] / 1024:>10.1f}"
                          f"{h['entries'] / h['target']:>9.4f}" + pages)
             lines.append(line)
+    shortened = [f"{short[t]} = {t}" for t in tasks if short[t] != t]
+    if shortened:  # the columns are RULER's task names, cut to fit
+        lines.append("\ncolumns: " + ", ".join(shortened) + " (RULER's tasks: s = niah_single, the needle-in-a-haystack "
+                     "tasks with one needle; mkey, mvalue, mquery = niah_multikey, _multivalue, _multiquery)")
     if held:
         lines.append("\nkept: share of the compressed part's entries kept; target: the byte fraction of the full "
                      "cache's key and value bytes (model dtype); held: the keys and values (codes, scales, zero "

@@ -333,3 +333,15 @@ def test_eval_ruler_argument_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["eval", "--tasks", "vt"])
     assert "apply to --suite ruler" in capsys.readouterr().err
+
+
+def test_the_summary_says_what_its_short_column_names_are():
+    """The table's columns are RULER's task names cut to fit (`s1`): a line under it names each one."""
+    records = [{"index": i, "task": task, "length": 950, "mode": "agnostic", "spec": "full", "fraction": None,
+                "per_head": None, "tokens": 900, "question_tokens": 20, "prediction": "x", "answers": ["1"],
+                "score": 1.0, "kv_bytes": 1, "kv_bytes_full": 1, "source": "kvcompile"}
+               for i, task in enumerate(["niah_single_1", "niah_multikey_2", "vt"])]
+    text = ruler.format_summary(records)
+    header = next(line for line in text.splitlines() if line.startswith("method"))
+    assert header.split()[2:5] == ["s1", "mkey_2", "vt"]
+    assert "columns: s1 = niah_single_1, mkey_2 = niah_multikey_2 (" in text and "vt =" not in text
