@@ -1162,9 +1162,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "or not; /v1/models, /health, /metrics) with continuous batching: each "
                                      "request's cache is compressed after its prompt and the memory it frees goes "
                                      "back to the engine's pool, so more requests run at once. Requests name the "
-                                     "model --served-model-name, by default the --model argument exactly as given "
-                                     "(without --model: the embedded SmolLM2's folder path, which the start-up line "
-                                     "and GET /v1/models print). Every request is validated before it reaches the "
+                                     "model --served-model-name, by default the checkpoint folder's name (smollm2-135m for "
+                                     "the embedded SmolLM2; the --model argument as given is accepted too), which the "
+                                     "start-up line and GET /v1/models print. Every request is validated before it reaches the "
                                      "engine and refused with a 4xx in OpenAI's error shape; temperature, top_p, "
                                      "seed, stop, max_tokens, logprobs and stream_options.include_usage are "
                                      "honoured, n > 1 and the other OpenAI parameters are refused by name "
@@ -1178,7 +1178,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     srv.add_argument("--port", type=positive, default=8000, help="listen port (default 8000)")
     srv.add_argument("--served-model-name", default=None, metavar="NAME",
-                     help="the `model` name requests must carry (default: the --model argument as given)")
+                     help="the `model` name requests must carry (default: the checkpoint folder's name)")
     srv.add_argument("--kv-tokens", type=positive, default=16384, metavar="N",
                      help="the KV memory of the engine, as tokens of full cache (default 16384); a request "
                           "whose compressed prompt needs more is refused with 400")

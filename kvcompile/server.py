@@ -19,8 +19,9 @@ What a request gets (docs/GENERATE.md, "Serving"):
   goes on (`KVCompileBatchingManager._generation_loop_body`); a request whose own sampling cannot pick a token
   fails alone (`KVCompileBatchProcessor._fail_picks`).
 
-The model name requests carry is `--served-model-name`, by default the `--model` argument as given
-(for the embedded SmolLM2, its folder path); `GET /v1/models` lists it.
+The model name requests carry is `--served-model-name`, by default the checkpoint folder's name (`smollm2-135m` for
+`--model models/smollm2-135m`: `default_model_name`); `GET /v1/models` lists it. Without `--served-model-name`
+the `--model` argument as given is accepted too.
 """
 
 import asyncio
@@ -56,7 +57,7 @@ class ServeOptions:
     page_size: int = 16  # tokens per block
     max_batch_tokens: int = 2048  # tokens one forward packs
     log_level: str = "warning"  # uvicorn's and transformers' loggers
-    served_model_name: str | None = None  # the `model` requests carry (default: `model` as given)
+    served_model_name: str | None = None  # the `model` requests carry (default: the folder's name)
     log_requests: bool = True  # one line per request and one at shutdown, on stderr
     reuse_context: bool = False  # a request that starts with a finished request's prompt and answer continues
     #   that request's compressed cache (query-agnostic policies only; docs/GENERATE.md "Serving")
@@ -65,7 +66,20 @@ class ServeOptions:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or default_model_name(self.model)
+
+    @property
+    def accepted_names(self) -> set[str]:
+        """The `model` a request may carry: the served name; without --served-model-name also `model` as given."""
+        return {self.served_model_name} if self.served_model_name else {self.model_name, self.model}
+
+
+def default_model_name(model: str) -> str:
+    """The name a checkpoint folder is served under by default: the folder's own name (`models/smollm2-135m` ->
+    `smollm2-135m`), not the path it was given as."""
+    from pathlib import Path
+
+    return Path(model).name or Path(model).resolve().name or model
 
 
 def _require_serving() -> None:
@@ -594,7 +608,7 @@ class KVCompileServer:
 
     # --- requests -------------------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
-        if name != self.options.model_name:
+        if name not in self.options.accepted_names:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.options.model_name}`",
                            param="model", code="model_not_found")
 

@@ -221,7 +221,13 @@ def error_of(reply, status: int) -> dict:
 def test_models_lists_the_served_model_offline_and_an_unknown_model_is_404(served):
     server, tokenizer, folder, reference = served
     listed = requests.get(url(server, "/v1/models"), timeout=TIMEOUT).json()
-    assert [m["id"] for m in listed["data"]] == [str(folder)] and listed["object"] == "list"
+    # the folder's name, not the path it was given as; the path as given is accepted too
+    assert [m["id"] for m in listed["data"]] == [folder.name] and listed["object"] == "list"
+    assert "/" not in folder.name
+    for name in (folder.name, str(folder)):
+        reply = post(server, "/v1/completions", {**completion_body(folder, PROMPT), "model": name})
+        assert reply["model"] == folder.name
+    assert requests.get(url(server, f"/v1/models/{folder.name}"), timeout=TIMEOUT).json()["id"] == folder.name
     for reply in (requests.post(url(server, "/v1/completions"), json={**completion_body(folder, PROMPT),
                                                                       "model": "gpt-4o"}, timeout=TIMEOUT),
                   requests.get(url(server, "/v1/models/gpt-4o"), timeout=TIMEOUT)):

@@ -62,3 +62,10 @@ def test_the_plugin_says_it_is_active_on_stderr_where_logging_is_not_configured(
     register()
     err = capsys.readouterr().err
     assert "kvcompile: kvcompile's vLLM plugin is active: spec 'snapkv', per_head=32 -> policy snapkv" in err
+
+
+def test_vllm_serves_the_folders_name_as_kvcompiles_server_does():
+    argv = serve_options().argv()
+    assert argv[argv.index("--served-model-name") + 1:][:2] == ["smollm2-135m", "models/smollm2-135m"]
+    named = serve_options(served_model_name="mine").argv()
+    assert named[named.index("--served-model-name") + 1:] == ["mine"]

@@ -29,9 +29,12 @@ class VllmServe:
                 "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
                 "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
                 "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(-(-self.kv_tokens // BLOCK_SIZE))]
-        if self.served_model_name:
-            argv += ["--served-model-name", self.served_model_name]
-        return argv
+        # as kvcompile's own server: the folder's name, the path as given accepted too (vLLM answers with the first)
+        from kvcompile.server import default_model_name
+
+        names = [self.served_model_name] if self.served_model_name else \
+            list(dict.fromkeys([default_model_name(self.model), self.model]))
+        return argv + ["--served-model-name", *names]
 
     def env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPILE_VLLM_")}
