@@ -559,7 +559,7 @@ class KVCompileServer:
         self.eos_token_id = -1 if eos is None else eos
         self.context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.max_prompt_chars = prompt_chars_bound(self.tokenizer, self.context)
-        # prompts are tokenized here, off the event loop (one at a time: a tokenizer is not shared across threads)
+        # prompts are tokenized on this thread, off the event loop, one at a time
         from concurrent.futures import ThreadPoolExecutor
 
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcompile-tokenize")
