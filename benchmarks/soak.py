@@ -5,7 +5,9 @@ at the end every valid answer must equal `generate()` for its request, every inv
 The mix (weights in MIX): completions and chat completions, greedy or sampled with a seed, with stop strings,
 streamed or not; invalid bodies (each refused with 400 naming its field); streams the client drops after two
 chunks; prompts the KV pool can never hold (400 `kv_pool_exceeded`) and prompts past the model's context
-(400 `context_length_exceeded`). The server runs in this process, on a thread, on 127.0.0.1.
+(400 `context_length_exceeded`); pathological values (PATHOLOGICAL: a temperature whose probabilities are not
+finite, seeds beyond int64, lone UTF-16 surrogates, a 4 MiB prompt: each its own 400; a valid top_p of 1e-300,
+answered as generate() answers it) beside the others, which they must not harm. The server runs in this process, on a thread, on 127.0.0.1.
 
     python3 benchmarks/soak.py [--minutes 30] [--clients 4] [--spec snapkv] [--per-head 64]
         [--kv-tokens 4096] [--max-batch-tokens 512] [--max-tokens 32] [--check 200] [--threads 2] [--timeout 600]
@@ -27,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 MIX = {"greedy": 4, "chat": 3, "sampled": 2, "stop": 2, "stream": 3, "invalid": 3, "cancel": 2, "oversize": 1,
-       "too_long": 1}
+       "too_long": 1, "pathological": 2}
 INVALID = [  # (path, change, the param the 400 must name)
     ("/v1/chat/completions", {"messages": None}, "messages"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
@@ -37,6 +39,19 @@ INVALID = [  # (path, change, the param the 400 must name)
     ("/v1/completions", {"whatever": 1}, "whatever"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
     ("/v1/chat/completions", {"tools": []}, "tools"),
+]
+HUGE = "x " * 2**21  # a 4 MiB prompt: refused by its size, before it is tokenized
+PATHOLOGICAL = [  # (path, change, the param the 400 must name, its code); None: a valid request
+    ("/v1/completions", {"temperature": 1e-300, "seed": 1}, "temperature", None),
+    ("/v1/chat/completions", {"temperature": 1e-300}, "temperature", None),
+    ("/v1/completions", {"seed": 2**64}, "seed", None),
+    ("/v1/completions", {"seed": -2**70}, "seed", None),
+    ("/v1/completions", {"prompt": "\ud800abc"}, "prompt", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages.0.content", None),
+    ("/v1/completions", {"prompt": HUGE}, "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE}]}, "messages",
+     "context_length_exceeded"),
+    ("/v1/completions", {"temperature": 0.7, "top_p": 1e-300, "seed": 3}, None, None),
 ]
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box jam and "
          "every small kettle sings of rain before the long night ends").split()
@@ -136,6 +151,10 @@ class Soak:
         if kind == "too_long":
             return Sent(kind, "/v1/completions", {**completion, "max_tokens": self.context},
                         expect_param="max_tokens", expect_code="context_length_exceeded")
+        if kind == "pathological":
+            path, change, param, code = rng.choice(PATHOLOGICAL)
+            body = {**(chat if "chat" in path else completion), **change}
+            return Sent(kind, path, body, expect_param=param, expect_code=code)
         path, change, param = rng.choice(INVALID)
         body = dict(chat if "chat" in path else completion)
         body.update(change)
@@ -228,6 +247,8 @@ class Soak:
         settings = {"do_sample": False}
         if body.get("temperature"):
             settings = {"do_sample": True, "temperature": body["temperature"]}
+            if "top_p" in body:
+                settings["top_p"] = body["top_p"]
             torch.manual_seed(body["seed"])
         out = model.generate(torch.tensor([ids]), max_new_tokens=body["max_tokens"], **settings)
         text = self.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)

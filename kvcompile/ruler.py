@@ -891,12 +891,13 @@ def check_budgets(tokenizer, samples: list[dict], specs, modes, fractions=None, 
 
 
 def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=None, budgets=None,
-              full: bool = True, kv_bytes=None) -> list[dict]:
+              full: bool = True, kv_bytes=None, note=None) -> list[dict]:
     """Records of one context group in one mode: the full cache, then each spec and budget.
     agnostic: the context is captured once and compressed once per policy; every question
     continues from its own copy. aware: each sample's context + question is captured once and
     compressed once per policy. `kv_bytes`: byte fractions instead of fractions / budgets (each
-    record then has the target and the bytes the compressed cache holds, before the question)."""
+    record then has the target and the bytes the compressed cache holds, before the question). `note`: called
+    with a line saying what runs next (the full cache, then each spec at each budget) as each phase starts."""
     import torch
 
     from kvcompile.models import full_kv_bytes, model_summary
@@ -922,7 +923,10 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
 
     for (ids, questions), members in units:
         n = len(ids)
+        say = (lambda what: note(f"{mode}, {n}-token context, {len(questions)} question(s): {what}")) if note \
+            else (lambda what: None)
         if full:
+            say("full cache")
             for s, q, tokens in zip(members, questions, plain_answers(model, ids, questions, max_new)):
                 held = full_kv_bytes(model, n + len(q) + len(tokens) - 1)
                 records.append(record(s, "full", None, None, n, q, tokens, held, held))
@@ -943,6 +947,7 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
         for spec in specs:
             for fraction, policy in policies_for(spec, n, fractions, budgets, kv_bytes, geometry):
                 per_head = policy.budget.per_head if policy.budget.threshold is None else None
+                say(f"{policy.name} " + (f"{per_head}/head" if per_head is not None else "(its threshold)"))
                 base = compressed(policy)
                 held = None
                 if kv_bytes:  # the compressed context's bytes, before any question or answer is appended
@@ -982,7 +987,9 @@ def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agn
                disable=quiet)
     for g in mine:
         for m, mode in enumerate(modes):
-            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full, kv_bytes)):
+            # the bar's note says which phase of the sample runs, as it starts: a sample takes minutes
+            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full,
+                                              kv_bytes, note=bar.set_postfix_str)):
                 out.append(((g, m, r), rec))
             bar.update(len(groups[g]))
     bar.close()
@@ -1052,6 +1059,10 @@ def format_summary(records: list[dict]) -> str:
                 line += (f"{h['share']:>7.1%}{h['target'] / 1024:>12.1f}{h['entries'] / 1024:>10.1f}"
                          f"{h['entries'] / h['target']:>9.4f}" + pages)
             lines.append(line)
+    shortened = [f"{short[t]} = {t}" for t in tasks if short[t] != t]
+    if shortened:  # the columns are RULER's task names, cut to fit
+        lines.append("\ncolumns: " + ", ".join(shortened) + " (RULER's tasks: s = niah_single, the needle-in-a-haystack "
+                     "tasks with one needle; mkey, mvalue, mquery = niah_multikey, _multivalue, _multiquery)")
     if held:
         lines.append("\nkept: share of the compressed part's entries kept; target: the byte fraction of the full "
                      "cache's key and value bytes (model dtype); held: the keys and values (codes, scales, zero "

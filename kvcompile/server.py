@@ -16,10 +16,12 @@ What a request gets (docs/GENERATE.md, "Serving"):
 - its own sampling: temperature, top_p and seed as `generate()` takes them, its own random generator
   (`kvcompile.serving.RequestSampling`); `stop` strings, `logprobs`, `stream_options.include_usage`.
 - a failure inside the engine fails the requests of that step with a 500 in the same shape; the engine
-  goes on (`KVCompileBatchingManager._generation_loop_body`).
+  goes on (`KVCompileBatchingManager._generation_loop_body`); a request whose own sampling cannot pick a token
+  fails alone (`KVCompileBatchProcessor._fail_picks`).
 
-The model name requests carry is `--served-model-name`, by default the `--model` argument as given
-(for the embedded SmolLM2, its folder path); `GET /v1/models` lists it.
+The model name requests carry is `--served-model-name`, by default the checkpoint folder's name (`smollm2-135m` for
+`--model models/smollm2-135m`: `default_model_name`); `GET /v1/models` lists it. Without `--served-model-name`
+the `--model` argument as given is accepted too.
 """
 
 import asyncio
@@ -36,6 +38,10 @@ from typing import Annotated, Any, Literal
 log = logging.getLogger("kvcompile.serve")
 
 DEFAULT_MAX_TOKENS = 1024  # a request without max_tokens: transformers serve's default (capped at the context)
+MIN_TEMPERATURE = 0.01  # below it (and above 0) the logits divided by the temperature overflow float32 for
+#   ordinary logits (1e-300 gives inf and nan probabilities) long before they differ from greedy: refused, as
+#   vLLM refuses to go below it (it raises such a temperature to 0.01)
+SEED_RANGE = (-2**63, 2**63 - 1)  # int64, as OpenAI's and vLLM's `seed`
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ class ServeOptions:
     page_size: int = 16  # tokens per block
     max_batch_tokens: int = 2048  # tokens one forward packs
     log_level: str = "warning"  # uvicorn's and transformers' loggers
-    served_model_name: str | None = None  # the `model` requests carry (default: `model` as given)
+    served_model_name: str | None = None  # the `model` requests carry (default: the folder's name)
     log_requests: bool = True  # one line per request and one at shutdown, on stderr
     reuse_context: bool = False  # a request that starts with a finished request's prompt and answer continues
     #   that request's compressed cache (query-agnostic policies only; docs/GENERATE.md "Serving")
@@ -60,7 +66,20 @@ class ServeOptions:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or default_model_name(self.model)
+
+    @property
+    def accepted_names(self) -> set[str]:
+        """The `model` a request may carry: the served name; without --served-model-name also `model` as given."""
+        return {self.served_model_name} if self.served_model_name else {self.model_name, self.model}
+
+
+def default_model_name(model: str) -> str:
+    """The name a checkpoint folder is served under by default: the folder's own name (`models/smollm2-135m` ->
+    `smollm2-135m`), not the path it was given as."""
+    from pathlib import Path
+
+    return Path(model).name or Path(model).resolve().name or model
 
 
 def _require_serving() -> None:
@@ -104,11 +123,30 @@ def _refuse(name: str, why: str = "") -> APIError:
 
 # --- the request models --------------------------------------------------------------------------
 
+def _unicode(text: str) -> str:
+    """`text` if it is valid Unicode text (encodable as UTF-8): JSON's `\\ud800` escapes give Python a lone UTF-16
+    surrogate, which no tokenizer and no UTF-8 stream can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone UTF-16 surrogate ({text[exc.start]!r} at character {exc.start}): not "
+                         "valid Unicode text") from None
+    return text
+
+
+def _temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or from {MIN_TEMPERATURE} to 2, got {value!r} (a smaller "
+                         "temperature gives non-finite probabilities; use 0 for greedy)")
+    return value
+
+
 def _models():
     """The pydantic request models (defined lazily: pydantic comes with the serving extra)."""
-    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+    from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
     Float = StrictFloat | StrictInt
+    Text = Annotated[StrictStr, AfterValidator(_unicode)]  # every string that reaches the tokenizer or the log
 
     class Strict(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
@@ -121,17 +159,17 @@ def _models():
         """Fields both endpoints share. Fields OpenAI knows but kvcompile does not honour are declared (so
         they are not "unrecognized") and refused by name when set to anything but their no-op value."""
 
-        model: StrictStr
+        model: Text
         max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-        temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+        temperature: Annotated[Float, Field(ge=0, le=2), AfterValidator(_temperature)] | None = None
         top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
-        seed: StrictInt | None = None
-        stop: Annotated[StrictStr, Field(min_length=1)] | Annotated[
-            list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=4)] | None = None
+        seed: Annotated[StrictInt, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+        stop: Annotated[Text, Field(min_length=1)] | Annotated[
+            list[Annotated[Text, Field(min_length=1)]], Field(max_length=4)] | None = None
         n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
         stream: StrictBool | None = None
         stream_options: StreamOptions | None = None
-        user: StrictStr | None = None  # an end-user id: logged
+        user: Text | None = None  # an end-user id: logged
         frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
         presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
         logit_bias: dict[str, Float] | None = None
@@ -152,11 +190,11 @@ def _models():
                     raise _refuse("stream_options.continuous_usage_stats")
 
     class CompletionRequest(Common):
-        prompt: StrictStr | list[Any]
+        prompt: Text | list[Any]
         logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
         echo: StrictBool | None = None
         best_of: Annotated[StrictInt, Field(ge=1)] | None = None
-        suffix: StrictStr | None = None
+        suffix: Text | None = None
 
         def refuse_unsupported(self) -> None:
             super().refuse_unsupported()
@@ -178,12 +216,12 @@ def _models():
 
     class TextPart(Strict):
         type: Literal["text"]
-        text: StrictStr
+        text: Text
 
     class Message(Strict):
         role: Literal["system", "developer", "user", "assistant"]
-        content: StrictStr | list[TextPart]
-        name: StrictStr | None = None
+        content: Text | list[TextPart]
+        name: Text | None = None
 
         def text(self) -> str:
             return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -246,6 +284,10 @@ def _validation_error(exc) -> APIError:
     """A pydantic validation error as OpenAI's 400, naming the first field at fault."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": str(exc), "type": ""}
+    # a field with a union type (a string or text parts) has one error per member: name the member the value had
+    # the type of (its value is what is wrong), not the first member's type mismatch
+    same_field = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
+    first = next((e for e in same_field if not e.get("type", "").endswith("_type")), first)
     loc = []
     for part in first.get("loc", ()):
         if isinstance(part, int):
@@ -354,6 +396,9 @@ class Job:
         sent, seen = 0, 0
         while True:
             output = await self.queue.get()
+            if self.sampling.error is not None:  # its token could not be picked: what the output holds is a stand-in
+                self.cancel()
+                raise EngineFailure(f"{type(self.sampling.error).__name__}: {self.sampling.error}")
             if output.error is not None:
                 self.finished = True
                 self.forget()
@@ -451,6 +496,18 @@ class ReuseJob(Job):
 
 # --- the server ------------------------------------------------------------------------------------
 
+def prompt_chars_bound(tokenizer, context: int | None) -> int | None:
+    """The most characters a prompt of `context` tokens can have: `context` times the longest token of the
+    vocabulary (added and special tokens included) in characters. A token's string in the vocabulary has at least
+    as many characters as the text it stands for (byte-level: one per byte; SentencePiece: `▁` for a space;
+    WordPiece: `##` more), so a longer prompt is past the context whatever its tokens, unless the tokenizer's
+    normalizer deletes characters (accents, control characters), which the tokenizers of causal LMs do not.
+    None: no context known."""
+    if context is None:
+        return None
+    return context * max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+
+
 def check_reuse(policy, options: ServeOptions) -> None:
     """Refuse, before anything loads, `--reuse-context` where a kept cache would not be what the policy keeps of the
     longer prompt for any question: a scorer that ranks the prompt by the question at its end."""
@@ -501,6 +558,11 @@ class KVCompileServer:
         eos = model.config.eos_token_id if eos is None else eos
         self.eos_token_id = -1 if eos is None else eos
         self.context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.max_prompt_chars = prompt_chars_bound(self.tokenizer, self.context)
+        # prompts are tokenized on this thread, off the event loop, one at a time
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcompile-tokenize")
         # the engine's own config is greedy and processes no logits: every request brings its own (RequestSampling)
         engine_config = GenerationConfig(do_sample=False, max_new_tokens=DEFAULT_MAX_TOKENS,
                                          eos_token_id=self.eos_token_id,
@@ -546,9 +608,21 @@ class KVCompileServer:
 
     # --- requests -------------------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
-        if name != self.options.model_name:
+        if name not in self.options.accepted_names:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.options.model_name}`",
                            param="model", code="model_not_found")
+
+    def _check_prompt_size(self, request, chat: bool) -> None:
+        """Refuse, before tokenizing it, a prompt whose characters are more than the context could hold
+        (`prompt_chars_bound`): a multi-megabyte prompt costs no tokenizer time."""
+        if self.max_prompt_chars is None:
+            return
+        chars = sum(len(m.text()) for m in request.messages) if chat else len(request.prompt)
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.context} tokens; the prompt has "
+                                f"{chars} characters, more than {self.context} tokens of this tokenizer can hold (at "
+                                f"most {self.max_prompt_chars // self.context} characters a token)",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
 
     def _prompt_ids(self, request, chat: bool) -> list[int]:
         if chat:
@@ -600,11 +674,13 @@ class KVCompileServer:
         return RequestSampling.for_config(self.model, config, seed=request.seed,
                                           top_logprobs=request.top_logprobs_asked)
 
-    def prepare(self, request, chat: bool, request_id: str) -> Job:
-        """Validate `request` against the model, its context and the pool; the Job to submit."""
+    async def prepare(self, request, chat: bool, request_id: str) -> Job:
+        """Validate `request` against the model, its context and the pool; the Job to submit. The prompt is
+        tokenized on the tokenizer's thread: the event loop (other requests' streams, /health) never waits on it."""
         request.refuse_unsupported()
         self._check_model(request.model)
-        ids = self._prompt_ids(request, chat)
+        self._check_prompt_size(request, chat)
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, request, chat)
         new = self._max_new_tokens(request, len(ids), chat)
         error = self.cache.admission_error(request_id, len(ids), new)
         if error is not None:
@@ -873,7 +949,7 @@ class KVCompileServer:
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             try:
                 body = await body_of(request, model, path)
-                job = server.prepare(body, chat, request_id)
+                job = await server.prepare(body, chat, request_id)
                 if body.stream:
                     job.submit()
                     include = bool(body.stream_options and body.stream_options.include_usage)
@@ -1020,6 +1096,7 @@ class KVCompileServer:
             self._reuse_thread.shutdown(wait=True, cancel_futures=True)
             self.kept.clear()
         self.manager.stop(block=True, timeout=10)
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         counts = ", ".join(f"{k} {v}" for k, v in self.counts.items())
         log.info(f"shut down after {sum(self.counts.values())} requests ({counts}); at most "
                  f"{report['peak_requests']} at once; {report['soft_resets']} soft resets; "

@@ -127,13 +127,15 @@ class RequestSampling:
     generator after `torch.manual_seed(seed)`; a generator seeded with the same seed gives the same draws, and
     no other request's draws advance it. `top_logprobs` (None: none) asks, for every sampled token, its
     log-probability under the model (log-softmax of the raw logits) and that many most likely alternatives,
-    appended to `logprobs` as (logprob, [(token, logprob), ...])."""
+    appended to `logprobs` as (logprob, [(token, logprob), ...]). `error`: why picking failed (the processors
+    or the draw raised, e.g. on non-finite probabilities); the engine then fails this request alone."""
 
     processors: LogitsProcessorList
     do_sample: bool
     generator: torch.Generator | None = None
     top_logprobs: int | None = None
     logprobs: list = field(default_factory=list)
+    error: Exception | None = None
 
     @classmethod
     def for_config(cls, model, generation_config, seed: int | None = None,
@@ -602,7 +604,22 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
         with self.cache.kvcompile.pool_lock:
             self.cache.sync_blocks()
             super().update_batch()
+            self._fail_picks()
         self.forward = []
+
+    def _fail_picks(self) -> None:
+        """Fail, alone, each request of this forward whose own sampling could not pick its token
+        (`RequestSampling.error`: the forward gave it a stand-in token, which no caller may read as its answer):
+        its error is delivered and its blocks go back; the forward's other requests go on."""
+        scheduler, sampling = self.scheduler, self.cache.kvcompile.sampling
+        for state in self.forward:
+            picked = sampling.get(state.request_id)
+            if picked is None or picked.error is None or state.request_id not in scheduler.active_requests:
+                continue
+            logger.error(f"kvcompile: request {state.request_id} failed to pick its token "
+                         f"({type(picked.error).__name__}: {picked.error}); the others of its forward go on")
+            self._handle_request_error(picked.error, state)
+            scheduler.finish_request(state.request_id)
 
     def fail_forward(self, error: Exception) -> list[str]:
         """A step of the engine raised: fail the requests it concerned and let the engine go on. A forward that
@@ -664,7 +681,11 @@ class KVCompileModelRunner(ModelRunner):
                 tokens.append(raw.argmax(-1))
                 continue
             history = torch.tensor([request.initial_tokens + request.generated_tokens], device=raw.device)
-            tokens.append(sampling.pick(history, raw))
+            try:
+                tokens.append(sampling.pick(history, raw))
+            except Exception as error:  # noqa: BLE001 - this request's own failure (update_batch fails it alone)
+                sampling.error = error
+                tokens.append(raw.argmax(-1))  # a stand-in, so the forward's other rows keep their places
         output_ids[0, :len(tokens)].copy_(torch.cat(tokens))
 
 

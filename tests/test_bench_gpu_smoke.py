@@ -13,6 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"^-?\d+(\.\d+)?(e[-+]?\d+)?$")
 REASONS = ("OOM", "skipped", "error", "refused", "flash_attn not importable")
+HANG_GUARD_S = 1800  # only stops a run that hangs: `e2e --small` compiles two Inductor graphs, whose time
+#   depends on how loaded the machine is (a fixed 180 s failed on a loaded one); no speed is checked here
 
 
 def run_bench(*args: str) -> str:
@@ -20,7 +22,7 @@ def run_bench(*args: str) -> str:
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path also on a GPU machine (its stages run the GPU sizes)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), *args, "--small"],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 

@@ -311,6 +311,27 @@ def test_agnostic_path_equals_generate_with_a_budget_covering_everything():
             assert r["prediction"] == TOK.decode(want, skip_special_tokens=True), (mode, r["spec"])
 
 
+def test_each_phase_of_a_sample_is_announced_as_it_starts(capsys):
+    """A RULER sample takes minutes on a real model: the progress says which phase runs (the full cache, then each
+    spec at each budget) as it starts, before any of its forwards; `eval --suite ruler` shows it on its bar."""
+    model = tiny_for(TOK, seed=1)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    s = {**sample("niah_single_1", length=600), "max_new_tokens": 4}
+    notes = []
+    ruler.run_group(model, TOK, [s], "aware", ["snapkv", "lava"], fractions=[0.5],
+                    note=lambda text: notes.append((text, len(forwards))))
+    n = int(notes[0][0].split(", ")[1].split("-token")[0])  # the context's tokens
+    assert [text.split(": ", 1)[1] for text, _ in notes] == ["full cache", f"snapkv {n // 2}/head",
+                                                             f"lava {n // 2}/head"]
+    assert notes[0][0].startswith("aware, ") and "1 question(s)" in notes[0][0]
+    counts = [count for _, count in notes] + [len(forwards)]
+    assert counts[0] == 0 and all(a < b for a, b in zip(counts, counts[1:]))  # each note before its phase's work
+    ruler.run_ruler(model, TOK, [s], ["snapkv"], modes=("agnostic",), fractions=[0.5])
+    err = capsys.readouterr().err
+    assert "ruler samples" in err and "agnostic" in err and "full cache" in err and "snapkv" in err
+
+
 def test_one_context_serves_each_question_from_its_own_copy():
     """Several questions on one context (agnostic): each answer equals the answer of that question alone."""
     model = tiny_for(TOK, seed=1)
@@ -389,3 +410,15 @@ def test_eval_ruler_argument_errors(capsys):
     with pytest.raises(SystemExit):
         cli.main(["eval", "--tasks", "vt"])
     assert "apply to --suite ruler" in capsys.readouterr().err
+
+
+def test_the_summary_says_what_its_short_column_names_are():
+    """The table's columns are RULER's task names cut to fit (`s1`): a line under it names each one."""
+    records = [{"index": i, "task": task, "length": 950, "mode": "agnostic", "spec": "full", "fraction": None,
+                "per_head": None, "tokens": 900, "question_tokens": 20, "prediction": "x", "answers": ["1"],
+                "score": 1.0, "kv_bytes": 1, "kv_bytes_full": 1, "source": "kvcompile"}
+               for i, task in enumerate(["niah_single_1", "niah_multikey_2", "vt"])]
+    text = ruler.format_summary(records)
+    header = next(line for line in text.splitlines() if line.startswith("method"))
+    assert header.split()[2:5] == ["s1", "mkey_2", "vt"]
+    assert "columns: s1 = niah_single_1, mkey_2 = niah_multikey_2 (" in text and "vt =" not in text

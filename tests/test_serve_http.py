@@ -221,7 +221,13 @@ def error_of(reply, status: int) -> dict:
 def test_models_lists_the_served_model_offline_and_an_unknown_model_is_404(served):
     server, tokenizer, folder, reference = served
     listed = requests.get(url(server, "/v1/models"), timeout=TIMEOUT).json()
-    assert [m["id"] for m in listed["data"]] == [str(folder)] and listed["object"] == "list"
+    # the folder's name, not the path it was given as; the path as given is accepted too
+    assert [m["id"] for m in listed["data"]] == [folder.name] and listed["object"] == "list"
+    assert "/" not in folder.name
+    for name in (folder.name, str(folder)):
+        reply = post(server, "/v1/completions", {**completion_body(folder, PROMPT), "model": name})
+        assert reply["model"] == folder.name
+    assert requests.get(url(server, f"/v1/models/{folder.name}"), timeout=TIMEOUT).json()["id"] == folder.name
     for reply in (requests.post(url(server, "/v1/completions"), json={**completion_body(folder, PROMPT),
                                                                       "model": "gpt-4o"}, timeout=TIMEOUT),
                   requests.get(url(server, "/v1/models/gpt-4o"), timeout=TIMEOUT)):
@@ -245,6 +251,17 @@ LONG = "abcdefghij" * 210  # 2100 tokens: past the served model's 2048-token con
     ("/v1/completions", {"temperature": 3}, "temperature"),
     ("/v1/completions", {"top_p": 0}, "top_p"),
     ("/v1/completions", {"seed": 1.5}, "seed"),
+    # issue 39: values that gave a 500 (or failed every request of the engine step) are the request's own 400
+    ("/v1/completions", {"temperature": 1e-300}, "temperature"),
+    ("/v1/chat/completions", {"temperature": 0.001}, "temperature"),
+    ("/v1/completions", {"seed": 2**64}, "seed"),
+    ("/v1/completions", {"seed": 2**70}, "seed"),
+    ("/v1/chat/completions", {"seed": -2**70}, "seed"),
+    ("/v1/completions", {"prompt": "\ud800abc"}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800abc"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfffb"}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/completions", {"stop": "\ud800"}, "stop"),
     ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/completions", {"n": 2}, "n"),
     ("/v1/completions", {"logprobs": 9}, "logprobs"),
@@ -432,3 +449,108 @@ def test_the_openai_client_lists_the_model_and_reads_our_errors(served):
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
     assert missing.value.code == "model_not_found"
+
+
+# --- issue 39: a request's failure is its own -------------------------------------------------------------------
+
+def test_a_sampling_value_that_cannot_sample_fails_only_its_request(served, monkeypatch):
+    """Beside an open greedy stream: `temperature: 1e-300` (whose probabilities are inf and nan) is refused at
+    validation with the valid range; a request whose own sampling still cannot pick a token in the engine
+    (injected: its temperature warper set to 1e-300 past validation) gets its own 500, while the stream and a
+    greedy request answered in the same forwards get exactly generate()'s text and no engine step fails."""
+    server, tokenizer, folder, reference = served
+    from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper
+
+    sampling = server._sampling
+
+    def poisoned(request):
+        picked = sampling(request)
+        if request.seed == 4242:
+            picked.processors = LogitsProcessorList([TemperatureLogitsWarper(1e-300)])
+        return picked
+
+    monkeypatch.setattr(server, "_sampling", poisoned)
+    failed_steps = server.metrics()["failed_engine_steps"]
+    new = 400
+    body = {**completion_body(folder, PROMPT), "max_tokens": new, "stream": True}
+    with requests.post(url(server, "/v1/completions"), json=body, timeout=TIMEOUT, stream=True) as reply:
+        assert reply.status_code == 200, reply.text
+        lines = reply.iter_lines(decode_unicode=True)
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+        bad = requests.post(url(server, "/v1/completions"), json={**completion_body(folder, "Hello"),
+                                                                  "temperature": 1e-300}, timeout=TIMEOUT)
+        error = error_of(bad, 400)
+        assert error["param"] == "temperature" and "0.01" in error["message"] and "2" in error["message"]
+        own = requests.post(url(server, "/v1/completions"), json={**completion_body(folder, "Hello"),
+                                                                  "temperature": 1.0, "seed": 4242}, timeout=TIMEOUT)
+        error = error_of(own, 500)
+        assert error["code"] == "engine_error" and "probability" in error["message"]
+        greedy = post(server, "/v1/completions", completion_body(folder, "Hello"))
+        # the stream was decoding all along: it shared its forwards with the two requests above
+        assert first["id"] in server.manager.batch_processor.scheduler.active_requests
+        chunks = [first]
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    assert all("error" not in c for c in chunks), [c for c in chunks if "error" in c]
+    ids = tokenizer(PROMPT)["input_ids"]
+    want = reference.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)[0, len(ids):]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(want, skip_special_tokens=True)
+    assert greedy["choices"][0]["text"] == expected(reference, tokenizer, tokenizer("Hello")["input_ids"])
+    metrics = server.metrics()
+    assert metrics["failed_engine_steps"] == failed_steps
+    assert metrics["blocks_free"] == metrics["blocks_total"] and not server.cache.kvcompile.sampling
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_past_the_context_by_size_is_refused_before_it_is_tokenized(served, monkeypatch, path):
+    """A prompt with more characters than the context's tokens can hold (the context times the vocabulary's
+    longest token) is refused with 400 context_length_exceeded without tokenizing it: a multi-megabyte prompt
+    costs no tokenizer time."""
+    server, tokenizer, folder, reference = served
+    calls = []
+    tokenize = server._prompt_ids
+    monkeypatch.setattr(server, "_prompt_ids", lambda *args: calls.append(args) or tokenize(*args))
+    chat = "chat" in path
+    param = "messages" if chat else "prompt"
+    assert server.max_prompt_chars == server.context * max(len(t) for t in tokenizer.get_vocab())
+    for chars in (server.max_prompt_chars + 1, 4 * 2**20):
+        text = ("abcdefghij" * (chars // 10 + 1))[:chars]
+        body = chat_body(folder, text) if chat else completion_body(folder, text)
+        error = error_of(requests.post(url(server, path), json=body, timeout=TIMEOUT), 400)
+        assert error["param"] == param and error["code"] == "context_length_exceeded"
+        assert f"{chars} characters" in error["message"]
+    assert not calls
+    post(server, path, chat_body(folder, PROMPT) if chat else completion_body(folder, PROMPT))  # tokenized
+    assert len(calls) == 1
+
+
+def test_health_answers_while_a_prompt_is_tokenized(served, monkeypatch):
+    """Tokenizing is off the event loop: while one request's prompt is being tokenized (held here until /health
+    has answered, at most 30 s), /health is answered."""
+    server, tokenizer, folder, reference = served
+    entered, release = threading.Event(), threading.Event()
+    tokenize = server._prompt_ids
+
+    def slow(request, chat):
+        if not chat and request.prompt.startswith("SLOW"):
+            entered.set()
+            release.wait(timeout=30)
+        return tokenize(request, chat)
+
+    monkeypatch.setattr(server, "_prompt_ids", slow)
+    replies = {}
+    asking = threading.Thread(target=lambda: replies.update(
+        slow=requests.post(url(server, "/v1/completions"), json=completion_body(folder, "SLOW " + PROMPT),
+                           timeout=TIMEOUT)))
+    asking.start()
+    try:
+        assert entered.wait(timeout=30)
+        assert requests.get(url(server, "/health"), timeout=10).json() == {"status": "ok"}
+        assert not release.is_set() and asking.is_alive()  # the slow prompt was still being tokenized
+    finally:
+        release.set()
+        asking.join(timeout=2 * TIMEOUT)
+    assert replies["slow"].status_code == 200, replies["slow"].text
+    want = expected(reference, tokenizer, tokenizer("SLOW " + PROMPT)["input_ids"])
+    assert replies["slow"].json()["choices"][0]["text"] == want

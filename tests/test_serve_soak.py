@@ -1,8 +1,9 @@
 """Soak of `kvcompile serve` (issue 25), bounded: a tiny model served in this process on a thread (127.0.0.1,
 one uvicorn server, no other process), 8 clients sending 3 rounds of a random mix (benchmarks/soak.py:
 completions and chats, greedy or sampled with a seed, stop strings, streams, invalid bodies, streams dropped
-mid-way, prompts the pool can never hold, prompts past the context) into a pool small enough that requests
-are soft-reset and replayed. At the end: every valid answer equals generate() for its request, every invalid
+mid-way, prompts the pool can never hold, prompts past the context, pathological values: a temperature of
+1e-300, seeds beyond int64, lone UTF-16 surrogates, a 4 MiB prompt, a top_p of 1e-300) into a pool small enough
+that requests are soft-reset and replayed. At the end: every valid answer equals generate() for its request, every invalid
 one got its 400 naming its field, the server still answers, every block is back in the pool, the engine holds
 no request's state, and RSS after the last round is within a bound of RSS after the first.
 """
@@ -60,7 +61,8 @@ def test_soak(tmp_path):
     finally:
         server.stop()
     kinds = {s.kind for s in soak.sent}
-    assert {"greedy", "chat", "sampled", "stop", "stream", "invalid", "cancel", "oversize"} <= kinds
+    assert {"greedy", "chat", "sampled", "stop", "stream", "invalid", "cancel", "oversize", "pathological"} <= kinds
+    assert {s.expect_param for s in soak.sent if s.kind == "pathological"} >= {"temperature", "seed", "prompt"}
     bad = [(s.kind, s.body, s.status, s.error) for s in soak.sent if s.outcome not in ("ok", "refused", "cancelled")]
     assert not bad, bad[:5]
     checked, wrong = soak.check(server.model)

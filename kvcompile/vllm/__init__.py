@@ -3,7 +3,8 @@
 vLLM calls `register` in each of its processes. With KVCOMPILE_VLLM_SPEC unset it does nothing.
 With it set, it loads and validates the spec, refuses (PluginError, which vLLM does not catch) what
 cannot run exactly yet, and patches vLLM 0.32.0 (kvcompile.vllm.patches) so that every request's prompt
-is compressed by the policy once prefilled and the blocks no head reads any more go back to the pool.
+is compressed by the policy once prefilled and the blocks no head reads any more go back to the pool; then
+it logs, on vLLM's logger, that it is active and with which spec.
 This module imports nothing at import time: vLLM swallows import errors of a plugin, and an
 enabled plugin must never fail silently into an uncompressed run.
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 def register() -> None:
     """The entry point (pyproject: [project.entry-points."vllm.general_plugins"] kvcompile)."""
+    import logging
     import os
 
-    from kvcompile.vllm.settings import RECORD_ENV, PluginError, from_env, refusal
+    from kvcompile.vllm.settings import RECORD_ENV, PluginError, active_message, from_env, refusal
 
     settings = from_env()
     if settings is None:
@@ -29,3 +31,12 @@ def register() -> None:
     from kvcompile.vllm.backend import STEP
 
     STEP.record_to = os.environ.get(RECORD_ENV) or None
+    # under vLLM's logger (its format and level), once in each vLLM process; on stderr where that process has
+    # not configured logging
+    log = logging.getLogger("vllm.kvcompile")
+    if log.hasHandlers():
+        log.info(active_message(settings, policy))
+    else:
+        import sys
+
+        print(f"kvcompile: {active_message(settings, policy)}", file=sys.stderr, flush=True)

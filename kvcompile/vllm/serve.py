@@ -29,9 +29,12 @@ class VllmServe:
                 "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
                 "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
                 "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(-(-self.kv_tokens // BLOCK_SIZE))]
-        if self.served_model_name:
-            argv += ["--served-model-name", self.served_model_name]
-        return argv
+        # as kvcompile's own server: the folder's name, the path as given accepted too (vLLM answers with the first)
+        from kvcompile.server import default_model_name
+
+        names = [self.served_model_name] if self.served_model_name else \
+            list(dict.fromkeys([default_model_name(self.model), self.model]))
+        return argv + ["--served-model-name", *names]
 
     def env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPILE_VLLM_")}
@@ -56,6 +59,17 @@ class VllmServe:
         if why is not None:
             raise PluginError(f"kvcompile: the vLLM plugin cannot run {policy.name}: {why}")
 
+    def banner(self) -> str:
+        """What `kvcompile serve --engine vllm` prints before vLLM's own log: the plugin, its spec, the address."""
+        from kvcompile.vllm.settings import active_message, from_env
+
+        settings = from_env(self.env())
+        return (f"kvcompile serve --engine vllm: {active_message(settings, settings.policy())}; vLLM's OpenAI "
+                f"server for {self.model} on http://{self.host}:{self.port}/v1, KV pool {self.kv_tokens} tokens, "
+                f"max model length {self.max_model_len} (vLLM's log follows; each of its processes logs the plugin "
+                "line again as it loads it)")
+
     def exec(self) -> None:
         self.check()
+        print(self.banner(), flush=True)
         os.execve(self.argv()[0], self.argv(), self.env())

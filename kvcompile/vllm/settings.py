@@ -36,6 +36,17 @@ class Settings:
         return load_spec(self.spec, **dict(self.overrides))
 
 
+def active_message(settings: Settings, policy) -> str:
+    """The line that says the plugin is on, and with what: the spec as given, the policy it loaded, its budget."""
+    budget = policy.budget
+    kept = (f"per_head={budget.per_head}" if budget.per_head is not None else f"ratio={budget.ratio}"
+            if budget.ratio is not None else "a threshold decides the budget")
+    given = "".join(f", {key}={value}" for key, value in settings.overrides)
+    where = f" from {policy.source}" if policy.source else ""
+    return (f"kvcompile's vLLM plugin is active: spec {settings.spec!r}{given} -> policy {policy.name}{where} "
+            f"({kept}); every prompt is compressed once prefilled")
+
+
 def from_env(environ=os.environ) -> Settings | None:
     """The plugin's settings, or None when KVCOMPILE_VLLM_SPEC is unset (the plugin is off)."""
     spec = environ.get(SPEC_ENV, "").strip()
