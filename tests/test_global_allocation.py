@@ -142,3 +142,22 @@ def test_kvzip_spec_is_the_papers_allocation():
     assert kvzip.budget.layers == GlobalLayers(floor=0.0) and kvzip.budget.heads == PooledHeads()
     assert uniform.budget.layers.name == "uniform" and uniform.budget.heads.name == "uniform"
     assert kvzip.scoring == uniform.scoring and kvzip.ranking == uniform.ranking
+
+
+def test_tensor_parallel_ranks_keep_what_one_process_keeps(tmp_path):
+    """2 gloo ranks (tests/test_tensor_parallel.py's setup, 4 KV heads): every rank ranks the gathered scores of
+    every head, so the kept (layer, head, token) entries and the generated tokens are one process's."""
+    pytest.importorskip("torch.distributed")
+    from test_tensor_parallel import WORLD, check_equal, load
+    from tp_run import run_specs, spawn
+
+    tiny_model("llama", heads=8, kv_heads=4).save_pretrained(tmp_path / "model")
+    ranks = spawn(WORLD, [("global", str(tmp_path / "model"), ["snapkv_global"])], tmp_path, 240)
+    one = run_specs(load(tmp_path / "model"), ["snapkv_global"])["snapkv_global"]
+    assert all(r["global"]["snapkv_global"]["exchange"] == "scores" for r in ranks)
+    held = {}
+    for (b, layer, head), (tokens, _, _) in one["entries"].items():
+        held.setdefault((b, layer), 0)
+        held[b, layer] += len(tokens)
+    assert len({held[0, layer] for layer in range(3)}) > 1, "layers keep what their scores earn"
+    check_equal(one, [r["global"]["snapkv_global"] for r in ranks], 4)
