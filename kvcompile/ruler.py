@@ -25,6 +25,7 @@ import numbers
 import random
 import re
 import string
+import time
 import uuid
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -592,6 +593,12 @@ def eos_ids(model) -> list[int]:
 def plain_answers(model, context_ids: list[int], questions: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """kvpress's pipeline without a press: the plain model prefills the context into a
     DynamicCache; each question continues from its own copy, then greedy decoding."""
+    return plain_answers_timed(model, context_ids, questions, max_new_tokens)[0]
+
+
+def plain_answers_timed(model, context_ids: list[int], questions: list[list[int]], max_new_tokens: int):
+    """plain_answers, with the seconds of the context's prefill and of each question's decode (its
+    forward through the cache and the greedy steps)."""
     import torch
     from transformers import DynamicCache
 
@@ -600,11 +607,14 @@ def plain_answers(model, context_ids: list[int], questions: list[list[int]], max
     stop = eos_ids(model)
     n = len(context_ids)
     device = model.device
-    out = []
+    out, decode = [], []
     with torch.no_grad():
+        start = time.perf_counter()
         base = DynamicCache()
         model.model(input_ids=torch.tensor([context_ids], device=device), **cache_arg.given(base))
+        prefill = time.perf_counter() - start
         for q in questions:
+            start = time.perf_counter()
             cache = copy.deepcopy(base)
             positions = torch.arange(n, n + len(q), device=device)[None]
             logits = model(input_ids=torch.tensor([q], device=device), **cache_arg.given(cache),
@@ -617,7 +627,8 @@ def plain_answers(model, context_ids: list[int], questions: list[list[int]], max
                 tokens.append(int(logits.argmax()))
                 position += 1
             out.append(tokens)
-    return out
+            decode.append(time.perf_counter() - start)
+    return out, prefill, decode
 
 
 # --- equal bytes: budgets as a share of the full cache's bytes (issue 24) -----------------------
@@ -787,18 +798,39 @@ def context_groups(samples: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
+def variant_budget(fraction, policy, fractions, budgets, kv_bytes) -> tuple:
+    """The budget key (budget_key) of the records `policies_for`'s (fraction, policy) will give."""
+    if kv_bytes:
+        return ("bytes", float(fraction))
+    if policy.budget.threshold is not None:
+        return ("own", None)
+    if fractions:
+        return ("fraction", fraction)
+    return ("per_head", policy.budget.per_head)
+
+
 def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=None, budgets=None,
-              full: bool = True, kv_bytes=None) -> list[dict]:
+              full: bool = True, kv_bytes=None, seed=None, done=None, emit=None) -> list[dict]:
     """Records of one context group in one mode: the full cache, then each spec and budget.
     agnostic: the context is captured once and compressed once per policy; every question
     continues from its own copy. aware: each sample's context + question is captured once and
     compressed once per policy. `kv_bytes`: byte fractions instead of fractions / budgets (each
-    record then has the target and the bytes the compressed cache holds, before the question)."""
+    record then has the target and the bytes the compressed cache holds, before the question).
+    `seed`: the samples' seed (None for a dataset file), in each record. `done(key)`: True for the
+    records (kvcompile.ruler_records.variant_key) already made, which are skipped (a variant none of
+    whose records is wanted runs nothing, not even the capture); `emit(record)`: called with each
+    record as soon as it is scored. Each record's `seconds`: {prefill, compress, decode}, what this
+    record added to the run (the context's prefill or capture on the first record that needs it, a
+    policy's compression on its first record, its own question and greedy decode), so that their sums
+    are the run's time."""
     import torch
 
     from kvcompile.models import full_kv_bytes, model_summary
+    from kvcompile.ruler_records import variant_key
     from kvcompile.sweep import capture, feed, greedy, not_replayable, prefilled, replay
 
+    wanted = (lambda s, spec, budget: True) if done is None else \
+        (lambda s, spec, budget: not done(variant_key(s, seed, spec, budget, mode)))
     stop = eos_ids(model)
     max_new = group[0]["max_new_tokens"]
     if mode == "agnostic":
@@ -810,19 +842,32 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     shape = model_summary(model)
     geometry = (shape["head_dim"], next(model.parameters()).element_size())
 
-    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full, held=None):
+    owed = {"prefill": 0.0, "compress": 0.0}  # seconds the next record carries
+
+    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full, held=None, decode=0.0):
         text = tokenizer.decode(tokens, skip_special_tokens=True)
-        return {"index": s["index"], "task": s["task"], "length": s["length"], "mode": mode, "spec": spec,
-                "fraction": fraction, "per_head": per_head, "tokens": n, "question_tokens": len(q),
-                "prediction": text, "answers": s["answers"], "score": score(s["task"], text, s["answers"]),
-                "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile", **(held or {})}
+        seconds = {"prefill": owed["prefill"], "compress": owed["compress"], "decode": decode}
+        owed.update(prefill=0.0, compress=0.0)
+        out = {"index": s["index"], "task": s["task"], "length": s["length"], "seed": seed, "mode": mode,
+               "spec": spec, "fraction": fraction, "per_head": per_head, "tokens": n, "question_tokens": len(q),
+               "prediction": text, "answers": s["answers"], "score": score(s["task"], text, s["answers"]),
+               "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile", "new_tokens": len(tokens),
+               "seconds": seconds, **(held or {})}
+        if emit is not None:
+            emit(out)
+        return out
 
     for (ids, questions), members in units:
         n = len(ids)
         if full:
-            for s, q, tokens in zip(members, questions, plain_answers(model, ids, questions, max_new)):
-                held = full_kv_bytes(model, n + len(q) + len(tokens) - 1)
-                records.append(record(s, "full", None, None, n, q, tokens, held, held))
+            todo = [j for j, s in enumerate(members) if wanted(s, "full", ("own", None))]
+            if todo:
+                answers, owed["prefill"], decode = plain_answers_timed(model, ids, [questions[j] for j in todo],
+                                                                       max_new)
+                for j, tokens, seconds in zip(todo, answers, decode):
+                    held = full_kv_bytes(model, n + len(questions[j]) + len(tokens) - 1)
+                    records.append(record(members[j], "full", None, None, n, questions[j], tokens, held, held,
+                                          decode=seconds))
         if not specs:
             continue
         context = torch.tensor([ids], device=model.device)
@@ -832,14 +877,26 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
         def compressed(policy):
             nonlocal states
             if not_replayable(policy):  # chunked prefill or a reconstruction scorer: the model's own forward
-                return prefilled(model, policy, context, headroom, tokenizer=tokenizer)[0]
+                start = time.perf_counter()
+                cache = prefilled(model, policy, context, headroom, tokenizer=tokenizer)[0]
+                owed["compress"] += time.perf_counter() - start
+                return cache
             if states is None:
+                start = time.perf_counter()
                 states, _ = capture(model, context)
-            return replay(policy, model.config, states, headroom=headroom)
+                owed["prefill"] += time.perf_counter() - start
+            start = time.perf_counter()
+            cache = replay(policy, model.config, states, headroom=headroom)
+            owed["compress"] += time.perf_counter() - start
+            return cache
 
         for spec in specs:
             for fraction, policy in policies_for(spec, n, fractions, budgets, kv_bytes, geometry):
                 per_head = policy.budget.per_head if policy.budget.threshold is None else None
+                budget = variant_budget(fraction, policy, fractions, budgets, kv_bytes)
+                todo = [j for j, s in enumerate(members) if wanted(s, policy.name, budget)]
+                if not todo:
+                    continue
                 base = compressed(policy)
                 held = None
                 if kv_bytes:  # the compressed context's bytes, before any question or answer is appended
@@ -852,22 +909,26 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
                             "kv_bytes_pages": report["bytes_held"], "kv_entry_bytes": report["bytes_entries"] // kept,
                             "kept_share": kept / (n * shape["layers"] * len(report["kv_heads"]))}
                     fraction = None
-                for j, (s, q) in enumerate(zip(members, questions)):
-                    cache = base if j == len(questions) - 1 else copy.deepcopy(base)
+                for j in todo:
+                    s, q = members[j], questions[j]
+                    start = time.perf_counter()
+                    cache = base if j == todo[-1] else copy.deepcopy(base)
                     logits = feed(model, cache, torch.tensor([q], device=model.device), tokenizer=tokenizer)
                     tokens = greedy(model, cache, logits, max_new, stop, tokenizer=tokenizer)[0].tolist()
+                    decode = time.perf_counter() - start
                     report = cache.memory_report()
                     records.append(record(s, policy.name, fraction, per_head, n, q, tokens,
-                                          report["bytes_held"], report["bytes_full"], held))
+                                          report["bytes_held"], report["bytes_full"], held, decode=decode))
         states = None  # this context's captured states go before the next context is captured
     return records
 
 
 def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agnostic"), fractions=None,
-              budgets=None, full: bool = True, quiet: bool = False, ranks=None, kv_bytes=None):
+              budgets=None, full: bool = True, quiet: bool = False, ranks=None, kv_bytes=None, seed=None,
+              done=None, emit=None):
     """Every record of `samples` in each mode; with `ranks` (a sharded eval) only the context
     groups `ranks.mine(g)` gives this process, as (key, record) pairs ordered as one process
-    orders them (Ranks.gather sorts by key)."""
+    orders them (Ranks.gather sorts by key). `seed`, `done`, `emit`: run_group's (a resumed run)."""
     from tqdm.auto import tqdm
 
     if not fractions and not budgets and not kv_bytes and specs:
@@ -879,7 +940,8 @@ def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agn
                disable=quiet)
     for g in mine:
         for m, mode in enumerate(modes):
-            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full, kv_bytes)):
+            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full, kv_bytes,
+                                              seed, done, emit)):
                 out.append(((g, m, r), rec))
             bar.update(len(groups[g]))
     bar.close()
