@@ -751,6 +751,7 @@ def cmd_eval_ruler(args) -> None:
             name = model.config.name_or_path
             records = ruler.run_ruler(model, tokenizer, samples, args.specs, modes, fractions, budgets,
                                       full=args.full, quiet=quiet, ranks=ranks, kv_bytes=args.kv_bytes, seed=seed,
+                                      answer_stop=args.answer_stop,
                                       done=None if store is None else store.has,
                                       emit=None if store is None else lambda r: store.append({**r, "model": name}))
         except ruler.BytesError as exc:
@@ -1137,6 +1138,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "mode; with prediction, score and seconds) to this file as soon as it is scored, and skip "
                             "the records it already holds: an interrupted run loses only the record in flight; "
                             "`kvcompile report FILE` makes the tables (docs/EVAL.md, A table that accumulates)")
+    ruler.add_argument("--answer-stop", action=argparse.BooleanOptionalAction, default=True,
+                       help="a greedy answer stops at EOS, at the task's tokens to generate, or (default) as soon as "
+                            "it scores 1 (every gold string in it: no later token can change its score); "
+                            "--no-answer-stop generates to EOS or the bound, as kvpress does")
     ruler.add_argument("--no-full", dest="full", action="store_false", help="skip the full-cache baseline")
     ruler.add_argument("--heatmap-fraction", type=float, default=0.25, metavar="F",
                        help="the KV fraction of the task x spec heatmap (default 0.25, else the nearest run)")

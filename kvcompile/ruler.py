@@ -27,6 +27,7 @@ import re
 import string
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
@@ -596,9 +597,11 @@ def plain_answers(model, context_ids: list[int], questions: list[list[int]], max
     return plain_answers_timed(model, context_ids, questions, max_new_tokens)[0]
 
 
-def plain_answers_timed(model, context_ids: list[int], questions: list[list[int]], max_new_tokens: int):
-    """plain_answers, with the seconds of the context's prefill and of each question's decode (its
-    forward through the cache and the greedy steps)."""
+def plain_answers_timed(model, context_ids: list[int], questions: list[list[int]], max_new_tokens: int,
+                        until=None):
+    """plain_answers, with the Phases of the context's prefill and of each question's decode (its
+    forward through the cache and the greedy steps). `until(j, tokens)`: question j's answer is complete
+    (its decoding stops there, as at EOS)."""
     import torch
     from transformers import DynamicCache
 
@@ -608,27 +611,82 @@ def plain_answers_timed(model, context_ids: list[int], questions: list[list[int]
     n = len(context_ids)
     device = model.device
     out, decode = [], []
+    prefill = Phases()
     with torch.no_grad():
-        start = time.perf_counter()
-        base = DynamicCache()
-        model.model(input_ids=torch.tensor([context_ids], device=device), **cache_arg.given(base))
-        prefill = time.perf_counter() - start
-        for q in questions:
-            start = time.perf_counter()
+        with prefill.timing("prefill"):
+            base = DynamicCache()
+            model.model(input_ids=torch.tensor([context_ids], device=device), **cache_arg.given(base))
+        for j, q in enumerate(questions):
+            clock = Phases()
+            clock.start("decode")
             cache = copy.deepcopy(base)
             positions = torch.arange(n, n + len(q), device=device)[None]
             logits = model(input_ids=torch.tensor([q], device=device), **cache_arg.given(cache),
                            position_ids=positions).logits[0, -1]
             tokens = [int(logits.argmax())]
             position = n + len(q)
-            while len(tokens) < max_new_tokens and tokens[-1] not in stop:
+            while len(tokens) < max_new_tokens and tokens[-1] not in stop and not (until and until(j, tokens)):
                 logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), **cache_arg.given(cache),
                                position_ids=torch.tensor([[position]], device=device)).logits[0, -1]
                 tokens.append(int(logits.argmax()))
                 position += 1
             out.append(tokens)
-            decode.append(time.perf_counter() - start)
+            clock.stop()
+            decode.append(clock)
     return out, prefill, decode
+
+
+def answered(tokenizer, samples: list[dict]):
+    """until(j, tokens): sample j's answer so far already scores 1, the most RULER's metric gives
+    (string_match_all: every gold string is in it; string_match_part: one is). Both metrics only look for
+    the gold strings in the text, and more tokens only add text, so an answer that scores 1 scores 1
+    whatever follows: stopping there changes no score, only the time spent (docs/EVAL.md)."""
+    def until(j: int, tokens: list[int]) -> bool:
+        s = samples[j]
+        return score(s["task"], tokenizer.decode(tokens, skip_special_tokens=True), s["answers"]) >= 1.0
+
+    return until
+
+
+class Phases:
+    """Wall-clock and CPU (process) seconds by phase of a RULER record: prefill, compress, decode. On a
+    shared machine the CPU seconds are the cost; the wall seconds are what a user waits."""
+
+    NAMES = ("prefill", "compress", "decode")
+
+    def __init__(self):
+        self.wall = dict.fromkeys(self.NAMES, 0.0)
+        self.cpu = dict.fromkeys(self.NAMES, 0.0)
+        self._running = None
+
+    def start(self, phase: str) -> None:
+        self._running = (phase, time.perf_counter(), time.process_time())
+
+    def stop(self) -> None:
+        phase, wall, cpu = self._running
+        self.wall[phase] += time.perf_counter() - wall
+        self.cpu[phase] += time.process_time() - cpu
+        self._running = None
+
+    @contextmanager
+    def timing(self, phase: str):
+        self.start(phase)
+        try:
+            yield
+        finally:
+            self.stop()
+
+    def add(self, other: "Phases") -> None:
+        for name in self.NAMES:
+            self.wall[name] += other.wall[name]
+            self.cpu[name] += other.cpu[name]
+
+    def take(self) -> dict:
+        """{"seconds": wall by phase, "cpu_seconds": CPU by phase}, rounded to ms; then all back to 0."""
+        out = {"seconds": {k: round(v, 3) for k, v in self.wall.items()},
+               "cpu_seconds": {k: round(v, 3) for k, v in self.cpu.items()}}
+        self.__init__()
+        return out
 
 
 # --- equal bytes: budgets as a share of the full cache's bytes (issue 24) -----------------------
@@ -810,7 +868,8 @@ def variant_budget(fraction, policy, fractions, budgets, kv_bytes) -> tuple:
 
 
 def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=None, budgets=None,
-              full: bool = True, kv_bytes=None, seed=None, done=None, emit=None) -> list[dict]:
+              full: bool = True, kv_bytes=None, seed=None, done=None, emit=None,
+              answer_stop: bool = False) -> list[dict]:
     """Records of one context group in one mode: the full cache, then each spec and budget.
     agnostic: the context is captured once and compressed once per policy; every question
     continues from its own copy. aware: each sample's context + question is captured once and
@@ -819,10 +878,12 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     `seed`: the samples' seed (None for a dataset file), in each record. `done(key)`: True for the
     records (kvcompile.ruler_records.variant_key) already made, which are skipped (a variant none of
     whose records is wanted runs nothing, not even the capture); `emit(record)`: called with each
-    record as soon as it is scored. Each record's `seconds`: {prefill, compress, decode}, what this
-    record added to the run (the context's prefill or capture on the first record that needs it, a
-    policy's compression on its first record, its own question and greedy decode), so that their sums
-    are the run's time."""
+    record as soon as it is scored. Each record's `seconds` (wall) and `cpu_seconds` (this process's CPU
+    time, all threads): {prefill, compress, decode}, what this record added to the run (the context's
+    prefill or capture on the first record that needs it, a policy's compression on its first record, its
+    own question and greedy decode), so that their sums are the run's time. `answer_stop`: a greedy answer
+    also stops once it scores 1 (`answered`: no score changes); each record's `stop` says why it ended
+    ("eos", "answered", or "length": max_new_tokens)."""
     import torch
 
     from kvcompile.models import full_kv_bytes, model_summary
@@ -842,17 +903,20 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     shape = model_summary(model)
     geometry = (shape["head_dim"], next(model.parameters()).element_size())
 
-    owed = {"prefill": 0.0, "compress": 0.0}  # seconds the next record carries
+    owed = Phases()  # the seconds the next record carries
 
-    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full, held=None, decode=0.0):
+    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full, held=None, decode=None):
         text = tokenizer.decode(tokens, skip_special_tokens=True)
-        seconds = {"prefill": owed["prefill"], "compress": owed["compress"], "decode": decode}
-        owed.update(prefill=0.0, compress=0.0)
+        if decode is not None:
+            owed.add(decode)
+        value = score(s["task"], text, s["answers"])
+        ended = "eos" if tokens and tokens[-1] in stop else \
+            "answered" if answer_stop and value >= 1 and len(tokens) < max_new else "length"
         out = {"index": s["index"], "task": s["task"], "length": s["length"], "seed": seed, "mode": mode,
                "spec": spec, "fraction": fraction, "per_head": per_head, "tokens": n, "question_tokens": len(q),
-               "prediction": text, "answers": s["answers"], "score": score(s["task"], text, s["answers"]),
-               "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile", "new_tokens": len(tokens),
-               "seconds": seconds, **(held or {})}
+               "prediction": text, "answers": s["answers"], "score": value,
+               "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile", "new_tokens": len(tokens), "stop": ended,
+               **owed.take(), **(held or {})}
         if emit is not None:
             emit(out)
         return out
@@ -862,8 +926,10 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
         if full:
             todo = [j for j, s in enumerate(members) if wanted(s, "full", ("own", None))]
             if todo:
-                answers, owed["prefill"], decode = plain_answers_timed(model, ids, [questions[j] for j in todo],
-                                                                       max_new)
+                answers, prefill, decode = plain_answers_timed(
+                    model, ids, [questions[j] for j in todo], max_new,
+                    answered(tokenizer, [members[j] for j in todo]) if answer_stop else None)
+                owed.add(prefill)
                 for j, tokens, seconds in zip(todo, answers, decode):
                     held = full_kv_bytes(model, n + len(questions[j]) + len(tokens) - 1)
                     records.append(record(members[j], "full", None, None, n, questions[j], tokens, held, held,
@@ -877,18 +943,13 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
         def compressed(policy):
             nonlocal states
             if not_replayable(policy):  # chunked prefill or a reconstruction scorer: the model's own forward
-                start = time.perf_counter()
-                cache = prefilled(model, policy, context, headroom, tokenizer=tokenizer)[0]
-                owed["compress"] += time.perf_counter() - start
-                return cache
+                with owed.timing("compress"):
+                    return prefilled(model, policy, context, headroom, tokenizer=tokenizer)[0]
             if states is None:
-                start = time.perf_counter()
-                states, _ = capture(model, context)
-                owed["prefill"] += time.perf_counter() - start
-            start = time.perf_counter()
-            cache = replay(policy, model.config, states, headroom=headroom)
-            owed["compress"] += time.perf_counter() - start
-            return cache
+                with owed.timing("prefill"):
+                    states, _ = capture(model, context)
+            with owed.timing("compress"):
+                return replay(policy, model.config, states, headroom=headroom)
 
         for spec in specs:
             for fraction, policy in policies_for(spec, n, fractions, budgets, kv_bytes, geometry):
@@ -911,11 +972,13 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
                     fraction = None
                 for j in todo:
                     s, q = members[j], questions[j]
-                    start = time.perf_counter()
+                    decode = Phases()
+                    decode.start("decode")
                     cache = base if j == todo[-1] else copy.deepcopy(base)
                     logits = feed(model, cache, torch.tensor([q], device=model.device), tokenizer=tokenizer)
-                    tokens = greedy(model, cache, logits, max_new, stop, tokenizer=tokenizer)[0].tolist()
-                    decode = time.perf_counter() - start
+                    tokens = greedy(model, cache, logits, max_new, stop, tokenizer=tokenizer,
+                                    until=answered(tokenizer, [s]) if answer_stop else None)[0].tolist()
+                    decode.stop()
                     report = cache.memory_report()
                     records.append(record(s, policy.name, fraction, per_head, n, q, tokens,
                                           report["bytes_held"], report["bytes_full"], held, decode=decode))
@@ -925,10 +988,10 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
 
 def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agnostic"), fractions=None,
               budgets=None, full: bool = True, quiet: bool = False, ranks=None, kv_bytes=None, seed=None,
-              done=None, emit=None):
+              done=None, emit=None, answer_stop: bool = False):
     """Every record of `samples` in each mode; with `ranks` (a sharded eval) only the context
     groups `ranks.mine(g)` gives this process, as (key, record) pairs ordered as one process
-    orders them (Ranks.gather sorts by key). `seed`, `done`, `emit`: run_group's (a resumed run)."""
+    orders them (Ranks.gather sorts by key). `seed`, `done`, `emit`, `answer_stop`: run_group's."""
     from tqdm.auto import tqdm
 
     if not fractions and not budgets and not kv_bytes and specs:
@@ -941,7 +1004,7 @@ def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agn
     for g in mine:
         for m, mode in enumerate(modes):
             for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full, kv_bytes,
-                                              seed, done, emit)):
+                                              seed, done, emit, answer_stop)):
                 out.append(((g, m, r), rec))
             bar.update(len(groups[g]))
     bar.close()

@@ -137,31 +137,35 @@ def report(records: list[dict], baseline: str | None = None, resamples: int = RE
 
 
 def time_table(records: list[dict]) -> list[str]:
-    """Seconds per record by phase (prefill or capture, compression, the question and decode), summed per
-    row, and the answer tokens generated: what each variant of a sample costs."""
+    """Seconds per record by phase (prefill or capture, compression, the question and decode), wall and CPU,
+    per row, and the answer tokens generated: what each variant of a sample costs."""
     sums: dict = {}
     for r in records:
-        seconds = r.get("seconds")
-        if not seconds:
+        if not r.get("seconds"):
             continue
-        acc = sums.setdefault((r["mode"], r["spec"], budget_key(r)), [0, 0.0, 0.0, 0.0, 0])
-        acc[0] += 1
-        acc[1] += seconds.get("prefill", 0.0)
-        acc[2] += seconds.get("compress", 0.0)
-        acc[3] += seconds.get("decode", 0.0)
-        acc[4] += r.get("new_tokens") or 0
+        acc = sums.setdefault((r["mode"], r["spec"], budget_key(r)), {"n": 0, "tokens": 0, "wall": [0.0] * 3,
+                                                                      "cpu": [0.0] * 3})
+        acc["n"] += 1
+        acc["tokens"] += r.get("new_tokens") or 0
+        for kind, field in (("wall", "seconds"), ("cpu", "cpu_seconds")):
+            for i, phase in enumerate(("prefill", "compress", "decode")):
+                acc[kind][i] += (r.get(field) or {}).get(phase, 0.0)
     if not sums:
         return []
-    lines = ["\n### where the time went (seconds per record, means; prefill: the context's prefill or capture, "
-             "paid once per sample and mode by its first record; compress: scoring, selection and merging, "
-             "KVzip's reconstruction included; decode: the question's forward and the greedy answer)\n",
+    lines = ["\n### where the time went: seconds per record, wall (CPU of the process, all threads); prefill: the "
+             "context's prefill or capture, paid once per sample and mode by its first record; compress: scoring, "
+             "selection and merging (KVzip's reconstruction included), paid once per context by the spec's first "
+             "record; decode: the question's forward and the greedy answer\n",
              "| mode | method | budget | records | prefill | compress | decode | answer tokens |",
              "|---|---|---|---|---|---|---|---|"]
-    total = 0.0
-    for (mode, method, budget), (n, p, c, d, tokens) in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[0][1] != FULL,
-                                                                                              kv[0][1], str(kv[0][2]))):
-        total += p + c + d
-        lines.append(f"| {mode} | {method} | {budget_text(budget)} | {n} | {p / n:.2f} | {c / n:.2f} | {d / n:.2f} "
-                     f"| {tokens / n:.1f} |")
-    lines.append(f"\ntotal {total / 3600:.2f} hours over {sum(v[0] for v in sums.values())} records")
+    wall = cpu = 0.0
+    for (mode, method, budget), acc in sorted(sums.items(), key=lambda kv: (kv[0][0], kv[0][1] != FULL, kv[0][1],
+                                                                          str(kv[0][2]))):
+        n = acc["n"]
+        wall += sum(acc["wall"])
+        cpu += sum(acc["cpu"])
+        phases = " | ".join(f"{w / n:.2f} ({c / n:.2f})" for w, c in zip(acc["wall"], acc["cpu"]))
+        lines.append(f"| {mode} | {method} | {budget_text(budget)} | {n} | {phases} | {acc['tokens'] / n:.1f} |")
+    lines.append(f"\ntotal {wall / 3600:.2f} hours wall, {cpu / 3600:.2f} CPU-hours, over "
+                 f"{sum(v['n'] for v in sums.values())} records")
     return lines

@@ -37,7 +37,11 @@ def test_resume_skips_exactly_the_recorded_keys(setup, tmp_path):
     keys = [record_key(r) for r in made]
     assert len(made) == 4 * 2 and len(set(keys)) == len(keys)  # 4 samples x (full, snapkv 50 %)
     assert [record_key(r) for r in read_records([path])] == keys  # every record on disk, in order
-    assert all(r["seed"] == 0 and set(r["seconds"]) == {"prefill", "compress", "decode"} for r in made)
+    assert all(r["seed"] == 0 and set(r["seconds"]) == set(r["cpu_seconds"]) == {"prefill", "compress", "decode"}
+               for r in made)
+    # each record carries what it added: its sample's prefill (full) or capture (snapkv), snapkv's replay
+    assert all(r["seconds"]["prefill"] > 0 and r["seconds"]["decode"] > 0 for r in made)
+    assert all(r["seconds"]["compress"] > 0 for r in made if r["spec"] == "snapkv")
     lines = path.read_text().splitlines()
     kept = [lines[i] for i in (0, 3, 4, 7)]
     path.write_text("\n".join(kept) + "\n")
@@ -157,3 +161,24 @@ def test_report_command(setup, tmp_path, capsys):
         cli.main(["report", str(path), "--baseline", "nope"])
     assert "no such method" in capsys.readouterr().err
     assert report(first).count("| full |") == 2  # the score table and the time table
+
+
+def test_answer_stop_ends_at_a_complete_answer_and_changes_no_score(setup):
+    """A sample whose gold string is the start of what the model answers: with answer_stop the answer ends as
+    soon as it holds it (a prefix of the whole answer, the same score 1), for the full cache and a spec; with a
+    gold string the model never writes it runs to the bound, as without."""
+    model, samples = setup
+    s = {**samples[0], "max_new_tokens": 8}
+    whole = ruler.run_group(model, TOK, [s], "agnostic", ["snapkv"], fractions=[1.0])
+    assert all(r["stop"] == "length" and r["new_tokens"] == 8 for r in whole)
+    text = whole[0]["prediction"]
+    gold = text.strip()[:2]
+    assert len(gold) == 2 and whole[1]["prediction"] == text  # the spec keeping everything answers the same
+    early = ruler.run_group(model, TOK, [{**s, "answers": [gold]}], "agnostic", ["snapkv"], fractions=[1.0],
+                            answer_stop=True)
+    for r in early:
+        assert r["stop"] == "answered" and r["score"] == 1.0 and r["new_tokens"] < 8
+        assert text.startswith(r["prediction"]) and r["prediction"].strip().endswith(gold)
+    late = ruler.run_group(model, TOK, [{**s, "answers": ["@@@"]}], "agnostic", ["snapkv"], fractions=[1.0],
+                           answer_stop=True)
+    assert [r["prediction"] for r in late] == [text, text] and all(r["stop"] == "length" for r in late)
