@@ -648,6 +648,9 @@ def answered(tokenizer, samples: list[dict]):
     return until
 
 
+MEASURED = ("seconds", "cpu_seconds")  # the fields of a record that are this run's own measurements
+
+
 class Phases:
     """Wall-clock and CPU (process) seconds by phase of a RULER record: prefill, compress, decode. On a
     shared machine the CPU seconds are the cost; the wall seconds are what a user waits."""
