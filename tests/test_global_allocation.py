@@ -161,3 +161,16 @@ def test_tensor_parallel_ranks_keep_what_one_process_keeps(tmp_path):
         held[b, layer] += len(tokens)
     assert len({held[0, layer] for layer in range(3)}) > 1, "layers keep what their scores earn"
     check_equal(one, [r["global"]["snapkv_global"] for r in ranks], 4)
+
+
+def test_a_policy_built_in_python_is_refused_by_the_plan():
+    """The spec refuses a chunked prefill; a Policy made without the spec is refused when it is planned."""
+    import dataclasses
+
+    from kvcompile.plan import PlanError, build_plan
+    from kvcompile.policies.schedule import Chunk
+
+    policy = load_spec("snapkv_global")
+    chunked = dataclasses.replace(policy, schedule=dataclasses.replace(policy.schedule, prefill=Chunk(64)))
+    with pytest.raises(PlanError, match="chunk by chunk"):
+        build_plan(chunked, config_of(2, 2))
