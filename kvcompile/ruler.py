@@ -859,6 +859,17 @@ def context_groups(samples: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
+def record_key(r: dict) -> tuple:
+    """A record's key in a records file (kvcompile.ruler_records): (task, index, seed, length, spec, budget,
+    mode), budget = budget_key(r)."""
+    return (r["task"], r["index"], r.get("seed"), r["length"], r["spec"], budget_key(r), r["mode"])
+
+
+def variant_key(sample: dict, seed, spec: str, budget: tuple, mode: str) -> tuple:
+    """The key a record of `sample` under `spec` at `budget` (a budget_key) in `mode` will have."""
+    return (sample["task"], sample["index"], seed, sample["length"], spec, budget, mode)
+
+
 def variant_budget(fraction, policy, fractions, budgets, kv_bytes) -> tuple:
     """The budget key (budget_key) of the records `policies_for`'s (fraction, policy) will give."""
     if kv_bytes:
@@ -879,7 +890,7 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     compressed once per policy. `kv_bytes`: byte fractions instead of fractions / budgets (each
     record then has the target and the bytes the compressed cache holds, before the question).
     `seed`: the samples' seed (None for a dataset file), in each record. `done(key)`: True for the
-    records (kvcompile.ruler_records.variant_key) already made, which are skipped (a variant none of
+    records (variant_key) already made, which are skipped (a variant none of
     whose records is wanted runs nothing, not even the capture); `emit(record)`: called with each
     record as soon as it is scored. Each record's `seconds` (wall) and `cpu_seconds` (this process's CPU
     time, all threads): {prefill, compress, decode}, what this record added to the run (the context's
@@ -890,7 +901,6 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     import torch
 
     from kvcompile.models import full_kv_bytes, model_summary
-    from kvcompile.ruler_records import variant_key
     from kvcompile.sweep import capture, feed, greedy, not_replayable, prefilled, replay
 
     wanted = (lambda s, spec, budget: True) if done is None else \

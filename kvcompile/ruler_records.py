@@ -10,25 +10,10 @@ import json
 import os
 from pathlib import Path
 
-from kvcompile.ruler import budget_key
-
-# what a record carries beside RULER's own fields (kvcompile/ruler.py `run_group`): the key's seed, the
-# model, and where its time went (seconds: prefill, compress, decode)
-KEY_FIELDS = ("task", "index", "seed", "length", "spec", "budget", "mode")
-
+from kvcompile.ruler import record_key, variant_key  # noqa: F401 (the key, re-exported)
 
 class RecordsError(ValueError):
     """A records file that cannot be resumed (the message names the file and the line)."""
-
-
-def record_key(r: dict) -> tuple:
-    """(task, index, seed, length, spec, budget, mode) of a record; budget = ruler.budget_key."""
-    return (r["task"], r["index"], r.get("seed"), r["length"], r["spec"], budget_key(r), r["mode"])
-
-
-def variant_key(sample: dict, seed, spec: str, budget: tuple, mode: str) -> tuple:
-    """The key a record of `sample` under `spec` at `budget` (a budget_key) in `mode` will have."""
-    return (sample["task"], sample["index"], seed, sample["length"], spec, budget, mode)
 
 
 def _json_key(key: tuple) -> str:
