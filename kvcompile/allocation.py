@@ -97,9 +97,10 @@ def head_floor(policy, ranks: Tensor, protected: Tensor, valid: Tensor, lengths:
     """(B, H, M) each head's best `LayersRule.floor_tokens(n)` valid entries outside `protected`, by `ranks`
     (n = the per-head budget of the sequence's n_b = `lengths` real tokens); none for most layers rules."""
     budget = policy.budget
-    per_head = [0 if budget.threshold is not None else budget.total(n, 1, 1) for n in lengths.tolist()]
-    floor = [budget.layers.floor_tokens(n) for n in per_head]
     free = valid & ~protected
+    if not budget.layers.floors or budget.threshold is not None:  # (no read of the lengths back to the host)
+        return torch.zeros_like(free)
+    floor = [budget.layers.floor_tokens(budget.total(n, 1, 1)) for n in lengths.tolist()]
     if not any(floor):
         return torch.zeros_like(free)
     place = torch.empty_like(ranks)  # the entry's place among its head's free entries, best first

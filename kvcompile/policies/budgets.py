@@ -79,6 +79,8 @@ class LayersRule(Part):
     needs_scores = False
     ranks_entries = False  # True: the layer totals are counted from one ranking over every layer's entries
 
+    floors = False  # True: heads keep `floor_tokens` entries beyond their protected ones
+
     def floor_tokens(self, per_head: int) -> int:
         """Entries every head keeps beyond its protected ones before the heads part selects (0)."""
         return 0
@@ -148,6 +150,10 @@ class GlobalLayers(LayersRule):
 
     needs_scores = True
     ranks_entries = True
+
+    @property
+    def floors(self) -> bool:
+        return self.floor > 0
 
     def floor_tokens(self, per_head: int) -> int:
         """⌊floor·n⌋: the entries every head keeps beyond its protected ones, before the global ranking."""
