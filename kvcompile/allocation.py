@@ -85,10 +85,79 @@ def latest(positions: Tensor, valid: Tensor, count: Tensor) -> Tensor:
 
 def ranked(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor):
     """What every selection starts from: valid as bool, the ranking part's order of the
-    candidates (B, H, M) long, and the protected set (sinks, window) among the valid."""
+    candidates (B, H, M) long, and the protected set (sinks, window) among the valid, with each
+    head's floor of the layers rule (layers: global: its best ⌊floor·n⌋ other entries)."""
     valid = valid.bool()
     ranks = ranking_parts.rank(policy.ranking, scores, positions, valid)
-    return valid, ranks, policy.ranking.protected(positions, lengths.view(-1, 1, 1)) & valid
+    protected = policy.ranking.protected(positions, lengths.view(-1, 1, 1)) & valid
+    return valid, ranks, protected | head_floor(policy, ranks, protected, valid, lengths)
+
+
+def head_floor(policy, ranks: Tensor, protected: Tensor, valid: Tensor, lengths: Tensor) -> Tensor:
+    """(B, H, M) each head's best `LayersRule.floor_tokens(n)` valid entries outside `protected`, by `ranks`
+    (n = the per-head budget of the sequence's n_b = `lengths` real tokens); none for most layers rules."""
+    budget = policy.budget
+    free = valid & ~protected
+    if not budget.layers.floors or budget.threshold is not None:  # (no read of the lengths back to the host)
+        return torch.zeros_like(free)
+    floor = [budget.layers.floor_tokens(budget.total(n, 1, 1)) for n in lengths.tolist()]
+    if not any(floor):
+        return torch.zeros_like(free)
+    place = torch.empty_like(ranks)  # the entry's place among its head's free entries, best first
+    order = torch.where(free, ranks, torch.iinfo(ranks.dtype).max).argsort(dim=-1)
+    place.scatter_(-1, order, torch.arange(ranks.shape[-1], device=ranks.device).expand_as(ranks))
+    return free & (place < torch.tensor(floor, device=ranks.device).view(-1, 1, 1))
+
+
+class Pool(NamedTuple):
+    """One sequence's entries of one layer outside the protected sets and floors, in the layer's keep
+    order (the ranking's key descending, the later position, the lower head): what layers: global ranks."""
+
+    key: Tensor  # (m,) float64: the ranking part's key
+    position: Tensor  # (m,) long
+    head: Tensor  # (m,) long
+
+
+def layer_pool(policy, scores: Tensor, positions: Tensor, valid: Tensor, lengths: Tensor
+               ) -> tuple[Tensor, list[Pool]]:
+    """A layer's part of the global ranking, from every head's scores, positions, valid (B, H, M): the
+    (B,) entries it keeps whatever the ranking says (protected and floors), and per sequence its Pool."""
+    valid, ranks, protected = ranked(policy, scores, positions, valid, lengths)
+    free = valid & ~protected
+    key = policy.ranking.key(scores, positions)
+    heads = torch.arange(scores.shape[1], device=scores.device).view(1, -1, 1).expand_as(positions)
+    pools = []
+    for b in range(len(valid)):
+        order = ranks[b][free[b]].argsort()
+        pools.append(Pool(key[b][free[b]][order], positions[b][free[b]][order], heads[b][free[b]][order]))
+    return protected.sum((1, 2)), pools
+
+
+def global_totals(policy, reserved: list[Tensor], pools: list[list[Pool]], lengths: Tensor, num_layers: int,
+                  num_heads: int) -> tuple[Tensor, list[list[Pool]]]:
+    """layers: global over the L' = len(pools) layers seen: per sequence, the best R = n·H·L − Σ reserved of
+    all their pooled entries by one order (key descending, the later position, the lower layer, the lower
+    head); layer j's total is reserved[j] + its entries among them. Returns the totals (B, L') and the pools
+    cut to those entries: an entry outside the best R of some layers is outside the best R' ≤ R of more
+    layers (R only shrinks as layers are added), so a later step needs nothing else."""
+    device = lengths.device
+    seen = len(pools)
+    rows, cut = [], [[None] * len(lengths) for _ in range(seen)]
+    for b, n in enumerate(lengths.tolist()):
+        fixed = [int(r[b]) for r in reserved]
+        parts = [pools[j][b] for j in range(seen)]
+        layer = torch.cat([torch.full((len(p.key),), j, dtype=torch.long) for j, p in enumerate(parts)]).to(device)
+        key = torch.cat([p.key.to(device) for p in parts])
+        position = torch.cat([p.position.to(device) for p in parts])
+        order = torch.arange(len(key), device=device)  # layer by layer, each in its own order
+        for k in (position, key):  # stable sorts, least significant key first
+            order = order[torch.sort(k[order], descending=True, stable=True).indices]
+        best = max(0, policy.budget.total(n, num_heads, num_layers) - sum(fixed))
+        counts = torch.bincount(layer[order[:best]], minlength=seen).tolist()
+        rows.append([f + c for f, c in zip(fixed, counts)])
+        for j, p in enumerate(parts):
+            cut[j][b] = Pool(*(x[:counts[j]] for x in p))
+    return torch.tensor(rows, dtype=torch.long, device=device).view(len(rows), seen), cut
 
 
 def head_split(policy, entries: int) -> tuple[int, int, int]:

@@ -741,6 +741,19 @@ def cmd_eval_ruler(args) -> None:
     except ruler.DatasetError as exc:
         fail(str(exc))
     groups = len(ruler.context_groups(samples))
+    store = None
+    if args.resume:
+        from kvcompile.ruler_records import RecordsError, RecordsFile
+
+        if ranks is not None:
+            fail("--resume appends from one process: run it without torchrun (or give each rank its own "
+                 "--tasks and file)")
+        try:
+            store = RecordsFile(args.resume, model=model.config.name_or_path)
+        except RecordsError as exc:
+            fail(str(exc))
+        if store.repaired and not quiet:
+            print(f"resume   {args.resume}: dropped a cut-off last line (the record in flight)")
     if ranks is not None and ranks.world > groups:
         fail(f"{ranks.world} ranks for {groups} contexts: launch at most {groups} (each rank runs whole contexts)")
     if ranks is not None:
@@ -748,8 +761,13 @@ def cmd_eval_ruler(args) -> None:
     try:
         error, records = None, []
         try:
+            seed = None if args.dataset is not None else args.seed
+            name = model.config.name_or_path
             records = ruler.run_ruler(model, tokenizer, samples, args.specs, modes, fractions, budgets,
-                                      full=args.full, quiet=quiet, ranks=ranks, kv_bytes=args.kv_bytes)
+                                      full=args.full, quiet=quiet, ranks=ranks, kv_bytes=args.kv_bytes, seed=seed,
+                                      answer_stop=args.answer_stop,
+                                      done=None if store is None else store.has,
+                                      emit=None if store is None else lambda r: store.append({**r, "model": name}))
         except ruler.BytesError as exc:
             if ranks is None:
                 fail(f"--kv-bytes: {exc}")
@@ -776,6 +794,10 @@ def cmd_eval_ruler(args) -> None:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+    if store is not None:
+        print(f"resume   {args.resume}: {len(records)} records made now, {len(store.records) - len(records)} "
+              "there before; the table below is every record in the file (`kvcompile report` adds intervals)")
+        records = store.records
     records = records + extra
     print(ruler.format_summary(records))
     arguments = {k: v for k, v in vars(args).items() if k != "func"}
@@ -792,6 +814,23 @@ def cmd_eval_ruler(args) -> None:
         _pyplot()  # a clear exit when matplotlib is missing
         paths = ruler.plot_ruler(records, args.plot_dir, args.heatmap_fraction)
         print(f"plots    {', '.join(map(str, paths))}")
+
+
+def cmd_report(args) -> None:
+    """The RULER tables of accumulated records (kvcompile.ruler_report)."""
+    from kvcompile.ruler_records import RecordsError, read_records
+    from kvcompile.ruler_report import report
+
+    try:
+        records = read_records(args.files)
+    except RecordsError as exc:
+        fail(str(exc))
+    if not records:
+        fail(f"no records in {', '.join(args.files)}")
+    if args.baseline is not None and args.baseline not in {r["spec"] for r in records}:
+        fail(f"--baseline {args.baseline}: no such method in the records (methods: "
+             f"{', '.join(sorted({r['spec'] for r in records}))})")
+    print(report(records, args.baseline, args.resamples, args.seed))
 
 
 # --- kvcompile bench -----------------------------------------------------------------------
@@ -1171,6 +1210,15 @@ def build_parser() -> argparse.ArgumentParser:
     ruler.add_argument("--predictions", metavar="PATH",
                        help="also score another tool's predictions (JSONL: index, mode, method, fraction, prediction) "
                             "into the same table")
+    ruler.add_argument("--resume", metavar="JSONL",
+                       help="append one JSON line per record (task, sample index, seed, length, spec, budget, query "
+                            "mode; with prediction, score and seconds) to this file as soon as it is scored, and skip "
+                            "the records it already holds: an interrupted run loses only the record in flight; "
+                            "`kvcompile report FILE` makes the tables (docs/EVAL.md, A table that accumulates)")
+    ruler.add_argument("--answer-stop", action=argparse.BooleanOptionalAction, default=True,
+                       help="a greedy answer stops at EOS, at the task's tokens to generate, or (default) as soon as "
+                            "it scores 1 (every gold string in it: no later token can change its score); "
+                            "--no-answer-stop generates to EOS or the bound, as kvpress does")
     ruler.add_argument("--no-full", dest="full", action="store_false", help="skip the full-cache baseline")
     ruler.add_argument("--heatmap-fraction", type=float, default=0.25, metavar="F",
                        help="the KV fraction of the task x spec heatmap (default 0.25, else the nearest run)")
@@ -1279,6 +1327,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="append every evaluation here and skip those already there (resume an interrupted search)")
     tn.add_argument("--out", default="tuned.yaml", help="the spec written (default tuned.yaml)")
     tn.set_defaults(func=cmd_tune)
+
+    rep = sub.add_parser("report", help="RULER tables with bootstrap intervals from accumulated records",
+                         description="Read the JSONL records of `kvcompile eval --suite ruler --resume FILE` and print, "
+                                     "per query mode, every task score and the average (mean of the task means) of "
+                                     "each method and budget with a paired bootstrap 95 % interval (resampling the "
+                                     "samples within each task, the same draws for every method) and the samples it "
+                                     "rests on; every row's difference against the full cache and against --baseline "
+                                     "at the same budget; and the seconds each variant took (docs/EVAL.md).")
+    rep.add_argument("files", nargs="+", metavar="JSONL", help="records files (e.g. benchmarks/ruler/*.jsonl)")
+    rep.add_argument("--baseline", metavar="METHOD", default=None,
+                     help="a method (spec name, or e.g. kvpress:snapkv) every other row is compared with, budget by "
+                          "budget")
+    rep.add_argument("--resamples", type=positive, default=1000, metavar="B", help="bootstrap resamples (default 1000)")
+    rep.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default 0)")
+    rep.set_defaults(func=cmd_report)
 
     specs = sub.add_parser("specs", help="list the shipped policies",
                            description="List the shipped specs: name, budget and the first line of the description.")

@@ -563,6 +563,10 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: {policy.name} compresses while prefilling in chunks (schedule.prefill), which "
                         "does not run under tensor parallelism (its selections among held entries and chunk are "
                         "not sharded); load the model without tp_plan, or drop schedule.prefill")
+    if chunk and policy.budget.layers.ranks_entries:
+        raise PlanError(f"kvcompile: {policy.name}: layers: {policy.budget.layers.name} ranks every layer's entries "
+                        "of the whole prompt, which a prompt compressed chunk by chunk (schedule.prefill) does not "
+                        "have; drop schedule.prefill")
     if scoring.needs_rope and rope is None:
         rope = rope_frequencies(config, scoring.name)
     # a chunked prompt re-selects every layer after each chunk: the lazy cascade's counting does not apply

@@ -109,6 +109,10 @@ def compress(policy, states: list[LayerState], scores: list[Tensor] | None = Non
     totals = None if (has_threshold or dynamic) else layer_totals(policy, lengths, num_layers, h_)
 
     given = scores
+    if policy.budget.layers.ranks_entries:  # layers: global: every layer scored, then one ranking
+        scores = [score_layer(policy, state) if given is None else given[layer] for layer, state in enumerate(states)]
+        kept = global_keep(policy, scores, positions, valid, lengths)
+        return Selection(kept, [None] * num_layers, torch.stack([k.sum(-1) for k in kept], dim=1), scores)
     scores, kept, merged, entropy = [], [], [], []
 
     def compress_layer(j: int, total: Tensor | None) -> None:
@@ -129,6 +133,42 @@ def compress(policy, states: list[LayerState], scores: list[Tensor] | None = Non
             compress_layer(j, step[:, j])
     budgets = torch.stack([k.sum(-1) for k in kept], dim=1)
     return Selection(kept, merged, budgets, scores)
+
+
+def global_keep(policy, scores: list[Tensor], positions: Tensor, valid: Tensor, lengths: Tensor) -> list[Tensor]:
+    """`layers: global` (KVzip, arXiv:2505.23416: §3 scores S ∈ R^{L×H×n_c} by Eq. 2, §4.1 "Eviction
+    Structure" keeps the top r % of them across all heads), literally: per sequence, every head of every
+    layer keeps its protected entries (the ranking's sinks and window) and then its best ⌊floor·n⌋ others
+    (its own order: the ranking's key descending, then the later position); every other entry of every
+    (layer, head) goes into one list, sorted by the key descending, then the later position, the lower
+    layer, the lower head, and the first n·H·L − (what is kept so far) of it are kept.
+    scores: per layer (B, H, N); positions, valid (B, H, N); lengths (B,). Returns kept per layer (B, H, N)."""
+    num_layers = len(scores)
+    b_, h_, n_ = scores[0].shape
+    kept = [torch.zeros(b_, h_, n_, dtype=torch.bool) for _ in scores]
+    for b in range(b_):
+        n_b = int(lengths[b])
+        floor = policy.budget.layers.floor_tokens(policy.budget.total(n_b, 1, 1))
+        protected = policy.ranking.protected(positions[b], torch.tensor(n_b)) & valid[b]
+        rest = []
+        for layer in range(num_layers):
+            key = policy.ranking.key(scores[layer][b], positions[b])
+            for h in range(h_):
+                mine = []
+                for i in range(n_):
+                    if protected[h, i]:
+                        kept[layer][b, h, i] = True
+                    elif valid[b, h, i]:
+                        mine.append((-float(key[h, i]), -int(positions[b, h, i]), layer, h, i))
+                mine.sort()
+                for *_, i in mine[:floor]:
+                    kept[layer][b, h, i] = True
+                rest += mine[floor:]
+        rest.sort()
+        room = policy.budget.total(n_b, h_, num_layers) - sum(int(k[b].sum()) for k in kept)
+        for _, _, layer, h, i in rest[:max(0, room)]:
+            kept[layer][b, h, i] = True
+    return [k.to(valid.device) for k in kept]
 
 
 # --- a prompt compressed while prefilling in chunks (docs/INTERNALS.md, same title) ------------------

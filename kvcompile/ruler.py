@@ -25,7 +25,9 @@ import numbers
 import random
 import re
 import string
+import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import lru_cache
@@ -642,6 +644,14 @@ def eos_ids(model) -> list[int]:
 def plain_answers(model, context_ids: list[int], questions: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """kvpress's pipeline without a press: the plain model prefills the context into a
     DynamicCache; each question continues from its own copy, then greedy decoding."""
+    return plain_answers_timed(model, context_ids, questions, max_new_tokens)[0]
+
+
+def plain_answers_timed(model, context_ids: list[int], questions: list[list[int]], max_new_tokens: int,
+                        until=None):
+    """plain_answers, with the Phases of the context's prefill and of each question's decode (its
+    forward through the cache and the greedy steps). `until(j, tokens)`: question j's answer is complete
+    (its decoding stops there, as at EOS)."""
     import torch
     from transformers import DynamicCache
 
@@ -650,24 +660,86 @@ def plain_answers(model, context_ids: list[int], questions: list[list[int]], max
     stop = eos_ids(model)
     n = len(context_ids)
     device = model.device
-    out = []
+    out, decode = [], []
+    prefill = Phases()
     with torch.no_grad():
-        base = DynamicCache()
-        model.model(input_ids=torch.tensor([context_ids], device=device), **cache_arg.given(base))
-        for q in questions:
+        with prefill.timing("prefill"):
+            base = DynamicCache()
+            model.model(input_ids=torch.tensor([context_ids], device=device), **cache_arg.given(base))
+        for j, q in enumerate(questions):
+            clock = Phases()
+            clock.start("decode")
             cache = copy.deepcopy(base)
             positions = torch.arange(n, n + len(q), device=device)[None]
             logits = model(input_ids=torch.tensor([q], device=device), **cache_arg.given(cache),
                            position_ids=positions).logits[0, -1]
             tokens = [int(logits.argmax())]
             position = n + len(q)
-            while len(tokens) < max_new_tokens and tokens[-1] not in stop:
+            while len(tokens) < max_new_tokens and tokens[-1] not in stop and not (until and until(j, tokens)):
                 logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), **cache_arg.given(cache),
                                position_ids=torch.tensor([[position]], device=device)).logits[0, -1]
                 tokens.append(int(logits.argmax()))
                 position += 1
             out.append(tokens)
-    return out
+            clock.stop()
+            decode.append(clock)
+    return out, prefill, decode
+
+
+def answered(tokenizer, samples: list[dict]):
+    """until(j, tokens): sample j's answer so far already scores 1, the most RULER's metric gives
+    (string_match_all: every gold string is in it; string_match_part: one is). Both metrics only look for
+    the gold strings in the text, and more tokens only add text, so an answer that scores 1 scores 1
+    whatever follows: stopping there changes no score, only the time spent (docs/EVAL.md)."""
+    def until(j: int, tokens: list[int]) -> bool:
+        s = samples[j]
+        return score(s["task"], tokenizer.decode(tokens, skip_special_tokens=True), s["answers"]) >= 1.0
+
+    return until
+
+
+MEASURED = ("seconds", "cpu_seconds")  # the fields of a record that are this run's own measurements
+
+
+class Phases:
+    """Wall-clock and CPU (process) seconds by phase of a RULER record: prefill, compress, decode. On a
+    shared machine the CPU seconds are the cost; the wall seconds are what a user waits."""
+
+    NAMES = ("prefill", "compress", "decode")
+
+    def __init__(self):
+        self.wall = dict.fromkeys(self.NAMES, 0.0)
+        self.cpu = dict.fromkeys(self.NAMES, 0.0)
+        self._running = None
+
+    def start(self, phase: str) -> None:
+        self._running = (phase, time.perf_counter(), time.process_time())
+
+    def stop(self) -> None:
+        phase, wall, cpu = self._running
+        self.wall[phase] += time.perf_counter() - wall
+        self.cpu[phase] += time.process_time() - cpu
+        self._running = None
+
+    @contextmanager
+    def timing(self, phase: str):
+        self.start(phase)
+        try:
+            yield
+        finally:
+            self.stop()
+
+    def add(self, other: "Phases") -> None:
+        for name in self.NAMES:
+            self.wall[name] += other.wall[name]
+            self.cpu[name] += other.cpu[name]
+
+    def take(self) -> dict:
+        """{"seconds": wall by phase, "cpu_seconds": CPU by phase}, rounded to ms; then all back to 0."""
+        out = {"seconds": {k: round(v, 3) for k, v in self.wall.items()},
+               "cpu_seconds": {k: round(v, 3) for k, v in self.cpu.items()}}
+        self.__init__()
+        return out
 
 
 # --- equal bytes: budgets as a share of the full cache's bytes (issue 24) -----------------------
@@ -890,19 +962,53 @@ def check_budgets(tokenizer, samples: list[dict], specs, modes, fractions=None, 
                     "fraction or budget, or a spec with a smaller window and sinks")
 
 
+def record_key(r: dict) -> tuple:
+    """A record's key in a records file (kvcompile.ruler_records): (task, index, seed, length, spec, budget,
+    mode), budget = budget_key(r)."""
+    return (r["task"], r["index"], r.get("seed"), r["length"], r["spec"], budget_key(r), r["mode"])
+
+
+def variant_key(sample: dict, seed, spec: str, budget: tuple, mode: str) -> tuple:
+    """The key a record of `sample` under `spec` at `budget` (a budget_key) in `mode` will have."""
+    return (sample["task"], sample["index"], seed, sample["length"], spec, budget, mode)
+
+
+def variant_budget(fraction, policy, fractions, budgets, kv_bytes) -> tuple:
+    """The budget key (budget_key) of the records `policies_for`'s (fraction, policy) will give."""
+    if kv_bytes:
+        return ("bytes", float(fraction))
+    if policy.budget.threshold is not None:
+        return ("own", None)
+    if fractions:
+        return ("fraction", fraction)
+    return ("per_head", policy.budget.per_head)
+
+
 def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=None, budgets=None,
-              full: bool = True, kv_bytes=None, note=None) -> list[dict]:
+              full: bool = True, kv_bytes=None, seed=None, done=None, emit=None,
+              answer_stop: bool = False, note=None) -> list[dict]:
     """Records of one context group in one mode: the full cache, then each spec and budget.
     agnostic: the context is captured once and compressed once per policy; every question
     continues from its own copy. aware: each sample's context + question is captured once and
     compressed once per policy. `kv_bytes`: byte fractions instead of fractions / budgets (each
-    record then has the target and the bytes the compressed cache holds, before the question). `note`: called
-    with a line saying what runs next (the full cache, then each spec at each budget) as each phase starts."""
+    record then has the target and the bytes the compressed cache holds, before the question).
+    `seed`: the samples' seed (None for a dataset file), in each record. `done(key)`: True for the
+    records (variant_key) already made, which are skipped (a variant none of
+    whose records is wanted runs nothing, not even the capture); `emit(record)`: called with each
+    record as soon as it is scored. Each record's `seconds` (wall) and `cpu_seconds` (this process's CPU
+    time, all threads): {prefill, compress, decode}, what this record added to the run (the context's
+    prefill or capture on the first record that needs it, a policy's compression on its first record, its
+    own question and greedy decode), so that their sums are the run's time. `answer_stop`: a greedy answer
+    also stops once it scores 1 (`answered`: no score changes); each record's `stop` says why it ended
+    ("eos", "answered", or "length": max_new_tokens). `note`: called with a line saying what
+    runs next (the full cache, then each spec at each budget) as each phase starts."""
     import torch
 
     from kvcompile.models import full_kv_bytes, model_summary
     from kvcompile.sweep import capture, feed, greedy, not_replayable, prefilled, replay
 
+    wanted = (lambda s, spec, budget: True) if done is None else \
+        (lambda s, spec, budget: not done(variant_key(s, seed, spec, budget, mode)))
     stop = eos_ids(model)
     max_new = group[0]["max_new_tokens"]
     if mode == "agnostic":
@@ -914,22 +1020,40 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     shape = model_summary(model)
     geometry = (shape["head_dim"], next(model.parameters()).element_size())
 
-    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full, held=None):
+    owed = Phases()  # the seconds the next record carries
+
+    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full, held=None, decode=None):
         text = tokenizer.decode(tokens, skip_special_tokens=True)
-        return {"index": s["index"], "task": s["task"], "length": s["length"], "mode": mode, "spec": spec,
-                "fraction": fraction, "per_head": per_head, "tokens": n, "question_tokens": len(q),
-                "prediction": text, "answers": s["answers"], "score": score(s["task"], text, s["answers"]),
-                "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile", **(held or {})}
+        if decode is not None:
+            owed.add(decode)
+        value = score(s["task"], text, s["answers"])
+        ended = "eos" if tokens and tokens[-1] in stop else \
+            "answered" if answer_stop and value >= 1 and len(tokens) < max_new else "length"
+        out = {"index": s["index"], "task": s["task"], "length": s["length"], "seed": seed, "mode": mode,
+               "spec": spec, "fraction": fraction, "per_head": per_head, "tokens": n, "question_tokens": len(q),
+               "prediction": text, "answers": s["answers"], "score": value,
+               "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile", "new_tokens": len(tokens), "stop": ended,
+               **owed.take(), **(held or {})}
+        if emit is not None:
+            emit(out)
+        return out
 
     for (ids, questions), members in units:
         n = len(ids)
         say = (lambda what: note(f"{mode}, {n}-token context, {len(questions)} question(s): {what}")) if note \
             else (lambda what: None)
         if full:
-            say("full cache")
-            for s, q, tokens in zip(members, questions, plain_answers(model, ids, questions, max_new)):
-                held = full_kv_bytes(model, n + len(q) + len(tokens) - 1)
-                records.append(record(s, "full", None, None, n, q, tokens, held, held))
+            todo = [j for j, s in enumerate(members) if wanted(s, "full", ("own", None))]
+            if todo:
+                say("full cache")
+                answers, prefill, decode = plain_answers_timed(
+                    model, ids, [questions[j] for j in todo], max_new,
+                    answered(tokenizer, [members[j] for j in todo]) if answer_stop else None)
+                owed.add(prefill)
+                for j, tokens, seconds in zip(todo, answers, decode):
+                    held = full_kv_bytes(model, n + len(questions[j]) + len(tokens) - 1)
+                    records.append(record(members[j], "full", None, None, n, questions[j], tokens, held, held,
+                                          decode=seconds))
         if not specs:
             continue
         context = torch.tensor([ids], device=model.device)
@@ -939,14 +1063,21 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
         def compressed(policy):
             nonlocal states
             if not_replayable(policy):  # chunked prefill or a reconstruction scorer: the model's own forward
-                return prefilled(model, policy, context, headroom, tokenizer=tokenizer)[0]
+                with owed.timing("compress"):
+                    return prefilled(model, policy, context, headroom, tokenizer=tokenizer)[0]
             if states is None:
-                states, _ = capture(model, context)
-            return replay(policy, model.config, states, headroom=headroom)
+                with owed.timing("prefill"):
+                    states, _ = capture(model, context)
+            with owed.timing("compress"):
+                return replay(policy, model.config, states, headroom=headroom)
 
         for spec in specs:
             for fraction, policy in policies_for(spec, n, fractions, budgets, kv_bytes, geometry):
                 per_head = policy.budget.per_head if policy.budget.threshold is None else None
+                budget = variant_budget(fraction, policy, fractions, budgets, kv_bytes)
+                todo = [j for j, s in enumerate(members) if wanted(s, policy.name, budget)]
+                if not todo:
+                    continue
                 say(f"{policy.name} " + (f"{per_head}/head" if per_head is not None else "(its threshold)"))
                 base = compressed(policy)
                 held = None
@@ -960,22 +1091,28 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
                             "kv_bytes_pages": report["bytes_held"], "kv_entry_bytes": report["bytes_entries"] // kept,
                             "kept_share": kept / (n * shape["layers"] * len(report["kv_heads"]))}
                     fraction = None
-                for j, (s, q) in enumerate(zip(members, questions)):
-                    cache = base if j == len(questions) - 1 else copy.deepcopy(base)
+                for j in todo:
+                    s, q = members[j], questions[j]
+                    decode = Phases()
+                    decode.start("decode")
+                    cache = base if j == todo[-1] else copy.deepcopy(base)
                     logits = feed(model, cache, torch.tensor([q], device=model.device), tokenizer=tokenizer)
-                    tokens = greedy(model, cache, logits, max_new, stop, tokenizer=tokenizer)[0].tolist()
+                    tokens = greedy(model, cache, logits, max_new, stop, tokenizer=tokenizer,
+                                    until=answered(tokenizer, [s]) if answer_stop else None)[0].tolist()
+                    decode.stop()
                     report = cache.memory_report()
                     records.append(record(s, policy.name, fraction, per_head, n, q, tokens,
-                                          report["bytes_held"], report["bytes_full"], held))
+                                          report["bytes_held"], report["bytes_full"], held, decode=decode))
         states = None  # this context's captured states go before the next context is captured
     return records
 
 
 def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agnostic"), fractions=None,
-              budgets=None, full: bool = True, quiet: bool = False, ranks=None, kv_bytes=None):
+              budgets=None, full: bool = True, quiet: bool = False, ranks=None, kv_bytes=None, seed=None,
+              done=None, emit=None, answer_stop: bool = False):
     """Every record of `samples` in each mode; with `ranks` (a sharded eval) only the context
     groups `ranks.mine(g)` gives this process, as (key, record) pairs ordered as one process
-    orders them (Ranks.gather sorts by key)."""
+    orders them (Ranks.gather sorts by key). `seed`, `done`, `emit`, `answer_stop`: run_group's."""
     from tqdm.auto import tqdm
 
     if not fractions and not budgets and not kv_bytes and specs:
@@ -987,9 +1124,9 @@ def run_ruler(model, tokenizer, samples: list[dict], specs, modes=("aware", "agn
                disable=quiet)
     for g in mine:
         for m, mode in enumerate(modes):
-            # the bar's note says which phase of the sample runs, as it starts: a sample takes minutes
-            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full,
-                                              kv_bytes, note=bar.set_postfix_str)):
+            for r, rec in enumerate(run_group(model, tokenizer, groups[g], mode, specs, fractions, budgets, full, kv_bytes,
+                                              seed, done, emit, answer_stop,
+                                              note=bar.set_postfix_str)):
                 out.append(((g, m, r), rec))
             bar.update(len(groups[g]))
     bar.close()

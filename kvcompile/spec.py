@@ -392,9 +392,10 @@ def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _So
         raise src.error(("schedule", "decode"), f"decode: {schedule.decode.name} moves tokens between the "
                         "parts of a split, and there is no budget.split",
                         "budget.split with decode: online", blame=(("budget",),))
+    _check_global(budget, merge, schedule, src)
     if scoring is not None and not scoring.nonnegative:  # e.g. key_norm: −‖k‖ is no attention mass
         rule = budget.threshold if budget.threshold is not None else budget.layers
-        if budget.threshold is not None or budget.layers.needs_scores:
+        if budget.threshold is not None or (budget.layers.needs_scores and not budget.layers.ranks_entries):
             where = ("budget", "threshold") if budget.threshold is not None else ("budget", "layers")
             raise src.error(where, f"{where[-1]}: {rule.name} reads the scores as attention mass (>= 0), and "
                             f"scoring: {scoring.name} gives negative scores",
@@ -413,6 +414,30 @@ def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _So
                             f"which must stay cached, but ranking window is {window}",
                             f"ranking window >= {rows} (the scorer's observation window)",
                             blame=(("schedule", "decode"),))
+
+
+def _check_global(budget: Budget, merge, schedule: Schedule, src: _Source) -> None:
+    """layers: global ranks every (layer, head, token) at once: one pooled ranking, nothing beside it."""
+    layers = budget.layers
+    if not layers.ranks_entries:
+        return
+    where = ("budget", "layers")
+    heads = budget.heads
+    if budget.threshold is not None:
+        raise src.error(where, f"layers: {layers.name} shares a preset total, and a threshold decides the "
+                        "budget itself", "layers: global without a threshold", blame=(("budget", "threshold"),))
+    if heads.name != "pooled" or getattr(heads, "floor", 0) != 0:
+        raise src.error(("budget", "heads"), f"layers: {layers.name} ranks every head's entries together (one "
+                        f"ranking over all layers and heads), and heads is {heads.name}"
+                        f"{' with a floor' if heads.name == 'pooled' else ''}",
+                        "heads: pooled (the per-head floor is layers: {global: {floor: f}})", blame=(where,))
+    if merge.merges or budget.split is not None:
+        raise src.error(where, f"layers: {layers.name} ranks prompt tokens only, without merge slots or a split",
+                        "merge: drop and no budget.split", blame=(("merge",), ("budget", "split")))
+    if schedule.chunk_tokens:
+        raise src.error(where, f"layers: {layers.name} ranks every layer's entries of the whole prompt, which "
+                        "a prompt compressed chunk by chunk does not have", "schedule without prefill: chunk",
+                        blame=(("schedule", "prefill"),))
 
 
 def _build(data, src: _Source, default_name: str, description: str, source) -> Policy:

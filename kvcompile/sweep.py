@@ -84,11 +84,13 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
 
 @torch.no_grad()
 def greedy(model, cache: KVCompileCache, last_logits: Tensor, max_new_tokens: int, eos_token_id=None,
-           **options) -> Tensor:
+           until=None, **options) -> Tensor:
     """Greedy continuation (B, max_new_tokens) from a prefilled cache: the first token is the
     argmax of the prompt's last logits, then one token per step through the compiled model.
-    Sequences that produced `eos_token_id` (one id or a list) continue with it (as generate() pads).
-    options: compile()'s keywords (a kvzip policy's tokenizer)."""
+    Sequences that produced `eos_token_id` (one id or a list), or whose tokens so far `until(b, ids)`
+    (b the sequence, ids a list) says are a complete answer, continue with their last token (as generate()
+    pads); the steps end when every sequence is done. options: compile()'s keywords (a kvzip policy's
+    tokenizer)."""
     policy = cache.policy
     out = []
     token = last_logits.argmax(-1, keepdim=True)
@@ -99,6 +101,9 @@ def greedy(model, cache: KVCompileCache, last_logits: Tensor, max_new_tokens: in
             out.append(token)
             if stop is not None and stop.numel():
                 done |= torch.isin(token[:, 0], stop.to(token.device))
+            if until is not None:
+                so_far = torch.cat(out, dim=1).tolist()
+                done |= torch.tensor([until(b, ids) for b, ids in enumerate(so_far)], device=done.device)
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
             position = (cache.seq_length - cache.pad)[:, None]

@@ -143,9 +143,12 @@ def test_every_family_evicts_across_chunks(key):
 
 
 # kvzip scores a prompt by reconstructing it with the model (a second, model-level forward per chunk), which
-# ChunkedPrefill's per-layer steps cannot feed: its chunked prefill is tests/test_kvzip_chunked.py's
+# ChunkedPrefill's per-layer steps cannot feed: its chunked prefill is tests/test_kvzip_chunked.py's. layers:
+# global ranks the whole prompt's entries of every layer at once: a chunked prefill is refused for it
+# (tests/test_global_allocation.py)
 SPECS = [name for name in available_specs()
-         if not getattr(kvcompile.load_spec(name).scoring, "reconstructs", False)]
+         if not getattr(kvcompile.load_spec(name).scoring, "reconstructs", False)
+         and not kvcompile.load_spec(name).budget.layers.ranks_entries]
 
 
 def test_chunk_at_least_the_prompt_is_reference_compress():

@@ -161,11 +161,14 @@ def test_repeat_prompt_from_smollm2_tokenizer():
 
 
 def test_shipped_specs_say_what_kvzip_says():
-    kvzip, hybrid = load_spec("kvzip"), load_spec("kvzip_adakv")
-    for policy in (kvzip, hybrid):
+    kvzip, hybrid, uniform = load_spec("kvzip"), load_spec("kvzip_adakv"), load_spec("kvzip_uniform")
+    for policy in (kvzip, hybrid, uniform):
         assert (policy.scoring.chunk, policy.scoring.sinks, policy.scoring.overlap) == (2048, 4, 8)
         assert policy.ranking.sinks == 4 and policy.budget.per_head == 128
-    assert kvzip.budget.heads.name == "uniform"
+    # KVzip §4.1 "Eviction Structure": one ranking of every (layer, head, token) (kvpress KVzipPress(layerwise=False))
+    assert kvzip.budget.layers.name == "global" and kvzip.budget.layers.floor == 0
+    assert kvzip.budget.heads.name == "pooled" and kvzip.budget.heads.floor == 0
+    assert uniform.budget.heads.name == "uniform" and uniform.budget.layers.name == "uniform"
     assert hybrid.budget.heads.name == "pooled" and hybrid.budget.heads.floor == 0.2
 
 

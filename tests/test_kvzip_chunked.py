@@ -25,15 +25,15 @@ REPEAT = RepeatPrompt(first=(5, 6, 7, 8), later=(9, 10), suffix=(11, 12))  # tok
 # KVzip's scores with every allocator family: uniform heads, pooled heads (AdaKV), pyramid layers, LAVa's
 # entropy layers (a cascade inside each chunk), a residual merge with a split, a threshold (DBudgetKV), int4 pages
 VARIANTS = {
-    "kvzip": dict(name="kvzip"),
+    "kvzip": dict(name="kvzip_uniform"),
     "kvzip_adakv": dict(name="kvzip_adakv"),
-    "pyramid": dict(name="kvzip", budget={"layers": {"pyramid": {"beta": 4}}, "heads": "uniform"}),
-    "entropy": dict(name="kvzip", budget={"layers": "entropy", "heads": "pooled"}),
-    "residual": dict(name="kvzip", merge={"residual": {"alpha": 0.6}}, ranking={"by_score": {"sinks": 0, "window": 0}},
+    "pyramid": dict(name="kvzip_uniform", budget={"layers": {"pyramid": {"beta": 4}}, "heads": "uniform"}),
+    "entropy": dict(name="kvzip_uniform", budget={"layers": "entropy", "heads": "pooled"}),
+    "residual": dict(name="kvzip_uniform", merge={"residual": {"alpha": 0.6}}, ranking={"by_score": {"sinks": 0, "window": 0}},
                      budget={"split": {"proximity": 0.1, "context": 0.8, "residual": 0.1}}),
     "threshold": dict(name="dbudgetkv", scoring={"kvzip": {}}, ranking={"by_score": {"sinks": 4, "window": 0}},
                       budget={"threshold": {"attention_norm": {"t": 0.05, "keep_layers": 0}}}),
-    "int4": dict(name="kvzip", storage={"int4": {"group": 0}}),
+    "int4": dict(name="kvzip_uniform", storage={"int4": {"group": 0}}),
 }
 
 
@@ -106,7 +106,7 @@ def test_every_variant_evicts_across_chunks(key):
     assert not bool(kept[..., :80].all()) and bool(kept[..., :64].any())
 
 
-@pytest.mark.parametrize("spec", ["kvzip", "kvzip_adakv"])
+@pytest.mark.parametrize("spec", ["kvzip_uniform", "kvzip_adakv"])
 def test_chunk_covering_the_prompt_is_one_pass_kvzip_exactly(spec):
     """c >= N: generate() and model() give one-pass KVzip's tokens, logits and kept entries (bit for bit),
     and the reference is reference.kvzip_scores + reference.compress."""
@@ -212,7 +212,7 @@ def test_peak_kv_memory_is_the_budget_plus_one_chunk_from_4k_to_32k_tokens():
                                          num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=heads,
                                          head_dim=d, max_position_embeddings=40000,
                                          attn_implementation="sdpa")).eval()
-    policy = kvcompile.load_spec("kvzip", per_head=per_head, schedule={"prefill": {"chunk": c}})
+    policy = kvcompile.load_spec("kvzip_uniform", per_head=per_head, schedule={"prefill": {"chunk": c}})
     entry = 2 * d * 4  # K and V, fp32
     peaks = {}
     for n in (4096, 32768):

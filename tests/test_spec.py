@@ -487,6 +487,10 @@ def valid_specs(draw) -> dict:
         budget["threshold"] = pick("threshold")
     if mode != "threshold":
         budget["layers"], budget["heads"] = pick("layers"), pick("heads")
+        if "global" in budget["layers"]:  # one ranking of every layer and head: pooled heads (floor 0), no split
+            budget["heads"] = "pooled"
+            if split:
+                budget["layers"] = "uniform"
     if split:
         budget["split"] = split
     merges = split is not None and split["residual"] > 0

@@ -84,7 +84,7 @@ def test_selection_is_the_reference_from_scores():
     layers, heads, n, d = 4, 2, 160, 8
     states = [LayerState(torch.randn(1, heads, 32, d, generator=g), torch.randn(1, heads, n, d, generator=g),
                          torch.randn(1, heads, n, d, generator=g)) for _ in range(layers)]
-    for spec in ("lava", "adakv", "pyramid_pooled", "dbudgetkv", "snapkv"):
+    for spec in ("lava", "adakv", "pyramid_pooled", "dbudgetkv", "snapkv", "snapkv_global"):
         policy = kvcompile.load_spec(spec) if spec == "dbudgetkv" else kvcompile.load_spec(spec, per_head=40)
         want = compress(policy, states)
         got = kept_entries(policy, want.scores)

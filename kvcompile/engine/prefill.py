@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcompile.allocation import layer_totals
+from kvcompile.allocation import global_totals, layer_pool, layer_totals
 from kvcompile.engine.cascade import cascade
 from kvcompile.engine.compress import over_heads, select_and_merge_kernels, store_layer
 from kvcompile.engine.pages import Entries
@@ -119,7 +119,15 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
         heads = plan.num_heads
         every = (plan.shard.gather_heads(scores), positions[:, :1].expand(b, heads, n),
                  valid[:, None, :].expand(b, heads, n), torch.zeros(b, heads, dtype=torch.long, device=q.device))
-    if plan.cascade:
+    if plan.cascade and policy.budget.layers.ranks_entries:
+        # layers: global: this layer's entries join one ranking with the best of the layers below
+        reserved, pool = layer_pool(policy, *((scores, positions, valid_h) if every is None else every[:3]),
+                                    prompt.lengths)
+        prompt.reserved.append(reserved)
+        prompt.pools.append(pool)
+        totals, prompt.pools = global_totals(policy, prompt.reserved, prompt.pools, prompt.lengths,
+                                             plan.num_layers, plan.num_heads)
+    elif plan.cascade:
         # LAVa Eq. 7-8 over every head's scores (with a heads rule that reads its own head only, the
         # layers rule reads no entropy: plan.heads_exchange)
         prompt.entropy.append(entropy(scores, valid_h) if every is None else entropy(every[0], every[2]))

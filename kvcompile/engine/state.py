@@ -49,6 +49,10 @@ class PromptState:
     held: list[Tensor] = dataclasses.field(default_factory=list)  # cascade: (B,) entries each layer holds
     #   as the cascade defines it (a lazy cascade's pages may still hold more, see Plan.lazy_cascade)
     protected: Tensor | None = None  # cascade: (B,) protected entries of a layer (the same in every layer)
+    reserved: list[Tensor] = dataclasses.field(default_factory=list)  # layers: global: (B,) entries each layer
+    #   keeps outside the ranking (protected, floors)
+    pools: list[list] = dataclasses.field(default_factory=list)  # layers: global: per layer, per sequence the
+    #   allocation.Pool of its ranked entries among the best of the layers seen so far
 
 
 @dataclass

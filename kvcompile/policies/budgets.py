@@ -73,9 +73,17 @@ def apportion(total: int, weights: Sequence, caps: Sequence[int]) -> list[int]:
 
 class LayersRule(Part):
     """Base of the layer allocation parts. `needs_scores`: the shares depend on the layers'
-    scores (computed as a cascade during prefill)."""
+    scores (computed as a cascade during prefill). `ranks_entries`: the layer totals are counted
+    from one ranking of every layer's entries (layers: global), not from shares."""
 
     needs_scores = False
+    ranks_entries = False  # True: the layer totals are counted from one ranking over every layer's entries
+
+    floors = False  # True: heads keep `floor_tokens` entries beyond their protected ones
+
+    def floor_tokens(self, per_head: int) -> int:
+        """Entries every head keeps beyond its protected ones before the heads part selects (0)."""
+        return 0
 
     def shares(self, num_layers: int, entropy: Sequence[float] | None = None) -> list[Fraction]:
         raise NotImplementedError
@@ -123,6 +131,37 @@ class EntropyLayers(LayersRule):
         if entropy is None or len(entropy) != num_layers:
             raise ValueError("layers: entropy needs the entropy of every layer it allocates")
         return [Fraction(float(e)) for e in entropy]  # apportion: all-zero weights share equally
+
+
+@part("layers", "global")
+@dataclass(frozen=True)
+class GlobalLayers(LayersRule):
+    """KVzip (arXiv:2505.23416: §3, scores S ∈ R^{L×H×n_c} by Eq. 2; §4.1 "Eviction Structure": the top r % of
+    the scores across all heads are kept, non-uniform head budgets): once every layer of the
+    prompt is scored, one ranking over all (layer, KV head, token) keeps the entries that score
+    highest anywhere, so layers and heads keep what their scores earn. Every head keeps its protected
+    entries (the ranking's sinks and window) and its best ⌊floor·n⌋ others (n = the per-head budget:
+    `per_head`, or round(ratio·n_b)); the rest of the total n·H·L goes to the best of the remaining
+    entries of every layer and head by one order. The layer totals are counted from that order
+    (kvcompile.allocation.global_totals), computed as a cascade during prefill (each layer's top
+    entries among the layers seen so far: the same entries, see docs/INTERNALS.md)."""
+
+    floor: float = bounded(0.0, **FRACTION)
+
+    needs_scores = True
+    ranks_entries = True
+
+    @property
+    def floors(self) -> bool:
+        return self.floor > 0
+
+    def floor_tokens(self, per_head: int) -> int:
+        """⌊floor·n⌋: the entries every head keeps beyond its protected ones, before the global ranking."""
+        return math.floor(exact(self.floor) * int(per_head))
+
+    def shares(self, num_layers: int, entropy: Sequence[float] | None = None) -> list[Fraction]:
+        raise ValueError("layers: global has no shares of the total: its layer totals are counted from one "
+                         "ranking of every layer's entries (kvcompile.allocation.global_totals)")
 
 
 # --- heads -------------------------------------------------------------------------------

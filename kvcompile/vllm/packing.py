@@ -113,11 +113,29 @@ def kept_entries(policy, scores: list[Tensor]) -> list[Tensor]:
 
     if policy.merges:
         raise ValueError(f"{policy.name} merges evicted entries: its selection needs the keys, not only scores")
+    if policy.budget.layers.ranks_entries:
+        return global_selection(policy, scores)
     if policy.layer_dynamic and policy.budget.threshold is None and policy.budget.heads.nested:
         return counted_cascade(policy, scores)
     shape = (*scores[0].shape, 0)
     states = [LayerState(None, torch.empty(shape), torch.empty(shape)) for _ in scores]
     return compress(policy, states, scores=scores).kept
+
+
+def global_selection(policy, scores: list[Tensor]) -> list[Tensor]:
+    """`layers: global` over every layer's scores at once (all are known here): the layer totals of one
+    ranking of every layer's entries (kvcompile.allocation.global_totals), then each layer's pooled
+    selection with its total: reference.global_keep's entries (tests/test_vllm_packing.py)."""
+    from kvcompile.allocation import global_totals, layer_pool
+    from kvcompile.selection import select
+
+    batch, heads, n = scores[0].shape
+    valid = torch.ones(batch, heads, n, dtype=torch.bool)
+    lengths = torch.full((batch,), n)
+    positions = torch.arange(n).expand(batch, heads, n)
+    reserved, pools = zip(*(layer_pool(policy, s, positions, valid, lengths) for s in scores))
+    totals, _ = global_totals(policy, list(reserved), list(pools), lengths, len(scores), heads)
+    return [select(policy, s, positions, valid, lengths, totals[:, j], j) for j, s in enumerate(scores)]
 
 
 def counted_cascade(policy, scores: list[Tensor]) -> list[Tensor]:

@@ -1,0 +1,184 @@
+"""A RULER table that accumulates: `--resume FILE` appends one line per record and skips the keys already
+there (a cut-off last line is dropped and made again); `kvcompile report` computes the tables with a paired
+bootstrap (deterministic for a seed, its interval around the point, differences paired on the same draws)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompile import cli, ruler
+from kvcompile.ruler_records import RecordsError, RecordsFile, read_records, record_key
+from kvcompile.ruler_report import estimate, paired, report, table
+from tests.test_ruler import FILLER, TOK, tiny_for
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_for(TOK)
+    samples = [{**s, "max_new_tokens": 3} for s in ruler.ruler_samples(TOK, ["niah_single_1", "fwe"], [700], 2, 0, FILLER)]
+    return model, samples
+
+
+def run(setup, path, **kw):
+    model, samples = setup
+    store = RecordsFile(path)
+    made = ruler.run_ruler(model, TOK, samples, ["snapkv"], ("agnostic",), fractions=[0.5], quiet=True, seed=0,
+                           done=store.has, emit=store.append, **kw)
+    return store, made
+
+
+def test_resume_skips_exactly_the_recorded_keys(setup, tmp_path):
+    path = tmp_path / "r.jsonl"
+    store, made = run(setup, path)
+    keys = [record_key(r) for r in made]
+    assert len(made) == 4 * 2 and len(set(keys)) == len(keys)  # 4 samples x (full, snapkv 50 %)
+    assert [record_key(r) for r in read_records([path])] == keys  # every record on disk, in order
+    assert all(r["seed"] == 0 and set(r["seconds"]) == set(r["cpu_seconds"]) == {"prefill", "compress", "decode"}
+               for r in made)
+    # each record carries what it added: its sample's prefill (full) or capture (snapkv), snapkv's replay
+    assert all(r["seconds"]["prefill"] > 0 and r["seconds"]["decode"] > 0 for r in made)
+    assert all(r["seconds"]["compress"] > 0 for r in made if r["spec"] == "snapkv")
+    lines = path.read_text().splitlines()
+    kept = [lines[i] for i in (0, 3, 4, 7)]
+    path.write_text("\n".join(kept) + "\n")
+    _, again = run(setup, path)
+    missing = [k for k in keys if json.dumps(k) not in {json.dumps(record_key(json.loads(x))) for x in kept}]
+    assert [record_key(r) for r in again] == missing  # exactly the keys that were not there
+    by_key = {json.dumps(record_key(r)): r["prediction"] for r in made}
+    assert all(by_key[json.dumps(record_key(r))] == r["prediction"] for r in again)  # the same answers
+    _, nothing = run(setup, path)
+    assert nothing == []
+    assert sorted(map(json.dumps, map(record_key, read_records([path])))) == sorted(map(json.dumps, keys))
+
+
+def test_a_run_killed_mid_line_resumes(setup, tmp_path):
+    path = tmp_path / "r.jsonl"
+    _, made = run(setup, path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-25])  # the last record cut off mid-line, as a kill leaves it
+    assert len(read_records([path])) == len(made) - 1  # readers skip the cut-off line
+    store = RecordsFile(path)
+    assert store.repaired and len(store.records) == len(made) - 1
+    assert path.read_bytes() == raw[:raw.rstrip(b"\n").rfind(b"\n") + 1]  # the partial line is gone
+    _, again = run(setup, path)
+    assert [record_key(r) for r in again] == [record_key(made[-1])]
+    assert [json.loads(x) for x in path.read_text().splitlines()][-1]["prediction"] == made[-1]["prediction"]
+
+
+def test_a_bad_line_in_the_middle_is_an_error(tmp_path):
+    path = tmp_path / "r.jsonl"
+    good = {"task": "vt", "index": 0, "seed": 0, "length": 700, "spec": "full", "mode": "aware", "fraction": None,
+            "per_head": None, "score": 1.0, "prediction": "x", "source": "kvcompile"}
+    path.write_text(json.dumps(good) + "\n{not json\n" + json.dumps(good) + "\n")
+    with pytest.raises(RecordsError, match="line 2"):
+        RecordsFile(path)
+    with pytest.raises(RecordsError, match="line 2"):
+        read_records([path])
+    path.write_text(json.dumps({**good, "model": "other"}) + "\n")
+    with pytest.raises(RecordsError, match="model 'other'"):
+        RecordsFile(path, model="mine")
+
+
+def rec(method, task, index, score, budget=None, mode="agnostic"):
+    return {"task": task, "index": index, "seed": 0, "length": 4096, "mode": mode, "spec": method,
+            "fraction": budget, "per_head": None, "score": score, "source": "kvcompile" if method != "p" else "x"}
+
+
+def test_hand_example():
+    """Task a: full [1, 0], x [1, 1]; task b: full [1, 1, 1], x [1, 0, 1]. Full: a 50, b 100, average 75;
+    a's replicates are means of two draws from {0, 1}: 0, 50 or 100 (each end with chance 1/4), so its
+    interval is [0, 100]; b's is [100, 100]; the average's [50, 100]. x − full: a {0, +1} → +50 [0, 100],
+    b {0, −1, 0} → −33.3 (its replicates −100, −66.7, −33.3 or 0)."""
+    records = [rec("full", "a", 0, 1), rec("full", "a", 1, 0), rec("x", "a", 0, 1), rec("x", "a", 1, 1)]
+    records += [rec("full", "b", i, 1) for i in (2, 3, 4)]
+    records += [rec("x", "b", 2, 1), rec("x", "b", 3, 0), rec("x", "b", 4, 1)]
+    rows = table(records)["agnostic"]
+    full, x = rows[("full", ("own", None))], rows[("x", ("own", None))]
+    est = estimate(full)
+    assert (est["a"].point, est["a"].low, est["a"].high, est["a"].n) == (50.0, 0.0, 100.0, 2)
+    assert (est["b"].point, est["b"].low, est["b"].high, est["b"].n) == (100.0, 100.0, 100.0, 3)
+    assert (est["average"].point, est["average"].low, est["average"].high) == (75.0, 50.0, 100.0)
+    diff = estimate(paired(x, full))
+    assert (diff["a"].point, diff["a"].low, diff["a"].high) == (50.0, 0.0, 100.0)
+    assert diff["b"].point == pytest.approx(-100 / 3) and diff["b"].low == -100.0 and diff["b"].high == 0.0
+    assert diff["average"].point == pytest.approx((50 - 100 / 3) / 2)
+
+
+scores = st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=1, max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(["vt", "cwe", "fwe", "niah_single_1"]), scores, min_size=1),
+       st.integers(0, 2 ** 31))
+def test_bootstrap_is_deterministic_and_its_interval_holds_the_point(tasks, seed):
+    values = {t: dict(enumerate(v)) for t, v in tasks.items()}
+    first, second = estimate(values, seed=seed), estimate(values, seed=seed)
+    assert first == second
+    for e in first.values():
+        assert e.low <= e.point <= e.high
+    assert first["average"].point == pytest.approx(np.mean([100 * np.mean(v) for v in tasks.values()]))
+
+
+def test_rows_with_the_same_samples_are_resampled_with_the_same_draws():
+    """A row that equals another on every sample differs by exactly 0 in every replicate; one that is the
+    other plus a constant, by that constant: the draws are paired."""
+    a = {"vt": {i: float(i % 2) for i in range(25)}, "cwe": {i: (i % 3) / 2 for i in range(25)}}
+    same = estimate(paired(a, {t: dict(v) for t, v in a.items()}))
+    assert all((e.point, e.low, e.high) == (0.0, 0.0, 0.0) for e in same.values())
+    shifted = {t: {i: x - 0.1 for i, x in v.items()} for t, v in a.items()}
+    diff = estimate(paired(a, shifted))
+    assert all(e.low == pytest.approx(10) and e.high == pytest.approx(10) for e in diff.values())
+    assert estimate(a, seed=1) != estimate(a, seed=2)
+
+
+def test_report_command(setup, tmp_path, capsys):
+    model, samples = setup
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    TOK.save_pretrained(folder)
+    data = tmp_path / "ds.jsonl"
+    ruler.dump_dataset(samples, data)
+    path = tmp_path / "r.jsonl"
+    argv = ["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--specs", "snapkv,adakv",
+            "--kv-fraction", "0.5", "--query", "agnostic", "--max-new-tokens", "3", "--resume", str(path), "--quiet"]
+    cli.main(argv)
+    first = read_records([path])
+    assert len(first) == 4 * 3 and all(r["model"] == str(folder) for r in first)
+    capsys.readouterr()
+    cli.main(argv)
+    assert "0 records made now, 12 there before" in capsys.readouterr().out
+    assert len(read_records([path])) == 12
+    cli.main(["report", str(path), "--baseline", "snapkv"])
+    out = capsys.readouterr().out
+    assert "query-agnostic: difference against the full cache" in out
+    assert "difference against snapkv at the same budget" in out and "| adakv | 50% KV |" in out
+    assert "where the time went" in out
+    with pytest.raises(SystemExit):
+        cli.main(["report", str(path), "--baseline", "nope"])
+    assert "no such method" in capsys.readouterr().err
+    assert report(first).count("| full |") == 2  # the score table and the time table
+
+
+def test_answer_stop_ends_at_a_complete_answer_and_changes_no_score(setup):
+    """A sample whose gold string is the start of what the model answers: with answer_stop the answer ends as
+    soon as it holds it (a prefix of the whole answer, the same score 1), for the full cache and a spec; with a
+    gold string the model never writes it runs to the bound, as without."""
+    model, samples = setup
+    s = {**samples[0], "max_new_tokens": 8}
+    whole = ruler.run_group(model, TOK, [s], "agnostic", ["snapkv"], fractions=[1.0])
+    assert all(r["stop"] == "length" and r["new_tokens"] == 8 for r in whole)
+    text = whole[0]["prediction"]
+    gold = text.strip()[:2]
+    assert len(gold) == 2 and whole[1]["prediction"] == text  # the spec keeping everything answers the same
+    early = ruler.run_group(model, TOK, [{**s, "answers": [gold]}], "agnostic", ["snapkv"], fractions=[1.0],
+                            answer_stop=True)
+    for r in early:
+        assert r["stop"] == "answered" and r["score"] == 1.0 and r["new_tokens"] < 8
+        assert text.startswith(r["prediction"]) and r["prediction"].strip().endswith(gold)
+    late = ruler.run_group(model, TOK, [{**s, "answers": ["@@@"]}], "agnostic", ["snapkv"], fractions=[1.0],
+                           answer_stop=True)
+    assert [r["prediction"] for r in late] == [text, text] and all(r["stop"] == "length" for r in late)
