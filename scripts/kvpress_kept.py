@@ -342,12 +342,11 @@ def kvcompile_kept(cache) -> "torch.Tensor":
 
 
 def spec_policy(spec: str, overrides: dict, n: int, fraction: float):
-    """The spec at the RULER eval's budget for a KV fraction (per_head = floor(f * n), kvcompile.ruler)."""
+    """The spec (with `overrides`) at the RULER eval's budget for a KV fraction of an n-token prompt:
+    per_head = floor(f * n), at least 1 (kvcompile.ruler.policies_for's arithmetic)."""
     import kvcompile
-    from kvcompile import ruler
 
-    ((_, policy),) = ruler.policies_for(spec, n, [fraction], None)
-    return kvcompile.load_spec(policy, **overrides) if overrides else policy
+    return kvcompile.load_spec(kvcompile.load_spec(spec, **overrides), per_head=max(1, math.floor(fraction * n + 1e-9)))
 
 
 def replay_scored(policy, config, states, memo: dict):
@@ -374,11 +373,11 @@ def replay_scored(policy, config, states, memo: dict):
     return cache
 
 
-def kvzip_scored(model, tokenizer, policy, ids: list[int]) -> tuple[list, dict]:
+def kvzip_scored(model, policy, ids: list[int], **options) -> tuple[list, dict]:
     """KVzip's scores of a prompt as the engine computes them (kvcompile.kvzip.prefill: the prompt's forward and
     the reconstruction), with every layer's full keys and values: ([LayerState], {(scoring, layer): scores}).
     Read by wrapping engine.prefill.compress_prompt_layer, which kvzip.prefill hands each layer's scores to, for
-    the length of one compiled forward (restored after it)."""
+    the length of one compiled forward (restored after it).  options: compile()'s (tokenizer= or repeat_prompt=)."""
     import torch
 
     from kvcompile.engine import prefill as engine_prefill
@@ -395,7 +394,7 @@ def kvzip_scored(model, tokenizer, policy, ids: list[int]) -> tuple[list, dict]:
 
     engine_prefill.compress_prompt_layer = recorded
     try:
-        prefilled(model, policy, torch.tensor([ids]), tokenizer=tokenizer)
+        prefilled(model, policy, torch.tensor([ids]), **options)
     finally:
         engine_prefill.compress_prompt_layer = original
     return [states[i] for i in range(len(states))], memo
@@ -405,8 +404,8 @@ class Prompt:
     """One prompt's kvcompile side: the captured prefill (every scorer but KVzip) and KVzip's reconstruction,
     each run once, and each scorer's scores once, shared by every spec and fraction."""
 
-    def __init__(self, model, tokenizer, ids: list[int]):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, ids: list[int], **options):
+        self.model, self.options = model, options  # options: compile()'s for KVzip (tokenizer=, repeat_prompt=)
         self.ids = ids
         self.states = None
         self.kvzip: dict = {}
@@ -421,7 +420,7 @@ class Prompt:
             if policy.schedule.prefill is not None or not getattr(policy.scoring, "reconstructs", False):
                 raise ValueError(f"{policy.name}: only one-pass prefill policies are compared")
             if policy.scoring not in self.kvzip:
-                self.kvzip[policy.scoring], memo = kvzip_scored(self.model, self.tokenizer, policy, self.ids)
+                self.kvzip[policy.scoring], memo = kvzip_scored(self.model, policy, self.ids, **self.options)
                 self.memo.update(memo)
             states = self.kvzip[policy.scoring]
         else:
@@ -466,7 +465,7 @@ def cmd_kept(args) -> None:
             sys.exit(f"kept: sample {index} ({mode}): kvcompile's prompt ids differ from those kvpress was fed "
                      f"(first difference at {first_difference(ids, prompt['ids'])}); nothing compared")
         n = len(ids)
-        here = Prompt(model, tokenizer, ids)
+        here = Prompt(model, ids, tokenizer=tokenizer)
         start = time.perf_counter()
         for record in kept.get(key, []):
             if args.presses and record["press"] not in args.presses:
