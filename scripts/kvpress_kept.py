@@ -430,19 +430,29 @@ class Prompt:
         return kvcompile_kept(replay_scored(policy, self.model.config, states, self.memo))
 
 
-def read_kvpress(path: Path) -> tuple[dict, dict]:
-    """(prompts {(index, mode): record}, kept {(index, mode): [records]}) of a kept-kvpress file."""
+def read_kvpress(paths) -> tuple[dict, dict]:
+    """(prompts {(index, mode): record}, kept {(index, mode): [records]}) of kept-kvpress files (a path or a
+    list: e.g. one run of the cheap presses over many prompts, one of observed_attention and kvzip over fewer);
+    only prompts a file finished count, and the same prompt in two files must have the same ids."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     prompts, kept = {}, {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        key = (r["index"], r["mode"])
-        if r["kind"] == "prompt":
-            prompts[key] = r
-        else:  # a prompt cut short and run again (--resume) wrote its first records twice: the last ones count
-            kept.setdefault(key, {})[(r["press"], r["fraction"])] = r
-    return prompts, {key: list(records.values()) for key, records in kept.items() if key in prompts}
+    for path in paths:
+        mine, records = {}, {}
+        for line in Path(path).read_text().splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            key = (r["index"], r["mode"])
+            if r["kind"] == "prompt":
+                mine[key] = r
+            else:  # a prompt cut short and run again (--resume) wrote its first records twice: the last ones count
+                records.setdefault(key, {})[(r["press"], r["fraction"])] = r
+        for key, r in mine.items():
+            if key in prompts and prompts[key]["ids"] != r["ids"]:
+                raise ValueError(f"{path}: sample {key[0]} ({key[1]}) was fed other ids than in an earlier file")
+            prompts.setdefault(key, r)
+            kept.setdefault(key, {}).update(records.get(key, {}))
+    return prompts, {key: list(records.values()) for key, records in kept.items()}
 
 
 def cmd_kept(args) -> None:
@@ -452,7 +462,7 @@ def cmd_kept(args) -> None:
     from kvcompile.models import load_model
 
     torch.set_num_threads(args.threads)
-    prompts, kept = read_kvpress(Path(args.kvpress))
+    prompts, kept = read_kvpress(args.kvpress)
     samples = {s["index"]: s for s in ruler.load_dataset(args.samples)}
     model, tokenizer = load_model(args.model)
     rows = []
@@ -485,7 +495,7 @@ def cmd_kept(args) -> None:
     print(table)
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kvpress_file": str(args.kvpress),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kvpress_files": args.kvpress,
             "samples_file": str(args.samples), "prompts": len(prompts),
             "definition": "agreement = |kept_kvpress ∩ kept_kvcompile| / |kept_kvpress| per (layer, KV head) over "
                           "the context positions; mean and min over samples x layers x heads; size_ratio = "
@@ -514,7 +524,7 @@ def add_parsers(sub, csv, choices, kept_fractions, home: Path) -> None:
     q = sub.add_parser("kept", help="kvcompile's specs on the same ids: agreement with kvpress's kept positions "
                                     "(kvcompile's env)")
     q.add_argument("--samples", required=True, help="the samples file kept-kvpress read")
-    q.add_argument("--kvpress", required=True, help="kept-kvpress's JSONL")
+    q.add_argument("--kvpress", required=True, type=csv(str), help="kept-kvpress's JSONL (comma-separated: several runs)")
     q.add_argument("--out", default=None, help="summary JSON")
     q.add_argument("--presses", type=choices(KEPT_PRESSES + (KVZIP_GLOBAL,)), default=None)
     q.add_argument("--specs", type=csv(str), default=None, help="only these labels of KEPT_SPECS")

@@ -231,6 +231,14 @@ def test_read_kvpress_keeps_finished_prompts_and_the_last_of_a_rerun(tmp_path):
     prompts, kept = kk.read_kvpress(path)
     assert list(prompts) == [(0, "aware")] and list(kept) == [(0, "aware")]
     assert sorted((r["press"], r["kept"]) for r in kept[(0, "aware")]) == [("knorm", "k"), ("snapkv", "new")]
+    other = write_jsonl(tmp_path / "k2.jsonl", [
+        {"kind": "kept", "index": 0, "mode": "aware", "press": "kvzip", "fraction": 0.1, "kept": "z"},
+        {"kind": "prompt", "index": 0, "mode": "aware", "ids": [1, 2]}])
+    prompts, kept = kk.read_kvpress([path, other])  # two runs over the same prompt: their presses together
+    assert sorted(r["press"] for r in kept[(0, "aware")]) == ["knorm", "kvzip", "snapkv"]
+    write_jsonl(other, [{"kind": "prompt", "index": 0, "mode": "aware", "ids": [1, 3]}])
+    with pytest.raises(ValueError, match="other ids"):
+        kk.read_kvpress([path, other])
 
 
 def test_kvcompile_kept_sets_are_the_caches_entries():
