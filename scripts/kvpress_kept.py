@@ -455,7 +455,22 @@ def read_kvpress(paths) -> tuple[dict, dict]:
     return prompts, {key: list(records.values()) for key, records in kept.items()}
 
 
+def row_key(r: dict) -> tuple:
+    return (r["index"], r["mode"], r["press"], r["label"], round(float(r["fraction"]), 6))
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The agreement rows a `kept --rows` file holds (agreement back as an (L, H) array)."""
+    import numpy as np
+
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{**r, "agreement": np.asarray(r["agreement"], dtype=float)} for r in rows]
+
+
 def cmd_kept(args) -> None:
+    import numpy as np
     import torch
 
     from kvcompile import ruler
@@ -464,10 +479,19 @@ def cmd_kept(args) -> None:
     torch.set_num_threads(args.threads)
     prompts, kept = read_kvpress(args.kvpress)
     samples = {s["index"]: s for s in ruler.load_dataset(args.samples)}
+    rows_path = Path(args.rows) if args.rows else None
+    rows = read_rows(rows_path) if rows_path else []
+    done = {row_key(r) for r in rows}
     model, tokenizer = load_model(args.model)
-    rows = []
     for key, prompt in prompts.items():
         index, mode = key
+        todo = [(record, label, spec, overrides) for record in kept.get(key, [])
+                if not args.presses or record["press"] in args.presses
+                for label, spec, overrides in KEPT_SPECS[record["press"]]
+                if (not args.specs or label in args.specs)
+                and row_key({**record, "label": label}) not in done]
+        if not todo:
+            continue
         ids, _ = ruler.mode_prompt(tokenizer, samples[index], mode)
         if ids != prompt["ids"]:
             from kvpress_compare import first_difference
@@ -477,17 +501,16 @@ def cmd_kept(args) -> None:
         n = len(ids)
         here = Prompt(model, ids, tokenizer=tokenizer)
         start = time.perf_counter()
-        for record in kept.get(key, []):
-            if args.presses and record["press"] not in args.presses:
-                continue
+        for record, label, spec, overrides in todo:
             theirs = unpack(record["kept"], record["shape"])
-            for label, spec, overrides in KEPT_SPECS[record["press"]]:
-                if args.specs and label not in args.specs:
-                    continue
-                ours = here.kept(spec_policy(spec, overrides, n, record["fraction"])).numpy()
-                rows.append({"index": index, "task": record["task"], "mode": mode, "press": record["press"],
-                             "label": label, "fraction": record["fraction"], "agreement": agreement(theirs, ours),
-                             "ratio": float(ours.sum() / max(1, theirs.sum()))})
+            ours = here.kept(spec_policy(spec, overrides, n, record["fraction"])).numpy()
+            row = {"index": index, "task": record["task"], "mode": mode, "press": record["press"], "label": label,
+                   "fraction": record["fraction"], "agreement": agreement(theirs, ours),
+                   "ratio": float(ours.sum() / max(1, theirs.sum()))}
+            rows.append(row)
+            if rows_path:
+                with open(rows_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({**row, "agreement": np.round(row["agreement"], 6).tolist()}) + "\n")
         print(f"kept {prompt['task']} #{index} {mode}: {n} tokens, {time.perf_counter() - start:.1f} s",
               file=sys.stderr)
     lines = summarize(rows)
@@ -496,7 +519,7 @@ def cmd_kept(args) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kvpress_files": args.kvpress,
-            "samples_file": str(args.samples), "prompts": len(prompts),
+            "samples_file": str(args.samples), "prompts": sorted({(r["index"], r["mode"]) for r in rows}),
             "definition": "agreement = |kept_kvpress ∩ kept_kvcompile| / |kept_kvpress| per (layer, KV head) over "
                           "the context positions; mean and min over samples x layers x heads; size_ratio = "
                           "|kept_kvcompile| / |kept_kvpress| over the cache",
@@ -526,6 +549,8 @@ def add_parsers(sub, csv, choices, kept_fractions, home: Path) -> None:
     q.add_argument("--samples", required=True, help="the samples file kept-kvpress read")
     q.add_argument("--kvpress", required=True, type=csv(str), help="kept-kvpress's JSONL (comma-separated: several runs)")
     q.add_argument("--out", default=None, help="summary JSON")
+    q.add_argument("--rows", default=None, help="JSONL of the per-(layer, head) agreements, appended as they are "
+                                                "computed; the rows it holds are not computed again (resume)")
     q.add_argument("--presses", type=choices(KEPT_PRESSES + (KVZIP_GLOBAL,)), default=None)
     q.add_argument("--specs", type=csv(str), default=None, help="only these labels of KEPT_SPECS")
     q.add_argument("--model", default=str(home / "models" / "smollm2-135m"))

@@ -282,3 +282,16 @@ def test_kvcompile_kept_sets_are_the_caches_entries():
         cache, _ = prefilled(model, policy, torch.tensor([ids]), repeat_prompt=repeat)
         assert (here.kept(policy) == kk.kvcompile_kept(cache)).all(), spec
     assert len(here.kvzip) == 1  # one reconstruction for both specs (the same scorer)
+
+
+def test_agreement_rows_resume(tmp_path):
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "rows.jsonl"
+    assert kk.read_rows(path) == []
+    row = {"index": 3, "mode": "aware", "press": "snapkv", "label": "snapkv window 64", "fraction": 0.1,
+           "ratio": 1.0, "agreement": [[1.0, 0.5], [0.25, 1.0]]}
+    write_jsonl(path, [row])
+    (back,) = kk.read_rows(path)
+    assert back["agreement"].shape == (2, 2) and back["agreement"][1, 0] == 0.25
+    assert kk.row_key(back) == (3, "aware", "snapkv", "snapkv window 64", 0.1)
+    assert kk.row_key({**row, "fraction": 0.1000000001}) == kk.row_key(back)
