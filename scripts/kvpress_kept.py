@@ -314,7 +314,9 @@ def cmd_kept_kvpress(args) -> None:
                             kept[name] = {}
                             record_compress(press, args.fractions, kept[name])
                         presses.append(press)
-                    with contextlib.ExitStack() as stack, torch.inference_mode():
+                    # inference_mode outermost: KVzipPress scores in its context's exit (the reconstruction), which
+                    # must run without autograd too (kvpress's pipeline runs the whole `with press(model)` under it)
+                    with torch.inference_mode(), contextlib.ExitStack() as stack:
                         for press in presses:
                             stack.enter_context(press(model))
                         model.model(input_ids=ids, past_key_values=DynamicCache())
