@@ -49,6 +49,11 @@ RULER comparison (`bash scripts/kvpress_env.sh ruler`): answer quality, both que
                options it does not know go on to kvcompile eval (--specs, --out, --plot-dir, ...).
   Timings are only meaningful from a quiet machine.
 
+Kept positions, entry for entry (issue 35; scripts/kvpress_kept.py):
+  kept-kvpress (.venv-kvpress)     each press's kept positions per layer, KV head and fraction on the samples
+  kept         (kvcompile's env)   kvcompile's specs on the same ids; per (layer, head) the share of kvpress's
+                                   kept positions kvcompile keeps too; summary JSON and table
+
 Equal bytes (issue 24; docs/EVAL.md, "Equal bytes"): `ruler --kv-bytes 1/16,1/32 --caches quanto4` runs each
 press over transformers' QuantizedCache (optimum-quanto) keeping the share F * E / e of the entries (E, e: an
 entry's key + value bytes in the full cache and in the QuantizedCache; the arithmetic is above
@@ -1098,6 +1103,11 @@ def main(argv=None) -> None:
     tab.add_argument("--out", default=None, help="kvcompile eval's --out JSON")
     tab.add_argument("--plot-dir", default=None, help="kvcompile eval's --plot-dir")
     tab.set_defaults(func=cmd_ruler_table)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import kvpress_kept  # the kept positions, entry for entry (issue 35)
+
+    kvpress_kept.add_parsers(sub, csv, choices, kept_fractions, home)
 
     args, rest = parser.parse_known_args(argv)
     if args.func is cmd_ruler_table:

@@ -3,6 +3,11 @@
 #   bash scripts/kvpress_env.sh setup            # only make the environment (.venv-kvpress)
 #   bash scripts/kvpress_env.sh [needle] [--lengths 1000,2000] [--depths ...] [--budgets 64,128] ...
 #        needle prompts, kvpress's SnapKV/PyramidKV/AdaKV against our same-named specs, kept tokens
+#   bash scripts/kvpress_env.sh kept [kept-kvpress options, e.g. --presses snapkv,kvzip --limit 2]
+#        kvpress's presses reproduced entry for entry (issue 35; scripts/kvpress_kept.py): RULER samples
+#        (RULER_SAMPLES per task, default 2), each press's kept positions per layer, KV head and fraction
+#        in kvpress's venv, then kvcompile's specs on the same ids and the agreement table
+#        ($out/kept_summary.json; the per-head rows in $out/kept_rows.jsonl, resumed when run again)
 #   bash scripts/kvpress_env.sh ruler [kvcompile eval options, e.g. --specs snapkv,lava]
 #        RULER: kvcompile generates the samples, kvpress's presses answer them through its own
 #        pipeline in both query modes, kvcompile checks the token ids kvpress fed and scores
@@ -39,11 +44,21 @@ setup_venv() {
 }
 what=needle
 case "${1:-}" in
-  setup|needle|ruler) what="$1"; shift ;;
+  setup|needle|ruler|kept) what="$1"; shift ;;
 esac
 setup_venv
 [ "$what" = setup ] && exit 0
 mkdir -p "$out"
+if [ "$what" = kept ]; then
+  samples="$out/ruler_kept_samples.jsonl"
+  [ -f "$samples" ] || "$py" -m kvcompile eval --suite ruler --samples "${RULER_SAMPLES:-2}" \
+    --lengths "${RULER_LENGTHS:-4096}" --seed "${RULER_SEED:-0}" --dump-dataset "$samples"
+  "$venv/bin/python" scripts/kvpress_compare.py kept-kvpress --samples "$samples" --out "$out/kept_kvpress.jsonl" \
+    --threads "${KVPRESS_THREADS:-2}" --resume "$@"
+  "$py" scripts/kvpress_compare.py kept --samples "$samples" --kvpress "$out/kept_kvpress.jsonl" \
+    --rows "$out/kept_rows.jsonl" --out "$out/kept_summary.json" --threads "${KVPRESS_THREADS:-2}"
+  exit 0
+fi
 if [ "$what" = ruler ]; then
   samples="$out/ruler_samples.jsonl"
   preds="$out/kvpress_ruler.jsonl"

@@ -154,3 +154,144 @@ def test_ruler_table_runs_kvcompile_on_the_answered_samples_only(tmp_path):
     write_jsonl(preds, [{"index": i, "mode": "aware", "method": "kvpress:full", "fraction": None, "prediction": "x"}
                         for i in range(3)])
     assert kc.samples_subset(samples, preds) is None
+
+
+# --- the kept comparison (issue 35): the parts that run without kvpress -------------------------------
+
+KEPT = Path(__file__).resolve().parents[1] / "scripts" / "kvpress_kept.py"
+kept_spec = importlib.util.spec_from_file_location("kvpress_kept", KEPT)
+kk = importlib.util.module_from_spec(kept_spec)
+kept_spec.loader.exec_module(kk)
+
+
+def test_agreement_is_the_share_of_kvpress_kept_positions_kvcompile_keeps():
+    np = pytest.importorskip("numpy")
+    theirs = np.zeros((2, 2, 8), dtype=bool)
+    ours = np.zeros((2, 2, 8), dtype=bool)
+    theirs[0, 0, [0, 1, 2, 3]] = True
+    ours[0, 0, [0, 1, 2, 5, 6]] = True        # 3 of kvpress's 4, one more of its own: 0.75
+    theirs[0, 1, [4, 5]] = True
+    ours[0, 1, [4, 5]] = True                 # the same set: 1.0
+    theirs[1, 0, [7]] = True                  # kvcompile keeps none of it: 0.0
+    ours[1, 0, [0, 1, 2, 3, 4, 5, 6]] = True  # (keeping more elsewhere does not count)
+    ours[1, 1, [3]] = True                    # kvpress keeps nothing in this head: 1.0 by definition
+    got = kk.agreement(theirs, ours)
+    assert got.shape == (2, 2)
+    assert got.tolist() == [[0.75, 1.0], [0.0, 1.0]]
+    # a superset of kvpress's set agrees fully, a subset by its share
+    assert kk.agreement(theirs[:1, :1], np.ones((1, 1, 8), dtype=bool)).tolist() == [[1.0]]
+    half = theirs[:1, :1].copy()
+    half[0, 0, [2, 3]] = False
+    assert kk.agreement(theirs[:1, :1], half).tolist() == [[0.5]]
+    with pytest.raises(ValueError, match="different shapes"):
+        kk.agreement(theirs, ours[:, :, :7])
+
+
+def test_kept_sets_pack_and_unpack_bit_for_bit():
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    grid = rng.random((3, 2, 13)) < 0.4  # 78 bits: not a whole number of bytes
+    text = kk.pack(grid)
+    assert (kk.unpack(text, grid.shape) == grid).all()
+    with pytest.raises(ValueError, match="expected"):
+        kk.unpack(text, (3, 2, 40))
+
+
+def test_summary_mean_min_and_where():
+    np = pytest.importorskip("numpy")
+    rows = [{"index": 4, "press": "snapkv", "label": "snapkv", "mode": "aware", "fraction": 0.25, "ratio": 1.0,
+             "agreement": np.array([[1.0, 1.0], [1.0, 0.5]])},
+            {"index": 9, "press": "snapkv", "label": "snapkv", "mode": "aware", "fraction": 0.25, "ratio": 1.5,
+             "agreement": np.array([[1.0, 0.25], [1.0, 1.0]])},
+            {"index": 4, "press": "snapkv", "label": "snapkv", "mode": "agnostic", "fraction": 0.25, "ratio": 1.0,
+             "agreement": np.ones((2, 2))}]
+    aware, agnostic = kk.summarize(rows)
+    assert aware["samples"] == 2 and aware["mean"] == pytest.approx(6.75 / 8) and aware["min"] == 0.25
+    assert aware["min_at"] == {"index": 9, "layer": 0, "head": 1}
+    assert aware["exact_heads"] == pytest.approx(6 / 8) and aware["size_ratio"] == pytest.approx(1.25)
+    assert agnostic["mean"] == 1.0 and agnostic["min"] == 1.0
+    (line,) = kk.overall([aware, agnostic])
+    assert line["samples"] == 3 and line["mean"] == pytest.approx((6.75 / 8 * 2 + 1.0) / 3) and line["min"] == 0.25
+    table = kk.markdown([aware, agnostic])
+    assert "| snapkv | snapkv | 0.8958 | 0.250 | 0.844 | 1.000 |" in table
+
+
+def test_round_robin_covers_every_task_first():
+    samples = [{"task": t, "index": i} for i, t in enumerate(["a", "a", "b", "b", "c"])]
+    assert [s["index"] for s in kk.round_robin(samples)] == [0, 2, 4, 1, 3]
+
+
+def test_read_kvpress_keeps_finished_prompts_and_the_last_of_a_rerun(tmp_path):
+    path = write_jsonl(tmp_path / "k.jsonl", [
+        {"kind": "kept", "index": 0, "mode": "aware", "press": "snapkv", "fraction": 0.1, "kept": "old"},
+        {"kind": "kept", "index": 0, "mode": "aware", "press": "snapkv", "fraction": 0.1, "kept": "new"},
+        {"kind": "kept", "index": 0, "mode": "aware", "press": "knorm", "fraction": 0.1, "kept": "k"},
+        {"kind": "prompt", "index": 0, "mode": "aware", "ids": [1, 2]},
+        {"kind": "kept", "index": 1, "mode": "aware", "press": "snapkv", "fraction": 0.1, "kept": "cut short"}])
+    prompts, kept = kk.read_kvpress(path)
+    assert list(prompts) == [(0, "aware")] and list(kept) == [(0, "aware")]
+    assert sorted((r["press"], r["kept"]) for r in kept[(0, "aware")]) == [("knorm", "k"), ("snapkv", "new")]
+    other = write_jsonl(tmp_path / "k2.jsonl", [
+        {"kind": "kept", "index": 0, "mode": "aware", "press": "kvzip", "fraction": 0.1, "kept": "z"},
+        {"kind": "prompt", "index": 0, "mode": "aware", "ids": [1, 2]}])
+    prompts, kept = kk.read_kvpress([path, other])  # two runs over the same prompt: their presses together
+    assert sorted(r["press"] for r in kept[(0, "aware")]) == ["knorm", "kvzip", "snapkv"]
+    write_jsonl(other, [{"kind": "prompt", "index": 0, "mode": "aware", "ids": [1, 3]}])
+    with pytest.raises(ValueError, match="other ids"):
+        kk.read_kvpress([path, other])
+
+
+def test_kvcompile_kept_sets_are_the_caches_entries():
+    """kvcompile's side: the kept positions read from the cache the RULER eval decodes from, with each scorer's
+    scores computed once (replay_scored), are sweep.replay's and the reference's; StreamingLLM's are the sinks
+    and the most recent tokens; KVzip's (its reconstruction run once) are a compiled prefill's."""
+    import torch
+    from tiny import prompt, tiny_model
+
+    from kvcompile import reference, ruler
+    from kvcompile.kvzip import RepeatPrompt
+    from kvcompile.sweep import capture, prefilled, replay
+
+    model = tiny_model(layers=3, heads=4, kv_heads=2)
+    ids = prompt(60)[0].tolist()
+    n = len(ids)
+    repeat = RepeatPrompt(first=(5, 6, 7, 8), later=(9, 10), suffix=(11, 12))
+    here = kk.Prompt(model, ids, repeat_prompt=repeat)
+    policy = kk.spec_policy("streamingllm", {}, n, 0.25)  # per_head = floor(0.25 * 60) = 15: 4 sinks + last 11
+    assert policy.budget.per_head == 15
+    kept = here.kept(policy)
+    assert kept.shape == (3, 2, n) and kept.dtype == torch.bool
+    expected = torch.zeros(n, dtype=torch.bool)
+    expected[:4] = expected[n - 11:] = True
+    assert (kept == expected).all()
+    states, _ = capture(model, torch.tensor([ids]))
+    for spec, overrides in (("snapkv", kk._window(8)), ("adakv", kk._snap(8, "max", 7)),
+                            ("h2o", {"ranking": {"by_score": {"window": 0}}}), ("pyramidkv", {})):
+        for fraction in (0.25, 0.5):
+            policy = kk.spec_policy(spec, overrides, n, fraction)
+            kept = here.kept(policy)
+            assert (kept == kk.kvcompile_kept(replay(policy, model.config, states))).all(), (spec, fraction)
+            ref = torch.stack([k[0] for k in reference.compress(policy, states).kept])
+            assert (kept == ref).all(), (spec, fraction)
+    assert kk.spec_policy("snapkv", kk._window(8), n, 0.5).scoring.window == 8
+    for spec in ("knorm", "tova", "expected_adakv"):  # the budget the RULER eval gives the spec
+        ((_, shipped),) = ruler.policies_for(spec, n, [0.1], None)
+        assert kk.spec_policy(spec, {}, n, 0.1) == shipped
+    for spec in ("kvzip", "kvzip_adakv"):
+        policy = kk.spec_policy(spec, {}, n, 0.25)
+        cache, _ = prefilled(model, policy, torch.tensor([ids]), repeat_prompt=repeat)
+        assert (here.kept(policy) == kk.kvcompile_kept(cache)).all(), spec
+    assert len(here.kvzip) == 1  # one reconstruction for both specs (the same scorer)
+
+
+def test_agreement_rows_resume(tmp_path):
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "rows.jsonl"
+    assert kk.read_rows(path) == []
+    row = {"index": 3, "mode": "aware", "press": "snapkv", "label": "snapkv window 64", "fraction": 0.1,
+           "ratio": 1.0, "agreement": [[1.0, 0.5], [0.25, 1.0]]}
+    write_jsonl(path, [row])
+    (back,) = kk.read_rows(path)
+    assert back["agreement"].shape == (2, 2) and back["agreement"][1, 0] == 0.25
+    assert kk.row_key(back) == (3, "aware", "snapkv", "snapkv window 64", 0.1)
+    assert kk.row_key({**row, "fraction": 0.1000000001}) == kk.row_key(back)

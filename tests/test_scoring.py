@@ -87,7 +87,7 @@ windows = st.integers(1, 30)
 scorers = st.one_of(
     st.builds(WindowAttention, window=windows, pooling=poolings, gqa=gqas),
     st.builds(Lava, window=windows, pooling=poolings, gqa=gqas),
-    st.builds(LastToken, gqa=gqas),
+    st.builds(LastToken, gqa=gqas, heads=st.sampled_from(["group", "all"])),
     st.builds(Accumulated, gqa=gqas),
     st.builds(Decayed, decay=st.floats(0.0, 1.0, exclude_min=True), gqa=gqas),
     st.just(KeyNorm()),
@@ -96,7 +96,7 @@ scorers = st.one_of(
 attention_scorers = st.one_of(
     st.builds(WindowAttention, window=windows, gqa=gqas),
     st.builds(Lava, window=windows, gqa=gqas),
-    st.builds(LastToken, gqa=gqas),
+    st.builds(LastToken, gqa=gqas, heads=st.sampled_from(["group", "all"])),
     st.builds(Accumulated, gqa=gqas),
     st.builds(Decayed, decay=st.floats(0.0, 1.0, exclude_min=True), gqa=gqas),
 )
@@ -158,6 +158,8 @@ def brute_scores(scorer, q, k, v, scale) -> torch.Tensor:
     else:  # Decayed
         per_query_head = sum(scorer.decay ** (n - 1 - j) * a[:, j] for j in range(n))
     groups = [per_query_head[kv * g: kv * g + g] for kv in range(h)]
+    if isinstance(scorer, LastToken) and scorer.heads == "all":  # every query head of the layer, for each KV head
+        groups = [per_query_head for _ in range(h)]
     s = torch.stack([grp.mean(0) if scorer.gqa == "mean" else grp.amax(0) for grp in groups])
     if isinstance(scorer, (WindowAttention, Lava)):
         s = brute_pool(s, scorer.pooling)
@@ -281,6 +283,7 @@ def test_hand_computed_scores_with_a_left_pad():
     inf = NEG_INF
     # row 0 (query 0) sees key 0 only: (1, 0); row 1: (1/4, 3/4)
     assert_close(LastToken().score(state), torch.tensor([[[inf, 0.25, 0.75]]]))
+    assert_close(LastToken(heads="all").score(state), torch.tensor([[[inf, 0.25, 0.75]]]))  # one head: the same
     assert_close(WindowAttention(window=2).score(state), torch.tensor([[[inf, 5 / 8, 3 / 8]]]))
     assert_close(WindowAttention(window=9).score(state), torch.tensor([[[inf, 5 / 8, 3 / 8]]]))
     assert_close(Accumulated().score(state), torch.tensor([[[inf, 1.25, 0.75]]]))
@@ -338,3 +341,17 @@ def test_entropy_hand_cases():
                  torch.tensor([math.log(2.0) / 3]))
     with pytest.raises(ValueError):
         entropy(torch.tensor([[[-1.0, 1.0]]]), torch.ones(1, 1, 2, dtype=torch.bool))
+
+
+def test_last_token_over_all_heads_gives_every_kv_head_one_score():
+    """heads: all (TOVA's own code, kvpress's TOVAPress): the last row's mean over all query heads of the layer,
+    the same for each KV head; heads: group (the default) reduces each group on its own."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 6, 5, 4, generator=gen), torch.randn(1, 2, 5, 4, generator=gen), torch.randn(1, 2, 5, 4)
+    state = LayerState(q, k, v, None, None)
+    last = torch.softmax(q[:, :, -1:] @ repeat_kv(k, 3).transpose(-1, -2) / 2.0, dim=-1)[:, :, 0]  # (1, 6, 5)
+    every = LastToken(heads="all").score(state)
+    assert_close(every, last.mean(1, keepdim=True).expand(1, 2, 5))
+    assert_close(LastToken(heads="all", gqa="max").score(state), last.amax(1, keepdim=True).expand(1, 2, 5))
+    assert_close(LastToken().score(state), torch.stack([last[:, :3].mean(1), last[:, 3:].mean(1)], dim=1))
+    assert not torch.allclose(every, LastToken().score(state))

@@ -60,7 +60,8 @@ def test_specs_say_what_their_papers_say():
     assert h2o.scoring.name == "accumulated" and h2o.ranking.window == h2o.budget.per_head // 2
     streaming = load_spec("streamingllm")
     assert (streaming.scoring.name, streaming.ranking.name, streaming.ranking.sinks) == ("recency", "by_position", 4)
-    assert load_spec("tova").scoring.name == "last_token"
+    tova = load_spec("tova")  # TOVA's own code and kvpress's TOVAPress: the mean over every head, one set for all
+    assert (tova.scoring.name, tova.scoring.gqa, tova.scoring.heads) == ("last_token", "mean", "all")
 
 
 def test_hybrids_mix_parts_of_different_papers():

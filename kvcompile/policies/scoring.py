@@ -295,16 +295,26 @@ class Lava(WindowAttention):
 @part("scoring", "last_token")
 @dataclass(frozen=True)
 class LastToken(Scorer):
-    """TOVA / DBudgetKV (k = 1): s[i] = A[N-1, i], the attention of the last prompt token."""
+    """TOVA / DBudgetKV (k = 1): s[i] = A[N-1, i], the attention of the last prompt token.
+
+    `heads: group` reduces the query heads of each KV head's group (`gqa`); `heads: all` reduces every
+    query head of the layer and gives each KV head that one score, so every head keeps the same tokens:
+    TOVA's own code (schwartz-lab-NLP/TOVA, TOVACache.reduce: the mean of the last row over all heads)
+    and kvpress's TOVAPress."""
 
     gqa: Literal["mean", "max"] = "mean"
+    heads: Literal["group", "all"] = "group"
 
     def query_rows(self, n: int) -> int:
         return 1
 
     def score(self, state: LayerState) -> Tensor:
         last = attention_rows(state, 1)[:, :, 0]  # (B, Hq, N)
-        return mask_pads(reduce_gqa(last, state.keys.shape[1], self.gqa), state)
+        h = state.keys.shape[1]
+        if self.heads == "all":
+            every = last.mean(dim=1, keepdim=True) if self.gqa == "mean" else last.amax(dim=1, keepdim=True)
+            return mask_pads(every.expand(-1, h, -1).contiguous(), state)
+        return mask_pads(reduce_gqa(last, h, self.gqa), state)
 
 
 @part("scoring", "accumulated")
