@@ -399,6 +399,8 @@ def _needs_grad(model, kwargs) -> bool:
 
 def _forward(entry: Entry, *args, use_cache=None, **kwargs):
     past_key_values = cache_arg.take(kwargs)
+    if cache_arg.is_engine_cache(past_key_values):  # continuous batching's forward (kvcompile.serving)
+        return entry.wrapped(*args, **cache_arg.given(past_key_values), use_cache=use_cache, **kwargs)
     model, plan, forward = entry.model, entry.plan, entry.wrapped
     config = model.config
     _refuse_outputs(kwargs, config)
