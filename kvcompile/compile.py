@@ -29,15 +29,38 @@ from kvcompile.policy import Policy
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 from kvcompile.sharding import ShardingError, model_shard
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+# the model types kvcompile is tested on (tests/test_runtime.py, tests/test_architectures.py): decoders whose
+# attention is softmax(q·kᵀ·scaling)·v over RoPE'd keys; they differ in norms, fused projections and MLPs (experts)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
+
+
+def unusual_attention(config) -> str | None:
+    """The attention feature of `config` that kvcompile's op does not compute, named, or None: keys and values
+    from a shared low-rank latent (MLA), attention to another sequence (cross-attention), position biases on the
+    logits (ALiBi)."""
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        return "multi-head latent attention (MLA: keys and values decompressed from a low-rank latent, kv_lora_rank)"
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False) or \
+            getattr(config, "cross_attention_layers", None):
+        return "cross-attention (a decoder attending to an encoder's or an image's states)"
+    attn_config = getattr(config, "attn_config", None)
+    alibi_in = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", False)
+    if getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", False) is True or alibi_in or \
+            getattr(config, "position_embedding_type", None) == "alibi":
+        return "ALiBi (linear position biases added to the attention logits)"
+    return None
 
 
 def _check_model(model) -> None:
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
+    feature = unusual_attention(config) if config is not None else None
+    if feature is not None:
+        raise CompileError(f"kvcompile: model type {kind!r} uses {feature}, which kvcompile's attention does not "
+                           f"compute; tested model types: {', '.join(SUPPORTED)}")
     if kind not in SUPPORTED:
-        raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported: {', '.join(SUPPORTED)}")
+        raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported (tested): {', '.join(SUPPORTED)}")
     if not hasattr(model, "generate") or not hasattr(model, "model"):
         raise CompileError("kvcompile: expected a *ForCausalLM model (with .model and .generate)")
     layers = getattr(model.model, "layers", None)
