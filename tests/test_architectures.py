@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 import kvcompile
 from kvcompile import cache_arg
+from kvcompile.passes.backend import COMPILES
 from test_runtime import SPECS, compile_options, full_budget, small_budget
 from tiny import MORE_ARCHS, left_pad, prompt, tiny_model
 
@@ -62,6 +63,8 @@ def test_compiled_entry_at_a_full_budget_equals_the_plain_model(arch):
     ids, mask = left_pad([prompt(30, seed=3)[0], prompt(24, seed=4)[0]])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny shapes: two threads on a shared 2-core machine spin-wait on each other
+    torch._dynamo.reset()  # graphs are shared by every model of a shape: none from an earlier test
+    COMPILES.clear()
     try:
         with torch.no_grad():
             ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
@@ -71,6 +74,9 @@ def test_compiled_entry_at_a_full_budget_equals_the_plain_model(arch):
                 assert got.tolist() == ref.tolist(), name
     finally:
         torch.set_num_threads(threads)
+    # Inductor compiled graphs in which kvcompile's passes found every layer's attention (prefill and decode)
+    assert COMPILES and all(c["inductor"] for c in COMPILES), COMPILES
+    assert sorted({layer for c in COMPILES for layer in c["layers"]}) == [0, 1], COMPILES
 
 
 def _mla():
