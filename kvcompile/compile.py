@@ -59,6 +59,24 @@ def _check_model(model) -> None:
     if feature is not None:
         raise CompileError(f"kvcompile: model type {kind!r} uses {feature}, which kvcompile's attention does not "
                            f"compute; tested model types: {', '.join(SUPPORTED)}")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        raise CompileError(f"kvcompile: model type {kind!r} soft-caps its attention logits (attn_logit_softcapping="
+                           f"{softcap}: cap·tanh(s/cap) before the softmax), which kvcompile's attention does not "
+                           "apply; it is refused rather than run with other logits")
+    inner = getattr(model, "model", None)
+    if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
+           for layer in getattr(inner, "layers", None) or ()):
+        raise CompileError(f"kvcompile: model type {kind!r} has learned attention sinks (self_attn.sinks: one logit "
+                           "per head added to the softmax's denominator), which kvcompile's attention does not add; "
+                           "it is refused rather than run with another softmax")
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in kinds:
+        kinds.append("chunked_attention")
+    if kinds:
+        raise CompileError(f"kvcompile: model type {kind!r} has {' and '.join(kinds)} layers (config.layer_types), "
+                           "whose attention sees a window of recent keys only; kvcompile attends to every kept entry "
+                           "and runs models whose layers are all full_attention")
     if kind not in SUPPORTED:
         raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported (tested): {', '.join(SUPPORTED)}")
     if not hasattr(model, "generate") or not hasattr(model, "model"):
@@ -70,9 +88,6 @@ def _check_model(model) -> None:
     if impl not in ("sdpa", "eager", "kvcompile", None):
         raise CompileError(f"kvcompile: the model uses attn_implementation={impl!r}; load it with "
                            "attn_implementation='sdpa' (or 'eager')")
-    if getattr(config, "attention_chunk_size", None) or getattr(config, "layer_types", None) and \
-            any(t != "full_attention" for t in config.layer_types):
-        raise CompileError("kvcompile: sliding-window or chunked attention layers are not supported")
 
 
 def sliding_window(config) -> int | None:

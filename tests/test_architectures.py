@@ -134,3 +134,42 @@ def test_an_untested_model_type_is_refused_with_the_tested_ones():
     with pytest.raises(kvcompile.CompileError, match="unsupported model type 'gpt_neox'; supported \\(tested\\): "
                                                      "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, phi3, olmo2"):
         kvcompile.compile(model, "snapkv")
+
+
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM(Gemma2Config(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                          sliding_window=8, attn_implementation="eager"))
+
+
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return GptOssForCausalLM(GptOssConfig(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                          num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+                                          attn_implementation="eager"))
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=50, hidden_size=32, intermediate_size=32,
+                                              num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                                              head_dim=16, sliding_window=8, attn_implementation="sdpa"))
+
+
+@pytest.mark.parametrize("make, says", [
+    (_gemma2, "soft-caps its attention logits \\(attn_logit_softcapping=50.0: cap·tanh\\(s/cap\\)"),
+    (_gpt_oss, "learned attention sinks \\(self_attn.sinks: one logit per head added to the softmax's denominator"),
+    (_gemma3, "'gemma3_text' has sliding_attention layers \\(config.layer_types\\)")])
+def test_what_the_op_does_not_compute_is_refused_by_name_before_any_change(make, says):
+    """Gemma 2's soft-capping and gpt-oss's sinks would change the softmax, and a hybrid model's local layers
+    attend to a window: none is computed by kvcompile's op yet, so each is refused, named, not approximated."""
+    model = make()
+    before = model.config._attn_implementation
+    with pytest.raises(kvcompile.CompileError, match=f"kvcompile: model type .*{says}"):
+        kvcompile.compile(model, "snapkv")
+    assert model.config._attn_implementation == before and "forward" not in model.__dict__
