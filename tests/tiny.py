@@ -45,9 +45,9 @@ def tiny_model(arch: str = "llama", layers: int = 3, heads: int = 4, kv_heads: i
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
-            if hasattr(attn, "q_norm"):  # RMS-normed queries and keys (Qwen3, OLMo 2): the norms' weights
-                attn.q_norm.weight.mul_(8)
-                attn.k_norm.weight.mul_(8)
+            if hasattr(attn, "q_norm"):  # RMS-normed queries and keys (Qwen3, OLMo 2): the norms' weights (the
+                attn.q_norm.weight.mul_(2)  # normed entries are ~1 each, far larger than the projections')
+                attn.k_norm.weight.mul_(2)
             elif hasattr(attn, "qkv_proj"):  # rows: the queries, then the keys, then the values
                 attn.qkv_proj.weight[:(heads + kv_heads) * head_dim].mul_(8)
             else:
