@@ -35,3 +35,14 @@ def given(cache) -> dict:
 def of(output):
     """The cache a model's or generate()'s output carries (`output.cache` from 5.24, `past_key_values` before)."""
     return getattr(output, NAME)
+
+
+def is_engine_cache(cache) -> bool:
+    """Whether `cache` is continuous batching's paged cache. The engine passes it as `cache`, which up to 5.23 went
+    through the model's keyword arguments to the attention function, and from 5.24 is the model's cache argument:
+    kvcompile.serving's attention reads the requests' own caches from it, so it goes on unchanged."""
+    if cache is None or NAME != "cache":
+        return False
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    return isinstance(cache, PagedAttentionCache)

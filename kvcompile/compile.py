@@ -29,15 +29,56 @@ from kvcompile.policy import Policy
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 from kvcompile.sharding import ShardingError, model_shard
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+# the model types kvcompile is tested on (tests/test_runtime.py, tests/test_architectures.py): decoders whose
+# attention is softmax(q·kᵀ·scaling)·v over RoPE'd keys; they differ in norms, fused projections and MLPs (experts)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
+
+
+def unusual_attention(config) -> str | None:
+    """The attention feature of `config` that kvcompile's op does not compute, named, or None: keys and values
+    from a shared low-rank latent (MLA), attention to another sequence (cross-attention), position biases on the
+    logits (ALiBi)."""
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        return "multi-head latent attention (MLA: keys and values decompressed from a low-rank latent, kv_lora_rank)"
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False) or \
+            getattr(config, "cross_attention_layers", None):
+        return "cross-attention (a decoder attending to an encoder's or an image's states)"
+    attn_config = getattr(config, "attn_config", None)
+    alibi_in = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", False)
+    if getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", False) is True or alibi_in or \
+            getattr(config, "position_embedding_type", None) == "alibi":
+        return "ALiBi (linear position biases added to the attention logits)"
+    return None
 
 
 def _check_model(model) -> None:
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
+    feature = unusual_attention(config) if config is not None else None
+    if feature is not None:
+        raise CompileError(f"kvcompile: model type {kind!r} uses {feature}, which kvcompile's attention does not "
+                           f"compute; tested model types: {', '.join(SUPPORTED)}")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        raise CompileError(f"kvcompile: model type {kind!r} soft-caps its attention logits (attn_logit_softcapping="
+                           f"{softcap}: cap·tanh(s/cap) before the softmax), which kvcompile's attention does not "
+                           "apply; it is refused rather than run with other logits")
+    inner = getattr(model, "model", None)
+    if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
+           for layer in getattr(inner, "layers", None) or ()):
+        raise CompileError(f"kvcompile: model type {kind!r} has learned attention sinks (self_attn.sinks: one logit "
+                           "per head added to the softmax's denominator), which kvcompile's attention does not add; "
+                           "it is refused rather than run with another softmax")
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in kinds:
+        kinds.append("chunked_attention")
+    if kinds:
+        raise CompileError(f"kvcompile: model type {kind!r} has {' and '.join(kinds)} layers (config.layer_types), "
+                           "whose attention sees a window of recent keys only; kvcompile attends to every kept entry "
+                           "and runs models whose layers are all full_attention")
     if kind not in SUPPORTED:
-        raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported: {', '.join(SUPPORTED)}")
+        raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported (tested): {', '.join(SUPPORTED)}")
     if not hasattr(model, "generate") or not hasattr(model, "model"):
         raise CompileError("kvcompile: expected a *ForCausalLM model (with .model and .generate)")
     layers = getattr(model.model, "layers", None)
@@ -47,9 +88,6 @@ def _check_model(model) -> None:
     if impl not in ("sdpa", "eager", "kvcompile", None):
         raise CompileError(f"kvcompile: the model uses attn_implementation={impl!r}; load it with "
                            "attn_implementation='sdpa' (or 'eager')")
-    if getattr(config, "attention_chunk_size", None) or getattr(config, "layer_types", None) and \
-            any(t != "full_attention" for t in config.layer_types):
-        raise CompileError("kvcompile: sliding-window or chunked attention layers are not supported")
 
 
 def sliding_window(config) -> int | None:
@@ -400,6 +438,8 @@ def _needs_grad(model, kwargs) -> bool:
 
 def _forward(entry: Entry, *args, use_cache=None, **kwargs):
     past_key_values = cache_arg.take(kwargs)
+    if cache_arg.is_engine_cache(past_key_values):  # continuous batching's forward (kvcompile.serving)
+        return entry.wrapped(*args, **cache_arg.given(past_key_values), use_cache=use_cache, **kwargs)
     model, plan, forward = entry.model, entry.plan, entry.wrapped
     config = model.config
     _refuse_outputs(kwargs, config)

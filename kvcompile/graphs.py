@@ -173,4 +173,4 @@ class DecodeGraphs:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         # a copy: the recorded step writes the next step's logits into the same tensor
-        return CausalLMOutputWithPast(logits=logits.clone(), past_key_values=cache)
+        return CausalLMOutputWithPast(logits=logits.clone(), **cache_arg.given(cache))  # the field 5.24 renamed

@@ -351,8 +351,15 @@ class KVCompilePagedCache(PagedAttentionCache):
         return None
 
     def update(self, key_states, value_states, layer_idx, kwargs):
-        raise RuntimeError("kvcompile: the engine's cache update ran on a compiled model; its attention must be "
-                           f"{BATCHING_ATTENTION!r} (see kvcompile.serving)")
+        """transformers 5.24 on: each attention module calls this before its attention function, which no longer
+        gets the cache. kvcompile's op stores what it keeps itself, so the keys and values go on unchanged and
+        the cache goes to the attention in its keyword arguments (updated in place), where 5.23 put it. (Up to
+        5.23 only the engine's own attention functions call it.)"""
+        if self.config._attn_implementation != BATCHING_ATTENTION:
+            raise RuntimeError("kvcompile: the engine's cache update ran on a compiled model; its attention must be "
+                               f"{BATCHING_ATTENTION!r} (see kvcompile.serving)")
+        kwargs["cache"] = self
+        return key_states, value_states
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         state = self.kvcompile

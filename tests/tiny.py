@@ -5,15 +5,18 @@ import os
 import threading
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 ARCHS = ("llama", "mistral", "qwen2")
+# decoders that differ from those in their MLP (mixture of experts) or their names and norms (tests/test_architectures.py)
+MORE_ARCHS = ("qwen3_moe", "mixtral", "phi3", "olmo2")
 
 
 def tiny_model(arch: str = "llama", layers: int = 3, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                seed: int = 0, sliding_window: int | None = None):
-    """`sliding_window` (Mistral only): the config's window, as Mistral-7B-v0.1 sets 4096."""
+    """`sliding_window` (Mistral and Mixtral): the config's window, as Mistral-7B-v0.1 sets 4096."""
     common = dict(vocab_size=96, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                   max_position_embeddings=1024, attn_implementation="sdpa", pad_token_id=0, eos_token_id=1,
@@ -25,14 +28,31 @@ def tiny_model(arch: str = "llama", layers: int = 3, heads: int = 4, kv_heads: i
         model = MistralForCausalLM(MistralConfig(sliding_window=sliding_window, **common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
+    elif arch == "qwen3_moe":  # every layer's MLP is 4 experts, 2 per token
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                   decoder_sparse_step=1, **common))
+    elif arch == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                 sliding_window=sliding_window, **common))
+    elif arch == "phi3":  # one fused qkv_proj; head_dim is hidden_size / heads
+        model = Phi3ForCausalLM(Phi3Config(**{k: v for k, v in common.items() if k != "head_dim"}))
+    elif arch == "olmo2":  # RMS norms over the whole q and k projections, after the attention and MLP
+        model = Olmo2ForCausalLM(Olmo2Config(**common))
     else:
         raise ValueError(arch)
     # Larger random weights than the default init give peaked, varied attention, so that
     # policies disagree about which tokens matter (the default init attends almost uniformly).
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
+            attn = layer.self_attn
+            if hasattr(attn, "q_norm"):  # RMS-normed queries and keys (Qwen3, OLMo 2): the norms' weights (the
+                attn.q_norm.weight.mul_(2)  # normed entries are ~1 each, far larger than the projections')
+                attn.k_norm.weight.mul_(2)
+            elif hasattr(attn, "qkv_proj"):  # rows: the queries, then the keys, then the values
+                attn.qkv_proj.weight[:(heads + kv_heads) * head_dim].mul_(8)
+            else:
+                attn.q_proj.weight.mul_(8)
+                attn.k_proj.weight.mul_(8)
     model.generation_config.pad_token_id = 0
     return model.eval()
 
