@@ -8,7 +8,8 @@
     kvcompile plot budget-map          # kept tokens per layer x head, as a PNG
     kvcompile specs                    # the shipped policies
 
-Everything runs offline on the embedded SmolLM2-135M (prepared by `bash scripts/setup.sh demo`)
+Everything runs offline on the embedded SmolLM2-135M (prepared by `bash scripts/setup.sh demo`),
+on the embedded Gemma 3 270M (`--model gemma3-270m`, prepared by `bash scripts/setup.sh gemma`)
 or on any local transformers checkpoint given with --model.
 """
 from __future__ import annotations
@@ -1009,7 +1010,8 @@ def cmd_specs(args) -> None:
 def add_common(p, spec: bool = True, per_head_default: str = "the spec's own", demo: bool = True) -> None:
     """The options every command shares; `demo`: the command builds needle prompts (--seed picks them)."""
     p.add_argument("--model", metavar="PATH", default=None,
-                   help="a local transformers checkpoint folder (default: the embedded SmolLM2-135M)")
+                   help="a local transformers checkpoint folder, or an embedded model's name: smollm2-135m "
+                        "(the default, the embedded SmolLM2-135M) or gemma3-270m (`bash scripts/setup.sh gemma`)")
     p.add_argument("--threads", type=positive, default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
     if demo:
         p.add_argument("--seed", type=int, default=0, help="picks the hidden fact and the filler text (default 0)")
@@ -1031,7 +1033,7 @@ def serve_vllm(args, model: str) -> None:
         fail("--reuse-context runs on the transformers engine only (--engine transformers)")
     server = VllmServe(spec=args.spec, per_head=args.per_head, model=model, host=args.host, port=args.port,
                        kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
-                       served_model_name=args.served_model_name)
+                       served_model_name=args.served_model_name or args.model)
     try:
         server.exec()
     except (ImportError, ValueError, OSError) as exc:
@@ -1041,25 +1043,25 @@ def serve_vllm(args, model: str) -> None:
 def cmd_serve(args) -> None:
     """transformers' OpenAI-compatible server with continuous batching on the compiled model."""
     from kvcompile.compile import CompileError
-    from kvcompile.models import SETUP_COMMAND, default_model_dir, is_converted
+    from kvcompile.models import embedded_model
     from kvcompile.server import ServeOptions, serve
 
     if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
-    model = args.model
-    if model is None:
-        if not is_converted():
-            fail(f"the embedded SmolLM2 is not prepared: run `{SETUP_COMMAND}`, or pass --model PATH")
-        model = str(default_model_dir())
+    model, embedded = args.model, embedded_model(args.model)
+    if embedded is not None:
+        if not embedded.is_converted():
+            fail(f"the embedded {embedded.title} is not prepared: run `{embedded.setup_command}`, or pass --model PATH")
+        model = str(embedded.folder())
     if args.engine == "vllm":
         serve_vllm(args, model)
         return
     options = ServeOptions(spec=policy_for(args.spec, args.per_head), model=model, host=args.host, port=args.port,
                            kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
                            log_level="error" if args.quiet else "warning",
-                           served_model_name=args.served_model_name, log_requests=not args.quiet,
+                           served_model_name=args.served_model_name or args.model, log_requests=not args.quiet,
                            reuse_context=args.reuse_context, reuse_context_bytes=args.reuse_context_bytes)
     try:
         serve(options)
