@@ -552,6 +552,10 @@ def cmd_eval(args) -> None:
     (the MEASURED fields are each run's own measurements)."""
     from kvcompile.data import needle_suite
 
+    # `full`, the uncompressed baseline, runs beside the specs anyway: `--specs full` is the baseline alone.
+    args.specs = [spec for spec in args.specs if spec != FULL]
+    if args.suite == "ruler" and not args.specs and not args.full:
+        fail("--no-full with no spec other than full: nothing to run")
     if args.suite == "ruler":
         return cmd_eval_ruler(args)
     for spec in args.specs:
@@ -1010,8 +1014,8 @@ def cmd_specs(args) -> None:
 def add_common(p, spec: bool = True, per_head_default: str = "the spec's own", demo: bool = True) -> None:
     """The options every command shares; `demo`: the command builds needle prompts (--seed picks them)."""
     p.add_argument("--model", metavar="PATH", default=None,
-                   help="a local transformers checkpoint folder, or an embedded model's name: smollm2-135m "
-                        "(the default, the embedded SmolLM2-135M) or gemma3-270m (`bash scripts/setup.sh gemma`)")
+                   help="a local transformers checkpoint folder (default: the embedded SmolLM2-135M, by name "
+                        "smollm2-135m), or gemma3-270m, the embedded Gemma 3 270M (`bash scripts/setup.sh gemma`)")
     p.add_argument("--threads", type=positive, default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
     if demo:
         p.add_argument("--seed", type=int, default=0, help="picks the hidden fact and the filler text (default 0)")
@@ -1107,7 +1111,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(ev, spec=False)
     ev.add_argument("--suite", choices=("needle", "ruler"), default="needle",
                     help="needle: needle in a haystack (default); ruler: RULER's tasks in both query modes")
-    ev.add_argument("--specs", type=names, default=names(EVAL_SPECS), help=f"comma-separated (default {EVAL_SPECS})")
+    ev.add_argument("--specs", type=names, default=names(EVAL_SPECS),
+                    help=f"comma-separated (default {EVAL_SPECS}); the full cache runs beside them, `full` alone "
+                         "runs it only")
     ev.add_argument("--budgets", type=ints, default=None,
                     help="tokens per KV head, comma-separated (default: needle 64,128; ruler uses --kv-fraction "
                          "unless this is given)")

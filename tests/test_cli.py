@@ -49,6 +49,7 @@ def test_subcommand_help(command, words, capsys):
     (["eval", "--depths", "0.5,1.5"], "between 0 and 1"),
     (["eval", "--budgets", "64,lots"], "integers"),
     (["eval", "--specs", "snapkv,no_such_policy"], "no_such_policy"),
+    (["eval", "--suite", "ruler", "--specs", "full", "--no-full"], "nothing to run"),
     (["plot", "needle"], "--results"),
     (["plot", "heatmap"], "invalid choice"),
     # a threshold spec decides its own budget: --per-head is refused as load_spec(per_head=) refuses it

@@ -4,6 +4,7 @@ the GGUF's own logits and greedy tokens.
 
 The tests that read the model skip, naming the set-up command, when it has not been prepared.
 kvcompile.compile() does not run Gemma 3's hybrid attention yet: only the full cache runs here."""
+import json
 import re
 import time
 from pathlib import Path
@@ -106,3 +107,19 @@ def test_run_full_cache_on_gemma(capsys):
     assert re.search(r"^model\s+\S*gemma3-270m: 18 layers, 1 KV heads x 256 dims", out, re.M)
     assert re.search(r"^answer\s+\S", out, re.M)
     assert re.search(r"^memory\s+KV cache [\d.]+ MiB \(full\)", out, re.M)
+
+
+def test_eval_full_cache_on_gemma(tmp_path, capsys):
+    """`kvcompile eval --model gemma3-270m --specs full`: needle prompts under the uncompressed
+    baseline alone (full always runs beside the specs; named alone, it is the only run)."""
+    require_gemma()
+    if not haystack_path().is_file():
+        pytest.skip(f"no haystack: run `{SMOLLM2.setup_command}`")
+    out = tmp_path / "eval.json"
+    cli.main(["eval", "--model", "gemma3-270m", "--specs", "full", "--lengths", "600", "--depths", "0.9",
+              "--max-new-tokens", "6", "--quiet", "--threads", "1", "--out", str(out)])
+    assert re.search(r"^full\s+\d/1\b", capsys.readouterr().out, re.M)
+    result = json.loads(out.read_text())
+    assert Path(result["model"]) == GEMMA3.folder()
+    [record] = result["needle"]
+    assert record["spec"] == "full" and record["needle_kept"] == 1.0 and record["tokens"] <= 600
