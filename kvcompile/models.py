@@ -352,10 +352,15 @@ class Generation:
 def full_kv_bytes(model, tokens: int, batch: int = 1) -> int:
     """Bytes of K and V a full cache holds for `tokens` tokens (the model's dtype).  After
     generating n tokens from an N-token prompt the cache holds N + n - 1: the last token
-    generated was never fed back."""
+    generated was never fed back.  A sliding-window layer (Gemma 3's local layers) holds what
+    transformers' own cache for the model holds there: its last `sliding_window - 1` tokens."""
+    from transformers import DynamicCache
+
     info = model_summary(model)
     elt = next(model.parameters()).element_size()
-    return 2 * batch * tokens * info["layers"] * info["kv_heads"] * info["head_dim"] * elt
+    windows = [getattr(layer, "sliding_window", None) for layer in DynamicCache(config=model.config).layers]
+    held = sum(tokens if window is None else min(tokens, window - 1) for window in windows)
+    return 2 * batch * held * info["kv_heads"] * info["head_dim"] * elt
 
 
 def generate(model, tokenizer, input_ids, max_new_tokens: int = 32) -> Generation:

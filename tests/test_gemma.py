@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig
 
-from kvcompile import cli
+from kvcompile import cache_arg, cli
 from kvcompile.data import haystack_path
-from kvcompile.models import EMBEDDED, GEMMA3, SMOLLM2, ChunkedGguf, embedded_model, is_converted, load_model
+from kvcompile.models import (EMBEDDED, GEMMA3, SMOLLM2, ChunkedGguf, embedded_model, full_kv_bytes, is_converted,
+                              load_model)
 
 SETUP = GEMMA3.setup_command
 
@@ -54,6 +56,34 @@ def test_serve_names_gemma_setup_when_not_prepared(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "--model", "gemma3-270m"])
     assert exc.value.code == 2 and SETUP in capsys.readouterr().err
+
+
+# --- what a full cache holds -----------------------------------------------------------------
+
+def tiny(config_class, **extra):
+    torch.manual_seed(0)
+    config = config_class(num_hidden_layers=6, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=64, **extra)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("config_class, extra", [
+    (Gemma3TextConfig, {"sliding_window": 8, "layer_types": (["sliding_attention"] * 2 + ["full_attention"]) * 2}),
+    (LlamaConfig, {}),
+], ids=["gemma3-hybrid", "llama"])
+def test_full_kv_bytes_is_what_transformers_cache_holds(config_class, extra):
+    """A full cache's bytes, as run, eval and bench print them, are the bytes transformers' own cache
+    holds after a prompt and after decode steps: a sliding-window layer holds its window only."""
+    model = tiny(config_class, **extra)
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(0, 64, (1, 5))
+    tokens = 0
+    for step in [ids] + [ids[:, :1]] * 3 + [torch.randint(0, 64, (1, 12))]:
+        with torch.inference_mode():
+            model(step, use_cache=True, **cache_arg.given(cache))
+        tokens += step.shape[1]
+        held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        assert full_kv_bytes(model, tokens) == held, tokens
 
 
 # --- the real model ------------------------------------------------------------------------
