@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig, MistralConfig
 
 from kvcompile import cache_arg, cli
 from kvcompile.data import haystack_path
@@ -69,8 +69,9 @@ def tiny(config_class, **extra):
 
 @pytest.mark.parametrize("config_class, extra", [
     (Gemma3TextConfig, {"sliding_window": 8, "layer_types": (["sliding_attention"] * 2 + ["full_attention"]) * 2}),
+    (MistralConfig, {"sliding_window": 8}),
     (LlamaConfig, {}),
-], ids=["gemma3-hybrid", "llama"])
+], ids=["gemma3-hybrid", "mistral-window", "llama"])
 def test_full_kv_bytes_is_what_transformers_cache_holds(config_class, extra):
     """A full cache's bytes, as run, eval and bench print them, are the bytes transformers' own cache
     holds after a prompt and after decode steps: a sliding-window layer holds its window only."""
