@@ -173,9 +173,13 @@ def run_policy(model, tokenizer, ids, policy, max_new_tokens: int, progress: boo
     """Compile `policy` into `model`, generate, restore the model; the Generation."""
     import kvcompile
 
+    from kvcompile.compile import CompileError
     from kvcompile.models import generate
 
-    kvcompile.compile(model, policy, progress=progress)
+    try:
+        kvcompile.compile(model, policy, progress=progress)
+    except CompileError as exc:  # a model kvcompile does not run (its type, an attention feature): the reason alone
+        fail(str(exc).removeprefix("kvcompile: "))
     try:
         return generate(model, tokenizer, ids, max_new_tokens)
     finally:

@@ -265,3 +265,22 @@ def test_needle_number_must_stand_alone():
     assert not answer_found("The secret number is 1234567890.", "2345")
     assert not answer_found("It is 82981.", "8298")
     assert answer_found("The password is BLUE.", "blue")
+
+
+def test_run_on_a_model_compile_refuses_says_why(tmp_path, capsys):
+    """`kvcompile run --model PATH` on a checkpoint whose architecture compile() refuses exits with
+    code 2 and compile()'s reason, not a traceback."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    words = "the old mill kept one number for years".split()
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(tmp_path / "gpt2")
+    GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(
+        tmp_path / "gpt2")
+    (tmp_path / "prompt.txt").write_text(" ".join(words * 4))
+    code, text = exit_code(["run", "--model", str(tmp_path / "gpt2"), "--prompt-file", str(tmp_path / "prompt.txt"),
+                            "--raw", "--spec", "streamingllm", "--no-compare", "--max-new-tokens", "2",
+                            "--quiet"], capsys)
+    assert code == 2 and "gpt2" in text and "Traceback" not in text, text
