@@ -169,17 +169,22 @@ def demo_prompt(tokenizer, filler: str, length: int, depth: float, seed: int):
     return needle_prompt(tokenizer, filler, length, depth, make_needle(seed), start=start)
 
 
+def refused(exc) -> str:
+    """compile()'s reason for refusing a model (its type, an attention feature), for `fail`: no traceback."""
+    return str(exc).removeprefix("kvcompile: ")
+
+
 def run_policy(model, tokenizer, ids, policy, max_new_tokens: int, progress: bool = False):
     """Compile `policy` into `model`, generate, restore the model; the Generation."""
     import kvcompile
 
-    from kvcompile.compile import CompileError
+    from kvcompile.errors import CompileError
     from kvcompile.models import generate
 
     try:
         kvcompile.compile(model, policy, progress=progress)
-    except CompileError as exc:  # a model kvcompile does not run (its type, an attention feature): the reason alone
-        fail(str(exc).removeprefix("kvcompile: "))
+    except CompileError as exc:
+        fail(refused(exc))
     try:
         return generate(model, tokenizer, ids, max_new_tokens)
     finally:
@@ -594,6 +599,8 @@ def cmd_eval(args) -> None:
 
 
 def _eval(args, filler, ranks, needle_suite) -> None:
+    from kvcompile.errors import CompileError
+
     lead = ranks is None or ranks.rank == 0  # the process that prints and writes
     quiet = args.quiet or not lead
     model, tokenizer = load(args)
@@ -606,6 +613,10 @@ def _eval(args, filler, ranks, needle_suite) -> None:
             parts["continuation"] = continuation_records(model, tokenizer, filler, args.lengths, args.specs,
                                                          args.budgets, args.continuation, args.seed, quiet=quiet,
                                                          ranks=ranks)
+    except CompileError as exc:
+        if ranks is None:
+            fail(refused(exc))
+        error = refused(exc)
     except Exception:
         if ranks is None:
             raise
@@ -706,6 +717,7 @@ def cmd_eval_ruler(args) -> None:
     the summary table, --out JSON, --plot-dir plots. Under torchrun the context groups are shared
     round-robin (group g on rank g mod N) and rank 0 writes what one process writes."""
     from kvcompile import ruler
+    from kvcompile.errors import CompileError
 
     tasks, fractions, budgets = ruler_settings(args)
     policies = {}
@@ -763,6 +775,10 @@ def cmd_eval_ruler(args) -> None:
             if ranks is None:
                 fail(f"--kv-bytes: {exc}")
             error = f"--kv-bytes: {exc}"
+        except CompileError as exc:
+            if ranks is None:
+                fail(refused(exc))
+            error = refused(exc)
         except Exception:
             if ranks is None:
                 raise
