@@ -8,7 +8,8 @@
     kvcompile plot budget-map          # kept tokens per layer x head, as a PNG
     kvcompile specs                    # the shipped policies
 
-Everything runs offline on the embedded SmolLM2-135M (prepared by `bash scripts/setup.sh demo`)
+Everything runs offline on the embedded SmolLM2-135M (prepared by `bash scripts/setup.sh demo`),
+on the embedded Gemma 3 270M (`--model gemma3-270m`, prepared by `bash scripts/setup.sh gemma`)
 or on any local transformers checkpoint given with --model.
 """
 from __future__ import annotations
@@ -168,13 +169,22 @@ def demo_prompt(tokenizer, filler: str, length: int, depth: float, seed: int):
     return needle_prompt(tokenizer, filler, length, depth, make_needle(seed), start=start)
 
 
+def refused(exc) -> str:
+    """compile()'s reason for refusing a model (its type, an attention feature), for `fail`: no traceback."""
+    return str(exc).removeprefix("kvcompile: ")
+
+
 def run_policy(model, tokenizer, ids, policy, max_new_tokens: int, progress: bool = False):
     """Compile `policy` into `model`, generate, restore the model; the Generation."""
     import kvcompile
 
+    from kvcompile.errors import CompileError
     from kvcompile.models import generate
 
-    kvcompile.compile(model, policy, progress=progress)
+    try:
+        kvcompile.compile(model, policy, progress=progress)
+    except CompileError as exc:
+        fail(refused(exc))
     try:
         return generate(model, tokenizer, ids, max_new_tokens)
     finally:
@@ -551,6 +561,10 @@ def cmd_eval(args) -> None:
     (the MEASURED fields are each run's own measurements)."""
     from kvcompile.data import needle_suite
 
+    # `full`, the uncompressed baseline, runs beside the specs anyway: `--specs full` is the baseline alone.
+    args.specs = [spec for spec in args.specs if spec != FULL]
+    if args.suite == "ruler" and not args.specs and not args.full:
+        fail("--no-full with no spec other than full: nothing to run")
     if args.suite == "ruler":
         return cmd_eval_ruler(args)
     for spec in args.specs:
@@ -585,6 +599,8 @@ def cmd_eval(args) -> None:
 
 
 def _eval(args, filler, ranks, needle_suite) -> None:
+    from kvcompile.errors import CompileError
+
     lead = ranks is None or ranks.rank == 0  # the process that prints and writes
     quiet = args.quiet or not lead
     model, tokenizer = load(args)
@@ -597,6 +613,10 @@ def _eval(args, filler, ranks, needle_suite) -> None:
             parts["continuation"] = continuation_records(model, tokenizer, filler, args.lengths, args.specs,
                                                          args.budgets, args.continuation, args.seed, quiet=quiet,
                                                          ranks=ranks)
+    except CompileError as exc:
+        if ranks is None:
+            fail(refused(exc))
+        error = refused(exc)
     except Exception:
         if ranks is None:
             raise
@@ -697,6 +717,7 @@ def cmd_eval_ruler(args) -> None:
     the summary table, --out JSON, --plot-dir plots. Under torchrun the context groups are shared
     round-robin (group g on rank g mod N) and rank 0 writes what one process writes."""
     from kvcompile import ruler
+    from kvcompile.errors import CompileError
 
     tasks, fractions, budgets = ruler_settings(args)
     policies = {}
@@ -772,6 +793,10 @@ def cmd_eval_ruler(args) -> None:
             if ranks is None:
                 fail(f"--kv-bytes: {exc}")
             error = f"--kv-bytes: {exc}"
+        except CompileError as exc:
+            if ranks is None:
+                fail(refused(exc))
+            error = refused(exc)
         except Exception:
             if ranks is None:
                 raise
@@ -1075,7 +1100,8 @@ def cmd_specs(args) -> None:
 def add_common(p, spec: bool = True, per_head_default: str = "the spec's own", demo: bool = True) -> None:
     """The options every command shares; `demo`: the command builds needle prompts (--seed picks them)."""
     p.add_argument("--model", metavar="PATH", default=None,
-                   help="a local transformers checkpoint folder (default: the embedded SmolLM2-135M)")
+                   help="a local transformers checkpoint folder (default: the embedded SmolLM2-135M, by name "
+                        "smollm2-135m), or gemma3-270m, the embedded Gemma 3 270M (`bash scripts/setup.sh gemma`)")
     p.add_argument("--threads", type=positive, default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
     if demo:
         p.add_argument("--seed", type=int, default=0, help="picks the hidden fact and the filler text (default 0)")
@@ -1097,7 +1123,7 @@ def serve_vllm(args, model: str) -> None:
         fail("--reuse-context runs on the transformers engine only (--engine transformers)")
     server = VllmServe(spec=args.spec, per_head=args.per_head, model=model, host=args.host, port=args.port,
                        kv_tokens=args.kv_tokens, max_model_len=args.max_model_len,
-                       served_model_name=args.served_model_name)
+                       served_model_name=args.served_model_name or args.model)
     try:
         server.exec()
     except (ImportError, ValueError, OSError) as exc:
@@ -1107,25 +1133,25 @@ def serve_vllm(args, model: str) -> None:
 def cmd_serve(args) -> None:
     """transformers' OpenAI-compatible server with continuous batching on the compiled model."""
     from kvcompile.compile import CompileError
-    from kvcompile.models import SETUP_COMMAND, default_model_dir, is_converted
+    from kvcompile.models import embedded_model
     from kvcompile.server import ServeOptions, serve
 
     if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
-    model = args.model
-    if model is None:
-        if not is_converted():
-            fail(f"the embedded SmolLM2 is not prepared: run `{SETUP_COMMAND}`, or pass --model PATH")
-        model = str(default_model_dir())
+    model, embedded = args.model, embedded_model(args.model)
+    if embedded is not None:
+        if not embedded.is_converted():
+            fail(f"the embedded {embedded.title} is not prepared: run `{embedded.setup_command}`, or pass --model PATH")
+        model = str(embedded.folder())
     if args.engine == "vllm":
         serve_vllm(args, model)
         return
     options = ServeOptions(spec=policy_for(args.spec, args.per_head), model=model, host=args.host, port=args.port,
                            kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens,
                            log_level="error" if args.quiet else "warning",
-                           served_model_name=args.served_model_name, log_requests=not args.quiet,
+                           served_model_name=args.served_model_name or args.model, log_requests=not args.quiet,
                            reuse_context=args.reuse_context, reuse_context_bytes=args.reuse_context_bytes)
     try:
         serve(options)
@@ -1171,7 +1197,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(ev, spec=False)
     ev.add_argument("--suite", choices=("needle", "ruler"), default="needle",
                     help="needle: needle in a haystack (default); ruler: RULER's tasks in both query modes")
-    ev.add_argument("--specs", type=names, default=names(EVAL_SPECS), help=f"comma-separated (default {EVAL_SPECS})")
+    ev.add_argument("--specs", type=names, default=names(EVAL_SPECS),
+                    help=f"comma-separated (default {EVAL_SPECS}); the full cache runs beside them, `full` alone "
+                         "runs it only")
     ev.add_argument("--budgets", type=ints, default=None,
                     help="tokens per KV head, comma-separated (default: needle 64,128; ruler uses --kv-fraction "
                          "unless this is given)")

@@ -49,6 +49,7 @@ def test_subcommand_help(command, words, capsys):
     (["eval", "--depths", "0.5,1.5"], "between 0 and 1"),
     (["eval", "--budgets", "64,lots"], "integers"),
     (["eval", "--specs", "snapkv,no_such_policy"], "no_such_policy"),
+    (["eval", "--suite", "ruler", "--specs", "full", "--no-full"], "nothing to run"),
     (["plot", "needle"], "--results"),
     (["plot", "heatmap"], "invalid choice"),
     # a threshold spec decides its own budget: --per-head is refused as load_spec(per_head=) refuses it
@@ -264,3 +265,38 @@ def test_needle_number_must_stand_alone():
     assert not answer_found("The secret number is 1234567890.", "2345")
     assert not answer_found("It is 82981.", "8298")
     assert answer_found("The password is BLUE.", "blue")
+
+
+def refused_checkpoint(folder):
+    """A tiny Phi (Phi-2) checkpoint, an architecture compile() refuses, with a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PhiConfig, PhiForCausalLM, PreTrainedTokenizerFast
+
+    words = "the old mill kept one number for years".split()
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(folder)
+    PhiForCausalLM(PhiConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, max_position_embeddings=2048)).save_pretrained(folder)
+    return " ".join(words * 4)
+
+
+@pytest.mark.parametrize("command", ["run", "eval", "eval-ruler"])
+def test_a_model_compile_refuses_is_an_error_not_a_traceback(command, tmp_path, capsys):
+    """run and eval (needle, RULER) on a checkpoint whose architecture compile() refuses exit with
+    code 2 and compile()'s reason, not a traceback."""
+    text = refused_checkpoint(tmp_path / "phi")
+    (tmp_path / "prompt.txt").write_text(text)
+    model = ["--model", str(tmp_path / "phi"), "--quiet"]
+    if command == "run":
+        argv = ["run", *model, "--prompt-file", str(tmp_path / "prompt.txt"), "--raw", "--spec", "streamingllm",
+                "--no-compare", "--max-new-tokens", "2"]
+    else:
+        if not haystack_path().is_file():
+            pytest.skip(f"no haystack: run `{SETUP_COMMAND}`")
+        argv = ["eval", *model, "--specs", "streamingllm", "--lengths", "600", "--max-new-tokens", "2"]
+        argv += ["--depths", "0.5"] if command == "eval" else ["--suite", "ruler", "--tasks", "niah_single_1",
+                                                               "--samples", "1", "--query", "agnostic", "--no-full",
+                                                               "--kv-fraction", "0.5"]
+    code, out = exit_code(argv, capsys)
+    assert code == 2 and "unsupported model type 'phi'" in out and "Traceback" not in out, out
