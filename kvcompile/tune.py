@@ -184,6 +184,7 @@ def candidates(space: Space) -> tuple[list[Candidate], Counter]:
     """Every candidate of the space that the spec validator accepts (at a nominal budget of 64 per head; the
     real budget is set per sample), and the refused ones counted by reason."""
     from kvcompile.spec import SpecError, load_spec
+    from kvcompile.sweep import not_replayable
 
     seeded = seeded_fields()
     grid = dict(space.fields)
@@ -212,7 +213,6 @@ def candidates(space: Space) -> tuple[list[Candidate], Counter]:
         except SpecError as exc:
             refused[_reason(str(exc))] += 1
             continue
-        from kvcompile.sweep import not_replayable
         why = not_replayable(policy)
         if why is not None:
             refused[f"not replayable from one captured prefill: {why.split(':')[0]}"] += 1
