@@ -401,6 +401,12 @@ def _step_rule(policy: Policy, online: bool) -> StepRule | None:
     return StepRule(decay, scoring.gqa == "max", alpha, online)
 
 
+def _head_local_hint(scoring) -> str:
+    """How to make `scoring` read its own heads only, where a field of it says so."""
+    return ", or score each group apart (scoring: {last_token: {heads: group}})" \
+        if getattr(scoring, "heads", None) == "all" else ""
+
+
 def _heads_exchange(policy: Policy, shard: HeadShard, num_heads: int) -> str:
     """What a tensor-parallel rank gathers for its selections (Plan.heads_exchange); PlanError
     for what cannot run sharded."""
@@ -410,7 +416,7 @@ def _heads_exchange(policy: Policy, shard: HeadShard, num_heads: int) -> str:
     if not policy.scoring.head_local:
         raise PlanError(f"kvcompile: scoring: {policy.scoring.name} reads other KV heads than the one it scores; "
                         f"under tensor parallelism a rank holds only its own heads ({policy.name} cannot run "
-                        "sharded: load the model without tp_plan)")
+                        "sharded: load the model without tp_plan" + _head_local_hint(policy.scoring) + ")")
     budget = policy.budget
     if budget.threshold is not None:  # no head budgets, no layer totals: the cut alone
         return "none" if budget.threshold.head_local else "scores"
@@ -563,6 +569,10 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: {policy.name} compresses while prefilling in chunks (schedule.prefill), which "
                         "does not run under tensor parallelism (its selections among held entries and chunk are "
                         "not sharded); load the model without tp_plan, or drop schedule.prefill")
+    if chunk and not scoring.head_local:
+        raise PlanError(f"kvcompile: {policy.name}: scoring: {scoring.name} reads every head's attention, and a "
+                        "prompt compressed chunk by chunk (schedule.prefill) scores each head over the entries it "
+                        "holds; drop schedule.prefill" + _head_local_hint(scoring))
     if chunk and policy.budget.layers.ranks_entries:
         raise PlanError(f"kvcompile: {policy.name}: layers: {policy.budget.layers.name} ranks every layer's entries "
                         "of the whole prompt, which a prompt compressed chunk by chunk (schedule.prefill) does not "

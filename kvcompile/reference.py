@@ -232,6 +232,9 @@ class ChunkedPrefill:
     rope: Tensor | None = None  # the model's rotary inverse frequencies, for a scorer that reads them (LayerState.rope)
 
     def __post_init__(self):
+        if not self.policy.scoring.head_local:
+            raise ValueError(f"{self.policy.name}: scoring: {self.policy.scoring.name} reads every head's attention; "
+                             "a chunk scores each head over the entries that head holds")
         if not self.heads:
             self.heads = [None] * self.num_layers
 

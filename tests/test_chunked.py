@@ -31,7 +31,7 @@ POLICIES = {
     "lava_residual": dict(name="lava_residual", scoring={"lava": {"window": 3}}),
     "pyramid_pooled": dict(name="pyramid_pooled", scoring={"window_attention": {"window": 3}},
                            ranking={"by_score": {"window": 2}}),
-    "tova": dict(name="tova"),
+    "tova": dict(name="tova", scoring={"last_token": {"heads": "group"}}),  # heads: all is refused chunked
     "h2o": dict(name="h2o", ranking={"by_score": {"window": 2}}),
     "zsmerge": dict(name="zsmerge"),
     "streamingllm": dict(name="streamingllm", ranking={"by_position": {"sinks": 2}}),
@@ -145,10 +145,28 @@ def test_every_family_evicts_across_chunks(key):
 # kvzip scores a prompt by reconstructing it with the model (a second, model-level forward per chunk), which
 # ChunkedPrefill's per-layer steps cannot feed: its chunked prefill is tests/test_kvzip_chunked.py's. layers:
 # global ranks the whole prompt's entries of every layer at once: a chunked prefill is refused for it
-# (tests/test_global_allocation.py)
+# (tests/test_global_allocation.py). A scorer that reads every head (tova's `last_token: {heads: all}`) is
+# refused a chunked prefill: each head holds its own entries after a chunk (test below)
 SPECS = [name for name in available_specs()
          if not getattr(kvcompile.load_spec(name).scoring, "reconstructs", False)
-         and not kvcompile.load_spec(name).budget.layers.ranks_entries]
+         and not kvcompile.load_spec(name).budget.layers.ranks_entries
+         and kvcompile.load_spec(name).scoring.head_local]
+
+
+def test_a_scorer_of_every_head_is_refused_a_chunked_prefill():
+    from kvcompile.plan import PlanError, build_plan
+
+    chunked = {"schedule": {"prefill": {"chunk": 16}}}
+    tova = kvcompile.load_spec("tova", **chunked)
+    assert not tova.scoring.head_local
+    config = tiny_model("llama").config
+    with pytest.raises(PlanError, match=r"reads every head's attention.*heads: group"):
+        build_plan(tova, config)
+    with pytest.raises(ValueError, match="reads every head's attention"):
+        reference.ChunkedPrefill(tova, 2)
+    grouped = kvcompile.load_spec("tova", scoring={"last_token": {"heads": "group"}}, **chunked)
+    assert build_plan(grouped, config).prefill_chunk == 16
+    assert "tova" not in SPECS and "snapkv" in SPECS
 
 
 def test_chunk_at_least_the_prompt_is_reference_compress():

@@ -137,6 +137,17 @@ def test_a_scorer_that_reads_other_heads_cannot_run_sharded():
         build_plan(policy, config, shard=HeadShard(None, 0, 2, 2))
 
 
+def test_tova_which_reads_every_head_cannot_run_sharded():
+    """tova's `last_token: {heads: all}` averages the last row over every query head of the layer; a rank
+    holds only its own. The grouped score runs sharded."""
+    config = tiny_model("llama").config
+    with pytest.raises(PlanError, match=r"reads other KV heads.*heads: group"):
+        build_plan(kvcompile.load_spec("tova"), config, shard=HeadShard(None, 0, 2, 2))
+    grouped = kvcompile.load_spec("tova", scoring={"last_token": {"heads": "group"}})
+    assert build_plan(grouped, config, shard=HeadShard(None, 0, 2, 2)).kv_heads == (0,)
+    assert "tova" not in NAMES
+
+
 def test_a_sharded_model_without_a_process_group_is_refused():
     model = tiny_model("llama")
     model._tp_size = 2  # what transformers sets on a model it sharded

@@ -17,11 +17,13 @@ NEW_TOKENS = 6
 
 def spec_names() -> list[str]:
     """Every shipped spec but the reconstruction scorers (kvzip): compile() refuses them under tensor
-    parallelism, and their call refuses the padded batches these runs use (tests/test_kvzip.py)."""
+    parallelism, and their call refuses the padded batches these runs use (tests/test_kvzip.py); nor
+    a scorer that reads every head (tova: tests/test_tensor_parallel.py checks its refusal)."""
     import kvcompile
 
     return sorted(p.stem for p in SPECS_DIR.glob("*.yaml")
-                  if not getattr(kvcompile.load_spec(p.stem).scoring, "reconstructs", False))
+                  if not getattr(kvcompile.load_spec(p.stem).scoring, "reconstructs", False)
+                  and kvcompile.load_spec(p.stem).scoring.head_local)
 
 
 # Decode-time pruning (`decode: every`, in no shipped spec) with pooled heads, a cascade, running scores:

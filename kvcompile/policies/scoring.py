@@ -305,6 +305,12 @@ class LastToken(Scorer):
     gqa: Literal["mean", "max"] = "mean"
     heads: Literal["group", "all"] = "group"
 
+    @property
+    def head_local(self) -> bool:
+        """`heads: all` reads every query head of the layer: a tensor-parallel rank holds only its own, and a
+        prompt compressed in chunks holds different entries per head, so both refuse it (kvcompile.plan)."""
+        return self.heads == "group"
+
     def query_rows(self, n: int) -> int:
         return 1
 
