@@ -82,14 +82,13 @@ def csv(kind):
 
 
 def release_freed_memory() -> None:
-    """glibc: fixed 128 KiB mmap threshold and a heap trim, so resident memory follows live
-    tensors (the same as kvcompile.models.release_freed_memory, which this env cannot import)."""
+    """glibc: a heap trim, so that resident memory at entry is the live tensors; the allocator is
+    left as it is (the same as kvcompile.models.release_freed_memory, which this env cannot import:
+    a fixed mmap threshold slows a cache that reallocates every step, kvpress's DynamicCache)."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)
-        libc.malloc_trim(0)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
