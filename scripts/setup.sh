@@ -20,6 +20,9 @@ case "$what" in
   *) echo "usage: bash scripts/setup.sh [test|demo|gemma|all|vllm]" >&2; exit 2 ;;
 esac
 if [ "$what" = test ] || [ "$what" = all ]; then
+  # The newest transformers pyproject allows, even where an older one satisfies it already: the suite runs
+  # on the top of the range (README, "Supported transformers versions"), and on its bottom below.
+  "$py" -m pip install -q --upgrade "$("$py" scripts/transformers_lowest.py requirement)"
   # pyproject's lowest transformers in .transformers-lowest/ (a virtual environment over this Python's
   # packages), for tests/test_transformers_range.py: the version range pyproject allows is tested at both ends.
   "$py" scripts/transformers_lowest.py install

@@ -3,6 +3,7 @@ against it (tests/test_transformers_range.py). The version is pyproject's lower 
 written nowhere else.
 
     python3 scripts/transformers_lowest.py            # print the version
+    python3 scripts/transformers_lowest.py requirement  # print pyproject's transformers requirement
     python3 scripts/transformers_lowest.py install    # .transformers-lowest/: a virtual environment with
                                                       # that transformers (and what it needs that differs)
 
@@ -26,18 +27,24 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / ".transformers-lowest"
 
 
-def lowest_version(pyproject: Path = ROOT / "pyproject.toml") -> str:
-    """The X of pyproject's `transformers>=X,...` dependency."""
+def requirement(pyproject: Path = ROOT / "pyproject.toml"):
+    """pyproject's transformers dependency (a packaging Requirement)."""
     from packaging.requirements import Requirement
 
     for line in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
         req = Requirement(line)
         if req.name == "transformers":
-            lows = [s.version for s in req.specifier if s.operator == ">="]
-            if len(lows) != 1:
-                raise ValueError(f"{pyproject}: the transformers dependency {line!r} names no single lower bound (>=)")
-            return lows[0]
+            return req
     raise ValueError(f"{pyproject}: no transformers dependency")
+
+
+def lowest_version(pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """The X of pyproject's `transformers>=X,...` dependency."""
+    req = requirement(pyproject)
+    lows = [s.version for s in req.specifier if s.operator == ">="]
+    if len(lows) != 1:
+        raise ValueError(f"{pyproject}: the transformers dependency {str(req)!r} names no single lower bound (>=)")
+    return lows[0]
 
 
 def python(folder: Path = FOLDER) -> Path:
@@ -87,10 +94,12 @@ def install(folder: Path = FOLDER) -> str:
 def main(argv: list[str]) -> None:
     if argv == ["install"]:
         print(f"transformers {install()} (pyproject's lowest) in {FOLDER.relative_to(ROOT)}/")
+    elif argv == ["requirement"]:
+        print(requirement())
     elif not argv:
         print(lowest_version())
     else:
-        sys.exit(f"usage: python3 {Path(__file__).name} [install]")
+        sys.exit(f"usage: python3 {Path(__file__).name} [install|requirement]")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,16 @@ def test_pyproject_names_one_lower_bound():
     assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
 
 
+def test_setup_installs_the_top_of_the_range():
+    """setup.sh upgrades transformers to the newest release pyproject's requirement allows (the suite runs
+    on the top of the range) from the requirement transformers_lowest.py prints."""
+    req = lowest.requirement()
+    assert req.name == "transformers" and lowest.lowest_version() in str(req)
+    assert any(s.operator == "<" for s in req.specifier), "an upper bound: the newest release the suite ran on"
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert 'pip install -q --upgrade "$("$py" scripts/transformers_lowest.py requirement)"' in setup
+
+
 def test_the_check_refuses_a_run_on_another_transformers():
     """This Python (the newest transformers, from its own site-packages) does not pass for the lowest."""
     done = subprocess.run([sys.executable, "-c", CHECK, lowest.lowest_version(), str(lowest.FOLDER), "--co", "-q",
