@@ -23,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
+from kvcompile.layer_kinds import WINDOWED
 from kvcompile.devices import DeviceError, execution_devices, has_hooks
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
@@ -31,7 +32,7 @@ from kvcompile.sharding import ShardingError, model_shard
 
 # the model types kvcompile is tested on (tests/test_runtime.py, tests/test_architectures.py): decoders whose
 # attention is softmax(q·kᵀ·scaling)·v over RoPE'd keys; they differ in norms, fused projections and MLPs (experts)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2", "gemma3_text")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
 
 
@@ -70,13 +71,16 @@ def _check_model(model) -> None:
         raise CompileError(f"kvcompile: model type {kind!r} has learned attention sinks (self_attn.sinks: one logit "
                            "per head added to the softmax's denominator), which kvcompile's attention does not add; "
                            "it is refused rather than run with another softmax")
-    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", *WINDOWED})
     if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in kinds:
         kinds.append("chunked_attention")
     if kinds:
         raise CompileError(f"kvcompile: model type {kind!r} has {' and '.join(kinds)} layers (config.layer_types), "
-                           "whose attention sees a window of recent keys only; kvcompile attends to every kept entry "
-                           "and runs models whose layers are all full_attention")
+                           "whose attention sees blocks of keys only; kvcompile runs full_attention layers and "
+                           f"leaves {', '.join(WINDOWED)} layers to their window")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise CompileError(f"kvcompile: model type {kind!r} with use_bidirectional_attention=True attends to later "
+                           "tokens too; kvcompile's attention is causal")
     if kind not in SUPPORTED:
         raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported (tested): {', '.join(SUPPORTED)}")
     if not hasattr(model, "generate") or not hasattr(model, "model"):
@@ -182,6 +186,11 @@ def _check_crop(plan) -> None:
     rejected ones: exact only where the policy evicts nothing and updates no score while
     decoding, and where a layer's compression is final when the layer has run (not a cascade,
     which shrinks lower layers as later ones run). Refused before the prompt runs otherwise."""
+    if plan.layer_kinds is not None:
+        raise CompileError("kvcompile: assisted / prompt-lookup decoding needs crop(), and a hybrid model's local "
+                           "layers hold their last window - 1 positions only: a crop would need entries that left "
+                           "the window (transformers' sliding-window cache cannot crop past its window either); "
+                           "generate without an assistant")
     if plan.prune_every or plan.online_eviction or plan.running_scores:  # KVCompileCache.is_croppable
         raise CompileError(f"kvcompile: assisted / prompt-lookup decoding needs crop(), which {plan.policy.name} "
                            "cannot do exactly (it evicts or re-scores while decoding)")

@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvcompile.layer_kinds import LayerKindError, LayerKinds, layer_kinds
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.merge import Drop, Residual
 from kvcompile.policy import Policy
@@ -109,6 +110,14 @@ class Plan:
     #   biased prefix, or SdpaChunkAttention, SDPA with a mask)
     rope: tuple[float, ...] | None = None  # the model's rotary inverse frequencies, for a scorer that reads them
     #   (Scorer.needs_rope: expected_attention moves queries to future positions); None: the scorer reads none
+    layer_kinds: LayerKinds | None = None  # a hybrid model's layers (kvcompile.layer_kinds): which the policy
+    #   compresses (num_layers counts those, numbered in the model's order) and which are left to their window;
+    #   None: every layer is a full_attention layer the policy compresses
+
+    @property
+    def model_layers(self) -> int:
+        """The model's layers (num_layers counts those the policy compresses: fewer in a hybrid model)."""
+        return self.num_layers if self.layer_kinds is None else self.layer_kinds.num_layers
 
     def with_headroom(self, headroom: int) -> "Plan":
         """The same plan for a generation of `headroom` new tokens (its spare pages)."""
@@ -138,18 +147,22 @@ class Plan:
                 "caches compile()'s forward and generate() make are planned for the autocast dtype): compile the "
                 "model again after moving or casting it, or give a cache built for these tensors "
                 "(KVCompileCache(policy, config) is bound to its first prompt's)")
-        return build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
-                          page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
-                          shard=self.shard, layer_devices=self.layer_devices, rope=self.rope)
+        return dataclasses.replace(
+            build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
+                       page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
+                       shard=self.shard, layer_devices=self.layer_devices, rope=self.rope),
+            layer_kinds=self.layer_kinds)
 
     def with_dtype(self, dtype: torch.dtype) -> "Plan":
         """The same plan for tensors of `dtype` (compile()'s entry under torch.autocast): the backends chosen
         for it."""
         if dtype == self.dtype:
             return self
-        return build_plan(self.policy, _Dims(self), device=self.device, dtype=dtype, kernels=self.kernels,
-                          page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
-                          shard=self.shard, layer_devices=self.layer_devices, rope=self.rope)
+        return dataclasses.replace(
+            build_plan(self.policy, _Dims(self), device=self.device, dtype=dtype, kernels=self.kernels,
+                       page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
+                       shard=self.shard, layer_devices=self.layer_devices, rope=self.rope),
+            layer_kinds=self.layer_kinds)
 
     @property
     def backends(self) -> tuple:
@@ -460,6 +473,14 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: headroom must be >= 0, got {headroom}")
     device = torch.device(device) if device is not None else None
     num_layers = config.num_hidden_layers
+    try:
+        kinds = layer_kinds(config, policy.budget.layers.kinds)
+    except LayerKindError as exc:
+        raise PlanError(str(exc)) from None
+    if kinds is not None and layer_devices is not None and len(layer_devices) == num_layers:
+        layer_devices = [d for d, i in zip(layer_devices, kinds.engine) if i is not None]  # the compressed ones'
+    if kinds is not None:  # the engine runs the layers the policy compresses; the others keep their window
+        num_layers = kinds.compressed
     if layer_devices is not None:
         layer_devices = tuple(torch.device(d) for d in layer_devices)
         if len(layer_devices) != num_layers or layer_devices[0] != device \
@@ -577,6 +598,11 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: {policy.name}: layers: {policy.budget.layers.name} ranks every layer's entries "
                         "of the whole prompt, which a prompt compressed chunk by chunk (schedule.prefill) does not "
                         "have; drop schedule.prefill")
+    if kinds is not None and getattr(scoring, "reconstructs", False):
+        raise PlanError(f"kvcompile: scoring: {scoring.name} scores the prompt by a reconstruction pass through the "
+                        "whole model, which would run through a hybrid model's local layers too (they keep their "
+                        "window, and a reconstruction forward is no part of the sequence); use a scorer that reads "
+                        "the prompt's attention")
     if scoring.needs_rope and rope is None:
         rope = rope_frequencies(config, scoring.name)
     # a chunked prompt re-selects every layer after each chunk: the lazy cascade's counting does not apply
@@ -593,7 +619,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
         prefill_chunk=chunk, layer_devices=layer_devices,
-        rope=tuple(rope) if scoring.needs_rope else None)
+        rope=tuple(rope) if scoring.needs_rope else None, layer_kinds=kinds)
 
 
 
@@ -610,6 +636,9 @@ def rope_frequencies(config, scorer: str) -> tuple[float, ...]:
     params = getattr(config, "rope_parameters", None) or {}
     if not params and getattr(config, "rope_theta", None) is not None:
         params = {"rope_type": "default", "rope_theta": config.rope_theta}
+    per_kind = "full_attention" in params  # a hybrid model's rotary per layer kind (Gemma 3): the compressed
+    if per_kind:  # layers are its full_attention ones (kvcompile.layer_kinds)
+        params = params["full_attention"]
     kind = params.get("rope_type", "default")
     if not params or kind in _LENGTH_DEPENDENT_ROPE:
         raise PlanError(f"kvcompile: scoring: {scorer} rotates queries to future positions and needs the model's "
@@ -623,5 +652,5 @@ def rope_frequencies(config, scorer: str) -> tuple[float, ...]:
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv = ROPE_INIT_FUNCTIONS[kind](config, "cpu")[0]
+        inv = ROPE_INIT_FUNCTIONS[kind](config, "cpu", **({"layer_type": "full_attention"} if per_kind else {}))[0]
     return tuple(float(x) for x in inv)

@@ -1,0 +1,222 @@
+"""Hybrid attention models (Gemma 3: most layers see a sliding window, some every token), on tiny random models
+from transformers' own config class: a policy compresses the full_attention layers and leaves each local layer to
+its window, where it attends as transformers' sliding-window attention does and holds what transformers' own
+cache holds (its last window - 1 positions). At a budget that keeps everything a compiled model is the plain
+model (logits and greedy tokens, on every generate() path it runs here); at a budget that evicts, the local layers
+still equal a windowed reference; what cannot run exactly is refused up front, with the reason."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+
+import kvcompile
+from kvcompile import cache_arg
+from kvcompile.cache import KVCompileCache
+from test_runtime import full_budget
+from tiny import left_pad, prompt
+
+WINDOW = 12
+KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention",
+         "sliding_attention"]  # the last layer local: the cache's length advances at the last compressed layer
+LOCAL = [i for i, k in enumerate(KINDS) if k == "sliding_attention"]
+NEW = 20  # decode steps: the window slides past the prompt's last entries
+
+
+def tiny_gemma3(seed: int = 0, **extra) -> Gemma3ForCausalLM:
+    """6 layers (4 local with a 12-token window, 2 global), 4 query / 2 KV heads of dim 16, Gemma's query
+    scaling by query_pre_attn_scalar = 24 (not the head dim's 16)."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=len(KINDS),
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                              sliding_window=WINDOW, layer_types=KINDS, max_position_embeddings=1024,
+                              attn_implementation="sdpa", pad_token_id=0, eos_token_id=1, bos_token_id=2, **extra)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # peaked attention (Gemma's norms scale by 1 + weight, initialised to 0)
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.fill_(2.0)
+            layer.self_attn.k_norm.weight.fill_(2.0)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_gemma3()
+
+
+def padded_batch():
+    return left_pad([prompt(30, seed=3)[0], prompt(22, seed=4)[0]])
+
+
+def test_the_tiny_model_is_a_hybrid_with_gemma_query_scaling(model):
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert [a.sliding_window for a in attn] == [WINDOW if k == "sliding_attention" else None for k in KINDS]
+    assert attn[0].scaling == 24 ** -0.5 != attn[0].head_dim ** -0.5
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "lava", "streamingllm"])
+def test_full_budget_equals_the_plain_model(model, name):
+    """Logits of a left-padded batch longer than the window, and greedy tokens past it."""
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask).logits
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        policy = full_budget(name, ids.shape[1] + NEW, len(KINDS))
+        with kvcompile.compiled(model, policy):
+            logits = model(ids, attention_mask=mask).logits
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    real = mask.bool()
+    assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
+    assert got.tolist() == ref.tolist()
+
+
+def test_every_generate_path_equals_the_plain_model(model):
+    """Beam search (rows reordered), sampling, a cache continued by a second call, generate's chunked prefill and
+    a forward without a cache (use_cache=False: the windowed attention without any cache)."""
+    ids, mask = padded_batch()
+    policy = full_budget("snapkv", 80, len(KINDS))
+    runs = {
+        "beams": dict(num_beams=3, max_new_tokens=8, do_sample=False),
+        "sample": dict(do_sample=True, top_k=10, max_new_tokens=10),
+        "prefill chunks": dict(prefill_chunk_size=8, max_new_tokens=10, do_sample=False),
+    }
+    with torch.no_grad():
+        for label, kwargs in runs.items():
+            torch.manual_seed(5)
+            ref = model.generate(ids, attention_mask=mask, **kwargs)
+            with kvcompile.compiled(model, policy):
+                torch.manual_seed(5)
+                got = model.generate(ids, attention_mask=mask, **kwargs)
+            assert got.tolist() == ref.tolist(), label
+        # a second turn on the cache of the first
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                               return_dict_in_generate=True)
+        more = torch.cat([first.sequences, prompt(5, batch=2, seed=9)], dim=1)
+        more_mask = torch.cat([mask, torch.ones(2, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+        ref = model.generate(more, attention_mask=more_mask, max_new_tokens=8, do_sample=False,
+                             **cache_arg.given(first.past_key_values))
+        ref_plain = model(ids, attention_mask=mask, use_cache=False).logits
+        with kvcompile.compiled(model, policy):
+            first = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                   return_dict_in_generate=True)
+            got = model.generate(more, attention_mask=more_mask, max_new_tokens=8, do_sample=False,
+                                 **cache_arg.given(first.past_key_values))
+            plain = model(ids, attention_mask=mask, use_cache=False).logits
+    assert got.tolist() == ref.tolist()
+    real = mask.bool()
+    assert_close(plain[real], ref_plain[real], rtol=1e-5, atol=1e-5)
+
+
+def test_local_layers_hold_what_transformers_cache_holds(model):
+    """After a prompt and decode steps, each local layer holds transformers' sliding-window layer's keys and
+    values (its last window - 1 positions), in tensors of that size (what left the window is freed)."""
+    ids = prompt(30, batch=2, seed=6)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+        with kvcompile.compiled(model, full_budget("snapkv", 30 + NEW, len(KINDS))):
+            out = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    theirs, ours = cache_arg.of(ref), cache_arg.of(out)
+    assert isinstance(ours, KVCompileCache) and ours.plan.num_layers == 2 and ours.plan.model_layers == len(KINDS)
+    for layer in LOCAL:
+        held = ours.windows[layer]
+        assert held.keys.shape[2] == WINDOW - 1 and held.keys.untyped_storage().nbytes() == held.keys.nbytes
+        assert_close(held.keys, theirs.layers[layer].keys, rtol=1e-4, atol=1e-4)
+        assert_close(held.values, theirs.layers[layer].values, rtol=1e-4, atol=1e-4)
+    assert all(ours.windows[i] is None for i, k in enumerate(KINDS) if k == "full_attention")
+
+
+def _windowed_reference(q, keys, values, valid, scale, offset):
+    """softmax(q·kᵀ·scale) over the real keys at positions p with i - WINDOW < p <= i, written out."""
+    group = q.shape[1] // keys.shape[1]
+    k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    i = torch.arange(q.shape[2])[:, None] + offset
+    p = torch.arange(keys.shape[2])[None, :]
+    sees = (p <= i) & (p > i - WINDOW) & valid[:, None, None, :]
+    return torch.softmax(logits.masked_fill(~sees, float("-inf")), dim=-1) @ v
+
+
+def test_an_evicting_policy_leaves_local_layers_to_their_window(model, monkeypatch):
+    """snapkv at a budget that evicts most of the prompt: the full_attention layers keep the budget, and every
+    call of every local layer equals windowed attention over all the keys the layer has seen (the reference,
+    written out), pads masked."""
+    calls = []
+    attend_window = KVCompileCache.attend_window
+
+    def record(cache, layer, q, k, v, mask, scale):
+        out = attend_window(cache, layer, q, k, v, mask, scale)
+        calls.append((layer, q.clone(), k.clone(), v.clone(), None if mask is None else mask.clone(), scale,
+                      out.clone()))
+        return out
+
+    monkeypatch.setattr(KVCompileCache, "attend_window", record)
+    ids, mask = left_pad([prompt(80, seed=7)[0], prompt(67, seed=8)[0]])
+    with torch.no_grad(), kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=40)):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                             return_dict_in_generate=True)
+    report = cache_arg.of(out).memory_report()
+    assert report["kept"].max() < 60  # the full_attention layers evicted (40 kept + decoded ones)
+    seen = {layer: [] for layer in LOCAL}
+    for layer, q, k, v, m, scale, got in calls:
+        assert scale == 24 ** -0.5
+        seen[layer].append((k, v))
+        keys = torch.cat([x for x, _ in seen[layer]], dim=2)
+        values = torch.cat([y for _, y in seen[layer]], dim=2)
+        valid = torch.ones(2, keys.shape[2], dtype=torch.bool) if m is None else m[:, -keys.shape[2]:].bool()
+        want = _windowed_reference(q, keys, values, valid, scale, keys.shape[2] - q.shape[2])
+        real = valid[:, -q.shape[2]:]  # a pad query's output is never read
+        assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=1e-5, atol=1e-5)
+    assert sorted(seen) == LOCAL and all(len(s) == NEW for s in seen.values())  # the prompt + NEW - 1 steps
+
+
+def test_memory_report_by_layer_kind_matches_transformers_hybrid_cache(model):
+    """At a full budget (pages of one entry: nothing partly filled), the bytes each kind of layer holds are those
+    of transformers' own hybrid cache (DynamicCache(config=...)) after the same prompt and decode steps."""
+    ids = prompt(30, batch=2, seed=10)
+    with torch.no_grad():
+        theirs = DynamicCache(config=model.config)
+        model.generate(ids, max_new_tokens=8, do_sample=False, **cache_arg.given(theirs))
+        with kvcompile.compiled(model, full_budget("snapkv", 38, len(KINDS)), page_size=1):
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    report = cache_arg.of(out).memory_report()
+    expected = {}
+    for kind, layer in zip(KINDS, theirs.layers):
+        expected[kind] = expected.get(kind, 0) + layer.keys.nbytes + layer.values.nbytes
+    assert report["bytes_by_kind"] == expected
+    assert report["bytes_full_by_kind"] == expected
+    assert report["bytes_held"] == report["bytes_full"] == sum(expected.values())
+
+
+def test_compile_leaves_the_model_unchanged_on_a_refusal():
+    model = tiny_gemma3(use_bidirectional_attention=True)
+    with pytest.raises(kvcompile.CompileError, match="use_bidirectional_attention=True attends to later tokens"):
+        kvcompile.compile(model, "snapkv")
+    assert "forward" not in model.__dict__ and model.config._attn_implementation == "sdpa"
+
+
+def test_a_policy_for_local_layers_or_a_kind_the_model_lacks_is_refused(model):
+    sliding = {"budget": {"per_head": 64, "layers": {"uniform": {"kinds": ["full_attention", "sliding_attention"]}}}}
+    with pytest.raises(kvcompile.CompileError, match="applies to sliding_attention layers .*window already bounds"):
+        kvcompile.compile(model, "snapkv", **sliding)
+    assert "forward" not in model.__dict__
+    from tiny import tiny_model
+
+    llama = tiny_model("llama")
+    with pytest.raises(kvcompile.CompileError, match="applies to sliding_attention layers \\(layers: kinds\\), "
+                                                     "which this model does not have; its layers are 3 full_attention"):
+        kvcompile.compile(llama, "snapkv", budget={"per_head": 64, "layers": {"uniform": {"kinds": ["sliding_attention"]}}})
+
+
+def test_what_cannot_run_exactly_is_refused_up_front(model):
+    ids = prompt(20, batch=1, seed=2)
+    with pytest.raises(kvcompile.CompileError, match="reconstruction pass through the whole model.*local layers"):
+        kvcompile.compile(model, "kvzip", repeat_prompt=None)
+    with torch.no_grad(), kvcompile.compiled(model, full_budget("snapkv", 40, len(KINDS))):
+        with pytest.raises(kvcompile.CompileError, match="hybrid model's local layers hold their last window - 1"):
+            model.generate(ids, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2)
+        with pytest.raises(kvcompile.CompileError, match="hybrid"):
+            model.generate(ids, max_new_tokens=4, assistant_model=copy.deepcopy(model))
