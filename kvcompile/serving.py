@@ -802,6 +802,11 @@ def check_batching(model, plan: Plan, generation_config, cb_config: ContinuousBa
         raise BatchingError(f"kvcompile: {plan.policy.name} compresses its prompt every {plan.prefill_chunk} tokens, one "
                             "forward per chunk (schedule.prefill: chunk); the engine cuts prompts at its own token "
                             "budget and packs other requests with them, which continuous batching does not align yet")
+    if plan.layer_kinds is not None:
+        raise BatchingError("kvcompile: continuous batching of a hybrid model (sliding_attention layers) is not "
+                            "supported yet: the engine sizes a second, sliding-window pool for the local layers, "
+                            "which kvcompile's per-request caches do not account for; use generate() (eager), which "
+                            "runs them exactly")
     if getattr(model.config, "sliding_window", None) is not None and not getattr(model.config, "layer_types", None):
         raise BatchingError("kvcompile: the engine treats a model with a sliding window as sliding-attention "
                             "layers, which kvcompile does not implement")

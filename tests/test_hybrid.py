@@ -220,3 +220,18 @@ def test_what_cannot_run_exactly_is_refused_up_front(model):
             model.generate(ids, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2)
         with pytest.raises(kvcompile.CompileError, match="hybrid"):
             model.generate(ids, max_new_tokens=4, assistant_model=copy.deepcopy(model))
+
+
+def test_the_compiled_entry_and_continuous_batching_are_refused_with_the_reason(model):
+    """Both run on the plain model on this CPU, but kvcompile's compiled entry and its continuous batching do
+    not leave local layers to their window yet: refused before anything changes or runs, not run approximately."""
+    from transformers import GenerationConfig
+
+    with pytest.raises(kvcompile.CompileError, match="mode='compiled' on a hybrid model .*mode='eager'"):
+        kvcompile.compile(model, "snapkv", mode="compiled")
+    assert "forward" not in model.__dict__ and model.config._attn_implementation == "sdpa"
+    with kvcompile.compiled(model, "snapkv"):
+        with pytest.raises(kvcompile.CompileError, match="continuous batching of a hybrid model .* not supported"):
+            model.generate_batch(inputs=[[5, 6, 7]], generation_config=GenerationConfig(max_new_tokens=2,
+                                                                                        do_sample=False))
+        assert model.config._attn_implementation == "kvcompile"
