@@ -232,7 +232,9 @@ class KVCompileCache(Cache):
         return -1
 
     def __len__(self) -> int:
-        return self.plan.model_layers
+        """The layers whose entries the policy keeps (kept(), kept_positions(): a hybrid model's compressed
+        layers, in the model's order; its local layers are `windows`)."""
+        return self.num_layers
 
     def attend_window(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                       scale: float) -> Tensor:
