@@ -32,7 +32,7 @@ from kvcompile.sharding import ShardingError, model_shard
 
 # the model types kvcompile is tested on (tests/test_runtime.py, tests/test_architectures.py): decoders whose
 # attention is softmax(q·kᵀ·scaling)·v over RoPE'd keys; they differ in norms, fused projections and MLPs (experts)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2", "gemma3_text", "gemma2")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
 
 
@@ -60,11 +60,6 @@ def _check_model(model) -> None:
     if feature is not None:
         raise CompileError(f"kvcompile: model type {kind!r} uses {feature}, which kvcompile's attention does not "
                            f"compute; tested model types: {', '.join(SUPPORTED)}")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap:
-        raise CompileError(f"kvcompile: model type {kind!r} soft-caps its attention logits (attn_logit_softcapping="
-                           f"{softcap}: cap·tanh(s/cap) before the softmax), which kvcompile's attention does not "
-                           "apply; it is refused rather than run with other logits")
     inner = getattr(model, "model", None)
     if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
            for layer in getattr(inner, "layers", None) or ()):
@@ -333,8 +328,8 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
     if traced and plan.layer_kinds is not None:
-        raise CompileError(f"kvcompile: mode={mode!r} on a hybrid model ({model.config.model_type!r}: sliding_attention "
-                           "layers): the compiled entry's passes rewrite every captured attention into the op, and "
+        raise CompileError(f"kvcompile: mode={mode!r} on a hybrid model ({model.config.model_type!r}: "
+                           "sliding_attention layers): the compiled entry's passes rewrite every captured attention into the op, and "
                            "do not yet leave the local layers to their window; compile with mode='eager', which runs "
                            "them exactly")
     if mode == "reduce-overhead":

@@ -110,6 +110,8 @@ class Plan:
     #   biased prefix, or SdpaChunkAttention, SDPA with a mask)
     rope: tuple[float, ...] | None = None  # the model's rotary inverse frequencies, for a scorer that reads them
     #   (Scorer.needs_rope: expected_attention moves queries to future positions); None: the scorer reads none
+    softcap: float | None = None  # the model's attention logit soft-cap (Gemma 2's attn_logit_softcapping:
+    #   cap·tanh(s/cap) before the softmax), applied by every attention the plan runs; None: none
     layer_kinds: LayerKinds | None = None  # a hybrid model's layers (kvcompile.layer_kinds): which the policy
     #   compresses (num_layers counts those, numbered in the model's order) and which are left to their window;
     #   None: every layer is a full_attention layer the policy compresses
@@ -294,6 +296,7 @@ class _Dims:
         self.num_hidden_layers = plan.num_layers
         self.num_key_value_heads = plan.num_heads
         self.head_dim = plan.head_dim
+        self.attn_logit_softcapping = plan.softcap
 
 
 UNRESERVED_PAGES = ("page allocation: past the pages reserved for the generation (a cache made without a generation "
@@ -495,6 +498,14 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     num_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     scoring, decode = policy.scoring, policy.schedule.decode
+    softcap = float(getattr(config, "attn_logit_softcapping", None) or 0) or None
+    if softcap is not None:
+        why = _softcap_refusal(policy)
+        if why is not None:
+            raise PlanError(f"kvcompile: model type {getattr(config, 'model_type', None)!r} soft-caps its attention "
+                            f"logits (attn_logit_softcapping={softcap}: "
+                            f"cap·tanh(s/cap) before the softmax), and {why}; it is refused rather than run with "
+                            "other logits")
     cuda = device is not None and device.type == "cuda"
     decode_kernels = kernels
     if compiled_entry and kernels is None and not cuda and dtype is not None and dtype != torch.float32:
@@ -512,10 +523,11 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             merge_impl = _resolve("merge", kernels, device, dtype, head_dim)  # cpp for fp32 on the CPU
             if kernels is None and merge_impl == "torch" and not cuda:
                 merge_compile_above = 2048  # a long walk: Inductor's one-time compile pays for itself
-        score_impl = "part"
-        if scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
+        score_impl = "part"  # (a soft-capped model: the prompt's attention applies the cap; no fused kernel)
+        if softcap is None and scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
             score_impl = _resolve("window_scores", kernels, device, dtype, head_dim)
-        if scoring.column_weights(1) is not None and device is not None and kernels in (None, "cpp") \
+        if softcap is None and scoring.column_weights(1) is not None and device is not None \
+                and kernels in (None, "cpp") \
                 and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
             score_impl = "column_sums:cpp"  # attention and score in one pass: 0.6-0.8x the attention alone
         chunk_impl = None
@@ -554,7 +566,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                                        dtype, head_dim)
             except ValueError as exc:
                 raise PlanError(f"kvcompile: {exc}") from None
-    elif kernels in (None, "cpp") and device is not None:
+    elif kernels in (None, "cpp") and device is not None and softcap is None:
         # a plain decode step (append + attention) as one C++ call where it would run on one thread
         # anyway (CppOnlineStep.runs): the separate append and paged-attention calls cost
         # ~0.1 ms a layer in small torch ops, 5-10 % of a SmolLM2 step at 128 entries per head
@@ -573,7 +585,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             if score_impl == "part" else window_scores.backend(score_impl),
             selection=select.backend(select_impl, cuda=cuda),
             prompt_merge=None if merge_impl is None else merge.backend(merge_impl, merge_compile_above),
-            decode_attention=paged_attention.backend(decode_impl) if not storage.quantizes else
+            decode_attention=paged_attention.SoftcapPagedAttention(softcap) if softcap is not None else
+            paged_attention.backend(decode_impl) if not storage.quantizes else
             _quantized_decode(decode_impl, device, dtype, head_dim, storage, policy.tiered),
             online_step=None if online_impl is None else _quant_step(policy, step_rule, head_dim)
             if storage.quantizes else online_step.backend(online_impl, step_rule, always=scoring.running or online),
@@ -619,13 +632,31 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
         prefill_chunk=chunk, layer_devices=layer_devices,
-        rope=tuple(rope) if scoring.needs_rope else None, layer_kinds=kinds)
+        rope=tuple(rope) if scoring.needs_rope else None, layer_kinds=kinds, softcap=softcap)
 
 
 
 # Rotary types whose frequencies change with the sequence length (or between short and long inputs):
 # a scorer that rotates queries to future positions cannot know the ones the model will use there.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _softcap_refusal(policy: Policy) -> str | None:
+    """Why `policy` cannot run exactly on a model that soft-caps its attention logits, or None. The prompt's
+    attention, a local layer's window and the decode attention (the eager torch lowering) apply the cap; the
+    scorers' own attention weights, the fused C++ and Triton kernels, merge slots, quantized pages and a prompt
+    compressed in chunks do not."""
+    scoring = policy.scoring
+    if scoring.query_rows(2 ** 30) or getattr(scoring, "reconstructs", False):
+        return (f"scoring: {scoring.name} scores entries by attention weights, which its kernels compute without "
+                "the cap (scorers that read no attention run exactly: recency, key_norm)")
+    if policy.merges:
+        return f"merge: {policy.merge.name} attends to merge slots through kernels without the cap"
+    if policy.storage.quantizes:
+        return f"storage: {policy.storage.name} attends over quantized pages through kernels without the cap"
+    if policy.schedule.chunk_tokens:
+        return "schedule.prefill: chunk attends over the held entries through kernels without the cap"
+    return None
 
 
 def rope_frequencies(config, scorer: str) -> tuple[float, ...]:

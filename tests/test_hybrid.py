@@ -10,6 +10,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.testing import assert_close
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -235,3 +237,122 @@ def test_the_compiled_entry_and_continuous_batching_are_refused_with_the_reason(
             model.generate_batch(inputs=[[5, 6, 7]], generation_config=GenerationConfig(max_new_tokens=2,
                                                                                         do_sample=False))
         assert model.config._attn_implementation == "kvcompile"
+
+
+# --- Gemma 2: soft-capped logits (cap·tanh(s/cap) before the softmax), hybrid like Gemma 3 -----------------------
+
+CAP = 5.0  # small enough that the cap bends most logits of the peaked tiny model (Gemma 2 itself: 50)
+
+
+def tiny_gemma2(seed: int = 0):
+    """4 layers alternating local (12-token window) and global, logits soft-capped at CAP, the plain model in
+    transformers' eager attention (its SDPA path does not apply the cap)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                          sliding_window=WINDOW, attn_logit_softcapping=CAP, max_position_embeddings=1024,
+                          attn_implementation="eager", pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def _softcapped_reference(q, k, v, sees, scale, cap):
+    """softmax(cap·tanh(q·kᵀ·scale / cap)) · v over the keys `sees` allows, written out (GQA: KV heads
+    repeated)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    logits = cap * torch.tanh((q @ k.transpose(-1, -2)) * scale / cap)
+    return torch.softmax(logits.masked_fill(~sees, float("-inf")), dim=-1) @ v
+
+
+@settings(max_examples=30, deadline=None)
+@given(t=st.integers(1, 9), past=st.integers(0, 20), pads=st.integers(0, 3), cap=st.sampled_from([2.0, 5.0, 50.0]),
+       window=st.sampled_from([None, 4, 12]), seed=st.integers(0, 2 ** 16))
+def test_softcapped_prompt_and_window_attention_equal_the_reference(t, past, pads, cap, window, seed):
+    """The prompt's attention and a local layer's window attention apply the cap before the softmax, as the
+    written-out reference does, for any lengths, left pads (row 1) and cap."""
+    from kvcompile.engine.prefill import prompt_attention
+    from kvcompile.engine.window import window_attention
+
+    g = torch.Generator().manual_seed(seed)
+    n = past + t
+    q = torch.randn(2, 4, t, 8, generator=g) * 3
+    k, v = torch.randn(2, 2, n, 8, generator=g) * 3, torch.randn(2, 2, n, 8, generator=g)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, :min(pads, n - 1)] = False
+    i, p = torch.arange(t)[:, None] + past, torch.arange(n)[None, :]
+    sees = (p <= i) & (p > i - (window or n + 1)) & valid[:, None, None, :]
+    want = _softcapped_reference(q, k, v, sees, 0.3, cap)
+    got = window_attention(q, k, v, valid, 0.3, window, past, cap) if window else \
+        prompt_attention(q, k, v, None if bool(valid.all()) else valid, 0.3, past, softcap=cap)
+    real = valid[:, None, past:, None].expand_as(got)  # a pad query's output is never read
+    assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=4, max_size=4), cap=st.sampled_from([2.0, 5.0, 50.0]),
+       seed=st.integers(0, 2 ** 16))
+def test_softcapped_decode_attention_equals_the_reference(lengths, cap, seed):
+    """The decode attention of a soft-capped model (the eager lowering with the cap) over paged entries: each
+    (sequence, KV head) its own length, the reference over the same entries."""
+    from kvcompile.kernels.paged_attention import SoftcapPagedAttention
+
+    g = torch.Generator().manual_seed(seed)
+    b, h, s, d, pages = 2, 2, 4, 8, 10
+    q = torch.randn(b, 2 * h, d, generator=g) * 3
+    k_pages, v_pages = torch.randn(b * h * pages, s, d, generator=g) * 3, torch.randn(b * h * pages, s, d, generator=g)
+    block_table = torch.randperm(b * h * pages, generator=g).view(b, h, pages)
+    length = torch.tensor(lengths).view(b, h)
+    got = SoftcapPagedAttention(cap)(q, k_pages, v_pages, block_table, length, None, 0.3)
+    for bi in range(b):
+        for hi in range(h):
+            n = int(length[bi, hi])
+            if n == 0:
+                continue
+            keys = k_pages[block_table[bi, hi]].reshape(-1, d)[:n]
+            values = v_pages[block_table[bi, hi]].reshape(-1, d)[:n]
+            rows = q[bi, 2 * hi:2 * hi + 2]
+            want = torch.softmax(cap * torch.tanh(rows @ keys.T * 0.3 / cap), dim=-1) @ values
+            assert_close(got[bi, 2 * hi:2 * hi + 2], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "knorm"])
+def test_gemma2_full_budget_equals_the_plain_model(name):
+    """Soft-capped logits through the op (prompt, local windows, decode): logits and greedy tokens of the plain
+    (eager) Gemma 2 at a budget that keeps everything; the cap matters here (without it the logits differ)."""
+    model = tiny_gemma2()
+    ids, mask = padded_batch()
+    real = mask.bool()
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask).logits
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, full_budget(name, ids.shape[1] + NEW, 4)):
+            logits = model(ids, attention_mask=mask).logits
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = model(ids, attention_mask=mask).logits
+    assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
+    assert got.tolist() == ref.tolist()
+    assert (uncapped[real] - ref_logits[real]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name, says", [("snapkv", "scoring: window_attention scores entries by attention weights"),
+                                        ("snapkv_int4", "scoring: window_attention"),
+                                        ("zsmerge", "scoring: decayed scores entries by attention weights")])
+def test_gemma2_paths_without_the_cap_are_refused(name, says):
+    model = tiny_gemma2()
+    with pytest.raises(kvcompile.CompileError, match=f"model type 'gemma2' soft-caps its attention logits "
+                                                     f"\\(attn_logit_softcapping=5.0: cap·tanh\\(s/cap\\) before the "
+                                                     f"softmax\\), and {says}"):
+        kvcompile.compile(model, name)
+    assert "forward" not in model.__dict__
+    with pytest.raises(kvcompile.CompileError, match="storage: int4 attends over quantized pages"):
+        kvcompile.compile(model, "knorm", storage="int4")

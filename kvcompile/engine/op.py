@@ -133,7 +133,7 @@ def _setup_backward(ctx, inputs, output):
     q, k, v, mask, layer, ref, token, scale = inputs
     cache = ref.cache
     ctx.plain = _plain_prompt(cache, q, k, layer)
-    ctx.scale = scale
+    ctx.scale, ctx.softcap = scale, cache.plan.softcap
     valid = cache.prompt.valid if ctx.plain else None
     ctx.save_for_backward(q, k, v, None if valid is None or bool(valid.all()) else valid)
 
@@ -152,7 +152,7 @@ def _backward(ctx, grad):
     q, k, v, valid = ctx.saved_tensors
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = prompt_attention(*inputs, valid, ctx.scale)
+        out = prompt_attention(*inputs, valid, ctx.scale, softcap=ctx.softcap)
         grads = torch.autograd.grad(out, inputs, grad.to(out.dtype), allow_unused=True)
     return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (q, k, v))), None, None, None, None, None)
 
@@ -196,12 +196,13 @@ def kvcompile_attention(module, query, key, value, attention_mask, scaling=None,
     if cache is None:  # no KVCompileCache (use_cache=False or another cache): plain attention
         offset = key.shape[2] - query.shape[2]
         window = kwargs.get("sliding_window")  # a hybrid model's local layer: its window (Gemma 3)
+        softcap = kwargs.get("softcap")  # the model's logit soft-cap (Gemma 2)
         if window:
             valid = mask[:, -key.shape[2]:].bool() if mask is not None else \
                 torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
-            out = window_attention(query, key, value, valid, scale, window, offset)
+            out = window_attention(query, key, value, valid, scale, window, offset, softcap)
         else:
-            out = prompt_attention(query, key, value, mask, scale, offset)
+            out = prompt_attention(query, key, value, mask, scale, offset, softcap)
     elif kinds is not None and kinds.windows[layer] is not None:  # a local layer, left to its window
         out = _local(cache, layer, query, key, value, mask, scale)
     else:

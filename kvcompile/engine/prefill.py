@@ -33,13 +33,21 @@ def _flash_attn():
 
 
 def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                     offset: int = 0) -> Tensor:
+                     offset: int = 0, softcap: float | None = None) -> Tensor:
     """The model's causal attention (SDPA) with left padding: query i (at index offset + i)
     sees real keys j <= offset + i. A pad query attends to itself only, so no NaN appears.
-    On a GPU with flash-attn installed, an unpadded prompt runs through flash-attn."""
+    On a GPU with flash-attn installed, an unpadded prompt runs through flash-attn.
+    softcap: the model's logit soft-cap (Gemma 2: cap·tanh(s/cap) before the softmax), else None."""
     b, hq, t, d = q.shape
     n = k.shape[2]
     gqa = hq != k.shape[1]
+    if softcap:
+        rows = torch.arange(t, device=q.device)[:, None] + offset
+        cols = torch.arange(n, device=q.device)[None, :]
+        allowed = (cols <= rows)[None]
+        if mask is not None:
+            allowed = (allowed & mask[:, None, :n]) | (cols == rows)[None]
+        return softcapped_attention(q, k, v, allowed[:, None], scale, softcap)
     if q.is_cuda and mask is None and offset == 0 and t == n and q.dtype in (torch.float16, torch.bfloat16):
         flash = _flash_attn()
         if flash is not None:  # flash-attn takes (B, T, H, d) and handles GQA itself
@@ -55,6 +63,17 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
         allowed = allowed | (cols == rows)[None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale,
                                           enable_gqa=gqa)
+
+
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, softcap: float) -> Tensor:
+    """softmax(cap·tanh(q·kᵀ·scale / cap)) · v over the `allowed` keys (broadcast to (B, Hq, T, N)), as
+    transformers' eager attention computes a soft-capped model's (Gemma 2); GQA by repeating the KV heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, like: Tensor) -> PromptState:
@@ -92,7 +111,7 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
         out, scores = cache.plan.prompt_scores.attend(cache.plan.policy.scoring, q, k, v, padding, scale)
         compress_prompt_layer(cache, q, k, v, layer, scale, scores=scores)
         return out
-    out = prompt_attention(q, k, v, padding, scale, offset=n - t)
+    out = prompt_attention(q, k, v, padding, scale, offset=n - t, softcap=cache.plan.softcap)
     compress_prompt_layer(cache, q if rows is None else rows, k, v, layer, scale)
     return out
 
@@ -171,7 +190,7 @@ def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: T
     if seen < chunks.length:
         chunks.keys[layer], chunks.values[layer], chunks.queries[layer] = keys, values, queries
         padding = None if mask is None or bool(mask[:, :seen].all()) else mask[:, :seen].bool()
-        return prompt_attention(q, keys, values, padding, scale, offset=seen - t)
+        return prompt_attention(q, keys, values, padding, scale, offset=seen - t, softcap=cache.plan.softcap)
     chunks.keys[layer] = chunks.values[layer] = chunks.queries[layer] = None
     if layer == cache.plan.num_layers - 1:
         cache.chunks = None

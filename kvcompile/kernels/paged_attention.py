@@ -131,6 +131,22 @@ class TorchPagedAttention(PagedAttention):
 
 
 @dataclass(frozen=True)
+class SoftcapPagedAttention(PagedAttention):
+    """The torch lowering run eagerly with the model's logit soft-cap (Gemma 2: cap·tanh(s/cap) before the
+    softmax, s the scaled logit, before any merge bias); the plan's decode attention of a soft-capped model."""
+
+    name: ClassVar[str] = "torch"
+    softcap: float = 0.0
+
+    def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, softcap=self.softcap)
+
+    def describe(self) -> str:
+        return f"torch (eager, logits soft-capped at {self.softcap:g})"
+
+
+@dataclass(frozen=True)
 class CompiledPagedAttention(PagedAttention):
     """The torch lowering through Inductor (`compiled_paged_attention_torch`): its one-thread graph below
     `parallel_work` multiply-adds a call, its parallel one above."""
@@ -212,9 +228,11 @@ def _valid(lengths: Tensor, tokens: int) -> Tensor:
     return torch.arange(tokens, device=lengths.device) < lengths[..., None]
 
 
-def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse: bool = False):
+def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse: bool = False,
+              softcap: float | None = None):
     """Eager path: gather each head's pages, then grouped attention by matmul (return_lse: also the
-    log-sum-exp of each query head's logits (B, Hq), −inf for an empty head, from the same logits)."""
+    log-sum-exp of each query head's logits (B, Hq), −inf for an empty head, from the same logits;
+    softcap: the logits soft-capped, cap·tanh(s/cap), before the bias)."""
     b, hq, d = q.shape
     h, m = block_table.shape[1:]
     s = k_pages.shape[1]
@@ -224,6 +242,8 @@ def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, retu
     values = v_pages[table].view(b, h, m * s, d).float().masked_fill(~valid[..., None], 0.0)
     qg = q.float().view(b, h, hq // h, d)
     logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # (B, H, G, T)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     if bias_pages is not None:
         logits = logits + bias_pages[table].view(b, h, 1, m * s).float()
     logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
