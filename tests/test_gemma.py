@@ -171,3 +171,25 @@ def test_run_snapkv_on_gemma(capsys):
                      r"[\d.]+ MiB \(local layers keep their window\)", out, re.M)
     assert re.search(r"^needle\s+\d+% .* over the 3 full_attention layers the policy compresses", out, re.M)
     assert re.search(r"^\s+L5\s+\[\s*128\]\s+L11\s+\[\s*128\]\s+L17\s+\[\s*128\]", out, re.M)
+
+
+def test_compiled_gemma_at_a_full_budget_is_the_plain_model():
+    """The real model at a budget that keeps everything, on a prompt longer than its 512-token window: the
+    compiled model's greedy tokens and logits are the plain model's, and its local layers hold 511 positions."""
+    require_gemma()
+    import kvcompile
+
+    model, tokenizer = load_model("gemma3-270m")
+    torch.manual_seed(0)
+    ids = torch.randint(1000, 200_000, (1, 600))
+    with torch.inference_mode():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        with kvcompile.compiled(model, "snapkv", per_head=1024):
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+    assert got.sequences.tolist() == ref.sequences.tolist()
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
+    cache = cache_arg.of(got)
+    assert [w.keys.shape[2] for w in cache.windows if w is not None] == [511] * 15
+    report = cache.memory_report()
+    assert report["bytes_full_by_kind"]["sliding_attention"] == 15 * 511 * 2 * 256 * 4
