@@ -15,6 +15,7 @@ from kvcompile.allocation import global_totals, layer_pool, layer_totals
 from kvcompile.engine.cascade import cascade
 from kvcompile.engine.compress import over_heads, select_and_merge_kernels, store_layer
 from kvcompile.engine.pages import Entries
+from kvcompile.engine.softcap import softcapped_attention
 from kvcompile.engine.state import PromptState
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.scoring import entropy
@@ -63,17 +64,6 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
         allowed = allowed | (cols == rows)[None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale,
                                           enable_gqa=gqa)
-
-
-def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, softcap: float) -> Tensor:
-    """softmax(cap·tanh(q·kᵀ·scale / cap)) · v over the `allowed` keys (broadcast to (B, Hq, T, N)), as
-    transformers' eager attention computes a soft-capped model's (Gemma 2); GQA by repeating the KV heads."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-    logits = torch.tanh(logits / softcap) * softcap
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    return torch.matmul(torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, like: Tensor) -> PromptState:

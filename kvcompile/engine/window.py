@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcompile.engine.prefill import softcapped_attention
+from kvcompile.engine.softcap import softcapped_attention
 
 
 @dataclass
