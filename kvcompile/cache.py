@@ -242,7 +242,8 @@ class KVCompileCache(Cache):
         its sliding-window attention over the entries it holds and the new ones, which it then holds
         (the last window - 1 positions; kvcompile.engine.window)."""
         out, self.windows[layer] = window_step(self.windows[layer], q, k, v, mask, scale,
-                                               self.plan.layer_kinds.windows[layer], self.plan.softcap)
+                                               self.plan.layer_kinds.windows[layer], self.plan.softcap,
+                                               self.plan.model_layer_sinks(layer, q.device))
         return out
 
     @property

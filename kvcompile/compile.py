@@ -32,7 +32,8 @@ from kvcompile.sharding import ShardingError, model_shard
 
 # the model types kvcompile is tested on (tests/test_runtime.py, tests/test_architectures.py): decoders whose
 # attention is softmax(q·kᵀ·scaling)·v over RoPE'd keys; they differ in norms, fused projections and MLPs (experts)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2", "gemma3_text", "gemma2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2", "gemma3_text", "gemma2",
+             "gpt_oss")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
 
 
@@ -60,12 +61,6 @@ def _check_model(model) -> None:
     if feature is not None:
         raise CompileError(f"kvcompile: model type {kind!r} uses {feature}, which kvcompile's attention does not "
                            f"compute; tested model types: {', '.join(SUPPORTED)}")
-    inner = getattr(model, "model", None)
-    if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
-           for layer in getattr(inner, "layers", None) or ()):
-        raise CompileError(f"kvcompile: model type {kind!r} has learned attention sinks (self_attn.sinks: one logit "
-                           "per head added to the softmax's denominator), which kvcompile's attention does not add; "
-                           "it is refused rather than run with another softmax")
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", *WINDOWED})
     if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in kinds:
         kinds.append("chunked_attention")
@@ -87,6 +82,18 @@ def _check_model(model) -> None:
     if impl not in ("sdpa", "eager", "kvcompile", None):
         raise CompileError(f"kvcompile: the model uses attn_implementation={impl!r}; load it with "
                            "attn_implementation='sdpa' (or 'eager')")
+
+
+def model_sinks(model) -> tuple | None:
+    """Each layer's learned attention sinks (gpt-oss's self_attn.sinks: one logit per query head added to the
+    softmax's denominator), as the plan holds them (kvcompile.plan.Plan.sinks), or None where no layer has any.
+    Read once, at compile(): the plan is immutable, so changing the sinks' weights afterwards needs another
+    compile()."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or ()
+    sinks = [getattr(getattr(layer, "self_attn", None), "sinks", None) for layer in layers]
+    if all(s is None for s in sinks):
+        return None
+    return tuple(None if s is None else tuple(float(x) for x in s.detach().float().cpu()) for s in sinks)
 
 
 def sliding_window(config) -> int | None:
@@ -324,7 +331,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         device, layer_devices = execution_devices(model)
         plan = build_plan(policy, model.config, device=device, dtype=model.dtype, kernels=kernels,
                           page_size=page_size, compiled_entry=traced, shard=shard,
-                          layer_devices=layer_devices)
+                          layer_devices=layer_devices, sinks=model_sinks(model))
     except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
     if traced and plan.layer_kinds is not None:

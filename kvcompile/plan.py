@@ -112,9 +112,32 @@ class Plan:
     #   (Scorer.needs_rope: expected_attention moves queries to future positions); None: the scorer reads none
     softcap: float | None = None  # the model's attention logit soft-cap (Gemma 2's attn_logit_softcapping:
     #   cap·tanh(s/cap) before the softmax), applied by every attention the plan runs; None: none
+    sinks: tuple[tuple[float, ...] | None, ...] | None = None  # per model layer, its learned sinks (gpt-oss's
+    #   self_attn.sinks: one logit per query head in the softmax's denominator), read off the model by compile();
+    #   None: the model has none
     layer_kinds: LayerKinds | None = None  # a hybrid model's layers (kvcompile.layer_kinds): which the policy
     #   compresses (num_layers counts those, numbered in the model's order) and which are left to their window;
     #   None: every layer is a full_attention layer the policy compresses
+
+    def model_layer_sinks(self, layer: int, device) -> Tensor | None:
+        """Model layer `layer`'s learned sinks (Hq,) on `device`, or None."""
+        if self.sinks is None or self.sinks[layer] is None:
+            return None
+        return torch.tensor(self.sinks[layer], dtype=torch.float32, device=device)
+
+    def layer_sinks(self, layer: int, device) -> Tensor | None:
+        """The learned sinks of the engine's layer `layer` (a hybrid model's: of its layer-th compressed layer)."""
+        if self.sinks is None:
+            return None
+        model = layer if self.layer_kinds is None else self.layer_kinds.engine.index(layer)
+        return self.model_layer_sinks(model, device)
+
+    def decode_backend(self, layer: int, device):
+        """The decode attention backend of the engine's layer `layer`: decode_attention, with the layer's sinks
+        where the model has them."""
+        if self.sinks is None:
+            return self.decode_attention
+        return self.decode_attention.with_sinks(self.layer_sinks(layer, device))
 
     @property
     def model_layers(self) -> int:
@@ -297,6 +320,7 @@ class _Dims:
         self.num_key_value_heads = plan.num_heads
         self.head_dim = plan.head_dim
         self.attn_logit_softcapping = plan.softcap
+        self.sinks = plan.sinks
 
 
 UNRESERVED_PAGES = ("page allocation: past the pages reserved for the generation (a cache made without a generation "
@@ -443,7 +467,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                kernels: str | None = None, page_size: int = 16, headroom: int = 0,
                compiled_entry: bool = False, shard: HeadShard | None = None,
                layer_devices: tuple[torch.device, ...] | None = None,
-               rope: tuple[float, ...] | None = None) -> Plan:
+               rope: tuple[float, ...] | None = None, sinks: tuple | None = None) -> Plan:
     """The plan for `policy` on a model with this `config` (layers, KV heads, head dim).
     Raises PlanError for what cannot run (a kernel that does not exist here, a merge rule
     that has no online path), before anything runs.
@@ -499,13 +523,20 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     scoring, decode = policy.scoring, policy.schedule.decode
     softcap = float(getattr(config, "attn_logit_softcapping", None) or 0) or None
-    if softcap is not None:
+    sinks = sinks if sinks is not None else getattr(config, "sinks", None)  # (_Dims: a plan's own)
+    kind = getattr(config, "model_type", None)
+    if softcap is not None or sinks is not None:
         why = _softcap_refusal(policy)
-        if why is not None:
-            raise PlanError(f"kvcompile: model type {getattr(config, 'model_type', None)!r} soft-caps its attention "
+        if why is not None and softcap is not None:
+            raise PlanError(f"kvcompile: model type {kind!r} soft-caps its attention "
                             f"logits (attn_logit_softcapping={softcap}: "
                             f"cap·tanh(s/cap) before the softmax), and {why}; it is refused rather than run with "
                             "other logits")
+        if why is not None:
+            raise PlanError(f"kvcompile: model type {kind!r} has learned attention sinks (self_attn.sinks: one logit "
+                            f"per head added to the softmax's denominator), and {why.replace('the cap', 'the sinks')};"
+                            " it is refused rather than run with another softmax")
+    explicit = softcap is not None or sinks is not None  # attention written out (engine.explicit)
     cuda = device is not None and device.type == "cuda"
     decode_kernels = kernels
     if compiled_entry and kernels is None and not cuda and dtype is not None and dtype != torch.float32:
@@ -524,9 +555,9 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             if kernels is None and merge_impl == "torch" and not cuda:
                 merge_compile_above = 2048  # a long walk: Inductor's one-time compile pays for itself
         score_impl = "part"  # (a soft-capped model: the prompt's attention applies the cap; no fused kernel)
-        if softcap is None and scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
+        if not explicit and scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
             score_impl = _resolve("window_scores", kernels, device, dtype, head_dim)
-        if softcap is None and scoring.column_weights(1) is not None and device is not None \
+        if not explicit and scoring.column_weights(1) is not None and device is not None \
                 and kernels in (None, "cpp") \
                 and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
             score_impl = "column_sums:cpp"  # attention and score in one pass: 0.6-0.8x the attention alone
@@ -566,7 +597,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                                        dtype, head_dim)
             except ValueError as exc:
                 raise PlanError(f"kvcompile: {exc}") from None
-    elif kernels in (None, "cpp") and device is not None and softcap is None:
+    elif kernels in (None, "cpp") and device is not None and not explicit:
         # a plain decode step (append + attention) as one C++ call where it would run on one thread
         # anyway (CppOnlineStep.runs): the separate append and paged-attention calls cost
         # ~0.1 ms a layer in small torch ops, 5-10 % of a SmolLM2 step at 128 entries per head
@@ -585,7 +616,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             if score_impl == "part" else window_scores.backend(score_impl),
             selection=select.backend(select_impl, cuda=cuda),
             prompt_merge=None if merge_impl is None else merge.backend(merge_impl, merge_compile_above),
-            decode_attention=paged_attention.SoftcapPagedAttention(softcap) if softcap is not None else
+            decode_attention=paged_attention.SoftcapPagedAttention(softcap or 0.0) if explicit else
             paged_attention.backend(decode_impl) if not storage.quantizes else
             _quantized_decode(decode_impl, device, dtype, head_dim, storage, policy.tiered),
             online_step=None if online_impl is None else _quant_step(policy, step_rule, head_dim)
@@ -632,7 +663,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
         prefill_chunk=chunk, layer_devices=layer_devices,
-        rope=tuple(rope) if scoring.needs_rope else None, layer_kinds=kinds, softcap=softcap)
+        rope=tuple(rope) if scoring.needs_rope else None, layer_kinds=kinds, softcap=softcap, sinks=sinks)
 
 
 
@@ -642,8 +673,9 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def _softcap_refusal(policy: Policy) -> str | None:
-    """Why `policy` cannot run exactly on a model that soft-caps its attention logits, or None. The prompt's
-    attention, a local layer's window and the decode attention (the eager torch lowering) apply the cap; the
+    """Why `policy` cannot run exactly on a model that soft-caps its attention logits or has learned sinks, or
+    None. The prompt's attention, a local layer's window and the decode attention (the eager torch lowering)
+    apply the cap and the sinks (engine.explicit, kernels.paged_attention.SoftcapPagedAttention); the
     scorers' own attention weights, the fused C++ and Triton kernels, merge slots, quantized pages and a prompt
     compressed in chunks do not."""
     scoring = policy.scoring

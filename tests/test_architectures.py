@@ -167,10 +167,10 @@ def _gemma3_bidirectional():
     (_gpt_oss, "learned attention sinks \\(self_attn.sinks: one logit per head added to the softmax's denominator"),
     (_gemma3_bidirectional, "'gemma3_text' with use_bidirectional_attention=True attends to later tokens too")])
 def test_what_the_op_does_not_compute_is_refused_by_name_before_any_change(make, says):
-    """gpt-oss's sinks would change the softmax, Gemma 3's bidirectional mode attends to later tokens, and Gemma 2's
-    soft-capped logits are not applied by a scorer that reads attention (snapkv's): none is computed by kvcompile,
-    so each is refused, named, not approximated (a hybrid model's local layers run their window, and Gemma 2 runs
-    with the scorers that read no attention: tests/test_hybrid.py)."""
+    """Gemma 3's bidirectional mode attends to later tokens, and gpt-oss's sinks and Gemma 2's soft-capped logits are
+    not applied by a scorer that reads attention (snapkv's): none is computed by kvcompile, so each is refused,
+    named, not approximated (a hybrid model's local layers run their window, and Gemma 2 and gpt-oss run with the
+    scorers that read no attention: tests/test_hybrid.py)."""
     model = make()
     before = model.config._attn_implementation
     with pytest.raises(kvcompile.CompileError, match=f"kvcompile: model type .*{says}"):

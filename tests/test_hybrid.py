@@ -356,3 +356,117 @@ def test_gemma2_paths_without_the_cap_are_refused(name, says):
     assert "forward" not in model.__dict__
     with pytest.raises(kvcompile.CompileError, match="storage: int4 attends over quantized pages"):
         kvcompile.compile(model, "knorm", storage="int4")
+
+
+# --- gpt-oss: learned sinks (one logit per query head in the softmax's denominator), hybrid too -----------------
+
+def tiny_gpt_oss(seed: int = 0):
+    """4 layers alternating local (12-token window) and global, 4 experts, sinks drawn with spread (the default
+    init leaves them near 0), the plain model in transformers' eager attention (the one that adds the sinks)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    config = GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=1024,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          attn_implementation="eager", pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def _sink_reference(q, k, v, sees, scale, sinks):
+    """softmax over [q·kᵀ·scale, sink] with the sink's column dropped, · v, written out."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    logits = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~sees, float("-inf"))
+    weights = torch.exp(logits)
+    return (weights / (weights.sum(-1, keepdim=True) + torch.exp(sinks).view(1, -1, 1, 1))) @ v
+
+
+@settings(max_examples=30, deadline=None)
+@given(t=st.integers(1, 9), past=st.integers(0, 20), pads=st.integers(0, 3), window=st.sampled_from([None, 4, 12]),
+       seed=st.integers(0, 2 ** 16))
+def test_prompt_and_window_attention_with_sinks_equal_the_reference(t, past, pads, window, seed):
+    from kvcompile.engine.prefill import prompt_attention
+    from kvcompile.engine.window import window_attention
+
+    g = torch.Generator().manual_seed(seed)
+    n = past + t
+    q = torch.randn(2, 4, t, 8, generator=g)
+    k, v = torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+    sinks = torch.randn(4, generator=g) * 2
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, :min(pads, n - 1)] = False
+    i, p = torch.arange(t)[:, None] + past, torch.arange(n)[None, :]
+    sees = (p <= i) & (p > i - (window or n + 1)) & valid[:, None, None, :]
+    want = _sink_reference(q, k, v, sees, 0.3, sinks)
+    got = window_attention(q, k, v, valid, 0.3, window, past, sinks=sinks) if window else \
+        prompt_attention(q, k, v, None if bool(valid.all()) else valid, 0.3, past, sinks=sinks)
+    real = valid[:, None, past:, None].expand_as(got)
+    assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=4, max_size=4), seed=st.integers(0, 2 ** 16))
+def test_decode_attention_with_sinks_equals_the_reference(lengths, seed):
+    from kvcompile.kernels.paged_attention import SoftcapPagedAttention
+
+    g = torch.Generator().manual_seed(seed)
+    b, h, s, d, pages = 2, 2, 4, 8, 10
+    q = torch.randn(b, 2 * h, d, generator=g)
+    k_pages, v_pages = torch.randn(b * h * pages, s, d, generator=g), torch.randn(b * h * pages, s, d, generator=g)
+    block_table = torch.randperm(b * h * pages, generator=g).view(b, h, pages)
+    length = torch.tensor(lengths).view(b, h)
+    sinks = torch.randn(2 * h, generator=g) * 2
+    got = SoftcapPagedAttention(0.0, sinks)(q, k_pages, v_pages, block_table, length, None, 0.3)
+    for bi in range(b):
+        for hi in range(h):
+            n = int(length[bi, hi])
+            keys = k_pages[block_table[bi, hi]].reshape(-1, d)[:n]
+            values = v_pages[block_table[bi, hi]].reshape(-1, d)[:n]
+            rows = q[bi, 2 * hi:2 * hi + 2]
+            w = torch.exp(rows @ keys.T * 0.3)
+            want = (w / (w.sum(-1, keepdim=True) + torch.exp(sinks[2 * hi:2 * hi + 2])[:, None])) @ values
+            assert_close(got[bi, 2 * hi:2 * hi + 2], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "knorm"])
+def test_gpt_oss_full_budget_equals_the_plain_model(name):
+    """The sinks through the op (prompt, local windows, decode): logits and greedy tokens of the plain (eager)
+    gpt-oss at a budget that keeps everything; the sinks matter here (other sinks give other logits)."""
+    model = tiny_gpt_oss()
+    ids, mask = padded_batch()
+    real = mask.bool()
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask).logits
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, full_budget(name, ids.shape[1] + NEW, 4)):
+            logits = model(ids, attention_mask=mask).logits
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.zero_()
+        other = model(ids, attention_mask=mask).logits
+    assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
+    assert got.tolist() == ref.tolist()
+    assert (other[real] - ref_logits[real]).abs().max() > 1e-2
+
+
+def test_gpt_oss_paths_without_the_sinks_are_refused():
+    model = tiny_gpt_oss()
+    with pytest.raises(kvcompile.CompileError, match="model type 'gpt_oss' has learned attention sinks .*and scoring: "
+                                                     "window_attention scores entries by attention weights, which its "
+                                                     "kernels compute without the sinks"):
+        kvcompile.compile(model, "snapkv")
+    assert "forward" not in model.__dict__
+    policy = full_budget("streamingllm", 60, 4)
+    cache = KVCompileCache(policy, model.config)  # a plan from the config alone: no sinks
+    with torch.no_grad(), kvcompile.compiled(model, policy):
+        with pytest.raises(RuntimeError, match="learned attention sinks .* the cache's plan has none"):
+            model(prompt(10), **cache_arg.given(cache))

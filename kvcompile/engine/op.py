@@ -133,7 +133,7 @@ def _setup_backward(ctx, inputs, output):
     q, k, v, mask, layer, ref, token, scale = inputs
     cache = ref.cache
     ctx.plain = _plain_prompt(cache, q, k, layer)
-    ctx.scale, ctx.softcap = scale, cache.plan.softcap
+    ctx.scale, ctx.softcap, ctx.sinks = scale, cache.plan.softcap, cache.plan.sinks is not None
     valid = cache.prompt.valid if ctx.plain else None
     ctx.save_for_backward(q, k, v, None if valid is None or bool(valid.all()) else valid)
 
@@ -144,6 +144,10 @@ def _backward(ctx, grad):
     gradient is that attention's, recomputed here. The compression does not change the prompt's
     outputs, and nothing else is differentiable: a decode step or a prompt continued in later calls
     attends to what the policy kept (selection is not differentiable), refused with the reason."""
+    if ctx.sinks:
+        raise RuntimeError("kvcompile: backward through kvcompile.attend on a model with learned attention sinks is "
+                           "not supported (the sinks' own gradient); train with model.train(), which runs the plain "
+                           "attention without a cache")
     if not ctx.plain:
         raise RuntimeError("kvcompile: backward through kvcompile.attend is defined for a prompt's attention only "
                            "(a fresh cache, the prompt in one forward call); this call decoded or continued a "
@@ -197,12 +201,17 @@ def kvcompile_attention(module, query, key, value, attention_mask, scaling=None,
         offset = key.shape[2] - query.shape[2]
         window = kwargs.get("sliding_window")  # a hybrid model's local layer: its window (Gemma 3)
         softcap = kwargs.get("softcap")  # the model's logit soft-cap (Gemma 2)
+        sinks = kwargs.get("s_aux")  # the layer's learned sinks (gpt-oss)
         if window:
             valid = mask[:, -key.shape[2]:].bool() if mask is not None else \
                 torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
-            out = window_attention(query, key, value, valid, scale, window, offset, softcap)
+            out = window_attention(query, key, value, valid, scale, window, offset, softcap, sinks)
         else:
-            out = prompt_attention(query, key, value, mask, scale, offset, softcap)
+            out = prompt_attention(query, key, value, mask, scale, offset, softcap, sinks)
+    elif kwargs.get("s_aux") is not None and cache.plan.sinks is None:
+        raise RuntimeError("kvcompile: this model has learned attention sinks (self_attn.sinks) and the cache's plan "
+                           "has none: a cache for it comes from kvcompile.compile(model, ...) (its generate() and "
+                           "forward make one, or KVCompileCache.from_plan(model.kvcompile_plan)), which reads them")
     elif kinds is not None and kinds.windows[layer] is not None:  # a local layer, left to its window
         out = _local(cache, layer, query, key, value, mask, scale)
     else:

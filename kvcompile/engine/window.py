@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcompile.engine.softcap import softcapped_attention
+from kvcompile.engine.explicit import explicit_attention
 
 
 @dataclass
@@ -45,24 +45,25 @@ class WindowLayer:
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float, window: int,
-                     offset: int, softcap: float | None = None) -> Tensor:
+                     offset: int, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Sliding-window causal attention: query t (at position offset + t, against keys at positions 0..N-1 of
     `k`) sees the real keys j with offset + t - window < j <= offset + t. A query that sees no real key (a left
     pad's) attends to its own key, so no NaN appears (its output is never read by a real token).
-    q (B, Hq, T, d), k/v (B, H, N, d), valid (B, N) bool; softcap: the model's logit soft-cap (Gemma 2), or None."""
+    q (B, Hq, T, d), k/v (B, H, N, d), valid (B, N) bool; softcap: the model's logit soft-cap (Gemma 2), or None;
+    sinks: the layer's learned sinks (gpt-oss, (Hq,)), or None."""
     t, n = q.shape[2], k.shape[2]
     rows = torch.arange(t, device=q.device)[:, None] + offset
     cols = torch.arange(n, device=q.device)[None, :]
     allowed = ((cols <= rows) & (cols > rows - window))[None] & valid[:, None, :]  # (B, T, N)
     allowed = allowed | (cols == rows)[None]
-    if softcap:
-        return softcapped_attention(q, k, v, allowed[:, None], scale, softcap)
+    if softcap or sinks is not None:
+        return explicit_attention(q, k, v, allowed[:, None], scale, softcap, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
 def window_step(held: WindowLayer | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                window: int, softcap: float | None = None) -> tuple[Tensor, WindowLayer]:
+                window: int, softcap: float | None = None, sinks: Tensor | None = None) -> tuple[Tensor, WindowLayer]:
     """One call of a local layer (a prompt, a prompt's chunk, or decode steps): the T new tokens attend to the
     held entries and themselves within the window; returns the output (B, Hq, T, d) and the layer's new held
     entries (the last window - 1 positions). mask: (B, ≥ seen + T) padding mask (True = real) or None."""
@@ -75,7 +76,7 @@ def window_step(held: WindowLayer | None, q: Tensor, k: Tensor, v: Tensor, mask:
         values = torch.cat([held.values, v.to(held.values.dtype)], dim=2)
         valid = torch.cat([held.valid, new_valid.to(held.valid.device)], dim=1)
         seen, offset = held.seen + t, held.keys.shape[2]
-    out = window_attention(q, keys.to(q.dtype), values.to(q.dtype), valid, scale, window, offset, softcap)
+    out = window_attention(q, keys.to(q.dtype), values.to(q.dtype), valid, scale, window, offset, softcap, sinks)
     keep = min(keys.shape[2], window - 1)
     start = keys.shape[2] - keep
     # copies: the positions that left the window are freed, not kept alive by a view

@@ -130,20 +130,31 @@ class TorchPagedAttention(PagedAttention):
         return paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SoftcapPagedAttention(PagedAttention):
     """The torch lowering run eagerly with the model's logit soft-cap (Gemma 2: cap·tanh(s/cap) before the
-    softmax, s the scaled logit, before any merge bias); the plan's decode attention of a soft-capped model."""
+    softmax, s the scaled logit, before any merge bias) and/or a layer's learned sinks (gpt-oss: one logit per
+    query head in the softmax's denominator: the output scaled by sigmoid(lse − sink), lse the log-sum-exp of
+    the head's logits); the plan's decode attention of such a model (`with_sinks` gives a layer's)."""
 
     name: ClassVar[str] = "torch"
     softcap: float = 0.0
+    sinks: Tensor | None = None  # (Hq,) one layer's sinks, else None
+
+    def with_sinks(self, sinks: Tensor | None) -> "SoftcapPagedAttention":
+        return SoftcapPagedAttention(self.softcap, sinks)
 
     def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, softcap=self.softcap)
+        if self.sinks is None:
+            return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, softcap=self.softcap)
+        out, lse = _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True,
+                             softcap=self.softcap)
+        return (out.float() * torch.sigmoid(lse - self.sinks.float())[..., None]).to(q.dtype)
 
     def describe(self) -> str:
-        return f"torch (eager, logits soft-capped at {self.softcap:g})"
+        return f"torch (eager{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
+               f"{', learned sinks' if self.sinks is not None else ''})"
 
 
 @dataclass(frozen=True)
