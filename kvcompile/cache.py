@@ -375,7 +375,7 @@ class KVCompileCache(Cache):
             # the empty slots of the pages held: each head's last page is filled only partly
             "bytes_unused_slots": held - entries,
         }
-        if held > report["bytes_full"]:
+        if report["bytes_held"] > report["bytes_full"]:
             report["note"] = (
                 "bytes_held exceeds bytes_full: nothing (or little) was evicted, and bytes_held counts whole pages "
                 f"of {self.page_size} entries, so each head's partly filled last page (bytes_unused_slots) is "

@@ -336,9 +336,9 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         raise CompileError(str(exc)) from None
     if traced and plan.layer_kinds is not None:
         raise CompileError(f"kvcompile: mode={mode!r} on a hybrid model ({model.config.model_type!r}: "
-                           "sliding_attention layers): the compiled entry's passes rewrite every captured attention into the op, and "
-                           "do not yet leave the local layers to their window; compile with mode='eager', which runs "
-                           "them exactly")
+                           "sliding_attention layers): the compiled entry's passes rewrite every captured attention "
+                           "into the op, and do not yet leave the local layers to their window; compile with "
+                           "mode='eager', which runs them exactly")
     if mode == "reduce-overhead":
         from kvcompile import graphs
 

@@ -554,7 +554,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             merge_impl = _resolve("merge", kernels, device, dtype, head_dim)  # cpp for fp32 on the CPU
             if kernels is None and merge_impl == "torch" and not cuda:
                 merge_compile_above = 2048  # a long walk: Inductor's one-time compile pays for itself
-        score_impl = "part"  # (a soft-capped model: the prompt's attention applies the cap; no fused kernel)
+        score_impl = "part"  # (a soft-cap or sinks: the prompt's attention written out applies them; no fused kernel)
         if not explicit and scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
             score_impl = _resolve("window_scores", kernels, device, dtype, head_dim)
         if not explicit and scoring.column_weights(1) is not None and device is not None \
