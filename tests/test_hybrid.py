@@ -470,3 +470,16 @@ def test_gpt_oss_paths_without_the_sinks_are_refused():
     with torch.no_grad(), kvcompile.compiled(model, policy):
         with pytest.raises(RuntimeError, match="learned attention sinks .* the cache's plan has none"):
             model(prompt(10), **cache_arg.given(cache))
+
+
+def test_a_prompt_compressed_chunk_by_chunk_leaves_local_layers_to_their_window(model):
+    """schedule.prefill: chunk (the prompt runs in forwards of 8 tokens, compressed after each) at a budget that
+    keeps everything: the local layers see the prompt chunk after chunk and give the plain model's tokens."""
+    ids, mask = padded_batch()
+    policy = kvcompile.load_spec("snapkv", per_head=120, schedule={"prefill": {"chunk": 8}})
+    assert policy.schedule.chunk_tokens == 8
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        with kvcompile.compiled(model, policy):
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert got.tolist() == ref.tolist()
