@@ -7,6 +7,7 @@ still equal a windowed reference; what cannot run exactly is refused up front, w
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -224,19 +225,47 @@ def test_what_cannot_run_exactly_is_refused_up_front(model):
             model.generate(ids, max_new_tokens=4, assistant_model=copy.deepcopy(model))
 
 
-def test_the_compiled_entry_and_continuous_batching_are_refused_with_the_reason(model):
-    """Both run on the plain model on this CPU, but kvcompile's compiled entry and its continuous batching do
-    not leave local layers to their window yet: refused before anything changes or runs, not run approximately."""
-    from transformers import GenerationConfig
-
+def test_the_compiled_entry_is_refused_with_the_reason(model):
+    """The plain model runs under torch.compile on this CPU, but kvcompile's compiled entry does not leave local
+    layers to their window yet: refused before anything changes, not run approximately."""
     with pytest.raises(kvcompile.CompileError, match="mode='compiled' on a hybrid model .*mode='eager'"):
         kvcompile.compile(model, "snapkv", mode="compiled")
     assert "forward" not in model.__dict__ and model.config._attn_implementation == "sdpa"
-    with kvcompile.compiled(model, "snapkv"):
-        with pytest.raises(kvcompile.CompileError, match="continuous batching of a hybrid model .* not supported"):
-            model.generate_batch(inputs=[[5, 6, 7]], generation_config=GenerationConfig(max_new_tokens=2,
-                                                                                        do_sample=False))
-        assert model.config._attn_implementation == "kvcompile"
+
+
+def test_continuous_batching_equals_the_plain_engine_and_generate(model):
+    """generate_batch (transformers' continuous batching, kvcompile's per-request caches): at a full budget the
+    plain engine's tokens; at a budget that evicts, each request's generate() tokens with the same spec. The
+    requests' caches hold their windows, counted in what the pool reserves for them."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=1, pad_token_id=0)
+    inputs = [prompt(30, seed=3)[0].tolist(), prompt(22, seed=4)[0].tolist(), prompt(50, seed=5)[0].tolist()]
+    with torch.no_grad():
+        ref = model.generate_batch(inputs=inputs, generation_config=config)
+        with kvcompile.compiled(model, full_budget("snapkv", 50 + NEW, len(KINDS))):
+            full = model.generate_batch(inputs=inputs, generation_config=config)
+        with kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=40)):
+            evicting = model.generate_batch(inputs=inputs, generation_config=config)
+            alone = [model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+                     for ids in inputs]
+    assert [r.generated_tokens for r in full.values()] == [r.generated_tokens for r in ref.values()]
+    assert [r.generated_tokens for r in evicting.values()] == alone
+    assert alone != [r.generated_tokens for r in ref.values()]  # the 50-token prompt lost entries
+
+
+def test_a_request_reserves_its_windows():
+    """What the pool reserves for a prompt covers the local layers' windows: window - 1 positions each (at
+    most the prompt), every KV head's key and value."""
+    from kvcompile.serving import prompt_bound_bytes, window_bytes
+
+    plan = kvcompile.KVCompileCache(full_budget("snapkv", 64, len(KINDS)), tiny_gemma3().config).plan
+    per_token = 2 * 2 * 16 * 4
+    assert window_bytes(plan, 5, 4) == len(LOCAL) * 5 * per_token
+    assert window_bytes(plan, 500, 4) == len(LOCAL) * (WINDOW - 1) * per_token
+    without = dataclasses.replace(plan, layer_kinds=None)
+    assert prompt_bound_bytes(plan, 40, 4, 4, False) - prompt_bound_bytes(without, 40, 4, 4, False) == \
+        len(LOCAL) * (WINDOW - 1) * per_token
 
 
 # --- Gemma 2: soft-capped logits (cap·tanh(s/cap) before the softmax), hybrid like Gemma 3 -----------------------
