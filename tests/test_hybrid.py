@@ -226,8 +226,8 @@ def test_what_cannot_run_exactly_is_refused_up_front(model):
 
 
 def test_the_compiled_entry_is_refused_with_the_reason(model):
-    """The plain model runs under torch.compile on this CPU, but kvcompile's compiled entry does not leave local
-    layers to their window yet: refused before anything changes, not run approximately."""
+    """kvcompile's compiled entry does not leave local layers to their window yet: refused before anything
+    changes, not run approximately."""
     with pytest.raises(kvcompile.CompileError, match="mode='compiled' on a hybrid model .*mode='eager'"):
         kvcompile.compile(model, "snapkv", mode="compiled")
     assert "forward" not in model.__dict__ and model.config._attn_implementation == "sdpa"
