@@ -3,7 +3,9 @@ from transformers' own config class: a policy compresses the full_attention laye
 its window, where it attends as transformers' sliding-window attention does and holds what transformers' own
 cache holds (its last window - 1 positions). At a budget that keeps everything a compiled model is the plain
 model (logits and greedy tokens, on every generate() path it runs here); at a budget that evicts, the local layers
-still equal a windowed reference; what cannot run exactly is refused up front, with the reason."""
+still equal a windowed reference; what cannot run exactly is refused up front, with the reason. Gemma 2's
+soft-capped logits and gpt-oss's learned sinks go through the op exactly: property tests against written-out
+references, and their tiny models at a full budget against the plain (eager) model."""
 from __future__ import annotations
 
 import copy
