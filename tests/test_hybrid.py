@@ -514,3 +514,23 @@ def test_a_prompt_compressed_chunk_by_chunk_leaves_local_layers_to_their_window(
         with kvcompile.compiled(model, policy):
             got = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     assert got.tolist() == ref.tolist()
+
+
+def test_prefill_once_compress_many_carries_the_local_layers(model):
+    """kvcompile.sweep (the needle and RULER evals' prefill once, compress many): the captured prompt's local
+    layers go with every replayed policy, so a replayed cache decodes the tokens of the compiled model's own
+    prefill; states without them are refused on a hybrid model."""
+    from kvcompile.sweep import capture, greedy, replay
+
+    ids = prompt(40, seed=12)
+    policy = kvcompile.load_spec("snapkv", per_head=36)
+    with torch.no_grad():
+        states, logits = capture(model, ids)
+        cache = replay(policy, model.config, states, headroom=NEW)
+        tokens = greedy(model, cache, logits, NEW)
+        with kvcompile.compiled(model, policy):
+            own = model.generate(ids, max_new_tokens=NEW, do_sample=False)[:, ids.shape[1]:]
+    assert own.shape[1] >= 5 and tokens[:, :own.shape[1]].tolist() == own.tolist()  # (generate stops at eos)
+    assert [w is not None for w in cache.windows] == [k == "sliding_attention" for k in KINDS]
+    with pytest.raises(ValueError, match="hybrid model .* needs its local layers' windows"):
+        replay(policy, model.config, list(states))
