@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 
 from kvcompile.cache_ref import CacheRef, new_token
 from kvcompile.engine.pages import LayerStore
+from kvcompile.engine.window import WindowLayer, window_step
 from kvcompile.engine.state import ChunkedPrompt, DecodeState, PromptChunks, PromptState, device_of, map_tensors, rows_of
 from kvcompile.layer_state import LayerState
 from kvcompile.plan import Plan, build_plan
@@ -57,21 +58,23 @@ class KVCompileCache(Cache):
 
     is_compileable = False
 
-    # transformers' per-layer kinds, one entry per layer (the base class derives them from `layers`, which this
-    # cache does not use): no layer is linear attention, sliding or a dummy. generate() reads `is_linear` (5.24 on)
-    # before it cuts a continued prompt down to the tokens after the cache: an empty list would say "all linear",
-    # and the whole prompt would be fed again on top of the cache.
+    # transformers' per-layer kinds, one entry per model layer (the base class derives them from `layers`, which
+    # this cache does not use): no layer is linear attention, sliding or a dummy. generate() reads `is_linear` (5.24
+    # on) before it cuts a continued prompt down to the tokens after the cache: an empty list would say "all
+    # linear", and the whole prompt would be fed again on top of the cache. A hybrid model's local layers are not
+    # "sliding" to transformers either: their window is kvcompile's (`windows`), and the masks are kvcompile's
+    # (kvcompile_mask), sized by get_mask_sizes for every layer alike.
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * self.plan.num_layers
+        return [False] * self.plan.model_layers
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [False] * self.plan.num_layers
+        return [False] * self.plan.model_layers
 
     @property
     def is_dummy(self) -> list[bool]:
-        return [False] * self.plan.num_layers
+        return [False] * self.plan.model_layers
 
     def __init__(self, policy: Policy | None = None, config=None, page_size: int = 16, headroom: int = 0,
                  record: bool = False, progress=None, kernels: str | None = None, *, plan: Plan | None = None):
@@ -86,6 +89,8 @@ class KVCompileCache(Cache):
         self.stores: list[LayerStore | None] = [None] * plan.num_layers
         self.states: list[LayerState | None] = [None] * plan.num_layers
         self.rings: list[Tensor | None] = [None] * plan.num_layers  # latest query rows (decode: every)
+        # a hybrid model's layers left to their window (kvcompile.engine.window), by model layer; None elsewhere
+        self.windows: list[WindowLayer | None] = [None] * plan.model_layers
         self.seq_length = 0  # logical length: prompt (pads included) + generated tokens
         self.prompt: PromptState | None = None
         self.decoding: DecodeState | None = None
@@ -227,7 +232,19 @@ class KVCompileCache(Cache):
         return -1
 
     def __len__(self) -> int:
+        """The layers whose entries the policy keeps (kept(), kept_positions(): a hybrid model's compressed
+        layers, in the model's order; its local layers are `windows`)."""
         return self.num_layers
+
+    def attend_window(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                      scale: float) -> Tensor:
+        """Model layer `layer`, left to its window (a hybrid model's local layer the policy does not apply to):
+        its sliding-window attention over the entries it holds and the new ones, which it then holds
+        (the last window - 1 positions; kvcompile.engine.window)."""
+        out, self.windows[layer] = window_step(self.windows[layer], q, k, v, mask, scale,
+                                               self.plan.layer_kinds.windows[layer], self.plan.softcap,
+                                               self.plan.model_layer_sinks(layer, q.device))
+        return out
 
     @property
     def is_initialized(self) -> bool:  # used by generate() to tell prefill from decode
@@ -262,13 +279,14 @@ class KVCompileCache(Cache):
         self.prompt = rows_of(self.prompt, index)
         self.decoding = None if self.decoding is None else rows_of(self.decoding, index)
         self.rings = [None if ring is None else ring[index.to(ring.device)] for ring in self.rings]
+        self.windows = [None if held is None else held.rows(index) for held in self.windows]
         self.states = [None] * self.plan.num_layers
 
     @property
     def is_croppable(self) -> bool:
         """crop() is exact only where the policy evicts nothing and updates no score while decoding."""
         plan = self.plan
-        return not (plan.prune_every or plan.online_eviction or plan.running_scores)
+        return not (plan.prune_every or plan.online_eviction or plan.running_scores or plan.layer_kinds is not None)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the latest `-tokens_to_remove` generated entries (transformers' convention: 0 or a
@@ -281,6 +299,11 @@ class KVCompileCache(Cache):
                              f"{tokens_to_remove}")
         if tokens_to_remove == 0:
             return
+        if self.plan.layer_kinds is not None:
+            raise NotImplementedError(
+                "kvcompile: crop() on a hybrid model: its local layers hold their last window - 1 positions only, "
+                "so the entries a crop would bring back into the window are gone (transformers' sliding-window "
+                "cache cannot crop past its window either); assisted and prompt-lookup decoding are not supported")
         if not self.is_croppable:
             raise NotImplementedError(
                 f"kvcompile: crop() is exact only for policies that evict nothing and update no score while "
@@ -332,16 +355,19 @@ class KVCompileCache(Cache):
             for name, n in s.bytes_by_precision().items():
                 by_precision[name] = by_precision.get(name, 0) + n
         entries = sum(s.kv_bytes_entries() for s in self.stores)
-        # the full cache: every token's key and value in the model's dtype
-        element = torch.empty((), dtype=self.plan.dtype).element_size() if self.plan.dtype is not None else 4
-        full = b * self.seq_length * self.num_layers * len(self.plan.kv_heads) * 2 * self.plan.head_dim * element
+        windows = sum(w.nbytes for w in self.windows if w is not None)  # a hybrid model's local layers
+        if windows:
+            by_precision["model_dtype"] = by_precision.get("model_dtype", 0) + windows
+        by_kind, full_by_kind = self._bytes_by_kind(b)
         report = {
-            "bytes_held": held,
+            "bytes_held": held + windows,
             "bytes_by_precision": by_precision,
-            "bytes_entries": entries,
-            "bytes_allocated": sum(s.kv_bytes_allocated for s in self.stores),
+            "bytes_by_kind": by_kind,
+            "bytes_full_by_kind": full_by_kind,
+            "bytes_entries": entries + windows,
+            "bytes_allocated": sum(s.kv_bytes_allocated for s in self.stores) + windows,
             "bytes_metadata": meta,
-            "bytes_full": full,
+            "bytes_full": sum(full_by_kind.values()),
             "kept": kept,
             "pages": pages,
             "page_size": self.page_size,
@@ -349,12 +375,35 @@ class KVCompileCache(Cache):
             # the empty slots of the pages held: each head's last page is filled only partly
             "bytes_unused_slots": held - entries,
         }
-        if held > full:
+        if report["bytes_held"] > report["bytes_full"]:
             report["note"] = (
                 "bytes_held exceeds bytes_full: nothing (or little) was evicted, and bytes_held counts whole pages "
                 f"of {self.page_size} entries, so each head's partly filled last page (bytes_unused_slots) is "
                 "counted; compression shows once the sequence is longer than the budget")
         return report
+
+    def _bytes_by_kind(self, b: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Bytes held now by each kind of layer (transformers' config.layer_types: the layers a policy compresses,
+        pages held; the layers left to their window, their keys and values), and what a full cache holds there,
+        as transformers' own cache does: every token's key and value in the model's dtype, a local layer's last
+        window - 1 tokens (pads included)."""
+        element = torch.empty((), dtype=self.plan.dtype).element_size() if self.plan.dtype is not None else 4
+        token = b * len(self.plan.kv_heads) * 2 * self.plan.head_dim * element
+        kinds = self.plan.layer_kinds
+        if kinds is None:
+            return ({"full_attention": sum(s.kv_bytes_held() for s in self.stores)},
+                    {"full_attention": token * self.seq_length * self.num_layers})
+        held: dict[str, int] = {}
+        full: dict[str, int] = {}
+        for layer, (kind, window, engine) in enumerate(zip(kinds.kinds, kinds.windows, kinds.engine)):
+            if engine is not None:
+                bytes_now = self.stores[engine].kv_bytes_held()
+            else:
+                bytes_now = 0 if self.windows[layer] is None else self.windows[layer].nbytes
+            held[kind] = held.get(kind, 0) + bytes_now
+            tokens = self.seq_length if window is None else min(self.seq_length, window - 1)
+            full[kind] = full.get(kind, 0) + token * tokens
+        return held, full
 
     def gathered_memory_report(self) -> dict:
         """memory_report() over every rank of a tensor-parallel group (every rank must call it, as

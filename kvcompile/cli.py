@@ -207,9 +207,19 @@ def prompt_kept(g):
     return torch.stack([cache.kept_positions(layer)[0].sum(-1) for layer in range(len(cache))])
 
 
-def print_budgets(kept) -> None:
-    """Prompt tokens kept per KV head, three layers to a line."""
-    cells = [f"L{i:<2} [{' '.join(f'{n:>4}' for n in row)}]" for i, row in enumerate(kept.tolist())]
+def compressed_layers(cache) -> list[int]:
+    """The model's numbers of the layers whose entries the policy keeps (a hybrid model's full_attention ones;
+    every layer otherwise), in the order of kept() and kept_positions()."""
+    kinds = getattr(getattr(cache, "plan", None), "layer_kinds", None)
+    if kinds is None:
+        return list(range(len(cache)))
+    return [layer for layer, engine in enumerate(kinds.engine) if engine is not None]
+
+
+def print_budgets(kept, layers: list[int] | None = None) -> None:
+    """Prompt tokens kept per KV head, three layers to a line (`layers`: the model's number of each row)."""
+    layers = list(range(len(kept))) if layers is None else layers
+    cells = [f"L{i:<2} [{' '.join(f'{n:>4}' for n in row)}]" for i, row in zip(layers, kept.tolist())]
     print("budgets  prompt tokens kept per KV head, layer by layer:")
     for i in range(0, len(cells), 3):
         print("         " + "   ".join(cells[i:i + 3]))
@@ -318,11 +328,19 @@ def cmd_run(args) -> None:
     print(f"memory   KV held {megabytes(rep['bytes_held'])} of {megabytes(rep['bytes_full'])} for a full "
           f"cache ({share:.1%}): {int(rep['pages'].sum())} pages of {rep.get('page_size', '?')} entries, "
           f"the generated tokens included")
+    hybrid = getattr(result.cache.plan, "layer_kinds", None) is not None
+    if hybrid:  # a hybrid model: the layers the policy compresses, and those left to their window
+        print("         by layer kind: " + ", ".join(
+            f"{kind} {megabytes(held)} of {megabytes(rep['bytes_full_by_kind'][kind])}"
+            for kind, held in rep["bytes_by_kind"].items()) + " (local layers keep their window)")
+    layers = compressed_layers(result.cache)
     if expected is not None:
         share = needle_kept(result.cache, prompt.needle_span)
-        print(f"needle   {share:.0%} of the hidden sentence's tokens kept, over all layers and heads")
+        over = f"over the {len(layers)} full_attention layers the policy compresses and their heads" if hybrid \
+            else "over all layers and heads"
+        print(f"needle   {share:.0%} of the hidden sentence's tokens kept, {over}")
     kept = prompt_kept(result)
-    print_budgets(kept)
+    print_budgets(kept, layers)
     if args.plot:
         plot_budget_map(kept, f"{policy.name} ({budget_label(policy)}), {len(ids)}-token prompt", args.plot)
         print(f"plot     {args.plot}")

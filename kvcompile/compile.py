@@ -23,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
+from kvcompile.layer_kinds import WINDOWED
 from kvcompile.devices import DeviceError, execution_devices, has_hooks
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policy import Policy
@@ -31,7 +32,8 @@ from kvcompile.sharding import ShardingError, model_shard
 
 # the model types kvcompile is tested on (tests/test_runtime.py, tests/test_architectures.py): decoders whose
 # attention is softmax(q·kᵀ·scaling)·v over RoPE'd keys; they differ in norms, fused projections and MLPs (experts)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2", "gemma3_text", "gemma2",
+             "gpt_oss")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
 
 
@@ -59,24 +61,16 @@ def _check_model(model) -> None:
     if feature is not None:
         raise CompileError(f"kvcompile: model type {kind!r} uses {feature}, which kvcompile's attention does not "
                            f"compute; tested model types: {', '.join(SUPPORTED)}")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap:
-        raise CompileError(f"kvcompile: model type {kind!r} soft-caps its attention logits (attn_logit_softcapping="
-                           f"{softcap}: cap·tanh(s/cap) before the softmax), which kvcompile's attention does not "
-                           "apply; it is refused rather than run with other logits")
-    inner = getattr(model, "model", None)
-    if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
-           for layer in getattr(inner, "layers", None) or ()):
-        raise CompileError(f"kvcompile: model type {kind!r} has learned attention sinks (self_attn.sinks: one logit "
-                           "per head added to the softmax's denominator), which kvcompile's attention does not add; "
-                           "it is refused rather than run with another softmax")
-    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", *WINDOWED})
     if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in kinds:
         kinds.append("chunked_attention")
     if kinds:
         raise CompileError(f"kvcompile: model type {kind!r} has {' and '.join(kinds)} layers (config.layer_types), "
-                           "whose attention sees a window of recent keys only; kvcompile attends to every kept entry "
-                           "and runs models whose layers are all full_attention")
+                           "whose attention sees blocks of keys only; kvcompile runs full_attention layers and "
+                           f"leaves {', '.join(WINDOWED)} layers to their window")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise CompileError(f"kvcompile: model type {kind!r} with use_bidirectional_attention=True attends to later "
+                           "tokens too; kvcompile's attention is causal")
     if kind not in SUPPORTED:
         raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported (tested): {', '.join(SUPPORTED)}")
     if not hasattr(model, "generate") or not hasattr(model, "model"):
@@ -88,6 +82,18 @@ def _check_model(model) -> None:
     if impl not in ("sdpa", "eager", "kvcompile", None):
         raise CompileError(f"kvcompile: the model uses attn_implementation={impl!r}; load it with "
                            "attn_implementation='sdpa' (or 'eager')")
+
+
+def model_sinks(model) -> tuple | None:
+    """Each layer's learned attention sinks (gpt-oss's self_attn.sinks: one logit per query head added to the
+    softmax's denominator), as the plan holds them (kvcompile.plan.Plan.sinks), or None where no layer has any.
+    Read once, at compile(): the plan is immutable, so changing the sinks' weights afterwards needs another
+    compile()."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or ()
+    sinks = [getattr(getattr(layer, "self_attn", None), "sinks", None) for layer in layers]
+    if all(s is None for s in sinks):
+        return None
+    return tuple(None if s is None else tuple(float(x) for x in s.detach().float().cpu()) for s in sinks)
 
 
 def sliding_window(config) -> int | None:
@@ -182,6 +188,11 @@ def _check_crop(plan) -> None:
     rejected ones: exact only where the policy evicts nothing and updates no score while
     decoding, and where a layer's compression is final when the layer has run (not a cascade,
     which shrinks lower layers as later ones run). Refused before the prompt runs otherwise."""
+    if plan.layer_kinds is not None:
+        raise CompileError("kvcompile: assisted / prompt-lookup decoding needs crop(), and a hybrid model's local "
+                           "layers hold their last window - 1 positions only: a crop would need entries that left "
+                           "the window (transformers' sliding-window cache cannot crop past its window either); "
+                           "generate without an assistant")
     if plan.prune_every or plan.online_eviction or plan.running_scores:  # KVCompileCache.is_croppable
         raise CompileError(f"kvcompile: assisted / prompt-lookup decoding needs crop(), which {plan.policy.name} "
                            "cannot do exactly (it evicts or re-scores while decoding)")
@@ -320,9 +331,14 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         device, layer_devices = execution_devices(model)
         plan = build_plan(policy, model.config, device=device, dtype=model.dtype, kernels=kernels,
                           page_size=page_size, compiled_entry=traced, shard=shard,
-                          layer_devices=layer_devices)
+                          layer_devices=layer_devices, sinks=model_sinks(model))
     except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
+    if traced and plan.layer_kinds is not None:
+        raise CompileError(f"kvcompile: mode={mode!r} on a hybrid model ({model.config.model_type!r}: "
+                           "sliding_attention layers): the compiled entry's passes rewrite every captured attention "
+                           "into the op, and do not yet leave the local layers to their window; compile with "
+                           "mode='eager', which runs them exactly")
     if mode == "reduce-overhead":
         from kvcompile import graphs
 

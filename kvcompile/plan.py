@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvcompile.layer_kinds import LayerKindError, LayerKinds, layer_kinds
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.merge import Drop, Residual
 from kvcompile.policy import Policy
@@ -109,6 +110,39 @@ class Plan:
     #   biased prefix, or SdpaChunkAttention, SDPA with a mask)
     rope: tuple[float, ...] | None = None  # the model's rotary inverse frequencies, for a scorer that reads them
     #   (Scorer.needs_rope: expected_attention moves queries to future positions); None: the scorer reads none
+    softcap: float | None = None  # the model's attention logit soft-cap (Gemma 2's attn_logit_softcapping:
+    #   cap·tanh(s/cap) before the softmax), applied by every attention the plan runs; None: none
+    sinks: tuple[tuple[float, ...] | None, ...] | None = None  # per model layer, its learned sinks (gpt-oss's
+    #   self_attn.sinks: one logit per query head in the softmax's denominator), read off the model by compile();
+    #   None: the model has none
+    layer_kinds: LayerKinds | None = None  # a hybrid model's layers (kvcompile.layer_kinds): which the policy
+    #   compresses (num_layers counts those, numbered in the model's order) and which are left to their window;
+    #   None: every layer is a full_attention layer the policy compresses
+
+    def model_layer_sinks(self, layer: int, device) -> Tensor | None:
+        """Model layer `layer`'s learned sinks (Hq,) on `device`, or None."""
+        if self.sinks is None or self.sinks[layer] is None:
+            return None
+        return torch.tensor(self.sinks[layer], dtype=torch.float32, device=device)
+
+    def layer_sinks(self, layer: int, device) -> Tensor | None:
+        """The learned sinks of the engine's layer `layer` (a hybrid model's: of its layer-th compressed layer)."""
+        if self.sinks is None:
+            return None
+        model = layer if self.layer_kinds is None else self.layer_kinds.engine.index(layer)
+        return self.model_layer_sinks(model, device)
+
+    def decode_backend(self, layer: int, device):
+        """The decode attention backend of the engine's layer `layer`: decode_attention, with the layer's sinks
+        where the model has them."""
+        if self.sinks is None:
+            return self.decode_attention
+        return self.decode_attention.with_sinks(self.layer_sinks(layer, device))
+
+    @property
+    def model_layers(self) -> int:
+        """The model's layers (num_layers counts those the policy compresses: fewer in a hybrid model)."""
+        return self.num_layers if self.layer_kinds is None else self.layer_kinds.num_layers
 
     def with_headroom(self, headroom: int) -> "Plan":
         """The same plan for a generation of `headroom` new tokens (its spare pages)."""
@@ -138,18 +172,22 @@ class Plan:
                 "caches compile()'s forward and generate() make are planned for the autocast dtype): compile the "
                 "model again after moving or casting it, or give a cache built for these tensors "
                 "(KVCompileCache(policy, config) is bound to its first prompt's)")
-        return build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
-                          page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
-                          shard=self.shard, layer_devices=self.layer_devices, rope=self.rope)
+        return dataclasses.replace(
+            build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
+                       page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
+                       shard=self.shard, layer_devices=self.layer_devices, rope=self.rope),
+            layer_kinds=self.layer_kinds)
 
     def with_dtype(self, dtype: torch.dtype) -> "Plan":
         """The same plan for tensors of `dtype` (compile()'s entry under torch.autocast): the backends chosen
         for it."""
         if dtype == self.dtype:
             return self
-        return build_plan(self.policy, _Dims(self), device=self.device, dtype=dtype, kernels=self.kernels,
-                          page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
-                          shard=self.shard, layer_devices=self.layer_devices, rope=self.rope)
+        return dataclasses.replace(
+            build_plan(self.policy, _Dims(self), device=self.device, dtype=dtype, kernels=self.kernels,
+                       page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
+                       shard=self.shard, layer_devices=self.layer_devices, rope=self.rope),
+            layer_kinds=self.layer_kinds)
 
     @property
     def backends(self) -> tuple:
@@ -281,6 +319,8 @@ class _Dims:
         self.num_hidden_layers = plan.num_layers
         self.num_key_value_heads = plan.num_heads
         self.head_dim = plan.head_dim
+        self.attn_logit_softcapping = plan.softcap
+        self.sinks = plan.sinks
 
 
 UNRESERVED_PAGES = ("page allocation: past the pages reserved for the generation (a cache made without a generation "
@@ -427,7 +467,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                kernels: str | None = None, page_size: int = 16, headroom: int = 0,
                compiled_entry: bool = False, shard: HeadShard | None = None,
                layer_devices: tuple[torch.device, ...] | None = None,
-               rope: tuple[float, ...] | None = None) -> Plan:
+               rope: tuple[float, ...] | None = None, sinks: tuple | None = None) -> Plan:
     """The plan for `policy` on a model with this `config` (layers, KV heads, head dim).
     Raises PlanError for what cannot run (a kernel that does not exist here, a merge rule
     that has no online path), before anything runs.
@@ -460,6 +500,14 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: headroom must be >= 0, got {headroom}")
     device = torch.device(device) if device is not None else None
     num_layers = config.num_hidden_layers
+    try:
+        kinds = layer_kinds(config, policy.budget.layers.kinds)
+    except LayerKindError as exc:
+        raise PlanError(str(exc)) from None
+    if kinds is not None and layer_devices is not None and len(layer_devices) == num_layers:
+        layer_devices = [d for d, i in zip(layer_devices, kinds.engine) if i is not None]  # the compressed ones'
+    if kinds is not None:  # the engine runs the layers the policy compresses; the others keep their window
+        num_layers = kinds.compressed
     if layer_devices is not None:
         layer_devices = tuple(torch.device(d) for d in layer_devices)
         if len(layer_devices) != num_layers or layer_devices[0] != device \
@@ -474,6 +522,21 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     num_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     scoring, decode = policy.scoring, policy.schedule.decode
+    softcap = float(getattr(config, "attn_logit_softcapping", None) or 0) or None
+    sinks = sinks if sinks is not None else getattr(config, "sinks", None)  # (_Dims: a plan's own)
+    kind = getattr(config, "model_type", None)
+    if softcap is not None or sinks is not None:
+        why = _softcap_refusal(policy)
+        if why is not None and softcap is not None:
+            raise PlanError(f"kvcompile: model type {kind!r} soft-caps its attention "
+                            f"logits (attn_logit_softcapping={softcap}: "
+                            f"cap·tanh(s/cap) before the softmax), and {why}; it is refused rather than run with "
+                            "other logits")
+        if why is not None:
+            raise PlanError(f"kvcompile: model type {kind!r} has learned attention sinks (self_attn.sinks: one logit "
+                            f"per head added to the softmax's denominator), and {why.replace('the cap', 'the sinks')};"
+                            " it is refused rather than run with another softmax")
+    explicit = softcap is not None or sinks is not None  # attention written out (engine.explicit)
     cuda = device is not None and device.type == "cuda"
     decode_kernels = kernels
     if compiled_entry and kernels is None and not cuda and dtype is not None and dtype != torch.float32:
@@ -491,10 +554,11 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             merge_impl = _resolve("merge", kernels, device, dtype, head_dim)  # cpp for fp32 on the CPU
             if kernels is None and merge_impl == "torch" and not cuda:
                 merge_compile_above = 2048  # a long walk: Inductor's one-time compile pays for itself
-        score_impl = "part"
-        if scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
+        score_impl = "part"  # (a soft-cap or sinks: the prompt's attention written out applies them; no fused kernel)
+        if not explicit and scoring.fused_window() is not None and (cuda or kernels in ("triton", "compiled")):
             score_impl = _resolve("window_scores", kernels, device, dtype, head_dim)
-        if scoring.column_weights(1) is not None and device is not None and kernels in (None, "cpp") \
+        if not explicit and scoring.column_weights(1) is not None and device is not None \
+                and kernels in (None, "cpp") \
                 and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
             score_impl = "column_sums:cpp"  # attention and score in one pass: 0.6-0.8x the attention alone
         chunk_impl = None
@@ -533,7 +597,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                                        dtype, head_dim)
             except ValueError as exc:
                 raise PlanError(f"kvcompile: {exc}") from None
-    elif kernels in (None, "cpp") and device is not None:
+    elif kernels in (None, "cpp") and device is not None and not explicit:
         # a plain decode step (append + attention) as one C++ call where it would run on one thread
         # anyway (CppOnlineStep.runs): the separate append and paged-attention calls cost
         # ~0.1 ms a layer in small torch ops, 5-10 % of a SmolLM2 step at 128 entries per head
@@ -552,7 +616,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             if score_impl == "part" else window_scores.backend(score_impl),
             selection=select.backend(select_impl, cuda=cuda),
             prompt_merge=None if merge_impl is None else merge.backend(merge_impl, merge_compile_above),
-            decode_attention=paged_attention.backend(decode_impl) if not storage.quantizes else
+            decode_attention=paged_attention.SoftcapPagedAttention(softcap or 0.0) if explicit else
+            paged_attention.backend(decode_impl) if not storage.quantizes else
             _quantized_decode(decode_impl, device, dtype, head_dim, storage, policy.tiered),
             online_step=None if online_impl is None else _quant_step(policy, step_rule, head_dim)
             if storage.quantizes else online_step.backend(online_impl, step_rule, always=scoring.running or online),
@@ -577,6 +642,11 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: {policy.name}: layers: {policy.budget.layers.name} ranks every layer's entries "
                         "of the whole prompt, which a prompt compressed chunk by chunk (schedule.prefill) does not "
                         "have; drop schedule.prefill")
+    if kinds is not None and getattr(scoring, "reconstructs", False):
+        raise PlanError(f"kvcompile: scoring: {scoring.name} scores the prompt by a reconstruction pass through the "
+                        "whole model, which would run through a hybrid model's local layers too (they keep their "
+                        "window, and a reconstruction forward is no part of the sequence); use a scorer that reads "
+                        "the prompt's attention")
     if scoring.needs_rope and rope is None:
         rope = rope_frequencies(config, scoring.name)
     # a chunked prompt re-selects every layer after each chunk: the lazy cascade's counting does not apply
@@ -593,13 +663,32 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
         prefill_chunk=chunk, layer_devices=layer_devices,
-        rope=tuple(rope) if scoring.needs_rope else None)
+        rope=tuple(rope) if scoring.needs_rope else None, layer_kinds=kinds, softcap=softcap, sinks=sinks)
 
 
 
 # Rotary types whose frequencies change with the sequence length (or between short and long inputs):
 # a scorer that rotates queries to future positions cannot know the ones the model will use there.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _softcap_refusal(policy: Policy) -> str | None:
+    """Why `policy` cannot run exactly on a model that soft-caps its attention logits or has learned sinks, or
+    None. The prompt's attention, a local layer's window and the decode attention (the eager torch lowering)
+    apply the cap and the sinks (engine.explicit, kernels.paged_attention.SoftcapPagedAttention); the
+    scorers' own attention weights, the fused C++ and Triton kernels, merge slots, quantized pages and a prompt
+    compressed in chunks do not."""
+    scoring = policy.scoring
+    if scoring.query_rows(2 ** 30) or getattr(scoring, "reconstructs", False):
+        return (f"scoring: {scoring.name} scores entries by attention weights, which its kernels compute without "
+                "the cap (scorers that read no attention run exactly: recency, key_norm)")
+    if policy.merges:
+        return f"merge: {policy.merge.name} attends to merge slots through kernels without the cap"
+    if policy.storage.quantizes:
+        return f"storage: {policy.storage.name} attends over quantized pages through kernels without the cap"
+    if policy.schedule.chunk_tokens:
+        return "schedule.prefill: chunk attends over the held entries through kernels without the cap"
+    return None
 
 
 def rope_frequencies(config, scorer: str) -> tuple[float, ...]:
@@ -610,6 +699,9 @@ def rope_frequencies(config, scorer: str) -> tuple[float, ...]:
     params = getattr(config, "rope_parameters", None) or {}
     if not params and getattr(config, "rope_theta", None) is not None:
         params = {"rope_type": "default", "rope_theta": config.rope_theta}
+    per_kind = "full_attention" in params  # a hybrid model's rotary per layer kind (Gemma 3): the compressed
+    if per_kind:  # layers are its full_attention ones (kvcompile.layer_kinds)
+        params = params["full_attention"]
     kind = params.get("rope_type", "default")
     if not params or kind in _LENGTH_DEPENDENT_ROPE:
         raise PlanError(f"kvcompile: scoring: {scorer} rotates queries to future positions and needs the model's "
@@ -623,5 +715,5 @@ def rope_frequencies(config, scorer: str) -> tuple[float, ...]:
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv = ROPE_INIT_FUNCTIONS[kind](config, "cpu")[0]
+        inv = ROPE_INIT_FUNCTIONS[kind](config, "cpu", **({"layer_type": "full_attention"} if per_kind else {}))[0]
     return tuple(float(x) for x in inv)

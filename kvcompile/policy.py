@@ -50,7 +50,7 @@ class Policy:
 
 
 def _fields(obj) -> dict:
-    return {f.name: _fields(v) if dataclasses.is_dataclass(v) else v
+    return {f.name: _fields(v) if dataclasses.is_dataclass(v) else list(v) if isinstance(v, tuple) else v
             for f in dataclasses.fields(obj) if f.init for v in [getattr(obj, f.name)]}
 
 

@@ -251,10 +251,21 @@ def request_bytes(kv: RequestKV) -> int:
     chunk that ends the prompt."""
     cache = kv.cache
     held = sum(s.nbytes for s in cache.stores if s is not None)
+    held += sum(w.nbytes for w in cache.windows if w is not None)  # a hybrid model's local layers
     if cache.chunks is not None:
         held += sum(t.nbytes for part in (cache.chunks.keys, cache.chunks.values, cache.chunks.queries)
                     for t in part if t is not None)
     return held
+
+
+def window_bytes(plan: Plan, tokens: int, elt: int) -> int:
+    """The most a hybrid model's local layers hold after `tokens` tokens: each its last window - 1 positions'
+    keys and values (kvcompile.engine.window), in the model's dtype; 0 for a model without them."""
+    kinds = plan.layer_kinds
+    if kinds is None:
+        return 0
+    per_token = len(plan.kv_heads) * 2 * plan.head_dim * elt
+    return sum(min(tokens, window - 1) * per_token for window in kinds.windows if window is not None)
 
 
 def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chunked: bool) -> int:
@@ -291,6 +302,7 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
         pages += rows * (1 + math.ceil(low / s) * (1 + plan.spare_pages))
         rows *= 2
     stores = LayerStore.bound_bytes(pages, s, entry, rows, width)  # + block tables and per-head counters
+    stores += window_bytes(plan, tokens, elt)
     if not chunked:
         return stores
     rows = min(tokens, plan.policy.scoring.query_rows(tokens))
@@ -321,9 +333,10 @@ class KVCompilePagedCache(PagedAttentionCache):
     def adopt(cls, cache: PagedAttentionCache, plan: Plan) -> "KVCompilePagedCache":
         """Turn the engine's cache (built by ContinuousBatchingManager._create_batch_processor) into this
         class: one full-attention allocator, no prefix sharing."""
-        if list(cache.cache_allocators) != [FULL_ATTENTION]:
-            raise BatchingError(f"kvcompile: continuous batching needs full-attention layers only, the engine made "
-                                f"{list(cache.cache_allocators)}")
+        if FULL_ATTENTION not in cache.cache_allocators or \
+                (len(cache.cache_allocators) > 1 and plan.layer_kinds is None):
+            raise BatchingError(f"kvcompile: continuous batching needs full-attention layers (and, in a hybrid "
+                                f"model, sliding ones), the engine made {list(cache.cache_allocators)}")
         cache.__class__ = cls
         allocator = cache.cache_allocators[FULL_ATTENTION]
         cache.kvcompile = BatchingState(plan, allocator.bytes_per_block)
@@ -333,10 +346,13 @@ class KVCompilePagedCache(PagedAttentionCache):
         cache.read_cache_limit = 0
         # the engine's K/V tensor is never used: release it (the allocator's views hold it too)
         cache.cache_tensor = torch.empty(0, dtype=torch.uint8, device=cache.device)
-        for name in ("cache_tensor", "_copy_view"):
-            if hasattr(allocator, name):
-                setattr(allocator, name, cache.cache_tensor)
-        allocator._kv_token_views, allocator._kv_page_views = {}, {}
+        # (a hybrid model's sliding allocator too: its blocks are reserved by the engine beside kvcompile's
+        # reservation, which already counts the local layers' windows, and freed with the request)
+        for each in cache.cache_allocators.values():
+            for name in ("cache_tensor", "_copy_view"):
+                if hasattr(each, name):
+                    setattr(each, name, cache.cache_tensor)
+            each._kv_token_views, each._kv_page_views = {}, {}
         return cache
 
     # --- what the engine calls ----------------------------------------------------------------
@@ -482,7 +498,9 @@ class KVCompilePagedCache(PagedAttentionCache):
         plan, kv = self.kvcompile.plan, self.kvcompile.requests.get(state.request_id)
         if kv is not None and kv.compressed:
             step = kv.cache.plan.spare_pages  # a head past its spares takes this many pages (LayerStore.append)
-            need = request_bytes(kv) + sum(s.growth_bytes(step) for s in kv.cache.stores) * request_len
+            grows = sum(s.growth_bytes(step) for s in kv.cache.stores)
+            grows += window_bytes(kv.cache.plan, 1, self.dtype.itemsize)  # a window not yet full takes each token
+            need = request_bytes(kv) + grows * request_len
         else:
             plan = plan.with_headroom(self.headroom(state))
             prompt = self.prompt_length(state)
@@ -770,10 +788,18 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     if total != query.shape[2]:
         raise RuntimeError(f"kvcompile: the forward packs {query.shape[2]} tokens, the scheduled requests {total}")
     outs, start = [], 0
+    layer, kinds = module.layer_idx, cache.kvcompile.plan.layer_kinds
+    local = kinds is not None and kinds.windows[layer] is not None  # a hybrid model's local layer: its window
+    if kinds is not None and not local:
+        layer = kinds.engine[layer]  # its number among the layers the policy compresses
     for seg in batch:
         end = start + seg.length
-        outs.append(torch.ops.kvcompile.attend(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                               None, module.layer_idx, seg.kv.cache.ref, seg.kv.cache.token, scale))
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        if local:
+            outs.append(seg.kv.cache.attend_window(layer, q, k, v, None, scale))
+        else:
+            outs.append(torch.ops.kvcompile.attend(q, k, v, None, layer, seg.kv.cache.ref, seg.kv.cache.token,
+                                                   scale))
         start = end
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None

@@ -43,7 +43,7 @@ import yaml
 import kvcompile
 from kvcompile.policies import PARTS
 from kvcompile.policies.budgets import Budget, Split
-from kvcompile.policies.fields import FieldError, field_range
+from kvcompile.policies.fields import FieldError, choices_error, field_range
 from kvcompile.policies.schedule import Schedule
 from kvcompile.policy import Policy, policy_to_mapping, policy_to_yaml  # noqa: F401  (public here too)
 
@@ -251,6 +251,13 @@ def _dataclass(cls, fields, path: KeyPath, src: _Source):
                 raise src.error(fpath, f"missing required field {f.name!r}",
                                 ", ".join(names), line_at=path)
             continue
+        choices = f.metadata.get("choices")
+        if choices is not None:  # a list of names among the field's choices (layers' kinds)
+            why = choices_error(fields[f.name], choices)
+            if why is not None:
+                raise src.error(fpath, why, "a list of " + " | ".join(choices))
+            kwargs[f.name] = tuple(fields[f.name])
+            continue
         rng = field_range(f)
         allowed = rng.describe(hints[f.name] is int) if rng is not None else None
         value = _value(hints[f.name], fields[f.name], fpath, src, allowed)
@@ -280,7 +287,7 @@ def _part(family: str, value, path: KeyPath, src: _Source):
     cls = PARTS[family].get(name) if isinstance(name, str) else None
     if cls is None:
         raise src.error(path, f"unknown {family} part {name!r}", registered, line_at=line_at)
-    known = [f.name for f in dataclasses.fields(cls) if f.init]
+    known = [f.name for f in dataclasses.fields(cls) if f.init and not f.kw_only]  # (layers' kinds: by name only)
     if fields is not None and not isinstance(fields, dict) and len(known) == 1:
         fields = {known[0]: fields}  # {every: 16} is {every: {n: 16}}
     return _dataclass(cls, fields, path + (name,), src)

@@ -22,10 +22,21 @@ from kvcompile.engine.prefill import compress_prompt_layer, start_prompt
 KEEP_ALL = {"name": "capture", "scoring": "recency", "budget": {"ratio": 1.0}}
 
 
+class Captured(list):
+    """The captured prefill states of the layers a policy compresses (a list of LayerState), and a hybrid
+    model's local layers as the prompt left them (`windows`, by model layer: kvcompile.engine.window; what every
+    policy leaves there, since a policy does not touch a local layer's window)."""
+
+    def __init__(self, states, windows=None):
+        super().__init__(states)
+        self.windows = windows
+
+
 @torch.no_grad()
-def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[list[LayerState], Tensor]:
-    """Every layer's prefill state (all query rows, keys, values, padding) and the logits of
-    the last prompt position, from one forward pass that keeps everything."""
+def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Captured, Tensor]:
+    """Every compressed layer's prefill state (all query rows, keys, values, padding; a hybrid model's local
+    layers as the prompt left them, `Captured.windows`) and the logits of the last prompt position, from one
+    forward pass that keeps everything."""
     from kvcompile.spec import load_spec
 
     policy = load_spec(KEEP_ALL)
@@ -33,7 +44,8 @@ def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> t
     positions = None if attention_mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     with compiled(model, policy):  # positions as generate() gives them to a left-padded batch
         out = model(input_ids, attention_mask=attention_mask, position_ids=positions, **cache_arg.given(cache))
-    return cache.states, out.logits[:, -1]
+    hybrid = cache.plan.layer_kinds is not None
+    return Captured(cache.states, list(cache.windows) if hybrid else None), out.logits[:, -1]
 
 
 def not_replayable(policy: Policy) -> str | None:
@@ -73,6 +85,12 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
         raise ValueError(f"kvcompile: {policy.name} cannot be replayed from a captured prefill: {why}; "
                          "prefill it through the compiled model (kvcompile.sweep.prefilled)")
     cache = KVCompileCache(policy, config, page_size=page_size, headroom=headroom, kernels=kernels)
+    if cache.plan.layer_kinds is not None:  # a hybrid model: its local layers as the captured prompt left them
+        windows = getattr(states, "windows", None)
+        if windows is None or len(windows) != cache.plan.model_layers:
+            raise ValueError("kvcompile: replaying onto a hybrid model (sliding_attention layers) needs its local "
+                             "layers' windows: give the states `capture` returned (Captured.windows)")
+        cache.windows = list(windows)  # a decode step replaces a layer's window, never changes it in place
     first = states[0]
     b, _, n, _ = first.keys.shape
     start_prompt(cache, first.mask, b, n, first.keys)

@@ -153,21 +153,24 @@ def _gpt_oss():
                                           attn_implementation="eager"))
 
 
-def _gemma3():
+def _gemma3_bidirectional():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     return Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=50, hidden_size=32, intermediate_size=32,
                                               num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
-                                              head_dim=16, sliding_window=8, attn_implementation="sdpa"))
+                                              head_dim=16, sliding_window=8, attn_implementation="sdpa",
+                                              use_bidirectional_attention=True))
 
 
 @pytest.mark.parametrize("make, says", [
     (_gemma2, "soft-caps its attention logits \\(attn_logit_softcapping=50.0: cap·tanh\\(s/cap\\)"),
     (_gpt_oss, "learned attention sinks \\(self_attn.sinks: one logit per head added to the softmax's denominator"),
-    (_gemma3, "'gemma3_text' has sliding_attention layers \\(config.layer_types\\)")])
+    (_gemma3_bidirectional, "'gemma3_text' with use_bidirectional_attention=True attends to later tokens too")])
 def test_what_the_op_does_not_compute_is_refused_by_name_before_any_change(make, says):
-    """Gemma 2's soft-capping and gpt-oss's sinks would change the softmax, and a hybrid model's local layers
-    attend to a window: none is computed by kvcompile's op yet, so each is refused, named, not approximated."""
+    """Gemma 3's bidirectional mode attends to later tokens, and gpt-oss's sinks and Gemma 2's soft-capped logits are
+    not applied by a scorer that reads attention (snapkv's): none is computed by kvcompile, so each is refused,
+    named, not approximated (a hybrid model's local layers run their window, and Gemma 2 and gpt-oss run with the
+    scorers that read no attention: tests/test_hybrid.py)."""
     model = make()
     before = model.config._attn_implementation
     with pytest.raises(kvcompile.CompileError, match=f"kvcompile: model type .*{says}"):

@@ -3,7 +3,8 @@ converted once (`bash scripts/setup.sh gemma`); its converted folder loads in se
 the GGUF's own logits and greedy tokens.
 
 The tests that read the model skip, naming the set-up command, when it has not been prepared.
-kvcompile.compile() does not run Gemma 3's hybrid attention yet: only the full cache runs here."""
+A policy compresses Gemma 3's 3 full_attention layers and leaves its 15 local layers to their 512-token
+window (tests/test_hybrid.py checks that on tiny models against the plain model)."""
 import json
 import re
 import time
@@ -154,3 +155,41 @@ def test_eval_full_cache_on_gemma(tmp_path, capsys):
     assert Path(result["model"]) == GEMMA3.folder()
     [record] = result["needle"]
     assert record["spec"] == "full" and record["needle_kept"] == 1.0 and record["tokens"] <= 600
+
+
+def test_run_snapkv_on_gemma(capsys):
+    """`kvcompile run --model gemma3-270m --spec snapkv`: the policy on the 3 full_attention layers (5, 11, 17),
+    the local layers on their window; the memory line gives each kind's bytes against the full cache's."""
+    require_gemma()
+    if not haystack_path().is_file():
+        pytest.skip(f"no haystack: run `{SMOLLM2.setup_command}`")
+    cli.main(["run", "--model", "gemma3-270m", "--spec", "snapkv", "--length", "500", "--max-new-tokens", "4",
+              "--quiet", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"^answer\s+\S", out, re.M)
+    assert re.search(r"^\s+by layer kind: sliding_attention [\d.]+ MiB of [\d.]+ MiB, full_attention [\d.]+ MiB of "
+                     r"[\d.]+ MiB \(local layers keep their window\)", out, re.M)
+    assert re.search(r"^needle\s+\d+% .* over the 3 full_attention layers the policy compresses", out, re.M)
+    assert re.search(r"^\s+L5\s+\[\s*128\]\s+L11\s+\[\s*128\]\s+L17\s+\[\s*128\]", out, re.M)
+
+
+def test_compiled_gemma_at_a_full_budget_is_the_plain_model():
+    """The real model at a budget that keeps everything, on a prompt longer than its 512-token window: the
+    compiled model's greedy tokens and logits are the plain model's, and its local layers hold 511 positions."""
+    require_gemma()
+    import kvcompile
+
+    model, tokenizer = load_model("gemma3-270m")
+    torch.manual_seed(0)
+    ids = torch.randint(1000, 200_000, (1, 600))
+    with torch.inference_mode():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        with kvcompile.compiled(model, "snapkv", per_head=1024):
+            got = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+    assert got.sequences.tolist() == ref.sequences.tolist()
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
+    cache = cache_arg.of(got)
+    assert [w.keys.shape[2] for w in cache.windows if w is not None] == [511] * 15
+    report = cache.memory_report()
+    assert report["bytes_full_by_kind"]["sliding_attention"] == 15 * 511 * 2 * 256 * 4

@@ -127,6 +127,15 @@ CASES = [
      ["1.01 is out of range"]),
     ("pyramid beta < 1", S + "budget: {per_head: 64, layers: {pyramid: {beta: 0.5}}}\n", 2,
      "budget.layers.pyramid.beta", ["0.5 is out of range", "a number >= 1"]),
+    ("layers kinds unknown", S + "budget: {per_head: 64, layers: {uniform: {kinds: [global_attention]}}}\n", 2,
+     "budget.layers.uniform.kinds", ["'global_attention' is not one of full_attention | sliding_attention",
+                                     "a list of full_attention | sliding_attention | chunked_attention"]),
+    ("layers kinds empty", S + "budget: {per_head: 64, layers: {pyramid: {kinds: []}}}\n", 2,
+     "budget.layers.pyramid.kinds", ["expected a non-empty list of names, got []"]),
+    ("layers kinds twice", S + "budget: {per_head: 64, layers: {entropy: {kinds: [full_attention, full_attention]}}}\n",
+     2, "budget.layers.entropy.kinds", ["a name is given twice"]),
+    ("layers kinds not a list", S + "budget:\n  per_head: 64\n  layers: {uniform: {kinds: full_attention}}\n", 4,
+     "budget.layers.uniform.kinds", ["expected a non-empty list of names, got 'full_attention'"]),
     ("pooled floor above one", S + "budget: {per_head: 64, heads: {pooled: {floor: 1.5}}}\n", 2,
      "budget.heads.pooled.floor", ["1.5 is out of range", "[0, 1]"]),
     ("pooled floor negative", S + "budget: {per_head: 64, heads: {pooled: {floor: -0.1}}}\n", 2,
@@ -641,3 +650,18 @@ def test_kvzip_overlap_is_at_most_its_chunk():
     assert loads_spec(spec.format(overlap=50)).scoring.overlap == 50  # the whole previous chunk quoted
     with pytest.raises(SpecError, match="scoring.kvzip.overlap"):
         load_spec("kvzip", scoring={"kvzip": {"chunk": 16, "overlap": 17}})
+
+
+def test_layers_kinds_default_to_full_attention_and_load_back():
+    """Every layers part names the kinds of layer its policy compresses (default full_attention only); the
+    explicit full form writes them and loads back equal; a constructor gets the same checks."""
+    from kvcompile.policies.budgets import PyramidLayers, UniformLayers
+
+    assert load_spec("snapkv").budget.layers.kinds == ("full_attention",)
+    policy = load_spec({"scoring": "recency", "budget": {"per_head": 64, "layers": {"pyramid": {
+        "beta": 10, "kinds": ["full_attention"]}}}})
+    assert policy.budget.layers == PyramidLayers(beta=10.0) and "kinds: [full_attention]" in policy.to_yaml()
+    assert loads_spec(policy.to_yaml()) == policy
+    assert load_spec({**MINI, "budget": {"per_head": 64, "layers": {"pyramid": 30}}}).budget.layers.beta == 30
+    with pytest.raises(ValueError, match="kinds: 'local' is not one of"):
+        UniformLayers(kinds=("local",))

@@ -62,7 +62,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
                 if online:
                     evict_online(cache, store, layer)
             else:
-                out = paged_attention(cache, store, q[:, :, i], scale)
+                out = paged_attention(cache, store, q[:, :, i], scale, layer)
         outs.append(out)
         if every:
             if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries
@@ -152,8 +152,9 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
         cache.stores[layer] = store
 
 
-def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float) -> Tensor:
+def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float, layer: int | None = None) -> Tensor:
     """Attention of one query per head over that head's pages, with the merge rule's bias, by the
-    plan's decode attention backend."""
-    return store.attend(cache.plan.decode_attention, q, cache.plan.merge_bias, scale)
+    plan's decode attention backend (a model with learned sinks: the layer's, `Plan.decode_backend`)."""
+    backend = cache.plan.decode_attention if layer is None else cache.plan.decode_backend(layer, q.device)
+    return store.attend(backend, q, cache.plan.merge_bias, scale)
 

@@ -23,6 +23,7 @@ from kvcompile.engine.chunked import chunked_prefill
 from kvcompile.engine.decode import decode
 from kvcompile.engine.prefill import prefill, prompt_attention, prompt_chunk
 from kvcompile.engine.reconstruction import reconstruction_step
+from kvcompile.engine.window import window_attention
 
 
 @torch.library.custom_op("kvcompile::attend", mutates_args=("token",))
@@ -132,7 +133,7 @@ def _setup_backward(ctx, inputs, output):
     q, k, v, mask, layer, ref, token, scale = inputs
     cache = ref.cache
     ctx.plain = _plain_prompt(cache, q, k, layer)
-    ctx.scale = scale
+    ctx.scale, ctx.softcap, ctx.sinks = scale, cache.plan.softcap, cache.plan.sinks is not None
     valid = cache.prompt.valid if ctx.plain else None
     ctx.save_for_backward(q, k, v, None if valid is None or bool(valid.all()) else valid)
 
@@ -143,6 +144,10 @@ def _backward(ctx, grad):
     gradient is that attention's, recomputed here. The compression does not change the prompt's
     outputs, and nothing else is differentiable: a decode step or a prompt continued in later calls
     attends to what the policy kept (selection is not differentiable), refused with the reason."""
+    if ctx.sinks:
+        raise RuntimeError("kvcompile: backward through kvcompile.attend on a model with learned attention sinks is "
+                           "not supported (the sinks' own gradient); train with model.train(), which runs the plain "
+                           "attention without a cache")
     if not ctx.plain:
         raise RuntimeError("kvcompile: backward through kvcompile.attend is defined for a prompt's attention only "
                            "(a fresh cache, the prompt in one forward call); this call decoded or continued a "
@@ -151,7 +156,7 @@ def _backward(ctx, grad):
     q, k, v, valid = ctx.saved_tensors
     with torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = prompt_attention(*inputs, valid, ctx.scale)
+        out = prompt_attention(*inputs, valid, ctx.scale, softcap=ctx.softcap)
         grads = torch.autograd.grad(out, inputs, grad.to(out.dtype), allow_unused=True)
     return (*(None if g is None else g.to(x.dtype) for g, x in zip(grads, (q, k, v))), None, None, None, None, None)
 
@@ -190,19 +195,49 @@ def kvcompile_attention(module, query, key, value, attention_mask, scaling=None,
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache = kwargs.get("kvcompile_cache")
     mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    layer = module.layer_idx
+    kinds = None if cache is None else cache.plan.layer_kinds
     if cache is None:  # no KVCompileCache (use_cache=False or another cache): plain attention
         offset = key.shape[2] - query.shape[2]
-        out = prompt_attention(query, key, value, mask, scale, offset)
+        window = kwargs.get("sliding_window")  # a hybrid model's local layer: its window (Gemma 3)
+        softcap = kwargs.get("softcap")  # the model's logit soft-cap (Gemma 2)
+        sinks = kwargs.get("s_aux")  # the layer's learned sinks (gpt-oss)
+        if window:
+            valid = mask[:, -key.shape[2]:].bool() if mask is not None else \
+                torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
+            out = window_attention(query, key, value, valid, scale, window, offset, softcap, sinks)
+        else:
+            out = prompt_attention(query, key, value, mask, scale, offset, softcap, sinks)
+    elif kwargs.get("s_aux") is not None and cache.plan.sinks is None:
+        raise RuntimeError("kvcompile: this model has learned attention sinks (self_attn.sinks) and the cache's plan "
+                           "has none: a cache for it comes from kvcompile.compile(model, ...) (its generate() and "
+                           "forward make one, or KVCompileCache.from_plan(model.kvcompile_plan)), which reads them")
+    elif kinds is not None and kinds.windows[layer] is not None:  # a local layer, left to its window
+        out = _local(cache, layer, query, key, value, mask, scale)
     else:
-        args = (query, key, value, mask, module.layer_idx, cache.ref, cache.token, scale)
+        if kinds is not None:  # a hybrid model: the layer's number among those the policy compresses
+            layer = kinds.engine[layer]
+        args = (query, key, value, mask, layer, cache.ref, cache.token, scale)
         if torch.is_grad_enabled():  # the op, with the prompt's gradient
             out = _Attend.apply(*args)
         elif torch.compiler.is_compiling():  # traced by a torch.compile around the eager entry: the op
             out = torch.ops.kvcompile.attend(*args)
         else:  # the op's body, without the dispatcher in between (run_layer); the same declared write
             cache.token.add_(1)
-            out = run_layer(query, key, value, mask, module.layer_idx, cache, scale)
+            out = run_layer(query, key, value, mask, layer, cache, scale)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _local(cache: KVCompileCache, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+           scale: float) -> Tensor:
+    """A hybrid model's local layer left to its window (KVCompileCache.attend_window), in the autocast dtype
+    where autocast is on, as the model's SDPA runs it (see _attend)."""
+    dtype = q.dtype
+    if not torch.is_autocast_enabled(q.device.type):
+        return cache.attend_window(layer, q, k, v, mask, scale)
+    low = torch.get_autocast_dtype(q.device.type)
+    with torch.autocast(q.device.type, enabled=False):
+        return cache.attend_window(layer, q.to(low), k.to(low), v.to(low), mask, scale).to(dtype)
 
 
 def kvcompile_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,

@@ -15,6 +15,7 @@ from kvcompile.allocation import global_totals, layer_pool, layer_totals
 from kvcompile.engine.cascade import cascade
 from kvcompile.engine.compress import over_heads, select_and_merge_kernels, store_layer
 from kvcompile.engine.pages import Entries
+from kvcompile.engine.explicit import explicit_attention
 from kvcompile.engine.state import PromptState
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.scoring import entropy
@@ -33,13 +34,22 @@ def _flash_attn():
 
 
 def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                     offset: int = 0) -> Tensor:
+                     offset: int = 0, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """The model's causal attention (SDPA) with left padding: query i (at index offset + i)
     sees real keys j <= offset + i. A pad query attends to itself only, so no NaN appears.
-    On a GPU with flash-attn installed, an unpadded prompt runs through flash-attn."""
+    On a GPU with flash-attn installed, an unpadded prompt runs through flash-attn.
+    softcap: the model's logit soft-cap (Gemma 2: cap·tanh(s/cap) before the softmax), else None; sinks: the layer's
+    learned sinks (gpt-oss: (Hq,), one logit per query head in the denominator), else None."""
     b, hq, t, d = q.shape
     n = k.shape[2]
     gqa = hq != k.shape[1]
+    if softcap or sinks is not None:
+        rows = torch.arange(t, device=q.device)[:, None] + offset
+        cols = torch.arange(n, device=q.device)[None, :]
+        allowed = (cols <= rows)[None]
+        if mask is not None:
+            allowed = (allowed & mask[:, None, :n]) | (cols == rows)[None]
+        return explicit_attention(q, k, v, allowed[:, None], scale, softcap, sinks)
     if q.is_cuda and mask is None and offset == 0 and t == n and q.dtype in (torch.float16, torch.bfloat16):
         flash = _flash_attn()
         if flash is not None:  # flash-attn takes (B, T, H, d) and handles GQA itself
@@ -92,7 +102,8 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
         out, scores = cache.plan.prompt_scores.attend(cache.plan.policy.scoring, q, k, v, padding, scale)
         compress_prompt_layer(cache, q, k, v, layer, scale, scores=scores)
         return out
-    out = prompt_attention(q, k, v, padding, scale, offset=n - t)
+    out = prompt_attention(q, k, v, padding, scale, offset=n - t, softcap=cache.plan.softcap,
+                           sinks=cache.plan.layer_sinks(layer, q.device))
     compress_prompt_layer(cache, q if rows is None else rows, k, v, layer, scale)
     return out
 
@@ -171,7 +182,8 @@ def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: T
     if seen < chunks.length:
         chunks.keys[layer], chunks.values[layer], chunks.queries[layer] = keys, values, queries
         padding = None if mask is None or bool(mask[:, :seen].all()) else mask[:, :seen].bool()
-        return prompt_attention(q, keys, values, padding, scale, offset=seen - t)
+        return prompt_attention(q, keys, values, padding, scale, offset=seen - t, softcap=cache.plan.softcap,
+                                sinks=cache.plan.layer_sinks(layer, q.device))
     chunks.keys[layer] = chunks.values[layer] = chunks.queries[layer] = None
     if layer == cache.plan.num_layers - 1:
         cache.chunks = None

@@ -130,6 +130,33 @@ class TorchPagedAttention(PagedAttention):
         return paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
 
 
+@dataclass(frozen=True, eq=False)
+class SoftcapPagedAttention(PagedAttention):
+    """The torch lowering run eagerly with the model's logit soft-cap (Gemma 2: cap·tanh(s/cap) before the
+    softmax, s the scaled logit, before any merge bias) and/or a layer's learned sinks (gpt-oss: one logit per
+    query head in the softmax's denominator: the output scaled by sigmoid(lse − sink), lse the log-sum-exp of
+    the head's logits); the plan's decode attention of such a model (`with_sinks` gives a layer's)."""
+
+    name: ClassVar[str] = "torch"
+    softcap: float = 0.0
+    sinks: Tensor | None = None  # (Hq,) one layer's sinks, else None
+
+    def with_sinks(self, sinks: Tensor | None) -> "SoftcapPagedAttention":
+        return SoftcapPagedAttention(self.softcap, sinks)
+
+    def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.sinks is None:
+            return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, softcap=self.softcap)
+        out, lse = _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True,
+                             softcap=self.softcap)
+        return (out.float() * torch.sigmoid(lse - self.sinks.float())[..., None]).to(q.dtype)
+
+    def describe(self) -> str:
+        return f"torch (eager{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
+               f"{', learned sinks' if self.sinks is not None else ''})"
+
+
 @dataclass(frozen=True)
 class CompiledPagedAttention(PagedAttention):
     """The torch lowering through Inductor (`compiled_paged_attention_torch`): its one-thread graph below
@@ -212,9 +239,11 @@ def _valid(lengths: Tensor, tokens: int) -> Tensor:
     return torch.arange(tokens, device=lengths.device) < lengths[..., None]
 
 
-def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse: bool = False):
+def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse: bool = False,
+              softcap: float | None = None):
     """Eager path: gather each head's pages, then grouped attention by matmul (return_lse: also the
-    log-sum-exp of each query head's logits (B, Hq), −inf for an empty head, from the same logits)."""
+    log-sum-exp of each query head's logits (B, Hq), −inf for an empty head, from the same logits;
+    softcap: the logits soft-capped, cap·tanh(s/cap), before the bias)."""
     b, hq, d = q.shape
     h, m = block_table.shape[1:]
     s = k_pages.shape[1]
@@ -224,6 +253,8 @@ def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, retu
     values = v_pages[table].view(b, h, m * s, d).float().masked_fill(~valid[..., None], 0.0)
     qg = q.float().view(b, h, hq // h, d)
     logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # (B, H, G, T)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     if bias_pages is not None:
         logits = logits + bias_pages[table].view(b, h, 1, m * s).float()
     logits = logits.masked_fill(~valid[:, :, None], float("-inf"))

@@ -71,10 +71,25 @@ def apportion(total: int, weights: Sequence, caps: Sequence[int]) -> list[int]:
 
 # --- layers ------------------------------------------------------------------------------
 
+LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")  # transformers' config.layer_types
+
+
+def _kinds_field():
+    """Every layers part's `kinds`: the kinds of layer (transformers' config.layer_types) the policy compresses;
+    a hybrid model's other layers keep their window (kvcompile.layer_kinds). Keyword-only, after the part's own
+    fields (a one-field part's `{name: value}` form still names its own field)."""
+    return field(default=("full_attention",), kw_only=True, metadata={"choices": LAYER_KINDS})
+
+
+@dataclass(frozen=True)
 class LayersRule(Part):
     """Base of the layer allocation parts. `needs_scores`: the shares depend on the layers'
     scores (computed as a cascade during prefill). `ranks_entries`: the layer totals are counted
-    from one ranking of every layer's entries (layers: global), not from shares."""
+    from one ranking of every layer's entries (layers: global), not from shares. `kinds`: the kinds of
+    layer the policy applies to (default full_attention; a kind the model does not have is refused at
+    compile())."""
+
+    kinds: tuple[str, ...] = _kinds_field()
 
     needs_scores = False
     ranks_entries = False  # True: the layer totals are counted from one ranking over every layer's entries

@@ -90,6 +90,15 @@ def check_ranges(obj) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         hint = hints.get(f.name)
+        names = f.metadata.get("choices")
+        if names is not None:  # a list of names, each among the field's choices (layers' kinds)
+            if isinstance(value, list):
+                value = tuple(value)
+                object.__setattr__(obj, f.name, value)
+            why = choices_error(value, names)
+            if why is not None:
+                raise FieldError(f.name, f"{f.name}: {why}", " | ".join(names))
+            continue
         if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
             choices = " | ".join(repr(c) for c in typing.get_args(hint))
             raise FieldError(f.name, f"{f.name} must be one of {choices}, got {value!r}", choices)
@@ -103,6 +112,18 @@ def check_ranges(obj) -> None:
             why = f" ({rng.why})" if rng.why else ""
             raise FieldError(f.name, f"{f.name} must be {rng.describe(integer)}{why}, got {value!r}",
                              rng.describe(integer))
+
+
+def choices_error(value, names: tuple[str, ...]) -> str | None:
+    """Why `value` is not a non-empty list of distinct names among `names`, or None."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return f"expected a non-empty list of names, got {value!r}"
+    for item in value:
+        if item not in names:
+            return f"{item!r} is not one of {' | '.join(names)}"
+    if len(set(value)) != len(value):
+        return f"a name is given twice in {list(value)}"
+    return None
 
 
 class Part:
