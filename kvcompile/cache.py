@@ -21,7 +21,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from kvcompile.cache_ref import CacheRef, new_token
-from kvcompile.engine.pages import LayerStore
+from kvcompile.store import LayerStore
 from kvcompile.engine.state import ChunkedPrompt, DecodeState, PromptChunks, PromptState, device_of, map_tensors, rows_of
 from kvcompile.layer_state import LayerState
 from kvcompile.plan import Plan, build_plan

@@ -80,7 +80,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
-from kvcompile.engine.pages import ENTRY_METADATA_BYTES, LayerStore
+from kvcompile.store import ENTRY_METADATA_BYTES, LayerStore
 from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
@@ -283,7 +283,7 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
     rows = layers * heads
     storage = plan.storage
     if plan.policy.tiered:
-        # two stores a layer (engine.tiers): each head rounds each tier up once and each tier has its spares;
+        # two stores a layer (store.tiers): each head rounds each tier up once and each tier has its spares;
         # counted in pages of S entries of the larger of the two entry sizes, a low page of `low` entries as
         # ceil(low / S) of them (its per-page key scales, KIVI, are within its entries' bound)
         low = storage.tokens if storage.key_axis == "channel" else s

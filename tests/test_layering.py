@@ -73,7 +73,7 @@ def test_no_import_cycle(name):
             todo.extend(graph.get(nxt, ()))
 
 
-@pytest.mark.parametrize("fast", ["kvcompile.engine.op", "kvcompile.engine.pages", "kvcompile.cache", "kvcompile.plan", "kvcompile.compile",
+@pytest.mark.parametrize("fast", ["kvcompile.engine.op", "kvcompile.store", "kvcompile.cache", "kvcompile.plan", "kvcompile.compile",
                                   "kvcompile.kernels.select", "kvcompile.kernels.merge",
                                   "kvcompile.kernels.paged_attention", "kvcompile.kernels.window_scores"])
 def test_the_fast_path_does_not_import_the_reference(fast):

@@ -14,7 +14,7 @@ from torch.testing import assert_close
 import kvcompile
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
-from kvcompile.engine.pages import Entries, LayerStore
+from kvcompile.store import Entries, LayerStore
 from kvcompile.plan import build_plan
 from kvcompile.policies.scoring import Accumulated, Decayed, decayed_scores_chunked
 from kvcompile.reference import LayerState

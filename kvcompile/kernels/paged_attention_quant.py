@@ -195,7 +195,7 @@ def _lse_torch(q, k_pages, block_table, lengths, bias_pages, scale) -> Tensor:
 def paged_attention_lse_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: Tensor,
                               scale: float | None = None, bias_pages: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Decode attention over float pages (`paged_attention_torch`, with per-entry bias pages) and its
-    log-sum-exp (B, Hq) (−inf for an empty head): the high tier of a tiered store (kvcompile.engine.tiers),
+    log-sum-exp (B, Hq) (−inf for an empty head): the high tier of a tiered store (kvcompile.store.tiers),
     combined with the codes' attention by `merge_partials`."""
     from kvcompile.kernels.paged_attention import _gathered
 
