@@ -1,4 +1,4 @@
-"""The page store has one owner (docs/INTERNALS.md "The page store"): no module of kvcompile outside
+"""The page store has one owner (docs/INTERNALS.md "Paged cache layout"): no module of kvcompile outside
 `kvcompile/store/` writes a store's fields or into its tensors; it calls the store's methods.
 
 Checked on the source (AST). A store is an expression the engine holds stores in: a name `store` or

@@ -1,4 +1,4 @@
-"""The page store: one owner of the KV pages below the engine (docs/INTERNALS.md "The page store").
+"""The page store: one owner of the KV pages below the engine (docs/INTERNALS.md "Paged cache layout").
 
 - `pages`: the page layout (`Entries`, `page_table`, `PageTensors`) and `LayerStore`, a layer's pages in the
   model's dtype, the class every store builds on;

@@ -1,12 +1,6 @@
-"""Stores of integer codes: the page layout of kvcompile.store.pages with keys and values held as codes of a
-storage part that quantizes (kvcompile.policies.storage; the formula's code is kvcompile.kernels.quantize).
-
-`k_pages`, `v_pages` hold uint8 codes (P, S, d · bits / 8; int4 two channels a byte) and the store adds
-float32 scales and zero points: per entry and group of channels (P, S, d / group) in a `CodeStore`, and for
-keys per page and channel (P, d) in a `ChannelCodeStore` (KIVI's keys, the low tier of a TieredStore).
-Everything else (scores, positions, counts, the block table and counters) is the float store's, and so
-is every method that only moves entries: a subclass changes only how keys and values are written and read.
-"""
+"""Stores of integer codes (a storage part that quantizes; the formula: kvcompile.kernels.quantize): the
+float store's layout and methods, with `k_pages`, `v_pages` holding uint8 codes (P, S, d · bits / 8) and
+float32 scales and zero points beside them. Only how keys and values are written and read differs."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,28 +10,14 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
-from kvcompile.store.pages import PAGE_FIELDS, LayerStore, _rows
+from kvcompile.store.pages import PAGE_FIELDS, LayerStore, PageTensors, _rows
 
 QUANT_FIELDS = ("k_scale", "k_zero", "v_scale", "v_zero")  # a store of codes' pages besides the codes
 
 
-class QuantPageTensors(NamedTuple):
-    """A store of codes' tensors (`PageTensors` with k_pages, v_pages holding codes, and the scales and zero
-    points beside them), what the fused step of a quantized store takes (kvcompile.kernels.quant_step)."""
-
-    k_pages: Tensor
-    v_pages: Tensor
-    score_pages: Tensor
-    pos_pages: Tensor
-    count_pages: Tensor
-    block_table: Tensor
-    lengths: Tensor
-    slots: Tensor
-    owned: Tensor
-    k_scale: Tensor
-    k_zero: Tensor
-    v_scale: Tensor
-    v_zero: Tensor
+# A store of codes' tensors (`PageTensors`, k_pages and v_pages holding codes, then the scales and zero points),
+# what the fused step of a quantized store takes (kvcompile.kernels.quant_step)
+QuantPageTensors = NamedTuple("QuantPageTensors", [(name, Tensor) for name in PageTensors._fields + QUANT_FIELDS])
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The page layout and the full-precision page store: one layer's paged KV entries, and the only code that
-builds, appends to, removes from, selects rows of and measures them (docs/INTERNALS.md "The page store").
+builds, appends to, removes from, selects rows of and measures them (docs/INTERNALS.md "Paged cache layout").
 The stores of codes (kvcompile.store.codes) and of two tiers (kvcompile.store.tiers) build on it.
 
 Layout: pages of S = `page_size` entries; page p holds, in slot i, an entry's key `k_pages[p, i]`,
@@ -75,18 +75,9 @@ def _rows(t: Tensor, flat: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])[flat] if t.dim() > 2 else t.reshape(-1)[flat]
 
 
-class PageTensors(NamedTuple):
-    """A store's tensors, what a kernel that updates pages in place takes (kvcompile.kernels.online_step)."""
-
-    k_pages: Tensor
-    v_pages: Tensor
-    score_pages: Tensor
-    pos_pages: Tensor
-    count_pages: Tensor
-    block_table: Tensor
-    lengths: Tensor
-    slots: Tensor
-    owned: Tensor
+# A store's tensors, what a kernel that updates pages in place takes (kvcompile.kernels.online_step)
+PageTensors = NamedTuple("PageTensors", [(name, Tensor) for name in PAGE_FIELDS + ("block_table", "lengths",
+                                                                                   "slots", "owned")])
 
 
 @dataclass

@@ -212,9 +212,10 @@ class TieredStore:
 
     # --- measuring -------------------------------------------------------------------------------------
 
-    @property
-    def nbytes(self) -> int:
-        return self.high.nbytes + self.low.nbytes
+    # each the sum of the tiers'
+    nbytes = property(lambda self: self.high.nbytes + self.low.nbytes)
+    kv_bytes_allocated = property(lambda self: self.high.kv_bytes_allocated + self.low.kv_bytes_allocated)
+    metadata_bytes = property(lambda self: self.high.metadata_bytes + self.low.metadata_bytes)
 
     def kv_bytes_held(self) -> int:
         return self.high.kv_bytes_held() + self.low.kv_bytes_held()
@@ -227,14 +228,6 @@ class TieredStore:
         for name, n in self.low.bytes_by_precision().items():
             out[name] = out.get(name, 0) + n
         return out
-
-    @property
-    def kv_bytes_allocated(self) -> int:
-        return self.high.kv_bytes_allocated + self.low.kv_bytes_allocated
-
-    @property
-    def metadata_bytes(self) -> int:
-        return self.high.metadata_bytes + self.low.metadata_bytes
 
     def growth_bytes(self, step: int) -> int:
         """Bytes one append can add: the high tier's, and for KIVI a run of low pages where a flush may need
