@@ -1,5 +1,6 @@
-"""The page store has one owner (docs/INTERNALS.md "Paged cache layout"): no module of kvcompile outside
-`kvcompile/store/` writes a store's fields or into its tensors; it calls the store's methods.
+"""The page store has one owner (docs/INTERNALS.md "Paged cache layout"): the plan names each layer's store
+class once, by storage kind, and no module of kvcompile outside `kvcompile/store/` writes a store's fields or
+into its tensors; it calls the store's methods.
 
 Checked on the source (AST). A store is an expression the engine holds stores in: a name `store` or
 `*_store`, an element of `stores` (`cache.stores[i]`, a loop over `stores`), a tier of one (`x.high`,
@@ -13,8 +14,15 @@ from __future__ import annotations
 import ast
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+import kvcompile
+import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
+from kvcompile.cache import KVCompileCache
+from kvcompile.store import ChannelCodeStore, CodeStore, LayerStore, TieredStore
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvcompile"
 STORE_PACKAGE = PACKAGE / "store"
@@ -223,3 +231,25 @@ def test_the_check_finds_each_kind_of_write(source):
 @pytest.mark.parametrize("source", READS.values(), ids=READS.keys())
 def test_the_check_lets_reads_and_methods_pass(source):
     assert store_writes(textwrap.dedent(source)) == []
+
+
+SMALL = {"ranking": {"by_score": {"window": 2}}, "scoring": {"window_attention": {"window": 2}}}
+
+
+@pytest.mark.parametrize("storage, kind, low", [
+    ("model_dtype", LayerStore, None), ("int8", CodeStore, None), ({"int4": {"group": 8}}, CodeStore, None),
+    ({"mixed": {"full": 0.5}}, TieredStore, CodeStore), ({"kivi": {"residual": 4, "tokens": 4}}, TieredStore,
+                                                          ChannelCodeStore)], ids=str)
+def test_the_plan_names_the_store_class_and_every_layer_is_built_with_it(storage, kind, low):
+    policy = kvcompile.load_spec("snapkv", per_head=12, storage=storage, **SMALL)
+    b, h, g, n, d = 2, 2, 2, 24, 16
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
+                             hidden_size=h * g * d)
+    cache = KVCompileCache(policy, config, page_size=4)
+    assert cache.plan.store is kind
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(b, h * g, n, d, generator=gen), *(torch.randn(b, h, n, d, generator=gen) for _ in "kv")
+    for x in (n, 1, 1):  # the prompt, then two decode steps
+        torch.ops.kvcompile.attend(q[:, :, :x], k[:, :, :x], v[:, :, :x], None, 0, cache.ref, cache.token, d ** -0.5)
+        store = cache.stores[0]
+        assert type(store) is kind and (low is None or (type(store.low) is low and type(store.high) is LayerStore))

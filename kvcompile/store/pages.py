@@ -323,18 +323,10 @@ class LayerStore:
         (order within a head does not matter to attention); an emptied page stays the head's, a
         spare for its next appends (memory held counts only pages with entries).
         b, h, e are ints, or 1-D long tensors naming distinct heads (one entry each, removed at once)."""
-        self._movable()
-        s = self.page_size
-        dev = self.lengths.device
-        b, h, e = (x if isinstance(x, Tensor) else torch.tensor([x], dtype=torch.long, device=dev) for x in (b, h, e))
-        last = self.lengths[b, h] - 1
-        ends = torch.stack([last, e])  # (2, K): the head's last entry and the removed one
-        src, dst = self.block_table[b, h, ends // s] * s + ends % s
-        for name in self.page_fields:
-            t = getattr(self, name)
-            entries = t.view(-1, *t.shape[2:])
-            entries[dst] = entries[src]  # e == last copies the entry onto itself
-        self.lengths[b, h] = last
+        leaving, entry = torch.zeros_like(self.lengths, dtype=torch.bool), torch.zeros_like(self.lengths)
+        leaving[b, h] = True
+        entry[b, h] = torch.as_tensor(e, device=entry.device)
+        self.remove_where(leaving, entry)
 
     def remove_where(self, leaving: Tensor, e: Tensor) -> None:
         """`remove` of entry e[b, h] (B, H) from every head with leaving[b, h] (B, H) bool, at once, with no
@@ -463,9 +455,16 @@ class LayerStore:
     @staticmethod
     def bound_bytes(pages: int, page_size: int, entry_bytes: int, heads: int, table_width: int) -> int:
         """Bytes of stores holding `pages` pages of entries of `entry_bytes` each (`entry_bytes`) over
-        `heads` (sequence, head) rows of block tables `table_width` wide (what serving reserves for a
-        prompt before it runs)."""
+        `heads` (sequence, head) rows of block tables `table_width` wide."""
         return pages * page_size * entry_bytes + heads * (table_width * 8 + HEAD_COUNTER_BYTES)
+
+    @classmethod
+    def bound(cls, storage, pages: int, page_size: int, head_dim: int, element_size: int, heads: int,
+              table_width: int, spare_pages: int) -> int:
+        """`bound_bytes` of stores of this class holding `pages` pages of `storage`'s entries (what serving
+        reserves for a prompt before it runs)."""
+        return cls.bound_bytes(pages, page_size, cls.entry_bytes(storage, head_dim, element_size), heads,
+                               table_width)
 
     @property
     def nbytes(self) -> int:

@@ -27,6 +27,7 @@ by the plan for a tiered part; `decode: every` (mixed) rebuilds both tiers from 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -36,7 +37,7 @@ from torch import Tensor
 from kvcompile.kernels.backend import KernelBackend
 from kvcompile.selection import HeadEntries
 from kvcompile.store.codes import ChannelCodeStore, CodeStore
-from kvcompile.store.pages import Entries, LayerStore
+from kvcompile.store.pages import ENTRY_METADATA_BYTES, Entries, LayerStore
 
 # the low tier's store class by how the part quantizes keys (Storage.key_axis)
 CODE_STORES = {"token": CodeStore, "channel": ChannelCodeStore}
@@ -109,6 +110,18 @@ class TieredStore:
         return cls(hi, lo, storage)
 
     @classmethod
+    def bound(cls, storage, pages: int, page_size: int, head_dim: int, element_size: int, heads: int,
+              table_width: int, spare_pages: int) -> int:
+        """`LayerStore.bound` of two stores a layer: each head rounds each tier up once and each tier has its
+        spares; counted in pages of S entries of the larger of the two entry sizes, a low page of `low` entries
+        as ceil(low / S) of them (its per-page key scales, KIVI, are within its entries' bound)."""
+        low = CODE_STORES[storage.key_axis].tier_page_size(storage, page_size)
+        entry = max(LayerStore.entry_bytes(storage, head_dim, element_size),
+                    math.ceil(storage.low_entry_bytes(head_dim)) + ENTRY_METADATA_BYTES)
+        pages += heads * (1 + math.ceil(low / page_size) * (1 + spare_pages))
+        return LayerStore.bound_bytes(pages, page_size, entry, 2 * heads, table_width)
+
+    @classmethod
     def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int, storage=None,
                    dtype: torch.dtype | None = None) -> "TieredStore":
         """A store holding every head's entries, split again into tiers (`decode: every`)."""
@@ -155,7 +168,7 @@ class TieredStore:
         return self.high.state_tensors() + self.low.state_tensors()
 
     def replayed(self, tokens: int) -> None:
-        """The host bookkeeping of `tokens` appends that ran as a replayed graph (`append`, `_flush`)."""
+        """The host bookkeeping of `tokens` appends that ran as a replayed graph (`append`, the low tier's `flush`)."""
         self._appending.replayed(tokens)
         self.low.flushed(tokens)
 
@@ -183,7 +196,7 @@ class TieredStore:
         return self.high.device
 
     def tensors(self) -> tuple[Tensor, ...]:
-        """Both tiers' tensors (no fused kernel takes a tiered store: the plan runs its Python path)."""
+        """Both tiers' tensors, the high tier's `PageTensors` first (what kernels.tiered_step updates in place)."""
         return tuple(self.high.tensors()) + tuple(self.low.tensors())
 
     # --- changing --------------------------------------------------------------------------------------
