@@ -3,15 +3,17 @@ class once, by storage kind, and no module of kvcompile outside `kvcompile/store
 into its tensors; it calls the store's methods.
 
 Checked on the source (AST). A store is an expression the engine holds stores in: a name `store` or
-`*_store`, an element of `stores` (`cache.stores[i]`, a loop over `stores`), a tier of one (`x.high`,
-`x.low`), or a name bound to one of these. A write is an assignment to an attribute of a store
+`*_store`, an element of `stores` (`cache.stores[i]`, a loop over `stores`), a tier (`x.high`, `x.low`),
+or a name bound to one of these. A write is an assignment to an attribute of a store
 (`store.room = 0`, `store.slots += x`), an assignment into one (`store.k_pages[p] = k`), an in-place op
 on one (`store.lengths.add_(1)`), `setattr` on a store, the same through a local view of a store's
-tensor (`pf = store.pos_pages.view(-1); pf[e] = p`), or asking a store for the tensors a kernel
-updates in place (`store.tensors()`: the store runs that kernel itself)."""
+tensor (`pf = store.pos_pages.view(-1); pf[e] = p`), handing a store's tensor to a kernel that writes into
+it (`quantize_pages_into(x, store.k_pages, ...)`), or asking a store for the tensors a kernel updates in
+place (`store.tensors()`: the store runs that kernel itself)."""
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +28,8 @@ from kvcompile.store import ChannelCodeStore, CodeStore, LayerStore, TieredStore
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvcompile"
 STORE_PACKAGE = PACKAGE / "store"
+# kernels that write into tensors they are given (kernels.quantize's `*_into*`, kernels.select's `gather_pages*`)
+WRITERS = re.compile(r"into|^gather_pages|^gather_rows$")
 # methods that return a view of a tensor (a write through them reaches the store's storage)
 VIEWS = {"view", "reshape", "flatten", "unflatten", "view_as", "narrow", "select", "squeeze", "unsqueeze",
          "transpose", "permute", "expand", "expand_as", "as_strided", "t", "unbind", "split", "chunk", "diagonal",
@@ -57,8 +61,8 @@ class _Function(ast.NodeVisitor):
             value = node.value
             return (isinstance(value, ast.Attribute) and value.attr == "stores") or \
                 (isinstance(value, ast.Name) and value.id == "stores")
-        if isinstance(node, ast.Attribute) and node.attr in ("high", "low"):
-            return self.is_store(node.value)
+        if isinstance(node, ast.Attribute) and node.attr in ("high", "low"):  # a TieredStore's tiers
+            return True
         return False
 
     def reaches_store(self, node: ast.expr) -> bool:
@@ -157,6 +161,10 @@ class _Function(ast.NodeVisitor):
                 self.report(node, "takes a store's tensors to update in place")
         if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args and self.is_store(node.args[0]):
             self.report(node, "sets a store's attribute")
+        called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if WRITERS.search(called) and any(self.reaches_store(x) for a in node.args
+                                          for x in (a.elts if isinstance(a, ast.Tuple) else [a])):
+            self.report(node, "hands a store's tensor to a kernel that writes into it")
         for kw in node.keywords:
             if kw.arg == "out" and self.reaches_store(kw.value):
                 self.report(node, "writes a store's tensor as out=")
@@ -208,10 +216,13 @@ WRITES = {
     "through an alias of a store": "def f(cache):\n    s = cache.stores[0]\n    s.owned = None",
     "a loop over the stores": "def f(cache):\n    for s in cache.stores:\n        s.room -= 1",
     "a tier": "def f(store):\n    hi = store.high\n    hi.lengths[0] = 1",
+    "a tier of self": "def f(self, full):\n    hi, lo = self.high, self.low\n    lo.lengths.add_(full)",
     "getattr": "def f(store, n, p):\n    getattr(store, n)[p] = 0",
     "setattr": "def f(store):\n    setattr(store, 'room', 0)",
     "out=": "def f(store, a, b):\n    torch.add(a, b, out=store.k_pages)",
     "a kernel on its tensors": "def f(store, step):\n    step(store.tensors())",
+    "a kernel writing into them": "def f(store, k, p):\n    quantize_pages_into(k, store.k_pages, store.k_scale, store.k_zero, p, 4)",
+    "a kernel writing into a tuple": "def f(store, k, v, p, s):\n    q.quantize_pair_into_pages(k, v, (store.k_pages, store.k_scale, store.k_zero), p, s, 8)",
 }
 READS = {
     "reads": "def f(store, flat):\n    pos = store.pos_pages.reshape(-1)[flat]\n    n = store.lengths.sum()",
@@ -220,6 +231,7 @@ READS = {
     "the list of stores": "def f(cache, s):\n    cache.stores[0] = s\n    cache.stores = [None]",
     "other objects": "def f(args, prompt):\n    args.lengths = 1\n    prompt.lengths += 1\n    prompt.held.append(1)",
     "out-of-place ops": "def f(store):\n    x = store.lengths + 1\n    y = store.k_pages.clone()\n    y[0] = 1",
+    "a kernel reading them": "def f(store, q):\n    paged_attention(q, store.k_pages, store.v_pages, store.block_table)",
 }
 
 
