@@ -137,19 +137,23 @@ class _Function(ast.NodeVisitor):
             self.report(node, "updates a store's field")
         self.generic_visit(node)
 
-    def visit_For(self, node: ast.For) -> None:
+    def visit_For(self, node: ast.For | ast.comprehension) -> None:
+        """`for s in cache.stores` (a loop or a comprehension) binds s to a store."""
         it = node.iter
-        if isinstance(target := node.target, ast.Name) and (
-                (isinstance(it, ast.Attribute) and it.attr == "stores") or (isinstance(it, ast.Name) and it.id == "stores")):
-            self.stores.add(target.id)
-        self.generic_visit(node)
-
-    def visit_comprehension(self, node: ast.comprehension) -> None:
-        it = node.iter
-        if isinstance(node.target, ast.Name) and (
-                (isinstance(it, ast.Attribute) and it.attr == "stores") or (isinstance(it, ast.Name) and it.id == "stores")):
+        if isinstance(node.target, ast.Name) and getattr(it, "attr", getattr(it, "id", None)) == "stores":
             self.stores.add(node.target.id)
         self.generic_visit(node)
+
+    visit_comprehension = visit_For
+
+    def visit_ListComp(self, node: ast.ListComp) -> None:  # its loops first: they bind what the element uses
+        for loop in node.generators:
+            self.visit(loop)
+        for part in (getattr(node, "elt", None), getattr(node, "key", None), getattr(node, "value", None)):
+            if part is not None:
+                self.visit(part)
+
+    visit_SetComp = visit_GeneratorExp = visit_DictComp = visit_ListComp
 
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
@@ -159,7 +163,8 @@ class _Function(ast.NodeVisitor):
                 self.report(node, "runs an in-place op on a store's tensor")
             if name == "tensors" and self.is_store(func.value):
                 self.report(node, "takes a store's tensors to update in place")
-        if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args and self.is_store(node.args[0]):
+        if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args \
+                and self.is_store(node.args[0]):
             self.report(node, "sets a store's attribute")
         called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
         if WRITERS.search(called) and any(self.reaches_store(x) for a in node.args
@@ -211,27 +216,30 @@ WRITES = {
     "into a tensor": "def f(cache, k):\n    cache.stores[1].k_pages[0, 1] = k",
     "in place": "def f(store):\n    store.lengths.add_(1)",
     "in place on a slice": "def f(store):\n    store.lengths[0].sub_(1)",
-    "through a view": "def f(store, e):\n    pf, sf = store.pos_pages.view(-1), store.score_pages.view(-1)\n    pf[e] = -1",
+    "through a view": "def f(store, e):\n    pf, sf = store.pos_pages.view(-1), store.score_pages.view(-1)\n"
+                      "    pf[e] = -1",
     "in place through a view": "def f(store, x):\n    scores = store.score_pages.view(-1)\n    scores.scatter_add_(0, x, x)",
     "through an alias of a store": "def f(cache):\n    s = cache.stores[0]\n    s.owned = None",
     "a loop over the stores": "def f(cache):\n    for s in cache.stores:\n        s.room -= 1",
+    "a comprehension over the stores": "def f(cache):\n    [s.lengths.add_(1) for s in cache.stores]",
     "a tier": "def f(store):\n    hi = store.high\n    hi.lengths[0] = 1",
     "a tier of self": "def f(self, full):\n    hi, lo = self.high, self.low\n    lo.lengths.add_(full)",
     "getattr": "def f(store, n, p):\n    getattr(store, n)[p] = 0",
     "setattr": "def f(store):\n    setattr(store, 'room', 0)",
     "out=": "def f(store, a, b):\n    torch.add(a, b, out=store.k_pages)",
     "a kernel on its tensors": "def f(store, step):\n    step(store.tensors())",
-    "a kernel writing into them": "def f(store, k, p):\n    quantize_pages_into(k, store.k_pages, store.k_scale, store.k_zero, p, 4)",
-    "a kernel writing into a tuple": "def f(store, k, v, p, s):\n    q.quantize_pair_into_pages(k, v, (store.k_pages, store.k_scale, store.k_zero), p, s, 8)",
+    "a kernel writing into them": "def f(store, k, p):\n    quantize_pages_into(k, store.k_pages, store.k_scale, p, 4)",
+    "a kernel writing into a tuple": "def f(store, k, v, p):\n    q.quantize_pair_into_pages(k, v, (store.k_pages,), p, 8)",
 }
 READS = {
     "reads": "def f(store, flat):\n    pos = store.pos_pages.reshape(-1)[flat]\n    n = store.lengths.sum()",
     "a copy by advanced indexing": "def f(store, flat):\n    pos = store.pos_pages.reshape(-1)[flat]\n    pos[0] = 1",
     "methods": "def f(store, k, v, p):\n    store.append(k, v, p)\n    store.remove_where(k, v)",
     "the list of stores": "def f(cache, s):\n    cache.stores[0] = s\n    cache.stores = [None]",
-    "other objects": "def f(args, prompt):\n    args.lengths = 1\n    prompt.lengths += 1\n    prompt.held.append(1)",
+    "other objects": "def f(args, prompt):\n    args.lengths = 1\n    prompt.lengths += 1\n"
+                     "    prompt.held.append(1)",
     "out-of-place ops": "def f(store):\n    x = store.lengths + 1\n    y = store.k_pages.clone()\n    y[0] = 1",
-    "a kernel reading them": "def f(store, q):\n    paged_attention(q, store.k_pages, store.v_pages, store.block_table)",
+    "a kernel reading them": "def f(store, q):\n    paged_attention(q, store.k_pages, store.v_pages)",
 }
 
 

@@ -421,7 +421,8 @@ class LayerStore:
         nothing changed, where they do not fit."""
         fields = self.pool_fields
         p, m = other.k_pages.shape[0], other.block_table.shape[-1]
-        if type(other) is not type(self) or other.storage != self.storage or other.lengths.shape != self.lengths.shape or p > self.k_pages.shape[0] \
+        if type(other) is not type(self) or other.storage != self.storage \
+                or other.lengths.shape != self.lengths.shape or p > self.k_pages.shape[0] \
                 or m > self.block_table.shape[-1] or any(
                     (getattr(other, n).shape[1:], getattr(other, n).dtype) != (getattr(self, n).shape[1:],
                                                                               getattr(self, n).dtype) for n in fields):
