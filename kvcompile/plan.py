@@ -256,7 +256,8 @@ class Plan:
         fields = ("running_scores", "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade",
                   "lazy_cascade", "prefill_chunk", "kv_heads", "heads_exchange", "layer_devices", "host_syncs",
                   "storage")
-        return "\n".join(lines + [f"{name}: {getattr(self, name)}" for name in fields])
+        lines += [f"{name}: {getattr(self, name)}" for name in fields]
+        return "\n".join(lines + [f"store: {self.store.__name__}"])
 
 
 @dataclass(frozen=True)

@@ -266,7 +266,7 @@ def test_the_plan_names_the_store_class_and_every_layer_is_built_with_it(storage
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
                              hidden_size=h * g * d)
     cache = KVCompileCache(policy, config, page_size=4)
-    assert cache.plan.store is kind
+    assert cache.plan.store is kind and f"store: {kind.__name__}" in cache.plan.describe()
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(b, h * g, n, d, generator=gen), *(torch.randn(b, h, n, d, generator=gen) for _ in "kv")
     for x in (n, 1, 1):  # the prompt, then two decode steps
