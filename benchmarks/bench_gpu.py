@@ -212,7 +212,7 @@ def run_bandwidth(args, dev: torch.device) -> float:
 def head_order_table(lengths: torch.Tensor, page: int, pool: int, dev: torch.device) -> torch.Tensor:
     """Block table (B, H, ·) int64 (as the cache keeps it) laying out heads of `lengths` (B, H)
     entries in head order, each head's pages consecutive (the page store's layout)."""
-    from kvcompile.engine.pages import page_table
+    from kvcompile.store import page_table
 
     table, owned = page_table(lengths, page)
     assert int(owned.sum()) <= pool
@@ -348,7 +348,7 @@ def run_kernels(args, dev: torch.device, dtype: torch.dtype, budget: Budget) -> 
 
 def compression(args, dev: torch.device, dtype: torch.dtype, budget: Budget) -> None:
     """One layer's prompt: the model's attention against scoring, selection and the gather into pages."""
-    from kvcompile.engine.pages import Entries, LayerStore
+    from kvcompile.store import Entries, LayerStore
     from kvcompile.kernels import select as ks
     from kvcompile.selection import select_with
     from kvcompile.kernels.window_scores import score_fused

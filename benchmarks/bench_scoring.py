@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcompile import reference
-from kvcompile.engine.pages import Entries, LayerStore
+from kvcompile.store import Entries, LayerStore
 from kvcompile.selection import select_with
 from kvcompile.kernels import select as ks
 from kvcompile.kernels.merge import merge_order, residual_merge

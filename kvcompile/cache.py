@@ -21,7 +21,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from kvcompile.cache_ref import CacheRef, new_token
-from kvcompile.engine.pages import LayerStore
+from kvcompile.store import LayerStore, TieredStore
 from kvcompile.engine.window import WindowLayer, window_step
 from kvcompile.engine.state import ChunkedPrompt, DecodeState, PromptChunks, PromptState, device_of, map_tensors, rows_of
 from kvcompile.layer_state import LayerState
@@ -49,7 +49,7 @@ class KVCompileCache(Cache):
             lowering through Inductor) or "triton".
         plan: a `kvcompile.plan.Plan` (what compile() builds); instead of policy and config.
 
-    The runtime's state lives in declared fields: `stores` (one LayerStore per layer),
+    The runtime's state lives in declared fields: `stores` (one page store per layer, of the class `plan.store` names),
     `prompt` (PromptState, while and after the prompt runs), `decoding` (DecodeState, once
     tokens are generated), `rings` (latest queries per layer, for `decode: every`),
     `states` (recorded LayerStates), `chunks` / `compressing` (a prompt arriving in several calls,
@@ -86,7 +86,7 @@ class KVCompileCache(Cache):
         self.plan = plan
         self.record = record
         self.progress = progress  # show a progress bar over the prompt's layers
-        self.stores: list[LayerStore | None] = [None] * plan.num_layers
+        self.stores: list[LayerStore | TieredStore | None] = [None] * plan.num_layers
         self.states: list[LayerState | None] = [None] * plan.num_layers
         self.rings: list[Tensor | None] = [None] * plan.num_layers  # latest query rows (decode: every)
         # a hybrid model's layers left to their window (kvcompile.engine.window), by model layer; None elsewhere

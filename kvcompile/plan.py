@@ -38,6 +38,7 @@ from kvcompile.layer_state import LayerState
 from kvcompile.policies.merge import Drop, Residual
 from kvcompile.policy import Policy
 from kvcompile.sharding import HeadShard
+from kvcompile.store import store_class
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,8 @@ class Plan:
     layer_kinds: LayerKinds | None = None  # a hybrid model's layers (kvcompile.layer_kinds): which the policy
     #   compresses (num_layers counts those, numbered in the model's order) and which are left to their window;
     #   None: every layer is a full_attention layer the policy compresses
+
+    store: type = None  # the class of every layer's page store (kvcompile.store.store_class): how entries are held
 
     def model_layer_sinks(self, layer: int, device) -> Tensor | None:
         """Model layer `layer`'s learned sinks (Hq,) on `device`, or None."""
@@ -292,7 +295,8 @@ class Plan:
         fields = ("running_scores", "online_eviction", "prune_every", "ring_rows", "spare_pages", "cascade",
                   "lazy_cascade", "prefill_chunk", "kv_heads", "heads_exchange", "layer_devices", "host_syncs",
                   "storage")
-        return "\n".join(lines + [f"{name}: {getattr(self, name)}" for name in fields])
+        lines += [f"{name}: {getattr(self, name)}" for name in fields]
+        return "\n".join(lines + [f"store: {self.store.__name__}"])
 
 
 @dataclass(frozen=True)
@@ -368,8 +372,8 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage, tiered: 
         codes = dataclasses.replace(quant.backend("cpp"), key_group=key_group, value_group=group)
     else:
         codes = quant.backend("triton" if impl == "triton" else "torch")
-    if tiered:  # entries in the model's dtype beside the codes (kvcompile.engine.tiers)
-        from kvcompile.engine.tiers import TieredPagedAttention
+    if tiered:  # entries in the model's dtype beside the codes (kvcompile.store.tiers)
+        from kvcompile.store import TieredPagedAttention
 
         return TieredPagedAttention(codes)
     return codes
@@ -377,7 +381,7 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage, tiered: 
 
 def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_dim: int) -> bool:
     """A fused step of a quantized store computes this policy's decode step here: codes per token (KIVI's keys
-    per channel move a page at a time: engine.tiers), no running scores, no online eviction, a merge bias of
+    per channel move a page at a time: store.tiers), no running scores, no online eviction, a merge bias of
     the form α·log w where slots sit beside the codes (StepRule), and the quantized C++ kernel runs for its
     groups (fp32 on a CPU, kernels None or "cpp"). One store of codes: kernels.quant_step; two tiers (mixed
     precision, or merge slots beside the codes): kernels.tiered_step."""
@@ -408,7 +412,7 @@ def _quant_step(policy: Policy, rule: StepRule, head_dim: int):
 
 def _tiered_refusal(policy: Policy, page_size: int) -> str | None:
     """Why a policy whose entries take two precisions (Policy.tiered: a tiered storage part, or codes beside
-    merge slots; kvcompile.engine.tiers) cannot run."""
+    merge slots; kvcompile.store.tiers) cannot run."""
     storage, scoring, decode = policy.storage, policy.scoring, policy.schedule.decode
     if scoring.running:
         return (f"scoring: {scoring.name} updates every entry's score while decoding, over one pool of pages; "
@@ -586,7 +590,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         # codes per token (one tier, or two: codes and floats) with neither running scores nor online eviction:
         # the append and the attention over the codes (and the float tier) as one C++ call (kernels.quant_step,
         # kernels.tiered_step) where the quantized C++ kernel runs; the rest take the engine's path
-        # (LayerStore.append / TieredStore.append, then attention)
+        # (the store's append, then attention)
         if _quant_step_runs(policy, kernels, device, dtype, head_dim):
             online_impl, step_rule = "cpp", _step_rule(policy, False)
     elif scoring.running or online:
@@ -663,7 +667,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
         prefill_chunk=chunk, layer_devices=layer_devices,
-        rope=tuple(rope) if scoring.needs_rope else None, layer_kinds=kinds, softcap=softcap, sinks=sinks)
+        rope=tuple(rope) if scoring.needs_rope else None, layer_kinds=kinds, softcap=softcap, sinks=sinks,
+        store=store_class(policy))
 
 
 

@@ -41,7 +41,7 @@ class Policy:
 
     @property
     def tiered(self) -> bool:
-        """Each head's entries in two precisions (kvcompile.engine.tiers): a tiered storage part, or codes
+        """Each head's entries in two precisions (kvcompile.store.tiers): a tiered storage part, or codes
         beside merge slots, which keep their running means in the model's dtype."""
         return self.storage.tiered or (self.storage.quantizes and self.merges)
 

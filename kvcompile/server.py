@@ -716,7 +716,7 @@ class KVCompileServer:
         (`RequestSampling.pick`); the same forwards as `generate(prompt, past_key_values=copy)` on the compiled
         model (the in-process multi-turn path, docs/SPECS.md §4b)."""
         torch = self._torch
-        from kvcompile.engine.pages import LayerStore
+        from kvcompile.store import LayerStore
         from kvcompile.serving import request_bytes, RequestKV
 
         def emit(tokens, finished, error=None):

@@ -80,7 +80,6 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
-from kvcompile.engine.pages import ENTRY_METADATA_BYTES, LayerStore
 from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
@@ -290,18 +289,8 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
         pages = layers * whole
     pages += layers * heads * plan.spare_pages
     width = math.ceil(tokens / s) + plan.spare_pages
-    entry = LayerStore.entry_bytes(plan.storage, d, elt)
-    rows = layers * heads
-    storage = plan.storage
-    if plan.policy.tiered:
-        # two stores a layer (engine.tiers): each head rounds each tier up once and each tier has its spares;
-        # counted in pages of S entries of the larger of the two entry sizes, a low page of `low` entries as
-        # ceil(low / S) of them (its per-page key scales, KIVI, are within its entries' bound)
-        low = storage.tokens if storage.key_axis == "channel" else s
-        entry = max(entry, math.ceil(storage.low_entry_bytes(d)) + ENTRY_METADATA_BYTES)
-        pages += rows * (1 + math.ceil(low / s) * (1 + plan.spare_pages))
-        rows *= 2
-    stores = LayerStore.bound_bytes(pages, s, entry, rows, width)  # + block tables and per-head counters
+    # + block tables and per-head counters, as the plan's store class holds them
+    stores = plan.store.bound(plan.storage, pages, s, d, elt, layers * heads, width, plan.spare_pages)
     stores += window_bytes(plan, tokens, elt)
     if not chunked:
         return stores

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import kvcompile
+import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend: the file runs alone)
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
 from tiny import prompt, tiny_model

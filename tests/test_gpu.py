@@ -22,7 +22,7 @@ from torch.testing import assert_close
 
 import kvcompile
 from kvcompile import reference
-from kvcompile.engine.pages import Entries, LayerStore
+from kvcompile.store import Entries, LayerStore
 from kvcompile.kernels import merge as km
 from kvcompile.kernels import select as ks
 from kvcompile.kernels.paged_attention import paged_attention

@@ -1,13 +1,13 @@
 """Selection kernels (Triton under the interpreter, torch lowering) against
 kvcompile.reference.select, and the page store built through the gather kernels against the page layout
-written out (kvcompile.engine.pages)."""
+written out (kvcompile.store)."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch.testing import assert_close
 
 from kvcompile import reference
-from kvcompile.engine.pages import Entries, LayerStore
+from kvcompile.store import Entries, LayerStore
 from kvcompile.kernels import select as ks
 from kvcompile.policies.ranking import rank
 from kvcompile.selection import select_with

@@ -19,7 +19,7 @@ import kvcompile
 import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
-from kvcompile.engine.pages import ENTRY_METADATA_BYTES
+from kvcompile.store import ENTRY_METADATA_BYTES
 from kvcompile.kernels.quantize import dequantize, quantize
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.spec import SpecError, loads_spec

@@ -1,7 +1,7 @@
 """Tiered storage parts: two precisions in one head (mixed by score, MiKV; KIVI's keys per channel with a
 full-precision recent window).
 
-The engine keeps each head's entries in two page stores (kvcompile.engine.tiers.TieredStore): the high
+The engine keeps each head's entries in two page stores (kvcompile.store.tiers.TieredStore): the high
 tier in the model's dtype, the low tier as codes; the reference keeps every entry's values as the split
 gives them (reference.tiers). Token by token, every allocator family, the cascade, decode-time pruning
 (mixed) and a prompt compressed in chunks hold the same entries as the reference, and the attention over
@@ -141,8 +141,8 @@ def test_the_split_is_the_parts_rule():
     assert [part.high_count(n) for n in (0, 1, 2, 5, 10)] == [0, 0, 1, 2, 4]  # round half to even: 0.4 → 0
     kivi = kvcompile.load_spec("kivi").storage
     assert [kivi.quantized_count(n) for n in (0, 127, 128, 159, 160, 200)] == [0, 0, 0, 0, 32, 64]
-    from kvcompile.engine.pages import Entries
-    from kvcompile.engine.tiers import high_tier
+    from kvcompile.store import Entries
+    from kvcompile.store.tiers import high_tier
 
     scores = torch.tensor([[[0.5, 0.9, 0.5, 0.1, 0.7]]])
     take = torch.tensor([[[True, True, True, True, False]]])

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import kvcompile
+import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend: the file runs alone)
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
-from kvcompile.engine.pages import Entries, LayerStore
+from kvcompile.store import Entries, LayerStore
 from kvcompile.plan import build_plan
 from kvcompile.policies.scoring import Accumulated, Decayed, decayed_scores_chunked
 from kvcompile.reference import LayerState

@@ -7,5 +7,5 @@
   pages of a layer (shared by every phase that compresses);
 - `decode`: append, attention and the decode schedule; `online`: ZSMerge's online eviction;
   `reconstruction`: a reconstruction scorer's forwards (KVzip);
-- `pages`: the page store (`LayerStore`), the one owner of the page layout.
+The pages are kvcompile.store's, which the engine changes only through the stores' methods.
 """

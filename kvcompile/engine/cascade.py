@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from kvcompile.engine.compress import choose, over_heads, store_layer
-from kvcompile.engine.pages import Entries
+from kvcompile.store import Entries
 from kvcompile.selection import Merged, select_and_merge
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from torch import Tensor
 from kvcompile.allocation import layer_totals
 from kvcompile.engine.cascade import cascade
 from kvcompile.engine.compress import store_layer
-from kvcompile.engine.pages import Entries
+from kvcompile.store import Entries
 from kvcompile.engine.prefill import prefill
 from kvcompile.engine.state import ChunkedPrompt, PromptState
 from kvcompile.policies.scoring import entropy

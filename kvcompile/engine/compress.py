@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from kvcompile.allocation import head_budgets, head_budgets_of
-from kvcompile.engine.pages import Entries
-from kvcompile.engine.tiers import store_type
+from kvcompile.store import Entries
 from kvcompile.selection import Merged, merge_evicted, select, select_with
 
 if TYPE_CHECKING:
@@ -101,9 +100,9 @@ def store_layer(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
         sources.insert(0, Entries(merged.keys, merged.values, torch.zeros_like(counts, dtype=torch.float32),
                                   -1 - torch.arange(counts.shape[-1], device=counts.device).expand_as(counts),  # slot r at -1 - r
                                   counts.float(), occupied))
-    return store_type(cache.policy).build(sources, slots, cache.page_size, cache.plan.spare_pages,
-                                                  gather=cache.plan.selection.gather_pages,
-                                                  storage=cache.policy.storage, dtype=cache.plan.dtype)
+    return cache.plan.store.build(sources, slots, cache.page_size, cache.plan.spare_pages,
+                                  gather=cache.plan.selection.gather_pages, storage=cache.policy.storage,
+                                  dtype=cache.plan.dtype)
 
 
 def over_heads(plan, x: Tensor) -> Tensor:

@@ -12,7 +12,6 @@ from torch import Tensor
 from kvcompile.allocation import decode_budgets, head_split
 from kvcompile.engine.compress import choose, over_heads
 from kvcompile.engine.online import evict_online
-from kvcompile.engine.tiers import store_type
 from kvcompile.engine.state import DecodeState
 from kvcompile.selection import decode_prune
 
@@ -43,14 +42,11 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     for i in range(q.shape[2]):
         position = first + i
         out = None
-        pages = None if plan.online_step is None else store.tensors()
-        if pages is not None and plan.online_step.runs(pages, q.shape[1]):
-            # append, attention, running scores, online eviction: one fused step
+        if plan.online_step is not None:  # append, attention, running scores, online eviction: one fused step
             split = cache.decoding.split[:, layer] if online else None
-            out = plan.online_step(pages, q[:, :, i], k[:, :, i], v[:, :, i], position, split, scale)
+            out = store.step(plan.online_step, q[:, :, i], k[:, :, i], v[:, :, i], position, split, scale)
         if out is not None:
             out = out.to(q.dtype)
-            store.replayed(1)  # the host's count of the append the fused step made into the pages heads own
         else:  # no fused step, or not its common case (a head taking a fresh page, several to evict)
             if store.room <= 0:  # the append reads the heads that need a page (Plan.host_syncs), counted
                 cache.count_host_sync("append")
@@ -123,17 +119,11 @@ def _attend_with_probs(cache: KVCompileCache, store, q: Tensor, scale: float):
 
 def _update_scores(cache: KVCompileCache, store, probs: Tensor) -> None:
     """Each token entry's running score ← scoring.running_update(score, attention), written with no host
-    read: entries past a head's pages share page 0 in `store.entries()`, so the new scores are written
-    by two scatter-adds that are exact whatever the order (s − s = 0, then 0 + new; the others add 0)."""
+    read (`LayerStore.rescore`)."""
     flat, stored = store.entries()
     pos = store.pos_pages.reshape(-1)[flat]
-    scores = store.score_pages.view(-1)
-    old = scores[flat]
-    new = cache.policy.scoring.running_update(old, probs)
-    tokens = stored & (pos >= 0)
-    flat = flat.reshape(-1)
-    scores.scatter_add_(0, flat, torch.where(tokens, -old, 0.0).reshape(-1))
-    scores.scatter_add_(0, flat, torch.where(tokens, new, 0.0).to(scores.dtype).reshape(-1))
+    new = cache.policy.scoring.running_update(store.score_pages.reshape(-1)[flat], probs)
+    store.rescore(flat, stored & (pos >= 0), new)
 
 
 def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> None:
@@ -146,8 +136,8 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
         ranks = functools.partial(choose, cache, kernels=False)
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
                  total=None if totals is None else totals[:, layer], choose=ranks)
-    store = store_type(cache.policy).from_heads(heads, cache.page_size, cache.plan.spare_pages,
-                                                storage=cache.policy.storage, dtype=cache.plan.dtype)
+    store = cache.plan.store.from_heads(heads, cache.page_size, cache.plan.spare_pages,
+                                        storage=cache.policy.storage, dtype=cache.plan.dtype)
     if not cache.stores[layer].refill(store):  # into the layer's own tensors where it fits (a captured step's)
         cache.stores[layer] = store
 

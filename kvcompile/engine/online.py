@@ -38,12 +38,7 @@ def evict_online(cache: KVCompileCache, store, layer: int) -> None:
         victim = pos.masked_fill(~lowest, torch.iinfo(pos.dtype).max).argmin(-1)  # (B, H) entry index
         merge_victims(cache, store, excess > done, victim, slots, flat, pos, stored, check=not store.settled)
     if not store.settled:  # every head within its budget from now on: its length stays at most budget + 1
-        store.settled = True
-        if bool((store.owned * store.page_size > prox + context + slots).all()):
-            store.room = ONLINE_ROOM  # its appends never need a page
-
-
-ONLINE_ROOM = 1 << 62  # LayerStore.room of a settled online-eviction store whose pages hold every head's budget
+        store.settle(prox + context + slots)
 
 
 def merge_victims(cache: KVCompileCache, store, leaving: Tensor, victim: Tensor, slots: Tensor, flat: Tensor,
@@ -64,24 +59,17 @@ def merge_victims(cache: KVCompileCache, store, leaving: Tensor, victim: Tensor,
         raise RuntimeError("kvcompile: a head holds more residual slots than its ZSMerge split allows")
     entry = flat.gather(-1, victim[..., None]).squeeze(-1)  # (B, H) page·S + slot of each victim
     fresh = leaving & (slots > 0) & (held < slots)
-    pf, sf = store.pos_pages.view(-1), store.score_pages.view(-1)
-    pf[entry] = torch.where(fresh, -1 - held, pf[entry])
-    sf[entry] = torch.where(fresh, 0.0, sf[entry])
-    store.slots += fresh
+    store.to_slots(entry, fresh, held)
     fold = leaving & (slots > 0) & (held == slots)
-    d = store.k_pages.shape[-1]
-    kf, vf, cf = store.k_pages.view(-1, d), store.v_pages.view(-1, d), store.count_pages.view(-1)
+    kf, vf = (t.reshape(-1, t.shape[-1]) for t in (store.k_pages, store.v_pages))
     compute = torch.promote_types(kf.dtype, torch.float32)
     key = kf[entry].to(compute)  # (B, H, d)
     dots = torch.matmul(kf[flat].to(compute), key[..., None]).squeeze(-1).masked_fill(~is_slot, float("-inf"))
     closest = is_slot & (dots == dots.amax(-1, keepdim=True))
     target = pos.masked_fill(~closest, torch.iinfo(pos.dtype).min).argmax(-1)  # highest −1 − r: lowest r
     slot = flat.gather(-1, target[..., None]).squeeze(-1)  # (B, H)
-    w = cf[slot][..., None]  # the slot's count, exact in float32
-    on = fold[..., None]
-    kf[slot] = torch.where(on, ((w * kf[slot].to(compute) + key) / (w + 1)).to(kf.dtype), kf[slot])
-    vf[slot] = torch.where(on, ((w * vf[slot].to(compute) + vf[entry].to(compute)) / (w + 1)).to(vf.dtype),
-                           vf[slot])
-    cf[slot] = torch.where(fold, w.squeeze(-1) + 1, cf[slot])
+    w = store.count_pages.reshape(-1)[slot][..., None]  # the slot's count, exact in float32
+    store.fold_into(slot, fold, (w * kf[slot].to(compute) + key) / (w + 1),
+                    (w * vf[slot].to(compute) + vf[entry].to(compute)) / (w + 1), w.squeeze(-1) + 1)
     store.remove_where(leaving & ~fresh, victim)  # dropped (no slot) or folded into a slot
 

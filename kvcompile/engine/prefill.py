@@ -14,7 +14,7 @@ from torch import Tensor
 from kvcompile.allocation import global_totals, layer_pool, layer_totals
 from kvcompile.engine.cascade import cascade
 from kvcompile.engine.compress import over_heads, select_and_merge_kernels, store_layer
-from kvcompile.engine.pages import Entries
+from kvcompile.store import Entries
 from kvcompile.engine.explicit import explicit_attention
 from kvcompile.engine.state import PromptState
 from kvcompile.layer_state import LayerState

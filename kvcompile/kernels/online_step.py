@@ -4,7 +4,7 @@ Alg. 1), fused: what the engine's Python path does in `LayerStore.append` + `_at
 
     out = online_step_cpp(pages, q, k, v, position, split, rule, scale)   # None: not run
 
-pages: a layer's page tensors (`kvcompile.engine.pages.PageTensors`, `LayerStore.tensors()`: docs/INTERNALS.md
+pages: a layer's page tensors (`kvcompile.store.PageTensors`, `LayerStore.tensors()`: docs/INTERNALS.md
 "Paged cache layout"), updated in place;
 q (B, Hq, d), k, v (B, H, d) the new token's query, key and value of every head; position
 (B,) long its logical position; split (B, H, 3) long the ZSMerge (proximity, context,

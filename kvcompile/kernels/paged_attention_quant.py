@@ -165,37 +165,20 @@ def paged_attention_quant_torch(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_z
                                 bias_pages: Tensor | None = None, scale: float | None = None, *,
                                 return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The specification: every page dequantized (`quantize.dequantize`: code · scale + zero, fp32),
-    then `paged_attention_torch` (eager: gather + matmul) on the float pages -> (B, Hq, d) in q's
-    dtype. return_lse: also the log-sum-exp of each query head's logits (B, Hq) float32, −inf
-    for an empty head (the same gathered logits, `torch.logsumexp`)."""
+    then the float pages' attention, `paged_attention_torch` (eager: gather + matmul): only the load
+    differs -> (B, Hq, d) in q's dtype. return_lse: also the log-sum-exp of each query head's logits
+    (B, Hq) float32, −inf for an empty head (`paged_attention_lse_torch`: the same gathered logits)."""
     layout = check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
     k_pages, v_pages = _dequantized(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, layout)
-    out = paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
-    if not return_lse:
-        return out
-    return out, _lse_torch(q, k_pages, block_table, lengths, bias_pages, scale)
-
-
-def _lse_torch(q, k_pages, block_table, lengths, bias_pages, scale) -> Tensor:
-    """log Σ_t exp(logit_t) over each query head's valid entries (B, Hq); −inf for an empty head."""
-    b, hq, d = q.shape
-    h, m = block_table.shape[1:]
-    s = k_pages.shape[1]
-    scale = d ** -0.5 if scale is None else scale
-    live = torch.arange(m, device=q.device) < (lengths[..., None] + s - 1) // s
-    table = torch.where(live, block_table, 0).long()
-    keys = k_pages[table].view(b, h, m * s, d)
-    logits = torch.matmul(q.float().view(b, h, hq // h, d), keys.transpose(-1, -2)) * scale
-    if bias_pages is not None:
-        logits = logits + bias_pages[table].view(b, h, 1, m * s).float()
-    valid = torch.arange(m * s, device=q.device) < lengths[..., None]
-    return torch.logsumexp(logits.masked_fill(~valid[:, :, None], float("-inf")), -1).view(b, hq)
+    if return_lse:  # the float pages' attention and its log-sum-exp, from the same logits
+        return paged_attention_lse_torch(q, k_pages, v_pages, block_table, lengths, scale, bias_pages)
+    return paged_attention_torch(q, k_pages, v_pages, block_table, lengths, bias_pages, scale)
 
 
 def paged_attention_lse_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: Tensor,
                               scale: float | None = None, bias_pages: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Decode attention over float pages (`paged_attention_torch`, with per-entry bias pages) and its
-    log-sum-exp (B, Hq) (−inf for an empty head): the high tier of a tiered store (kvcompile.engine.tiers),
+    log-sum-exp (B, Hq) (−inf for an empty head): the high tier of a tiered store (kvcompile.store.tiers),
     combined with the codes' attention by `merge_partials`."""
     from kvcompile.kernels.paged_attention import _gathered
 

@@ -4,7 +4,7 @@
 // comes right before this one with its entry renamed `kvcompile_paged_attention_quant`). Built by
 // kvcompile/kernels/quant_step.py, where the contract is; the loader defines KVCOMPILE_G, _D, _GK, _GV.
 static_assert(!KCH, "the fused step appends entries one at a time: keys per token only (KIVI's per-channel "
-                    "pages take whole pages, kvcompile.engine.tiers)");
+                    "pages take whole pages, kvcompile.store.tiers)");
 
 // One entry x (D floats) -> its codes (D * BITS / 8 bytes; int4: channel 2i in the low nibble of byte i),
 // and the scale and zero point of each group of GRP channels. kvcompile.kernels.quantize's fp32 operations

@@ -1,11 +1,11 @@
 """One decode step of a layer whose pages hold integer codes (storage int8 / int4, keys and values per
-token), fused into one C++ call: what `LayerStore.append` (`quantize.quantize_pair_into_pages`) and
-`LayerStore.attend` with the quantized decode backend (`paged_attention_quant.CppQuantPagedAttention`) do
+token), fused into one C++ call: what `CodeStore.append` (`quantize.quantize_pair_into_pages`) and
+`CodeStore.attend` with the quantized decode backend (`paged_attention_quant.CppQuantPagedAttention`) do
 in about 40 small torch ops a layer.
 
     out = quant_step_cpp(pages, q, k, v, position, scale)   # None: not run, the pages untouched
 
-pages: a quantized layer's tensors (`kvcompile.engine.pages.QuantPageTensors`, `LayerStore.tensors()`),
+pages: a quantized layer's tensors (`kvcompile.store.QuantPageTensors`, `CodeStore.tensors()`),
 updated in place; q (B, Hq, d), k, v (B, H, d) the new token's query, key and value of every head; position
 (B,) long its logical position. Returns the attention output (B, Hq, d). Semantics, every head at once:
 1. the new entry is appended at the head's next slot (page block_table[b, h, n // S], slot n % S for a head

@@ -16,7 +16,7 @@ runs it and calls these two kernels (each heads and threshold part composes its 
 `keep_ranked`).
 
 Gather: `gather_pages` writes the `take` (B, H, E) rows of each head — key, value, score,
-position, count — into pages the page store allocated (`kvcompile.engine.pages.LayerStore.build`: entry e
+position, count — into pages the page store allocated (`kvcompile.store.LayerStore.build`: entry e
 of head (b, h) at slot e % S of page block_table[b, h, e // S]), in entry order, from entry `start` (B, H) on.
 
 Implementations (dispatchers take impl = "triton" | "torch" | "compiled" | None = Triton

@@ -1,4 +1,4 @@
-// One decode step of a layer whose heads hold entries in two tiers (kvcompile.engine.tiers.TieredStore: float
+// One decode step of a layer whose heads hold entries in two tiers (kvcompile.store.tiers.TieredStore: float
 // pages in the model's dtype, `high`, and int8 / int4 codes per token, `low`), fused: the new key and value
 // appended to the appending tier (high: copied; low: quantized as quant_step.cpp does), then the attention over
 // the high tier (with the merge rule's bias alpha * log w on its slots) and over the codes (the paged kernel of

@@ -1,4 +1,4 @@
-"""One decode step of a layer whose heads hold entries in two precisions (kvcompile.engine.tiers.TieredStore:
+"""One decode step of a layer whose heads hold entries in two precisions (kvcompile.store.tiers.TieredStore:
 `storage: mixed`, MiKV, Yang et al., 2024, arXiv 2402.18096, §3; or codes per token beside merge slots), fused
 into one C++ call: what `TieredStore.append` and `TieredPagedAttention` (the float tier's eager attention with
 its log-sum-exp, the codes' C++ kernel with its own, `merge_partials`) do in about 40 small torch ops a layer.
@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvcompile.engine.pages import PageTensors, QuantPageTensors
+from kvcompile.store import PageTensors, QuantPageTensors
 from kvcompile.kernels import paged_attention_quant as quant
 from kvcompile.kernels.online_step import OnlineStep, _alpha
 from kvcompile.kernels.quant_step import _layout as _codes_layout, counters_layout

@@ -11,11 +11,11 @@ token; KIVI, Liu et al., 2024, arXiv 2402.02750, §3.1, and MiKV, Yang et al., 2
 
 for each group x (round half to even), computed in float32. Attention reads x̂ (the kernels dequantize
 in registers); scores, positions and merge counts stay in float32 / int64 beside the codes. A part only
-names the format: the page store (kvcompile.engine.pages) quantizes, and kvcompile.kernels.quantize
-holds the formula's code.
+names the format: the page store (kvcompile.store) quantizes, and kvcompile.kernels.quantize holds the
+formula's code.
 
 Two parts keep each head's entries in two precisions, a high tier in the model's dtype and a low tier of
-codes (the page store's `TieredStore`, kvcompile.engine.tiers): `mixed` splits a head's kept entries by
+codes (the page store's `TieredStore`, kvcompile.store.tiers): `mixed` splits a head's kept entries by
 score (MiKV), `kivi` by recency, with keys quantized per channel (KIVI). Attention over a head is the
 attention over both tiers, combined by their log-sum-exp.
 """
@@ -36,6 +36,7 @@ class Storage(Part):
     group: int = 0
     tiered = False  # each head's entries in two tiers, the model's dtype and `low()` (TieredStore)
     key_axis = "token"  # keys quantized per token ("token") or each channel over a page ("channel", KIVI)
+    new_token_tier = "low"  # the tier of a TieredStore a generated token joins ("high": the model's dtype)
 
     @property
     def quantizes(self) -> bool:
@@ -44,6 +45,16 @@ class Storage(Part):
     def low(self) -> "Storage":
         """The format of the quantized entries (a tiered part's low tier; the part itself otherwise)."""
         return self
+
+    def high_tokens(self, n):
+        """(B, H) long: of heads of n (B, H) kept tokens, those a TieredStore keeps in the model's dtype (none:
+        every token as codes, beside merge slots)."""
+        return n * 0
+
+    def tier_key(self, scores, positions):
+        """The key by which a head's `high_tokens` highest tokens are kept in the model's dtype (ties: the later
+        position)."""
+        return positions
 
     def group_size(self, head_dim: int) -> int:
         """Channels per scale and zero point for a head dim."""
@@ -130,9 +141,16 @@ class MixedByScore(Storage):
     bits: Literal[4, 8] = 4
     group: int = bounded(0, low=0, why="channels per scale; 0 means the whole head dim")
     tiered = True
+    new_token_tier = "high"
 
     def low(self) -> Storage:
         return _low(self.bits, self.group)
+
+    def high_tokens(self, n):
+        return (n.double() * self.full).round().long()  # round(full · n), half to even
+
+    def tier_key(self, scores, positions):
+        return scores.float()
 
     def high_count(self, n: int) -> int:
         """Tokens of a head of n kept tokens in the model's dtype: round(full · n), half to even."""
@@ -164,9 +182,13 @@ class Kivi(Storage):
     group: int = bounded(0, low=0, why="value channels per scale; 0 means the whole head dim")
     tiered = True
     key_axis = "channel"
+    new_token_tier = "high"
 
     def low(self) -> Storage:
         return self  # its codes' format is its own: keys per channel, values per token
+
+    def high_tokens(self, n):
+        return n - (n - self.residual).clamp(min=0) // self.tokens * self.tokens  # n − L(n): the latest
 
     def quantized_count(self, n: int) -> int:
         """L(n): the tokens of a head of n that are stored as codes."""

@@ -1,5 +1,6 @@
-"""The page store: one layer's paged KV entries, and the only code that builds, appends to, removes
-from, selects rows of and measures them (docs/INTERNALS.md "Paged cache layout").
+"""The page layout and the full-precision page store: one layer's paged KV entries, and the only code that
+builds, appends to, removes from, selects rows of and measures them (docs/INTERNALS.md "Paged cache layout").
+The stores of codes (kvcompile.store.codes) and of two tiers (kvcompile.store.tiers) build on it.
 
 Layout: pages of S = `page_size` entries; page p holds, in slot i, an entry's key `k_pages[p, i]`,
 value `v_pages[p, i]`, score, logical position (−1 − r for residual slot r, −1 where nothing is
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,7 +34,7 @@ ENTRY_METADATA_BYTES = 4 + 8 + 4
 # Bytes per head beside its block table row: lengths, slots, owned (int64) and one more word of slack.
 HEAD_COUNTER_BYTES = 4 * 8
 PAGE_FIELDS = ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages")
-QUANT_FIELDS = ("k_scale", "k_zero", "v_scale", "v_zero")  # a quantized store's pages besides the codes
+ONLINE_ROOM = 1 << 62  # `room` of a settled online-eviction store whose pages hold every head's budget
 
 
 @dataclass
@@ -69,43 +70,25 @@ def gather_rows(k_pages: Tensor, v_pages: Tensor, score_pages: Tensor, pos_pages
                        scores, positions, counts, take)
 
 
-class PageTensors(NamedTuple):
-    """A store's tensors, what a kernel that updates pages in place takes (kvcompile.kernels.online_step)."""
-
-    k_pages: Tensor
-    v_pages: Tensor
-    score_pages: Tensor
-    pos_pages: Tensor
-    count_pages: Tensor
-    block_table: Tensor
-    lengths: Tensor
-    slots: Tensor
-    owned: Tensor
+def _rows(t: Tensor, flat: Tensor) -> Tensor:
+    """The rows of pages t (P, S, ...) at entries page · S + slot `flat` (any shape)."""
+    return t.reshape(-1, t.shape[-1])[flat] if t.dim() > 2 else t.reshape(-1)[flat]
 
 
-class QuantPageTensors(NamedTuple):
-    """A quantized store's tensors (`PageTensors` with k_pages, v_pages holding codes, and the scales and zero
-    points beside them), what the fused step of a quantized store takes (kvcompile.kernels.quant_step)."""
-
-    k_pages: Tensor
-    v_pages: Tensor
-    score_pages: Tensor
-    pos_pages: Tensor
-    count_pages: Tensor
-    block_table: Tensor
-    lengths: Tensor
-    slots: Tensor
-    owned: Tensor
-    k_scale: Tensor
-    k_zero: Tensor
-    v_scale: Tensor
-    v_zero: Tensor
+# A store's tensors, what a kernel that updates pages in place takes (kvcompile.kernels.online_step)
+PageTensors = NamedTuple("PageTensors", [(name, Tensor) for name in PAGE_FIELDS + ("block_table", "lengths",
+                                                                                   "slots", "owned")])
 
 
 @dataclass
 class LayerStore:
-    """One layer's pages. Entries carry their key, value, score, logical position
-    (−1 − r for residual slot r) and merge count (1 for a plain token, 0 for an empty slot)."""
+    """One layer's pages in the model's dtype, and the page layout every store class keeps. Entries carry their
+    key, value, score, logical position (−1 − r for residual slot r) and merge count (1 for a plain token, 0
+    for an empty slot). A subclass changes how keys and values are held (`page_fields`, `_write_kv`,
+    `kv_rows`, `kv`, `tensors`: kvcompile.store.codes), never the layout."""
+
+    page_fields: ClassVar[tuple[str, ...]] = PAGE_FIELDS  # the per-entry page tensors (an entry moves with them)
+    pool_fields: ClassVar[tuple[str, ...]] = PAGE_FIELDS  # every tensor with a row per page: the pool
 
     k_pages: Tensor  # (P, S, d)
     v_pages: Tensor  # (P, S, d)
@@ -122,13 +105,8 @@ class LayerStore:
     #                        a decode step evicts at most one entry per head (engine.online.evict_online)
     room: int = 0  # on the host: appends every head can still take in the pages it owns (a lower bound:
     #                 removals and crops only add room); while positive an append reads nothing back
-    storage: object = None  # the policy's storage part where it quantizes (kvcompile.policies.storage):
-    #   k_pages and v_pages then hold its integer codes, uint8 (P, S, d · bits / 8), and these its float32
-    #   scale and zero point per group of channels of each entry (P, S, d / group); None: float pages
-    k_scale: Tensor | None = None
-    k_zero: Tensor | None = None
-    v_scale: Tensor | None = None
-    v_zero: Tensor | None = None
+    storage: object = None  # the policy's storage part (kvcompile.policies.storage), or None
+    k_scale = k_zero = v_scale = v_zero = None  # pages in the model's dtype have no scales (store.codes)
 
     # --- building --------------------------------------------------------------------------------------
 
@@ -138,14 +116,12 @@ class LayerStore:
         """A store holding the taken rows of `sources`, one source after the other per head (merge slots
         first), in fresh pages laid out by `page_table` with `spare_pages` per head; `slots` (B, H) the
         occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or the plain
-        `gather_rows`). Only the taken rows are copied (no dense copy of the layer). `storage`: a storage
-        part that quantizes (the rows are written as its codes, scales and zero points), or None. `dtype`: the
-        float pages' dtype (the model's; default: the rows'): re-selected rows read from codes are float32."""
-        if dtype is not None and (storage is None or not storage.quantizes):
+        `gather_rows`). Only the taken rows are copied (no dense copy of the layer). `storage`: the policy's
+        storage part. `dtype`: the pages' dtype (the model's; default: the rows'): re-selected rows read from
+        codes are float32."""
+        if dtype is not None:
             sources = [dataclasses.replace(src, keys=src.keys.to(dtype), values=src.values.to(dtype))
                        for src in sources]
-        if storage is not None and storage.quantizes:
-            return cls._build_quantized(sources, slots, page_size, spare_pages, storage)
         first = sources[0]
         d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
         taken = [src.take.sum(-1) for src in sources]  # each (B, H)
@@ -153,12 +129,13 @@ class LayerStore:
         block_table, owned = page_table(lengths, page_size, spare_pages)
         cap, room = torch.stack([owned.sum(), (owned * page_size - lengths).min()]).tolist() if owned.numel() \
             else (0, 0)
-        store = cls(k_pages=first.keys.new_zeros(cap, page_size, d), v_pages=first.values.new_zeros(cap, page_size, dv),
-                    score_pages=torch.zeros(cap, page_size, dtype=torch.float32, device=dev),
-                    pos_pages=torch.full((cap, page_size), -1, dtype=torch.long, device=dev),
-                    count_pages=torch.zeros(cap, page_size, dtype=torch.float32, device=dev),
-                    block_table=block_table, lengths=lengths.clone(), slots=slots.to(dev, torch.long).clone(),
-                    next_page=cap, owned=owned, room=room)
+        store = LayerStore(k_pages=first.keys.new_zeros(cap, page_size, d),
+                           v_pages=first.values.new_zeros(cap, page_size, dv),
+                           score_pages=torch.zeros(cap, page_size, dtype=torch.float32, device=dev),
+                           pos_pages=torch.full((cap, page_size), -1, dtype=torch.long, device=dev),
+                           count_pages=torch.zeros(cap, page_size, dtype=torch.float32, device=dev),
+                           block_table=block_table, lengths=lengths.clone(), slots=slots.to(dev, torch.long).clone(),
+                           next_page=cap, owned=owned, room=room, storage=storage)
         start = torch.zeros_like(lengths)
         for src, count in zip(sources, taken):
             if src.take.numel():
@@ -166,26 +143,6 @@ class LayerStore:
                        store.block_table, start, src.keys, src.values, src.scores, src.positions, src.counts,
                        src.take)
             start = start + count
-        return store
-
-    @classmethod
-    def _build_quantized(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int,
-                         storage) -> "LayerStore":
-        """`build` for a storage part that quantizes: the rows laid out in float pages as `build` lays them,
-        then every page quantized (kvcompile.kernels.quantize, the part's bits): values per token, keys per
-        token or, for `key_axis` "channel", each channel over the page's entries (KIVI: the caller fills
-        every page it quantizes so; an empty slot of a per-token page is quantized alone and never read)."""
-        from kvcompile.kernels.quantize import quantize
-
-        store = cls.build(sources, slots, page_size, spare_pages)
-        d = store.k_pages.shape[-1]
-        channel = storage.key_axis == "channel"
-        k = quantize(store.k_pages, storage.bits, None if channel else storage.group_size(d),
-                     "channel" if channel else "token")
-        v = quantize(store.v_pages, storage.bits, storage.group_size(store.v_pages.shape[-1]))
-        store.storage = storage
-        store.k_pages, store.k_scale, store.k_zero = k
-        store.v_pages, store.v_scale, store.v_zero = v
         return store
 
     @classmethod
@@ -216,7 +173,7 @@ class LayerStore:
         k, v, scores, pos, counts, stored = self.gather()
         index = index.to(k.device)
         taken = Entries(k[index], v[index], scores[index], pos[index], counts[index], stored[index])
-        return LayerStore.build([taken], self.slots[index], self.page_size, spare_pages, storage=self.storage)
+        return type(self).build([taken], self.slots[index], self.page_size, spare_pages, storage=self.storage)
 
     def writable(self) -> None:
         """Make a store made under torch.inference_mode() updatable outside it (its inference
@@ -258,38 +215,19 @@ class LayerStore:
                 self.count_pages.reshape(-1)[flat], stored)
 
     def kv_rows(self, flat: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of the entries at page · S + slot `flat` (any shape), as floats: the pages' own,
-        or x̂ = code · scale + zero of quantized pages (float32)."""
-        rows = lambda t: t.reshape(-1, t.shape[-1])[flat]  # noqa: E731
-        if self.storage is None:
-            return rows(self.k_pages), rows(self.v_pages)
-        from kvcompile.kernels.quantize import dequantize
-
-        bits = self.storage.bits
-        if self.storage.key_axis == "channel":  # a scale and zero per page and channel: x̂_c = code_c · s_c + z_c
-            page = flat // self.page_size
-            keys = dequantize(rows(self.k_pages), self.k_scale[page], self.k_zero[page], bits)
-        else:
-            keys = dequantize(rows(self.k_pages), rows(self.k_scale), rows(self.k_zero), bits)
-        return keys, dequantize(rows(self.v_pages), rows(self.v_scale), rows(self.v_zero), bits)
+        """Keys and values of the entries at page · S + slot `flat` (any shape), as floats (the pages' own here;
+        x̂ = code · scale + zero for codes, float32)."""
+        return _rows(self.k_pages, flat), _rows(self.v_pages, flat)
 
     def kv(self) -> tuple[Tensor, ...]:
-        """What a decode attention backend reads besides the block table and lengths: (k_pages, v_pages),
-        or for quantized pages (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-        (kvcompile.kernels.paged_attention_quant)."""
-        if self.storage is None:
-            return self.k_pages, self.v_pages
-        return self.k_pages, self.k_scale, self.k_zero, self.v_pages, self.v_scale, self.v_zero
+        """What a decode attention backend reads besides the block table and lengths: (k_pages, v_pages) here
+        (the six tensors of codes for kvcompile.kernels.paged_attention_quant)."""
+        return self.k_pages, self.v_pages
 
-    def tensors(self) -> PageTensors | QuantPageTensors:
-        """The store's tensors, for a kernel that reads or updates them in place (with the scales and zero
-        points of quantized pages)."""
-        if self.storage is not None:
-            return QuantPageTensors(self.k_pages, self.v_pages, self.score_pages, self.pos_pages, self.count_pages,
-                                    self.block_table, self.lengths, self.slots, self.owned, self.k_scale,
-                                    self.k_zero, self.v_scale, self.v_zero)
-        return PageTensors(self.k_pages, self.v_pages, self.score_pages, self.pos_pages, self.count_pages,
-                           self.block_table, self.lengths, self.slots, self.owned)
+    def tensors(self) -> PageTensors:
+        """The store's tensors, for a kernel that reads or updates them in place (the store's own methods
+        hand them to it: `step`)."""
+        return PageTensors(*(getattr(self, name) for name in PageTensors._fields))
 
     def attend(self, backend, q: Tensor, merge_bias, scale: float) -> Tensor:
         """Decode attention of one query per head over its pages by a decode attention backend
@@ -324,23 +262,17 @@ class LayerStore:
             self._allocate(col, e, step)
         page = self.block_table.gather(-1, col[..., None]).squeeze(-1)
         slot = e % s
-        if self.storage is None:
-            self.k_pages[page, slot] = k
-            self.v_pages[page, slot] = v
-        else:
-            from kvcompile.kernels.quantize import quantize_pair_into_pages
-
-            if self.storage.key_axis == "channel":
-                raise RuntimeError("kvcompile: pages of keys per channel take whole pages (engine.tiers), "
-                                   "not single entries")
-
-            quantize_pair_into_pages(k, v, (self.k_pages, self.k_scale, self.k_zero),
-                                     (self.v_pages, self.v_scale, self.v_zero), page, slot, self.storage.bits)
+        self._write_kv(page, slot, k, v)
         self.score_pages[page, slot] = 0.0
         self.pos_pages[page, slot] = positions[:, None].expand(b, h)
         self.count_pages[page, slot] = 1.0
         self.lengths += 1
         self.room -= 1
+
+    def _write_kv(self, page: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write each head's new key and value (B, H, d) into its slot (page, slot (B, H))."""
+        self.k_pages[page, slot] = k
+        self.v_pages[page, slot] = v
 
     def _allocate(self, col: Tensor, e: Tensor, step: int) -> None:
         """Give every head on a full last page without spares a run of `step` fresh pages (the one host
@@ -376,26 +308,12 @@ class LayerStore:
         self.owned = torch.where(need, self.owned + step, self.owned)
         self.next_page += fresh * step
 
-    def _page_fields(self) -> tuple[str, ...]:
-        """The names of the per-entry page tensors (P, S, ...) this store holds (an entry moves with them)."""
-        if self.storage is None:
-            return PAGE_FIELDS
-        if self.storage.key_axis == "channel":
-            return PAGE_FIELDS + ("v_scale", "v_zero")
-        return PAGE_FIELDS + QUANT_FIELDS
-
-    def _pool_fields(self) -> tuple[str, ...]:
-        """The names of every tensor with a row per page (P, ...): the pool."""
-        return PAGE_FIELDS if self.storage is None else PAGE_FIELDS + QUANT_FIELDS
-
     def _movable(self) -> None:
-        if self.storage is not None and self.storage.key_axis == "channel":
-            raise RuntimeError("kvcompile: an entry of a page of keys per channel cannot move alone: the "
-                               "page's scales hold for all its entries")
+        """Raise where an entry cannot move alone (kvcompile.store.codes.ChannelCodeStore)."""
 
     def _grow(self, extra: int) -> None:
         """Add `extra` free pages to the pool (copies the compressed pool: amortised O(1))."""
-        for name in self._pool_fields():
+        for name in self.pool_fields:
             t = getattr(self, name)
             fill = -1 if name == "pos_pages" else 0
             setattr(self, name, torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)]))
@@ -405,18 +323,10 @@ class LayerStore:
         (order within a head does not matter to attention); an emptied page stays the head's, a
         spare for its next appends (memory held counts only pages with entries).
         b, h, e are ints, or 1-D long tensors naming distinct heads (one entry each, removed at once)."""
-        self._movable()
-        s = self.page_size
-        dev = self.lengths.device
-        b, h, e = (x if isinstance(x, Tensor) else torch.tensor([x], dtype=torch.long, device=dev) for x in (b, h, e))
-        last = self.lengths[b, h] - 1
-        ends = torch.stack([last, e])  # (2, K): the head's last entry and the removed one
-        src, dst = self.block_table[b, h, ends // s] * s + ends % s
-        for name in self._page_fields():
-            t = getattr(self, name)
-            entries = t.view(-1, *t.shape[2:])
-            entries[dst] = entries[src]  # e == last copies the entry onto itself
-        self.lengths[b, h] = last
+        leaving, entry = torch.zeros_like(self.lengths, dtype=torch.bool), torch.zeros_like(self.lengths)
+        leaving[b, h] = True
+        entry[b, h] = torch.as_tensor(e, device=entry.device)
+        self.remove_where(leaving, entry)
 
     def remove_where(self, leaving: Tensor, e: Tensor) -> None:
         """`remove` of entry e[b, h] (B, H) from every head with leaving[b, h] (B, H) bool, at once, with no
@@ -428,7 +338,7 @@ class LayerStore:
         src = torch.where(leaving, last, dst)
         ends = torch.stack([src, dst], dim=-1)  # (B, H, 2)
         src, dst = (self.block_table.gather(-1, ends // s) * s + ends % s).unbind(-1)
-        for name in self._page_fields():
+        for name in self.page_fields:
             t = getattr(self, name)
             entries = t.view(-1, *t.shape[2:])
             entries[dst] = entries[src]
@@ -442,14 +352,77 @@ class LayerStore:
         """The host bookkeeping of `tokens` appends that ran as a replayed graph (`append` counts `room` down)."""
         self.room -= tokens
 
+    def step(self, kernel, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
+             scale: float) -> Tensor | None:
+        """One decode step of the layer by a fused kernel (`Plan.online_step`: append, attention and, where the
+        policy has them, running scores and online eviction) on this store's tensors, in place: its output
+        (B, Hq, d), or None with nothing changed where the kernel does not take this step (`runs`, or not
+        its common case: then the caller runs `append` and attention)."""
+        pages = self.tensors()
+        if not kernel.runs(pages, q.shape[1]):
+            return None
+        out = kernel(pages, q, k, v, position, split, scale)
+        if out is not None:
+            self.replayed(1)  # the host's count of the append the kernel made into the pages heads own
+        return out
+
+    # --- decode-time scores and online eviction (kvcompile.engine.decode, kvcompile.engine.online) -------
+
+    def rescore(self, flat: Tensor, tokens: Tensor, new: Tensor) -> None:
+        """Each token entry's score (tokens (B, H, E) at entries `flat`, `entries()`) ← new (B, H, E), with no
+        host read: entries past a head's pages share page 0 in `entries()`, so the new scores are written by
+        two scatter-adds that are exact whatever the order (s − s = 0, then 0 + new; the others add 0)."""
+        scores = self.score_pages.view(-1)
+        old = scores[flat]
+        flat = flat.reshape(-1)
+        scores.scatter_add_(0, flat, torch.where(tokens, -old, 0.0).reshape(-1))
+        scores.scatter_add_(0, flat, torch.where(tokens, new, 0.0).to(scores.dtype).reshape(-1))
+
+    def to_slots(self, entry: Tensor, fresh: Tensor, held: Tensor) -> None:
+        """Entry entry[b, h] (page · S + slot) of every head with fresh[b, h] becomes its residual slot
+        held[b, h] in place (position −1 − held, score 0: its key and value are the slot's mean, count 1)."""
+        pf, sf = self.pos_pages.view(-1), self.score_pages.view(-1)
+        pf[entry] = torch.where(fresh, -1 - held, pf[entry])
+        sf[entry] = torch.where(fresh, 0.0, sf[entry])
+        self.slots += fresh
+
+    def fold_into(self, slot: Tensor, fold: Tensor, keys: Tensor, values: Tensor, counts: Tensor) -> None:
+        """Entry slot[b, h] (page · S + slot) of every head with fold[b, h] takes key keys[b, h], value
+        values[b, h] and count counts[b, h] (a merge into a residual slot; the others keep theirs)."""
+        on = fold[..., None]
+        for name, new in (("k_pages", keys), ("v_pages", values)):
+            rows = getattr(self, name).view(-1, getattr(self, name).shape[-1])
+            rows[slot] = torch.where(on, new.to(rows.dtype), rows[slot])
+        cf = self.count_pages.view(-1)
+        cf[slot] = torch.where(fold, counts, cf[slot])
+
+    def settle(self, budget: Tensor) -> None:
+        """Every head holds at most budget[b, h] entries from now on, budget + 1 between a step's append and its
+        eviction (online eviction: `settled`, a step then evicts at most one entry a head); where every head's
+        pages hold that many, no append needs a page (`room`)."""
+        self.settled = True
+        if bool((self.owned * self.page_size > budget).all()):
+            self.room = ONLINE_ROOM
+
+    def rotate_out(self, leaving: Tensor, pages: int) -> None:
+        """Every head with leaving[b, h] gives up the entries of its first `pages` pages (copied elsewhere: KIVI's
+        flush, kvcompile.store.codes): they become the last of the pages it owns, its spares, and its
+        entries move up by pages · S. In place, with no host read."""
+        j = torch.arange(self.block_table.shape[-1], device=leaving.device)
+        owned = self.owned[..., None]
+        rotated = self.block_table.gather(-1, torch.where(j < owned, (j + pages) % owned.clamp(min=1), j))
+        self.block_table.copy_(torch.where(leaving[..., None], rotated, self.block_table))
+        self.lengths.sub_(leaving.long() * pages * self.page_size)
+
     def refill(self, other: "LayerStore") -> bool:
         """Take `other`'s entries and layout into this store's own tensors, where they fit (the same rows,
         storage part and entry shapes, no more pages, no wider block table): every tensor keeps its storage,
         what a captured decode step replays into (a `decode: every` pruning rebuilds a layer). False, and
         nothing changed, where they do not fit."""
-        fields = self._pool_fields()
+        fields = self.pool_fields
         p, m = other.k_pages.shape[0], other.block_table.shape[-1]
-        if other.storage != self.storage or other.lengths.shape != self.lengths.shape or p > self.k_pages.shape[0] \
+        if type(other) is not type(self) or other.storage != self.storage \
+                or other.lengths.shape != self.lengths.shape or p > self.k_pages.shape[0] \
                 or m > self.block_table.shape[-1] or any(
                     (getattr(other, n).shape[1:], getattr(other, n).dtype) != (getattr(self, n).shape[1:],
                                                                               getattr(self, n).dtype) for n in fields):
@@ -483,9 +456,16 @@ class LayerStore:
     @staticmethod
     def bound_bytes(pages: int, page_size: int, entry_bytes: int, heads: int, table_width: int) -> int:
         """Bytes of stores holding `pages` pages of entries of `entry_bytes` each (`entry_bytes`) over
-        `heads` (sequence, head) rows of block tables `table_width` wide (what serving reserves for a
-        prompt before it runs)."""
+        `heads` (sequence, head) rows of block tables `table_width` wide."""
         return pages * page_size * entry_bytes + heads * (table_width * 8 + HEAD_COUNTER_BYTES)
+
+    @classmethod
+    def bound(cls, storage, pages: int, page_size: int, head_dim: int, element_size: int, heads: int,
+              table_width: int, spare_pages: int) -> int:
+        """`bound_bytes` of stores of this class holding `pages` pages of `storage`'s entries (what serving
+        reserves for a prompt before it runs)."""
+        return cls.bound_bytes(pages, page_size, cls.entry_bytes(storage, head_dim, element_size), heads,
+                               table_width)
 
     @property
     def nbytes(self) -> int:
@@ -496,7 +476,7 @@ class LayerStore:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page (its entries' key, value, score, position and count; codes and scales)."""
-        return sum(getattr(self, name)[0].nbytes for name in self._page_fields())
+        return sum(getattr(self, name)[0].nbytes for name in self.page_fields)
 
     def kv_bytes_held(self) -> int:
         """Key and value bytes of the pages that hold entries (every head's partly filled last page counted whole)."""
@@ -517,10 +497,7 @@ class LayerStore:
         entries)."""
         return int(self.lengths.sum()) * self.kv_page_bytes // self.page_size
 
-    @property
-    def precision(self) -> str:
-        """The name of the format the entries are stored in: "model_dtype", "int8" or "int4"."""
-        return "model_dtype" if self.storage is None else f"int{self.storage.bits}"
+    precision: ClassVar[str] = "model_dtype"  # the name of the format the entries are stored in ("int8", "int4")
 
     def bytes_by_precision(self) -> dict[str, int]:
         """kv_bytes_held() under the name of its format."""

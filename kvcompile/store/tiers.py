@@ -1,5 +1,6 @@
 """Two precisions in one layer: each head's entries split between a high tier in the model's dtype and a
-low tier of integer codes, each tier a page store of its own (kvcompile.engine.pages.LayerStore).
+low tier of integer codes, each tier a page store of its own (kvcompile.store.pages.LayerStore for the high
+tier; kvcompile.store.codes.CodeStore, or ChannelCodeStore for KIVI's keys per channel, for the low one).
 
 The tiered storage part decides the split (kvcompile.policies.storage):
 - `mixed` (MiKV): of each head's n kept tokens, the round(full · n) highest-scored in the high tier (ties
@@ -7,9 +8,15 @@ The tiered storage part decides the split (kvcompile.policies.storage):
 - `kivi` (KIVI): each head's first L(n) tokens in position order as codes, keys per channel over groups
   of `tokens` entries (the low tier's pages are `tokens` entries long, one group a page), values per
   token; the last n − L(n) in the high tier. A decode step whose append brings a head's high tier to
-  residual + tokens entries moves its oldest `tokens` into one new low page ("flush"): computed for every
-  head on the device, applied where a head is full (no host read, fixed shapes), the high tier's first
-  pages rotated to the end of the pages it owns.
+  residual + tokens entries moves its oldest `tokens` into one new low page (`ChannelCodeStore.flush`):
+  computed for every head on the device, applied where a head is full (no host read, fixed shapes), the
+  high tier's first pages rotated to the end of the pages it owns.
+- codes beside merge slots (`int8`, `int4` for a policy that merges): the slots (running means) in the high
+  tier, every token as codes; decode appends join the codes.
+
+The part says how many of a head's tokens stay in the model's dtype and in what order (`high_tokens`,
+`tier_key`) and which tier a generated token joins (`new_token_tier`); the low tier's store class says what
+it takes from the high tier after an append (`flush`).
 
 Attention over a head is the attention over its two tiers, combined by their log-sum-exp
 (kvcompile.kernels.paged_attention_quant.merge_partials): `TieredPagedAttention`.
@@ -20,15 +27,20 @@ by the plan for a tiered part; `decode: every` (mixed) rebuilds both tiers from 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from kvcompile.engine.pages import Entries, LayerStore
 from kvcompile.kernels.backend import KernelBackend
 from kvcompile.selection import HeadEntries
+from kvcompile.store.codes import ChannelCodeStore, CodeStore
+from kvcompile.store.pages import ENTRY_METADATA_BYTES, Entries, LayerStore
+
+# the low tier's store class by how the part quantizes keys (Storage.key_axis)
+CODE_STORES = {"token": CodeStore, "channel": ChannelCodeStore}
 
 
 def _cat(sources: list[Entries]) -> Entries:
@@ -50,18 +62,13 @@ def _rank(take: Tensor, primary: Tensor, secondary: Tensor) -> Tensor:
 
 def high_tier(storage, src: Entries) -> Tensor:
     """(B, H, E) bool: the taken candidates kept in the model's dtype: merge slots (their running means), and
-    the tokens the tiered part chooses (none for a part that stores every token as codes)."""
+    the `storage.high_tokens(n)` tokens first by `storage.tier_key` then by position, both descending (none
+    for a part that stores every token as codes; mixed: by score; KIVI: the latest positions)."""
     tokens = src.take & (src.positions >= 0)
     slots = src.take & (src.positions < 0)
-    if not storage.tiered:
-        return slots
-    n = tokens.sum(-1)
-    if storage.key_axis == "channel":  # KIVI: the n − L(n) latest positions
-        r, g = storage.residual, storage.tokens
-        low = torch.where(n < r, 0, g * torch.div(n - r, g, rounding_mode="floor"))
-        return slots | (tokens & (_rank(tokens, src.positions, src.positions) < (n - low)[..., None]))
-    high = torch.round(n.double() * storage.full).long()  # round(full · n), half to even, as the part says
-    return slots | (tokens & (_rank(tokens, src.scores.float(), src.positions) < high[..., None]))
+    high = storage.high_tokens(tokens.sum(-1))
+    return slots | (tokens & (_rank(tokens, storage.tier_key(src.scores, src.positions), src.positions)
+                              < high[..., None]))
 
 
 def _entry_order(positions: Tensor, stored: Tensor) -> Tensor:
@@ -77,9 +84,8 @@ class TieredStore:
     """One layer's entries in two page stores: `high` in the model's dtype, `low` as codes."""
 
     high: LayerStore
-    low: LayerStore
-    storage: object  # the tiered part (policies.storage.MixedByScore or Kivi)
-    flush_room: int = 0  # KIVI, on the host: decode steps whose flushes the low tier's owned pages take
+    low: CodeStore  # CodeStore, or ChannelCodeStore for keys per channel (KIVI)
+    storage: object  # the part: tiered (policies.storage.MixedByScore, Kivi), or codes beside merge slots
 
     @classmethod
     def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int, gather=None,
@@ -98,12 +104,22 @@ class TieredStore:
         kw = {} if gather is None else {"gather": gather}
         none = torch.zeros_like(slots)
         hi = LayerStore.build([dataclasses.replace(src, take=high)], slots, page_size, spare_pages, dtype=dtype, **kw)
-        low_page = storage.tokens if storage.key_axis == "channel" else page_size
-        lo = LayerStore.build([dataclasses.replace(src, take=src.take & ~high)], none, low_page, spare_pages,
-                              storage=storage.low())
-        store = cls(hi, lo, storage)
-        store._count_flush_room()
-        return store
+        codes = CODE_STORES[storage.key_axis]
+        lo = codes.build([dataclasses.replace(src, take=src.take & ~high)], none,
+                         codes.tier_page_size(storage, page_size), spare_pages, storage=storage.low())
+        return cls(hi, lo, storage)
+
+    @classmethod
+    def bound(cls, storage, pages: int, page_size: int, head_dim: int, element_size: int, heads: int,
+              table_width: int, spare_pages: int) -> int:
+        """`LayerStore.bound` of two stores a layer: each head rounds each tier up once and each tier has its
+        spares; counted in pages of S entries of the larger of the two entry sizes, a low page of `low` entries
+        as ceil(low / S) of them (its per-page key scales, KIVI, are within its entries' bound)."""
+        low = CODE_STORES[storage.key_axis].tier_page_size(storage, page_size)
+        entry = max(LayerStore.entry_bytes(storage, head_dim, element_size),
+                    math.ceil(storage.low_entry_bytes(head_dim)) + ENTRY_METADATA_BYTES)
+        pages += heads * (1 + math.ceil(low / page_size) * (1 + spare_pages))
+        return LayerStore.bound_bytes(pages, page_size, entry, 2 * heads, table_width)
 
     @classmethod
     def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int, storage=None,
@@ -116,9 +132,7 @@ class TieredStore:
 
     def rows(self, index: Tensor, spare_pages: int) -> "TieredStore":
         """Row i a copy of row index[i] (beam search), each tier kept as it is."""
-        store = TieredStore(self.high.rows(index, spare_pages), self.low.rows(index, spare_pages), self.storage)
-        store._count_flush_room()
-        return store
+        return TieredStore(self.high.rows(index, spare_pages), self.low.rows(index, spare_pages), self.storage)
 
     def writable(self) -> None:
         self.high.writable()
@@ -141,25 +155,25 @@ class TieredStore:
 
     @property
     def room(self) -> int:
-        """Appends (decode steps) the store takes with no host read: its appending tier's room, and for KIVI
-        the steps its low tier's owned pages cover (`flush_room`)."""
-        room = self._appending.room
-        return min(room, self.flush_room) if self.storage.key_axis == "channel" else room
+        """Appends (decode steps) the store takes with no host read: its appending tier's room, and the steps
+        the low tier's owned pages cover for its flushes (KIVI's `flush_room`)."""
+        return min(self._appending.room, self.low.flush_room)
 
     @property
     def _appending(self) -> LayerStore:
-        return self.high if self.storage.tiered else self.low
+        """The tier a decode step's entry joins (the part's `new_token_tier`)."""
+        return getattr(self, self.storage.new_token_tier)
 
     def state_tensors(self) -> list[Tensor]:
         return self.high.state_tensors() + self.low.state_tensors()
 
     def replayed(self, tokens: int) -> None:
-        """The host bookkeeping of `tokens` appends that ran as a replayed graph (`append`, `_flush`)."""
+        """The host bookkeeping of `tokens` appends that ran as a replayed graph (`append`, the low tier's `flush`)."""
         self._appending.replayed(tokens)
-        if self.storage.key_axis == "channel":
-            self.flush_room -= tokens
+        self.low.flushed(tokens)
 
     settled = False  # tiered parts have no online eviction
+    step = LayerStore.step  # a fused step over both tiers' tensors (kernels.tiered_step)
 
     def pages_per_head(self) -> Tensor:
         return self.high.pages_per_head() + self.low.pages_per_head()
@@ -182,7 +196,7 @@ class TieredStore:
         return self.high.device
 
     def tensors(self) -> tuple[Tensor, ...]:
-        """Both tiers' tensors (no fused kernel takes a tiered store: the plan runs its Python path)."""
+        """Both tiers' tensors, the high tier's `PageTensors` first (what kernels.tiered_step updates in place)."""
         return tuple(self.high.tensors()) + tuple(self.low.tensors())
 
     # --- changing --------------------------------------------------------------------------------------
@@ -191,76 +205,16 @@ class TieredStore:
         """Append one entry per head: to the high tier for a tiered part (KIVI then moves a full group to the
         low tier), as codes for a part that stores every token so (its merge slots alone are floats)."""
         self._appending.append(k, v, positions, step)
-        if self.storage.key_axis == "channel":
-            self._flush(step)
-
-    def _flush(self, step: int) -> None:
-        """KIVI: every head whose high tier holds residual + tokens entries moves its oldest `tokens` (its
-        first pages: the high tier is filled from a page start and flushed a page run at a time) into one
-        new low page, quantized (keys per channel, values per token); the high tier's first pages go to the
-        end of the run it owns. Computed for every head, applied where a head is full: no host read."""
-        from kvcompile.kernels.quantize import quantize_pages_into
-
-        hi, lo, part = self.high, self.low, self.storage
-        g, s = part.tokens, hi.page_size
-        cols = g // s
-        if self.flush_room <= 0:
-            self._reserve_low(step)
-        self.flush_room -= 1
-        full = hi.lengths >= part.residual + g  # (B, H)
-        b, h = full.shape
-        table = hi.block_table  # a head that flushes owns `cols` pages at least; a narrower table holds none
-        if table.shape[-1] < cols:
-            table = torch.nn.functional.pad(table, (0, cols - table.shape[-1]))
-        first = table[..., :cols]  # (B, H, cols): the oldest `tokens` entries
-        k = hi.k_pages[first].reshape(b * h, g, -1)
-        v = hi.v_pages[first].reshape(b * h, g, -1)
-        page = lo.block_table.gather(-1, (lo.lengths // g)[..., None]).reshape(-1)  # owned (flush_room)
-        quantize_pages_into(k, lo.k_pages, lo.k_scale, lo.k_zero, page, part.bits, "channel")
-        quantize_pages_into(v, lo.v_pages, lo.v_scale, lo.v_zero, page, part.bits, "token")
-        for name in ("score_pages", "pos_pages", "count_pages"):
-            getattr(lo, name)[page] = getattr(hi, name)[first].reshape(b * h, g)
-        lo.lengths.add_(full.long() * g)
-        j = torch.arange(hi.block_table.shape[-1], device=full.device)
-        owned = hi.owned[..., None]
-        rotated = hi.block_table.gather(-1, torch.where(j < owned, (j + cols) % owned.clamp(min=1), j))
-        hi.block_table.copy_(torch.where(full[..., None], rotated, hi.block_table))
-        hi.lengths.sub_(full.long() * g)
-
-    def _count_flush_room(self) -> None:
-        """Flushes every head's owned low pages take, as decode steps (one host read; KIVI only)."""
-        if self.storage.key_axis != "channel":
-            return
-        lo = self.low
-        spare = int((lo.owned - lo.lengths // self.storage.tokens).min()) if lo.owned.numel() else 0
-        # a head flushes at most once every `tokens` steps; every step writes (for every head) into the page
-        # at column lengths // tokens, so that page must be owned at every step: `spare` ≥ 1 pages cover
-        # the next (spare − 1) flushes, whenever they come, hence (spare − 1) · tokens + 1 steps
-        self.flush_room = max(0, (spare - 1) * self.storage.tokens + 1)
-
-    def _reserve_low(self, step: int) -> None:
-        """Give every head of the low tier a run of `step` + 1 pages past its last group where it has fewer
-        (one host read: Plan.host_syncs "page allocation")."""
-        lo = self.low
-        col = lo.lengths // self.storage.tokens
-        lo.ensure_pages(col + 1, step + 1)
-        self._count_flush_room()
+        self.low.flush(self.high, step)
 
     def refill(self, other: "TieredStore") -> bool:
         """Not in place: a pruned tiered layer takes new tensors (a captured decode step records again)."""
         return False
 
     def crop(self, cutoff: Tensor) -> None:
-        """Keep the entries of logical position below cutoff (B, 1, 1), in both tiers. KIVI's groups are fixed
-        by a head's count: a crop that would remove an entry is refused."""
-        if self.storage.key_axis == "channel":
-            _, _, _, pos, _, stored = self.gather()
-            if bool((stored & (pos >= cutoff.to(pos.device))).any()):
-                raise NotImplementedError("kvcompile: storage: kivi: crop() would remove entries, and KIVI's "
-                                          "quantized groups are fixed by each head's count")
-            return
-        self.high.crop(cutoff)
-        self.low.crop(cutoff)
+        """Keep the entries of logical position below cutoff (B, 1, 1), in both tiers (KIVI's groups are fixed
+        by a head's count: a crop that would remove an entry is refused, `ChannelCodeStore.crop_tiers`)."""
+        self.low.crop_tiers(self.high, cutoff)
 
     # --- attention -------------------------------------------------------------------------------------
 
@@ -271,9 +225,10 @@ class TieredStore:
 
     # --- measuring -------------------------------------------------------------------------------------
 
-    @property
-    def nbytes(self) -> int:
-        return self.high.nbytes + self.low.nbytes
+    # each the sum of the tiers'
+    nbytes = property(lambda self: self.high.nbytes + self.low.nbytes)
+    kv_bytes_allocated = property(lambda self: self.high.kv_bytes_allocated + self.low.kv_bytes_allocated)
+    metadata_bytes = property(lambda self: self.high.metadata_bytes + self.low.metadata_bytes)
 
     def kv_bytes_held(self) -> int:
         return self.high.kv_bytes_held() + self.low.kv_bytes_held()
@@ -287,22 +242,10 @@ class TieredStore:
             out[name] = out.get(name, 0) + n
         return out
 
-    @property
-    def kv_bytes_allocated(self) -> int:
-        return self.high.kv_bytes_allocated + self.low.kv_bytes_allocated
-
-    @property
-    def metadata_bytes(self) -> int:
-        return self.high.metadata_bytes + self.low.metadata_bytes
-
     def growth_bytes(self, step: int) -> int:
         """Bytes one append can add: the high tier's, and for KIVI a run of low pages where a flush may need
         them."""
-        extra = 0
-        if self.storage.key_axis == "channel" and self.flush_room <= 1:
-            b, h = self.low.lengths.shape
-            extra = (step + 1) * b * h * self.low.page_bytes
-        return self.high.growth_bytes(step) + extra
+        return self.high.growth_bytes(step) + self.low.flush_bytes(step)
 
 
 @dataclass(frozen=True)
@@ -329,8 +272,3 @@ class TieredPagedAttention(KernelBackend):
     def describe(self) -> str:
         return f"model dtype: torch (with log-sum-exp); codes: {self.low.describe()}"
 
-
-def store_type(policy):
-    """The page store class of a policy's layers: TieredStore where its entries take two precisions
-    (Policy.tiered), else LayerStore."""
-    return TieredStore if policy.tiered else LayerStore
