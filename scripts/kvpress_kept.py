@@ -257,6 +257,14 @@ def prompts_done(path: Path) -> set:
     return done
 
 
+def prompts_todo(samples: list[dict], modes, done: set, most: int | None = None) -> list[tuple[dict, str]]:
+    """The (sample, mode) prompts still to run, round-robin over the tasks (round_robin), both modes of a sample
+    together, those in `done` left out; at most `most` of them (None: all), so that a driver can alternate one
+    prompt of kvpress's side with kvcompile's side on it."""
+    todo = [(s, mode) for s in round_robin(samples) for mode in modes if (s["index"], mode) not in done]
+    return todo if most is None else todo[:most]
+
+
 def cmd_kept_kvpress(args) -> None:
     import contextlib
 
@@ -271,12 +279,13 @@ def cmd_kept_kvpress(args) -> None:
         samples = samples[:args.limit]
     if args.tasks:
         samples = [s for s in samples if s["task"] in args.tasks]
-    samples = round_robin(samples)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = prompts_done(out) if args.resume else set()
     if not args.resume:
         out.write_text("")
+    todo = prompts_todo(samples, args.modes, done, args.max_prompts)
+    print(f"kept-kvpress: {len(todo)} prompts to run", file=sys.stderr)
     model_dir = str(Path(args.model).resolve())
     pipes: dict = {}
 
@@ -289,48 +298,46 @@ def cmd_kept_kvpress(args) -> None:
               ("eager", [p for p in args.presses if p == "observed_attention"]),
               ("kvzip", [p for p in args.presses if p == "kvzip"])]
     with open(out, "a", encoding="utf-8") as f:
-        for s in samples:
-            for mode in args.modes:
-                if (s["index"], mode) in done:
+        for s, mode in todo:
+            # one prompt: every press group, then its "prompt" record (a cut run loses only this prompt)
+            context, question = mode_inputs(s, mode)
+            pipe = pipe_for(False)
+            fed = pipe.preprocess(context, questions=[question], answer_prefix=s["answer_prefix"],
+                                  max_context_length=min(pipe.tokenizer.model_max_length, int(1e10)))
+            ids = fed["context_ids"]
+            start = time.perf_counter()
+            for kind, names in groups:
+                if not names:
                     continue
-                context, question = mode_inputs(s, mode)
-                pipe = pipe_for(False)
-                fed = pipe.preprocess(context, questions=[question], answer_prefix=s["answer_prefix"],
-                                      max_context_length=min(pipe.tokenizer.model_max_length, int(1e10)))
-                ids = fed["context_ids"]
-                start = time.perf_counter()
-                for kind, names in groups:
-                    if not names:
-                        continue
-                    model = pipe_for(kind == "eager").model
-                    kept: dict = {}
-                    presses = []
-                    for name in names:
-                        press = kept_press(name)
-                        if kind == "kvzip":
-                            press.compression_ratio = 0.5  # > 0, so that it scores; the fractions come after
-                            record_kvzip(press, args.fractions, kept)
-                        else:
-                            kept[name] = {}
-                            record_compress(press, args.fractions, kept[name])
-                        presses.append(press)
-                    # inference_mode outermost: KVzipPress scores in its context's exit (the reconstruction), which
-                    # must run without autograd too (kvpress's pipeline runs the whole `with press(model)` under it)
-                    with torch.inference_mode(), contextlib.ExitStack() as stack:
-                        for press in presses:
-                            stack.enter_context(press(model))
-                        model.model(input_ids=ids, past_key_values=DynamicCache())
-                    for name, by_fraction in kept.items():
-                        for fraction, layers in by_fraction.items():
-                            grid = torch.stack([layers[i] for i in range(len(layers))])  # (L, H, N)
-                            f.write(json.dumps({"kind": "kept", "index": s["index"], "task": s["task"], "mode": mode,
-                                                "press": name, "fraction": fraction, "shape": list(grid.shape),
-                                                "kept": pack(grid.numpy())}) + "\n")
-                f.write(json.dumps({"kind": "prompt", "index": s["index"], "task": s["task"], "mode": mode,
-                                    "ids": ids[0].tolist(), "seconds": time.perf_counter() - start}) + "\n")
-                f.flush()
-                print(f"kept-kvpress {s['task']} #{s['index']} {mode}: {ids.shape[1]} tokens, "
-                      f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+                model = pipe_for(kind == "eager").model
+                kept: dict = {}
+                presses = []
+                for name in names:
+                    press = kept_press(name)
+                    if kind == "kvzip":
+                        press.compression_ratio = 0.5  # > 0, so that it scores; the fractions come after
+                        record_kvzip(press, args.fractions, kept)
+                    else:
+                        kept[name] = {}
+                        record_compress(press, args.fractions, kept[name])
+                    presses.append(press)
+                # inference_mode outermost: KVzipPress scores in its context's exit (the reconstruction), which
+                # must run without autograd too (kvpress's pipeline runs the whole `with press(model)` under it)
+                with torch.inference_mode(), contextlib.ExitStack() as stack:
+                    for press in presses:
+                        stack.enter_context(press(model))
+                    model.model(input_ids=ids, past_key_values=DynamicCache())
+                for name, by_fraction in kept.items():
+                    for fraction, layers in by_fraction.items():
+                        grid = torch.stack([layers[i] for i in range(len(layers))])  # (L, H, N)
+                        f.write(json.dumps({"kind": "kept", "index": s["index"], "task": s["task"], "mode": mode,
+                                            "press": name, "fraction": fraction, "shape": list(grid.shape),
+                                            "kept": pack(grid.numpy())}) + "\n")
+            f.write(json.dumps({"kind": "prompt", "index": s["index"], "task": s["task"], "mode": mode,
+                                "ids": ids[0].tolist(), "seconds": time.perf_counter() - start}) + "\n")
+            f.flush()
+            print(f"kept-kvpress {s['task']} #{s['index']} {mode}: {ids.shape[1]} tokens, "
+                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     print(f"-> {out}")
 
 
@@ -544,6 +551,9 @@ def add_parsers(sub, csv, choices, kept_fractions, home: Path) -> None:
     p.add_argument("--model", default=str(home / "models" / "smollm2-135m"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="keep --out's prompts and run only the missing ones")
+    p.add_argument("--max-prompts", type=int, default=None, metavar="N",
+                   help="run at most N of the missing prompts, then stop (scripts/kvpress_env.sh kept alternates "
+                        "kvpress's side and kvcompile's one prompt at a time)")
     p.set_defaults(func=cmd_kept_kvpress)
 
     q = sub.add_parser("kept", help="kvcompile's specs on the same ids: agreement with kvpress's kept positions "

@@ -295,3 +295,14 @@ def test_agreement_rows_resume(tmp_path):
     assert back["agreement"].shape == (2, 2) and back["agreement"][1, 0] == 0.25
     assert kk.row_key(back) == (3, "aware", "snapkv", "snapkv window 64", 0.1)
     assert kk.row_key({**row, "fraction": 0.1000000001}) == kk.row_key(back)
+
+
+def test_prompts_todo_skips_the_done_and_stops_after_the_batch():
+    """kept-kvpress --resume --max-prompts N: the missing prompts in round-robin order, both modes of a sample
+    together, at most N (scripts/kvpress_env.sh kept alternates the two sides one batch at a time)."""
+    samples = [{"task": t, "index": i} for i, t in enumerate(["a", "a", "b"])]
+    todo = kk.prompts_todo(samples, ["aware", "agnostic"], {(0, "aware")})
+    assert [(s["index"], m) for s, m in todo] == [(0, "agnostic"), (2, "aware"), (2, "agnostic"), (1, "aware"),
+                                                   (1, "agnostic")]
+    assert [(s["index"], m) for s, m in kk.prompts_todo(samples, ["agnostic"], {(0, "agnostic")}, 1)] == [(2, "agnostic")]
+    assert kk.prompts_todo(samples, ["aware"], {(0, "aware"), (1, "aware"), (2, "aware")}, 1) == []
