@@ -70,9 +70,12 @@ KEPT_SPECS = {
     "expected_attention_uniform": [("expected_attention", "expected_attention", {})],
     "expected_attention": [("expected_adakv", "expected_adakv", {})],
     "kvzip": [("kvzip", "kvzip", {}), ("kvzip_adakv", "kvzip_adakv", {}),
-              ("kvzip_adakv floor 0", "kvzip_adakv", {"budget": {"heads": {"pooled": {"floor": 0.0}}}})],
+              ("kvzip_adakv floor 0", "kvzip_adakv", {"budget": {"heads": {"pooled": {"floor": 0.0}}}}),
+              ("kvzip_adakv floor 0 reconstruct context", "kvzip_adakv",
+               {"budget": {"heads": {"pooled": {"floor": 0.0}}}, "scoring": {"kvzip": {"reconstruct": "context"}}}),
+              ("kvzip reconstruct context", "kvzip", {"scoring": {"kvzip": {"reconstruct": "context"}}})],
 }
-KEPT_SPECS[KVZIP_GLOBAL] = KEPT_SPECS["kvzip"]
+KEPT_SPECS[KVZIP_GLOBAL] = KEPT_SPECS["kvzip"]  # KVzipPress(layerwise=False): the same specs (`kvzip` is global)
 
 
 # --- packing and the agreement (both environments; numpy and torch only) -------------------------
