@@ -77,6 +77,102 @@ KEPT_SPECS = {
 }
 KEPT_SPECS[KVZIP_GLOBAL] = KEPT_SPECS["kvzip"]  # KVzipPress(layerwise=False): the same specs (`kvzip` is global)
 
+# why a reproduction's agreement is not 1.0: benchmarks/RESULTS.md's last column, by (press, kvcompile spec label)
+KEPT_WHY = {
+    ("snapkv", "snapkv"): "window: kvpress's SnapKVPress() observes the last 64 queries, the shipped spec 32 (the "
+                          "SnapKV authors' code, init_snapkv). Kept: the paper leaves the window a hyper-parameter.",
+    ("snapkv", "snapkv window 64"): "exact up to float near-ties at the cut: the kvpress reproduction is `snapkv` "
+                                    "with window 64 (scoring and ranking)",
+    ("pyramidkv", "pyramidkv"): "window 8 / max-pool 7 (the shipped spec, the authors' LongBench runs) against "
+                                "kvpress's 64 / avg 5, and kvpress's fallback below",
+    ("pyramidkv", "pyramidkv window 64 avg 5"): "50 %: exact up to each layer's count (kvpress rounds every layer's "
+        "budget, kvcompile water-fills integers). 10 %, 25 %: kvpress falls back to SnapKV's uniform layers whenever "
+        "the pyramid's smallest layer budget (B/β) is under its window (64), i.e. f·n/20 < 64, below 1,280/n ≈ 32 % "
+        "kept of a 4k prompt; PyramidKV Eq. 1 (§4.2) and the authors' code keep the pyramid there, so kvcompile "
+        "keeps it",
+    ("pyramidkv", "pyramidkv window 64 avg 5 layers uniform"): "10 %, 25 %: kvpress's fallback reproduced; the rest "
+        "is its count, round(f·n) against kvcompile's floor(f·n) (one entry per head). 50 %: kvpress keeps the "
+        "pyramid there",
+    ("adakv_snapkv", "adakv"): "window 32 / max-pool 7 (the AdaKV authors' runs) against AdaKVPress(SnapKVPress())'s "
+                               "64 / avg 5",
+    ("adakv_snapkv", "adakv window 64 avg 5"): "exact up to float near-ties at the cut; safeguard 0.2 and the pooled "
+        "top-k agree: the kvpress reproduction is `adakv` with window 64, avg pooling 5",
+    ("streaming_llm", "streamingllm"): "exact",
+    ("tova", "tova"): "exact (`last_token: {heads: all}`: TOVA's own code and TOVAPress average the last row over "
+                      "every head)",
+    ("knorm", "knorm"): "exact but for ties: at layer 0 repeated tokens have equal key norms, and which tied copies "
+                        "survive the cut is top-k's order in kvpress, later-first in kvcompile",
+    ("expected_attention_uniform", "expected_attention"): "exact (ExpectedAttentionPress(epsilon=1e-2), the spec's "
+                                                          "epsilon)",
+    ("expected_attention", "expected_adakv"): "exact up to float near-ties at the cut",
+    ("observed_attention", "h2o"): "a different score: kvpress's ObservedAttentionPress ranks by the mean attention a "
+        "key receives, Σ_j A[j,i] / (N − i), with no recent window; H2O (arXiv:2306.14048, §4, Alg. 1: accumulated "
+        "attention, heavy hitters + recent window) sums and keeps a recent half. kvcompile's h2o is the paper's",
+    ("observed_attention", "h2o window 0"): "the window removed: what is left is the sum against kvpress's mean",
+    ("kvzip", "kvzip"): "allocation: the shipped spec ranks every layer and head at once (KVzip §4.1, kvpress's "
+                        "default layerwise=False) against KVzipPress(layerwise=True)'s per-layer count; plus the "
+                        "reconstruction below",
+    ("kvzip", "kvzip_adakv"): "pooled heads with floor 0.2 (kvpress: none); plus the reconstruction below",
+    ("kvzip", "kvzip_adakv floor 0"): "the allocation is kvpress's; the reconstruction is not: kvcompile's default "
+        "(reconstruct: prompt) reconstructs and scores the whole prompt from position 0, kvpress only the context "
+        "after the chat template's prefix (24 tokens with SmolLM2), the prefix's scores 0",
+    ("kvzip", "kvzip_adakv floor 0 reconstruct context"): "kvpress's allocation and reconstruction (reconstruct: "
+        "context, KVzip's Algorithm 1); what is left: float near-ties and kvpress's float32 score buffer in the "
+        "model's dtype",
+    ("kvzip", "kvzip reconstruct context"): "the global allocation against layerwise=True's per-layer count, with "
+                                            "kvpress's reconstruction",
+    ("kvzip_global", "kvzip"): "KVzipPress's default layerwise=False (one ranking over every layer, head and token, "
+                               "KVzip §4.1), as the shipped spec; the reconstruction differs (reconstruct: prompt)",
+    ("kvzip_global", "kvzip_adakv"): "per-layer budgets against one global ranking; plus the reconstruction",
+    ("kvzip_global", "kvzip_adakv floor 0"): "per-layer budgets against one global ranking; plus the reconstruction",
+    ("kvzip_global", "kvzip_adakv floor 0 reconstruct context"): "per-layer budgets against one global ranking",
+    ("kvzip_global", "kvzip reconstruct context"): "kvpress's allocation (global, no floor) and reconstruction "
+                                                   "(reconstruct: context)",
+}
+TABLE_START, TABLE_END = "<!-- kept-table: start (scripts/kvpress_compare.py kept-table) -->", "<!-- kept-table: end -->"
+
+
+def results_table(lines: list[dict]) -> str:
+    """summarize()'s lines as RESULTS' table: per (press, spec) the prompts, the mean and minimum over every
+    prompt, layer and head, the mean per fraction over both modes, and why it is not 1.0 (KEPT_WHY)."""
+    fractions = sorted({x["fraction"] for x in lines})
+    out = ["| kvpress press (as its registry builds it) | kvcompile spec | prompts | mean | min | "
+           + " | ".join(f"{f:.0%}" for f in fractions) + " | why not 1.0 |",
+           "|" + "---|" * (6 + len(fractions))]
+    for line in overall(lines):
+        mine = [x for x in lines if (x["press"], x["spec"]) == (line["press"], line["spec"])]
+        prompts = max(sum(x["samples"] for x in mine if x["fraction"] == f) for f in fractions)
+        cells = []
+        for f in fractions:
+            at = [x for x in mine if x["fraction"] == f]
+            n = sum(x["samples"] for x in at)
+            cells.append(f"{sum(x['mean'] * x['samples'] for x in at) / n:.3f}" if n else "-")
+        why = KEPT_WHY.get((line["press"], line["spec"]), "")
+        out.append(f"| {line['press']} | {line['spec']} | {prompts} | {line['mean']:.4f} | {line['min']:.3f} | "
+                   + " | ".join(cells) + f" | {why} |")
+    return "\n".join(out)
+
+
+def replace_table(text: str, table: str) -> str:
+    """`text` (RESULTS.md) with the block between TABLE_START and TABLE_END replaced by `table`."""
+    if text.count(TABLE_START) != 1 or text.count(TABLE_END) != 1 or text.index(TABLE_START) > text.index(TABLE_END):
+        raise ValueError(f"the results file must hold one {TABLE_START!r} line before one {TABLE_END!r} line")
+    head, rest = text.split(TABLE_START)
+    _, tail = rest.split(TABLE_END)
+    return f"{head}{TABLE_START}\n{table}\n{TABLE_END}{tail}"
+
+
+def cmd_kept_table(args) -> None:
+    lines = json.loads(Path(args.summary).read_text())["lines"]
+    table = results_table(lines)
+    if args.results:
+        path = Path(args.results)
+        path.write_text(replace_table(path.read_text(), table))
+        print(f"table -> {path}", file=sys.stderr)
+    else:
+        print(table)
+
+
 
 # --- packing and the agreement (both environments; numpy and torch only) -------------------------
 
@@ -571,3 +667,8 @@ def add_parsers(sub, csv, choices, kept_fractions, home: Path) -> None:
     q.add_argument("--model", default=str(home / "models" / "smollm2-135m"))
     q.add_argument("--threads", type=int, default=2)
     q.set_defaults(func=cmd_kept)
+
+    t = sub.add_parser("kept-table", help="RESULTS' table of the kept comparison from its summary JSON")
+    t.add_argument("--summary", required=True, help="kept's --out (benchmarks/kvpress_kept.json)")
+    t.add_argument("--results", default=None, help="rewrite the marked table block of this file (RESULTS.md)")
+    t.set_defaults(func=cmd_kept_table)

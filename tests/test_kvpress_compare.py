@@ -306,3 +306,19 @@ def test_prompts_todo_skips_the_done_and_stops_after_the_batch():
                                                    (1, "agnostic")]
     assert [(s["index"], m) for s, m in kk.prompts_todo(samples, ["agnostic"], {(0, "agnostic")}, 1)] == [(2, "agnostic")]
     assert kk.prompts_todo(samples, ["aware"], {(0, "aware"), (1, "aware"), (2, "aware")}, 1) == []
+
+
+def test_results_table_pools_the_modes_per_fraction_and_replaces_its_block():
+    def line(mode, fraction, samples, mean, low):
+        return {"press": "snapkv", "spec": "snapkv window 64", "mode": mode, "fraction": fraction,
+                "samples": samples, "mean": mean, "min": low}
+    lines = [line("aware", 0.1, 3, 1.0, 1.0), line("agnostic", 0.1, 1, 0.6, 0.2), line("aware", 0.5, 3, 0.9, 0.5)]
+    table = kk.results_table(lines)
+    head, rule, row = table.splitlines()
+    assert head.startswith("| kvpress press") and head.endswith("| 10% | 50% | why not 1.0 |")
+    # prompts: the most at one fraction (4 at 10 %); mean over all 7: (3 + 0.6 + 2.7) / 7; 10 %: (3 + 0.6) / 4
+    assert row.startswith("| snapkv | snapkv window 64 | 4 | 0.9000 | 0.200 | 0.900 | 0.900 | exact up to float")
+    text = f"intro\n{kk.TABLE_START}\nold table\n{kk.TABLE_END}\nafter\n"
+    assert kk.replace_table(text, "new") == f"intro\n{kk.TABLE_START}\nnew\n{kk.TABLE_END}\nafter\n"
+    with pytest.raises(ValueError, match="must hold one"):
+        kk.replace_table("no markers", "new")
