@@ -570,11 +570,18 @@ def reference_candidates(evaluator: Evaluator) -> tuple[list[tuple[str, Candidat
     share = evaluator.budget.kv_fraction if evaluator.budget.kv_bytes is None else evaluator.budget.kv_bytes
     named = [("shipped", name, policy_to_mapping(load_spec(name))) for name in available_specs()]
     named += [("kvpress", f"kvpress {press}", reproduction(press, share, n)) for press in KVPRESS_REPRODUCTIONS]
+    seen: dict[str, int] = {}  # a press reproduced by a shipped spec as it is: one point, both names, scored once
     for kind, name, mapping in named:
         why = not_replayable(load_spec(mapping))
         if why is not None:
             skipped[f"{name}: not replayable from one captured prefill"] += 1
             continue
+        same = json.dumps({k: v for k, v in mapping.items() if k not in ("name", "description")}, sort_keys=True)
+        if same in seen:
+            _, first = out[seen[same]]
+            out[seen[same]] = ("kvpress", Candidate(f"{first.key} = {name}", first.mapping))
+            continue
+        seen[same] = len(out)
         out.append((kind, Candidate(name, mapping)))
     return out, skipped
 

@@ -2,6 +2,7 @@
 halving finds a planted best candidate and is a function of its seed, an interrupted search resumes from its
 records, and the written spec reproduces the score it was chosen for."""
 import hashlib
+import json
 
 import pytest
 import torch
@@ -188,19 +189,22 @@ def test_tune_writes_its_plot_with_the_references(tmp_path):
     result = tune.tune(ev, space, seed=0, confirm=1, progress=False)
     refs, skipped = tune.reference_candidates(ev)
     names = {c.key for _, c in refs}
-    assert {"snapkv", "kivi", "kvpress snapkv", "kvpress tova"} <= names
+    assert {"snapkv", "kivi", "kvpress snapkv", "tova = kvpress tova"} <= names  # tova reproduces TOVAPress as is
+    assert {"expected_attention = kvpress expected_attention_uniform", "knorm = kvpress knorm"} <= names
+    assert len(refs) == len({json.dumps({k: v for k, v in c.mapping.items() if k not in ("name", "description")},
+                                        sort_keys=True) for _, c in refs})  # each policy scored once
     assert any(why.startswith("kvzip:") for why in skipped)  # a reconstruction: not replayable
-    scored = tune.score_references(ev, [r for r in refs if r[1].key in ("knorm", "snapkv_int4", "kvpress tova", "kvpress snapkv")],
+    scored = tune.score_references(ev, [r for r in refs if r[1].key in ("knorm = kvpress knorm", "snapkv_int4", "tova = kvpress tova", "kvpress snapkv")],
                                    progress=False)
     errors = {t.candidate.key: t.error for _, t in scored}
     assert errors["kvpress snapkv"].startswith("ranking.by_score.window: window or sinks larger than the budget")
     points = tune.plot_points(result, ev, scored)
     assert "kvpress snapkv" not in {p.label for p in points}  # refused at this budget: not drawn
     by = {p.label: p for p in points}
-    assert by["snapkv_int4"].kind == "shipped" and by["kvpress tova"].kind == "kvpress"
-    assert by["knorm"].kv_bytes == pytest.approx(40 / 160)  # floor(0.25 * 160) of 160 entries in fp32
-    assert by["snapkv_int4"].kv_bytes < 0.4 * by["knorm"].kv_bytes  # the same entries in int4 codes
-    assert by["knorm"].score == pytest.approx(sum(ev.proxy(tune.Candidate("s", refs_mapping(refs, "knorm")), i)
+    assert by["snapkv_int4"].kind == "shipped" and by["tova = kvpress tova"].kind == "kvpress"
+    assert by["knorm = kvpress knorm"].kv_bytes == pytest.approx(40 / 160)  # floor(0.25 * 160) of 160 entries in fp32
+    assert by["snapkv_int4"].kv_bytes < 0.4 * by["knorm = kvpress knorm"].kv_bytes  # the same entries in int4 codes
+    assert by["knorm = kvpress knorm"].score == pytest.approx(sum(ev.proxy(tune.Candidate("s", refs_mapping(refs, "knorm = kvpress knorm")), i)
                                                    for i in range(2)) / 2, rel=1e-6)
     path = tune.write_plot(result, ev, tmp_path / "tuned.png", scored)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
