@@ -228,6 +228,30 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def merge_lines(base: list[dict], lines: list[dict]) -> list[dict]:
+    """summarize()'s lines of two runs over different prompts, pooled per (press, spec, mode, fraction): samples
+    added, means weighted by samples, the smaller minimum (and where it is)."""
+    out: dict = {}
+    for line in list(base) + list(lines):
+        key = (line["press"], line["spec"], line["mode"], line["fraction"])
+        if key not in out:
+            out[key] = dict(line)
+            continue
+        a, n = out[key], line["samples"]
+        total = a["samples"] + n
+        merged = {k: (a[k] * a["samples"] + line[k] * n) / total for k in ("mean", "exact_heads", "size_ratio")}
+        low = line if line["min"] < a["min"] else a
+        out[key] = {**a, **merged, "samples": total, "min": low["min"], "min_at": low["min_at"]}
+    return list(out.values())
+
+
+def base_lines(path, skip_presses=()) -> tuple[list[dict], list]:
+    """An earlier run's summary (kept --out): its lines but those of `skip_presses`, and its prompts."""
+    data = json.loads(Path(path).read_text())
+    return ([x for x in data["lines"] if x["press"] not in skip_presses],
+            [tuple(p) for p in data["prompts"]])
+
+
 def overall(lines: list[dict]) -> list[dict]:
     """summarize()'s lines pooled over modes and fractions: one per (press, spec) (means weighted by samples)."""
     groups: dict = {}
@@ -383,6 +407,8 @@ def cmd_kept_kvpress(args) -> None:
     done = prompts_done(out) if args.resume else set()
     if not args.resume:
         out.write_text("")
+    for path in args.skip_prompts_of or []:  # prompts an earlier run's summary covers
+        done |= set(base_lines(path)[1])
     todo = prompts_todo(samples, args.modes, done, args.max_prompts)
     print(f"kept-kvpress: {len(todo)} prompts to run", file=sys.stderr)
     model_dir = str(Path(args.model).resolve())
@@ -622,12 +648,19 @@ def cmd_kept(args) -> None:
         print(f"kept {prompt['task']} #{index} {mode}: {n} tokens, {time.perf_counter() - start:.1f} s",
               file=sys.stderr)
     lines = summarize(rows)
+    prompts = sorted({(r["index"], r["mode"]) for r in rows})
+    if args.base:  # an earlier run's summary over other prompts, pooled in (its lines of --base-skip left out)
+        earlier, theirs = base_lines(args.base, args.base_skip or ())
+        if set(theirs) & set(prompts):
+            sys.exit(f"kept: --base {args.base} covers prompts this run has too: {sorted(set(theirs) & set(prompts))}")
+        lines = merge_lines(earlier, lines)
+        prompts = sorted(set(prompts) | set(theirs))
     table = markdown(lines)
     print(table)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "kvpress_files": args.kvpress,
-            "samples_file": str(args.samples), "prompts": sorted({(r["index"], r["mode"]) for r in rows}),
+            "samples_file": str(args.samples), "prompts": prompts, "base": args.base, "base_skip": args.base_skip,
             "definition": "agreement = |kept_kvpress ∩ kept_kvcompile| / |kept_kvpress| per (layer, KV head) over "
                           "the context positions; mean and min over samples x layers x heads; size_ratio = "
                           "|kept_kvcompile| / |kept_kvpress| over the cache",
@@ -650,6 +683,8 @@ def add_parsers(sub, csv, choices, kept_fractions, home: Path) -> None:
     p.add_argument("--model", default=str(home / "models" / "smollm2-135m"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="keep --out's prompts and run only the missing ones")
+    p.add_argument("--skip-prompts-of", type=csv(str), default=None, metavar="SUMMARY",
+                   help="leave out the prompts these summaries (kept --out) cover (an earlier run's)")
     p.add_argument("--max-prompts", type=int, default=None, metavar="N",
                    help="run at most N of the missing prompts, then stop (scripts/kvpress_env.sh kept alternates "
                         "kvpress's side and kvcompile's one prompt at a time)")
@@ -664,6 +699,10 @@ def add_parsers(sub, csv, choices, kept_fractions, home: Path) -> None:
                                                 "computed; the rows it holds are not computed again (resume)")
     q.add_argument("--presses", type=choices(KEPT_PRESSES + (KVZIP_GLOBAL,)), default=None)
     q.add_argument("--specs", type=csv(str), default=None, help="only these labels of KEPT_SPECS")
+    q.add_argument("--base", default=None, help="an earlier run's summary JSON over other prompts, pooled into the "
+                                                "table (its per-head rows were not kept)")
+    q.add_argument("--base-skip", type=csv(str), default=None,
+                   help="presses whose --base lines are left out (their spec changed since that run)")
     q.add_argument("--model", default=str(home / "models" / "smollm2-135m"))
     q.add_argument("--threads", type=int, default=2)
     q.set_defaults(func=cmd_kept)

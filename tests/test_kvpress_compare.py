@@ -322,3 +322,19 @@ def test_results_table_pools_the_modes_per_fraction_and_replaces_its_block():
     assert kk.replace_table(text, "new") == f"intro\n{kk.TABLE_START}\nnew\n{kk.TABLE_END}\nafter\n"
     with pytest.raises(ValueError, match="must hold one"):
         kk.replace_table("no markers", "new")
+
+
+def test_merge_lines_pools_two_runs_and_base_lines_skips_presses(tmp_path):
+    def line(press, samples, mean, low, at):
+        return {"press": press, "spec": press, "mode": "aware", "fraction": 0.1, "samples": samples, "mean": mean,
+                "min": low, "exact_heads": mean, "size_ratio": 1.0, "min_at": {"index": at, "layer": 0, "head": 0}}
+    (a, b) = kk.merge_lines([line("snapkv", 3, 0.9, 0.5, 1), line("kvzip", 1, 0.8, 0.3, 1)],
+                            [line("snapkv", 1, 0.5, 0.2, 7)])
+    assert a["samples"] == 4 and a["mean"] == pytest.approx((2.7 + 0.5) / 4) and a["min"] == 0.2
+    assert a["min_at"]["index"] == 7 and a["exact_heads"] == pytest.approx(a["mean"])
+    assert b == line("kvzip", 1, 0.8, 0.3, 1)
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"lines": [line("snapkv", 3, 0.9, 0.5, 1), line("kvzip", 1, 0.8, 0.3, 1)],
+                                "prompts": [[0, "aware"], [2, "agnostic"]]}))
+    lines, prompts = kk.base_lines(path, ["kvzip"])
+    assert [x["press"] for x in lines] == ["snapkv"] and prompts == [(0, "aware"), (2, "agnostic")]
