@@ -245,6 +245,13 @@ def merge_lines(base: list[dict], lines: list[dict]) -> list[dict]:
     return list(out.values())
 
 
+def rows_beside(rows: list[dict], base_prompts, skip_presses=()) -> list[dict]:
+    """The rows a base summary does not already count: those of other prompts, and every row of the presses
+    whose base lines are left out (skip_presses)."""
+    covered = set(map(tuple, base_prompts))
+    return [r for r in rows if (r["index"], r["mode"]) not in covered or r["press"] in skip_presses]
+
+
 def base_lines(path, skip_presses=()) -> tuple[list[dict], list]:
     """An earlier run's summary (kept --out): its lines but those of `skip_presses`, and its prompts."""
     data = json.loads(Path(path).read_text())
@@ -649,11 +656,9 @@ def cmd_kept(args) -> None:
               file=sys.stderr)
     lines = summarize(rows)
     prompts = sorted({(r["index"], r["mode"]) for r in rows})
-    if args.base:  # an earlier run's summary over other prompts, pooled in (its lines of --base-skip left out)
+    if args.base:  # an earlier run's summary, pooled in (its lines of --base-skip left out)
         earlier, theirs = base_lines(args.base, args.base_skip or ())
-        if set(theirs) & set(prompts):
-            sys.exit(f"kept: --base {args.base} covers prompts this run has too: {sorted(set(theirs) & set(prompts))}")
-        lines = merge_lines(earlier, lines)
+        lines = merge_lines(earlier, summarize(rows_beside(rows, theirs, args.base_skip or ())))
         prompts = sorted(set(prompts) | set(theirs))
     table = markdown(lines)
     print(table)

@@ -338,3 +338,6 @@ def test_merge_lines_pools_two_runs_and_base_lines_skips_presses(tmp_path):
                                 "prompts": [[0, "aware"], [2, "agnostic"]]}))
     lines, prompts = kk.base_lines(path, ["kvzip"])
     assert [x["press"] for x in lines] == ["snapkv"] and prompts == [(0, "aware"), (2, "agnostic")]
+    rows = [{"index": 0, "mode": "aware", "press": "snapkv"}, {"index": 0, "mode": "aware", "press": "kvzip"},
+            {"index": 4, "mode": "aware", "press": "snapkv"}]
+    assert kk.rows_beside(rows, prompts, ["kvzip"]) == rows[1:]  # snapkv on prompt 0: counted by the base already
