@@ -619,12 +619,11 @@ def cmd_kept(args) -> None:
 
     torch.set_num_threads(args.threads)
     prompts, kept = read_kvpress(args.kvpress)
-    samples = {s["index"]: s for s in ruler.load_dataset(args.samples)}
     rows_path = Path(args.rows) if args.rows else None
     rows = read_rows(rows_path) if rows_path else []
     done = {row_key(r) for r in rows}
-    model, tokenizer = load_model(args.model)
-    for key, prompt in prompts.items():
+    model = tokenizer = None  # loaded for the first prompt with rows to compute
+    for key, prompt in ({} if args.summarize_only else prompts).items():
         index, mode = key
         todo = [(record, label, spec, overrides) for record in kept.get(key, [])
                 if not args.presses or record["press"] in args.presses
@@ -633,6 +632,9 @@ def cmd_kept(args) -> None:
                 and row_key({**record, "label": label}) not in done]
         if not todo:
             continue
+        if model is None:
+            model, tokenizer = load_model(args.model)
+            samples = {s["index"]: s for s in ruler.load_dataset(args.samples)}
         ids, _ = ruler.mode_prompt(tokenizer, samples[index], mode)
         if ids != prompt["ids"]:
             from kvpress_compare import first_difference
@@ -704,6 +706,8 @@ def add_parsers(sub, csv, choices, kept_fractions, home: Path) -> None:
                                                 "computed; the rows it holds are not computed again (resume)")
     q.add_argument("--presses", type=choices(KEPT_PRESSES + (KVZIP_GLOBAL,)), default=None)
     q.add_argument("--specs", type=csv(str), default=None, help="only these labels of KEPT_SPECS")
+    q.add_argument("--summarize-only", action="store_true",
+                   help="compute nothing: the summary and table of the rows --rows holds (while a run goes on)")
     q.add_argument("--base", default=None, help="an earlier run's summary JSON over other prompts, pooled into the "
                                                 "table (its per-head rows were not kept)")
     q.add_argument("--base-skip", type=csv(str), default=None,

@@ -341,3 +341,23 @@ def test_merge_lines_pools_two_runs_and_base_lines_skips_presses(tmp_path):
     rows = [{"index": 0, "mode": "aware", "press": "snapkv"}, {"index": 0, "mode": "aware", "press": "kvzip"},
             {"index": 4, "mode": "aware", "press": "snapkv"}]
     assert kk.rows_beside(rows, prompts, ["kvzip"]) == rows[1:]  # snapkv on prompt 0: counted by the base already
+
+
+def test_kept_summarize_only_writes_the_summary_of_the_rows_without_a_model(tmp_path, monkeypatch):
+    import argparse
+
+    import kvcompile.models
+
+    monkeypatch.setattr(kvcompile.models, "load_model", lambda *a, **k: pytest.fail("no model for a summary"))
+    samples = write_jsonl(tmp_path / "s.jsonl", [])
+    kvp = write_jsonl(tmp_path / "k.jsonl", [{"kind": "prompt", "index": 4, "mode": "aware", "ids": [1, 2]}])
+    rows = write_jsonl(tmp_path / "r.jsonl", [
+        {"index": 4, "task": "t", "mode": "aware", "press": "tova", "label": "tova", "fraction": 0.1,
+         "agreement": [[1.0, 0.5]], "ratio": 1.0}])
+    out = tmp_path / "sum.json"
+    args = argparse.Namespace(threads=1, kvpress=[str(kvp)], samples=str(samples), rows=str(rows), out=str(out),
+                              model="unused", presses=None, specs=None, base=None, base_skip=None,
+                              summarize_only=True)
+    kk.cmd_kept(args)
+    data = json.loads(out.read_text())
+    assert data["prompts"] == [[4, "aware"]] and data["lines"][0]["mean"] == 0.75
