@@ -117,8 +117,7 @@ KEPT_WHY = {
         "(reconstruct: prompt) reconstructs and scores the whole prompt from position 0, kvpress only the context "
         "after the chat template's prefix (24 tokens with SmolLM2), the prefix's scores 0",
     ("kvzip", "kvzip_adakv floor 0 reconstruct context"): "kvpress's allocation and reconstruction (reconstruct: "
-        "context, KVzip's Algorithm 1); what is left: float near-ties and kvpress's float32 score buffer in the "
-        "model's dtype",
+        "context, KVzip's Algorithm 1); what is left: float near-ties at the cut",
     ("kvzip", "kvzip reconstruct context"): "the global allocation against layerwise=True's per-layer count, with "
                                             "kvpress's reconstruction",
     ("kvzip_global", "kvzip"): "KVzipPress's default layerwise=False (one ranking over every layer, head and token, "
