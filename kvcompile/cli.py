@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -1039,6 +1040,9 @@ def cmd_tune(args) -> None:
 
     if (args.kv_fraction is None) == (args.kv_bytes is None):
         fail("give one of --kv-fraction (share of the entries kept) or --kv-bytes (share of the full cache's bytes)")
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # before the search, not after it
+        fail("kvcompile tune draws its plot with matplotlib, which is not installed: pip install 'kvcompile[tune]' "
+             "(or give --no-plot)")
     try:
         budget = tune.Budget(kv_fraction=args.kv_fraction,
                              kv_bytes=None if args.kv_bytes is None else float(args.kv_bytes[0]))
@@ -1066,6 +1070,16 @@ def cmd_tune(args) -> None:
     if result.agreement is not None:
         print(f"proxy and confirmation agree on {result.agreement:.0%} of the finalists' pairs")
     print(f"best     {result.best.candidate.key}\nwritten  {path}")
+    if not args.no_plot:  # score against KV bytes, beside the shipped specs and kvpress's reproduced presses
+        references, skipped = tune.reference_candidates(evaluator)
+        scored = tune.score_references(evaluator, references, records=args.records, progress=not args.quiet)
+        for _, trial in scored:
+            if trial.error is not None:
+                skipped[f"{trial.candidate.key}: {trial.error}"] += 1
+        png = tune.write_plot(result, evaluator, Path(args.out).with_suffix(".png"), scored)
+        for why, n in sorted(skipped.items()):
+            print(f"not drawn  {why}")
+        print(f"plot     {png}")
 
 
 def cmd_plot(args) -> None:
@@ -1372,6 +1386,9 @@ def build_parser() -> argparse.ArgumentParser:
     tn.add_argument("--records", default=None, metavar="JSONL",
                     help="append every evaluation here and skip those already there (resume an interrupted search)")
     tn.add_argument("--out", default="tuned.yaml", help="the spec written (default tuned.yaml)")
+    tn.add_argument("--no-plot", action="store_true",
+                    help="skip the plot (score against KV bytes with the Pareto front, the shipped specs and kvpress's "
+                         "reproduced presses scored on the same samples), written beside --out as a .png")
     tn.set_defaults(func=cmd_tune)
 
     rep = sub.add_parser("report", help="RULER tables with bootstrap intervals from accumulated records",

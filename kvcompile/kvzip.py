@@ -42,38 +42,44 @@ LATER = "\n\nRepeat the part of the previous context exactly, starting with"
 class RepeatPrompt:
     """The token ids of KVzip's reconstruction input around each chunk: `first` before the first
     chunk, `later` before the others (then the previous chunk's last `overlap` tokens), `suffix`
-    (the chat template's end of the user turn and start of the answer) right before the chunk."""
+    (the chat template's end of the user turn and start of the answer) right before the chunk. `prefix`: the
+    chat template's text before a user message's content (system prompt, user header), which
+    `scoring: {kvzip: {reconstruct: context}}` leaves out of the reconstruction where a prompt starts with it."""
 
     first: tuple[int, ...]
     later: tuple[int, ...]
     suffix: tuple[int, ...]
+    prefix: tuple[int, ...] = ()
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "RepeatPrompt":
         """KVzip's prompts, in the tokenizer's chat template where it has one (as KVzip and kvpress
         build them: the text between a user message and the assistant's answer), else a newline."""
-        suffix = "\n"
+        suffix, prefix = "\n", ""
         if getattr(tokenizer, "chat_template", None):
             dummy = "dummy context"
             separator = "\n" + "#" * len(dummy)
             text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
                                                  add_generation_prompt=True, tokenize=False)
             suffix = text.split(separator)[-1]
+            prefix = text.split(dummy)[0]  # what precedes a user message's content
 
         def ids(text: str) -> tuple[int, ...]:
             return tuple(tokenizer.encode(text, add_special_tokens=False))
 
-        return cls(ids(FIRST), ids(LATER), ids(suffix))
+        return cls(ids(FIRST), ids(LATER), ids(suffix), ids(prefix))
 
-    def inputs(self, ids: Tensor, spans: list[tuple[int, int]], overlap: int, offset: int = 0) -> list[Tensor]:
+    def inputs(self, ids: Tensor, spans: list[tuple[int, int]], overlap: int, offset: int = 0,
+               origin: int = 0) -> list[Tensor]:
         """The reconstruction input (B, T_k) of every span [s, e) of the prompt, whose token ids `ids`
         (B, ·) start at position `offset` (from at least `overlap` tokens before the first span, where
-        there are that many): `first` before the span at 0, else `later` and the `overlap` tokens before s."""
+        there are that many): `first` before the span at `origin` (where the reconstruction starts), else
+        `later` and the `overlap` tokens before s (none before `origin`)."""
         out = []
         for s, e in spans:
-            lead = self.first if s == 0 else self.later
+            lead = self.first if s == origin else self.later
             head = torch.tensor(lead, dtype=ids.dtype, device=ids.device).expand(ids.shape[0], -1)
-            quoted = ids[:, max(0, s - overlap) - offset:s - offset] if s else ids[:, :0]
+            quoted = ids[:, max(origin, s - overlap) - offset:s - offset] if s != origin else ids[:, :0]
             tail = torch.tensor(self.suffix, dtype=ids.dtype, device=ids.device).expand(ids.shape[0], -1)
             out.append(torch.cat([head, quoted, tail, ids[:, s - offset:e - offset]], dim=1))
         return out
@@ -139,12 +145,12 @@ def _ids_and_mask(args, kwargs) -> tuple[Tensor, Tensor | None]:
 
 
 def _reconstruct(forward, cache, repeat: RepeatPrompt, ids: Tensor, spans: list[tuple[int, int]], overlap: int,
-                 at: int, offset: int = 0) -> None:
+                 at: int, offset: int = 0, origin: int = 0) -> None:
     """KVzip's reconstruction forwards, one per span [s, e) of the prompt (`ids` (B, ·) its tokens from position
     `offset`): the span's repeat input at positions at, at + 1, …, each layer's op recording the span's scores
     in `cache.reconstruction` and storing nothing."""
     rec, b = cache.reconstruction, ids.shape[0]
-    for span, inputs in zip(spans, repeat.inputs(ids, spans, overlap, offset=offset)):
+    for span, inputs in zip(spans, repeat.inputs(ids, spans, overlap, offset=offset, origin=origin)):
         rec.span = span
         positions = torch.arange(at, at + inputs.shape[1], device=ids.device)[None].expand(b, -1)
         forward(inputs, position_ids=positions, **cache_arg.given(cache), kvcompile_cache=cache, use_cache=True,
@@ -166,7 +172,8 @@ def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
     try:
         out = forward(*args, **cache_arg.given(cache), **kwargs)
         b, n = ids.shape
-        _reconstruct(forward, cache, repeat, ids, scorer.chunks(n), scorer.overlap, at=n)
+        start = scorer.context_start(ids, repeat.prefix)  # 0, or after the chat template's prefix
+        _reconstruct(forward, cache, repeat, ids, scorer.chunks(n, start), scorer.overlap, at=n, origin=start)
         for layer in range(layers):
             k, v = rec.keys[layer], rec.values[layer]
             queries = k.new_empty(b, rec.query_heads, 0, k.shape[-1])  # the scores are given: no query rows
@@ -249,3 +256,6 @@ def check(plan, mode: str) -> None:
     if schedule.decode is not None:
         raise CompileError(f"kvcompile: {name}: scoring kvzip scores the prompt by reconstruction, once per chunk; "
                            "it cannot re-score while decoding (schedule.decode): drop schedule.decode")
+    if schedule.prefill is not None and plan.policy.scoring.reconstruct == "context":
+        raise CompileError(f"kvcompile: {name}: scoring kvzip with reconstruct: context under a chunked prefill "
+                           "(schedule.prefill) is not built: use reconstruct: prompt, or drop schedule.prefill")

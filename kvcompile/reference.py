@@ -708,16 +708,23 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
     sequence, for the reconstruction rows t and every prompt entry i ∈ [s, e):
         a[t, i] = softmax over the keys [0, min(sinks, s)) ∪ [s, e) ∪ {N + u : u ≤ t} of q_t·k·scale
         s_h[i] = max over the group's query heads and t of a[t, i].
+    Under `scorer.reconstruct` "context", the chunks start after `repeat.prefix` (the chat template's
+    prefix) where every row starts with it, and the prefix's entries keep the score 0.
     Returns the scores per layer (B, H, N) and the prompt's states (keys, values, scale; no queries)."""
     from kvcompile.sweep import capture
 
     b, n = ids.shape
+    origin = 0  # reconstruct: context skips the chat template's prefix where every row starts with it
+    prefix = list(getattr(repeat, "prefix", ()))
+    if scorer.reconstruct == "context" and prefix and len(prefix) < n \
+            and all(ids[i, :len(prefix)].tolist() == prefix for i in range(b)):
+        origin = len(prefix)
     scores, states = None, None
-    for k, start in enumerate(range(0, n, scorer.chunk)):
+    for k, start in enumerate(range(origin, n, scorer.chunk)):
         end = min(start + scorer.chunk, n)
         rows = []
         for i in range(b):
-            quoted = ids[i, max(0, start - scorer.overlap):start].tolist()  # the previous chunk's last tokens
+            quoted = ids[i, max(origin, start - scorer.overlap):start].tolist()  # the previous chunk's last tokens
             lead = list(repeat.first) if k == 0 else list(repeat.later) + quoted
             rows.append(lead + list(repeat.suffix) + ids[i, start:end].tolist())
         rebuilt = torch.tensor(rows, dtype=ids.dtype)  # (B, T): the chunk's reconstruction input

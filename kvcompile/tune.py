@@ -525,3 +525,131 @@ def spec_mapping(result: Result, name: str) -> dict:
         policy = load_spec(dict(mapping, budget=dict(budget, ratio=0.5)))
         budget["ratio"] = float(kept_share_for_bytes(policy, result.budget.kv_bytes, *result.geometry))
     return dict(mapping, budget=budget)
+
+
+# ------------------------------------------------------------------------------------------ the plot
+
+# kvpress's presses as kvcompile reproduces them entry for entry (benchmarks/RESULTS.md, "Quality: kvpress's
+# presses reproduced entry for entry"): press -> (shipped spec, the overrides that set kvpress's settings).
+# PyramidKVPress falls back to uniform layers where its smallest layer budget is under its window (below about
+# 32 % kept of a 4k prompt); its reproduction follows it (reproduction()). KVzipPress needs a reconstruction
+# pass, which a captured prefill cannot replay, and ObservedAttentionPress is not reproduced (h2o is the paper's).
+_SNAP64 = {"scoring": {"window_attention": {"window": 64, "pooling": {"kind": "avg", "kernel": 5}}},
+           "ranking": {"by_score": {"window": 64}}}
+KVPRESS_REPRODUCTIONS = {
+    "snapkv": ("snapkv", {"scoring": {"window_attention": {"window": 64}}, "ranking": {"by_score": {"window": 64}}}),
+    "pyramidkv": ("pyramidkv", _SNAP64),
+    "adakv_snapkv": ("adakv", _SNAP64),
+    "streaming_llm": ("streamingllm", {}),
+    "tova": ("tova", {}),
+    "knorm": ("knorm", {}),
+    "expected_attention_uniform": ("expected_attention", {}),
+    "expected_attention": ("expected_adakv", {}),
+}
+
+
+def reproduction(press: str, kept_share: float, n: int) -> dict:
+    """The spec mapping that reproduces kvpress's `press` keeping `kept_share` of an n-token context's entries."""
+    from kvcompile.spec import load_spec, policy_to_mapping
+
+    spec, overrides = KVPRESS_REPRODUCTIONS[press]
+    mapping = policy_to_mapping(load_spec(load_spec(spec, **overrides), name=f"kvpress {press}"))
+    if press == "pyramidkv" and kept_share * n / 20 < 64:  # kvpress: min budget B/beta (beta 20) under its window
+        mapping["budget"] = dict(mapping["budget"], layers="uniform")
+    return mapping
+
+
+def reference_candidates(evaluator: Evaluator) -> tuple[list[tuple[str, Candidate]], Counter]:
+    """The shipped specs and kvpress's reproduced presses as (kind, Candidate) at the evaluator's budget, and
+    those a captured prefill cannot replay, counted by reason."""
+    from kvcompile.spec import available_specs, load_spec, policy_to_mapping
+    from kvcompile.sweep import not_replayable
+
+    out, skipped = [], Counter()
+    n = sum(len(s.context) for s in evaluator.samples) / max(1, len(evaluator.samples))
+    share = evaluator.budget.kv_fraction if evaluator.budget.kv_bytes is None else evaluator.budget.kv_bytes
+    named = [("shipped", name, policy_to_mapping(load_spec(name))) for name in available_specs()]
+    named += [("kvpress", f"kvpress {press}", reproduction(press, share, n)) for press in KVPRESS_REPRODUCTIONS]
+    seen: dict[str, int] = {}  # a press reproduced by a shipped spec as it is: one point, both names, scored once
+    for kind, name, mapping in named:
+        why = not_replayable(load_spec(mapping))
+        if why is not None:
+            skipped[f"{name}: not replayable from one captured prefill"] += 1
+            continue
+        same = json.dumps({k: v for k, v in mapping.items() if k not in ("name", "description")}, sort_keys=True)
+        if same in seen:
+            _, first = out[seen[same]]
+            out[seen[same]] = ("kvpress", Candidate(f"{first.key} = {name}", first.mapping))
+            continue
+        seen[same] = len(out)
+        out.append((kind, Candidate(name, mapping)))
+    return out, skipped
+
+
+def score_references(evaluator: Evaluator, references, records=None, progress: bool = True) -> list[tuple[str, Trial]]:
+    """Each reference's proxy on every calibration sample (records: as tune()'s, so a resumed run skips them);
+    a reference the plan or the budget refuses keeps its reason in Trial.error."""
+    from tqdm.auto import tqdm
+
+    records = records if isinstance(records, Records) else Records(records)
+    trials = [(kind, Trial(c)) for kind, c in references]
+    for i in tqdm(range(len(evaluator.samples)), desc="tune: references", disable=not progress):
+        for _, trial in trials:
+            if trial.error is None:
+                try:
+                    trial.proxy[i] = records.get(trial, i, "proxy",
+                                                 lambda: evaluator.proxy(trial.candidate, i))
+                except (ValueError, RuntimeError) as exc:
+                    trial.error = _reason(str(exc))
+    return trials
+
+
+def kv_share(evaluator: Evaluator, mapping: dict, indices) -> float:
+    """The KV bytes a candidate's budget holds, as a share of the full cache's, mean over the samples `indices`:
+    per KV head, the storage's bytes of its per_head entries against n entries in the model's dtype."""
+    from kvcompile.ruler import full_entry_bytes, head_bytes
+
+    head_dim, element_size = evaluator_geometry(evaluator)
+    shares = []
+    for i in indices:
+        n = len(evaluator.samples[i].context)
+        policy = evaluator.budget.policy(mapping, n, evaluator.model)
+        shares.append(head_bytes(policy.storage, policy.budget.per_head, head_dim, element_size)
+                      / (n * full_entry_bytes(head_dim, element_size)))
+    return sum(shares) / len(shares)
+
+
+def evaluator_geometry(evaluator: Evaluator) -> tuple[int, int]:
+    from kvcompile.models import model_summary
+
+    return model_summary(evaluator.model)["head_dim"], next(evaluator.model.parameters()).element_size()
+
+
+def plot_points(result: Result, evaluator: Evaluator, references=()) -> list:
+    """tune_plot.Points of the search's scored candidates and the scored references (score_references)."""
+    from kvcompile.tune_plot import Point
+
+    every = len(evaluator.samples)
+    points = []
+    for kind, trial in [("candidate", t) for t in result.trials] + list(references):
+        if trial.error is not None or not trial.proxy:
+            continue
+        points.append(Point(trial.candidate.key, kv_share(evaluator, trial.candidate.mapping, sorted(trial.proxy)),
+                            trial.mean(), kind, complete=len(trial.proxy) == every))
+    return points
+
+
+def write_plot(result: Result, evaluator: Evaluator, path, references=()) -> Path:
+    """The PNG of score against KV bytes (tune_plot.plot) for a search and its scored references."""
+    from kvcompile.tune_plot import plot
+
+    title = (f"kvcompile tune: {result.budget.label()}, seed {result.seed}, {len(evaluator.samples)} samples; "
+             f"best: {result.best.candidate.key}")
+    return plot(plot_points(result, evaluator, references), path, "\n".join(_wrap(title, 110)),
+                best=result.best.candidate.key)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)

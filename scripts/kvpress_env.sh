@@ -7,7 +7,9 @@
 #        kvpress's presses reproduced entry for entry (issue 35; scripts/kvpress_kept.py): RULER samples
 #        (RULER_SAMPLES per task, default 2), each press's kept positions per layer, KV head and fraction
 #        in kvpress's venv, then kvcompile's specs on the same ids and the agreement table
-#        ($out/kept_summary.json; the per-head rows in $out/kept_rows.jsonl, resumed when run again)
+#        ($out/kept_summary.json; the per-head rows in $out/kept_rows.jsonl, resumed when run again; or
+#        KEPT_SUMMARY, KEPT_ROWS), KEPT_BATCH prompts at a time (default 1) on each side in turn; KEPT_BASE:
+#        an earlier run's summary, whose prompts are skipped and whose lines are pooled into the table
 #   bash scripts/kvpress_env.sh ruler [kvcompile eval options, e.g. --specs snapkv,lava]
 #        RULER: kvcompile generates the samples, kvpress's presses answer them through its own
 #        pipeline in both query modes, kvcompile checks the token ids kvpress fed and scores
@@ -53,10 +55,26 @@ if [ "$what" = kept ]; then
   samples="$out/ruler_kept_samples.jsonl"
   [ -f "$samples" ] || "$py" -m kvcompile eval --suite ruler --samples "${RULER_SAMPLES:-2}" \
     --lengths "${RULER_LENGTHS:-4096}" --seed "${RULER_SEED:-0}" --dump-dataset "$samples"
-  "$venv/bin/python" scripts/kvpress_compare.py kept-kvpress --samples "$samples" --out "$out/kept_kvpress.jsonl" \
-    --threads "${KVPRESS_THREADS:-2}" --resume "$@"
-  "$py" scripts/kvpress_compare.py kept --samples "$samples" --kvpress "$out/kept_kvpress.jsonl" \
-    --rows "$out/kept_rows.jsonl" --out "$out/kept_summary.json" --threads "${KVPRESS_THREADS:-2}"
+  # KEPT_BATCH prompts of kvpress's side, then kvcompile's side on them, until kvpress's side has none left:
+  # the table grows as the run goes, and a run killed loses at most the prompt in flight (both sides resume)
+  kvp="$out/kept_kvpress.jsonl"
+  # KEPT_BASE: an earlier run's summary: its prompts are skipped here and its lines pooled into the table
+  # (KEPT_BASE_SKIP: the presses whose lines are left out of it, their specs having changed since)
+  skip=(); base=()
+  if [ -n "${KEPT_BASE:-}" ]; then
+    skip=(--skip-prompts-of "$KEPT_BASE"); base=(--base "$KEPT_BASE")
+    [ -n "${KEPT_BASE_SKIP:-}" ] && base+=(--base-skip "$KEPT_BASE_SKIP")
+  fi
+  while :; do
+    before=$(grep -c '"kind": "prompt"' "$kvp" 2>/dev/null || true)
+    "$venv/bin/python" scripts/kvpress_compare.py kept-kvpress --samples "$samples" --out "$kvp" \
+      --threads "${KVPRESS_THREADS:-2}" --resume --max-prompts "${KEPT_BATCH:-1}" "${skip[@]}" "$@"
+    after=$(grep -c '"kind": "prompt"' "$kvp" 2>/dev/null || true)
+    "$py" scripts/kvpress_compare.py kept --samples "$samples" --kvpress "$kvp" \
+      --rows "${KEPT_ROWS:-$out/kept_rows.jsonl}" --out "${KEPT_SUMMARY:-$out/kept_summary.json}" \
+      --threads "${KVPRESS_THREADS:-2}" "${base[@]}"
+    [ "$after" = "$before" ] && break
+  done
   exit 0
 fi
 if [ "$what" = ruler ]; then

@@ -295,3 +295,69 @@ def test_agreement_rows_resume(tmp_path):
     assert back["agreement"].shape == (2, 2) and back["agreement"][1, 0] == 0.25
     assert kk.row_key(back) == (3, "aware", "snapkv", "snapkv window 64", 0.1)
     assert kk.row_key({**row, "fraction": 0.1000000001}) == kk.row_key(back)
+
+
+def test_prompts_todo_skips_the_done_and_stops_after_the_batch():
+    """kept-kvpress --resume --max-prompts N: the missing prompts in round-robin order, both modes of a sample
+    together, at most N (scripts/kvpress_env.sh kept alternates the two sides one batch at a time)."""
+    samples = [{"task": t, "index": i} for i, t in enumerate(["a", "a", "b"])]
+    todo = kk.prompts_todo(samples, ["aware", "agnostic"], {(0, "aware")})
+    assert [(s["index"], m) for s, m in todo] == [(0, "agnostic"), (2, "aware"), (2, "agnostic"), (1, "aware"),
+                                                   (1, "agnostic")]
+    assert [(s["index"], m) for s, m in kk.prompts_todo(samples, ["agnostic"], {(0, "agnostic")}, 1)] == [(2, "agnostic")]
+    assert kk.prompts_todo(samples, ["aware"], {(0, "aware"), (1, "aware"), (2, "aware")}, 1) == []
+
+
+def test_results_table_pools_the_modes_per_fraction_and_replaces_its_block():
+    def line(mode, fraction, samples, mean, low):
+        return {"press": "snapkv", "spec": "snapkv window 64", "mode": mode, "fraction": fraction,
+                "samples": samples, "mean": mean, "min": low}
+    lines = [line("aware", 0.1, 3, 1.0, 1.0), line("agnostic", 0.1, 1, 0.6, 0.2), line("aware", 0.5, 3, 0.9, 0.5)]
+    table = kk.results_table(lines)
+    head, rule, row = table.splitlines()
+    assert head.startswith("| kvpress press") and head.endswith("| 10% | 50% | why not 1.0 |")
+    # prompts: the most at one fraction (4 at 10 %); mean over all 7: (3 + 0.6 + 2.7) / 7; 10 %: (3 + 0.6) / 4
+    assert row.startswith("| snapkv | snapkv window 64 | 4 | 0.9000 | 0.200 | 0.900 | 0.900 | exact up to float")
+    text = f"intro\n{kk.TABLE_START}\nold table\n{kk.TABLE_END}\nafter\n"
+    assert kk.replace_table(text, "new") == f"intro\n{kk.TABLE_START}\nnew\n{kk.TABLE_END}\nafter\n"
+    with pytest.raises(ValueError, match="must hold one"):
+        kk.replace_table("no markers", "new")
+
+
+def test_merge_lines_pools_two_runs_and_base_lines_skips_presses(tmp_path):
+    def line(press, samples, mean, low, at):
+        return {"press": press, "spec": press, "mode": "aware", "fraction": 0.1, "samples": samples, "mean": mean,
+                "min": low, "exact_heads": mean, "size_ratio": 1.0, "min_at": {"index": at, "layer": 0, "head": 0}}
+    (a, b) = kk.merge_lines([line("snapkv", 3, 0.9, 0.5, 1), line("kvzip", 1, 0.8, 0.3, 1)],
+                            [line("snapkv", 1, 0.5, 0.2, 7)])
+    assert a["samples"] == 4 and a["mean"] == pytest.approx((2.7 + 0.5) / 4) and a["min"] == 0.2
+    assert a["min_at"]["index"] == 7 and a["exact_heads"] == pytest.approx(a["mean"])
+    assert b == line("kvzip", 1, 0.8, 0.3, 1)
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"lines": [line("snapkv", 3, 0.9, 0.5, 1), line("kvzip", 1, 0.8, 0.3, 1)],
+                                "prompts": [[0, "aware"], [2, "agnostic"]]}))
+    lines, prompts = kk.base_lines(path, ["kvzip"])
+    assert [x["press"] for x in lines] == ["snapkv"] and prompts == [(0, "aware"), (2, "agnostic")]
+    rows = [{"index": 0, "mode": "aware", "press": "snapkv"}, {"index": 0, "mode": "aware", "press": "kvzip"},
+            {"index": 4, "mode": "aware", "press": "snapkv"}]
+    assert kk.rows_beside(rows, prompts, ["kvzip"]) == rows[1:]  # snapkv on prompt 0: counted by the base already
+
+
+def test_kept_summarize_only_writes_the_summary_of_the_rows_without_a_model(tmp_path, monkeypatch):
+    import argparse
+
+    import kvcompile.models
+
+    monkeypatch.setattr(kvcompile.models, "load_model", lambda *a, **k: pytest.fail("no model for a summary"))
+    samples = write_jsonl(tmp_path / "s.jsonl", [])
+    kvp = write_jsonl(tmp_path / "k.jsonl", [{"kind": "prompt", "index": 4, "mode": "aware", "ids": [1, 2]}])
+    rows = write_jsonl(tmp_path / "r.jsonl", [
+        {"index": 4, "task": "t", "mode": "aware", "press": "tova", "label": "tova", "fraction": 0.1,
+         "agreement": [[1.0, 0.5]], "ratio": 1.0}])
+    out = tmp_path / "sum.json"
+    args = argparse.Namespace(threads=1, kvpress=[str(kvp)], samples=str(samples), rows=str(rows), out=str(out),
+                              model="unused", presses=None, specs=None, base=None, base_skip=None,
+                              summarize_only=True)
+    kk.cmd_kept(args)
+    data = json.loads(out.read_text())
+    assert data["prompts"] == [[4, "aware"]] and data["lines"][0]["mean"] == 0.75

@@ -156,6 +156,15 @@ def test_repeat_prompt_from_smollm2_tokenizer():
     repeat = RepeatPrompt.from_tokenizer(tokenizer)
     assert tokenizer.decode(list(repeat.first)) == "\n\nRepeat the previous context exactly."
     assert tokenizer.decode(list(repeat.suffix)) == "<|im_end|>\n<|im_start|>assistant\n"
+    # the template's prefix (reconstruct: context skips it): its system prompt and the user turn's header,
+    # which a chat prompt starts with (24 tokens, as kvpress's KVzipPress counts them)
+    text = tokenizer.decode(list(repeat.prefix))
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>user\n")
+    assert len(repeat.prefix) == 24
+    chat = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Some context."}],
+                                                          add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
+    assert tuple(chat[:24]) == repeat.prefix
     model, _ = load_model()
     assert repeat_prompt_for(model) == repeat
 
@@ -220,3 +229,64 @@ def test_reconstruction_attention_and_scores_in_row_blocks(kv_heads, n, t, rows,
     logits = torch.einsum("bhtd,bhkd->bhtk", q, keys.repeat_interleave(hq // kv_heads, 1)) * 0.3
     probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1)[..., start:end].amax(2)
     assert_close(best, probs.view(2, kv_heads, hq // kv_heads, -1).amax(2))
+
+
+PREFIXED = RepeatPrompt(first=(5, 6, 7, 8), later=(9, 10), suffix=(11, 12), prefix=(13, 14, 15, 16, 17, 18, 19))
+
+
+@settings(max_examples=5, deadline=None)
+@given(n=st.integers(30, 80), batch=st.integers(1, 2), chunk=st.integers(9, 40), sinks=st.integers(0, 5),
+       overlap=st.integers(0, 6), spec=st.sampled_from(["kvzip", "kvzip_adakv"]))
+def test_reconstruct_context_skips_the_template_prefix_as_the_reference_does(n, batch, chunk, sinks, overlap, spec):
+    """reconstruct: context (KVzip's Algorithm 1, kvpress's KVzipPress): the chunks start after the chat
+    template's prefix, the prefix's entries score 0; the runtime's scores and kept entries equal the reference's."""
+    model = tiny_model("llama", kv_heads=2)
+    policy = load_spec(spec, per_head=12, scoring={"kvzip": {"chunk": chunk, "sinks": sinks, "overlap": overlap,
+                                                             "reconstruct": "context"}})
+    p = len(PREFIXED.prefix)
+    ids = torch.cat([torch.tensor([PREFIXED.prefix] * batch), prompt(n, batch=batch, seed=n)], dim=1)
+    assert policy.scoring.context_start(ids, PREFIXED.prefix) == p
+    assert policy.scoring.chunks(n + p, p)[0] == (p, min(p + chunk, n + p))
+    with kvcompile.compiled(model, policy, repeat_prompt=PREFIXED), torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    scores, states = reference.kvzip_scores(model, ids, PREFIXED, policy.scoring)
+    expected = reference.compress(policy, states, scores=scores)
+    for layer in range(model.config.num_hidden_layers):
+        assert bool((scores[layer][..., :p] == 0).all()) and bool((scores[layer][..., p:] > 0).all())
+        kept = cache.kept_positions(layer)
+        assert torch.equal(kept, expected.kept[layer]), f"layer {layer}"
+        assert_close(kept_scores(cache, layer), torch.where(kept, scores[layer], 0.0))
+    # the default reconstructs the whole prompt: other scores
+    whole, _ = reference.kvzip_scores(model, ids, PREFIXED, load_spec(spec, scoring={"kvzip": {
+        "chunk": chunk, "sinks": sinks, "overlap": overlap}}).scoring)
+    assert bool((whole[0][..., :p] > 0).all())
+
+
+def test_reconstruct_context_inputs_and_a_prompt_without_the_prefix():
+    """The first span after the prefix gets `first` and quotes nothing; a later span quotes the previous span's
+    last tokens, never the prefix's; a prompt that does not start with the prefix is reconstructed whole."""
+    ids = torch.arange(100, 130)[None]
+    first, later = PREFIXED.inputs(ids, [(7, 17), (17, 27)], overlap=4, origin=7)
+    assert first[0].tolist() == [5, 6, 7, 8, 11, 12] + list(range(107, 117))
+    assert later[0].tolist() == [9, 10, 113, 114, 115, 116, 11, 12] + list(range(117, 127))
+    (short,) = PREFIXED.inputs(ids, [(9, 12)], overlap=4, origin=7)
+    assert short[0].tolist() == [9, 10, 107, 108, 11, 12, 109, 110, 111]  # quotes from the origin on only
+    scorer = load_spec("kvzip", scoring={"kvzip": {"reconstruct": "context"}}).scoring
+    assert scorer.context_start(ids, PREFIXED.prefix) == 0  # no prefix at its start
+    both = torch.cat([torch.tensor([PREFIXED.prefix]), ids[:, :5]], 1).expand(2, -1).clone()
+    assert scorer.context_start(both, PREFIXED.prefix) == 7
+    both[1, 0] = 99  # one row without it: the whole prompt, for every row
+    assert scorer.context_start(both, PREFIXED.prefix) == 0
+    assert load_spec("kvzip").scoring.context_start(both[:1], PREFIXED.prefix) == 0  # reconstruct: prompt
+    model = tiny_model("llama")
+    plain = load_spec("kvzip", per_head=8)
+    ctx = load_spec("kvzip", per_head=8, scoring={"kvzip": {"reconstruct": "context"}})
+    ids = prompt(40, seed=3)
+    a, _ = reference.kvzip_scores(model, ids, PREFIXED, plain.scoring)
+    b, _ = reference.kvzip_scores(model, ids, PREFIXED, ctx.scoring)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(SpecError, match=r"scoring\.kvzip\.reconstruct: 'template' .*allowed: prompt \| context"):
+        load_spec("kvzip", scoring={"kvzip": {"reconstruct": "template"}})
+    with pytest.raises(CompileError, match="reconstruct: context under a chunked prefill"):
+        kvcompile.compile(model, "kvzip_adakv", repeat_prompt=PREFIXED, scoring={"kvzip": {"reconstruct": "context"}},
+                          schedule={"prefill": {"chunk": 16}})

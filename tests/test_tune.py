@@ -2,6 +2,7 @@
 halving finds a planted best candidate and is a function of its seed, an interrupted search resumes from its
 records, and the written spec reproduces the score it was chosen for."""
 import hashlib
+import json
 
 import pytest
 import torch
@@ -161,3 +162,70 @@ def test_at_a_byte_budget_a_lower_precision_keeps_more_entries_in_the_same_bytes
         tune.Budget(kv_fraction=0.25, kv_bytes=0.1)
     with pytest.raises(ValueError, match=r"in \(0, 1\)"):
         tune.Budget(kv_fraction=1.5)
+
+
+def test_the_pareto_front_of_a_planted_set_of_points():
+    from kvcompile.tune_plot import Point, pareto_front
+
+    pts = [Point("a", 0.10, -3.0), Point("b", 0.10, -2.0), Point("c", 0.25, -2.5), Point("d", 0.25, -1.0),
+           Point("e", 0.50, -1.0), Point("f", 0.50, -0.5, "shipped"), Point("g", 0.05, -4.0, "kvpress"),
+           Point("h", 0.05, 5.0, complete=False), Point("i", 0.25, -1.0)]
+    # a: b has the same bytes and more; c: b has fewer bytes and more; e: d has fewer bytes and the same;
+    # h scored on fewer samples: never on the front; d and i are equal: both kept
+    assert [p.label for p in pareto_front(pts)] == ["g", "b", "d", "i", "f"]
+    assert pareto_front([Point("z", 0.2, 1.0, complete=False)]) == []
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Point("x", 0.1, 0.0, "other")
+
+
+def test_tune_writes_its_plot_with_the_references(tmp_path):
+    model = tiny_model(layers=2)
+    samples = [tune.Sample(i, prompt(160, seed=10 + i)[0].tolist(), prompt(4, seed=20 + i)[0].tolist(),
+                           prompt(3, seed=30 + i)[0].tolist()) for i in range(2)]
+    ev = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.25), max_new_tokens=3)
+    space = tune.load_space({"scoring": ["window_attention", "key_norm"], "layers": ["uniform"],
+                             "heads": ["uniform"], "schedule": ["prefill"],
+                             "ranking": {"by_score": {"sinks": 0, "window": 8}}}, bytes_budget=False)
+    result = tune.tune(ev, space, seed=0, confirm=1, progress=False)
+    refs, skipped = tune.reference_candidates(ev)
+    names = {c.key for _, c in refs}
+    assert {"snapkv", "kivi", "kvpress snapkv", "tova = kvpress tova"} <= names  # tova reproduces TOVAPress as is
+    assert {"expected_attention = kvpress expected_attention_uniform", "knorm = kvpress knorm"} <= names
+    assert len(refs) == len({json.dumps({k: v for k, v in c.mapping.items() if k not in ("name", "description")},
+                                        sort_keys=True) for _, c in refs})  # each policy scored once
+    assert any(why.startswith("kvzip:") for why in skipped)  # a reconstruction: not replayable
+    scored = tune.score_references(ev, [r for r in refs if r[1].key in ("knorm = kvpress knorm", "snapkv_int4", "tova = kvpress tova", "kvpress snapkv")],
+                                   progress=False)
+    errors = {t.candidate.key: t.error for _, t in scored}
+    assert errors["kvpress snapkv"].startswith("ranking.by_score.window: window or sinks larger than the budget")
+    points = tune.plot_points(result, ev, scored)
+    assert "kvpress snapkv" not in {p.label for p in points}  # refused at this budget: not drawn
+    by = {p.label: p for p in points}
+    assert by["snapkv_int4"].kind == "shipped" and by["tova = kvpress tova"].kind == "kvpress"
+    assert by["knorm = kvpress knorm"].kv_bytes == pytest.approx(40 / 160)  # floor(0.25 * 160) of 160 entries in fp32
+    assert by["snapkv_int4"].kv_bytes < 0.4 * by["knorm = kvpress knorm"].kv_bytes  # the same entries in int4 codes
+    assert by["knorm = kvpress knorm"].score == pytest.approx(sum(ev.proxy(tune.Candidate("s", refs_mapping(refs, "knorm = kvpress knorm")), i)
+                                                   for i in range(2)) / 2, rel=1e-6)
+    path = tune.write_plot(result, ev, tmp_path / "tuned.png", scored)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def refs_mapping(refs, name):
+    return next(c.mapping for _, c in refs if c.key == name)
+
+
+def test_tune_refuses_to_start_without_matplotlib_unless_told_not_to_plot(monkeypatch, capsys):
+    """The plot comes after the search: a missing matplotlib is an error before the search, not after it."""
+    import importlib.util
+
+    from kvcompile import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["tune", "--kv-fraction", "0.25"])
+    assert exc.value.code == 2
+    assert "pip install 'kvcompile[tune]' (or give --no-plot)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # with --no-plot it goes on (to the next check: a bad --space file)
+        cli.main(["tune", "--kv-fraction", "0.25", "--no-plot", "--space", "/nonexistent/space.yaml"])
+    assert "matplotlib" not in capsys.readouterr().err

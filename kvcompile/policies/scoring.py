@@ -690,7 +690,19 @@ class KVzip(Scorer):
         s_h[i] = max over g in h's group, t of a_g[t, i]        (the maximum attention received in reconstruction)
 
     with c the model's softmax scale. Nothing of a question enters: the scores are the context's
-    own. The extra work is one more forward over the context's length plus the repeat prompts
+    own.
+
+    `reconstruct`: what is reconstructed. "prompt" (the default): the whole prompt from position 0, so a
+    prompt in a chat template has its template prefix (system prompt, user header) repeated and scored like
+    the rest. "context": only what follows the chat template's prefix (RepeatPrompt.prefix, found from the
+    tokenizer's template with a dummy message) where every row of the prompt starts with it, the chunks cut
+    from there, and the prefix's entries scored 0 (evicted first, after the ranking's sinks); a prompt that
+    does not start with the prefix is reconstructed whole. "context" is the paper's: KVzip (§2.1: the
+    context c of n_c tokens prefilled into KV_c; §3, Eq. 2: S ∈ R^{L×H×n_c}, a score for each of the
+    context's KV pairs; Appendix A, Algorithm 1: c partitioned into chunks c_1..c_T, the input "Repeat the
+    previous context:" + c_t) scores and reconstructs the context, not the template around it, and it is
+    kvpress's KVzipPress (which reconstructs from the end of the template's prefix and leaves the prefix's
+    scores 0). The extra work is one more forward over the context's length plus the repeat prompts
     (one per chunk) and the score's attention over the chunk; the full cache of every layer is
     held while scoring (kvcompile.kvzip runs the pass; `score` of a single layer does not exist).
     """
@@ -698,6 +710,7 @@ class KVzip(Scorer):
     chunk: int = bounded(2048, low=1, why="context tokens per reconstruction forward (KVzip: 2000, kvpress: 2048)")
     sinks: int = bounded(4, low=0, why="first cached entries in every chunk's softmax (kvpress n_sink = 4)")
     overlap: int = bounded(8, low=0, why="previous chunk's last tokens quoted in the next repeat prompt (KVzip: 8)")
+    reconstruct: Literal["prompt", "context"] = "prompt"  # the whole prompt, or the context after the template
     gqa = "max"
     reconstructs = True  # scores come from a model-level reconstruction pass (kvcompile.kvzip)
 
@@ -718,9 +731,18 @@ class KVzip(Scorer):
                                   "reconstruction (kvcompile.kvzip, what a compiled model's forward and generate() "
                                   "do); one layer's prefill state alone cannot score it")
 
-    def chunks(self, n: int) -> list[tuple[int, int]]:
-        """The context spans [s, e) reconstructed one forward each."""
-        return [(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
+    def chunks(self, n: int, start: int = 0) -> list[tuple[int, int]]:
+        """The context spans [s, e) reconstructed one forward each, from `start` (context_start) on."""
+        return [(s, min(s + self.chunk, n)) for s in range(start, n, self.chunk)]
+
+    def context_start(self, ids: Tensor, prefix: tuple[int, ...]) -> int:
+        """Where the reconstruction starts in the prompt `ids` (B, N): 0 under reconstruct: prompt; under
+        reconstruct: context, after the chat template's `prefix` where every row starts with it (else 0)."""
+        p = len(prefix)
+        if self.reconstruct == "prompt" or not p or p >= ids.shape[1]:
+            return 0
+        head = torch.tensor(prefix, dtype=ids.dtype, device=ids.device)
+        return p if bool((ids[:, :p] == head).all()) else 0
 
     def score_reconstruction(self, queries: Tensor, cached_k: Tensor, own_k: Tensor, start: int, end: int,
                              scale: float, budget: int = 1 << 23) -> Tensor:
