@@ -354,11 +354,9 @@ def test_softcapped_decode_attention_equals_the_reference(lengths, cap, seed):
             assert_close(got[bi, 2 * hi:2 * hi + 2], want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["streamingllm", "knorm"])
-def test_gemma2_full_budget_equals_the_plain_model(name):
-    """Soft-capped logits through the op (prompt, local windows, decode): logits and greedy tokens of the plain
-    (eager) Gemma 2 at a budget that keeps everything; the cap matters here (without it the logits differ)."""
-    model = tiny_gemma2()
+def check_full_budget(model, name: str, remove_feature) -> None:
+    """At a budget that keeps everything, the compiled model's logits and greedy tokens are the plain
+    (eager) model's; and the feature matters: the plain model's logits move once `remove_feature()` ran."""
     ids, mask = padded_batch()
     real = mask.bool()
     with torch.no_grad():
@@ -367,12 +365,24 @@ def test_gemma2_full_budget_equals_the_plain_model(name):
         with kvcompile.compiled(model, full_budget(name, ids.shape[1] + NEW, 4)):
             logits = model(ids, attention_mask=mask).logits
             got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-        for layer in model.model.layers:
-            layer.self_attn.attn_logit_softcapping = None
-        uncapped = model(ids, attention_mask=mask).logits
+        remove_feature()
+        without = model(ids, attention_mask=mask).logits
     assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
     assert got.tolist() == ref.tolist()
-    assert (uncapped[real] - ref_logits[real]).abs().max() > 1e-2
+    assert (without[real] - ref_logits[real]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "knorm"])
+def test_gemma2_full_budget_equals_the_plain_model(name):
+    """Soft-capped logits through the op (prompt, local windows, decode): logits and greedy tokens of the plain
+    (eager) Gemma 2 at a budget that keeps everything; the cap matters here (without it the logits differ)."""
+    model = tiny_gemma2()
+
+    def uncap():
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+
+    check_full_budget(model, name, uncap)
 
 
 @pytest.mark.parametrize("name, says", [("snapkv", "scoring: window_attention scores entries by attention weights"),
@@ -473,20 +483,12 @@ def test_gpt_oss_full_budget_equals_the_plain_model(name):
     """The sinks through the op (prompt, local windows, decode): logits and greedy tokens of the plain (eager)
     gpt-oss at a budget that keeps everything; the sinks matter here (other sinks give other logits)."""
     model = tiny_gpt_oss()
-    ids, mask = padded_batch()
-    real = mask.bool()
-    with torch.no_grad():
-        ref_logits = model(ids, attention_mask=mask).logits
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-        with kvcompile.compiled(model, full_budget(name, ids.shape[1] + NEW, 4)):
-            logits = model(ids, attention_mask=mask).logits
-            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+
+    def zero_sinks():
         for layer in model.model.layers:
             layer.self_attn.sinks.zero_()
-        other = model(ids, attention_mask=mask).logits
-    assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
-    assert got.tolist() == ref.tolist()
-    assert (other[real] - ref_logits[real]).abs().max() > 1e-2
+
+    check_full_budget(model, name, zero_sinks)
 
 
 def test_gpt_oss_paths_without_the_sinks_are_refused():
