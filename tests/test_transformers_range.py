@@ -29,8 +29,10 @@ spec.loader.exec_module(lowest)
 TESTS = ["tests/test_serving.py", "tests/test_serve_http.py", "tests/test_generate_compat.py", "tests/test_runtime.py",
          "tests/test_compiled.py", "tests/test_devices.py", "tests/test_tensor_parallel.py",
          "tests/test_distributed_doc.py", "tests/test_models.py"]
-# Not transformers: torch's Inductor cache across processes (~40 s).
-DESELECT = ["tests/test_compiled.py::test_a_second_process_reuses_the_inductor_cache"]
+# Not transformers: torch's Inductor cache across processes (~40 s); the engine's decode steps on a simulated
+# device reading nothing back (~130 s; the pipeline simulation, through accelerate and device maps, stays).
+DESELECT = ["tests/test_compiled.py::test_a_second_process_reuses_the_inductor_cache",
+            "tests/test_devices.py::test_decode_steps_on_a_simulated_device_read_nothing_back"]
 # Skips that do not depend on the transformers version (the same tests skip in this run).
 ALLOWED_SKIPS = re.compile(r"CUDA|GPU|setup\.sh|C\+\+ toolchain")
 TIMEOUT = 3600  # seconds for the whole subprocess: only stops a run that hangs (about 400 s on a quiet machine)
