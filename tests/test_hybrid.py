@@ -22,7 +22,7 @@ import kvcompile
 from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
 from test_runtime import full_budget
-from tiny import left_pad, prompt
+from tiny import left_pad, peaked, prompt
 
 WINDOW = 12
 KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention",
@@ -286,10 +286,7 @@ def tiny_gemma2(seed: int = 0):
                           sliding_window=WINDOW, attn_logit_softcapping=CAP, max_position_embeddings=1024,
                           attn_implementation="eager", pad_token_id=0, eos_token_id=1, bos_token_id=2)
     model = Gemma2ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
+    peaked(model)
     model.generation_config.pad_token_id = 0
     return model.eval()
 
@@ -413,10 +410,9 @@ def tiny_gpt_oss(seed: int = 0):
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                           attn_implementation="eager", pad_token_id=0, eos_token_id=1, bos_token_id=2)
     model = GptOssForCausalLM(config)
+    peaked(model)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
             layer.self_attn.sinks.normal_(0.0, 2.0)
     model.generation_config.pad_token_id = 0
     return model.eval()

@@ -40,8 +40,17 @@ def tiny_model(arch: str = "llama", layers: int = 3, heads: int = 4, kv_heads: i
         model = Olmo2ForCausalLM(Olmo2Config(**common))
     else:
         raise ValueError(arch)
-    # Larger random weights than the default init give peaked, varied attention, so that
-    # policies disagree about which tokens matter (the default init attends almost uniformly).
+    peaked(model)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def peaked(model) -> None:
+    """Larger random weights than the default init give peaked, varied attention, so that
+    policies disagree about which tokens matter (the default init attends almost uniformly)."""
+    config = model.config
+    rows = (config.num_attention_heads + config.num_key_value_heads) * \
+        (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -49,12 +58,10 @@ def tiny_model(arch: str = "llama", layers: int = 3, heads: int = 4, kv_heads: i
                 attn.q_norm.weight.mul_(2)  # normed entries are ~1 each, far larger than the projections')
                 attn.k_norm.weight.mul_(2)
             elif hasattr(attn, "qkv_proj"):  # rows: the queries, then the keys, then the values
-                attn.qkv_proj.weight[:(heads + kv_heads) * head_dim].mul_(8)
+                attn.qkv_proj.weight[:rows].mul_(8)
             else:
                 attn.q_proj.weight.mul_(8)
                 attn.k_proj.weight.mul_(8)
-    model.generation_config.pad_token_id = 0
-    return model.eval()
 
 
 def prompt(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
