@@ -40,6 +40,23 @@ def pareto_front(points) -> list[Point]:
     return sorted(front, key=lambda p: (p.kv_bytes, -p.score))
 
 
+def labels(points, x_span: float, y_span: float, near: float = 0.03, line: float = 8.0) -> list[tuple[str, float, float, float]]:
+    """The annotations of the labelled points (shipped specs and presses, complete ones): points at the same place
+    (bytes and score equal to 4 decimals) share one label, names joined by " = "; a label whose point lies within
+    `near` of the axes' spans from an earlier one's (by bytes, then score) is moved up by `line` points per label
+    already there, so labels at equal bytes stack instead of overlapping. Returns (text, x, y, offset up in points)."""
+    groups: dict[tuple[float, float], list[str]] = {}
+    for p in points:
+        if p.kind != "candidate" and p.complete:
+            groups.setdefault((round(p.kv_bytes, 4), round(p.score, 4)), []).append(p.label)
+    placed: list[tuple[str, float, float, float]] = []
+    for (x, y), names in sorted(groups.items()):
+        crowd = sum(1 for _, px, py, _ in placed
+                    if abs(px - x) <= near * (x_span or 1.0) and abs(py - y) <= near * (y_span or 1.0) * 4)
+        placed.append((" = ".join(dict.fromkeys(names)), x, y, 3.0 + crowd * line))
+    return placed
+
+
 def plot(points, path, title: str, best: str | None = None) -> Path:
     """Write the PNG: candidates (faint where not scored on every sample), shipped specs and kvpress's presses
     with their labels, the Pareto front as a step line, and the chosen candidate (`best`, a label) circled."""
@@ -62,9 +79,9 @@ def plot(points, path, title: str, best: str | None = None) -> Path:
             if group:
                 ax.scatter([p.kv_bytes for p in group], [p.score for p in group], alpha=1.0 if complete else 0.25,
                            label=names[kind] + ("" if complete else " (fewer samples)"), **styles[kind])
-    for p in points:
-        if p.kind != "candidate" and p.complete:
-            ax.annotate(p.label, (p.kv_bytes, p.score), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    xs, ys = [p.kv_bytes for p in points], [p.score for p in points]
+    for text, x, y, up in labels(points, max(xs) - min(xs), max(ys) - min(ys)):
+        ax.annotate(text, (x, y), fontsize=6, xytext=(3, up), textcoords="offset points")
     front = pareto_front(points)
     if front:
         ax.step([p.kv_bytes for p in front], [p.score for p in front], where="post", color="black", lw=1,

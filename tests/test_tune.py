@@ -178,6 +178,20 @@ def test_the_pareto_front_of_a_planted_set_of_points():
         Point("x", 0.1, 0.0, "other")
 
 
+def test_plot_labels_at_equal_bytes_stack_instead_of_overlapping():
+    from kvcompile.tune_plot import Point, labels
+
+    pts = [Point("snapkv", 0.25, -2.0, "shipped"), Point("kvpress snapkv", 0.25, -2.0, "kvpress"),
+           Point("knorm", 0.25, -2.01, "shipped"), Point("tova", 0.25, -2.02, "kvpress"),
+           Point("lava", 0.50, -2.0, "shipped"), Point("cand", 0.25, -2.0), Point("few", 0.25, -2.0, "shipped",
+                                                                                complete=False)]
+    got = labels(pts, x_span=0.25, y_span=1.0)
+    assert [t for t, *_ in got] == ["tova", "knorm", "snapkv = kvpress snapkv", "lava"]  # candidates: unlabelled
+    ups = {t: up for t, _, _, up in got}
+    assert sorted(ups[t] for t in ("tova", "knorm", "snapkv = kvpress snapkv")) == [3.0, 11.0, 19.0]  # stacked
+    assert ups["lava"] == 3.0  # far from the others: not moved
+
+
 def test_tune_writes_its_plot_with_the_references(tmp_path):
     model = tiny_model(layers=2)
     samples = [tune.Sample(i, prompt(160, seed=10 + i)[0].tolist(), prompt(4, seed=20 + i)[0].tolist(),
