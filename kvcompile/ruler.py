@@ -396,7 +396,8 @@ def generate_sample(tokenizer, task: str, length: int, seed: int, index: int, fi
 
 def ruler_samples(tokenizer, tasks, lengths, samples: int, seed: int, filler: str, progress: bool = False) -> list[dict]:
     """`samples` samples of each task at each length; `index` numbers them 0, 1, ... in the
-    order length, task, sample."""
+    order length, task, sample (a row number, kvpress's column), `sample` numbers them within their task and
+    length: (task, length, seed, sample) is what a sample is, whatever else a run generates (`sample_id`)."""
     from tqdm.auto import tqdm
 
     plan = [(length, task, i) for length in lengths for task in tasks for i in range(samples)]
@@ -404,7 +405,14 @@ def ruler_samples(tokenizer, tasks, lengths, samples: int, seed: int, filler: st
     for length, task, i in tqdm(plan, desc="generating samples", unit="sample", disable=not progress):
         out.append(generate_sample(tokenizer, task, length, seed, i, filler))
         out[-1]["index"] = len(out) - 1
+        out[-1]["sample"] = i
     return out
+
+
+def sample_id(s: dict) -> int:
+    """A sample's identity within its task, length and seed: `sample` for a generated one (the same content
+    under any --samples or --tasks), its `index` for a row of a dataset file (the file's own numbering)."""
+    return s.get("sample", s["index"])
 
 
 # --- scoring: RULER's scripts/eval/synthetic/constants.py, as kvpress's calculate_metrics -------
@@ -963,14 +971,14 @@ def check_budgets(tokenizer, samples: list[dict], specs, modes, fractions=None, 
 
 
 def record_key(r: dict) -> tuple:
-    """A record's key in a records file (kvcompile.ruler_records): (task, index, seed, length, spec, budget,
+    """A record's key in a records file (kvcompile.ruler_records): (task, sample_id, seed, length, spec, budget,
     mode), budget = budget_key(r)."""
-    return (r["task"], r["index"], r.get("seed"), r["length"], r["spec"], budget_key(r), r["mode"])
+    return (r["task"], sample_id(r), r.get("seed"), r["length"], r["spec"], budget_key(r), r["mode"])
 
 
 def variant_key(sample: dict, seed, spec: str, budget: tuple, mode: str) -> tuple:
     """The key a record of `sample` under `spec` at `budget` (a budget_key) in `mode` will have."""
-    return (sample["task"], sample["index"], seed, sample["length"], spec, budget, mode)
+    return (sample["task"], sample_id(sample), seed, sample["length"], spec, budget, mode)
 
 
 def variant_budget(fraction, policy, fractions, budgets, kv_bytes) -> tuple:
@@ -1029,7 +1037,8 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
         value = score(s["task"], text, s["answers"])
         ended = "eos" if tokens and tokens[-1] in stop else \
             "answered" if answer_stop and value >= 1 and len(tokens) < max_new else "length"
-        out = {"index": s["index"], "task": s["task"], "length": s["length"], "seed": seed, "mode": mode,
+        out = {"index": s["index"], **({"sample": s["sample"]} if "sample" in s else {}),
+               "task": s["task"], "length": s["length"], "seed": seed, "mode": mode,
                "spec": spec, "fraction": fraction, "per_head": per_head, "tokens": n, "question_tokens": len(q),
                "prediction": text, "answers": s["answers"], "score": value,
                "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile", "new_tokens": len(tokens), "stop": ended,

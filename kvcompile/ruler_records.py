@@ -1,5 +1,5 @@
 """A RULER table that accumulates (`kvcompile eval --suite ruler --resume PATH`): one JSON line per
-(task, sample index, seed, length, spec, budget, query mode), appended as soon as it is scored and
+(task, sample within its task, seed, length, spec, budget, query mode), appended as soon as it is scored and
 flushed to disk (fsync), so an interrupted run loses only the record in flight; a later run with the
 same file skips every key it holds. A last line cut short by a kill (no newline, not JSON) is dropped
 when the file is opened again; a bad line anywhere else is an error naming the file and the line.
@@ -12,8 +12,20 @@ from pathlib import Path
 
 from kvcompile.ruler import record_key, variant_key  # noqa: F401 (the key, re-exported)
 
+
 class RecordsError(ValueError):
     """A records file that cannot be resumed (the message names the file and the line)."""
+
+
+def unnumbered(path, number: int, row: dict) -> RecordsError | None:
+    """A record of generated samples (it has a seed) written before records named their sample within its task
+    (`sample`): its `index` was the row's number in that run, which depends on --samples and --tasks, so it
+    cannot be matched with other runs' records; scripts/ruler_records_sample.py numbers such a file's records."""
+    if row.get("seed") is not None and "sample" not in row:
+        return RecordsError(f"{path}, line {number}: a record of a generated sample without its `sample` number "
+                            "(written before records named their sample within its task); number them first: "
+                            f"python3 scripts/ruler_records_sample.py {path}")
+    return None
 
 
 def _json_key(key: tuple) -> str:
@@ -63,6 +75,8 @@ class RecordsFile:
                        if not isinstance(row, dict) or k not in row]
             if missing:
                 raise RecordsError(f"{self.path}, line {number}: missing field(s) {', '.join(missing)}")
+            if (error := unnumbered(self.path, number, row)) is not None:
+                raise error
             if model is not None and row.get("model") not in (None, model):
                 raise RecordsError(f"{self.path}, line {number}: a record of model {row.get('model')!r}; this run is "
                                    f"{model!r}: resume into another file")
@@ -102,5 +116,7 @@ def read_records(paths) -> list[dict]:
                 raise RecordsError(f"{path}, line {number}: not JSON ({exc})") from None
             if not isinstance(row, dict) or any(k not in row for k in ("task", "index", "spec", "mode", "score")):
                 raise RecordsError(f"{path}, line {number}: not a RULER record (task, index, spec, mode, score)")
+            if (error := unnumbered(path, number, row)) is not None:
+                raise error
             out.append(row)
     return out

@@ -4,7 +4,7 @@ paired bootstrap 95 % interval and its number of samples; then every row's diffe
 cache and, with `--baseline NAME`, against that method at the same budget; then where the time went.
 
 The bootstrap (Efron & Tibshirani, 1993, percentile interval): for task t with sample ids S_t (length,
-seed, index), B replicates each draw |S_t| ids from S_t with replacement; a replicate's task score is the
+seed, sample), B replicates each draw |S_t| ids from S_t with replacement; a replicate's task score is the
 mean over its draws, its average the mean of its task scores; the interval is the 2.5th and 97.5th
 percentiles of the B replicates. The draws depend only on (seed, task, S_t), so every row with the same
 samples is resampled with the same ids: intervals and differences are paired. A difference is computed on
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcompile.ruler import budget_key, budget_text
+from kvcompile.ruler import sample_id as ruler_sample_id
 
 RESAMPLES = 1000
 FULL = "full"
@@ -38,7 +39,8 @@ class Estimate:
 
 
 def sample_id(r: dict) -> tuple:
-    return (r.get("length"), r.get("seed"), r["index"])
+    """(length, seed, the sample's number within its task: ruler.sample_id)."""
+    return (r.get("length"), r.get("seed"), ruler_sample_id(r))
 
 
 def table(records: list[dict]) -> dict:

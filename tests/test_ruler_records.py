@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvcompile import cli, ruler
 from kvcompile.ruler_records import RecordsError, RecordsFile, read_records, record_key
+from kvcompile import ruler_report
 from kvcompile.ruler_report import estimate, paired, report, table
 from tests.test_ruler import FILLER, TOK, tiny_for
 
@@ -55,6 +56,69 @@ def test_resume_skips_exactly_the_recorded_keys(setup, tmp_path):
     assert sorted(map(json.dumps, map(record_key, read_records([path])))) == sorted(map(json.dumps, keys))
 
 
+def test_a_record_names_its_sample_within_its_task_whatever_the_run_generates(setup, tmp_path):
+    """`--samples 1` then `--samples 2` into one file: the second run makes only each task's second sample.
+    (A sample's row number depends on --samples: fwe's first sample is row 1 of the first run, row 2 of the
+    second; keyed by it, the same sample was recorded twice and counted twice by the report.)"""
+    model, _ = setup
+    path = tmp_path / "r.jsonl"
+
+    def grown(n):
+        samples = [{**s, "max_new_tokens": 3} for s in ruler.ruler_samples(TOK, ["niah_single_1", "fwe"], [700], n, 0,
+                                                                             FILLER)]
+        store = RecordsFile(path)
+        return ruler.run_ruler(model, TOK, samples, [], ("agnostic",), fractions=[0.5], quiet=True, seed=0,
+                               done=store.has, emit=store.append)
+    first = grown(1)
+    assert sorted((r["task"], r["index"], r["sample"]) for r in first) == [("fwe", 1, 0), ("niah_single_1", 0, 0)]
+    second = grown(2)
+    assert sorted((r["task"], r["index"], r["sample"]) for r in second) == [("fwe", 3, 1), ("niah_single_1", 1, 1)]
+    assert sorted(ruler_report.sample_id(r) for r in read_records([path]) if r["task"] == "fwe") == [
+        (700, 0, 0), (700, 0, 1)]
+
+
+def test_a_record_without_its_sample_number_is_refused_with_the_fix(tmp_path):
+    path = tmp_path / "old.jsonl"
+    old = {"task": "vt", "index": 3, "seed": 0, "length": 700, "spec": "full", "mode": "aware", "fraction": None,
+           "per_head": None, "score": 1.0, "prediction": "x", "source": "kvcompile"}
+    path.write_text(json.dumps(old) + "\n")
+    for read in (lambda: RecordsFile(path), lambda: read_records([path])):
+        with pytest.raises(RecordsError, match=r"line 1: a record of a generated sample without its `sample`.*"
+                                               r"scripts/ruler_records_sample.py"):
+            read()
+    path.write_text(json.dumps({**old, "seed": None}) + "\n")  # a dataset file's row: its index is its identity
+    assert RecordsFile(path).records[0]["index"] == 3
+
+
+def test_old_records_are_numbered_by_their_answers_and_duplicates_dropped():
+    numbering = load_script("ruler_records_sample")
+    answers = {("vt", 700, 0): [["a"], ["b"], ["c"]], ("fwe", 700, 0): [["x"], ["y"], ["x"]]}
+
+    def generate(task, length, seed, i):
+        return answers[(task, length, seed)][i]
+    base = {"length": 700, "seed": 0, "spec": "full", "mode": "agnostic", "fraction": None, "per_head": None}
+    rows = [{**base, "task": "vt", "index": 2, "answers": ["b"]}, {**base, "task": "vt", "index": 5, "answers": ["b"]},
+            {**base, "task": "vt", "index": 6, "answers": ["c"]}, {**base, "task": "vt", "index": 9, "seed": None,
+                                                                    "answers": ["zz"]}]
+    out, dropped = numbering.number(rows, generate, 3)
+    assert [(r["index"], r.get("sample")) for r in out] == [(2, 1), (6, 2), (9, None)] and dropped == 1
+    with pytest.raises(SystemExit, match="match no sample"):
+        numbering.number([{**base, "task": "vt", "index": 0, "answers": ["q"]}], generate, 3)
+    with pytest.raises(SystemExit, match=r"match samples \[0, 2\]"):
+        numbering.number([{**base, "task": "fwe", "index": 0, "answers": ["x"]}], generate, 3)
+
+
+def load_script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_a_run_killed_mid_line_resumes(setup, tmp_path):
     path = tmp_path / "r.jsonl"
     _, made = run(setup, path)
@@ -71,7 +135,7 @@ def test_a_run_killed_mid_line_resumes(setup, tmp_path):
 
 def test_a_bad_line_in_the_middle_is_an_error(tmp_path):
     path = tmp_path / "r.jsonl"
-    good = {"task": "vt", "index": 0, "seed": 0, "length": 700, "spec": "full", "mode": "aware", "fraction": None,
+    good = {"task": "vt", "index": 0, "sample": 0, "seed": 0, "length": 700, "spec": "full", "mode": "aware", "fraction": None,
             "per_head": None, "score": 1.0, "prediction": "x", "source": "kvcompile"}
     path.write_text(json.dumps(good) + "\n{not json\n" + json.dumps(good) + "\n")
     with pytest.raises(RecordsError, match="line 2"):
@@ -84,7 +148,7 @@ def test_a_bad_line_in_the_middle_is_an_error(tmp_path):
 
 
 def rec(method, task, index, score, budget=None, mode="agnostic"):
-    return {"task": task, "index": index, "seed": 0, "length": 4096, "mode": mode, "spec": method,
+    return {"task": task, "index": index, "sample": index, "seed": 0, "length": 4096, "mode": mode, "spec": method,
             "fraction": budget, "per_head": None, "score": score, "source": "kvcompile" if method != "p" else "x"}
 
 
