@@ -9,6 +9,7 @@ are refused before anything runs. On a CUDA machine: layers split between the GP
 (with two GPUs) a pipeline over two."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -223,35 +224,56 @@ def test_a_plan_names_a_device_of_one_type_for_every_layer():
             build_plan(policy, config, device="cpu", layer_devices=bad)
 
 
-def test_pipelines_on_simulated_devices():
-    """tests/sim_pipeline.py, in a process of its own: its simulated devices register torch's PrivateUse1
-    backend for the whole process, after which torch.get_device_module() names it (transformers' continuous
-    batching reads that), so they stay out of this one."""
+SIMULATIONS = {"test_pipelines_on_simulated_devices": "sim_pipeline.py",
+               "test_decode_steps_on_a_simulated_device_read_nothing_back": "sim_decode_sync.py"}
+
+
+@pytest.fixture(scope="module")
+def simulations(request, tmp_path_factory):
+    """The simulations this session selects, started together, each in a process of its own (its simulated
+    devices register torch's PrivateUse1 backend for the whole process, after which torch.get_device_module()
+    names it, and transformers' continuous batching reads that) with one torch thread: they share the machine's
+    cores while this process waits on the first (on two quiet cores about two minutes less than one after the
+    other). Output goes to files, not pipes, so a process that prints much never blocks on the one not read."""
     import sim_devices  # available() registers nothing
 
     if sim_devices.available() is not None:
         pytest.skip(sim_devices.available())
-    here = Path(__file__).resolve().parent
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                           str(here / "sim_pipeline.py")], capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          cwd=here.parent)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
+    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
+    here, logs = Path(__file__).resolve().parent, tmp_path_factory.mktemp("simulations")
+    procs = {}
+    for test, file in SIMULATIONS.items():
+        if test in selected:
+            out = open(logs / f"{file}.log", "w+")
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                                     str(here / file)], stdout=out, stderr=subprocess.STDOUT, text=True,
+                                    cwd=here.parent, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            procs[test] = (proc, out)
+    yield procs
+    for proc, out in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+
+
+def check_simulation(procs, test: str) -> None:
+    proc, out = procs[test]
+    proc.wait(timeout=HANG_GUARD_S)
+    out.seek(0)
+    text = out.read()
+    assert proc.returncode == 0, text[-10000:]
+    summary = text.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
 
 
+def test_pipelines_on_simulated_devices(simulations):
+    """tests/sim_pipeline.py, in a process of its own (`simulations`): layers alternating between two
+    simulated accelerators keep what one device keeps."""
+    check_simulation(simulations, "test_pipelines_on_simulated_devices")
 
-def test_decode_steps_on_a_simulated_device_read_nothing_back():
-    """tests/sim_decode_sync.py, in a process of its own (as above): every spec's decode steps after the
+
+def test_decode_steps_on_a_simulated_device_read_nothing_back(simulations):
+    """tests/sim_decode_sync.py, in a process of its own (`simulations`): every spec's decode steps after the
     first read nothing back to the host and keep their shapes, but for the plan's named exceptions."""
-    import sim_devices
-
-    if sim_devices.available() is not None:
-        pytest.skip(sim_devices.available())
-    here = Path(__file__).resolve().parent
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                           str(here / "sim_decode_sync.py")], capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          cwd=here.parent)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+    check_simulation(simulations, "test_decode_steps_on_a_simulated_device_read_nothing_back")
