@@ -711,7 +711,7 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
     Under `scorer.reconstruct` "context", the chunks start after `repeat.prefix` (the chat template's
     prefix) where every row starts with it, and the prefix's entries keep the score 0.
     Returns the scores per layer (B, H, N) and the prompt's states (keys, values, scale; no queries)."""
-    from kvcompile.sweep import capture
+    from kvcompile.tools.sweep import capture
 
     b, n = ids.shape
     origin = 0  # reconstruct: context skips the chat template's prefix where every row starts with it

@@ -73,7 +73,7 @@ def test_no_import_cycle(name):
             todo.extend(graph.get(nxt, ()))
 
 
-@pytest.mark.parametrize("fast", ["kvcompile.engine.op", "kvcompile.store", "kvcompile.cache", "kvcompile.plan", "kvcompile.compile",
+@pytest.mark.parametrize("fast", ["kvcompile.engine.op", "kvcompile.store", "kvcompile.cache", "kvcompile.plan", "kvcompile.integrations.generate",
                                   "kvcompile.kernels.select", "kvcompile.kernels.merge",
                                   "kvcompile.kernels.paged_attention", "kvcompile.kernels.window_scores"])
 def test_the_fast_path_does_not_import_the_reference(fast):
@@ -83,5 +83,5 @@ def test_the_fast_path_does_not_import_the_reference(fast):
 @pytest.mark.parametrize("name", sorted(n for n in GRAPH if n.startswith("kvcompile.policies.")))
 def test_the_part_library_depends_on_nothing_of_the_engine(name):
     engine = {n for n in GRAPH if n.startswith(("kvcompile.engine", "kvcompile.store"))} | {"kvcompile.cache", "kvcompile.plan", "kvcompile.reference", "kvcompile.spec",
-              "kvcompile.compile", "kvcompile.selection", "kvcompile.allocation"}
+              "kvcompile.integrations.generate", "kvcompile.selection", "kvcompile.allocation"}
     assert not (reachable(name) & engine), sorted(reachable(name) & engine)

@@ -1,4 +1,4 @@
-"""kvcompile.vllm.packed_attention (no vLLM needed): the decode attention of compressed requests over their
+"""kvcompile.integrations.vllm.packed_attention (no vLLM needed): the decode attention of compressed requests over their
 packed entries in vLLM's CPU cache layout. Both implementations, the torch reference and the C++ kernel
 (one call per layer for all requests), equal kvcompile.reference.attend over what each head keeps plus
 its decode entries, for random budgets, block sizes, GQA groups and block tables; everything the cache
@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from kvcompile.kernels.paged_attention_cpp import supports
 from kvcompile.reference import attend
-from kvcompile.vllm.packed_attention import DecodePlan, PackedLayer, Record, key_view, value_view
-from kvcompile.vllm.packing import locations, region
+from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer, Record, key_view, value_view
+from kvcompile.integrations.vllm.packing import locations, region
 
 
 def reference_attention(q, keys, values, scale):

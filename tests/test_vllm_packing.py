@@ -1,4 +1,4 @@
-"""kvcompile.vllm.packing (no vLLM needed): a compressed request's kept entries packed into its last S slots
+"""kvcompile.integrations.vllm.packing (no vLLM needed): a compressed request's kept entries packed into its last S slots
 across heads and layers. Every entry gets one location, no location holds two, all lie in [N − S, N); the
 gather order and the padded heads give back each head's entries; and the selection is kvcompile's reference
 selection (LAVa's cascade, AdaKV's pooled heads, DBudgetKV's threshold) read from scores alone."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kvcompile.vllm.packing import assign, kept_entries, padded, region, slots
+from kvcompile.integrations.vllm.packing import assign, kept_entries, padded, region, slots
 
 
 @st.composite
@@ -106,7 +106,7 @@ def test_counted_cascade_is_the_literal_cascade(layers, heads, n, per_head, seed
     import kvcompile
     from kvcompile.layer_state import LayerState
     from kvcompile.reference import compress
-    from kvcompile.vllm.packing import counted_cascade
+    from kvcompile.integrations.vllm.packing import counted_cascade
 
     g = torch.Generator().manual_seed(seed)
     policy = kvcompile.load_spec("lava", per_head=per_head, ranking={"by_score": {"sinks": 1, "window": 3}})

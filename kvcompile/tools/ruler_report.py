@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcompile.ruler import budget_key, budget_text
+from kvcompile.tools.ruler import budget_key, budget_text
 
 RESAMPLES = 1000
 FULL = "full"

@@ -15,7 +15,7 @@ positions [N − S, N), S = ⌈E / (L·H)⌉, as one pool of L·S·H locations (
 
 The blocks wholly before position N − S go back to vLLM's pool: as many for a head-wise or layer-wise
 policy as for a uniform one of the same total. The attention of
-a compressed request gathers each head's entries from these locations (kvcompile.vllm.backend); decode
+a compressed request gathers each head's entries from these locations (kvcompile.integrations.vllm.backend); decode
 tokens follow at positions N, N + 1, … in their own layer and column, as vLLM writes them.
 """
 from __future__ import annotations
