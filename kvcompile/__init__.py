@@ -11,8 +11,6 @@ The public names below are imported on first use (PEP 562 module `__getattr__`),
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 import typing
 
 # public name -> the module that defines it
@@ -49,17 +47,3 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-class _Package(types.ModuleType):
-    """`kvcompile.compile` is the function, as the eager package had it, even once the
-    submodule of the same name is imported (the import system would set the package
-    attribute to the submodule; the submodule stays in sys.modules["kvcompile.integrations.generate"])."""
-
-    def __setattr__(self, name, value):
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
