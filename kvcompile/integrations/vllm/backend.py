@@ -4,8 +4,8 @@ In the step that ends a request's prompt (the whole prompt, or its last chunk un
 earlier chunks' queries among the last R are kept meanwhile), each layer, after vLLM's own attention, scores
 the prompt with the policy's scorer (from the layer's prompt state: the last R = scoring.query_rows(N)
 queries, every key and value, all after RoPE, the keys and values read back from the cache). After the last layer the
-selection runs over every layer's scores (kvcompile.integrations.vllm.packing.kept_entries: kvcompile's reference
-selection, LAVa's cascade included), and every (layer, KV head)'s kept entries are packed into the request's
+selection runs over every layer's scores (kvcompile.integrations.vllm.packing.kept_entries: the plan's own
+selection, run by the engine, LAVa's cascade included), and every (layer, KV head)'s kept entries are packed into the request's
 slots of positions [N − S, N), S = ⌈Σ K_{l,h} / (L·H)⌉, across heads and layers (kvcompile.integrations.vllm.packing).
 The worker keeps where they are (a Record) and reports N − S with the step's output; the scheduler returns
 the blocks wholly before it to vLLM's pool (kvcompile.integrations.vllm.patches).
