@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 import kvcompile
-from kvcompile import cli
-from kvcompile.data import answer_found, needle_suite
-from kvcompile.models import load_model
+from kvcompile.tools import cli
+from kvcompile.tools.data import answer_found, needle_suite
+from kvcompile.tools.models import load_model
 
 OUT = Path(__file__).resolve().parent / "out"
 FULL = "full cache"

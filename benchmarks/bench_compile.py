@@ -40,7 +40,7 @@ def child(args) -> dict:
 
     sys.path.insert(0, ROOT)
     import kvcompile
-    from kvcompile.models import load_model
+    from kvcompile.tools.models import load_model
     from kvcompile.passes.backend import COMPILES
 
     torch.set_num_threads(args.threads)

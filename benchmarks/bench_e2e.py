@@ -38,8 +38,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import kvcompile
-from kvcompile.models import full_kv_bytes, load_model
-from kvcompile.cli import policy_for  # --per-head, unless the spec's threshold sets its own budget
+from kvcompile.tools.models import full_kv_bytes, load_model
+from kvcompile.tools.cli import policy_for  # --per-head, unless the spec's threshold sets its own budget
 
 
 class Clock:

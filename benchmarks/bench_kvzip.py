@@ -22,8 +22,8 @@ import time
 import torch
 
 import kvcompile
-from kvcompile.data import load_haystack, user_turn
-from kvcompile.models import load_model
+from kvcompile.tools.data import load_haystack, user_turn
+from kvcompile.tools.models import load_model
 
 
 def seconds(fn, repeats: int) -> float:

@@ -22,7 +22,7 @@ import json, sys
 import torch
 torch.set_num_threads(int(sys.argv[4]))
 import kvcompile
-from kvcompile.models import load_model
+from kvcompile.tools.models import load_model
 mode, length, per_head = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 model, _ = load_model()
 ids = torch.randint(100, 40000, (1, length), generator=torch.Generator().manual_seed(0))

@@ -28,7 +28,7 @@ import kvcompile
 import kvcompile.engine.op as op
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels.online_step import TorchOnlineStep
-from kvcompile.models import load_model
+from kvcompile.tools.models import load_model
 from kvcompile.plan import build_plan
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 import kvcompile
-from kvcompile.models import home, load_model
+from kvcompile.tools.models import home, load_model
 
 
 def timed(fn, repeat: int) -> float:

@@ -1,5 +1,5 @@
-"""Prompt compression alone: one captured prompt (kvcompile.sweep.capture) replayed under
-each spec (kvcompile.sweep.replay), the runtime's per-layer scoring, selection, merge and
+"""Prompt compression alone: one captured prompt (kvcompile.tools.sweep.capture) replayed under
+each spec (kvcompile.tools.sweep.replay), the runtime's per-layer scoring, selection, merge and
 cascade without the model's forward. Prints a table of seconds per replay (min of repeats).
 
     python benchmarks/bench_replay.py --length 4000 --specs lava snapkv zsmerge
@@ -12,8 +12,8 @@ import time
 import torch
 
 import kvcompile
-from kvcompile.models import load_model
-from kvcompile.sweep import capture, replay
+from kvcompile.tools.models import load_model
+from kvcompile.tools.sweep import capture, replay
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ def free_port() -> int:
 
 def contexts(tokenizer, count: int, length: int) -> list[str]:
     """`count` texts of `length` tokens, consecutive stretches of the haystack (wrapping around)."""
-    from kvcompile.data import load_haystack
+    from kvcompile.tools.data import load_haystack
 
     ids = tokenizer(load_haystack(), add_special_tokens=False)["input_ids"]
     need = count * length
@@ -63,8 +63,8 @@ def chat(server, messages: list[dict], max_tokens: int) -> tuple[str, float, flo
 
 
 def run(args, reuse: bool, texts: list[str]) -> list[dict]:
-    from kvcompile.models import default_model_dir
-    from kvcompile.server import KVCompileServer, ServeOptions
+    from kvcompile.tools.models import default_model_dir
+    from kvcompile.integrations.server import KVCompileServer, ServeOptions
 
     server = KVCompileServer(ServeOptions(spec=args.spec, model=str(default_model_dir()),
                                           overrides={"per_head": args.per_head}, port=free_port(),
@@ -110,7 +110,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from kvcompile.models import default_model_dir
+    from kvcompile.tools.models import default_model_dir
 
     torch.set_num_threads(args.threads)
     texts = contexts(AutoTokenizer.from_pretrained(default_model_dir()), args.repeats, args.context)

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 import kvcompile
-from kvcompile.cli import policy_for
-from kvcompile.models import default_model_dir
+from kvcompile.tools.cli import policy_for
+from kvcompile.tools.models import default_model_dir
 
 from bench_e2e import Clock  # benchmarks/ is the script's folder, so on sys.path
 

@@ -45,7 +45,7 @@ def run_one(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvcompile.data import load_haystack
+    from kvcompile.tools.data import load_haystack
 
     max_len = args.length + args.new_tokens + 8
     llm = LLM(model=str(ROOT / "models" / "smollm2-135m"), dtype="float32", enforce_eager=True, seed=0,

@@ -12,7 +12,7 @@ import time
 import torch
 
 import kvcompile
-from kvcompile.models import load_model
+from kvcompile.tools.models import load_model
 
 
 class Clock:

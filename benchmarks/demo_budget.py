@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvcompile import cli
+from kvcompile.tools import cli
 
 
 def main() -> None:
@@ -33,8 +33,8 @@ def main() -> None:
     filler = cli.haystack()
     model, tokenizer = cli.load(args)
 
-    from kvcompile.data import answer_found
-    from kvcompile.models import generate
+    from kvcompile.tools.data import answer_found
+    from kvcompile.tools.models import generate
 
     started = time.perf_counter()
     rows = []

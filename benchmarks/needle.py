@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from kvcompile import cli
-from kvcompile.data import needle_suite
-from kvcompile.models import load_model
+from kvcompile.tools import cli
+from kvcompile.tools.data import needle_suite
+from kvcompile.tools.models import load_model
 
 SPECS = "snapkv,pyramidkv,adakv,lava,dbudgetkv,zsmerge,streamingllm,dbudget_lava,lava_residual,pyramid_pooled"
 OUT = Path(__file__).resolve().parent / "out"

@@ -5,7 +5,7 @@ Each configuration runs in a fresh process (its peak RSS is its own): the embedd
 `--requests` requests of `--length`-token prompts (English text from data/haystack.txt, a different
 stretch per request) sent at once, `--new-tokens` greedy tokens each, the engine's pool sized for
 `--kv-tokens` tokens of full cache. "full" is transformers' own engine (sdpa), the others the same
-engine on the compiled model (kvcompile.serving). Columns:
+engine on the compiled model (kvcompile.integrations.batching). Columns:
 
 - peak req: the most requests holding a cache at once (sampled every 20 ms from the scheduler's
   active requests; for kvcompile also its exact count, `memory_report()["peak_requests"]`);
@@ -37,7 +37,7 @@ DEFAULT_CONFIGS = ["full", "snapkv:256", "adakv:256", "lava:256", "snapkv:128", 
 
 def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """`count` prompts of `length` tokens, consecutive stretches of the haystack text (wrapping around)."""
-    from kvcompile.data import load_haystack
+    from kvcompile.tools.data import load_haystack
 
     ids = tokenizer(load_haystack(), add_special_tokens=False)["input_ids"]
     need = count * length
@@ -51,7 +51,7 @@ def run_one(config: str, args) -> dict:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     import kvcompile
-    from kvcompile.models import load_model
+    from kvcompile.tools.models import load_model
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model()

@@ -4,7 +4,7 @@
 Every measurement runs in a FRESH subprocess: kvpress's in its own virtual environment's python
 (kvpress 0.5.5 pins transformers < 5.3; see scripts/kvpress_env.sh), kvcompile's in this one.
 All of them get the same prompt: a needle prompt of about `--length` tokens built from
-data/haystack.txt (the demo's prompt maker, kvcompile.cli.demo_prompt), greedy decoding of
+data/haystack.txt (the demo's prompt maker, kvcompile.tools.cli.demo_prompt), greedy decoding of
 exactly `--new-tokens` tokens (min_new_tokens = max_new_tokens), `--threads` torch threads.
 
 Each library through its normal generate() path:
@@ -83,7 +83,7 @@ class Timer:
 
 
 def found(text: str, answer: str) -> bool:
-    """kvcompile.data.answer_found: the number as a whole number in the text."""
+    """kvcompile.tools.data.answer_found: the number as a whole number in the text."""
     if answer.isdigit():
         return re.search(rf"(?<!\d){answer}(?!\d)", text) is not None
     return answer.lower() in text.lower()
@@ -135,8 +135,8 @@ def child(job: dict) -> dict:
             (lambda m: make_press(method, job, m)(model))
     else:  # kvcompile, or kvcompile-before: an earlier checkout's (its folder first on PYTHONPATH)
         import kvcompile
-        from kvcompile.cli import policy_for
-        from kvcompile.models import load_model
+        from kvcompile.tools.cli import policy_for
+        from kvcompile.tools.models import load_model
 
         model, tokenizer = load_model(job["model"])
         if method != "full":
@@ -192,8 +192,8 @@ def child(job: dict) -> dict:
 def make_prompt(args, path: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from kvcompile.cli import demo_prompt
-    from kvcompile.data import load_haystack
+    from kvcompile.tools.cli import demo_prompt
+    from kvcompile.tools.data import load_haystack
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     p = demo_prompt(tokenizer, load_haystack(), args.length, args.depth, args.seed)

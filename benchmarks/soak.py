@@ -304,8 +304,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from kvcompile.models import default_model_dir
-    from kvcompile.server import KVCompileServer, ServeOptions
+    from kvcompile.tools.models import default_model_dir
+    from kvcompile.integrations.server import KVCompileServer, ServeOptions
 
     torch.set_num_threads(args.threads)
     with socket.socket() as s:

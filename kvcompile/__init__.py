@@ -11,29 +11,27 @@ The public names below are imported on first use (PEP 562 module `__getattr__`),
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 import typing
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "CompileError": "kvcompile.compile",
+    "CompileError": "kvcompile.integrations.generate",
     "KVCompileCache": "kvcompile.cache",
     "Policy": "kvcompile.policy",
     "SpecError": "kvcompile.spec",
-    "compile": "kvcompile.compile",
-    "compress_context": "kvcompile.context",
-    "compiled": "kvcompile.compile",
+    "compile": "kvcompile.integrations.generate",
+    "compress_context": "kvcompile.integrations.context",
+    "compiled": "kvcompile.integrations.generate",
     "load_spec": "kvcompile.spec",
-    "uncompile": "kvcompile.compile",
+    "uncompile": "kvcompile.integrations.generate",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if typing.TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
     from kvcompile.cache import KVCompileCache
-    from kvcompile.compile import CompileError, compile, compiled, uncompile
-    from kvcompile.context import compress_context
+    from kvcompile.integrations.generate import CompileError, compile, compiled, uncompile
+    from kvcompile.integrations.context import compress_context
     from kvcompile.policy import Policy
     from kvcompile.spec import SpecError, load_spec
 
@@ -49,17 +47,3 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
-
-
-class _Package(types.ModuleType):
-    """`kvcompile.compile` is the function, as the eager package had it, even once the
-    submodule of the same name is imported (the import system would set the package
-    attribute to the submodule; the submodule stays in sys.modules["kvcompile.compile"])."""
-
-    def __setattr__(self, name, value):
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -1,4 +1,4 @@
 """`python -m kvcompile` is the `kvcompile` command."""
-from kvcompile.cli import main
+from kvcompile.tools.cli import main
 
 main()

@@ -40,7 +40,7 @@ def of(output):
 def is_engine_cache(cache) -> bool:
     """Whether `cache` is continuous batching's paged cache. The engine passes it as `cache`, which up to 5.23 went
     through the model's keyword arguments to the attention function, and from 5.24 is the model's cache argument:
-    kvcompile.serving's attention reads the requests' own caches from it, so it goes on unchanged."""
+    kvcompile.integrations.batching's attention reads the requests' own caches from it, so it goes on unchanged."""
     if cache is None or NAME != "cache":
         return False
     from transformers.generation.continuous_batching.cache import PagedAttentionCache

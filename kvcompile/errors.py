@@ -1,4 +1,4 @@
-"""Errors shared by kvcompile.compile and the modules it builds on (kvcompile.serving)."""
+"""Errors shared by kvcompile.compile and the modules it builds on (kvcompile.integrations.batching)."""
 
 
 class CompileError(ValueError):

@@ -35,7 +35,7 @@ class Selection:
     scores: list[Tensor]  # per layer: (B, H, N) float scores, -inf at padding
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None = None,
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None = None,
            lengths: Tensor | None = None, scale: float | None = None) -> Tensor:
     """Decode attention over a compressed cache: the ground truth for every decode kernel.
 
@@ -507,7 +507,7 @@ def _entries_of(keys, values, positions, scores, kept, merged, storage=None) -> 
 
 
 def compressed_cache(policy, state: LayerState, kept: Tensor, merged: Merged | None):
-    """One layer's compressed cache as `attend` takes it: per head the kept tokens in
+    """One layer's compressed cache as `decode_attention` takes it: per head the kept tokens in
     position order, then the occupied merge slots; returns keys, values (B, H, S, d),
     bias (B, H, S) (0 for tokens, α·log w for slots; None when the policy drops) and
     lengths (B, H)."""
@@ -711,8 +711,6 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
     Under `scorer.reconstruct` "context", the chunks start after `repeat.prefix` (the chat template's
     prefix) where every row starts with it, and the prefix's entries keep the score 0.
     Returns the scores per layer (B, H, N) and the prompt's states (keys, values, scale; no queries)."""
-    from kvcompile.sweep import capture
-
     b, n = ids.shape
     origin = 0  # reconstruct: context skips the chat template's prefix where every row starts with it
     prefix = list(getattr(repeat, "prefix", ()))
@@ -728,7 +726,7 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
             lead = list(repeat.first) if k == 0 else list(repeat.later) + quoted
             rows.append(lead + list(repeat.suffix) + ids[i, start:end].tolist())
         rebuilt = torch.tensor(rows, dtype=ids.dtype)  # (B, T): the chunk's reconstruction input
-        layers, _ = capture(model, torch.cat([ids, rebuilt], dim=1))
+        layers = captured_states(model, torch.cat([ids, rebuilt], dim=1))
         if scores is None:
             scores = [torch.zeros(b, st.keys.shape[1], n) for st in layers]
             states = [LayerState(st.queries[:, :, :0], st.keys[:, :, :n], st.values[:, :, :n], None, st.scale)
@@ -750,6 +748,27 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
     return scores, states
 
 
+@torch.no_grad()
+def captured_states(model, ids: Tensor) -> list[LayerState]:
+    """Every layer's state (all queries, keys and values after RoPE, and the scale) of the uncompressed model's
+    forward over the unpadded sequences `ids` (B, T): the model's own attention (causal SDPA) with each
+    layer's inputs recorded on the way (`_recorded_step`)."""
+    states: dict[int, LayerState] = {}
+    with _model_attention(model, "kvcompile_reference_capture", _recorded_step):
+        model(ids, kvcompile_states=states, use_cache=False)
+    return [states[layer] for layer in sorted(states)]
+
+
+def _recorded_step(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention entry while `captured_states` runs a model: the layer's state recorded, then
+    the causal attention (SDPA, grouped query heads) of the unpadded sequence."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    kwargs["kvcompile_states"][module.layer_idx] = LayerState(query.clone(), key.clone(), value.clone(), None, scale)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                                           enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
 # --- KVzip under a chunked prefill (scoring: kvzip, schedule: {prefill: {chunk: c}}) ------------------
 
 @dataclass
@@ -759,7 +778,7 @@ class ChunkedKVzip:
     ever held. The prompt (unpadded) is cut into chunks [start, end) of c tokens (the last one shorter);
     for each chunk, in order:
 
-    1. The chunk's forward (`attend`, every layer): real query t sees every entry its head holds after the
+    1. The chunk's forward (`attend_chunk`, every layer): real query t sees every entry its head holds after the
        previous chunk (kept tokens and merge slots, with the merge rule's logit bias) and the chunk's tokens
        up to itself: ChunkedPrefill's step 1. The chunk's keys and values are held.
     2. Its reconstruction (`reconstruct`, every layer of every forward): for each span [s, e) of the chunk,
@@ -810,7 +829,7 @@ class ChunkedKVzip:
     def begin(self, start: int, end: int) -> None:
         self.chunk, self.span = (start, end), None
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def attend_chunk(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """Step 1 at one layer: the chunk's attention output (B, Hq, T, d); its keys and values held."""
         b_, _, t_, _ = q.shape
         real = torch.ones(b_, t_, dtype=torch.bool)
@@ -867,7 +886,7 @@ class ChunkedKVzip:
 
     def step(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """What the model's attention at `layer` computes now: step 1, or step 2 while a span is reconstructed."""
-        return self.attend(layer, q, k, v, scale) if self.span is None else self.reconstruct(layer, q, k, v, scale)
+        return self.attend_chunk(layer, q, k, v, scale) if self.span is None else self.reconstruct(layer, q, k, v, scale)
 
     @classmethod
     @torch.no_grad()
@@ -903,16 +922,22 @@ def _reference_step(module, query, key, value, attention_mask, scaling=None, dro
     return ref.step(module.layer_idx, query, key, value, scale).transpose(1, 2).contiguous(), None
 
 
-@contextmanager
 def _reference_attention(model):
     """The model's attention routed to `_reference_step` inside the block (its own restored after)."""
+    return _model_attention(model, "kvcompile_reference", _reference_step)
+
+
+@contextmanager
+def _model_attention(model, name: str, step):
+    """The model's attention routed to `step` (transformers' attention entry) under `name` inside the block,
+    without a mask (unpadded sequences); the model's own attention restored after."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register("kvcompile_reference", _reference_step)
-    AttentionMaskInterface.register("kvcompile_reference", lambda *args, **kwargs: None)  # unpadded: no mask
+    AttentionInterface.register(name, step)
+    AttentionMaskInterface.register(name, lambda *args, **kwargs: None)  # unpadded: no mask
     saved = model.config._attn_implementation
-    model.set_attn_implementation("kvcompile_reference")
+    model.set_attn_implementation(name)
     try:
         yield model
     finally:

@@ -40,7 +40,6 @@ from typing import Literal, Union
 
 import yaml
 
-import kvcompile
 from kvcompile.policies import PARTS
 from kvcompile.policies.budgets import Budget, Split
 from kvcompile.policies.fields import FieldError, choices_error, field_range
@@ -688,7 +687,7 @@ def _load_text(text: str, file: str, default_name: str, source, overrides: dict)
 
 def specs_dir():
     """The shipped specs: `specs/` of a source checkout, else package data kvcompile.specs."""
-    checkout = Path(kvcompile.__file__).resolve().parent.parent / "specs"
+    checkout = Path(__file__).resolve().parents[1] / "specs"  # kvcompile/spec.py -> the checkout
     if checkout.is_dir():
         return checkout
     return importlib.resources.files("kvcompile.specs")

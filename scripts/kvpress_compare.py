@@ -42,7 +42,7 @@ RULER comparison (`bash scripts/kvpress_env.sh ruler`): answer quality, both que
                calls of each mode.  A call that raises writes no record: it is listed in
                OUT.meta.json ("failures") and at the end, and the step exits 1.
   tokens       (kvcompile's env)  those ids against kvcompile's own RULER prompt
-               (kvcompile.ruler.mode_prompt); prints each mismatch, exit 1 if any.
+               (kvcompile.tools.ruler.mode_prompt); prints each mismatch, exit 1 if any.
   ruler-table  (kvcompile's env)  `python3 -m kvcompile eval --suite ruler --dataset S.jsonl
                --predictions OUT.jsonl --kv-fraction (the run's) --query both ...`: one table per
                mode, kvcompile's specs and kvpress's presses side by side per fraction and task;
@@ -83,7 +83,7 @@ def csv(kind):
 
 def release_freed_memory() -> None:
     """glibc: a heap trim, so that resident memory at entry is the live tensors; the allocator is
-    left as it is (the same as kvcompile.models.release_freed_memory, which this env cannot import:
+    left as it is (the same as kvcompile.tools.models.release_freed_memory, which this env cannot import:
     a fixed mmap threshold slows a cache that reallocates every step, kvpress's DynamicCache)."""
     import ctypes
 
@@ -130,8 +130,8 @@ def cmd_prompts(args) -> None:
     from transformers import AutoTokenizer
 
     import kvcompile
-    from kvcompile.data import load_haystack, needle_suite
-    from kvcompile.models import default_model_dir, load_model
+    from kvcompile.tools.data import load_haystack, needle_suite
+    from kvcompile.tools.models import default_model_dir, load_model
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     if not (model_dir / "config.json").is_file():
@@ -295,8 +295,8 @@ def cmd_kvcompile(args) -> None:
     import torch
 
     import kvcompile
-    from kvcompile.data import answer_found
-    from kvcompile.models import full_kv_bytes, generate, load_model
+    from kvcompile.tools.data import answer_found
+    from kvcompile.tools.models import full_kv_bytes, generate, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -918,13 +918,13 @@ def cmd_ruler(args) -> None:
 
 
 def cmd_tokens(args) -> None:
-    """kvcompile's prompt ids (kvcompile.ruler.mode_prompt) against the ids kvpress's pipeline fed."""
+    """kvcompile's prompt ids (kvcompile.tools.ruler.mode_prompt) against the ids kvpress's pipeline fed."""
     from transformers import AutoTokenizer
 
     try:
-        from kvcompile import ruler
+        from kvcompile.tools import ruler
     except ImportError:
-        sys.exit("tokens: this kvcompile has no RULER suite (kvcompile.ruler); run it where "
+        sys.exit("tokens: this kvcompile has no RULER suite (kvcompile.tools.ruler); run it where "
                  "`kvcompile eval --suite ruler` exists")
     fed = json.loads(Path(args.tokens).read_text())
     samples = {s["index"]: s for s in ruler.load_dataset(args.samples)}
@@ -968,7 +968,7 @@ def samples_subset(samples: Path, predictions: Path):
 def ruler_table_from_results(args) -> None:
     """The table from a finished `kvcompile eval --suite ruler --out JSON` on the same samples file and
     kvpress's predictions, without running kvcompile again (kvcompile's environment)."""
-    from kvcompile import ruler
+    from kvcompile.tools import ruler
 
     results = [json.loads(Path(path).read_text()) for path in args.kvcompile_results.split(",") if path.strip()]
     result = {**results[0], "results_files": args.kvcompile_results.split(",")}

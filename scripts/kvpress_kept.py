@@ -18,7 +18,7 @@ Two steps, run through scripts/kvpress_compare.py (`kept-kvpress`, `kept`):
                 one prefill.  -> JSONL: one record per (sample, mode, press, fraction) with the kept
                 positions packed as bits (L, H, N), then one "prompt" record with the ids (--resume
                 skips the prompts that have it).
-  kept          (kvcompile's env)  the same ids from kvcompile.ruler.mode_prompt (any difference is an
+  kept          (kvcompile's env)  the same ids from kvcompile.tools.ruler.mode_prompt (any difference is an
                 error), each spec of KEPT_SPECS at per_head = floor(f * n) (as `kvcompile eval --suite
                 ruler`), kept positions from the cache the RULER eval decodes from (the engine's per-layer
                 compression of one captured prefill, as sweep.replay; kvzip: the engine's reconstruction,
@@ -483,14 +483,14 @@ def kvcompile_kept(cache) -> "torch.Tensor":
 
 def spec_policy(spec: str, overrides: dict, n: int, fraction: float):
     """The spec (with `overrides`) at the RULER eval's budget for a KV fraction of an n-token prompt:
-    per_head = floor(f * n), at least 1 (kvcompile.ruler.policies_for's arithmetic)."""
+    per_head = floor(f * n), at least 1 (kvcompile.tools.ruler.policies_for's arithmetic)."""
     import kvcompile
 
     return kvcompile.load_spec(kvcompile.load_spec(spec, **overrides), per_head=max(1, math.floor(fraction * n + 1e-9)))
 
 
 def replay_scored(policy, config, states, memo: dict):
-    """kvcompile.sweep.replay (the engine's per-layer compression of a captured prefill, what the RULER eval
+    """kvcompile.tools.sweep.replay (the engine's per-layer compression of a captured prefill, what the RULER eval
     decodes from), with each layer's scores computed by the engine's scorer once per scoring part and layer
     (`memo`) and given to compress_prompt_layer(..., scores=): the budgets and allocation parts that share a
     scorer share its scores (compress_prompt_layer computes the same `plan.score(plan.state(...))` itself when
@@ -522,7 +522,7 @@ def kvzip_scored(model, policy, ids: list[int], **options) -> tuple[list, dict]:
 
     from kvcompile.engine import prefill as engine_prefill
     from kvcompile.layer_state import LayerState
-    from kvcompile.sweep import prefilled
+    from kvcompile.tools.sweep import prefilled
 
     original = engine_prefill.compress_prompt_layer
     states, memo = {}, {}
@@ -554,7 +554,7 @@ class Prompt:
     def kept(self, policy) -> "torch.Tensor":
         import torch
 
-        from kvcompile.sweep import capture, not_replayable
+        from kvcompile.tools.sweep import capture, not_replayable
 
         if not_replayable(policy):
             if policy.schedule.prefill is not None or not getattr(policy.scoring, "reconstructs", False):
@@ -613,8 +613,8 @@ def cmd_kept(args) -> None:
     import numpy as np
     import torch
 
-    from kvcompile import ruler
-    from kvcompile.models import load_model
+    from kvcompile.tools import ruler
+    from kvcompile.tools.models import load_model
 
     torch.set_num_threads(args.threads)
     prompts, kept = read_kvpress(args.kvpress)

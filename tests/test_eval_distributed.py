@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcompile import cli
-from kvcompile.data import SETUP_COMMAND, haystack_path
-from kvcompile.models import is_converted
+from kvcompile.tools import cli
+from kvcompile.tools.data import SETUP_COMMAND, haystack_path
+from kvcompile.tools.models import is_converted
 
 ROOT = Path(__file__).resolve().parent.parent
 # 3 prompts (one length, three depths) over 2 ranks: rank 0 runs prompts 0 and 2, rank 1 prompt 1

@@ -14,9 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig, MistralConfig
 
-from kvcompile import cache_arg, cli
-from kvcompile.data import haystack_path
-from kvcompile.models import (EMBEDDED, GEMMA3, SMOLLM2, ChunkedGguf, embedded_model, full_kv_bytes, is_converted,
+from kvcompile import cache_arg
+from kvcompile.tools import cli
+from kvcompile.tools.data import haystack_path
+from kvcompile.tools.models import (EMBEDDED, GEMMA3, SMOLLM2, ChunkedGguf, embedded_model, full_kv_bytes, is_converted,
                               load_model)
 
 SETUP = GEMMA3.setup_command

@@ -18,7 +18,7 @@ from kvcompile.policies.ranking import ByScore
 from kvcompile.policies.scoring import KeyNorm, Recency, WindowAttention
 from kvcompile.policy import Policy
 from kvcompile.spec import SpecError, load_spec
-from kvcompile.sweep import replay
+from kvcompile.tools.sweep import replay
 from test_kvzip import REPEAT, run
 from test_reference import random_states
 from test_runtime import run_recorded

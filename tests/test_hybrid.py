@@ -259,7 +259,7 @@ def test_continuous_batching_equals_the_plain_engine_and_generate(model):
 def test_a_request_reserves_its_windows():
     """What the pool reserves for a prompt covers the local layers' windows: window - 1 positions each (at
     most the prompt), every KV head's key and value."""
-    from kvcompile.serving import prompt_bound_bytes, window_bytes
+    from kvcompile.integrations.batching import prompt_bound_bytes, window_bytes
 
     plan = kvcompile.KVCompileCache(full_budget("snapkv", 64, len(KINDS)), tiny_gemma3().config).plan
     per_token = 2 * 2 * 16 * 4
@@ -515,10 +515,10 @@ def test_a_prompt_compressed_chunk_by_chunk_leaves_local_layers_to_their_window(
 
 
 def test_prefill_once_compress_many_carries_the_local_layers(model):
-    """kvcompile.sweep (the needle and RULER evals' prefill once, compress many): the captured prompt's local
+    """kvcompile.tools.sweep (the needle and RULER evals' prefill once, compress many): the captured prompt's local
     layers go with every replayed policy, so a replayed cache decodes the tokens of the compiled model's own
     prefill; states without them are refused on a hybrid model."""
-    from kvcompile.sweep import capture, greedy, replay
+    from kvcompile.tools.sweep import capture, greedy, replay
 
     ids = prompt(40, seed=12)
     policy = kvcompile.load_spec("snapkv", per_head=36)

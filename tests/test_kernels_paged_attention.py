@@ -1,5 +1,5 @@
 """paged_attention (Triton under the interpreter, torch lowering eager and compiled)
-against kvcompile.reference.attend on the gathered cache."""
+against kvcompile.reference.decode_attention on the gathered cache."""
 import functools
 
 import pytest
@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from torch.testing import assert_close
 
 from kvcompile.kernels import paged_attention as pa
-from kvcompile.reference import attend
+from kvcompile.reference import decode_attention as attend
 from tiny import on_triton
 
 

@@ -1,6 +1,6 @@
 """Quantized KV pages (kvcompile/kernels/quantize.py) and decode attention over them
 (kvcompile/kernels/paged_attention_quant.py): the quantizer against its written-out formula
-(exact), its error bound and int4 packing; the eager reference against kvcompile.reference.attend
+(exact), its error bound and int4 packing; the eager reference against kvcompile.reference.decode_attention
 on the gathered dequantized cache; the C++ kernel and the Triton kernel (under the interpreter,
 or on the GPU where there is one) against the reference. The Triton kernel's compile for sm_80 and
 sm_90 without a spill is tests/test_triton_targets.py's (kvcompile.kernels.targets lists its launches)."""
@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from kvcompile.kernels import paged_attention_quant as pq
 from kvcompile.kernels import quantize as qz
-from kvcompile.reference import attend
+from kvcompile.reference import decode_attention as attend
 from tiny import on_triton
 
 
@@ -207,7 +207,7 @@ def test_quantizer_errors_name_the_reason():
 def quant_case(seed, batch, heads, group, dim, page, pages, bits, key_group, value_group, bias):
     """A random paged cache, quantized: each head owns `pages` pages of a permuted pool (plus spare
     pages), ragged lengths (0 and full included), a bias with −inf entries. Keys per channel when
-    key_group is None. Returns (args, expected): expected = reference.attend on the gathered
+    key_group is None. Returns (args, expected): expected = reference.decode_attention on the gathered
     dequantized cache, taken before every slot no head uses is poisoned (NaN scales, zeros and bias
     per token, NaN per-channel scales of unused pages, random codes, −1 past each head's last page)."""
     gen = torch.Generator().manual_seed(seed)

@@ -114,7 +114,7 @@ def test_presses_are_kvpress_registry_names():
 
 def test_tokens_step_reports_a_mismatch(tmp_path, capsys):
     """The kvcompile-side check: ids equal to kvcompile's prompt pass; one changed id is reported."""
-    ruler = pytest.importorskip("kvcompile.ruler")
+    ruler = pytest.importorskip("kvcompile.tools.ruler")
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -248,9 +248,10 @@ def test_kvcompile_kept_sets_are_the_caches_entries():
     import torch
     from tiny import prompt, tiny_model
 
-    from kvcompile import reference, ruler
+    from kvcompile import reference
+    from kvcompile.tools import ruler
     from kvcompile.kvzip import RepeatPrompt
-    from kvcompile.sweep import capture, prefilled, replay
+    from kvcompile.tools.sweep import capture, prefilled, replay
 
     model = tiny_model(layers=3, heads=4, kv_heads=2)
     ids = prompt(60)[0].tolist()
@@ -346,9 +347,9 @@ def test_merge_lines_pools_two_runs_and_base_lines_skips_presses(tmp_path):
 def test_kept_summarize_only_writes_the_summary_of_the_rows_without_a_model(tmp_path, monkeypatch):
     import argparse
 
-    import kvcompile.models
+    import kvcompile.tools.models
 
-    monkeypatch.setattr(kvcompile.models, "load_model", lambda *a, **k: pytest.fail("no model for a summary"))
+    monkeypatch.setattr(kvcompile.tools.models, "load_model", lambda *a, **k: pytest.fail("no model for a summary"))
     samples = write_jsonl(tmp_path / "s.jsonl", [])
     kvp = write_jsonl(tmp_path / "k.jsonl", [{"kind": "prompt", "index": 4, "mode": "aware", "ids": [1, 2]}])
     rows = write_jsonl(tmp_path / "r.jsonl", [

@@ -148,7 +148,7 @@ def test_repeat_prompt_from_smollm2_tokenizer():
     from transformers import AutoTokenizer
 
     from kvcompile.kvzip import repeat_prompt_for
-    from kvcompile.models import default_model_dir, is_converted, load_model
+    from kvcompile.tools.models import default_model_dir, is_converted, load_model
 
     if not is_converted():
         pytest.skip("SmolLM2 is not converted here (scripts/setup.sh)")
@@ -183,7 +183,7 @@ def test_shipped_specs_say_what_kvzip_says():
 
 def test_a_layer_state_alone_cannot_score_it():
     """replay (prefill once, compress many) has no model to reconstruct with: refused with the reason."""
-    from kvcompile.sweep import capture, replay
+    from kvcompile.tools.sweep import capture, replay
 
     model = tiny_model("llama")
     states, _ = capture(model, prompt(30, seed=5))
@@ -192,7 +192,7 @@ def test_a_layer_state_alone_cannot_score_it():
 
 
 def test_continuous_batching_is_refused():
-    from kvcompile.serving import BatchingError, check_batching
+    from kvcompile.integrations.batching import BatchingError, check_batching
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from kvcompile.policies.budgets import Budget, Split
 from kvcompile.policies.merge import Residual
 from kvcompile.policy import Policy
-from kvcompile.reference import LayerState, attend, compressed_cache, head_budgets, merge_evicted, select
+from kvcompile.reference import LayerState, decode_attention as attend, compressed_cache, head_budgets, merge_evicted, select
 
 FEW = settings(max_examples=40, deadline=None)
 

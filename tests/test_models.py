@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from kvcompile import data
-from kvcompile.models import SETUP_COMMAND, default_model_dir, find_gguf, is_converted, load_gguf, load_model
+from kvcompile.tools import data
+from kvcompile.tools.models import SETUP_COMMAND, default_model_dir, find_gguf, is_converted, load_gguf, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["river", "market", "winter", "harbour", "railway", "garden", "council", "festival"]
@@ -200,7 +200,7 @@ def test_gguf_located_without_importing_package():
 
 REALLOCATION = """
 import resource, torch
-from kvcompile.models import PeakRSS
+from kvcompile.tools.models import PeakRSS
 with PeakRSS():
     pass
 layers = [torch.ones(3, 2000, 64) for _ in range(8)]  # 1.5 MiB each, as DynamicCache holds a layer's keys

@@ -108,9 +108,9 @@ def assert_quantized_as_torch(store, k, v, bits, group):
 
 
 def dequantized_attention(store, q, scale):
-    """reference.attend over the store's dequantized entries."""
+    """reference.decode_attention over the store's dequantized entries."""
     keys, values, _, _, _, stored = store.gather()
-    return reference.attend(q[:, :, None], keys, values, None, stored.sum(-1), scale)[:, :, 0]
+    return reference.decode_attention(q[:, :, None], keys, values, None, stored.sum(-1), scale)[:, :, 0]
 
 
 @needs_cpp

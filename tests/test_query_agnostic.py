@@ -1,5 +1,5 @@
 """Query-agnostic scoring (expected_attention, key_norm) and one compressed context reused across
-questions and turns (kvcompile.context): the runtime against the eager references, how the parts
+questions and turns (kvcompile.integrations.context): the runtime against the eager references, how the parts
 compose with every allocator, merge rule and schedule, and what is refused up front."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kvcompile.layer_state import LayerState
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.policies.scoring import ExpectedAttention, KeyNorm
 from kvcompile.spec import SpecError, loads_spec
-from kvcompile.sweep import capture
+from kvcompile.tools.sweep import capture
 from test_decode import assert_same_cache
 from tiny import prompt, tiny_model
 

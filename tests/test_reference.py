@@ -16,7 +16,7 @@ from kvcompile.policies.schedule import Schedule
 from kvcompile.policies.scoring import Decayed, KeyNorm, LastToken, Lava, WindowAttention
 from kvcompile.policy import Policy
 from kvcompile.reference import (
-    LayerState, attend, compress, compressed_cache, layer_entropy, layer_totals, query_rows, score_layer, select,
+    LayerState, decode_attention as attend, compress, compressed_cache, layer_entropy, layer_totals, query_rows, score_layer, select,
 )
 
 FEW = settings(max_examples=25, deadline=None)

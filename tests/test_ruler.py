@@ -1,4 +1,4 @@
-"""RULER-style eval (kvcompile/ruler.py, `kvcompile eval --suite ruler`): the generators on a tiny
+"""RULER-style eval (kvcompile/tools/ruler.py, `kvcompile eval --suite ruler`): the generators on a tiny
 character tokenizer, RULER's scorers, the dataset and predictions files, kvpress's prompt, the
 query-agnostic path against the plain model's generate(), and one end-to-end eval in both modes."""
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import kvcompile
-from kvcompile import cli, ruler
-from kvcompile.sweep import capture, feed, greedy, replay
+from kvcompile.tools import cli
+from kvcompile.tools import ruler
+from kvcompile.tools.sweep import capture, feed, greedy, replay
 from tests.tiny import tiny_model
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompile import cli, ruler
-from kvcompile.ruler_records import RecordsError, RecordsFile, read_records, record_key
-from kvcompile import ruler_report
-from kvcompile.ruler_report import estimate, paired, report, table
+from kvcompile.tools import cli
+from kvcompile.tools import ruler
+from kvcompile.tools.ruler_records import RecordsError, RecordsFile, read_records, record_key
+from kvcompile.tools import ruler_report
+from kvcompile.tools.ruler_report import estimate, paired, report, table
 from tests.test_ruler import FILLER, TOK, tiny_for
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("openai", reason="kvcompile serve needs transformers[serving
 requests = pytest.importorskip("requests")
 
 import kvcompile  # noqa: E402
-from kvcompile.server import KVCompileServer, ServeOptions  # noqa: E402
+from kvcompile.integrations.server import KVCompileServer, ServeOptions  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 TIMEOUT = 60  # seconds, per HTTP request
@@ -386,7 +386,7 @@ def test_an_engine_failure_fails_that_request_alone(served, monkeypatch):
     """A forward that raises (injected here for one prompt) fails its request with a 500 in OpenAI's shape; the
     engine goes on: the next request is answered exactly, every block is back in the pool."""
     server, tokenizer, folder, reference = served
-    from kvcompile.serving import KVCompileModelRunner
+    from kvcompile.integrations.batching import KVCompileModelRunner
 
     poison = tokenizer("FAIL")["input_ids"]
     forward = KVCompileModelRunner._forward_process_and_sample
@@ -427,7 +427,7 @@ def test_metrics_and_one_log_line_per_request(served, caplog):
 
 
 def test_serve_help_says_which_model_name_requests_use():
-    from kvcompile.cli import build_parser
+    from kvcompile.tools.cli import build_parser
 
     parser = build_parser()
     serve_parser = parser._subparsers._group_actions[0].choices["serve"]

@@ -3,7 +3,7 @@ prompt and answer) continues a copy of that request's kept compressed cache, pre
 tiny model served in this process on 127.0.0.1 with the character tokenizer of test_serve_http (one token per
 character, so a client's text continuation is the kept token ids followed by the new ones): the second turn's tokens
 equal generate()'s multi-turn path (`generate(turn2, past_key_values=<turn 1's cache>)`, what
-`kvcompile.context.Conversation.say` runs); with a budget covering everything, the plain model's; without reuse, or
+`kvcompile.integrations.context.Conversation.say` runs); with a budget covering everything, the plain model's; without reuse, or
 for a prompt diverging inside a kept sequence, a fresh prefill's. The kept caches are bounded (least recently used
 dropped, its pool blocks given back) and a query-aware policy is refused at start-up.
 """
@@ -19,9 +19,9 @@ pytest.importorskip("uvicorn", reason="kvcompile serve needs fastapi and uvicorn
 requests = pytest.importorskip("requests")
 
 import kvcompile  # noqa: E402
-from kvcompile.context import KeptSequence, KeptSequences  # noqa: E402
-from kvcompile.server import KVCompileServer, ServeOptions  # noqa: E402
-from kvcompile.serving import RequestKV, request_bytes  # noqa: E402
+from kvcompile.integrations.context import KeptSequence, KeptSequences  # noqa: E402
+from kvcompile.integrations.server import KVCompileServer, ServeOptions  # noqa: E402
+from kvcompile.integrations.batching import RequestKV, request_bytes  # noqa: E402
 from tests.test_serve_http import char_tokenizer, free_port, save_char_model  # noqa: E402
 
 TIMEOUT = 60
@@ -276,7 +276,7 @@ def test_query_aware_policies_are_refused_at_start_up(folder):
 
 
 def test_the_command_line_names_both_flags_and_refuses_a_query_aware_spec(folder, capsys):
-    from kvcompile import cli
+    from kvcompile.tools import cli
 
     with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "--help"])

@@ -17,7 +17,7 @@ pytest.importorskip("uvicorn", reason="kvcompile serve needs fastapi and uvicorn
 requests = pytest.importorskip("requests")
 
 import kvcompile  # noqa: E402
-from kvcompile.server import KVCompileServer, ServeOptions  # noqa: E402
+from kvcompile.integrations.server import KVCompileServer, ServeOptions  # noqa: E402
 from tests.test_serve_http import SPEC, char_tokenizer, free_port  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""kvcompile inside transformers' continuous batching (kvcompile.serving).
+"""kvcompile inside transformers' continuous batching (kvcompile.integrations.batching).
 
 A compiled model's `generate_batch` / `init_continuous_batching` runs each request through its own
 KVCompileCache: the tokens equal `model.generate` with the same spec (greedy), one request or several
@@ -13,8 +13,8 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import RequestState
 
 import kvcompile
-from kvcompile.compile import CompileError
-from kvcompile.serving import BATCHING_ATTENTION, KVCompileBatchingManager, KVCompilePagedCache
+from kvcompile.integrations.generate import CompileError
+from kvcompile.integrations.batching import BATCHING_ATTENTION, KVCompileBatchingManager, KVCompilePagedCache
 from tests.tiny import prompt, tiny_model
 
 NEW = 8

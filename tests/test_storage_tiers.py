@@ -253,7 +253,7 @@ def test_under_autocast_the_precision_specs_stay_close_to_their_fp32_run(name):
 @pytest.mark.parametrize("storage", [{"mixed": {"full": 0.5, "bits": 4}}, {"kivi": {"residual": 8, "tokens": 16}},
                                      "int4"], ids=str)
 def test_continuous_batching_equals_generate(storage):
-    """Three requests through transformers' continuous-batching engine (kvcompile.serving) under a precision
+    """Three requests through transformers' continuous-batching engine (kvcompile.integrations.batching) under a precision
     part: each gives what it gives alone through generate(), and every block comes back."""
     from test_serving import compiled, prompts, reference, serve
 
@@ -286,7 +286,7 @@ def test_a_continued_cache_equals_one_generation(storage):
 def test_what_serving_reserves_for_a_prompt_covers_its_two_tiers(storage, name):
     """serving.prompt_bound_bytes (a request's admission) is at least the bytes a tiered cache holds after
     the prompt, for lengths around page and group boundaries."""
-    from kvcompile.serving import prompt_bound_bytes
+    from kvcompile.integrations.batching import prompt_bound_bytes
 
     d, h, g, layers = 16, 2, 2, 2
     config = SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvcompile
-from kvcompile.sweep import capture, greedy, replay
+from kvcompile.tools.sweep import capture, greedy, replay
 from tiny import left_pad, prompt, tiny_model
 
 # replay has no model to run a reconstruction scorer's second pass (kvzip): refused, tests/test_kvzip.py
@@ -42,7 +42,7 @@ def test_replay_equals_live_prefill_and_generate(captured, name):
 def test_teacher_forced_on_replay_equals_live_prefill(name):
     """The continuation scores (kvcompile eval --continuation) from a replayed cache are the
     logits of a live compiled prefill fed the same continuation token by token."""
-    from kvcompile.sweep import teacher_forced
+    from kvcompile.tools.sweep import teacher_forced
 
     model = tiny_model("llama")
     ids = prompt(130, seed=31)
@@ -64,7 +64,7 @@ def test_replay_refuses_a_chunked_prefill_and_prefilled_runs_it():
     """A policy that compresses while prefilling in chunks changes the prompt's forward itself (chunk k
     attends to what chunks < k kept): a one-pass capture cannot give it, so replay refuses it with the
     reason, and `prefilled` (the compiled model's own forward) gives what generate()'s prefill keeps."""
-    from kvcompile.sweep import not_replayable, prefilled
+    from kvcompile.tools.sweep import not_replayable, prefilled
 
     model = tiny_model("llama")
     ids = prompt(120, seed=41)

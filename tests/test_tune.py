@@ -1,4 +1,4 @@
-"""kvcompile.tune: the search space is the part library, refused candidates are never evaluated, successive
+"""kvcompile.tools.tune: the search space is the part library, refused candidates are never evaluated, successive
 halving finds a planted best candidate and is a function of its seed, an interrupted search resumes from its
 records, and the written spec reproduces the score it was chosen for."""
 import hashlib
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvcompile
-from kvcompile import tune
+from kvcompile.tools import tune
 from kvcompile.policies import PARTS
 from kvcompile.policy import policy_to_mapping
 from tiny import prompt, tiny_model
@@ -165,7 +165,7 @@ def test_at_a_byte_budget_a_lower_precision_keeps_more_entries_in_the_same_bytes
 
 
 def test_the_pareto_front_of_a_planted_set_of_points():
-    from kvcompile.tune_plot import Point, pareto_front
+    from kvcompile.tools.tune_plot import Point, pareto_front
 
     pts = [Point("a", 0.10, -3.0), Point("b", 0.10, -2.0), Point("c", 0.25, -2.5), Point("d", 0.25, -1.0),
            Point("e", 0.50, -1.0), Point("f", 0.50, -0.5, "shipped"), Point("g", 0.05, -4.0, "kvpress"),
@@ -232,7 +232,7 @@ def test_tune_refuses_to_start_without_matplotlib_unless_told_not_to_plot(monkey
     """The plot comes after the search: a missing matplotlib is an error before the search, not after it."""
     import importlib.util
 
-    from kvcompile import cli
+    from kvcompile.tools import cli
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))

@@ -36,7 +36,7 @@ REPLAY = """
 import torch, kvcompile
 from types import SimpleNamespace
 from kvcompile.layer_state import LayerState
-from kvcompile.sweep import replay
+from kvcompile.tools.sweep import replay
 def kept(name):
     g = torch.Generator().manual_seed(0)
     states = [LayerState(torch.randn(1, 4, 70, 16, generator=g), torch.randn(1, 2, 70, 16, generator=g),
@@ -76,7 +76,7 @@ print("RESULT" + json.dumps({"vllm": vllm.__version__, "torch": torch.__version_
 def test_vllm_greedy_tokens_equal_transformers_generate():
     """vLLM 0.32 (fp32, eager, its CPU attention) and transformers' generate() give SmolLM2 the same greedy
     tokens on two prompts: the baseline a kvcompile policy inside vLLM must keep when it evicts nothing."""
-    from kvcompile.models import load_model
+    from kvcompile.tools.models import load_model
 
     model, tokenizer = load_model()
     prompts = ["The capital of France is", "One, two, three,"]

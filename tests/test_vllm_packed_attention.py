@@ -1,6 +1,6 @@
-"""kvcompile.vllm.packed_attention (no vLLM needed): the decode attention of compressed requests over their
+"""kvcompile.integrations.vllm.packed_attention (no vLLM needed): the decode attention of compressed requests over their
 packed entries in vLLM's CPU cache layout. Both implementations, the torch reference and the C++ kernel
-(one call per layer for all requests), equal kvcompile.reference.attend over what each head keeps plus
+(one call per layer for all requests), equal kvcompile.reference.decode_attention over what each head keeps plus
 its decode entries, for random budgets, block sizes, GQA groups and block tables; everything the cache
 holds that no request keeps is NaN, so reading a wrong slot cannot go unnoticed."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kvcompile.kernels.paged_attention_cpp import supports
-from kvcompile.reference import attend
-from kvcompile.vllm.packed_attention import DecodePlan, PackedLayer, Record, key_view, value_view
-from kvcompile.vllm.packing import locations, region
+from kvcompile.reference import decode_attention as attend
+from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer, Record, key_view, value_view
+from kvcompile.integrations.vllm.packing import locations, region
 
 
 def reference_attention(q, keys, values, scale):
-    """kvcompile.reference.attend of one query row q (Hq, d) over each KV head's keys and values, given per
+    """kvcompile.reference.decode_attention of one query row q (Hq, d) over each KV head's keys and values, given per
     head as lists of (n_h, d) (padded to one width, lengths masking the padding)."""
     lengths = torch.tensor([[len(k) for k in keys]])
     width = int(lengths.max())

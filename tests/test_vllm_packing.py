@@ -1,4 +1,4 @@
-"""kvcompile.vllm.packing (no vLLM needed): a compressed request's kept entries packed into its last S slots
+"""kvcompile.integrations.vllm.packing (no vLLM needed): a compressed request's kept entries packed into its last S slots
 across heads and layers. Every entry gets one location, no location holds two, all lie in [N − S, N); the
 gather order and the padded heads give back each head's entries; and the selection is kvcompile's reference
 selection (LAVa's cascade, AdaKV's pooled heads, DBudgetKV's threshold) read from scores alone."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kvcompile.vllm.packing import assign, kept_entries, padded, region, slots
+from kvcompile.integrations.vllm.packing import assign, kept_entries, padded, region, slots
 
 
 @st.composite
@@ -101,12 +101,11 @@ def test_selection_is_the_reference_from_scores():
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 3), st.integers(20, 90), st.integers(4, 30), st.integers(0, 2 ** 16))
 def test_counted_cascade_is_the_literal_cascade(layers, heads, n, per_head, seed):
-    """LAVa's cascade counted (one selection per layer) keeps exactly the entries of the reference's literal
+    """LAVa's cascade as the engine counts it (the lazy cascade: one selection per layer) keeps exactly the entries of the reference's literal
     cascade (every lower layer re-selected after each layer), for skewed score distributions."""
     import kvcompile
     from kvcompile.layer_state import LayerState
     from kvcompile.reference import compress
-    from kvcompile.vllm.packing import counted_cascade
 
     g = torch.Generator().manual_seed(seed)
     policy = kvcompile.load_spec("lava", per_head=per_head, ranking={"by_score": {"sinks": 1, "window": 3}})
@@ -116,5 +115,5 @@ def test_counted_cascade_is_the_literal_cascade(layers, heads, n, per_head, seed
     shape = (1, heads, n, 0)
     want = compress(policy, [LayerState(None, torch.empty(shape), torch.empty(shape)) for _ in scores],
                     scores=scores).kept
-    for got, kept in zip(counted_cascade(policy, scores), want):
+    for got, kept in zip(kept_entries(policy, scores), want):
         assert torch.equal(got, kept)

@@ -1,4 +1,4 @@
-"""kvcompile's vLLM plugin (kvcompile/vllm, docs/VLLM.md): refusals at load and at configuration; with a
+"""kvcompile's vLLM plugin (kvcompile/integrations/vllm, docs/VLLM.md): refusals at load and at configuration; with a
 budget covering the prompt vLLM's greedy tokens are plain vLLM's; with compression they are kvcompile's
 own generate() under the same spec (kvcompile's environment), the kept (layer, head, position) entries are
 kvcompile's reference selection on the same prompt, requests run together equal their runs alone, the
@@ -47,8 +47,8 @@ def run_vllm(prompts: list[list[int]], timeout: int = 420, more: dict | None = N
 @pytest.fixture(scope="module")
 def model_and_prompts():
     """SmolLM2 in kvcompile's environment and two chat prompts of a few hundred tokens over the haystack."""
-    from kvcompile.data import load_haystack, split_sentences, user_turn
-    from kvcompile.models import load_model
+    from kvcompile.tools.data import load_haystack, split_sentences, user_turn
+    from kvcompile.tools.models import load_model
 
     model, tokenizer = load_model(MODEL)
     sentences = split_sentences(load_haystack())
@@ -64,8 +64,8 @@ REFUSALS = """
 import json, os
 import vllm
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
-from kvcompile.vllm import register
-from kvcompile.vllm.settings import PluginError
+from kvcompile.integrations.vllm import register
+from kvcompile.integrations.vllm.settings import PluginError
 out = {"off_path": None, "refused": {}, "config": {}}
 register()  # KVCOMPILE_VLLM_SPEC unset: nothing patched
 out["off_path"] = AttentionBackendEnum.CPU_ATTN.get_path()
@@ -78,7 +78,7 @@ for spec in ("zsmerge", "kvzip", "kivi", "snapkv_int4", "expected_attention"):
         out["refused"][spec] = str(exc)
 out["off_after_refusals"] = AttentionBackendEnum.CPU_ATTN.get_path()
 from kvcompile.spec import load_spec
-from kvcompile.vllm.settings import refusal
+from kvcompile.integrations.vllm.settings import refusal
 out["accepted"] = {spec: refusal(load_spec(spec)) for spec in ("adakv", "lava", "pyramid_pooled", "dbudgetkv")}
 from importlib.metadata import entry_points
 out["entry_points"] = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "kvcompile"]
@@ -102,7 +102,7 @@ for name, change in (("accepted", {}), ("prefix_caching", {"enable_prefix_cachin
         out["config"][name] = str(exc)
     except Exception as exc:  # vLLM itself refusing first
         out["config"][name] = "vllm: " + repr(exc)
-from kvcompile.vllm import patches
+from kvcompile.integrations.vllm import patches
 vllm.__version__ = "0.33.0"
 try:
     patches.check_version()
@@ -120,8 +120,8 @@ def test_plugin_off_by_default_refuses_what_it_cannot_run():
     speculative decoding and another vLLM version (chunked prefill is accepted)."""
     out = run(["-c", f"MODEL = {str(MODEL)!r}\n" + REFUSALS], vllm_env(), timeout=240)
     assert out["off_path"].startswith("vllm.") and out["off_after_refusals"] == out["off_path"]
-    assert out["entry_points"] == ["kvcompile.vllm:register"]
-    assert out["on_path"] == "kvcompile.vllm.backend.KVCompileCPUBackend"
+    assert out["entry_points"] == ["kvcompile.integrations.vllm:register"]
+    assert out["on_path"] == "kvcompile.integrations.vllm.backend.KVCompileCPUBackend"
     reasons = {"zsmerge": "split", "kvzip": "reconstruction", "kivi": "storage kivi", "snapkv_int4": "storage int4",
                "expected_attention": "rotary"}
     for spec, reason in reasons.items():
@@ -186,8 +186,8 @@ def test_compressed_vllm_equals_kvcompile(model_and_prompts, compressed_runs, sp
     kernel's case; tests/test_vllm_packed_attention.py holds it to the torch reference)."""
     import kvcompile
     from kvcompile.reference import compress
-    from kvcompile.sweep import capture
-    from kvcompile.vllm.packing import region
+    from kvcompile.tools.sweep import capture
+    from kvcompile.integrations.vllm.packing import region
 
     model, prompts = model_and_prompts
     policy = kvcompile.load_spec(spec, **COMPRESSED[spec])

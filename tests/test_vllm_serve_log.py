@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from kvcompile.vllm.serve import VllmServe
+from kvcompile.integrations.vllm.serve import VllmServe
 
 
 def serve_options(**changes) -> VllmServe:
@@ -35,13 +35,13 @@ def test_serve_engine_vllm_prints_the_plugin_and_its_spec_before_vllm_starts(mon
 def plugin_without_vllm(monkeypatch):
     """register() with the spec in the environment and vLLM's patching replaced (records what it applied)."""
     applied = []
-    monkeypatch.setitem(sys.modules, "kvcompile.vllm.patches", types.SimpleNamespace(apply=applied.append))
-    monkeypatch.setitem(sys.modules, "kvcompile.vllm.backend", types.SimpleNamespace(
+    monkeypatch.setitem(sys.modules, "kvcompile.integrations.vllm.patches", types.SimpleNamespace(apply=applied.append))
+    monkeypatch.setitem(sys.modules, "kvcompile.integrations.vllm.backend", types.SimpleNamespace(
         STEP=types.SimpleNamespace(record_to=None)))
     monkeypatch.setenv("KVCOMPILE_VLLM_SPEC", "snapkv")
     monkeypatch.setenv("KVCOMPILE_VLLM_PER_HEAD", "32")
     monkeypatch.delenv("KVCOMPILE_VLLM_RATIO", raising=False)
-    from kvcompile.vllm import register
+    from kvcompile.integrations.vllm import register
 
     return register, applied
 

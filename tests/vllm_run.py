@@ -7,10 +7,10 @@ configures (KVCOMPILE_VLLM_SPEC...). Used by tests/test_vllm_plugin.py:
     .venv-vllm/bin/python tests/vllm_run.py '{"model": "models/smollm2-135m", "prompts": [[...]], "max_tokens": 8}'
 
 With "runs": [{"spec": ..., "overrides": {...}, "record": file}, ...] (the plugin on), the same engine runs the
-prompts once per policy, each in turn set as the worker's policy (kvcompile.vllm.backend.STEP) between runs,
+prompts once per policy, each in turn set as the worker's policy (kvcompile.integrations.vllm.backend.STEP) between runs,
 when no request is in flight: one vLLM start for many policies (the scheduler reads only what the worker
 recorded). The result is then {"runs": [one result per policy]}, each saying whether the worker's decode
-attention had the C++ kernel's cache addresses (kvcompile.vllm.packed_attention).
+attention had the C++ kernel's cache addresses (kvcompile.integrations.vllm.packed_attention).
 """
 import json
 import os
@@ -32,8 +32,8 @@ def main(args: dict) -> dict:
     if "runs" not in args:
         return run(llm, prompts, params, "stepped") | {"block_size": options["block_size"]}
     from kvcompile.spec import load_spec
-    from kvcompile.vllm.backend import STEP
-    from kvcompile.vllm.settings import refusal
+    from kvcompile.integrations.vllm.backend import STEP
+    from kvcompile.integrations.vllm.settings import refusal
 
     results = []
     for i, spec in enumerate(args["runs"]):

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 import kvcompile.reference as ref
-from kvcompile import cli
-from kvcompile.data import needle_suite
-from kvcompile.models import load_model
+from kvcompile.tools import cli
+from kvcompile.tools.data import needle_suite
+from kvcompile.tools.models import load_model
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "needle_lava_window_on_top.json"
 DESIGN_SPLIT = ref.layer_totals

@@ -99,7 +99,7 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
     valid = cache.prompt.valid
     padding = None if bool(valid.all()) else valid
     if cache.plan.attention_scores and rows is None and t == n:  # one pass gives both (the plan's choice)
-        out, scores = cache.plan.prompt_scores.attend(cache.plan.policy.scoring, q, k, v, padding, scale)
+        out, scores = cache.plan.prompt_scores.attention_and_scores(cache.plan.policy.scoring, q, k, v, padding, scale)
         compress_prompt_layer(cache, q, k, v, layer, scale, scores=scores)
         return out
     out = prompt_attention(q, k, v, padding, scale, offset=n - t, softcap=cache.plan.softcap,

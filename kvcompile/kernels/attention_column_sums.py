@@ -88,7 +88,7 @@ def attention_column_sums(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None,
 @dataclass(frozen=True)
 class ColumnSumScores:
     """The prompt scores of a scorer whose score is a weighted column sum of the attention
-    (`Scorer.column_weights`), computed by the prompt's attention in the same pass (`attend`), where the
+    (`Scorer.column_weights`), computed by the prompt's attention in the same pass (`attention_and_scores`), where the
     whole prompt comes in one call; otherwise (`score`) the scorer's own pass. What `Plan.prompt_scores`
     holds then (named "column_sums:cpp")."""
 
@@ -96,7 +96,7 @@ class ColumnSumScores:
     label: ClassVar[str] = "column_sums:cpp"  # Plan.score_impl
     in_attention: ClassVar[bool] = True  # the prompt's attention computes the scores
 
-    def attend(self, scorer, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, scale: float
+    def attention_and_scores(self, scorer, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, scale: float
                ) -> tuple[Tensor, Tensor]:
         """(the prompt's attention in q's dtype, the layer's scores (B, H, N))."""
         out, sums = attention_column_sums(q, k, v, valid, scale, scorer.column_weights(k.shape[2]))

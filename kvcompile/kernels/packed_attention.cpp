@@ -1,5 +1,5 @@
 // Decode attention of compressed requests over their packed entries in vLLM's CPU cache (fp32).
-// Built by kvcompile/vllm/packed_attention.py through Inductor's C++ toolchain; the layout, the runs
+// Built by kvcompile/integrations/vllm/packed_attention.py through Inductor's C++ toolchain; the layout, the runs
 // and the contract are in that module's docstring.
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <cmath>

@@ -8,7 +8,7 @@ the per-entry logit bias α·log w of ZSMerge Eq. 8 (None = no bias). Query head
 h·G + g attends over KV head h (GQA, G = Hq / H). Entries past a head's length, and
 block-table entries past its last page, are never read, so they may hold anything.
 
-The result equals `kvcompile.reference.attend(q[:, :, None], K, V, bias, lengths)` on
+The result equals `kvcompile.reference.decode_attention(q[:, :, None], K, V, bias, lengths)` on
 the gathered cache; a head with no entry gives zeros.
 
 Three implementations and a dispatcher:

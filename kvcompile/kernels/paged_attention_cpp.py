@@ -2,7 +2,7 @@
 
 Same contract as `kvcompile.kernels.paged_attention` (layout in its docstring): one
 query per head against that head's pages, per-entry bias, per-head lengths, the result
-equal to `kvcompile.reference.attend` on the gathered cache.
+equal to `kvcompile.reference.decode_attention` on the gathered cache.
 
 Why C++ and not only the torch lowering: Inductor compiles the torch lowering into
 correct loops, but it recomputes the page index (an indirect load, a bounds check) for

@@ -17,7 +17,7 @@ updated in place; q (B, Hq, d), k, v (B, H, d) the new token's query, key and va
    the codes, scales and zero points are bit for bit the torch quantizer's (tests/test_quant_step.py);
 2. decode attention of the G query heads over the head's n + 1 entries, x̂ = code · scale + zero
    dequantized in registers: the paged kernel of paged_attention_quant.cpp itself (the same flash-decoding,
-   threads and work items), so the output is the unfused C++ path's, and `reference.attend` over the
+   threads and work items), so the output is the unfused C++ path's, and `reference.decode_attention` over the
    dequantized entries up to float summation order.
 
 Not its case (the pages untouched, None returned; the engine's path runs that step): a head whose next entry

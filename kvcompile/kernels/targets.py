@@ -250,12 +250,10 @@ def report(arch: int, dtypes=tuple(DTYPES), model: Model = Model()) -> list[dict
 
 def run_report(arch: int, dtypes=tuple(DTYPES), timeout: float = 600) -> list[dict]:
     """`report` in a fresh process without TRITON_INTERPRET (see the module docstring)."""
-    import kvcompile
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said explicitly
     # The child imports the same kvcompile as this process (a worktree, not the installed one).
-    root = os.path.dirname(os.path.dirname(os.path.abspath(kvcompile.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kvcompile/kernels/ -> root
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     done = subprocess.run([sys.executable, "-m", "kvcompile.kernels.targets", "--arch", str(arch),
                            "--dtypes", *dtypes], capture_output=True, text=True, env=env,

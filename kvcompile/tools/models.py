@@ -37,7 +37,7 @@ def home() -> Path:
     (an editable install), else ~/.cache/kvcompile."""
     if os.environ.get("KVCOMPILE_HOME"):
         return Path(os.environ["KVCOMPILE_HOME"]).expanduser()
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]  # kvcompile/tools/models.py -> the checkout
     if (checkout / "pyproject.toml").is_file():
         return checkout
     return Path.home() / ".cache" / "kvcompile"

@@ -125,7 +125,7 @@ def niah_text(task: Task, rng: random.Random, size: int, essay: list[str]) -> Te
         needles += [NEEDLE.format(type_v=task.type_v, key=keys[-1], value=v) for v in values[-1]]
     rng.shuffle(needles)
     if task.haystack == "essay":
-        from kvcompile.data import split_sentences
+        from kvcompile.tools.data import split_sentences
 
         words = (essay * (size // max(len(essay), 1) + 1))[:size]
         sentences = split_sentences(" ".join(words))
@@ -971,7 +971,7 @@ def check_budgets(tokenizer, samples: list[dict], specs, modes, fractions=None, 
 
 
 def record_key(r: dict) -> tuple:
-    """A record's key in a records file (kvcompile.ruler_records): (task, sample_id, seed, length, spec, budget,
+    """A record's key in a records file (kvcompile.tools.ruler_records): (task, sample_id, seed, length, spec, budget,
     mode), budget = budget_key(r)."""
     return (r["task"], sample_id(r), r.get("seed"), r["length"], r["spec"], budget_key(r), r["mode"])
 
@@ -1012,8 +1012,8 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     runs next (the full cache, then each spec at each budget) as each phase starts."""
     import torch
 
-    from kvcompile.models import full_kv_bytes, model_summary
-    from kvcompile.sweep import capture, feed, greedy, not_replayable, prefilled, replay
+    from kvcompile.tools.models import full_kv_bytes, model_summary
+    from kvcompile.tools.sweep import capture, feed, greedy, not_replayable, prefilled, replay
 
     wanted = (lambda s, spec, budget: True) if done is None else \
         (lambda s, spec, budget: not done(variant_key(s, seed, spec, budget, mode)))

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcompile.ruler import budget_key, budget_text
-from kvcompile.ruler import sample_id as ruler_sample_id
+from kvcompile.tools.ruler import budget_key, budget_text
+from kvcompile.tools.ruler import sample_id as ruler_sample_id
 
 RESAMPLES = 1000
 FULL = "full"

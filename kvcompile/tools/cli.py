@@ -68,7 +68,7 @@ def kept_fractions(text: str) -> list[float]:
 
 def byte_fractions(text: str) -> list:
     """--kv-bytes: byte fractions of the full cache, comma-separated, each 1/16 or 0.0625, in (0, 1]."""
-    from kvcompile.ruler import parse_byte_fraction
+    from kvcompile.tools.ruler import parse_byte_fraction
 
     try:
         values = [parse_byte_fraction(x) for x in text.split(",") if x.strip()]
@@ -113,7 +113,7 @@ def load(args):
     """(model, tokenizer) from --model, or the embedded SmolLM2; errors name the fix."""
     import torch
 
-    from kvcompile.models import load_model
+    from kvcompile.tools.models import load_model
 
     if getattr(args, "quiet", False):
         quiet_libraries()
@@ -154,7 +154,7 @@ def budget_label(policy) -> str:
 
 def haystack():
     """The filler text, or a clear exit naming the set-up command (checked before the model loads)."""
-    from kvcompile.data import load_haystack
+    from kvcompile.tools.data import load_haystack
 
     try:
         return load_haystack()
@@ -164,7 +164,7 @@ def haystack():
 
 def demo_prompt(tokenizer, filler: str, length: int, depth: float, seed: int):
     """A needle prompt of about `length` tokens; `seed` picks the fact and where the filler starts."""
-    from kvcompile.data import make_needle, needle_prompt, split_sentences
+    from kvcompile.tools.data import make_needle, needle_prompt, split_sentences
 
     start = seed * 997 % max(len(split_sentences(filler)), 1)
     return needle_prompt(tokenizer, filler, length, depth, make_needle(seed), start=start)
@@ -180,7 +180,7 @@ def run_policy(model, tokenizer, ids, policy, max_new_tokens: int, progress: boo
     import kvcompile
 
     from kvcompile.errors import CompileError
-    from kvcompile.models import generate
+    from kvcompile.tools.models import generate
 
     try:
         kvcompile.compile(model, policy, progress=progress)
@@ -240,7 +240,7 @@ def one_line(text: str) -> str:
 
 
 def verdict(text: str, expected: str | None) -> str:
-    from kvcompile.data import answer_found
+    from kvcompile.tools.data import answer_found
 
     if expected is None:
         return ""
@@ -257,7 +257,7 @@ def print_answer(g, expected: str | None) -> None:
 def side_by_side(model, tokenizer, ids, policy, max_new_tokens: int, progress: bool = False):
     """(full cache Generation, policy Generation) on the same prompt, after a short warm-up so
     that neither run pays the process's first-call costs."""
-    from kvcompile.models import generate
+    from kvcompile.tools.models import generate
 
     generate(model, tokenizer, ids[:64], 2)  # warm-up: weights paged in, first-call costs
     full = generate(model, tokenizer, ids, max_new_tokens)
@@ -266,7 +266,7 @@ def side_by_side(model, tokenizer, ids, policy, max_new_tokens: int, progress: b
 
 def print_comparison(model, n_prompt: int, full, result, label: str, expected: str | None) -> None:
     """Answer, KV bytes held, decode speed and prompt time of the full cache and the policy."""
-    from kvcompile.models import full_kv_bytes
+    from kvcompile.tools.models import full_kv_bytes
 
     width = max(len(label), len("full cache")) + 2
     print(f"answer   {'full cache:':<{width}}{one_line(full.text)}{verdict(full.text, expected)}")
@@ -284,8 +284,8 @@ def print_comparison(model, n_prompt: int, full, result, label: str, expected: s
 
 
 def cmd_run(args) -> None:
-    from kvcompile.data import user_turn
-    from kvcompile.models import full_kv_bytes, generate, model_summary
+    from kvcompile.tools.data import user_turn
+    from kvcompile.tools.models import full_kv_bytes, generate, model_summary
 
     policy = None if args.spec == FULL else policy_for(args.spec, demo_per_head(args.spec, args.per_head))
     filler = None if args.prompt_file else haystack()
@@ -353,7 +353,7 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
                  reuse_prefill: bool = True, quiet: bool = False, ranks: "Ranks | None" = None):
     """Needle answers for every prompt x (full cache, spec x budget); one dict per run.
 
-    reuse_prefill: prefill once, compress many (kvcompile.sweep): each prompt's layer states
+    reuse_prefill: prefill once, compress many (kvcompile.tools.sweep): each prompt's layer states
     are captured once and every policy is replayed on them, then decodes its own answer;
     the runs then have no timings (see `kvcompile bench` for those).
     ranks: a sharded eval (torchrun): this process runs the runs of its prompts only
@@ -361,9 +361,9 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
     one-process order (`Ranks.gather` puts them back in it)."""
     from tqdm.auto import tqdm
 
-    from kvcompile.data import answer_found
-    from kvcompile.models import full_kv_bytes, generate
-    from kvcompile.sweep import not_replayable
+    from kvcompile.tools.data import answer_found
+    from kvcompile.tools.models import full_kv_bytes, generate
+    from kvcompile.tools.sweep import not_replayable
 
     policies = []
     for spec in specs:
@@ -383,7 +383,7 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
         if policy is not None and reuse_prefill and not not_replayable(policy):
             import torch
 
-            from kvcompile.sweep import capture, greedy, replay
+            from kvcompile.tools.sweep import capture, greedy, replay
 
             key = id(prompt)
             if key not in captured:
@@ -429,7 +429,7 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
     The prompt is `length` tokens of plain filler; the next `tokens` tokens of the same text
     are fed one at a time (teacher forcing) after the prompt was compressed.  Agreement is
     the share of steps whose arg-max matches the full cache's.  Prefill once, compress many:
-    the prompt is captured once and every policy is replayed on it (kvcompile.sweep); the
+    the prompt is captured once and every policy is replayed on it (kvcompile.tools.sweep); the
     full cache is the model's own uncompressed forward.  `texts` passages per length, each
     at its own place in the filler (drawn from `seed`).  ranks: a sharded eval: this process
     scores the passages `Ranks.mine` gives it and returns (index, record) pairs (see eval_records)."""
@@ -438,7 +438,7 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
     import torch
     from tqdm.auto import tqdm
 
-    from kvcompile.sweep import capture, not_replayable, prefilled, replay, teacher_forced
+    from kvcompile.tools.sweep import capture, not_replayable, prefilled, replay, teacher_forced
 
     rng = random.Random(seed)
     text_ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
@@ -578,7 +578,7 @@ def cmd_eval(args) -> None:
     round-robin over the ranks (prompt i on rank i mod N, each rank capturing its prompts once),
     and rank 0 writes the result file of a one-process run: the same records in the same order
     (the MEASURED fields are each run's own measurements)."""
-    from kvcompile.data import needle_suite
+    from kvcompile.tools.data import needle_suite
 
     # `full`, the uncompressed baseline, runs beside the specs anyway: `--specs full` is the baseline alone.
     args.specs = [spec for spec in args.specs if spec != FULL]
@@ -679,7 +679,7 @@ def _eval(args, filler, ranks, needle_suite) -> None:
 
 def ruler_settings(args):
     """(tasks, fractions, budgets) of a ruler eval from its arguments, or a clear exit."""
-    from kvcompile import ruler
+    from kvcompile.tools import ruler
 
     given = [flag for flag, value in (("--kv-fraction", args.kv_fraction), ("--kv-bytes", args.kv_bytes),
                                       ("--budgets", args.budgets)) if value is not None]
@@ -709,7 +709,7 @@ def context_limit(model) -> int | None:
 
 def ruler_samples_for(args, tokenizer, tasks, quiet: bool, limit: int | None = None):
     """The samples: the user's file (--dataset, filtered by --tasks), else generated from --seed."""
-    from kvcompile import ruler
+    from kvcompile.tools import ruler
 
     if args.max_new_tokens is not None and limit and args.max_new_tokens > limit:
         fail(f"--max-new-tokens {args.max_new_tokens}: at most the model's context ({limit} tokens)")
@@ -735,7 +735,7 @@ def cmd_eval_ruler(args) -> None:
     """RULER's tasks (or --dataset) under the full cache and each spec x budget, in each query mode;
     the summary table, --out JSON, --plot-dir plots. Under torchrun the context groups are shared
     round-robin (group g on rank g mod N) and rank 0 writes what one process writes."""
-    from kvcompile import ruler
+    from kvcompile.tools import ruler
     from kvcompile.errors import CompileError
 
     tasks, fractions, budgets = ruler_settings(args)
@@ -752,7 +752,7 @@ def cmd_eval_ruler(args) -> None:
     quiet = args.quiet or not lead
     model, tokenizer = load(args)
     if args.kv_bytes:  # a byte fraction a spec cannot hold is refused before any sample runs
-        from kvcompile.models import model_summary
+        from kvcompile.tools.models import model_summary
 
         geometry = (model_summary(model)["head_dim"], next(model.parameters()).element_size())
         for policy in policies.values():
@@ -783,7 +783,7 @@ def cmd_eval_ruler(args) -> None:
     groups = len(ruler.context_groups(samples))
     store = None
     if args.resume:
-        from kvcompile.ruler_records import RecordsError, RecordsFile
+        from kvcompile.tools.ruler_records import RecordsError, RecordsFile
 
         if ranks is not None:
             fail("--resume appends from one process: run it without torchrun (or give each rank its own "
@@ -861,9 +861,9 @@ def cmd_eval_ruler(args) -> None:
 
 
 def cmd_report(args) -> None:
-    """The RULER tables of accumulated records (kvcompile.ruler_report)."""
-    from kvcompile.ruler_records import RecordsError, read_records
-    from kvcompile.ruler_report import report
+    """The RULER tables of accumulated records (kvcompile.tools.ruler_report)."""
+    from kvcompile.tools.ruler_records import RecordsError, read_records
+    from kvcompile.tools.ruler_report import report
 
     try:
         records = read_records(args.files)
@@ -905,7 +905,7 @@ BENCH_NOISE = 1.1  # a measured speed-up more than 10 % above its ideal is flagg
 
 
 def cmd_bench(args) -> None:
-    from kvcompile.models import full_kv_bytes, generate, model_summary
+    from kvcompile.tools.models import full_kv_bytes, generate, model_summary
 
     def progress(message: str) -> None:  # each long phase says so as it starts (stderr: the table stays clean)
         if not args.quiet:
@@ -1034,9 +1034,10 @@ def plot_quality(records, path) -> None:
 
 
 def cmd_tune(args) -> None:
-    """Search the part library for the best policy at a KV budget on calibration samples (kvcompile.tune);
+    """Search the part library for the best policy at a KV budget on calibration samples (kvcompile.tools.tune);
     write it as a spec YAML with its provenance and print the finalists."""
-    from kvcompile import ruler, tune
+    from kvcompile.tools import ruler
+    from kvcompile.tools import tune
 
     if (args.kv_fraction is None) == (args.kv_bytes is None):
         fail("give one of --kv-fraction (share of the entries kept) or --kv-bytes (share of the full cache's bytes)")
@@ -1149,7 +1150,7 @@ def add_common(p, spec: bool = True, per_head_default: str = "the spec's own", d
 
 def serve_vllm(args, model: str) -> None:
     """--engine vllm: vLLM's OpenAI server with kvcompile's plugin configured (docs/VLLM.md); replaces this process."""
-    from kvcompile.vllm.serve import VllmServe
+    from kvcompile.integrations.vllm.serve import VllmServe
 
     if args.reuse_context:
         fail("--reuse-context runs on the transformers engine only (--engine transformers)")
@@ -1164,9 +1165,9 @@ def serve_vllm(args, model: str) -> None:
 
 def cmd_serve(args) -> None:
     """transformers' OpenAI-compatible server with continuous batching on the compiled model."""
-    from kvcompile.compile import CompileError
-    from kvcompile.models import embedded_model
-    from kvcompile.server import ServeOptions, serve
+    from kvcompile.integrations.generate import CompileError
+    from kvcompile.tools.models import embedded_model
+    from kvcompile.integrations.server import ServeOptions, serve
 
     if getattr(args, "threads", None):
         import torch

@@ -30,7 +30,7 @@ class VllmServe:
                 "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_model_len),
                 "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(-(-self.kv_tokens // BLOCK_SIZE))]
         # as kvcompile's own server: the folder's name, the path as given accepted too (vLLM answers with the first)
-        from kvcompile.server import default_model_name
+        from kvcompile.integrations.server import default_model_name
 
         names = [self.served_model_name] if self.served_model_name else \
             list(dict.fromkeys([default_model_name(self.model), self.model]))
@@ -49,7 +49,7 @@ class VllmServe:
         """Refuse, before vLLM starts, what the plugin refuses (PluginError) and a missing vLLM (ImportError)."""
         import importlib.util
 
-        from kvcompile.vllm.settings import PluginError, from_env, refusal
+        from kvcompile.integrations.vllm.settings import PluginError, from_env, refusal
 
         if importlib.util.find_spec("vllm") is None:
             raise ImportError("kvcompile: --engine vllm needs vLLM in this environment "
@@ -61,7 +61,7 @@ class VllmServe:
 
     def banner(self) -> str:
         """What `kvcompile serve --engine vllm` prints before vLLM's own log: the plugin, its spec, the address."""
-        from kvcompile.vllm.settings import active_message, from_env
+        from kvcompile.integrations.vllm.settings import active_message, from_env
 
         settings = from_env(self.env())
         return (f"kvcompile serve --engine vllm: {active_message(settings, settings.policy())}; vLLM's OpenAI "

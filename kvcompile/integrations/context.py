@@ -32,7 +32,7 @@ from torch import Tensor
 
 from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
-from kvcompile.compile import compile as compile_model
+from kvcompile.integrations.generate import compile as compile_model
 from kvcompile.policy import Policy
 
 

@@ -4,15 +4,15 @@ In the step that ends a request's prompt (the whole prompt, or its last chunk un
 earlier chunks' queries among the last R are kept meanwhile), each layer, after vLLM's own attention, scores
 the prompt with the policy's scorer (from the layer's prompt state: the last R = scoring.query_rows(N)
 queries, every key and value, all after RoPE, the keys and values read back from the cache). After the last layer the
-selection runs over every layer's scores (kvcompile.vllm.packing.kept_entries: kvcompile's reference
-selection, LAVa's cascade included), and every (layer, KV head)'s kept entries are packed into the request's
-slots of positions [N − S, N), S = ⌈Σ K_{l,h} / (L·H)⌉, across heads and layers (kvcompile.vllm.packing).
+selection runs over every layer's scores (kvcompile.integrations.vllm.packing.kept_entries: the plan's own
+selection, run by the engine, LAVa's cascade included), and every (layer, KV head)'s kept entries are packed into the request's
+slots of positions [N − S, N), S = ⌈Σ K_{l,h} / (L·H)⌉, across heads and layers (kvcompile.integrations.vllm.packing).
 The worker keeps where they are (a Record) and reports N − S with the step's output; the scheduler returns
-the blocks wholly before it to vLLM's pool (kvcompile.vllm.patches).
+the blocks wholly before it to vLLM's pool (kvcompile.integrations.vllm.patches).
 
 Decode tokens are written by vLLM at N, N + 1, … (slot mapping and RoPE positions unchanged). Any later
 attention of a compressed request at layer l attends head h over its K_{l,h} packed entries and its decode
-entries (kvcompile.vllm.packed_attention: planned once per step by the metadata builder, one C++ call per
+entries (kvcompile.integrations.vllm.packed_attention: planned once per step by the metadata builder, one C++ call per
 layer for every compressed request), in place of vLLM's kernel, which is given only the new tokens of such
 requests (their seq_len cut to their query length) so it does not attend over freed blocks for nothing.
 Keys carry their RoPE, so where a kept key sits does not change its logits.
@@ -29,9 +29,9 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from kvcompile.layer_state import LayerState
-from kvcompile.vllm.packed_attention import DecodePlan, PackedLayer, Record, prepare, read_entries, read_positions
-from kvcompile.vllm.packing import kept_entries, locations, region
-from kvcompile.vllm.settings import PluginError
+from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer, Record, prepare, read_entries, read_positions
+from kvcompile.integrations.vllm.packing import kept_entries, locations, region
+from kvcompile.integrations.vllm.settings import PluginError
 
 
 @dataclass
@@ -210,7 +210,7 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         for layer, (keys, values) in zip(layers, entries):
             layer.write(caches, keys, values)
         STEP.records[rid] = record = Record(n, size, layers)
-        STEP.reported[rid] = record.first_slot  # to the scheduler, with this step's output (kvcompile.vllm.patches)
+        STEP.reported[rid] = record.first_slot  # to the scheduler, with this step's output (kvcompile.integrations.vllm.patches)
 
 
 class KVCompileCPUBackend(CPUAttentionBackend):

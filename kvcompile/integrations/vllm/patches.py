@@ -3,7 +3,7 @@
 
 1. `EngineArgs.create_engine_config` (front end) and `Scheduler.__init__` (engine core): the vLLM
    configuration is checked (`check_config`): a setting the plugin cannot honour is refused there.
-2. `CPUAttentionBackend` replaced through vLLM's own `register_backend` (kvcompile.vllm.backend).
+2. `CPUAttentionBackend` replaced through vLLM's own `register_backend` (kvcompile.integrations.vllm.backend).
 3. `GPUModelRunner._build_attention_metadata` (the CPU model runner's base): the step's request ids and
    prompt lengths, in batch order, are handed to the backend's metadata (`backend.STEP`);
    `GPUModelRunner._update_states`: a finished request's record is dropped.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from kvcompile.vllm.settings import PluginError
+from kvcompile.integrations.vllm.settings import PluginError
 
 TESTED_VLLM = "0.32.0"
 OUTPUT_FIELD = "kvcompile_first_slots"  # on a ModelRunnerOutput: {request id: N − S} compressed in its step
@@ -94,12 +94,12 @@ def apply(policy) -> None:
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from kvcompile.vllm import backend
+    from kvcompile.integrations.vllm import backend
 
     if getattr(EngineArgs.create_engine_config, "_kvcompile", False):
         return
     backend.STEP.policy = policy
-    register_backend(AttentionBackendEnum.CPU_ATTN, "kvcompile.vllm.backend.KVCompileCPUBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, "kvcompile.integrations.vllm.backend.KVCompileCPUBackend")
 
     create = EngineArgs.create_engine_config
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcompile.models import home
+from kvcompile.tools.models import home
 
 SETUP_COMMAND = "bash scripts/setup.sh demo"
 INSTRUCTION = ("Read the text below. Somewhere in it is one sentence with a secret fact; "

@@ -184,7 +184,7 @@ def candidates(space: Space) -> tuple[list[Candidate], Counter]:
     """Every candidate of the space that the spec validator accepts (at a nominal budget of 64 per head; the
     real budget is set per sample), and the refused ones counted by reason."""
     from kvcompile.spec import SpecError, load_spec
-    from kvcompile.sweep import not_replayable
+    from kvcompile.tools.sweep import not_replayable
 
     seeded = seeded_fields()
     grid = dict(space.fields)
@@ -259,8 +259,8 @@ class Sample:
 
 
 def samples_from_ruler(tokenizer, rows: list[dict], mode: str) -> list[Sample]:
-    """Samples (kvcompile.ruler's rows or a dataset in kvpress's columns) as token ids in `mode`."""
-    from kvcompile.ruler import mode_prompt
+    """Samples (kvcompile.tools.ruler's rows or a dataset in kvpress's columns) as token ids in `mode`."""
+    from kvcompile.tools.ruler import mode_prompt
 
     out = []
     for row in rows:
@@ -289,8 +289,8 @@ class Budget:
 
     def policy(self, mapping: dict, n: int, model):
         """The candidate's Policy for a compressed part of n tokens."""
-        from kvcompile.models import model_summary
-        from kvcompile.ruler import per_head_for_bytes
+        from kvcompile.tools.models import model_summary
+        from kvcompile.tools.ruler import per_head_for_bytes
         from kvcompile.spec import load_spec
 
         base = load_spec(mapping)
@@ -309,7 +309,7 @@ class Evaluator:
         self._states: dict[int, tuple] = {}
 
     def _captured(self, i: int):
-        from kvcompile.sweep import capture
+        from kvcompile.tools.sweep import capture
 
         if i not in self._states:
             self._states.clear()  # one sample's layers at a time (every query, key and value of a long prompt)
@@ -318,7 +318,7 @@ class Evaluator:
         return self._states[i]
 
     def _cache(self, candidate: Candidate, i: int, headroom: int):
-        from kvcompile.sweep import replay
+        from kvcompile.tools.sweep import replay
 
         states, logits = self._captured(i)
         policy = self.budget.policy(candidate.mapping, len(self.samples[i].context), self.model)
@@ -327,7 +327,7 @@ class Evaluator:
     @torch.no_grad()
     def proxy(self, candidate: Candidate, i: int) -> float:
         """Mean log p of the gold answer's tokens after the compressed context (and the question)."""
-        from kvcompile.sweep import feed, teacher_forced
+        from kvcompile.tools.sweep import feed, teacher_forced
 
         s = self.samples[i]
         cache, logits = self._cache(candidate, i, len(s.question) + len(s.gold))
@@ -340,8 +340,8 @@ class Evaluator:
     @torch.no_grad()
     def confirm(self, candidate: Candidate, i: int) -> float:
         """The task's score of the greedy answer (100 where the decoded text holds every gold answer)."""
-        from kvcompile.ruler import eos_ids, score
-        from kvcompile.sweep import feed, greedy
+        from kvcompile.tools.ruler import eos_ids, score
+        from kvcompile.tools.sweep import feed, greedy
 
         s = self.samples[i]
         cache, logits = self._cache(candidate, i, len(s.question) + self.max_new_tokens)
@@ -460,7 +460,7 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
         for trial in finalists:
             trial.confirmed[i] = records.get(trial, i, "confirm", lambda: evaluator.confirm(trial.candidate, i))
     best = max(finalists, key=lambda t: (t.mean("confirmed"), t.mean()))  # max keeps the first on a tie
-    from kvcompile.models import model_summary
+    from kvcompile.tools.models import model_summary
 
     geometry = (model_summary(evaluator.model)["head_dim"], next(evaluator.model.parameters()).element_size())
     return Result(best, trials, refused, rungs, _agreement(finalists), seed, evaluator.budget, space, geometry)
@@ -514,7 +514,7 @@ def write_spec(result: Result, path, samples_label: str) -> Path:
 def spec_mapping(result: Result, name: str) -> dict:
     """The best candidate as a spec mapping whose budget is a ratio of the prompt: the kv fraction, or at a byte
     budget the share of entries that fills it in the candidate's storage (kept_share_for_bytes)."""
-    from kvcompile.ruler import kept_share_for_bytes
+    from kvcompile.tools.ruler import kept_share_for_bytes
     from kvcompile.spec import load_spec
 
     mapping = dict(result.best.candidate.mapping, name=name)
@@ -563,7 +563,7 @@ def reference_candidates(evaluator: Evaluator) -> tuple[list[tuple[str, Candidat
     """The shipped specs and kvpress's reproduced presses as (kind, Candidate) at the evaluator's budget, and
     those a captured prefill cannot replay, counted by reason."""
     from kvcompile.spec import available_specs, load_spec, policy_to_mapping
-    from kvcompile.sweep import not_replayable
+    from kvcompile.tools.sweep import not_replayable
 
     out, skipped = [], Counter()
     n = sum(len(s.context) for s in evaluator.samples) / max(1, len(evaluator.samples))
@@ -607,7 +607,7 @@ def score_references(evaluator: Evaluator, references, records=None, progress: b
 def kv_share(evaluator: Evaluator, mapping: dict, indices) -> float:
     """The KV bytes a candidate's budget holds, as a share of the full cache's, mean over the samples `indices`:
     per KV head, the storage's bytes of its per_head entries against n entries in the model's dtype."""
-    from kvcompile.ruler import full_entry_bytes, head_bytes
+    from kvcompile.tools.ruler import full_entry_bytes, head_bytes
 
     head_dim, element_size = evaluator_geometry(evaluator)
     shares = []
@@ -620,14 +620,14 @@ def kv_share(evaluator: Evaluator, mapping: dict, indices) -> float:
 
 
 def evaluator_geometry(evaluator: Evaluator) -> tuple[int, int]:
-    from kvcompile.models import model_summary
+    from kvcompile.tools.models import model_summary
 
     return model_summary(evaluator.model)["head_dim"], next(evaluator.model.parameters()).element_size()
 
 
 def plot_points(result: Result, evaluator: Evaluator, references=()) -> list:
     """tune_plot.Points of the search's scored candidates and the scored references (score_references)."""
-    from kvcompile.tune_plot import Point
+    from kvcompile.tools.tune_plot import Point
 
     every = len(evaluator.samples)
     points = []
@@ -641,7 +641,7 @@ def plot_points(result: Result, evaluator: Evaluator, references=()) -> list:
 
 def write_plot(result: Result, evaluator: Evaluator, path, references=()) -> Path:
     """The PNG of score against KV bytes (tune_plot.plot) for a search and its scored references."""
-    from kvcompile.tune_plot import plot
+    from kvcompile.tools.tune_plot import plot
 
     title = (f"kvcompile tune: {result.budget.label()}, seed {result.seed}, {len(evaluator.samples)} samples; "
              f"best: {result.best.candidate.key}")

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
-from kvcompile.compile import compiled
+from kvcompile.integrations.generate import compiled
 from kvcompile.policy import Policy
 from kvcompile.layer_state import LayerState
 from kvcompile.engine.prefill import compress_prompt_layer, start_prompt
@@ -83,7 +83,7 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
     why = not_replayable(policy)
     if why is not None:
         raise ValueError(f"kvcompile: {policy.name} cannot be replayed from a captured prefill: {why}; "
-                         "prefill it through the compiled model (kvcompile.sweep.prefilled)")
+                         "prefill it through the compiled model (kvcompile.tools.sweep.prefilled)")
     cache = KVCompileCache(policy, config, page_size=page_size, headroom=headroom, kernels=kernels)
     if cache.plan.layer_kinds is not None:  # a hybrid model: its local layers as the captured prompt left them
         windows = getattr(states, "windows", None)

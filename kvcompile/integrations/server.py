@@ -2,7 +2,7 @@
 not) with continuous batching, on a model compiled with a kvcompile policy.
 
 kvcompile's own thin OpenAI layer (FastAPI + pydantic models, this module) over transformers'
-continuous-batching engine (`kvcompile.serving`: every request in its own compressed cache). Not
+continuous-batching engine (`kvcompile.integrations.batching`: every request in its own compressed cache). Not
 transformers' `serve` handlers: they let one request kill the engine for every later one (an empty or
 oversize prompt), run every request with the first request's sampling settings and reseed torch's
 global generator per request, ignore `stop`/`n`/`logprobs` silently, answer errors in FastAPI's
@@ -14,7 +14,7 @@ What a request gets (docs/GENERATE.md, "Serving"):
   (+ max_tokens) past the model's context, a prompt the KV pool can never hold. A 4xx in OpenAI's error
   shape `{"error": {"message", "type", "param", "code"}}`; an unknown model is 404 `model_not_found`.
 - its own sampling: temperature, top_p and seed as `generate()` takes them, its own random generator
-  (`kvcompile.serving.RequestSampling`); `stop` strings, `logprobs`, `stream_options.include_usage`.
+  (`kvcompile.integrations.batching.RequestSampling`); `stop` strings, `logprobs`, `stream_options.include_usage`.
 - a failure inside the engine fails the requests of that step with a 500 in the same shape; the engine
   goes on (`KVCompileBatchingManager._generation_loop_body`); a request whose own sampling cannot pick a token
   fails alone (`KVCompileBatchProcessor._fail_picks`).
@@ -468,7 +468,7 @@ class ReuseJob(Job):
     def __init__(self, server: "KVCompileServer", request_id: str, prompt_ids: list[int], max_new_tokens: int,
                  sampling, stop: list[str], entry):
         super().__init__(server, request_id, prompt_ids, max_new_tokens, sampling, stop)
-        from kvcompile.serving import outside_id
+        from kvcompile.integrations.batching import outside_id
 
         self.entry = entry
         self.reused = len(entry.ids) - 1
@@ -535,7 +535,7 @@ class KVCompileServer:
         from transformers.utils import logging as hf_logging
 
         import kvcompile
-        from kvcompile.serving import KVCompilePagedCache
+        from kvcompile.integrations.batching import KVCompilePagedCache
         from kvcompile.spec import load_spec
 
         self.options = options
@@ -583,7 +583,7 @@ class KVCompileServer:
         if options.reuse_context:
             from concurrent.futures import ThreadPoolExecutor
 
-            from kvcompile.context import KeptSequences
+            from kvcompile.integrations.context import KeptSequences
 
             state = self.cache.kvcompile
             pool = self.cache.num_blocks * state.bytes_per_block
@@ -662,7 +662,7 @@ class KVCompileServer:
         """The request's sampling as generate() would run it with the same arguments: the checkpoint's
         generation_config completed as generate() completes it (`_prepare_generation_config`: top_k 50 where it
         samples...), then the request's temperature (0: greedy) and top_p."""
-        from kvcompile.serving import RequestSampling
+        from kvcompile.integrations.batching import RequestSampling
 
         settings = {}
         if request.temperature is not None:
@@ -717,7 +717,7 @@ class KVCompileServer:
         model (the in-process multi-turn path, docs/SPECS.md §4b)."""
         torch = self._torch
         from kvcompile.store import LayerStore
-        from kvcompile.serving import request_bytes, RequestKV
+        from kvcompile.integrations.batching import request_bytes, RequestKV
 
         def emit(tokens, finished, error=None):
             loop.call_soon_threadsafe(job.queue.put_nowait, _Output(list(tokens), finished, error))
@@ -769,8 +769,8 @@ class KVCompileServer:
     def _settle(self, job: Job, outcome) -> None:
         """After a request ends: keep its compressed cache (prompt + answer) for a continuation when it ended by
         itself (eos or max_tokens: not cut at a stop string, cancelled or failed), else give its blocks back."""
-        from kvcompile.serving import outside_id, request_bytes, RequestKV
-        from kvcompile.context import KeptSequence
+        from kvcompile.integrations.batching import outside_id, request_bytes, RequestKV
+        from kvcompile.integrations.context import KeptSequence
 
         if isinstance(job, ReuseJob):
             job.done.wait(timeout=120)
@@ -1009,7 +1009,7 @@ class KVCompileServer:
     def metrics(self) -> dict:
         """What the operator watches: requests running and waiting, KV bytes held against the full cache of the
         same tokens, pool blocks free, soft resets, failed engine steps, requests by outcome."""
-        from kvcompile.serving import request_bytes
+        from kvcompile.integrations.batching import request_bytes
 
         cache, state = self.cache, self.cache.kvcompile
         plan = state.plan

@@ -84,7 +84,7 @@ from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 
-logger = logging.getLogger("kvcompile.serving")
+logger = logging.getLogger("kvcompile.integrations.batching")
 
 BATCHING_ATTENTION = "kvcompile_batching"  # the attention implementation name while the engine runs
 
@@ -362,7 +362,7 @@ class KVCompilePagedCache(PagedAttentionCache):
         5.23 only the engine's own attention functions call it.)"""
         if self.config._attn_implementation != BATCHING_ATTENTION:
             raise RuntimeError("kvcompile: the engine's cache update ran on a compiled model; its attention must be "
-                               f"{BATCHING_ATTENTION!r} (see kvcompile.serving)")
+                               f"{BATCHING_ATTENTION!r} (see kvcompile.integrations.batching)")
         kwargs["cache"] = self
         return key_states, value_states
 

@@ -9,7 +9,7 @@ reads alike: vLLM loads the plugin in each of them, before any configuration exi
 
 Every prefill-time policy that drops what it evicts runs, with any layer and head allocation (uniform,
 pyramid, LAVa's entropy cascade, AdaKV's pooled heads, DBudgetKV's threshold): its kept entries are packed
-into the request's last slots (kvcompile.vllm.packing). Everything else is refused by name.
+into the request's last slots (kvcompile.integrations.vllm.packing). Everything else is refused by name.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ positions [N − S, N), S = ⌈E / (L·H)⌉, as one pool of L·S·H locations (
 
 The blocks wholly before position N − S go back to vLLM's pool: as many for a head-wise or layer-wise
 policy as for a uniform one of the same total. The attention of
-a compressed request gathers each head's entries from these locations (kvcompile.vllm.backend); decode
+a compressed request gathers each head's entries from these locations (kvcompile.integrations.vllm.backend); decode
 tokens follow at positions N, N + 1, … in their own layer and column, as vLLM writes them.
 """
 from __future__ import annotations
@@ -102,66 +102,33 @@ def locations(counts: Tensor, prompt_length: int, block_row: Tensor, block_size:
     return out
 
 def kept_entries(policy, scores: list[Tensor]) -> list[Tensor]:
-    """What `policy` keeps of one prompt, (1, H, N) bool per layer, from every layer's scores (1, H, N):
-    kvcompile's reference selection (kvcompile.reference.compress: fixed budgets layer by layer, LAVa's
-    cascade for layer-dynamic ones, DBudgetKV's threshold), the definition kvcompile's engine is tested
-    against; LAVa's cascade with a nested heads rule is counted instead of re-selected (`counted_cascade`,
-    the same entries). The policies the plugin runs drop what they evict (no merge), so the selection reads
-    scores only: the states passed carry the shapes, not the keys."""
-    from kvcompile.layer_state import LayerState
-    from kvcompile.reference import compress
+    """What `policy` keeps of one prompt, (1, H, N) bool per layer, from every layer's scores (1, H, N): the
+    plan's own selection, through the engine's prompt path (kvcompile.engine.prefill.compress_prompt_layer
+    with the scores given, layer by layer: fixed budgets, LAVa's cascade, pooled heads, `layers: global`'s one
+    ranking, DBudgetKV's threshold), exactly what compile()'s generate keeps of the prompt. The policies the
+    plugin runs drop what they evict (no merge), so the selection reads scores only: the keys and values
+    handed to the engine are placeholders one channel wide, and the kept positions are read back from the pages
+    (tests/test_vllm_packing.py holds them to kvcompile.reference.compress)."""
+    from kvcompile.cache import KVCompileCache
+    from kvcompile.engine.prefill import compress_prompt_layer, start_prompt
 
     if policy.merges:
         raise ValueError(f"{policy.name} merges evicted entries: its selection needs the keys, not only scores")
-    if policy.budget.layers.ranks_entries:
-        return global_selection(policy, scores)
-    if policy.layer_dynamic and policy.budget.threshold is None and policy.budget.heads.nested:
-        return counted_cascade(policy, scores)
-    shape = (*scores[0].shape, 0)
-    states = [LayerState(None, torch.empty(shape), torch.empty(shape)) for _ in scores]
-    return compress(policy, states, scores=scores).kept
-
-
-def global_selection(policy, scores: list[Tensor]) -> list[Tensor]:
-    """`layers: global` over every layer's scores at once (all are known here): the layer totals of one
-    ranking of every layer's entries (kvcompile.allocation.global_totals), then each layer's pooled
-    selection with its total: reference.global_keep's entries (tests/test_vllm_packing.py)."""
-    from kvcompile.allocation import global_totals, layer_pool
-    from kvcompile.selection import select
-
     batch, heads, n = scores[0].shape
-    valid = torch.ones(batch, heads, n, dtype=torch.bool)
-    lengths = torch.full((batch,), n)
-    positions = torch.arange(n).expand(batch, heads, n)
-    reserved, pools = zip(*(layer_pool(policy, s, positions, valid, lengths) for s in scores))
-    totals, _ = global_totals(policy, list(reserved), list(pools), lengths, len(scores), heads)
-    return [select(policy, s, positions, valid, lengths, totals[:, j], j) for j, s in enumerate(scores)]
+    cache = KVCompileCache(policy, Dims(len(scores), heads))
+    placeholder = scores[0].new_zeros(batch, heads, n, Dims.head_dim)
+    start_prompt(cache, None, batch, n, placeholder)
+    queries = placeholder[:, :, :0]  # the scores are given: the scorer reads no query
+    for layer, layer_scores in enumerate(scores):
+        compress_prompt_layer(cache, queries, placeholder, placeholder, layer, 1.0, scores=layer_scores)
+    return [cache.kept_positions(layer) for layer in range(len(scores))]
 
 
-def counted_cascade(policy, scores: list[Tensor]) -> list[Tensor]:
-    """LAVa's cascade (Alg. 2) for a heads rule that nests (`heads.nested`: the best k of the best k' ≥ k
-    are the best k, as AdaKV's pooled top-k without a floor): a layer re-selected among what it holds, with
-    a total never above what it holds, keeps what one selection over all its tokens with its last total
-    keeps. So only the counts are followed through the L steps (after each, a layer holds max(protected,
-    min(total, held)), the totals of the next step capped there), and each layer is selected once, with
-    its total after the last layer: L selections instead of L(L + 1)/2 (kvcompile's engine does the same,
-    "lazy cascade"). tests/test_vllm_packing.py checks it against the reference's literal cascade."""
-    from kvcompile.allocation import layer_totals
-    from kvcompile.reference import layer_entropy
-    from kvcompile.selection import select
+@dataclass(frozen=True)
+class Dims:
+    """The model dimensions the selection depends on (a config for kvcompile.plan.build_plan): layers and KV heads;
+    the head dimension of the placeholder keys is any the plan accepts."""
 
-    batch, heads, n = scores[0].shape
-    if batch != 1:
-        raise ValueError("counted_cascade selects one prompt")
-    valid = torch.ones(1, heads, n, dtype=torch.bool)
-    lengths = torch.tensor([n])
-    positions = torch.arange(n).expand(1, heads, n)
-    protected = int(policy.ranking.protected(positions, lengths.view(-1, 1, 1)).sum())
-    entropy, held, totals = [], [], None
-    for layer_scores in scores:
-        entropy.append(layer_entropy(layer_scores, valid))
-        held.append(heads * n)  # a layer holds its whole prompt until its first selection
-        totals = layer_totals(policy, lengths, len(scores), heads, entropy=torch.stack(entropy, dim=1),
-                              capacity=torch.tensor([held]))
-        held = [max(protected, min(int(t), h)) for t, h in zip(totals[0].tolist(), held)]
-    return [select(policy, s, positions, valid, lengths, totals[:, j], j) for j, s in enumerate(scores)]
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim = 1

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from kvcompile.ruler import record_key, variant_key  # noqa: F401 (the key, re-exported)
+from kvcompile.tools.ruler import record_key, variant_key  # noqa: F401 (the key, re-exported)
 
 
 class RecordsError(ValueError):

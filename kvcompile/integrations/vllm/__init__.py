@@ -2,7 +2,7 @@
 
 vLLM calls `register` in each of its processes. With KVCOMPILE_VLLM_SPEC unset it does nothing.
 With it set, it loads and validates the spec, refuses (PluginError, which vLLM does not catch) what
-cannot run exactly yet, and patches vLLM 0.32.0 (kvcompile.vllm.patches) so that every request's prompt
+cannot run exactly yet, and patches vLLM 0.32.0 (kvcompile.integrations.vllm.patches) so that every request's prompt
 is compressed by the policy once prefilled and the blocks no head reads any more go back to the pool; then
 it logs, on vLLM's logger, that it is active and with which spec.
 This module imports nothing at import time: vLLM swallows import errors of a plugin, and an
@@ -16,7 +16,7 @@ def register() -> None:
     import logging
     import os
 
-    from kvcompile.vllm.settings import RECORD_ENV, PluginError, active_message, from_env, refusal
+    from kvcompile.integrations.vllm.settings import RECORD_ENV, PluginError, active_message, from_env, refusal
 
     settings = from_env()
     if settings is None:
@@ -25,10 +25,10 @@ def register() -> None:
     why = refusal(policy)
     if why is not None:
         raise PluginError(f"kvcompile: the vLLM plugin cannot run {policy.name}: {why}")
-    from kvcompile.vllm import patches
+    from kvcompile.integrations.vllm import patches
 
     patches.apply(policy)
-    from kvcompile.vllm.backend import STEP
+    from kvcompile.integrations.vllm.backend import STEP
 
     STEP.record_to = os.environ.get(RECORD_ENV) or None
     # under vLLM's logger (its format and level), once in each vLLM process; on stderr where that process has

@@ -381,7 +381,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
 
         model.forward.graphs = DecodeGraphs()
     model.generate = Entry(model, "generate", generate, plan, progress, repeat)
-    # continuous batching (generate_batch, transformers serve's engine) with kvcompile's caches: kvcompile.serving
+    # continuous batching (generate_batch, transformers serve's engine) with kvcompile's caches: kvcompile.integrations.batching
     model.init_continuous_batching = functools.partial(_init_continuous_batching, model)
     model.kvcompile_policy = policy
     model.kvcompile_plan = plan
@@ -454,7 +454,7 @@ def _needs_grad(model, kwargs) -> bool:
 
 def _forward(entry: Entry, *args, use_cache=None, **kwargs):
     past_key_values = cache_arg.take(kwargs)
-    if cache_arg.is_engine_cache(past_key_values):  # continuous batching's forward (kvcompile.serving)
+    if cache_arg.is_engine_cache(past_key_values):  # continuous batching's forward (kvcompile.integrations.batching)
         return entry.wrapped(*args, **cache_arg.given(past_key_values), use_cache=use_cache, **kwargs)
     model, plan, forward = entry.model, entry.plan, entry.wrapped
     config = model.config
@@ -606,13 +606,13 @@ def _generate(entry: Entry, *args, **kwargs):
 
 def _init_continuous_batching(model, *args, **kwargs):
     try:
-        from kvcompile.serving import init_continuous_batching
-    except ImportError as exc:  # the engine's internals kvcompile.serving builds on (pyproject's transformers range)
+        from kvcompile.integrations.batching import init_continuous_batching
+    except ImportError as exc:  # the engine's internals kvcompile.integrations.batching builds on (pyproject's transformers range)
         import transformers
 
         raise CompileError(f"kvcompile: continuous batching needs the engine of a transformers version kvcompile "
                            f"supports (pyproject.toml's range; generation/continuous_batching); transformers "
-                           f"{transformers.__version__} lacks what kvcompile.serving uses: {exc}") from None
+                           f"{transformers.__version__} lacks what kvcompile.integrations.batching uses: {exc}") from None
 
     return init_continuous_batching(model, *args, **kwargs)
 
@@ -623,7 +623,7 @@ def uncompile(model):
     if saved is None:
         return model
     if hasattr(getattr(model, "_cached_continuous_batching_manager", None), "kvcompile_plan"):
-        model.destroy_cached_continuous_batching_manager()  # a kept kvcompile.serving manager
+        model.destroy_cached_continuous_batching_manager()  # a kept kvcompile.integrations.batching manager
     for name in ("forward", "generate", "init_continuous_batching", "kvcompile_policy", "kvcompile_plan"):
         model.__dict__.pop(name, None)
     model.__dict__.update(saved.get("instance", {}))

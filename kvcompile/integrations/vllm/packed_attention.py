@@ -1,5 +1,5 @@
 """Decode attention of compressed requests inside vLLM: each (layer, KV head) over its packed entries
-(kvcompile.vllm.packing) and its decode entries, read from vLLM's CPU cache. Pure torch and C++, no vLLM:
+(kvcompile.integrations.vllm.packing) and its decode entries, read from vLLM's CPU cache. Pure torch and C++, no vLLM:
 tested in kvcompile's environment (tests/test_vllm_packing.py).
 
 The cache (vLLM 0.32's CPU attention, "vec" ISA) is one tensor per layer, [blocks, KV heads, block,
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcompile.kernels.paged_attention_cpp import PARALLEL_WORK, load_cpp, supports
-from kvcompile.vllm.packing import padded
+from kvcompile.integrations.vllm.packing import padded
 
 
 def key_view(kv_cache: Tensor) -> Tensor:
