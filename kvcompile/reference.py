@@ -654,7 +654,8 @@ def expected_attention(part, state: LayerState) -> Tensor:
     sequence and query head, un-rotate the real queries at positions p ≥ sinks (p = index among the
     real tokens) to pre-RoPE q̃ = R(p)ᵀ q, take their mean and biased covariance, rotate them by the
     mean rotation R̄ over the next `future` positions n … n + T − 1, score each real key at position
-    ≥ sinks by softmax(c μᵀk + c² kᵀΣk / 2), mean over the group, (s + ε)·‖v‖₂; the sinks score the
+    ≥ sinks by softmax(c μᵀk + c² kᵀΣk / 2) (the model's learned sinks, state.sinks, one more logit of the
+    query head's in the sum), mean over the group, (s + ε)·‖v‖₂; the sinks score the
     head's max + 1. Float64, loops; (B, H, N), −inf at pads."""
     b_, hq, r, d = state.queries.shape
     h, n = state.keys.shape[1], state.keys.shape[2]
@@ -683,7 +684,8 @@ def expected_attention(part, state: LayerState) -> Tensor:
                         k = state.keys[b, kv, i].double()
                         quad = k @ cov @ k * scale * scale / 2 if part.covariance else 0.0
                         logits.append(scale * (mu @ k) + quad)
-                weights = torch.softmax(torch.stack(logits), dim=0)
+                learned = [] if state.sinks is None else [state.sinks[head].double()]  # the model's, in the sum
+                weights = torch.softmax(torch.stack(logits + learned), dim=0)[:len(logits)]
                 for w, i in zip(weights, real[sinks:]):
                     probs[i] += w / g
             for i in real[sinks:]:

@@ -382,10 +382,15 @@ def test_gemma2_full_budget_equals_the_plain_model(name):
     check_full_budget(model, name, uncap)
 
 
-@pytest.mark.parametrize("name, says", [("snapkv", "scoring: window_attention scores entries by attention weights"),
-                                        ("snapkv_int4", "scoring: window_attention"),
-                                        ("zsmerge", "scoring: decayed scores entries by attention weights")])
+@pytest.mark.parametrize("name, says", [
+    ("snapkv_int4", "storage: int4 attends over quantized pages through kernels without the cap"),
+    ("zsmerge", "merge: residual attends to merge slots through kernels without the cap"),
+    ("expected_attention", "scoring: expected_attention scores entries by the expected attention of future queries, "
+                           "whose closed form .* has none under the cap"),
+    ("kvzip", "scoring: kvzip scores entries by its reconstruction's attention weights, which its kernels compute "
+              "without the cap")])
 def test_gemma2_paths_without_the_cap_are_refused(name, says):
+    """(The attention-reading scorers apply the cap: tests/test_hybrid_scorers.py.)"""
     model = tiny_gemma2()
     with pytest.raises(kvcompile.CompileError, match=f"model type 'gemma2' soft-caps its attention logits "
                                                      f"\\(attn_logit_softcapping=5.0: cap·tanh\\(s/cap\\) before the "
@@ -489,10 +494,10 @@ def test_gpt_oss_full_budget_equals_the_plain_model(name):
 
 def test_gpt_oss_paths_without_the_sinks_are_refused():
     model = tiny_gpt_oss()
-    with pytest.raises(kvcompile.CompileError, match="model type 'gpt_oss' has learned attention sinks .*and scoring: "
-                                                     "window_attention scores entries by attention weights, which its "
-                                                     "kernels compute without the sinks"):
-        kvcompile.compile(model, "snapkv")
+    with pytest.raises(kvcompile.CompileError, match="model type 'gpt_oss' has learned attention sinks .*and merge: "
+                                                     "residual attends to merge slots through kernels without the "
+                                                     "sinks"):
+        kvcompile.compile(model, "zsmerge")
     assert "forward" not in model.__dict__
     policy = full_budget("streamingllm", 60, 4)
     cache = KVCompileCache(policy, model.config)  # a plan from the config alone: no sinks
