@@ -227,12 +227,57 @@ def test_what_cannot_run_exactly_is_refused_up_front(model):
             model.generate(ids, max_new_tokens=4, assistant_model=copy.deepcopy(model))
 
 
-def test_the_compiled_entry_is_refused_with_the_reason(model):
-    """kvcompile's compiled entry does not leave local layers to their window yet: refused before anything
-    changes, not run approximately."""
-    with pytest.raises(kvcompile.CompileError, match="mode='compiled' on a hybrid model .*mode='eager'"):
-        kvcompile.compile(model, "snapkv", mode="compiled")
-    assert "forward" not in model.__dict__ and model.config._attn_implementation == "sdpa"
+def test_the_compiled_entry_equals_the_plain_model_and_the_eager_entry(model):
+    """mode='compiled' (torch.compile with kvcompile's passes: each local layer's captured attention becomes
+    kvcompile.attend_window, each global layer's kvcompile.attend under its number among the compressed layers): at
+    a budget that keeps everything the plain model's logits and greedy tokens; at a budget that evicts, the eager
+    entry's tokens, with the local layers holding what the eager entry's hold. One prefill and one decode graph
+    serve both policies and every prompt length (they do not depend on the policy)."""
+    from kvcompile.passes.backend import COMPILES
+
+    ids, mask = padded_batch()
+    long_ids, long_mask = left_pad([prompt(80, seed=7)[0], prompt(67, seed=8)[0]])
+    evicting = kvcompile.load_spec("snapkv", per_head=40)
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask).logits
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, evicting):
+            eager = model.generate(long_ids, attention_mask=long_mask, max_new_tokens=NEW, do_sample=False,
+                                   return_dict_in_generate=True)
+        before = len(COMPILES)
+        with kvcompile.compiled(model, full_budget("snapkv", ids.shape[1] + NEW, len(KINDS)), mode="compiled"):
+            logits = model(ids, attention_mask=mask).logits
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, evicting, mode="compiled"):
+            compiled = model.generate(long_ids, attention_mask=long_mask, max_new_tokens=NEW, do_sample=False,
+                                      return_dict_in_generate=True)
+    real = mask.bool()
+    assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
+    assert got.tolist() == ref.tolist()
+    assert compiled.sequences.tolist() == eager.sequences.tolist()
+    ours, theirs = cache_arg.of(compiled), cache_arg.of(eager)
+    assert ours.memory_report()["kept"].max() < 60  # the full_attention layers evicted
+    for layer in LOCAL:  # (Inductor fuses the projections and RoPE in front of them: float rounding differs)
+        assert ours.windows[layer].keys.shape == theirs.windows[layer].keys.shape
+        assert_close(ours.windows[layer].keys, theirs.windows[layer].keys, rtol=1e-3, atol=1e-3)
+    kinds = [(r["kind"], r["layers"]) for r in COMPILES[before:]]
+    assert {kind for kind, _ in kinds} == {"prefill", "decode"} and all(layers == list(range(len(KINDS)))
+                                                                      for _, layers in kinds)
+
+
+def test_the_compiled_entry_without_sdpa_or_cuda_graphs_is_refused():
+    """Gemma 2 and gpt-oss do not run SDPA in transformers (their soft-cap and sinks), which the compiled entry
+    captures; a CUDA graph would not replay a local layer's window, made afresh at every step."""
+    from kvcompile import graphs
+
+    model = tiny_gemma2()
+    with pytest.raises(kvcompile.CompileError, match="mode='compiled' captures the model's SDPA attention calls, "
+                                                     "and transformers runs model type 'gemma2' without SDPA"):
+        kvcompile.compile(model, "knorm", mode="compiled")
+    assert "forward" not in model.__dict__ and model.config._attn_implementation == "eager"
+    plan = dataclasses.replace(KVCompileCache(kvcompile.load_spec("snapkv"), tiny_gemma3().config).plan,
+                               device=torch.device("cuda"))
+    assert "hybrid model's local layers" in graphs.refusal(plan)
 
 
 def test_continuous_batching_equals_the_plain_engine_and_generate(model):
