@@ -420,6 +420,13 @@ class KVCompileCache(Cache):
         per_rank = shard.gather_heads(mine[:, None])[0]  # (P, 5)
         counts = torch.stack([report["kept"], report["pages"]], dim=1).permute(0, 3, 1, 2)  # (B, H/P, 2, L)
         kept, pages = shard.gather_heads(counts).permute(0, 2, 3, 1).unbind(1)  # (B, L, H) each
+        # the bytes of each kind of layer (the same kinds, in the same order, on every rank), summed over ranks
+        kinds = list(report["bytes_by_kind"])
+        mine = torch.tensor([[[report["bytes_by_kind"][k], report["bytes_full_by_kind"][k]] for k in kinds]],
+                            dtype=torch.long, device=report["kept"].device)  # (1, K, 2)
+        by_kind = shard.gather_heads(mine[:, None])[0].sum(0)  # (K, 2)
         return {**{name: int(per_rank[:, i].sum()) for i, name in enumerate(names)}, "kept": kept, "pages": pages,
+                "bytes_by_kind": {k: int(by_kind[i, 0]) for i, k in enumerate(kinds)},
+                "bytes_full_by_kind": {k: int(by_kind[i, 1]) for i, k in enumerate(kinds)},
                 "page_size": self.page_size, "kv_heads": tuple(range(self.num_heads)),
                 "per_rank": [dict(zip(names, row)) for row in per_rank.tolist()]}

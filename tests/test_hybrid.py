@@ -582,3 +582,42 @@ def test_prefill_once_compress_many_carries_the_local_layers(model):
     assert [w is not None for w in cache.windows] == [k == "sliding_attention" for k in KINDS]
     with pytest.raises(ValueError, match="hybrid model .* needs its local layers' windows"):
         replay(policy, model.config, list(states))
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with the gloo backend is not available in this torch build")
+def test_tensor_parallelism_on_hybrid_models_equals_one_process(tmp_path):
+    """transformers' tp_plan="auto" on 2 gloo processes, tiny Gemma 3 and Gemma 2 (soft-capped) in float64, at
+    budgets that evict: each rank holds its own KV head's pages and windows, and the kept entries, the windows'
+    keys and the generated tokens are a one-process run's. (gpt-oss: transformers' tensor-parallel plan does not
+    split its attention by heads, which compile() refuses with the reason.)"""
+    from transformers import AutoModelForCausalLM
+    from tp_run import run_specs, spawn
+
+    names = ["snapkv", "lava", "h2o"]
+    jobs = []
+    for key, build in (("gemma3", tiny_gemma3), ("gemma2", tiny_gemma2)):
+        build().save_pretrained(tmp_path / key)
+        jobs.append((key, str(tmp_path / key), names))
+    gpt_oss = tiny_gpt_oss()
+    gpt_oss.save_pretrained(tmp_path / "gpt_oss")
+    jobs.append(("refuse:gpt_oss", str(tmp_path / "gpt_oss"), "knorm"))
+    ranks = spawn(2, jobs, tmp_path, 1800)  # (a hang guard only: ~1 min)
+    assert all("q_proj, k_proj and v_proj split 'colwise'" in r["refuse:gpt_oss"] for r in ranks)
+    for key, _, _ in jobs[:2]:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / key, dtype=torch.float64).eval()
+        model.generation_config.pad_token_id = 0
+        one = run_specs(model, names)
+        for name in names:
+            for rank, r in enumerate(ranks):
+                got = r[key][name]
+                assert got["kv_heads"] == (rank,) and got["tokens"] == one[name]["tokens"], (key, name)
+                assert {k: v[:2] for k, v in got["entries"].items()} == \
+                    {k: v[:2] for k, v in one[name]["entries"].items() if k[2] == rank}, (key, name)
+                assert sorted(got["windows"]) == sorted(one[name]["windows"]) != []
+                for field in ("bytes_by_kind", "bytes_full_by_kind"):  # over all ranks: one process's
+                    assert got["gathered"][field] == one[name]["report"][field], (key, name, field)
+                    assert set(got["report"][field]) == {"full_attention", "sliding_attention"}
+                for layer, keys in got["windows"].items():
+                    assert keys.shape[1] == 1
+                    assert_close(keys, one[name]["windows"][layer][:, rank:rank + 1], rtol=1e-9, atol=1e-9)
