@@ -188,11 +188,6 @@ def _check_crop(plan) -> None:
     rejected ones: exact only where the policy evicts nothing and updates no score while
     decoding, and where a layer's compression is final when the layer has run (not a cascade,
     which shrinks lower layers as later ones run). Refused before the prompt runs otherwise."""
-    if plan.layer_kinds is not None:
-        raise CompileError("kvcompile: assisted / prompt-lookup decoding needs crop(), and a hybrid model's local "
-                           "layers hold their last window - 1 positions only: a crop would need entries that left "
-                           "the window (transformers' sliding-window cache cannot crop past its window either); "
-                           "generate without an assistant")
     if plan.prune_every or plan.online_eviction or plan.running_scores:  # KVCompileCache.is_croppable
         raise CompileError(f"kvcompile: assisted / prompt-lookup decoding needs crop(), which {plan.policy.name} "
                            "cannot do exactly (it evicts or re-scores while decoding)")

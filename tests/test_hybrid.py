@@ -217,14 +217,45 @@ def test_a_policy_for_local_layers_or_a_kind_the_model_lacks_is_refused(model):
 
 
 def test_what_cannot_run_exactly_is_refused_up_front(model):
-    ids = prompt(20, batch=1, seed=2)
     with pytest.raises(kvcompile.CompileError, match="reconstruction pass through the whole model.*local layers"):
         kvcompile.compile(model, "kvzip", repeat_prompt=None)
+
+
+def test_assisted_and_prompt_lookup_decoding_crop_inside_the_windows(model, monkeypatch):
+    """generate() records the local layers' past before it decodes with candidates (activate_past_recording) and
+    crops the rejected ones, past the window: at a full budget the plain model's tokens, at a budget that evicts
+    the compiled model's own greedy tokens; the windows end back at their last window - 1 positions. A crop
+    without the recording, once a window has slid, is refused (the entries it would need are gone)."""
+    crops = []
+    crop = KVCompileCache.crop
+
+    def record(cache, n):
+        crops.append((n, cache.windows[LOCAL[0]].seen))
+        return crop(cache, n)
+
+    monkeypatch.setattr(KVCompileCache, "crop", record)
+    ids, long_ids = prompt(20, batch=1, seed=2), prompt(80, batch=1, seed=7)
+    assistant = copy.deepcopy(model)
+    lookup = dict(max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=2)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, full_budget("snapkv", 20 + NEW, len(KINDS))):
+            out = model.generate(ids, return_dict_in_generate=True, **lookup)
+            assisted = model.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=assistant)
+        with kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=40)):
+            greedy = model.generate(long_ids, max_new_tokens=NEW, do_sample=False)
+            evicting = model.generate(long_ids, **lookup)
+            assisted_evicting = model.generate(long_ids, max_new_tokens=NEW, do_sample=False,
+                                               assistant_model=assistant)
+    assert out.sequences.tolist() == assisted.tolist() == ref.tolist()
+    assert evicting.tolist() == assisted_evicting.tolist() == greedy.tolist()
+    assert any(n < 0 and seen > WINDOW for n, seen in crops)  # candidates rejected after a window slid
+    cache = cache_arg.of(out)
+    assert all(cache.windows[i].keys.shape[2] <= WINDOW - 1 + 2 for i in LOCAL)  # (the last call's candidates)
     with torch.no_grad(), kvcompile.compiled(model, full_budget("snapkv", 40, len(KINDS))):
-        with pytest.raises(kvcompile.CompileError, match="hybrid model's local layers hold their last window - 1"):
-            model.generate(ids, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2)
-        with pytest.raises(kvcompile.CompileError, match="hybrid"):
-            model.generate(ids, max_new_tokens=4, assistant_model=copy.deepcopy(model))
+        plain = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    with pytest.raises(NotImplementedError, match=r"call activate_past_recording\(\) before the tokens to crop"):
+        crop(cache_arg.of(plain), -2)
 
 
 def test_the_compiled_entry_equals_the_plain_model_and_the_eager_entry(model):
