@@ -650,11 +650,6 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: {policy.name}: layers: {policy.budget.layers.name} ranks every layer's entries "
                         "of the whole prompt, which a prompt compressed chunk by chunk (schedule.prefill) does not "
                         "have; drop schedule.prefill")
-    if kinds is not None and getattr(scoring, "reconstructs", False):
-        raise PlanError(f"kvcompile: scoring: {scoring.name} scores the prompt by a reconstruction pass through the "
-                        "whole model, which would run through a hybrid model's local layers too (they keep their "
-                        "window, and a reconstruction forward is no part of the sequence); use a scorer that reads "
-                        "the prompt's attention")
     if scoring.needs_rope and rope is None:
         rope = rope_frequencies(config, scoring.name)
     # a chunked prompt re-selects every layer after each chunk: the lazy cascade's counting does not apply

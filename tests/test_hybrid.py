@@ -216,9 +216,36 @@ def test_a_policy_for_local_layers_or_a_kind_the_model_lacks_is_refused(model):
         kvcompile.compile(llama, "snapkv", budget={"per_head": 64, "layers": {"uniform": {"kinds": ["sliding_attention"]}}})
 
 
-def test_what_cannot_run_exactly_is_refused_up_front(model):
-    with pytest.raises(kvcompile.CompileError, match="reconstruction pass through the whole model.*local layers"):
-        kvcompile.compile(model, "kvzip", repeat_prompt=None)
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip_adakv"])
+def test_kvzip_reconstructs_through_the_windows(model, spec):
+    """KVzip's reconstruction forwards run through the local layers as the plain model runs the prompt followed by
+    the repeat input (reference.kvzip_scores: the windows as the prompt left them, the input's own keys), and
+    leave the windows as the prompt left them: the kept entries and their scores are the reference's at a budget
+    that evicts, and a full budget generates the plain model's tokens."""
+    from kvcompile import reference
+    from test_kvzip import REPEAT, kept_scores
+
+    ids = prompt(40, batch=2, seed=11)
+    policy = kvcompile.load_spec(spec, per_head=12, scoring={"kvzip": {"chunk": 16, "sinks": 2, "overlap": 3}})
+    with torch.no_grad():
+        with kvcompile.compiled(model, policy, repeat_prompt=REPEAT):
+            cache = model(ids, use_cache=True).past_key_values
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        full = kvcompile.load_spec(spec, per_head=40 + NEW + 64)
+        with kvcompile.compiled(model, full, repeat_prompt=REPEAT):
+            got = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+        with kvcompile.compiled(model, kvcompile.load_spec("snapkv")):
+            plain = model(ids, use_cache=True).past_key_values  # the windows a prompt leaves
+    scores, states = reference.kvzip_scores(model, ids, REPEAT, policy.scoring)
+    expected = reference.compress(policy, states, scores=scores)
+    assert cache.seq_length == 40  # the reconstruction forwards added nothing, to the windows neither
+    for i in LOCAL:
+        assert cache.windows[i].seen == 40 and torch.equal(cache.windows[i].keys, plain.windows[i].keys)
+    for layer in range(cache.plan.num_layers):
+        kept = cache.kept_positions(layer)
+        assert torch.equal(kept, expected.kept[layer]), f"layer {layer}"
+        assert_close(kept_scores(cache, layer), torch.where(kept, scores[layer], 0.0))
+    assert got.sequences.tolist() == ref.tolist()
 
 
 def test_assisted_and_prompt_lookup_decoding_crop_inside_the_windows(model, monkeypatch):
