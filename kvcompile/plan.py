@@ -681,13 +681,10 @@ def _softcap_refusal(policy: Policy, softcap: bool) -> str | None:
     sinks, or None. The prompt's attention, a local layer's window, the decode attention (the eager torch
     lowering) and the scorers' attention weights (the part's own paths: scoring.attention_rows, the running
     scores' Python decode step) apply the cap and the sinks (engine.explicit,
-    kernels.paged_attention.SoftcapPagedAttention, LayerState.softcap / .sinks); a reconstruction scorer's
-    softmax, expected attention's closed form under a cap, merge slots, quantized pages and a prompt compressed
-    in chunks do not."""
+    kernels.paged_attention.SoftcapPagedAttention, LayerState.softcap / .sinks) and a reconstruction scorer's
+    forwards and softmax (engine.reconstruction, KVzip.score_keys); expected attention's closed form under a
+    cap, merge slots, quantized pages and a prompt compressed in chunks do not."""
     scoring = policy.scoring
-    if getattr(scoring, "reconstructs", False):
-        return (f"scoring: {scoring.name} scores entries by its reconstruction's attention weights, which its "
-                "kernels compute without the cap (scorers that read the prompt's attention apply it)")
     if softcap and not scoring.softcaps:
         return (f"scoring: {scoring.name} scores entries by the expected attention of future queries, whose closed "
                 "form (E[exp(c·qᵀk)] over a Gaussian query) has none under the cap (E[exp(cap·tanh(c·qᵀk/cap))])")

@@ -709,7 +709,9 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
     prompt, its positions follow the prompt). Then, with the layer's queries q and keys k of that
     sequence, for the reconstruction rows t and every prompt entry i ∈ [s, e):
         a[t, i] = softmax over the keys [0, min(sinks, s)) ∪ [s, e) ∪ {N + u : u ≤ t} of q_t·k·scale
-        s_h[i] = max over the group's query heads and t of a[t, i].
+        s_h[i] = max over the group's query heads and t of a[t, i]
+    (the logits soft-capped, and the layer's learned sinks one more logit in the softmax, where the model has
+    them: the captured states say so).
     Under `scorer.reconstruct` "context", the chunks start after `repeat.prefix` (the chat template's
     prefix) where every row starts with it, and the prefix's entries keep the score 0.
     Returns the scores per layer (B, H, N) and the prompt's states (keys, values, scale; no queries)."""
@@ -743,10 +745,15 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
             keys = st.keys.float().repeat_interleave(hq // h, dim=1)  # (B, Hq, N + T, d)
             scale = q.shape[-1] ** -0.5 if st.scale is None else st.scale
             logits = torch.einsum("bhtd,bhkd->bhtk", q, keys) * scale
+            if st.softcap:  # the model's soft-cap (Gemma 2), before the mask
+                logits = st.softcap * torch.tanh(logits / st.softcap)
             col = torch.arange(n + t)
             row = torch.arange(t)[:, None]
             seen = (col < sink) | ((col >= start) & (col < end)) | ((col >= n) & (col - n <= row))  # (T, N + T)
-            probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+            logits = logits.masked_fill(~seen, float("-inf"))
+            if st.sinks is not None:  # the model's learned sinks (gpt-oss): one more logit of each query head
+                logits = torch.cat([logits, st.sinks.float().view(1, hq, 1, 1).expand(b, hq, t, 1)], dim=-1)
+            probs = torch.softmax(logits, dim=-1)
             most = probs[..., start:end].amax(dim=2)  # (B, Hq, e − s): the max over reconstruction rows
             scores[layer][:, :, start:end] = scoring_parts.reduce_gqa(most, h, "max")
     return scores, states

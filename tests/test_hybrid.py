@@ -490,11 +490,12 @@ def test_gemma2_full_budget_equals_the_plain_model(name):
     ("zsmerge", "merge: residual attends to merge slots through kernels without the cap"),
     ("expected_attention", "scoring: expected_attention scores entries by the expected attention of future queries, "
                            "whose closed form .* has none under the cap"),
-    ("kvzip", "scoring: kvzip scores entries by its reconstruction's attention weights, which its kernels compute "
-              "without the cap")])
+    ("kvzip_uniform", "schedule.prefill: chunk attends over the held entries through kernels without the cap")])
 def test_gemma2_paths_without_the_cap_are_refused(name, says):
     """(The attention-reading scorers apply the cap: tests/test_hybrid_scorers.py.)"""
     model = tiny_gemma2()
+    if name == "kvzip_uniform":  # kvzip reconstructing chunk by chunk
+        name = kvcompile.load_spec(name, schedule={"prefill": {"chunk": 16}})
     with pytest.raises(kvcompile.CompileError, match=f"model type 'gemma2' soft-caps its attention logits "
                                                      f"\\(attn_logit_softcapping=5.0: cap·tanh\\(s/cap\\) before the "
                                                      f"softmax\\), and {says}"):

@@ -242,3 +242,29 @@ def test_prefill_once_compress_many_keeps_the_sinks():
         assert [[h.positions.tolist() for h in row] for row in ours] == \
             [[h.positions.tolist() for h in row] for row in theirs]
     assert own.shape[1] >= 5 and tokens[:, :own.shape[1]].tolist() == own.tolist()
+
+
+@pytest.mark.parametrize("build", [tiny_gemma2, tiny_gpt_oss], ids=["gemma2 (soft-cap)", "gpt-oss (sinks)"])
+def test_kvzip_reads_the_models_attention(build):
+    """KVzip's reconstruction forwards attend as the model does (soft-capped, sinks in the denominator) and its
+    score's softmax over KVzip's keys applies the cap and counts the sinks: the kept entries and their scores are
+    the reference's (reference.kvzip_scores, from the model's queries and keys over the prompt and the repeat
+    input), at a budget that evicts; a full budget generates the plain model's tokens."""
+    from test_kvzip import REPEAT, kept_scores
+
+    model = build()
+    ids = prompt(40, batch=2, seed=11)
+    policy = kvcompile.load_spec("kvzip", per_head=12, scoring={"kvzip": {"chunk": 16, "sinks": 2, "overlap": 3}})
+    with torch.no_grad():
+        with kvcompile.compiled(model, policy, repeat_prompt=REPEAT):
+            cache = model(ids, use_cache=True).past_key_values
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, kvcompile.load_spec("kvzip", per_head=40 + NEW + 64), repeat_prompt=REPEAT):
+            got = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    scores, states = reference.kvzip_scores(model, ids, REPEAT, policy.scoring)
+    expected = reference.compress(policy, states, scores=scores)
+    for layer in range(cache.plan.num_layers):
+        kept = cache.kept_positions(layer)
+        assert torch.equal(kept, expected.kept[layer]), f"layer {layer}"
+        assert_close(kept_scores(cache, layer), torch.where(kept, scores[layer], 0.0))
+    assert got.tolist() == ref.tolist()

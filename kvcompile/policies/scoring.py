@@ -774,24 +774,28 @@ class KVzip(Scorer):
         return p if bool((ids[:, :p] == head).all()) else 0
 
     def score_reconstruction(self, queries: Tensor, cached_k: Tensor, own_k: Tensor, start: int, end: int,
-                             scale: float, budget: int = 1 << 23) -> Tensor:
+                             scale: float, budget: int = 1 << 23, softcap: float | None = None,
+                             sinks: Tensor | None = None) -> Tensor:
         """s_h[i] for the chunk's cached entries i ∈ [start, end): (B, H, end − start) float32.
 
         queries (B, Hq, T, d): the reconstruction input's queries after RoPE; cached_k (B, H, N, d): the
         prompt's keys; own_k (B, H, T, d): the reconstruction input's keys (query t sees own keys u ≤ t).
         The softmax runs over KVzip's keys only: the first min(sinks, start) entries, the chunk's, the own
-        keys u ≤ t (`score_keys`)."""
+        keys u ≤ t (`score_keys`; softcap, sinks: the model's, as there)."""
         sink = min(self.sinks, start)
         return self.score_keys(queries, cached_k[:, :, :sink], cached_k[:, :, start:end], own_k, scale,
-                               budget=budget)
+                               budget=budget, softcap=softcap, learned=sinks)
 
     def score_keys(self, queries: Tensor, sink_k: Tensor, chunk_k: Tensor, own_k: Tensor, scale: float,
-                   sink_valid: Tensor | None = None, budget: int = 1 << 23) -> Tensor:
+                   sink_valid: Tensor | None = None, budget: int = 1 << 23, softcap: float | None = None,
+                   learned: Tensor | None = None) -> Tensor:
         """s_h[i] of the chunk's entries `chunk_k` (B, H, W, d): (B, H, W) float32, the softmax of each
         reconstruction query over the sink entries `sink_k` (B, H, S, d) (those of `sink_valid` (B, H, S)
         only, where given: a head that no longer holds a sink), the chunk's entries and the own keys u ≤ t.
         Rows go in blocks of about `budget` logits (a max over rows splits), each block reading the own keys
-        up to its last row: memory O(budget) floats."""
+        up to its last row: memory O(budget) floats. softcap: the model's logit soft-cap (Gemma 2) applied to the
+        logits; learned (Hq,): the layer's learned sinks (gpt-oss), one more logit per query head in the softmax's
+        denominator (the model's own attention, over KVzip's keys)."""
         b, hq, t, d = queries.shape
         h = chunk_k.shape[1]
         g = hq // h
@@ -807,9 +811,11 @@ class KVzip(Scorer):
             seen = sink + width + hi  # the own keys up to the block's last row
             rows = q[:, :, :, lo:hi].reshape(b, h, g * (hi - lo), d)  # a group's rows share one matmul
             logits = torch.matmul(rows, keys[..., :seen]).mul_(scale).view(b, h, g, hi - lo, seen)
+            logits = capped(logits, softcap)
             logits[..., sink + width:].masked_fill_(own[None, :hi] > own[lo:hi, None], float("-inf"))
             if sink_valid is not None:
                 logits[..., :sink].masked_fill_(~sink_valid[:, :, None, None, :], float("-inf"))
-            probs = torch.softmax(logits, dim=-1)[..., sink:sink + width]
+            probs = model_softmax(logits, None if learned is None else learned.float().view(1, h, g, 1, 1))
+            probs = probs[..., sink:sink + width]
             best = torch.maximum(best, probs.amax(dim=(2, 3)))
         return best
