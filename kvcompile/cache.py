@@ -303,7 +303,9 @@ class KVCompileCache(Cache):
         negative count), as assisted and prompt-lookup decoding do with rejected candidates.
         Exact only where the policy evicts nothing and updates no score while decoding
         (`is_croppable`); refused otherwise (compile()'s generate refuses those decoding modes
-        before the prompt runs)."""
+        before the prompt runs). A hybrid model's local layers drop the same positions and are cut back to
+        their last window - 1 (crop(0) only cuts back): past a window, that needs the positions recorded since
+        `activate_past_recording()`, as in transformers' sliding-window cache."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop() takes the number of tokens to remove as a negative int (or 0), got "
                              f"{tokens_to_remove}")
