@@ -97,6 +97,7 @@ class KVCompileCache(Cache):
         self.chunks: PromptChunks | None = None
         self.compressing: ChunkedPrompt | None = None  # a prompt compressed chunk by chunk, while it runs
         self.reconstruction = None  # kvcompile.kvzip.Reconstruction while a reconstruction scorer's prompt runs
+        self.record_past = False  # local layers keep every position until crop() (activate_past_recording)
         self.ref = CacheRef(self)  # what kvcompile.attend gets for this cache, and the token it declares it
         self.token = new_token()  # writes (kvcompile.cache_ref)
         self.host_syncs: Counter[str] = Counter()  # the plan's named host reads while decoding (Plan.host_syncs)
@@ -240,11 +241,20 @@ class KVCompileCache(Cache):
                       scale: float) -> Tensor:
         """Model layer `layer`, left to its window (a hybrid model's local layer the policy does not apply to):
         its sliding-window attention over the entries it holds and the new ones, which it then holds
-        (the last window - 1 positions; kvcompile.engine.window)."""
-        out, self.windows[layer] = window_step(self.windows[layer], q, k, v, mask, scale,
-                                               self.plan.layer_kinds.windows[layer], self.plan.softcap,
-                                               self.plan.model_layer_sinks(layer, q.device))
+        (the last window - 1 positions; kvcompile.engine.window), except in a reconstruction scorer's forward
+        (KVzip's repeat input reads the window as it stands after the prompt and adds nothing to it)."""
+        out, held = window_step(self.windows[layer], q, k, v, mask, scale, self.plan.layer_kinds.windows[layer],
+                                self.plan.softcap, self.plan.model_layer_sinks(layer, q.device), self.record_past)
+        if self.reconstruction is None or not self.reconstruction.scoring:  # (a reconstruction forward, KVzip's,
+            self.windows[layer] = held  # is no part of the sequence: its tokens attend within the window, kept not)
         return out
+
+    def activate_past_recording(self) -> None:
+        """What generate() calls before assisted and prompt-lookup decoding: from now on a hybrid model's local
+        layers keep every position they see until the next crop(), which removes the rejected candidates and
+        cuts them back to their last window - 1 positions (transformers' DynamicSlidingWindowLayer does the
+        same); the compressed layers need nothing (crop() removes their latest entries)."""
+        self.record_past = True
 
     @property
     def is_initialized(self) -> bool:  # used by generate() to tell prefill from decode
@@ -286,24 +296,30 @@ class KVCompileCache(Cache):
     def is_croppable(self) -> bool:
         """crop() is exact only where the policy evicts nothing and updates no score while decoding."""
         plan = self.plan
-        return not (plan.prune_every or plan.online_eviction or plan.running_scores or plan.layer_kinds is not None)
+        return not (plan.prune_every or plan.online_eviction or plan.running_scores)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the latest `-tokens_to_remove` generated entries (transformers' convention: 0 or a
         negative count), as assisted and prompt-lookup decoding do with rejected candidates.
         Exact only where the policy evicts nothing and updates no score while decoding
         (`is_croppable`); refused otherwise (compile()'s generate refuses those decoding modes
-        before the prompt runs)."""
+        before the prompt runs). A hybrid model's local layers drop the same positions and are cut back to
+        their last window - 1 (crop(0) only cuts back): past a window, that needs the positions recorded since
+        `activate_past_recording()`, as in transformers' sliding-window cache."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop() takes the number of tokens to remove as a negative int (or 0), got "
                              f"{tokens_to_remove}")
+        windows = [(i, w) for i, w in enumerate(self.windows) if w is not None]  # a hybrid model's local layers
         if tokens_to_remove == 0:
+            for i, w in windows:  # back to their last window - 1 positions
+                self.windows[i] = w.cropped(0)
             return
-        if self.plan.layer_kinds is not None:
+        if any(not w.can_crop(-tokens_to_remove) for _, w in windows):
             raise NotImplementedError(
-                "kvcompile: crop() on a hybrid model: its local layers hold their last window - 1 positions only, "
-                "so the entries a crop would bring back into the window are gone (transformers' sliding-window "
-                "cache cannot crop past its window either); assisted and prompt-lookup decoding are not supported")
+                "kvcompile: crop() on a hybrid model whose local layers hold their last window - 1 positions only: "
+                "the entries a crop would bring back into the window are gone; call activate_past_recording() "
+                "before the tokens to crop run (generate()'s assisted and prompt-lookup decoding do), as "
+                "transformers' sliding-window cache needs")
         if not self.is_croppable:
             raise NotImplementedError(
                 f"kvcompile: crop() is exact only for policies that evict nothing and update no score while "
@@ -315,6 +331,8 @@ class KVCompileCache(Cache):
         cutoff = (max_length - self.prompt.pad)[:, None, None]  # (B, 1, 1) logical positions kept
         for store in self.stores:
             store.crop(cutoff)
+        for i, w in windows:
+            self.windows[i] = w.cropped(-tokens_to_remove)
         self.seq_length = max_length
         if self.decoding is not None and self.decoding.length is not None:
             self.decoding.length = self.decoding.length.new_tensor(max_length)
@@ -420,6 +438,13 @@ class KVCompileCache(Cache):
         per_rank = shard.gather_heads(mine[:, None])[0]  # (P, 5)
         counts = torch.stack([report["kept"], report["pages"]], dim=1).permute(0, 3, 1, 2)  # (B, H/P, 2, L)
         kept, pages = shard.gather_heads(counts).permute(0, 2, 3, 1).unbind(1)  # (B, L, H) each
+        # the bytes of each kind of layer (the same kinds, in the same order, on every rank), summed over ranks
+        kinds = list(report["bytes_by_kind"])
+        mine = torch.tensor([[[report["bytes_by_kind"][k], report["bytes_full_by_kind"][k]] for k in kinds]],
+                            dtype=torch.long, device=report["kept"].device)  # (1, K, 2)
+        by_kind = shard.gather_heads(mine[:, None])[0].sum(0)  # (K, 2)
         return {**{name: int(per_rank[:, i].sum()) for i, name in enumerate(names)}, "kept": kept, "pages": pages,
+                "bytes_by_kind": {k: int(by_kind[i, 0]) for i, k in enumerate(kinds)},
+                "bytes_full_by_kind": {k: int(by_kind[i, 1]) for i, k in enumerate(kinds)},
                 "page_size": self.page_size, "kv_heads": tuple(range(self.num_heads)),
                 "per_rank": [dict(zip(names, row)) for row in per_rank.tolist()]}

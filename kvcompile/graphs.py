@@ -51,6 +51,10 @@ def refusal(plan) -> str | None:
     if plan.shard is not None:
         return ("mode='reduce-overhead': a tensor-parallel rank's step gathers over the group (collectives are not "
                 "recorded here); compile with mode='compiled'")
+    if plan.layer_kinds is not None:
+        return ("mode='reduce-overhead': a hybrid model's local layers hold their last window - 1 positions in "
+                "tensors made afresh at every step (what left the window is freed), which a replayed graph would "
+                "not write; compile with mode='compiled'")
     if plan.prune_every == 1:
         return ("mode='reduce-overhead': the policy prunes after every token (decode: every 1), a step that "
                 "re-selects on the host (Plan.host_syncs), so no decode step is left to replay; compile with "

@@ -18,3 +18,7 @@ class LayerState:
     scale: float | None = None  # softmax scale; None = d ** -0.5
     rope: Tensor | None = None  # (d/2,) the model's rotary inverse frequencies (rotate-half layout), for scorers
     #   that move queries to other positions (Scorer.needs_rope: expected_attention); None = not given
+    softcap: float | None = None  # the model's attention logit soft-cap (Gemma 2: cap·tanh(s/cap) before the
+    #   softmax); None = none. A scorer's attention weights apply it, as the model's attention does
+    sinks: Tensor | None = None  # (Hq,) the layer's learned sinks for the state's query heads (gpt-oss: one logit
+    #   per query head in the softmax's denominator); None = none. A scorer's attention weights count them

@@ -206,10 +206,14 @@ class Plan:
     online_impl = property(lambda self: None if self.online_step is None else self.online_step.name)
     chunk_impl = property(lambda self: None if self.chunk_attention is None else self.chunk_attention.name)
 
-    def state(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None) -> LayerState:
-        """A layer's LayerState for the scorer, with the model's rotary frequencies where it reads them."""
+    def state(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
+              layer: int | None = None) -> LayerState:
+        """A layer's LayerState for the scorer, with the model's rotary frequencies where it reads them, and the
+        model's soft-cap and the engine's layer `layer`'s learned sinks where the model has them (the scorer's
+        attention weights are then the model's: scoring.attention_rows)."""
         rope = None if self.rope is None else torch.tensor(self.rope, dtype=torch.float32, device=k.device)
-        return LayerState(q, k, v, mask, scale, rope)
+        sinks = None if layer is None else self.layer_sinks(layer, k.device)
+        return LayerState(q, k, v, mask, scale, rope, self.softcap, sinks)
 
     @property
     def storage(self):
@@ -530,7 +534,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     sinks = sinks if sinks is not None else getattr(config, "sinks", None)  # (_Dims: a plan's own)
     kind = getattr(config, "model_type", None)
     if softcap is not None or sinks is not None:
-        why = _softcap_refusal(policy)
+        why = _softcap_refusal(policy, softcap is not None)
         if why is not None and softcap is not None:
             raise PlanError(f"kvcompile: model type {kind!r} soft-caps its attention "
                             f"logits (attn_logit_softcapping={softcap}: "
@@ -593,7 +597,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         # (the store's append, then attention)
         if _quant_step_runs(policy, kernels, device, dtype, head_dim):
             online_impl, step_rule = "cpp", _step_rule(policy, False)
-    elif scoring.running or online:
+    elif (scoring.running or online) and not explicit:  # (a soft-cap or sinks: the Python step applies them)
         step_rule = _step_rule(policy, online)
         if step_rule is not None:
             try:
@@ -646,11 +650,6 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: {policy.name}: layers: {policy.budget.layers.name} ranks every layer's entries "
                         "of the whole prompt, which a prompt compressed chunk by chunk (schedule.prefill) does not "
                         "have; drop schedule.prefill")
-    if kinds is not None and getattr(scoring, "reconstructs", False):
-        raise PlanError(f"kvcompile: scoring: {scoring.name} scores the prompt by a reconstruction pass through the "
-                        "whole model, which would run through a hybrid model's local layers too (they keep their "
-                        "window, and a reconstruction forward is no part of the sequence); use a scorer that reads "
-                        "the prompt's attention")
     if scoring.needs_rope and rope is None:
         rope = rope_frequencies(config, scoring.name)
     # a chunked prompt re-selects every layer after each chunk: the lazy cascade's counting does not apply
@@ -677,16 +676,18 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def _softcap_refusal(policy: Policy) -> str | None:
-    """Why `policy` cannot run exactly on a model that soft-caps its attention logits or has learned sinks, or
-    None. The prompt's attention, a local layer's window and the decode attention (the eager torch lowering)
-    apply the cap and the sinks (engine.explicit, kernels.paged_attention.SoftcapPagedAttention); the
-    scorers' own attention weights, the fused C++ and Triton kernels, merge slots, quantized pages and a prompt
-    compressed in chunks do not."""
+def _softcap_refusal(policy: Policy, softcap: bool) -> str | None:
+    """Why `policy` cannot run exactly on a model that soft-caps its attention logits (`softcap`) or has learned
+    sinks, or None. The prompt's attention, a local layer's window, the decode attention (the eager torch
+    lowering) and the scorers' attention weights (the part's own paths: scoring.attention_rows, the running
+    scores' Python decode step) apply the cap and the sinks (engine.explicit,
+    kernels.paged_attention.SoftcapPagedAttention, LayerState.softcap / .sinks) and a reconstruction scorer's
+    forwards and softmax (engine.reconstruction, KVzip.score_keys); expected attention's closed form under a
+    cap, merge slots, quantized pages and a prompt compressed in chunks do not."""
     scoring = policy.scoring
-    if scoring.query_rows(2 ** 30) or getattr(scoring, "reconstructs", False):
-        return (f"scoring: {scoring.name} scores entries by attention weights, which its kernels compute without "
-                "the cap (scorers that read no attention run exactly: recency, key_norm)")
+    if softcap and not scoring.softcaps:
+        return (f"scoring: {scoring.name} scores entries by the expected attention of future queries, whose closed "
+                "form (E[exp(c·qᵀk)] over a Gaussian query) has none under the cap (E[exp(cap·tanh(c·qᵀk/cap))])")
     if policy.merges:
         return f"merge: {policy.merge.name} attends to merge slots through kernels without the cap"
     if policy.storage.quantizes:

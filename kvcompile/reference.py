@@ -654,7 +654,8 @@ def expected_attention(part, state: LayerState) -> Tensor:
     sequence and query head, un-rotate the real queries at positions p ≥ sinks (p = index among the
     real tokens) to pre-RoPE q̃ = R(p)ᵀ q, take their mean and biased covariance, rotate them by the
     mean rotation R̄ over the next `future` positions n … n + T − 1, score each real key at position
-    ≥ sinks by softmax(c μᵀk + c² kᵀΣk / 2), mean over the group, (s + ε)·‖v‖₂; the sinks score the
+    ≥ sinks by softmax(c μᵀk + c² kᵀΣk / 2) (the model's learned sinks, state.sinks, one more logit of the
+    query head's in the sum), mean over the group, (s + ε)·‖v‖₂; the sinks score the
     head's max + 1. Float64, loops; (B, H, N), −inf at pads."""
     b_, hq, r, d = state.queries.shape
     h, n = state.keys.shape[1], state.keys.shape[2]
@@ -683,7 +684,8 @@ def expected_attention(part, state: LayerState) -> Tensor:
                         k = state.keys[b, kv, i].double()
                         quad = k @ cov @ k * scale * scale / 2 if part.covariance else 0.0
                         logits.append(scale * (mu @ k) + quad)
-                weights = torch.softmax(torch.stack(logits), dim=0)
+                learned = [] if state.sinks is None else [state.sinks[head].double()]  # the model's, in the sum
+                weights = torch.softmax(torch.stack(logits + learned), dim=0)[:len(logits)]
                 for w, i in zip(weights, real[sinks:]):
                     probs[i] += w / g
             for i in real[sinks:]:
@@ -707,7 +709,9 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
     prompt, its positions follow the prompt). Then, with the layer's queries q and keys k of that
     sequence, for the reconstruction rows t and every prompt entry i ∈ [s, e):
         a[t, i] = softmax over the keys [0, min(sinks, s)) ∪ [s, e) ∪ {N + u : u ≤ t} of q_t·k·scale
-        s_h[i] = max over the group's query heads and t of a[t, i].
+        s_h[i] = max over the group's query heads and t of a[t, i]
+    (the logits soft-capped, and the layer's learned sinks one more logit in the softmax, where the model has
+    them: the captured states say so).
     Under `scorer.reconstruct` "context", the chunks start after `repeat.prefix` (the chat template's
     prefix) where every row starts with it, and the prefix's entries keep the score 0.
     Returns the scores per layer (B, H, N) and the prompt's states (keys, values, scale; no queries)."""
@@ -739,10 +743,15 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
             keys = st.keys.float().repeat_interleave(hq // h, dim=1)  # (B, Hq, N + T, d)
             scale = q.shape[-1] ** -0.5 if st.scale is None else st.scale
             logits = torch.einsum("bhtd,bhkd->bhtk", q, keys) * scale
+            if st.softcap:  # the model's soft-cap (Gemma 2), before the mask
+                logits = st.softcap * torch.tanh(logits / st.softcap)
             col = torch.arange(n + t)
             row = torch.arange(t)[:, None]
             seen = (col < sink) | ((col >= start) & (col < end)) | ((col >= n) & (col - n <= row))  # (T, N + T)
-            probs = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+            logits = logits.masked_fill(~seen, float("-inf"))
+            if st.sinks is not None:  # the model's learned sinks (gpt-oss): one more logit of each query head
+                logits = torch.cat([logits, st.sinks.float().view(1, hq, 1, 1).expand(b, hq, t, 1)], dim=-1)
+            probs = torch.softmax(logits, dim=-1)
             most = probs[..., start:end].amax(dim=2)  # (B, Hq, e − s): the max over reconstruction rows
             scores[layer][:, :, start:end] = scoring_parts.reduce_gqa(most, h, "max")
     return scores, states

@@ -178,7 +178,8 @@ class HeadEntries:
 
 
 def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: Tensor, budgets: Tensor,
-                 layer: int, scale: float | None = None, *, total: Tensor | None = None, choose=None) -> None:
+                 layer: int, scale: float | None = None, *, total: Tensor | None = None, choose=None,
+                 softcap: float | None = None, sinks: Tensor | None = None) -> None:
     """`decode: every n`: re-score a layer's cached tokens and prune it back to its budget.
 
     Scores: the scorer's running score when it has one (H2O, ZSMerge); otherwise the scorer
@@ -186,7 +187,8 @@ def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: 
     the latest R tokens (always cached: the spec requires ranking.window ≥ R). Then the
     prefill selection (select_and_merge) with the layer's total Σ_h budgets[b, h]; lengths
     (B,) are the sequences' current real lengths. A tensor-parallel rank passes the layer's
-    `total` over all heads and its `choose` (select_and_merge); `heads` are then its own.
+    `total` over all heads and its `choose` (select_and_merge); `heads` are then its own. softcap, sinks (Hq,):
+    the model's soft-cap and the layer's learned sinks, which the scorer's attention weights apply (LayerState).
     """
     b_, h_ = len(heads), len(heads[0])
     g = ring.shape[1] // h_
@@ -213,7 +215,8 @@ def decode_prune(policy, heads: list[list[HeadEntries]], ring: Tensor, lengths: 
                 scores[b, h, :m] = head.scores[tok]
             else:
                 state = LayerState(ring[b:b + 1, h * g:(h + 1) * g], head.keys[tok][None, None],
-                                   head.values[tok][None, None], None, scale)
+                                   head.values[tok][None, None], None, scale, softcap=softcap,
+                                   sinks=None if sinks is None else sinks[h * g:(h + 1) * g])
                 scores[b, h, :m] = policy.scoring.score(state)[0, 0]
             sl = (~head.tokens()).nonzero().squeeze(1)
             sl = sl[(-1 - head.positions[sl]).argsort()]

@@ -162,17 +162,18 @@ def _gemma3_bidirectional():
                                               use_bidirectional_attention=True))
 
 
-@pytest.mark.parametrize("make, says", [
-    (_gemma2, "soft-caps its attention logits \\(attn_logit_softcapping=50.0: cap·tanh\\(s/cap\\)"),
-    (_gpt_oss, "learned attention sinks \\(self_attn.sinks: one logit per head added to the softmax's denominator"),
-    (_gemma3_bidirectional, "'gemma3_text' with use_bidirectional_attention=True attends to later tokens too")])
-def test_what_the_op_does_not_compute_is_refused_by_name_before_any_change(make, says):
+@pytest.mark.parametrize("make, spec, says", [
+    (_gemma2, "zsmerge", "soft-caps its attention logits \\(attn_logit_softcapping=50.0: cap·tanh\\(s/cap\\)"),
+    (_gpt_oss, "zsmerge", "learned attention sinks \\(self_attn.sinks: one logit per head added to the softmax's "
+                          "denominator"),
+    (_gemma3_bidirectional, "snapkv", "'gemma3_text' with use_bidirectional_attention=True attends to later tokens too")])
+def test_what_the_op_does_not_compute_is_refused_by_name_before_any_change(make, spec, says):
     """Gemma 3's bidirectional mode attends to later tokens, and gpt-oss's sinks and Gemma 2's soft-capped logits are
-    not applied by a scorer that reads attention (snapkv's): none is computed by kvcompile, so each is refused,
-    named, not approximated (a hybrid model's local layers run their window, and Gemma 2 and gpt-oss run with the
-    scorers that read no attention: tests/test_hybrid.py)."""
+    not applied by merge slots (zsmerge's): none is computed by kvcompile, so each is refused, named, not
+    approximated (a hybrid model's local layers run their window, and Gemma 2 and gpt-oss run with the scorers,
+    which apply the cap and the sinks: tests/test_hybrid.py, tests/test_hybrid_scorers.py)."""
     model = make()
     before = model.config._attn_implementation
     with pytest.raises(kvcompile.CompileError, match=f"kvcompile: model type .*{says}"):
-        kvcompile.compile(model, "snapkv")
+        kvcompile.compile(model, spec)
     assert model.config._attn_implementation == before and "forward" not in model.__dict__

@@ -216,23 +216,126 @@ def test_a_policy_for_local_layers_or_a_kind_the_model_lacks_is_refused(model):
         kvcompile.compile(llama, "snapkv", budget={"per_head": 64, "layers": {"uniform": {"kinds": ["sliding_attention"]}}})
 
 
-def test_what_cannot_run_exactly_is_refused_up_front(model):
-    ids = prompt(20, batch=1, seed=2)
-    with pytest.raises(kvcompile.CompileError, match="reconstruction pass through the whole model.*local layers"):
-        kvcompile.compile(model, "kvzip", repeat_prompt=None)
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip_adakv"])
+def test_kvzip_reconstructs_through_the_windows(model, spec):
+    """KVzip's reconstruction forwards run through the local layers as the plain model runs the prompt followed by
+    the repeat input (reference.kvzip_scores: the windows as the prompt left them, the input's own keys), and
+    leave the windows as the prompt left them: the kept entries and their scores are the reference's at a budget
+    that evicts, and a full budget generates the plain model's tokens."""
+    from kvcompile import reference
+    from test_kvzip import REPEAT, kept_scores
+
+    ids = prompt(40, batch=2, seed=11)
+    policy = kvcompile.load_spec(spec, per_head=12, scoring={"kvzip": {"chunk": 16, "sinks": 2, "overlap": 3}})
+    with torch.no_grad():
+        with kvcompile.compiled(model, policy, repeat_prompt=REPEAT):
+            cache = model(ids, use_cache=True).past_key_values
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        full = kvcompile.load_spec(spec, per_head=40 + NEW + 64)
+        with kvcompile.compiled(model, full, repeat_prompt=REPEAT):
+            got = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+        with kvcompile.compiled(model, kvcompile.load_spec("snapkv")):
+            plain = model(ids, use_cache=True).past_key_values  # the windows a prompt leaves
+    scores, states = reference.kvzip_scores(model, ids, REPEAT, policy.scoring)
+    expected = reference.compress(policy, states, scores=scores)
+    assert cache.seq_length == 40  # the reconstruction forwards added nothing, to the windows neither
+    for i in LOCAL:
+        assert cache.windows[i].seen == 40 and torch.equal(cache.windows[i].keys, plain.windows[i].keys)
+    for layer in range(cache.plan.num_layers):
+        kept = cache.kept_positions(layer)
+        assert torch.equal(kept, expected.kept[layer]), f"layer {layer}"
+        assert_close(kept_scores(cache, layer), torch.where(kept, scores[layer], 0.0))
+    assert got.sequences.tolist() == ref.tolist()
+
+
+def test_assisted_and_prompt_lookup_decoding_crop_inside_the_windows(model, monkeypatch):
+    """generate() records the local layers' past before it decodes with candidates (activate_past_recording) and
+    crops the rejected ones, past the window: at a full budget the plain model's tokens, at a budget that evicts
+    the compiled model's own greedy tokens; the windows end back at their last window - 1 positions. A crop
+    without the recording, once a window has slid, is refused (the entries it would need are gone)."""
+    crops = []
+    crop = KVCompileCache.crop
+
+    def record(cache, n):
+        crops.append((n, cache.windows[LOCAL[0]].seen))
+        return crop(cache, n)
+
+    monkeypatch.setattr(KVCompileCache, "crop", record)
+    ids, long_ids = prompt(20, batch=1, seed=2), prompt(80, batch=1, seed=7)
+    assistant = copy.deepcopy(model)
+    lookup = dict(max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=2)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, full_budget("snapkv", 20 + NEW, len(KINDS))):
+            out = model.generate(ids, return_dict_in_generate=True, **lookup)
+            assisted = model.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=assistant)
+        with kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=40)):
+            greedy = model.generate(long_ids, max_new_tokens=NEW, do_sample=False)
+            evicting = model.generate(long_ids, **lookup)
+            assisted_evicting = model.generate(long_ids, max_new_tokens=NEW, do_sample=False,
+                                               assistant_model=assistant)
+    assert out.sequences.tolist() == assisted.tolist() == ref.tolist()
+    assert evicting.tolist() == assisted_evicting.tolist() == greedy.tolist()
+    assert any(n < 0 and seen > WINDOW for n, seen in crops)  # candidates rejected after a window slid
+    cache = cache_arg.of(out)
+    assert all(cache.windows[i].keys.shape[2] <= WINDOW - 1 + 2 for i in LOCAL)  # (the last call's candidates)
     with torch.no_grad(), kvcompile.compiled(model, full_budget("snapkv", 40, len(KINDS))):
-        with pytest.raises(kvcompile.CompileError, match="hybrid model's local layers hold their last window - 1"):
-            model.generate(ids, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2)
-        with pytest.raises(kvcompile.CompileError, match="hybrid"):
-            model.generate(ids, max_new_tokens=4, assistant_model=copy.deepcopy(model))
+        plain = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    with pytest.raises(NotImplementedError, match=r"call activate_past_recording\(\) before the tokens to crop"):
+        crop(cache_arg.of(plain), -2)
 
 
-def test_the_compiled_entry_is_refused_with_the_reason(model):
-    """kvcompile's compiled entry does not leave local layers to their window yet: refused before anything
-    changes, not run approximately."""
-    with pytest.raises(kvcompile.CompileError, match="mode='compiled' on a hybrid model .*mode='eager'"):
-        kvcompile.compile(model, "snapkv", mode="compiled")
-    assert "forward" not in model.__dict__ and model.config._attn_implementation == "sdpa"
+def test_the_compiled_entry_equals_the_plain_model_and_the_eager_entry(model):
+    """mode='compiled' (torch.compile with kvcompile's passes: each local layer's captured attention becomes
+    kvcompile.attend_window, each global layer's kvcompile.attend under its number among the compressed layers): at
+    a budget that keeps everything the plain model's logits and greedy tokens; at a budget that evicts, the eager
+    entry's tokens, with the local layers holding what the eager entry's hold. One prefill and one decode graph
+    serve both policies and every prompt length (they do not depend on the policy)."""
+    from kvcompile.passes.backend import COMPILES
+
+    ids, mask = padded_batch()
+    long_ids, long_mask = left_pad([prompt(80, seed=7)[0], prompt(67, seed=8)[0]])
+    evicting = kvcompile.load_spec("snapkv", per_head=40)
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask).logits
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, evicting):
+            eager = model.generate(long_ids, attention_mask=long_mask, max_new_tokens=NEW, do_sample=False,
+                                   return_dict_in_generate=True)
+        before = len(COMPILES)
+        with kvcompile.compiled(model, full_budget("snapkv", ids.shape[1] + NEW, len(KINDS)), mode="compiled"):
+            logits = model(ids, attention_mask=mask).logits
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, evicting, mode="compiled"):
+            compiled = model.generate(long_ids, attention_mask=long_mask, max_new_tokens=NEW, do_sample=False,
+                                      return_dict_in_generate=True)
+    real = mask.bool()
+    assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
+    assert got.tolist() == ref.tolist()
+    assert compiled.sequences.tolist() == eager.sequences.tolist()
+    ours, theirs = cache_arg.of(compiled), cache_arg.of(eager)
+    assert ours.memory_report()["kept"].max() < 60  # the full_attention layers evicted
+    for layer in LOCAL:  # (Inductor fuses the projections and RoPE in front of them: float rounding differs)
+        assert ours.windows[layer].keys.shape == theirs.windows[layer].keys.shape
+        assert_close(ours.windows[layer].keys, theirs.windows[layer].keys, rtol=1e-3, atol=1e-3)
+    kinds = [(r["kind"], r["layers"]) for r in COMPILES[before:]]
+    assert {kind for kind, _ in kinds} == {"prefill", "decode"} and all(layers == list(range(len(KINDS)))
+                                                                      for _, layers in kinds)
+
+
+def test_the_compiled_entry_without_sdpa_or_cuda_graphs_is_refused():
+    """Gemma 2 and gpt-oss do not run SDPA in transformers (their soft-cap and sinks), which the compiled entry
+    captures; a CUDA graph would not replay a local layer's window, made afresh at every step."""
+    from kvcompile import graphs
+
+    model = tiny_gemma2()
+    with pytest.raises(kvcompile.CompileError, match="mode='compiled' captures the model's SDPA attention calls, "
+                                                     "and transformers runs model type 'gemma2' without SDPA"):
+        kvcompile.compile(model, "knorm", mode="compiled")
+    assert "forward" not in model.__dict__ and model.config._attn_implementation == "eager"
+    plan = dataclasses.replace(KVCompileCache(kvcompile.load_spec("snapkv"), tiny_gemma3().config).plan,
+                               device=torch.device("cuda"))
+    assert "hybrid model's local layers" in graphs.refusal(plan)
 
 
 def test_continuous_batching_equals_the_plain_engine_and_generate(model):
@@ -382,11 +485,17 @@ def test_gemma2_full_budget_equals_the_plain_model(name):
     check_full_budget(model, name, uncap)
 
 
-@pytest.mark.parametrize("name, says", [("snapkv", "scoring: window_attention scores entries by attention weights"),
-                                        ("snapkv_int4", "scoring: window_attention"),
-                                        ("zsmerge", "scoring: decayed scores entries by attention weights")])
+@pytest.mark.parametrize("name, says", [
+    ("snapkv_int4", "storage: int4 attends over quantized pages through kernels without the cap"),
+    ("zsmerge", "merge: residual attends to merge slots through kernels without the cap"),
+    ("expected_attention", "scoring: expected_attention scores entries by the expected attention of future queries, "
+                           "whose closed form .* has none under the cap"),
+    ("kvzip_uniform", "schedule.prefill: chunk attends over the held entries through kernels without the cap")])
 def test_gemma2_paths_without_the_cap_are_refused(name, says):
+    """(The attention-reading scorers apply the cap: tests/test_hybrid_scorers.py.)"""
     model = tiny_gemma2()
+    if name == "kvzip_uniform":  # kvzip reconstructing chunk by chunk
+        name = kvcompile.load_spec(name, schedule={"prefill": {"chunk": 16}})
     with pytest.raises(kvcompile.CompileError, match=f"model type 'gemma2' soft-caps its attention logits "
                                                      f"\\(attn_logit_softcapping=5.0: cap·tanh\\(s/cap\\) before the "
                                                      f"softmax\\), and {says}"):
@@ -489,10 +598,10 @@ def test_gpt_oss_full_budget_equals_the_plain_model(name):
 
 def test_gpt_oss_paths_without_the_sinks_are_refused():
     model = tiny_gpt_oss()
-    with pytest.raises(kvcompile.CompileError, match="model type 'gpt_oss' has learned attention sinks .*and scoring: "
-                                                     "window_attention scores entries by attention weights, which its "
-                                                     "kernels compute without the sinks"):
-        kvcompile.compile(model, "snapkv")
+    with pytest.raises(kvcompile.CompileError, match="model type 'gpt_oss' has learned attention sinks .*and merge: "
+                                                     "residual attends to merge slots through kernels without the "
+                                                     "sinks"):
+        kvcompile.compile(model, "zsmerge")
     assert "forward" not in model.__dict__
     policy = full_budget("streamingllm", 60, 4)
     cache = KVCompileCache(policy, model.config)  # a plan from the config alone: no sinks
@@ -532,3 +641,42 @@ def test_prefill_once_compress_many_carries_the_local_layers(model):
     assert [w is not None for w in cache.windows] == [k == "sliding_attention" for k in KINDS]
     with pytest.raises(ValueError, match="hybrid model .* needs its local layers' windows"):
         replay(policy, model.config, list(states))
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with the gloo backend is not available in this torch build")
+def test_tensor_parallelism_on_hybrid_models_equals_one_process(tmp_path):
+    """transformers' tp_plan="auto" on 2 gloo processes, tiny Gemma 3 and Gemma 2 (soft-capped) in float64, at
+    budgets that evict: each rank holds its own KV head's pages and windows, and the kept entries, the windows'
+    keys and the generated tokens are a one-process run's. (gpt-oss: transformers' tensor-parallel plan does not
+    split its attention by heads, which compile() refuses with the reason.)"""
+    from transformers import AutoModelForCausalLM
+    from tp_run import run_specs, spawn
+
+    names = ["snapkv", "lava", "h2o"]
+    jobs = []
+    for key, build in (("gemma3", tiny_gemma3), ("gemma2", tiny_gemma2)):
+        build().save_pretrained(tmp_path / key)
+        jobs.append((key, str(tmp_path / key), names))
+    gpt_oss = tiny_gpt_oss()
+    gpt_oss.save_pretrained(tmp_path / "gpt_oss")
+    jobs.append(("refuse:gpt_oss", str(tmp_path / "gpt_oss"), "knorm"))
+    ranks = spawn(2, jobs, tmp_path, 1800)  # (a hang guard only: ~1 min)
+    assert all("q_proj, k_proj and v_proj split 'colwise'" in r["refuse:gpt_oss"] for r in ranks)
+    for key, _, _ in jobs[:2]:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / key, dtype=torch.float64).eval()
+        model.generation_config.pad_token_id = 0
+        one = run_specs(model, names)
+        for name in names:
+            for rank, r in enumerate(ranks):
+                got = r[key][name]
+                assert got["kv_heads"] == (rank,) and got["tokens"] == one[name]["tokens"], (key, name)
+                assert {k: v[:2] for k, v in got["entries"].items()} == \
+                    {k: v[:2] for k, v in one[name]["entries"].items() if k[2] == rank}, (key, name)
+                assert sorted(got["windows"]) == sorted(one[name]["windows"]) != []
+                for field in ("bytes_by_kind", "bytes_full_by_kind"):  # over all ranks: one process's
+                    assert got["gathered"][field] == one[name]["report"][field], (key, name, field)
+                    assert set(got["report"][field]) == {"full_attention", "sliding_attention"}
+                for layer, keys in got["windows"].items():
+                    assert keys.shape[1] == 1
+                    assert_close(keys, one[name]["windows"][layer][:, rank:rank + 1], rtol=1e-9, atol=1e-9)

@@ -179,7 +179,7 @@ def test_the_pareto_front_of_a_planted_set_of_points():
 
 
 def test_plot_labels_at_equal_bytes_stack_instead_of_overlapping():
-    from kvcompile.tune_plot import Point, labels
+    from kvcompile.tools.tune_plot import Point, labels
 
     pts = [Point("snapkv", 0.25, -2.0, "shipped"), Point("kvpress snapkv", 0.25, -2.0, "kvpress"),
            Point("knorm", 0.25, -2.01, "shipped"), Point("tova", 0.25, -2.02, "kvpress"),

@@ -90,7 +90,9 @@ def run_specs(model, names, mode: str = "eager") -> dict:
         cache = out.past_key_values
         results[name] = {"tokens": out.sequences[:, -NEW_TOKENS:].tolist(), "entries": entries(cache),
                          "report": cache.memory_report(), "gathered": cache.gathered_memory_report(),
-                         "kv_heads": cache.plan.kv_heads, "exchange": cache.plan.heads_exchange}
+                         "kv_heads": cache.plan.kv_heads, "exchange": cache.plan.heads_exchange,
+                         # a hybrid model's local layers (by model layer): the keys of this rank's heads' windows
+                         "windows": {i: w.keys.clone() for i, w in enumerate(cache.windows) if w is not None}}
     return results
 
 

@@ -13,6 +13,7 @@ from kvcompile.allocation import decode_budgets, head_split
 from kvcompile.engine.compress import choose, over_heads
 from kvcompile.engine.online import evict_online
 from kvcompile.engine.state import DecodeState
+from kvcompile.policies.scoring import capped, model_softmax
 from kvcompile.selection import decode_prune
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
                 cache.count_host_sync("append")
             store.append(k[:, :, i], v[:, :, i], position, step=plan.spare_pages)
             if running or online:
-                out, probs = _attend_with_probs(cache, store, q[:, :, i], scale)
+                out, probs = _attend_with_probs(cache, store, q[:, :, i], scale, layer)
                 if running:
                     _update_scores(cache, store, probs)
                 if online:
@@ -98,21 +99,23 @@ def _ring_push(cache: KVCompileCache, layer: int, row: Tensor) -> None:
         cache.rings[layer] = torch.cat([ring, row], dim=2)[:, :, -rows:]
 
 
-def _attend_with_probs(cache: KVCompileCache, store, q: Tensor, scale: float):
+def _attend_with_probs(cache: KVCompileCache, store, q: Tensor, scale: float, layer: int):
     """Decode attention over the gathered entries, also returning the attention of every entry
-    reduced over each GQA group as the scorer reduces it (B, H, E): the running scores need it."""
+    reduced over each GQA group as the scorer reduces it (B, H, E): the running scores need it. The model's
+    soft-cap and the layer's learned sinks apply (the same weights as the model's attention)."""
     plan = cache.plan
     flat, stored = store.entries()
     keys, values = store.kv_rows(flat)
     b, hq, d = q.shape
     h = keys.shape[1]
     g = hq // h
-    logits = torch.einsum("bhgd,bhed->bhge", q.float().view(b, h, g, d), keys.float()) * scale
+    logits = capped(torch.einsum("bhgd,bhed->bhge", q.float().view(b, h, g, d), keys.float()) * scale, plan.softcap)
     bias = plan.merge_bias(store.count_pages.reshape(-1)[flat])
     if bias is not None:
         logits = logits + bias[:, :, None, :]
     logits = logits.masked_fill(~stored[:, :, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    sinks = plan.layer_sinks(layer, q.device)
+    probs = model_softmax(logits, None if sinks is None else sinks.view(1, h, g, 1))
     out = torch.einsum("bhge,bhed->bhgd", probs, values.float()).reshape(b, hq, d).to(q.dtype)
     return out, plan.policy.scoring.reduce_group(probs, 2)
 
@@ -135,7 +138,8 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
     if cache.plan.shard is not None:
         ranks = functools.partial(choose, cache, kernels=False)
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
-                 total=None if totals is None else totals[:, layer], choose=ranks)
+                 total=None if totals is None else totals[:, layer], choose=ranks, softcap=cache.plan.softcap,
+                 sinks=cache.plan.layer_sinks(layer, cache.rings[layer].device))
     store = cache.plan.store.from_heads(heads, cache.page_size, cache.plan.spare_pages,
                                         storage=cache.policy.storage, dtype=cache.plan.dtype)
     if not cache.stores[layer].refill(store):  # into the layer's own tensors where it fits (a captured step's)

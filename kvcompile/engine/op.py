@@ -119,6 +119,21 @@ def _(q, k, v, mask, layer, cache, token, scale):
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("kvcompile::attend_window", mutates_args=("token",))
+def attend_window(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, cache: CacheRef, token: Tensor,
+                  scale: float) -> Tensor:
+    """A hybrid model's local layer left to its window (model layer `layer`: KVCompileCache.attend_window), what
+    the compiled entry's graphs call where the model's own sliding-window attention was (passes.rewrite); the
+    arguments and the declared write are `attend`'s."""
+    token.add_(1)
+    return _local(cache.cache, layer, q, k, v, mask, scale).contiguous()
+
+
+@attend_window.register_fake
+def _(q, k, v, mask, layer, cache, token, scale):
+    return q.new_empty(q.shape)
+
+
 def _plain_prompt(cache: KVCompileCache, q: Tensor, k: Tensor, layer: int) -> bool:
     """attend() just ran the plain prompt path at `layer`: a fresh cache's prompt in one call, whose
     output is the model's causal attention over the prompt (`prefill`; the first chunk of a prompt

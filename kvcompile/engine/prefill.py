@@ -119,9 +119,10 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     valid = prompt.valid
     policy = plan.policy
     rows = r if cache.record else policy.scoring.query_rows(n)
-    state = plan.state(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale)
+    state = plan.state(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale, layer)
     if cache.record:  # copies: a compiled graph reuses the memory of its intermediate tensors
-        cache.states[layer] = LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale, state.rope)
+        cache.states[layer] = LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale, state.rope,
+                                         state.softcap, state.sinks)
     scores = plan.score(state) if scores is None else scores
     positions = (torch.arange(n, device=q.device)[None, :] - prompt.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)

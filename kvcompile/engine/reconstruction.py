@@ -24,18 +24,20 @@ def reconstruction_step(cache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
             return _chunk_attention(cache, q, k, v, mask, layer, scale)
         return _chunk_reconstruction(cache, q, k, v, layer, scale)
     b, hq, t, d = q.shape
+    softcap, sinks = cache.plan.softcap, cache.plan.layer_sinks(layer, q.device)  # (Gemma 2, gpt-oss)
     if rec.span is None:
         if cache.stores[layer] is not None or rec.keys[layer] is not None:
             raise RuntimeError("kvcompile: scoring kvzip scores a prompt given in one call")
         if layer == 0:
             start_prompt(cache, mask, b, t, q)
         rec.keys[layer], rec.values[layer], rec.scales[layer], rec.query_heads = k, v, scale, hq
-        return prompt_attention(q, k, v, None, scale)
+        return prompt_attention(q, k, v, None, scale, softcap=softcap, sinks=sinks)
     cached_k, cached_v = rec.keys[layer], rec.values[layer]
     start, end = rec.span
     keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
-    out = _attention_after(q, keys, values, scale)
-    scores = cache.plan.policy.scoring.score_reconstruction(q, cached_k, k, start, end, scale)
+    out = _attention_after(q, keys, values, scale, softcap, sinks)
+    scores = cache.plan.policy.scoring.score_reconstruction(q, cached_k, k, start, end, scale, softcap=softcap,
+                                                            sinks=sinks)
     if rec.scores[layer] is None:
         rec.scores[layer] = torch.zeros(b, k.shape[1], cached_k.shape[2], dtype=torch.float32, device=k.device)
     rec.scores[layer][:, :, start:end] = scores
@@ -114,12 +116,14 @@ def select_reconstructed(cache, layer: int) -> None:
     rec.keys[layer] = rec.values[layer] = rec.scores[layer] = None
 
 
-def _attention_after(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+def _attention_after(q: Tensor, keys: Tensor, values: Tensor, scale: float, softcap: float | None = None,
+                     sinks: Tensor | None = None) -> Tensor:
     """The attention of the last T = q.shape[2] rows of a causal sequence of keys (the reconstruction input
-    after the cached prompt): the C++ attention kernel where it runs (fp32 CPU), else SDPA with the mask."""
+    after the cached prompt): the C++ attention kernel where it runs (fp32 CPU) and the model has no soft-cap
+    and no sinks, else the prompt's attention (SDPA with the mask, or written out with the cap and the sinks)."""
     from kvcompile.kernels.attention_column_sums import attention_column_sums, runs_here
 
     t, n = q.shape[2], keys.shape[2]
-    if runs_here(q.device, q.dtype, q.shape[-1]):
+    if not softcap and sinks is None and runs_here(q.device, q.dtype, q.shape[-1]):
         return attention_column_sums(q, keys, values, None, scale, q.new_zeros(t))[0].to(q.dtype)
-    return prompt_attention(q, keys, values, None, scale, offset=n - t)
+    return prompt_attention(q, keys, values, None, scale, offset=n - t, softcap=softcap, sinks=sinks)

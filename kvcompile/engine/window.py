@@ -43,6 +43,19 @@ class WindowLayer:
         index = index.to(self.keys.device)
         return WindowLayer(self.window, self.keys[index], self.values[index], self.valid[index], self.seen)
 
+    def can_crop(self, tokens: int) -> bool:
+        """Whether the layer holds what it held before its last `tokens` positions: every position of the window
+        then (the last window - 1 before them), or all it had seen."""
+        return self.keys.shape[2] - tokens >= min(self.seen - tokens, self.window - 1)
+
+    def cropped(self, tokens: int) -> "WindowLayer":
+        """The layer without its last `tokens` positions (assisted decoding's rejected candidates), back to at most
+        the last window - 1 positions (copies); `can_crop(tokens)` must hold."""
+        end = self.keys.shape[2] - tokens
+        start = max(0, end - (self.window - 1))
+        return WindowLayer(self.window, self.keys[:, :, start:end].clone(), self.values[:, :, start:end].clone(),
+                           self.valid[:, start:end].clone(), self.seen - tokens)
+
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float, window: int,
                      offset: int, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
@@ -63,10 +76,13 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: floa
 
 
 def window_step(held: WindowLayer | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
-                window: int, softcap: float | None = None, sinks: Tensor | None = None) -> tuple[Tensor, WindowLayer]:
+                window: int, softcap: float | None = None, sinks: Tensor | None = None,
+                record: bool = False) -> tuple[Tensor, WindowLayer]:
     """One call of a local layer (a prompt, a prompt's chunk, or decode steps): the T new tokens attend to the
     held entries and themselves within the window; returns the output (B, Hq, T, d) and the layer's new held
-    entries (the last window - 1 positions). mask: (B, ≥ seen + T) padding mask (True = real) or None."""
+    entries (the last window - 1 positions; with `record`, every position held and new, until a crop cuts
+    them back: assisted decoding, as transformers' DynamicSlidingWindowLayer records its past).
+    mask: (B, ≥ seen + T) padding mask (True = real) or None."""
     b, t = q.shape[0], q.shape[2]
     new_valid = torch.ones(b, t, dtype=torch.bool, device=q.device) if mask is None else mask[:, -t:].bool()
     if held is None:
@@ -77,7 +93,7 @@ def window_step(held: WindowLayer | None, q: Tensor, k: Tensor, v: Tensor, mask:
         valid = torch.cat([held.valid, new_valid.to(held.valid.device)], dim=1)
         seen, offset = held.seen + t, held.keys.shape[2]
     out = window_attention(q, keys.to(q.dtype), values.to(q.dtype), valid, scale, window, offset, softcap, sinks)
-    keep = min(keys.shape[2], window - 1)
+    keep = keys.shape[2] if record else min(keys.shape[2], window - 1)
     start = keys.shape[2] - keep
     # copies: the positions that left the window are freed, not kept alive by a view
     return out, WindowLayer(window, keys[:, :, start:].clone(), values[:, :, start:].clone(),

@@ -188,11 +188,6 @@ def _check_crop(plan) -> None:
     rejected ones: exact only where the policy evicts nothing and updates no score while
     decoding, and where a layer's compression is final when the layer has run (not a cascade,
     which shrinks lower layers as later ones run). Refused before the prompt runs otherwise."""
-    if plan.layer_kinds is not None:
-        raise CompileError("kvcompile: assisted / prompt-lookup decoding needs crop(), and a hybrid model's local "
-                           "layers hold their last window - 1 positions only: a crop would need entries that left "
-                           "the window (transformers' sliding-window cache cannot crop past its window either); "
-                           "generate without an assistant")
     if plan.prune_every or plan.online_eviction or plan.running_scores:  # KVCompileCache.is_croppable
         raise CompileError(f"kvcompile: assisted / prompt-lookup decoding needs crop(), which {plan.policy.name} "
                            "cannot do exactly (it evicts or re-scores while decoding)")
@@ -334,11 +329,11 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
                           layer_devices=layer_devices, sinks=model_sinks(model))
     except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
-    if traced and plan.layer_kinds is not None:
-        raise CompileError(f"kvcompile: mode={mode!r} on a hybrid model ({model.config.model_type!r}: "
-                           "sliding_attention layers): the compiled entry's passes rewrite every captured attention "
-                           "into the op, and do not yet leave the local layers to their window; compile with "
-                           "mode='eager', which runs them exactly")
+    if traced and (plan.softcap is not None or plan.sinks is not None):
+        raise CompileError(f"kvcompile: mode={mode!r} captures the model's SDPA attention calls, and transformers "
+                           f"runs model type {model.config.model_type!r} without SDPA (its "
+                           f"{'soft-capped logits' if plan.softcap is not None else 'learned sinks'} are not SDPA's); "
+                           "compile with mode='eager', which applies them exactly")
     if mode == "reduce-overhead":
         from kvcompile import graphs
 
@@ -364,7 +359,8 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         from kvcompile.passes import compile_forward
 
         model.set_attn_implementation("sdpa")
-        forward = compile_forward(model, forward, kv_heads=len(plan.kv_heads))
+        forward = compile_forward(model, forward, kv_heads=len(plan.kv_heads),
+                                  engine=None if plan.layer_kinds is None else plan.layer_kinds.engine)
     else:
         AttentionInterface.register("kvcompile", kvcompile_attention)
         AttentionMaskInterface.register("kvcompile", kvcompile_mask)

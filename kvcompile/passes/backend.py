@@ -147,17 +147,18 @@ def inductor_options(example_inputs, tokens=None, fixed_work=()) -> dict:
 
 
 def run_passes(gm: GraphModule, kv_heads: int | None = None, num_layers: int | None = None,
-               require_marker: bool = False) -> dict:
+               require_marker: bool = False, engine: tuple[int | None, ...] | None = None) -> dict:
     """find_attention → rewrite_attention → remove_dead, in place. With `num_layers`, every
     layer 0 … L−1 must have its attention call (none may run uncompressed). `require_marker`:
     the graph must hold the compiled entry's `kvcompile.cache_input` call (a graph without one
-    gets its cache's `ref` and `token` as two inputs after its own: `rewrite.cache_inputs`)."""
+    gets its cache's `ref` and `token` as two inputs after its own: `rewrite.cache_inputs`). `engine`: a hybrid
+    model's layers (rewrite_attention: its local layers' calls go to their windows)."""
     found = find_attention(gm)
     layers = sorted(layer for _, layer in found)
     if num_layers is not None and layers != list(range(num_layers)):
         raise PassError(f"kvcompile: attention found in layers {layers}, expected layers 0 … {num_layers - 1} "
                         "(a graph break? compile with fullgraph=True)")
-    new = rewrite_attention(gm, found, kv_heads=kv_heads, require_marker=require_marker)
+    new = rewrite_attention(gm, found, kv_heads=kv_heads, require_marker=require_marker, engine=engine)
     removed = remove_dead(gm)
     q = shape(new[0].args[0]) if new else None
     mask = shape(new[0].args[3]) if new and new[0].args[3] is not None else None
@@ -182,13 +183,13 @@ def _say(message: str) -> None:
 
 
 def backend(gm: GraphModule, example_inputs, *, kv_heads: int | None = None, num_layers: int | None = None,
-            inductor: bool = True):
+            inductor: bool = True, engine: tuple[int | None, ...] | None = None):
     """torch.compile backend: the kvcompile passes, then Inductor (`inductor=False`: the
     rewritten graph runs as is, for tests and debugging)."""
     from torch._inductor.compile_fx import compile_fx
 
     start = time.perf_counter()
-    record = run_passes(gm, kv_heads, num_layers, require_marker=True)
+    record = run_passes(gm, kv_heads, num_layers, require_marker=True, engine=engine)
     if not inductor:
         record.pop("fixed_work")
     record["kind"] = kind = graph_kind(record["tokens"])
@@ -231,10 +232,11 @@ def _plain_shapes(compiled):
 
 
 @functools.cache
-def make_backend(kv_heads: int | None = None, num_layers: int | None = None, inductor: bool = True):
+def make_backend(kv_heads: int | None = None, num_layers: int | None = None, inductor: bool = True,
+                 engine: tuple[int | None, ...] | None = None):
     """One backend object per model shape, so dynamo reuses compiled graphs across
     compile_forward calls (a new backend object would compile again)."""
-    return functools.partial(backend, kv_heads=kv_heads, num_layers=num_layers, inductor=inductor)
+    return functools.partial(backend, kv_heads=kv_heads, num_layers=num_layers, inductor=inductor, engine=engine)
 
 
 def _forward_with_cache(forward, kvcompile_ref, kvcompile_token, *args, **kwargs):
@@ -245,13 +247,16 @@ def _forward_with_cache(forward, kvcompile_ref, kvcompile_token, *args, **kwargs
 
 
 @functools.cache
-def traced_function(kv_heads: int | None = None, num_layers: int | None = None, inductor: bool = True):
+def traced_function(kv_heads: int | None = None, num_layers: int | None = None, inductor: bool = True,
+                    engine: tuple[int | None, ...] | None = None):
     """`_forward_with_cache` for one backend (`make_backend`'s arguments), with a code object of its
     own: dynamo keeps graphs per code object, and its run-only mode (module doc, "Threads") runs any
     graph whose guards pass, whichever backend compiled it. Its name is made of the arguments, the same
     in every process."""
     code = _forward_with_cache.__code__
     name = f"_forward_with_cache_{kv_heads}_{num_layers}_{'inductor' if inductor else 'passes'}"
+    if engine is not None:  # a hybrid model: which layers are local ("w") or compressed ("c")
+        name += "_" + "".join("w" if e is None else "c" for e in engine)
     code = code.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, _forward_with_cache.__globals__, name)
 
@@ -328,7 +333,7 @@ def _mark_dynamic(args, kwargs) -> None:
 
 
 def compile_forward(model, forward=None, *, dynamic: bool | None = None, inductor: bool = True,
-                    kv_heads: int | None = None) -> "CompiledForward":
+                    kv_heads: int | None = None, engine: tuple[int | None, ...] | None = None) -> "CompiledForward":
     """`forward` (default: the model class's forward) compiled with the kvcompile backend.
 
     The returned callable takes the model's forward arguments. With a KVCompileCache as
@@ -340,15 +345,17 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
     dynamic=True does with the model's eps and scaling, would be read at run time). A call
     without an attention_mask or position_ids gets them here, so that every call has the
     same graph inputs (module doc, "Shapes"). `kv_heads`: the KV heads each attention computes
-    (a tensor-parallel rank's; default the config's).
+    (a tensor-parallel rank's; default the config's). `engine`: a hybrid model's layers
+    (kvcompile.layer_kinds.LayerKinds.engine): its local layers' attention goes to their windows
+    (`kvcompile.attend_window`), the others' to the op under their number among the compressed layers.
     """
     config = model.config
     if config._attn_implementation != "sdpa":
         raise PassError(f"kvcompile: the compiled entry needs attn_implementation='sdpa', the model has "
                         f"{config._attn_implementation!r}")
     forward = forward or type(model).forward.__get__(model)
-    return CompiledForward(forward, (kv_heads or config.num_key_value_heads, config.num_hidden_layers, inductor),
-                           dynamic)
+    return CompiledForward(forward, (kv_heads or config.num_key_value_heads, config.num_hidden_layers, inductor,
+                                     None if engine is None else tuple(engine)), dynamic)
 
 
 class CompiledForward:
@@ -358,7 +365,7 @@ class CompiledForward:
     compiled model gives the copy a CompiledForward of the copy's own forward (its weights):
     the torch.compile'd function is made again for it (dynamo's guards decide whether the
     copy reuses the original's graphs). `key`: `make_backend`'s arguments (KV heads, layers,
-    Inductor or not). It holds no cache and no lock: each call passes its cache to the graph."""
+    Inductor or not, a hybrid model's layers). It holds no cache and no lock: each call passes its cache to the graph."""
 
     def __init__(self, forward, key: tuple, dynamic):
         self.forward, self.key, self.dynamic = forward, key, dynamic

@@ -32,6 +32,7 @@ from kvcompile.passes.find import PassError, returns_tuple, sdpa_arguments
 
 aten = torch.ops.aten
 ATTEND = torch.ops.kvcompile.attend.default
+ATTEND_WINDOW = torch.ops.kvcompile.attend_window.default  # a hybrid model's local layer, left to its window
 CACHE_INPUT = {torch.ops.kvcompile.cache_input, torch.ops.kvcompile.cache_input.default}  # dynamo records the packet
 
 _RESHAPE_METHODS = {"reshape", "view"}
@@ -288,9 +289,12 @@ def cache_inputs(gm: GraphModule) -> tuple[Node, Node]:
 
 
 def rewrite_attention(gm: GraphModule, found: list[tuple[Node, int]], kv_heads: int | None = None,
-                      require_marker: bool = False) -> list[Node]:
+                      require_marker: bool = False, engine: tuple[int | None, ...] | None = None) -> list[Node]:
     """Replace each SDPA call of `found` (from find_attention) by
-    `kvcompile.attend(q, k, v, mask, layer, ref, token, scale)`; returns the new nodes.
+    `kvcompile.attend(q, k, v, mask, layer, ref, token, scale)`; returns the new nodes. `engine`: a hybrid
+    model's layers (kvcompile.layer_kinds.LayerKinds.engine: each model layer's number among the compressed
+    ones, None for a local layer): a compressed layer's call takes its number there, a local layer's becomes
+    `kvcompile.attend_window` (its window, the same arguments with the model layer).
 
     `ref` and `token` are graph inputs (`cache_inputs`), never constants: each call passes its
     cache's, so one graph serves every cache. `kv_heads` (the model's KV heads), when given, is
@@ -316,8 +320,11 @@ def rewrite_attention(gm: GraphModule, found: list[tuple[Node, int]], kv_heads: 
         # The op returns a contiguous tensor and its fake kernel returns empty_like(q):
         # a contiguous q makes the two agree (transformers' q is a transposed view).
         q = _insert(gm, node, aten.contiguous.default, plan["q"])
+        op = ATTEND
+        if engine is not None:
+            op, layer = (ATTEND_WINDOW, layer) if engine[layer] is None else (ATTEND, engine[layer])
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(ATTEND, (q, plan["k"], plan["v"], mask, layer, ref, token, plan["scale"]))
+            new = gm.graph.call_function(op, (q, plan["k"], plan["v"], mask, layer, ref, token, plan["scale"]))
         new.meta = dict(node.meta)
         for key in ("val", "example_value"):
             if key in node.meta and returns_tuple(node):

@@ -10,7 +10,10 @@ Each scorer has two methods:
 Conventions shared by every scorer (docs/SPECS.md §2 "Scoring"):
   * A[j, i] is the softmax of query j over keys i, scaled by the model's scale, with the
     causal mask (query j at absolute index N−R+j sees keys i ≤ that index) and the
-    padding mask (pads are never attended). A pad query's row is all zeros.
+    padding mask (pads are never attended). A pad query's row is all zeros. It is the model's
+    own attention: soft-capped logits where the model caps them (LayerState.softcap, Gemma 2) and
+    learned sinks in the denominator where it has them (LayerState.sinks, gpt-oss: `capped`,
+    `model_softmax`).
   * Inputs are upcast to float32; the math is float32 throughout.
   * GQA: a score is computed per query head, then the G heads of a group reduce to
     their KV head (`gqa`: mean | max). KV head h owns query heads h·G … h·G+G−1, the
@@ -55,11 +58,28 @@ def real_tokens(state: LayerState) -> Tensor:
     return state.mask.to(device=state.keys.device, dtype=torch.bool)
 
 
+def capped(logits: Tensor, softcap: float | None) -> Tensor:
+    """The model's logits from the scaled dot products: cap·tanh(s/cap) where it soft-caps them (Gemma 2's
+    attn_logit_softcapping, LayerState.softcap), else s. Applied before any mask (tanh(−inf) is finite)."""
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
+
+
+def model_softmax(logits: Tensor, sinks: Tensor | None) -> Tensor:
+    """The model's softmax over the last dim of (masked) logits: with learned sinks (gpt-oss, LayerState.sinks,
+    broadcast against logits[..., :1]) one more logit per query head joins the denominator and its weight is
+    dropped, so a row sums to less than 1; a row with every key masked is then 0 (the sink takes it all)."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    sink = sinks.to(device=logits.device, dtype=logits.dtype).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def attention_rows(state: LayerState, rows: int) -> Tensor:
     """A for the last `rows` prompt queries: (B, Hq, rows, N) float32.
 
     Row j is query N−rows+j; it attends to the real keys i ≤ N−rows+j (causal + padding
-    masks), with the model's scale (None = d^−½). Rows of pad queries are zeros.
+    masks), with the model's scale (None = d^−½), soft-cap (`state.softcap`) and learned sinks in the
+    denominator (`state.sinks`): the weights the model's own attention computes. Rows of pad queries are zeros.
     """
     queries, keys = state.queries, state.keys
     b, hq, r, d = queries.shape
@@ -70,14 +90,15 @@ def attention_rows(state: LayerState, rows: int) -> Tensor:
 
     q = queries[:, :, r - rows:].float()  # (B, Hq, rows, d)
     k = keys.float().repeat_interleave(hq // h, dim=1)  # (B, Hq, N, d), repeat_kv order
-    logits = torch.einsum("bhjd,bhid->bhji", q, k) * scale
+    logits = capped(torch.einsum("bhjd,bhid->bhji", q, k) * scale, state.softcap)
 
     real = real_tokens(state)  # (B, N)
     query_pos = torch.arange(n - rows, n, device=keys.device)  # absolute index of each row
     key_pos = torch.arange(n, device=keys.device)
     causal = key_pos[None, :] <= query_pos[:, None]  # (rows, N)
     visible = causal[None, None] & real[:, None, None, :]  # (B, 1, rows, N)
-    probs = torch.softmax(logits.masked_fill(~visible, NEG_INF), dim=-1)
+    sinks = None if state.sinks is None else state.sinks.float().view(1, hq, 1, 1)
+    probs = model_softmax(logits.masked_fill(~visible, NEG_INF), sinks)
 
     real_query = real[:, None, n - rows:, None]  # (B, 1, rows, 1)
     return torch.where(real_query, probs, 0.0)  # a pad query sees no key: its row is 0
@@ -178,6 +199,7 @@ class Scorer(Part):
     running = False
     head_local = True
     needs_rope = False  # the scorer reads the model's rotary frequencies (LayerState.rope; the plan supplies them)
+    softcaps = True  # the scorer's attention weights apply a model's logit soft-cap (LayerState.softcap)
     nonnegative = True  # scores are >= 0 (attention mass): what entropy layers and DBudgetKV's norm stop read
     # the scores of a prompt do not depend on a question at its end (its own queries, keys or positions only), so a
     # compressed context can be reused for what follows it (docs/SPECS.md §4b; `kvcompile serve --reuse-context`)
@@ -479,18 +501,19 @@ def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int
     q_all = queries[:, :, r - rows:]  # (B, Hq, rows, d): query of key first_row + j; head h·G+g of KV head h
     k = keys.float().reshape(b * h, n, d)
     padded = not bool(real.all())
+    sinks = None if state.sinks is None else state.sinks.float().view(1, h, g, 1, 1)  # query head h·G+g
     acc = torch.zeros(b, h, g, n, dtype=torch.float32, device=device)
     for lo in range(start, n, chunk):
         hi = min(lo + chunk, n)  # rows lo … hi−1 see keys 0 … hi−1 at most
         c = hi - lo
         q = q_all[:, :, lo - first_row:hi - first_row].float().reshape(b * h, g * c, d)  # a group's rows share one matmul
         logits = torch.baddbmm(q.new_zeros(1, 1, 1), q, k[:, :hi].transpose(1, 2), beta=0.0, alpha=scale)
-        logits = logits.view(b, h, g, c, hi)
+        logits = capped(logits.view(b, h, g, c, hi), state.softcap)
         future = torch.ones(c, c, dtype=torch.bool, device=device).triu(1)  # key after the query
         logits[..., lo:hi].masked_fill_(future, NEG_INF)  # the causal mask lies in the last c keys
         if padded:
             logits.masked_fill_(~real[:, None, None, None, :hi], NEG_INF)
-        probs = torch.softmax(logits, dim=-1)
+        probs = model_softmax(logits, sinks)
         real_rows = real[:, lo:hi]  # (B, c)
         if not bool(real_rows.all()):  # a pad query's row is 0 (it may be NaN: it sees no key)
             probs = torch.where(real_rows[:, None, None, :, None], probs, 0.0)
@@ -597,7 +620,8 @@ class ExpectedAttention(Scorer):
          rotary inverse frequencies `state.rope` (transformers' rotate-half layout).
       2. Expected unnormalised attention of key k under q ~ N(μ, Σ) with the model's scale c (d^−½):
          E[exp(c qᵀk)] = exp(c μᵀk + c² kᵀΣk / 2) (Eq. 10; `covariance: false` drops the second term).
-      3. Softmax of those logits over the real keys at positions ≥ `sinks` (Eq. 11), mean over the G
+      3. Softmax of those logits over the real keys at positions ≥ `sinks` (Eq. 11; a model's learned sinks,
+         LayerState.sinks, join its denominator as in the model's attention), mean over the G
          query heads of the KV group (gqa: mean), then × ‖v‖₂ with `epsilon` added first when
          `value_norm` (kvpress: (s + ε)·‖v‖₂).
     The first `sinks` tokens (attention sinks) are left out of the statistics and of the softmax and
@@ -619,6 +643,7 @@ class ExpectedAttention(Scorer):
     value_norm: bool = True
     epsilon: float = bounded(0.0, low=0)
     needs_rope = True  # the scorer reads the model's rotary frequencies (LayerState.rope)
+    softcaps = False  # E[exp(cap·tanh(c·qᵀk/cap))] over a Gaussian query has no closed form (kvcompile.plan refuses)
 
     query_agnostic = True
 
@@ -627,6 +652,8 @@ class ExpectedAttention(Scorer):
 
     def score(self, state: LayerState) -> Tensor:
         _check(state.rope is not None, "expected_attention needs the model's rotary frequencies (LayerState.rope)")
+        _check(not state.softcap, "expected_attention has no closed form for soft-capped logits (E[exp(cap·tanh(s/"
+                                  "cap))] over a Gaussian query); a soft-capped model's state cannot be scored by it")
         queries, keys, values = state.queries.float(), state.keys.float(), state.values.float()
         b, hq, r, d = queries.shape
         h, n = keys.shape[1], keys.shape[2]
@@ -654,8 +681,10 @@ class ExpectedAttention(Scorer):
             sigma = torch.einsum("bhri,bhrj->bhij", centred, centred) / count[..., None]  # (B, Hq, d, d)
             k = keys.repeat_interleave(hq // h, dim=1)  # (B, Hq, N, d)
             logits = logits + torch.einsum("bhni,bhij,bhnj->bhn", k, sigma, k) * (scale * scale / 2)  # c² kᵀΣk / 2
-        # 3. softmax over the counted keys, mean over the group, value norm; sinks on top
-        probs = torch.softmax(logits.masked_fill(~counted[:, None], NEG_INF), dim=-1)
+        # 3. softmax over the counted keys (and the model's learned sinks), mean over the group, value norm; the
+        #    first `sinks` entries on top
+        learned = None if state.sinks is None else state.sinks.float().view(1, hq, 1)
+        probs = model_softmax(logits.masked_fill(~counted[:, None], NEG_INF), learned)
         s = reduce_gqa(probs, h, "mean")
         if self.value_norm:
             s = (s + self.epsilon) * torch.linalg.vector_norm(values, dim=-1)
@@ -745,24 +774,28 @@ class KVzip(Scorer):
         return p if bool((ids[:, :p] == head).all()) else 0
 
     def score_reconstruction(self, queries: Tensor, cached_k: Tensor, own_k: Tensor, start: int, end: int,
-                             scale: float, budget: int = 1 << 23) -> Tensor:
+                             scale: float, budget: int = 1 << 23, softcap: float | None = None,
+                             sinks: Tensor | None = None) -> Tensor:
         """s_h[i] for the chunk's cached entries i ∈ [start, end): (B, H, end − start) float32.
 
         queries (B, Hq, T, d): the reconstruction input's queries after RoPE; cached_k (B, H, N, d): the
         prompt's keys; own_k (B, H, T, d): the reconstruction input's keys (query t sees own keys u ≤ t).
         The softmax runs over KVzip's keys only: the first min(sinks, start) entries, the chunk's, the own
-        keys u ≤ t (`score_keys`)."""
+        keys u ≤ t (`score_keys`; softcap, sinks: the model's, as there)."""
         sink = min(self.sinks, start)
         return self.score_keys(queries, cached_k[:, :, :sink], cached_k[:, :, start:end], own_k, scale,
-                               budget=budget)
+                               budget=budget, softcap=softcap, learned=sinks)
 
     def score_keys(self, queries: Tensor, sink_k: Tensor, chunk_k: Tensor, own_k: Tensor, scale: float,
-                   sink_valid: Tensor | None = None, budget: int = 1 << 23) -> Tensor:
+                   sink_valid: Tensor | None = None, budget: int = 1 << 23, softcap: float | None = None,
+                   learned: Tensor | None = None) -> Tensor:
         """s_h[i] of the chunk's entries `chunk_k` (B, H, W, d): (B, H, W) float32, the softmax of each
         reconstruction query over the sink entries `sink_k` (B, H, S, d) (those of `sink_valid` (B, H, S)
         only, where given: a head that no longer holds a sink), the chunk's entries and the own keys u ≤ t.
         Rows go in blocks of about `budget` logits (a max over rows splits), each block reading the own keys
-        up to its last row: memory O(budget) floats."""
+        up to its last row: memory O(budget) floats. softcap: the model's logit soft-cap (Gemma 2) applied to the
+        logits; learned (Hq,): the layer's learned sinks (gpt-oss), one more logit per query head in the softmax's
+        denominator (the model's own attention, over KVzip's keys)."""
         b, hq, t, d = queries.shape
         h = chunk_k.shape[1]
         g = hq // h
@@ -778,9 +811,11 @@ class KVzip(Scorer):
             seen = sink + width + hi  # the own keys up to the block's last row
             rows = q[:, :, :, lo:hi].reshape(b, h, g * (hi - lo), d)  # a group's rows share one matmul
             logits = torch.matmul(rows, keys[..., :seen]).mul_(scale).view(b, h, g, hi - lo, seen)
+            logits = capped(logits, softcap)
             logits[..., sink + width:].masked_fill_(own[None, :hi] > own[lo:hi, None], float("-inf"))
             if sink_valid is not None:
                 logits[..., :sink].masked_fill_(~sink_valid[:, :, None, None, :], float("-inf"))
-            probs = torch.softmax(logits, dim=-1)[..., sink:sink + width]
+            probs = model_softmax(logits, None if learned is None else learned.float().view(1, h, g, 1, 1))
+            probs = probs[..., sink:sink + width]
             best = torch.maximum(best, probs.amax(dim=(2, 3)))
         return best

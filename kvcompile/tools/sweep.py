@@ -14,7 +14,8 @@ from torch import Tensor
 
 from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
-from kvcompile.integrations.generate import compiled
+from kvcompile.integrations.generate import compiled, model_sinks
+from kvcompile.plan import build_plan
 from kvcompile.policy import Policy
 from kvcompile.layer_state import LayerState
 from kvcompile.engine.prefill import compress_prompt_layer, start_prompt
@@ -23,13 +24,15 @@ KEEP_ALL = {"name": "capture", "scoring": "recency", "budget": {"ratio": 1.0}}
 
 
 class Captured(list):
-    """The captured prefill states of the layers a policy compresses (a list of LayerState), and a hybrid
+    """The captured prefill states of the layers a policy compresses (a list of LayerState), a hybrid
     model's local layers as the prompt left them (`windows`, by model layer: kvcompile.engine.window; what every
-    policy leaves there, since a policy does not touch a local layer's window)."""
+    policy leaves there, since a policy does not touch a local layer's window), and the model's learned attention
+    sinks (`sinks`, Plan.sinks: gpt-oss's, which a config does not hold; None where it has none)."""
 
-    def __init__(self, states, windows=None):
+    def __init__(self, states, windows=None, sinks=None):
         super().__init__(states)
         self.windows = windows
+        self.sinks = sinks
 
 
 @torch.no_grad()
@@ -40,12 +43,12 @@ def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> t
     from kvcompile.spec import load_spec
 
     policy = load_spec(KEEP_ALL)
-    cache = KVCompileCache(policy, model.config, record=True)
     positions = None if attention_mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     with compiled(model, policy):  # positions as generate() gives them to a left-padded batch
+        cache = KVCompileCache.from_plan(model.kvcompile_plan, record=True)  # (the model's sinks in its plan)
         out = model(input_ids, attention_mask=attention_mask, position_ids=positions, **cache_arg.given(cache))
     hybrid = cache.plan.layer_kinds is not None
-    return Captured(cache.states, list(cache.windows) if hybrid else None), out.logits[:, -1]
+    return Captured(cache.states, list(cache.windows) if hybrid else None, model_sinks(model)), out.logits[:, -1]
 
 
 def not_replayable(policy: Policy) -> str | None:
@@ -84,7 +87,9 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
     if why is not None:
         raise ValueError(f"kvcompile: {policy.name} cannot be replayed from a captured prefill: {why}; "
                          "prefill it through the compiled model (kvcompile.tools.sweep.prefilled)")
-    cache = KVCompileCache(policy, config, page_size=page_size, headroom=headroom, kernels=kernels)
+    # the captured model's learned sinks (a config alone has none): the scores and the decode attention count them
+    cache = KVCompileCache(plan=build_plan(policy, config, kernels=kernels, page_size=page_size, headroom=headroom,
+                                           sinks=getattr(states, "sinks", None)))
     if cache.plan.layer_kinds is not None:  # a hybrid model: its local layers as the captured prompt left them
         windows = getattr(states, "windows", None)
         if windows is None or len(windows) != cache.plan.model_layers:
