@@ -48,8 +48,10 @@ The pieces, each installed on the engine's own objects:
   many tokens of each) the next forward packs, and syncs their blocks after it.
 - `KVCompileOffloadingManager`, `KVCompileFIFOScheduler` / `KVCompilePrefillFirstScheduler`: the
   engine's, recording and replaying soft-reset requests.
-- `batching_attention`: the attention function; cuts the packed tokens per request and runs
-  `torch.ops.kvcompile.attend` on each request's cache (prefill + compression, or decode).
+- `batching_attention`: the attention function; the step's decode tokens as one batch where the policy allows
+  (kvcompile.engine.batch: one append and one paged attention call per layer over the engine's page pools,
+  kvcompile.store.pool), the other tokens cut per request through `torch.ops.kvcompile.attend` on each
+  request's cache (prefill + compression, or decode).
 
 The pool's own cache tensor is released: kvcompile's pages are its own tensors, bounded by the
 pool's budget (carving them out of the pool's memory is future work, see INTERNALS).
