@@ -10,8 +10,9 @@ different stretch each) sent at once, `--new-tokens` greedy tokens each, compile
 Measured on the decode-only forwards (every request of the forward decodes one token): their tokens over the
 time of their forwards (the model's forward: projections, MLPs, attention), and the calls per layer per step of
 the op (`engine.op.run_layer`) and of the decode kernels (the paged attention backend's `run`, the fused decode
-step). Columns: decode-only steps, tokens, tok/s, op calls/layer/step, kernel calls/layer/step, total s, the
-1-minute load average before and after the run.
+step). Columns: decode-only steps, tokens, tok/s, ms per decode-only forward and of it in the attention
+function (every layer's), op calls/layer/step, kernel calls/layer/step, total s, the 1-minute load average
+before and after the run.
 
     nice python3 benchmarks/bench_batched_decode.py --code after=. --code before=/tmp/kvcompile-55ed859 \\
         [--requests 16] [--length 1024] [--new-tokens 32] [--spec snapkv:128] [--rounds 2] [--threads 2]
@@ -56,7 +57,6 @@ def run_one(args) -> dict:
     cb = ContinuousBatchingConfig(num_blocks=args.kv_tokens // 16, page_size=16,
                                   max_batch_tokens=args.length + 64, use_async_batching=False,
                                   allow_block_sharing=False)
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
 
     calls, counting = Counter(), [False]
 
@@ -71,7 +71,19 @@ def run_one(args) -> dict:
     for cls in (paged_attention.CppPagedAttention, paged_attention.TorchPagedAttention):
         cls.run = counted("kernel", cls.run)
     online_step.CppOnlineStep.__call__ = counted("kernel", online_step.CppOnlineStep.__call__)
+    attention = [0.0]  # seconds in the attention function during decode-only forwards
+    batching_attention = serving.batching_attention
+
+    def timed_attention(*a, **k):
+        start = time.perf_counter()
+        out = batching_attention(*a, **k)
+        if counting[0]:
+            attention[0] += time.perf_counter() - start
+        return out
+
+    serving.batching_attention = timed_attention  # what the manager registers as the model's attention
     steps = []  # (requests, seconds) of each decode-only forward
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     forward = model.forward
 
     def timed(*a, **k):
@@ -108,6 +120,7 @@ def run_one(args) -> dict:
             "requests_per_step": statistics.median(n for n, _ in steps),
             "op_per_layer_step": calls["op"] / layers / len(steps),
             "kernel_per_layer_step": calls["kernel"] / layers / len(steps), "total_s": total,
+            "attention_ms_step": 1000 * attention[0] / len(steps), "forward_ms_step": 1000 * seconds / len(steps),
             "load_before": load_before, "load_after": os.getloadavg()[0],
             "decode": str(report.get("decode", "per request (before the pool)"))[:200],
             "step_s": [round(s, 4) for _, s in steps], "answers": [results[r].generated_tokens for r in request_ids]}
@@ -138,8 +151,8 @@ def main() -> None:
               f"--kv-tokens={args.kv_tokens}", f"--spec={args.spec}", f"--threads={args.threads}"]
     print(f"{args.requests} requests x {args.length}-token prompts, {args.new_tokens} new tokens, {args.spec}, "
           f"{args.threads} threads", flush=True)
-    print(f"{'run':<22} {'steps':>5} {'tokens':>6} {'tok/s':>8} {'op/l/s':>7} {'kern/l/s':>8} {'total s':>8} "
-          f"{'load':>11}", flush=True)
+    print(f"{'run':<22} {'steps':>5} {'tokens':>6} {'tok/s':>8} {'fwd ms':>7} {'attn ms':>7} {'op/l/s':>7} "
+          f"{'kern/l/s':>8} {'total s':>8} {'load':>11}", flush=True)
     rows: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
         for label, path, alone in runs:
@@ -153,6 +166,7 @@ def main() -> None:
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.setdefault(label, []).append(row)
             print(f"{label:<22} {row['steps']:>5} {row['tokens']:>6} {row['tok_s']:>8.1f} "
+                  f"{row['forward_ms_step']:>7.1f} {row['attention_ms_step']:>7.1f} "
                   f"{row['op_per_layer_step']:>7.2f} {row['kernel_per_layer_step']:>8.2f} {row['total_s']:>8.1f} "
                   f"{row['load_before']:>5.2f}/{row['load_after']:<5.2f}", flush=True)
     if len(rows) > 1:

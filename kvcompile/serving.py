@@ -805,8 +805,11 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
             start = end
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).contiguous(), None
-    out = query.new_empty(query.shape)  # a batch of decode tokens (engine.batch), the others alone
-    out[0, :, step.batch.index] = step.batch.run(layer, query, key, value, scale).transpose(0, 1)
+    batched = step.batch.run(layer, query, key, value, scale)  # a batch of decode tokens (engine.batch)
+    if not step.alone:  # the whole forward, in order
+        return batched.unsqueeze(0), None
+    out = query.new_empty(query.shape)  # and the others alone
+    out[0, :, step.batch.index] = batched.transpose(0, 1)
     starts = [0]
     for seg in batch:
         starts.append(starts[-1] + seg.length)

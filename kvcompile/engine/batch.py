@@ -46,6 +46,8 @@ class DecodeBatch:
     index: Tensor  # (R,) long: each request's token in the packed forward
     positions: Tensor  # (R,) long: each new token's logical position
     counts: Counter  # the path's counters (`BatchedDecode.counts`)
+    tables: list  # per layer: (stores and versions, block table, lengths) of the last batch (`BatchedDecode.tables`)
+    whole: bool  # the batch is the whole forward, in order
 
     def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
         """Layer `layer` of the step for every request: q (1, Hq, T, d), k, v (1, H, T, d) the packed forward's;
@@ -55,13 +57,22 @@ class DecodeBatch:
         for cache, store in zip(caches, stores):
             if store.make_room(cache.plan.spare_pages):  # a head's pages are full: it takes its next run
                 cache.count_host_sync("append")
-        table = pad_sequence([store.block_table[0].T for store in stores], batch_first=True).transpose(1, 2)
-        lengths = torch.cat([store.lengths for store in stores])
-        q = query[0, :, self.index].transpose(0, 1)
-        k = key[0, :, self.index].transpose(0, 1)
-        v = value[0, :, self.index].transpose(0, 1)
-        table = table.contiguous()
+        last = self.tables[layer]
+        if last is not None and len(last[0]) == len(stores) and all(
+                a is b and n == b.version for (a, n), b in zip(last[0], stores)):  # unchanged since the last append
+            table, lengths = last[1], last[2]
+        else:
+            table = pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
+            table = table.transpose(1, 2).contiguous()
+            lengths = torch.cat([store.lengths for store in stores])
+        if self.whole:
+            q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+        else:
+            q = query[0, :, self.index].transpose(0, 1)
+            k = key[0, :, self.index].transpose(0, 1)
+            v = value[0, :, self.index].transpose(0, 1)
         lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
+        self.tables[layer] = ([(store, store.version) for store in stores], table, lengths)
         backend = caches[0].plan.decode_backend(layer, q.device)
         out = self.pools.attend(layer, backend, q.contiguous(), table, lengths, scale)
         self.counts["attention_calls"] += 1
@@ -133,6 +144,7 @@ class BatchedDecode(PooledPages):
     """A step's decode tokens in one batch (`DecodeBatch`) over the pools."""
 
     batched = True
+    tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
 
     def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
         """The step's plan: which requests decode in the batch (one token after a first decode step, pages in the
@@ -149,8 +161,10 @@ class BatchedDecode(PooledPages):
             return StepPlan(alone, None)
         positions = torch.tensor([c.seq_length for c in batched]) - torch.cat([c.decoding.pad.cpu() for c in batched])
         device = batched[0].stores[0].device
+        if self.tables is None:
+            self.tables = [None] * len(batched[0].stores)
         return StepPlan(alone, DecodeBatch(self.pools, batched, torch.tensor(index, device=device),
-                                           positions.to(device), self.counts))
+                                           positions.to(device), self.counts, self.tables, not alone))
 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:

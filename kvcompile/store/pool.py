@@ -158,6 +158,8 @@ class PooledStore(LayerStore):
     pool: PagePool | None = None
     leased: int = 0  # pages taken from the pool (on the host)
     lease: list = field(default_factory=list)  # their ids, tensors (n,) long; given back with the store
+    version: int = 0  # on the host: bumped by every change of the block table or lengths (a batched step's
+    #                   block table and lengths of a layer stay valid while no store of the batch changed)
     _release: object = None  # the finalizer that gives them back (once)
 
     def __post_init__(self):
@@ -173,7 +175,29 @@ class PooledStore(LayerStore):
         for name in PAGE_FIELDS:
             setattr(self, name, getattr(self.pool, name))
 
+    # every method that changes the block table or the lengths counts it (`version`)
+    def append(self, *args, **kwargs) -> None:
+        self.version += 1
+        super().append(*args, **kwargs)
+
+    def remove_where(self, leaving: Tensor, e: Tensor) -> None:
+        self.version += 1
+        super().remove_where(leaving, e)
+
+    def step(self, *args, **kwargs):
+        self.version += 1
+        return super().step(*args, **kwargs)
+
+    def rotate_out(self, leaving: Tensor, pages: int) -> None:
+        self.version += 1
+        super().rotate_out(leaving, pages)
+
+    def crop(self, cutoff: Tensor) -> None:
+        self.version += 1
+        super().crop(cutoff)
+
     def _new_runs(self, fresh: int, step: int, heads: int) -> Tensor:
+        self.version += 1
         ids = self.pool.take(fresh * step)
         self._use_pool_tensors()  # the pool may have grown
         self._lease(ids)
@@ -182,6 +206,7 @@ class PooledStore(LayerStore):
     def release(self) -> None:
         """Give the store's pages back to the pool (a finished request); the store holds nothing after."""
         self._release()
+        self.version += 1
         self.leased = 0
         self.lengths = torch.zeros_like(self.lengths)
         self.owned = torch.zeros_like(self.owned)
@@ -311,6 +336,7 @@ class PagePools:
         torch._foreach_add_([store.lengths for store in stores], 1)
         for store in stores:
             store.room -= 1
+            store.version += 1
         return lengths + 1
 
     def attend(self, layer: int, backend, q: Tensor, block_table: Tensor, lengths: Tensor, scale: float) -> Tensor:
