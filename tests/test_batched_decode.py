@@ -93,7 +93,11 @@ def test_batched_decode_equals_generate_and_the_per_request_path(spec, monkeypat
     first = requests(REQUESTS)
     later = [(prompt(n, seed=40 + i)[0].tolist(), new) for i, (n, new) in enumerate(LATER)]
     tokens, logprobs, report = run_engine(model, first, later)
-    assert report["decode"]["steps"] > 0 and report["decode"]["tokens"] > report["decode"]["steps"]
+    counts = report["decode"]
+    assert counts["steps"] > 0 and counts["tokens"] > counts["steps"]
+    # the step's block tables: built where requests joined, cut where some left, else the last step's
+    assert 0 < counts["tables_built"] and 0 < counts["tables_cut"]
+    assert counts["tables_built"] + counts["tables_cut"] < counts["attention_calls"]
     assert tokens == [reference(model, ids, new) for ids, new in first + later]
     alone, alone_logprobs, alone_report = run_engine(model, first, later, per_request="own",
                                                      monkeypatch=monkeypatch)
@@ -276,3 +280,46 @@ def test_kernel_takes_a_batch_over_one_pool():
         one = paged_attention.backend("torch")(q[i:i + 1], pool.k_pages, pool.v_pages, s.block_table, s.lengths, None,
                                                0.3)
         torch.testing.assert_close(out[i:i + 1], one)
+
+
+def test_cancelled_and_soft_reset_requests_give_their_pages_back():
+    """A request cancelled while it decodes, and requests the engine soft-resets in a small pool (replayed from
+    their prompts): every page is back in its pool at the end, and the others' tokens are generate()'s."""
+    model = compiled("snapkv", per_head=16, ranking={"by_score": {"window": 4}},
+                     scoring={"window_attention": {"window": 4}})
+    config = ContinuousBatchingConfig(num_blocks=20, max_batch_tokens=256, page_size=16)
+    manager = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=config)
+    manager.start()
+    deadline = time.monotonic() + 60
+    while not isinstance(getattr(manager.batch_processor, "cache", None), KVCompilePagedCache):
+        assert time.monotonic() < deadline, "the engine did not start"
+        time.sleep(0.01)
+    new = 72
+    ids = prompts([150, 150, 150, 140])
+    picks = {}
+    try:
+        for i, x in enumerate(ids):
+            picks[f"r{i}"] = RequestSampling.for_config(model, gen_config(new), top_logprobs=0)
+            manager.submit(x, f"r{i}", new, picks[f"r{i}"])
+        outputs, cancelled = {}, False
+        deadline = time.monotonic() + 300
+        while len(outputs) < 3 or not cancelled:
+            assert time.monotonic() < deadline, "the engine stopped answering"
+            if not cancelled and len(picks["r3"].logprobs) >= 3:
+                manager.cancel_request("r3")
+                cancelled = True
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished() and result.request_id != "r3":
+                assert result.error is None, result.error
+                outputs[result.request_id] = result.generated_tokens
+        deadline = time.monotonic() + 30
+        cache = manager.batch_processor.cache
+        while cache.kvcompile.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = cache.memory_report()
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert report["soft_resets"] >= 1 and report["decode"]["steps"] > 0
+    assert [outputs[f"r{i}"] for i in range(3)] == [reference(model, x, new) for x in ids[:3]]
+    pool = report["decode"]["pool"]
+    assert report["requests"] == {} and pool["pages"] > 0 and pool["free_pages"] == pool["pages"]

@@ -57,11 +57,16 @@ class DecodeBatch:
         for cache, store in zip(caches, stores):
             if store.make_room(cache.plan.spare_pages):  # a head's pages are full: it takes its next run
                 cache.count_host_sync("append")
-        last = self.tables[layer]
-        if last is not None and len(last[0]) == len(stores) and all(
-                a is b and n == b.version for (a, n), b in zip(last[0], stores)):  # unchanged since the last append
+        rows = self._last_rows(layer, stores)
+        if rows is not None:  # the last step's stores, unchanged since its append (some may have left)
+            last = self.tables[layer]
             table, lengths = last[1], last[2]
+            if rows != list(range(len(last[0]))):
+                index = torch.tensor(rows, device=table.device)
+                table, lengths = table[index], lengths[index]
+                self.counts["tables_cut"] += 1
         else:
+            self.counts["tables_built"] += 1
             table = pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
             table = table.transpose(1, 2).contiguous()
             lengths = torch.cat([store.lengths for store in stores])
@@ -72,7 +77,7 @@ class DecodeBatch:
             k = key[0, :, self.index].transpose(0, 1)
             v = value[0, :, self.index].transpose(0, 1)
         lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
-        self.tables[layer] = ([(store, store.version) for store in stores], table, lengths)
+        self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)}, table, lengths)
         backend = caches[0].plan.decode_backend(layer, q.device)
         out = self.pools.attend(layer, backend, q.contiguous(), table, lengths, scale)
         self.counts["attention_calls"] += 1
@@ -83,6 +88,20 @@ class DecodeBatch:
             self.counts["steps"] += 1
             self.counts["tokens"] += len(caches)
         return out.to(query.dtype)
+
+    def _last_rows(self, layer: int, stores: list) -> list[int] | None:
+        """Each store's row in the last step's block table and lengths of `layer`, where every store was in that
+        step and has not changed since (its `version`); else None."""
+        last = self.tables[layer]
+        if last is None:
+            return None
+        rows = []
+        for store in stores:
+            hit = last[0].get(id(store))
+            if hit is None or hit[1] is not store or hit[2] != store.version:
+                return None
+            rows.append(hit[0])
+        return rows
 
 
 @dataclass

@@ -326,13 +326,12 @@ class PagePools:
         pool = self.layers[layer]
         s = pool.page_size
         r, h = lengths.shape
-        page = block_table.gather(-1, (lengths // s)[..., None]).squeeze(-1)
-        slot = lengths % s
-        pool.k_pages[page, slot] = k.to(pool.k_pages.dtype)
-        pool.v_pages[page, slot] = v.to(pool.v_pages.dtype)
-        pool.score_pages[page, slot] = 0.0
-        pool.pos_pages[page, slot] = positions[:, None].expand(r, h)
-        pool.count_pages[page, slot] = 1.0
+        entry = (block_table.gather(-1, (lengths // s)[..., None]).squeeze(-1) * s + lengths % s).view(-1)
+        pool.k_pages.view(-1, pool.k_pages.shape[-1]).index_copy_(0, entry, k.reshape(r * h, -1).to(pool.k_pages.dtype))
+        pool.v_pages.view(-1, pool.v_pages.shape[-1]).index_copy_(0, entry, v.reshape(r * h, -1).to(pool.v_pages.dtype))
+        pool.score_pages.view(-1).index_fill_(0, entry, 0.0)
+        pool.pos_pages.view(-1).index_copy_(0, entry, positions[:, None].expand(r, h).reshape(-1))
+        pool.count_pages.view(-1).index_fill_(0, entry, 1.0)
         torch._foreach_add_([store.lengths for store in stores], 1)
         for store in stores:
             store.room -= 1
