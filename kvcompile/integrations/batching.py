@@ -48,8 +48,10 @@ The pieces, each installed on the engine's own objects:
   many tokens of each) the next forward packs, and syncs their blocks after it.
 - `KVCompileOffloadingManager`, `KVCompileFIFOScheduler` / `KVCompilePrefillFirstScheduler`: the
   engine's, recording and replaying soft-reset requests.
-- `batching_attention`: the attention function; cuts the packed tokens per request and runs
-  `torch.ops.kvcompile.attend` on each request's cache (prefill + compression, or decode).
+- `batching_attention`: the attention function; the step's decode tokens as one batch where the policy allows
+  (kvcompile.engine.batch: one append and one paged attention call per layer over the engine's page pools,
+  kvcompile.store.pool), the other tokens cut per request through `torch.ops.kvcompile.attend` on each
+  request's cache (prefill + compression, or decode).
 
 The pool's own cache tensor is released: kvcompile's pages are its own tensors, bounded by the
 pool's budget (carving them out of the pool's memory is future work, see INTERNALS).
@@ -82,6 +84,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
+from kvcompile.engine.batch import PooledPages, StepPlan, decode_path
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 
 logger = logging.getLogger("kvcompile.integrations.batching")
@@ -229,6 +232,11 @@ class BatchingState:
     keep_lock: threading.Lock = field(default_factory=threading.Lock)  # `keep` and `handed` change under it
     outside_bound_blocks: int = 0  # blocks the caches kept outside the engine may take (kvcompile serve
     #   --reuse-context): a request must fit in the rest of the pool
+    pages: PooledPages = None  # where requests keep their pages and how a step decodes (engine.batch.decode_path)
+    step: StepPlan | None = None  # the next forward's plan (`pages.plan`)
+
+    def __post_init__(self):
+        self.pages = decode_path(self.plan)
 
 
 @dataclass
@@ -373,6 +381,7 @@ class KVCompilePagedCache(PagedAttentionCache):
             if request_id in state.keep and not state.offloading:
                 state.keep.discard(request_id)
                 if kv is not None and kv.compressed:  # hand the cache over with the blocks that cover it
+                    state.pages.detach(kv.cache)  # with pages of its own
                     self._move_blocks(request_id, outside_id(request_id), request_bytes(kv))
                     state.outside[outside_id(request_id)] = request_bytes(kv)
                     state.handed[request_id] = kv.cache
@@ -382,6 +391,8 @@ class KVCompilePagedCache(PagedAttentionCache):
             state.finished.append(RequestUsage(request_id, tokens, request_bytes(kv),
                                                len(self.allocator.block_table.get(request_id, [])),
                                                math.ceil(tokens / self.allocator.tokens_per_page)))
+        if kv is not None:
+            state.pages.release(kv.cache)  # its pages back to the pools
         state.replays.pop(request_id, None)
         if not state.offloading:  # a soft-reset request keeps its sampling and its admission
             state.sampling.pop(request_id, None)
@@ -390,6 +401,8 @@ class KVCompilePagedCache(PagedAttentionCache):
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests(clear_ledgers)
+        for kv in self.kvcompile.requests.values():
+            self.kvcompile.pages.release(kv.cache)
         self.kvcompile.outside.clear()
         self.kvcompile.handed.clear()
         self.kvcompile.requests.clear()
@@ -554,6 +567,7 @@ class KVCompilePagedCache(PagedAttentionCache):
                                     "prompt: each token after the prompt must be a decode step of its own")
             batch.append(Segment(request.request_id, kv, future.query_length))
         state.batch = batch
+        state.step = state.pages.plan([(seg.kv.cache, seg.length) for seg in batch])
         state.rows = [future.state for future in scheduled if future.has_new_token]
         state.peak_requests = max(state.peak_requests, len(state.requests))
 
@@ -567,9 +581,10 @@ class KVCompilePagedCache(PagedAttentionCache):
             table = allocator.block_table.get(segment.request_id)
             if kv is None or table is None:
                 continue
-            held = request_bytes(kv)
             if not kv.compressed:  # a prompt in chunks keeps its reservation until it is compressed
                 continue
+            state.pages.adopt(kv.cache)  # its pages in the engine's pools (once)
+            held = request_bytes(kv)
             blocks = math.ceil(held / state.bytes_per_block)
             if blocks > len(table):
                 raise RuntimeError(f"kvcompile: request {segment.request_id} holds {held} bytes, more than its "
@@ -594,7 +609,7 @@ class KVCompilePagedCache(PagedAttentionCache):
                 "requests": per_request, "peak_requests": state.peak_requests,
                 "blocks_released": state.blocks_released, "soft_resets": state.soft_resets,
                 "replayed_tokens": state.replayed_tokens,
-                "finished": list(state.finished)}
+                "finished": list(state.finished), "decode": state.pages.report()}
 
 
 class KVCompileBatchProcessor(ContinuousBatchProcessor):
@@ -781,17 +796,35 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     local = kinds is not None and kinds.windows[layer] is not None  # a hybrid model's local layer: its window
     if kinds is not None and not local:
         layer = kinds.engine[layer]  # its number among the layers the policy compresses
+    step = cache.kvcompile.step
+    if len(step.alone) == len(batch):  # every request alone (the op per request)
+        for seg in batch:
+            end = start + seg.length
+            outs.append(_alone(seg, layer, local, query[:, :, start:end], key[:, :, start:end],
+                               value[:, :, start:end], scale))
+            start = end
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out.transpose(1, 2).contiguous(), None
+    batched = step.batch.run(layer, query, key, value, scale)  # a batch of decode tokens (engine.batch)
+    if not step.alone:  # the whole forward, in order
+        return batched.unsqueeze(0), None
+    out = query.new_empty(query.shape)  # and the others alone
+    out[0, :, step.batch.index] = batched.transpose(0, 1)
+    starts = [0]
     for seg in batch:
-        end = start + seg.length
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        if local:
-            outs.append(seg.kv.cache.attend_window(layer, q, k, v, None, scale))
-        else:
-            outs.append(torch.ops.kvcompile.attend(q, k, v, None, layer, seg.kv.cache.ref, seg.kv.cache.token,
-                                                   scale))
-        start = end
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        starts.append(starts[-1] + seg.length)
+    for i in step.alone:
+        seg, start, end = batch[i], starts[i], starts[i + 1]
+        out[:, :, start:end] = _alone(seg, layer, local, query[:, :, start:end], key[:, :, start:end],
+                                      value[:, :, start:end], scale)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _alone(seg: Segment, layer: int, local: bool, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """One request's run of tokens through its own cache: the op (or a hybrid model's window)."""
+    if local:
+        return seg.kv.cache.attend_window(layer, q, k, v, None, scale)
+    return torch.ops.kvcompile.attend(q, k, v, None, layer, seg.kv.cache.ref, seg.kv.cache.token, scale)
 
 
 # --- the manager ------------------------------------------------------------------------------

@@ -295,18 +295,23 @@ class LayerStore:
     def _take_pages(self, need: Tensor, fresh: int, step: int) -> None:
         """A run of `step` fresh consecutive pages after the last page of each of the `fresh` heads with
         need[b, h], from the pool's free pages or a grown pool."""
-        b, h = need.shape
-        if self.next_page + fresh * step > self.k_pages.shape[0]:
-            self._grow(max(fresh * step, self.k_pages.shape[0] // 4, b * h))
+        runs = self._new_runs(fresh, step, heads=need.numel())
         width = int(torch.where(need, self.owned, 0).max()) + step
         if width > self.block_table.shape[-1]:
             self.block_table = torch.nn.functional.pad(self.block_table, (0, width - self.block_table.shape[-1]))
         bi, hi = need.nonzero(as_tuple=True)
-        first = self.next_page + torch.arange(fresh, device=need.device) * step  # each head's run
         run = torch.arange(step, device=need.device)
-        self.block_table[bi[:, None], hi[:, None], self.owned[bi, hi][:, None] + run] = first[:, None] + run
+        self.block_table[bi[:, None], hi[:, None], self.owned[bi, hi][:, None] + run] = runs
         self.owned = torch.where(need, self.owned + step, self.owned)
+
+    def _new_runs(self, fresh: int, step: int, heads: int) -> Tensor:
+        """`fresh` runs of `step` free pages (fresh, step) long, each run consecutive: the store's own pool's next
+        pages, the pool grown (by a quarter at least) when too few are left (kvcompile.store.pool: a shared pool's)."""
+        if self.next_page + fresh * step > self.k_pages.shape[0]:
+            self._grow(max(fresh * step, self.k_pages.shape[0] // 4, heads))
+        first = self.next_page + torch.arange(fresh, device=self.block_table.device) * step  # each head's run
         self.next_page += fresh * step
+        return first[:, None] + torch.arange(step, device=self.block_table.device)
 
     def _movable(self) -> None:
         """Raise where an entry cannot move alone (kvcompile.store.codes.ChannelCodeStore)."""
