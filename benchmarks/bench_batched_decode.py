@@ -36,10 +36,10 @@ def run_one(args) -> dict:
 
     import kvcompile
     import kvcompile.engine.op as op
-    import kvcompile.serving as serving
-    from kvcompile.data import load_haystack
+    import kvcompile.integrations.batching as serving
+    from kvcompile.tools.data import load_haystack
     from kvcompile.kernels import online_step, paged_attention
-    from kvcompile.models import load_model
+    from kvcompile.tools.models import load_model
 
     torch.set_num_threads(args.threads)
     if args.per_request_run:  # the batched path off: every request through its own op, pages of its own

@@ -1,5 +1,5 @@
 """One page pool per layer and one batched decode step (kvcompile.store.pool, kvcompile.engine.batch) under
-transformers' continuous batching (kvcompile.serving).
+transformers' continuous batching (kvcompile.integrations.batching).
 
 Every request's pages live in the engine's pools; a step's decode tokens run as one batch: per layer one append
 and one paged attention call for all of them. What holds: the tokens are generate()'s (each request alone) and
@@ -18,10 +18,10 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import kvcompile
 import kvcompile.engine.op
-import kvcompile.serving
+import kvcompile.integrations.batching
 from kvcompile.engine.batch import BatchedDecode, PerRequestDecode, decode_path
 from kvcompile.kernels import paged_attention
-from kvcompile.serving import KVCompilePagedCache, RequestSampling, request_bytes
+from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
 from kvcompile.store.pages import Entries, LayerStore
 from kvcompile.store.pool import PagePools, PooledStore
 from tests.test_serving import SNAP, compiled, gen_config, prompts, reference
@@ -37,7 +37,7 @@ def run_engine(model, first, later=(), per_request=None, monkeypatch=None, check
     top-3 log-probabilities recorded). `per_request`: force the per-request decode path (with or without pools).
     Returns the tokens and log-probabilities per request, and the engine's memory report at the end."""
     if per_request is not None:
-        monkeypatch.setattr(kvcompile.serving, "decode_path", lambda plan: PerRequestDecode(
+        monkeypatch.setattr(kvcompile.integrations.batching, "decode_path", lambda plan: PerRequestDecode(
             PagePools(plan.num_layers) if per_request == "pooled" else None, reason="forced"))
     config = ContinuousBatchingConfig(**{"num_blocks": 128, "max_batch_tokens": 64, "page_size": 16, **cb})
     manager = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=config)

@@ -2,7 +2,7 @@
 attention call for every request of the step (FlashInfer's plan()/run(); docs/INTERNALS.md "Continuous
 batching": the batched decode step).
 
-A serving engine (kvcompile.serving) packs many requests into one forward, each request with its own
+A serving engine (kvcompile.integrations.batching) packs many requests into one forward, each request with its own
 `KVCompileCache` (one sequence). Its pages live in the engine's page pools (kvcompile.store.pool: one per
 layer), so every request's heads are rows of one block table over the same page tensors, what the paged
 kernels (kvcompile.kernels.paged_attention) take for a batch.
