@@ -759,22 +759,48 @@ def kvzip_scores(model, ids: Tensor, repeat, scorer) -> tuple[list[Tensor], list
 
 @torch.no_grad()
 def captured_states(model, ids: Tensor) -> list[LayerState]:
-    """Every layer's state (all queries, keys and values after RoPE, and the scale) of the uncompressed model's
-    forward over the unpadded sequences `ids` (B, T): the model's own attention (causal SDPA) with each
-    layer's inputs recorded on the way (`_recorded_step`)."""
+    """Every compressed layer's state (all queries, keys and values after RoPE, and the scale) of the uncompressed
+    model's forward over the unpadded sequences `ids` (B, T): the model's own attention with each layer's inputs
+    recorded on the way (`_recorded_step`). On a hybrid model (`config.layer_types`) the full-attention layers
+    only, in order: a policy leaves the local layers to their window."""
     states: dict[int, LayerState] = {}
     with _model_attention(model, "kvcompile_reference_capture", _recorded_step):
         model(ids, kvcompile_states=states, use_cache=False)
-    return [states[layer] for layer in sorted(states)]
+    kinds = getattr(model.config, "layer_types", None)  # a hybrid model: a policy compresses its full layers only
+    return [states[layer] for layer in sorted(states) if not kinds or kinds[layer] == "full_attention"]
 
 
 def _recorded_step(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention entry while `captured_states` runs a model: the layer's state recorded, then
-    the causal attention (SDPA, grouped query heads) of the unpadded sequence."""
+    """transformers' attention entry while `captured_states` runs a model: the layer's state recorded (with the
+    model's soft-cap and the layer's learned sinks, where it has them), then the model's own attention of the
+    unpadded sequence: causal SDPA over grouped query heads, or, for a layer with a sliding window (Gemma 3's
+    local layers: keys less than `sliding_window` behind), a logit soft-cap (Gemma 2) or learned sinks (gpt-oss:
+    one more logit of each query head in the softmax's denominator), the same written out."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    kwargs["kvcompile_states"][module.layer_idx] = LayerState(query.clone(), key.clone(), value.clone(), None, scale)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
-                                                           enable_gqa=query.shape[1] != key.shape[1])
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    kwargs["kvcompile_states"][module.layer_idx] = LayerState(
+        query.clone(), key.clone(), value.clone(), None, scale, softcap=softcap or None,
+        sinks=None if sinks is None else sinks.detach().clone())
+    if not (window or softcap or sinks is not None):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                                               enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    group = query.shape[1] // key.shape[1]
+    k, v = (x.to(dtype).repeat_interleave(group, dim=1) for x in (key, value))
+    logits = torch.einsum("bhtd,bhkd->bhtk", query.to(dtype), k) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    row, col = torch.arange(query.shape[2])[:, None], torch.arange(key.shape[2])[None, :]
+    allowed = col <= row
+    if window:
+        allowed = allowed & (row - col < window)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        b, hq, t, _ = logits.shape
+        logits = torch.cat([logits, sinks.to(dtype).view(1, hq, 1, 1).expand(b, hq, t, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :key.shape[2]]
+    out = torch.einsum("bhtk,bhkd->bhtd", probs, v).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -104,7 +104,7 @@ def test_generated_context_question_split_is_kvpress_ruler():
     assert single["context"].startswith("A special magic number is hidden")
     assert single["question"].startswith("What is the special magic number for ")
     assert ruler.ruler_samples(TOK, ["vt", "fwe"], [LENGTH], 2, 0, FILLER) == [
-        {**sample(t, i), "index": k} for k, (t, i) in enumerate([("vt", 0), ("vt", 1), ("fwe", 0), ("fwe", 1)])]
+        {**sample(t, i), "index": k, "sample": i} for k, (t, i) in enumerate([("vt", 0), ("vt", 1), ("fwe", 0), ("fwe", 1)])]
 
 
 def test_unknown_task_and_too_short():
@@ -151,6 +151,18 @@ def test_dump_and_load_roundtrip(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [list(r) for r in rows] == [list(ruler.COLUMNS)] * 2
     assert ruler.load_dataset(path) == samples
+
+
+def test_a_dataset_row_may_name_its_sample_once_per_task(tmp_path):
+    row = {"context": "c", "question": "q", "answers": ["a"], "task": "t", "length": 100}
+    got = ruler.load_dataset(write(tmp_path / "a.jsonl", [{**row, "sample": 3}, {**row, "sample": 4},
+                                                           {**row, "task": "u", "sample": 3}, row]))
+    assert [s.get("sample") for s in got] == [3, 4, 3, None]
+    assert [ruler.sample_id(s) for s in got] == [3, 4, 3, 3]  # without it: its index (the row number)
+    with pytest.raises(ruler.DatasetError, match=r"row 2.*'sample' 3 is already a sample of task 't'"):
+        ruler.load_dataset(write(tmp_path / "b.jsonl", [{**row, "sample": 3}, {**row, "sample": 3}]))
+    with pytest.raises(ruler.DatasetError, match=r"'sample' must be a non-negative integer, got -1"):
+        ruler.load_dataset(write(tmp_path / "c.jsonl", [{**row, "sample": -1}]))
 
 
 def write(path, rows):

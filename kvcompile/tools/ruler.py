@@ -390,7 +390,8 @@ def generate_sample(tokenizer, task: str, length: int, seed: int, index: int, fi
         raise ValueError(f"length {length} is too short for {task}: its smallest prompt and "
                          f"{t.max_new_tokens} tokens to generate do not fit")
     text = make(max(size, minimum))
-    return {"index": index, "task": task, "length": length, "context": text.context, "question": text.question,
+    return {"index": index, "sample": index, "task": task, "length": length, "context": text.context,
+            "question": text.question,
             "answer_prefix": text.answer_prefix, "answers": list(text.answers), "max_new_tokens": t.max_new_tokens}
 
 
@@ -444,7 +445,7 @@ def score(task: str, prediction: str, answers: list[str]) -> float:
 
 # --- files: the dataset and other tools' predictions ---------------------------------------
 
-COLUMNS = ("index", "task", "length", "context", "question", "answer_prefix", "answers", "max_new_tokens")
+COLUMNS = ("index", "sample", "task", "length", "context", "question", "answer_prefix", "answers", "max_new_tokens")
 
 
 class DatasetError(ValueError):
@@ -456,7 +457,7 @@ def dump_dataset(samples: list[dict], path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for s in samples:
-            f.write(json.dumps({c: s[c] for c in COLUMNS}, ensure_ascii=False) + "\n")
+            f.write(json.dumps({c: s[c] for c in COLUMNS if c in s}, ensure_ascii=False) + "\n")
 
 
 _BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
@@ -557,7 +558,7 @@ def load_dataset(path, max_new_tokens: int | None = None, limit: int | None = No
     rows = _read_rows(path)
     if not rows:
         raise DatasetError(f"{path}: no rows")
-    samples, seen = [], set()
+    samples, seen, seen_samples = [], set(), set()
     for i, (line, row) in enumerate(rows):
         where = f"{path}, row {i + 1}" + (f" (line {line})" if line is not None and line != i + 1 else "")
         for column in ("context", "question"):
@@ -584,7 +585,17 @@ def load_dataset(path, max_new_tokens: int | None = None, limit: int | None = No
             new = 128
         else:
             new = _max_new_tokens(row["max_new_tokens"], where, limit)
-        samples.append({"index": index, "task": str(row.get("task") or "dataset"),
+        sample = row.get("sample")
+        if sample is not None and (not isinstance(sample, numbers.Integral) or isinstance(sample, bool) or sample < 0):
+            raise DatasetError(f"{where}: 'sample' must be a non-negative integer, got {sample!r}")
+        if sample is not None:
+            named = (str(row.get("task") or "dataset"), length, int(sample))
+            if named in seen_samples:
+                raise DatasetError(f"{where}: 'sample' {sample} is already a sample of task {named[0]!r} at length "
+                                   f"{length!r}: a sample's number is distinct within its task and length")
+            seen_samples.add(named)
+        samples.append({"index": index, **({} if sample is None else {"sample": int(sample)}),
+                        "task": str(row.get("task") or "dataset"),
                         "length": None if length is None else int(length), "context": row["context"], "question": row["question"],
                         "answer_prefix": str(row.get("answer_prefix") or ""), "answers": gold,
                         "max_new_tokens": int(new)})
@@ -634,7 +645,8 @@ def load_predictions(path, samples: list[dict], reserved: set[str]) -> list[dict
             held["byte_fraction"] = float(byte_fraction)
         extra = {k: v for k, v in row.items() if k not in PREDICTION_FIELDS and k not in BYTES_FIELDS
                  and k != "byte_fraction"}
-        records.append({"index": s["index"], "task": s["task"], "length": s["length"], "mode": row["mode"],
+        records.append({"index": s["index"], **({"sample": s["sample"]} if "sample" in s else {}),
+                        "task": s["task"], "length": s["length"], "mode": row["mode"],
                         "spec": row["method"], "fraction": fraction, "per_head": None, "tokens": None,
                         "question_tokens": None, "prediction": row["prediction"], "answers": s["answers"],
                         "score": score(s["task"], row["prediction"], s["answers"]), "kv_bytes": None,
