@@ -522,17 +522,25 @@ class LayerStore:
         """Bytes the store grows by when every head appends one entry (`append`): nothing while each
         head has room in its pages; a head on a full last page without spares takes a run of `step` pages,
         from the pool's free pages or from a grown pool (`_grow`)."""
+        fresh, table = self._next_append(step)
+        if not fresh:
+            return 0
+        b, h = self.lengths.shape
+        pages = self.k_pages.shape[0]
+        grown = 0
+        if self.next_page + fresh * step > pages:
+            grown = max(fresh * step, pages // 4, b * h) * self.page_bytes
+        return grown + table
+
+    def _next_append(self, step: int) -> tuple[int, int]:
+        """(heads on a full last page without spares, which each take a run of `step` pages at the next append;
+        bytes the block table grows by for them)."""
         s = self.page_size
         e = self.lengths
         col = e // s
         fresh = int(((col >= self.owned) & (e % s == 0)).sum())
         if not fresh:
-            return 0
+            return 0, 0
         b, h = e.shape
-        pages = self.k_pages.shape[0]
-        grown = 0
-        if self.next_page + fresh * step > pages:
-            grown = max(fresh * step, pages // 4, b * h) * self.page_bytes
         width = int(col.max()) + step
-        table = max(0, width - self.block_table.shape[-1]) * b * h * self.block_table.element_size()
-        return grown + table
+        return fresh, max(0, width - self.block_table.shape[-1]) * b * h * self.block_table.element_size()

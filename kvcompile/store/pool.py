@@ -276,15 +276,7 @@ class PooledStore(LayerStore):
     def growth_bytes(self, step: int) -> int:
         """Bytes the store grows by when every head appends one entry: a head on a full last page without spares
         takes a run of `step` pool pages (the pool's own growth is the engine's, not the request's)."""
-        s = self.page_size
-        e = self.lengths
-        col = e // s
-        fresh = int(((col >= self.owned) & (e % s == 0)).sum())
-        if not fresh:
-            return 0
-        b, h = e.shape
-        width = int(col.max()) + step
-        table = max(0, width - self.block_table.shape[-1]) * b * h * self.block_table.element_size()
+        fresh, table = self._next_append(step)
         return fresh * step * self.pool.page_bytes + table
 
     # --- the batched decode step (PagePools.append) ---------------------------------------------------------
