@@ -243,8 +243,9 @@ class KVCompileCache(Cache):
         its sliding-window attention over the entries it holds and the new ones, which it then holds
         (the last window - 1 positions; kvcompile.engine.window), except in a reconstruction scorer's forward
         (KVzip's repeat input reads the window as it stands after the prompt and adds nothing to it)."""
-        out, held = window_step(self.windows[layer], q, k, v, mask, scale, self.plan.layer_kinds.windows[layer],
-                                self.plan.softcap, self.plan.model_layer_sinks(layer, q.device), self.record_past)
+        kinds = self.plan.layer_kinds
+        out, held = window_step(self.windows[layer], q, k, v, mask, scale, kinds.windows[layer], self.plan.softcap,
+                                self.plan.model_layer_sinks(layer, q.device), self.record_past, kinds.chunked(layer))
         if self.reconstruction is None or not self.reconstruction.scoring:  # (a reconstruction forward, KVzip's,
             self.windows[layer] = held  # is no part of the sequence: its tokens attend within the window, kept not)
         return out

@@ -23,7 +23,7 @@ from kvcompile.engine.chunked import chunked_prefill
 from kvcompile.engine.decode import decode
 from kvcompile.engine.prefill import prefill, prompt_attention, prompt_chunk
 from kvcompile.engine.reconstruction import reconstruction_step
-from kvcompile.engine.window import window_attention
+from kvcompile.engine.window import chunked_span, left_pads, window_attention
 
 
 @torch.library.custom_op("kvcompile::attend", mutates_args=("token",))
@@ -215,12 +215,16 @@ def kvcompile_attention(module, query, key, value, attention_mask, scaling=None,
     if cache is None:  # no KVCompileCache (use_cache=False or another cache): plain attention
         offset = key.shape[2] - query.shape[2]
         window = kwargs.get("sliding_window")  # a hybrid model's local layer: its window (Gemma 3)
+        chunk = chunked_span(module)  # or its chunk (Llama 4)
         softcap = kwargs.get("softcap")  # the model's logit soft-cap (Gemma 2)
         sinks = kwargs.get("s_aux")  # the layer's learned sinks (gpt-oss)
-        if window:
+        if window or chunk:
             valid = mask[:, -key.shape[2]:].bool() if mask is not None else \
                 torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
-            out = window_attention(query, key, value, valid, scale, window, offset, softcap, sinks)
+            start = None  # chunked: key 0's real position (the mask covers every position; no mask: no cache)
+            if chunk:
+                start = -left_pads(valid) if mask is None else mask.shape[1] - key.shape[2] - left_pads(mask.bool())
+            out = window_attention(query, key, value, valid, scale, chunk or window, offset, softcap, sinks, start)
         else:
             out = prompt_attention(query, key, value, mask, scale, offset, softcap, sinks)
     elif kwargs.get("s_aux") is not None and cache.plan.sinks is None:

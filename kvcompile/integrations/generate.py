@@ -30,10 +30,10 @@ from kvcompile.policy import Policy
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 from kvcompile.sharding import ShardingError, model_shard
 
-# the model types kvcompile is tested on (tests/test_runtime.py, tests/test_architectures.py): decoders whose
+# the model types kvcompile is tested on (tests/test_runtime.py, test_architectures.py, test_hybrid.py, test_llama4.py): decoders whose
 # attention is softmax(q·kᵀ·scaling)·v over RoPE'd keys; they differ in norms, fused projections and MLPs (experts)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2", "gemma3_text", "gemma2",
-             "gpt_oss")
+             "gpt_oss", "llama4_text")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
 
 
@@ -62,12 +62,17 @@ def _check_model(model) -> None:
         raise CompileError(f"kvcompile: model type {kind!r} uses {feature}, which kvcompile's attention does not "
                            f"compute; tested model types: {', '.join(SUPPORTED)}")
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", *WINDOWED})
-    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in kinds:
-        kinds.append("chunked_attention")
     if kinds:
         raise CompileError(f"kvcompile: model type {kind!r} has {' and '.join(kinds)} layers (config.layer_types), "
                            "whose attention sees blocks of keys only; kvcompile runs full_attention layers and "
                            f"leaves {', '.join(WINDOWED)} layers to their window")
+    if getattr(config, "attention_chunk_size", None) and not getattr(config, "layer_types", None):
+        raise CompileError(f"kvcompile: model type {kind!r} sets attention_chunk_size without layer_types, which "
+                           "transformers runs as chunked attention on every layer; kvcompile leaves chunked layers "
+                           "to their chunk and compresses full_attention layers, of which this model has none")
+    why = _position_scaling(config)
+    if why is not None:
+        raise CompileError(f"kvcompile: model type {kind!r} {why}")
     if getattr(config, "use_bidirectional_attention", False):
         raise CompileError(f"kvcompile: model type {kind!r} with use_bidirectional_attention=True attends to later "
                            "tokens too; kvcompile's attention is causal")
@@ -82,6 +87,24 @@ def _check_model(model) -> None:
     if impl not in ("sdpa", "eager", "kvcompile", None):
         raise CompileError(f"kvcompile: the model uses attn_implementation={impl!r}; load it with "
                            "attn_implementation='sdpa' (or 'eager')")
+
+
+def _position_scaling(config) -> str | None:
+    """Why a model's query scaling by position (Llama 4's attn_temperature_tuning on its NoPE layers, read off the
+    cache's length before the layer's attention) would not see the position transformers gives it, or None.
+    kvcompile's cache counts a forward's tokens once its last compressed layer has run, so a layer after that one
+    would read the count with them; a full_attention layer is never after it (the policy compresses every one)."""
+    if not getattr(config, "attn_temperature_tuning", False) or not getattr(config, "no_rope_layers", None):
+        return None
+    types = getattr(config, "layer_types", None) or ("full_attention",) * config.num_hidden_layers
+    local = [i for i, (rope, kind) in enumerate(zip(config.no_rope_layers, types))
+             if not rope and kind != "full_attention"]
+    if not local:
+        return None
+    return (f"scales the queries of its NoPE layers by position (attn_temperature_tuning) and layers {local} are "
+            "NoPE layers left to their window, whose position kvcompile's cache does not give them; kvcompile runs "
+            "it on NoPE layers that are full_attention (as transformers' default layer_types make them), or with "
+            "attn_temperature_tuning=False")
 
 
 def model_sinks(model) -> tuple | None:
