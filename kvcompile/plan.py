@@ -701,6 +701,10 @@ def rope_frequencies(config, scorer: str) -> tuple[float, ...]:
     """The model's rotary inverse frequencies (d/2 of them, transformers' rotate-half layout), from its
     config as transformers computes them (`rope_parameters`: the default rope, or one of its
     ROPE_INIT_FUNCTIONS); PlanError where they are not fixed or not over the whole head."""
+    if getattr(config, "no_rope_layers", None):  # Llama 4: NoPE layers, rotary on interleaved pairs elsewhere
+        raise PlanError(f"kvcompile: scoring: {scorer} rotates queries to future positions with the rotary of "
+                        "transformers' rotate-half layout; this model's layers rotate interleaved pairs or, its NoPE "
+                        "layers (no_rope_layers: its full_attention layers by default), not at all")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     params = getattr(config, "rope_parameters", None) or {}
     if not params and getattr(config, "rope_theta", None) is not None:

@@ -18,6 +18,7 @@ from torch import Tensor
 from kvcompile.allocation import (HeadBudgets, decode_budgets, head_budgets, head_split, latest,  # noqa: F401
                                   layer_totals, ranked)
 from kvcompile.layer_state import LayerState
+from kvcompile.engine.window import chunked_span
 from kvcompile.policies import scoring as scoring_parts
 from kvcompile import selection as _select
 from kvcompile.selection import (HeadEntries, Merged, merge_evicted, select,  # noqa: F401
@@ -774,14 +775,16 @@ def _recorded_step(module, query, key, value, attention_mask, scaling=None, drop
     """transformers' attention entry while `captured_states` runs a model: the layer's state recorded (with the
     model's soft-cap and the layer's learned sinks, where it has them), then the model's own attention of the
     unpadded sequence: causal SDPA over grouped query heads, or, for a layer with a sliding window (Gemma 3's
-    local layers: keys less than `sliding_window` behind), a logit soft-cap (Gemma 2) or learned sinks (gpt-oss:
+    local layers: keys less than `sliding_window` behind) or a chunked one (Llama 4's: keys of the query's own chunk
+    of `attention_chunk_size` positions), a logit soft-cap (Gemma 2) or learned sinks (gpt-oss:
     one more logit of each query head in the softmax's denominator), the same written out."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    chunk = chunked_span(module)  # a chunked layer (Llama 4's local layers): its chunk
     kwargs["kvcompile_states"][module.layer_idx] = LayerState(
         query.clone(), key.clone(), value.clone(), None, scale, softcap=softcap or None,
         sinks=None if sinks is None else sinks.detach().clone())
-    if not (window or softcap or sinks is not None):
+    if not (window or chunk or softcap or sinks is not None):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
                                                                enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
@@ -795,6 +798,8 @@ def _recorded_step(module, query, key, value, attention_mask, scaling=None, drop
     allowed = col <= row
     if window:
         allowed = allowed & (row - col < window)
+    if chunk:
+        allowed = allowed & (row // chunk == col // chunk)
     logits = logits.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         b, hq, t, _ = logits.shape

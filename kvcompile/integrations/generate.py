@@ -89,12 +89,18 @@ def _check_model(model) -> None:
                            "attn_implementation='sdpa' (or 'eager')")
 
 
+def _nope_scaling(config) -> bool:
+    """Whether the model scales its NoPE layers' queries by position, read off the cache's length (Llama 4)."""
+    return bool(getattr(config, "attn_temperature_tuning", False)) and \
+        not all(getattr(config, "no_rope_layers", None) or (1,))
+
+
 def _position_scaling(config) -> str | None:
     """Why a model's query scaling by position (Llama 4's attn_temperature_tuning on its NoPE layers, read off the
     cache's length before the layer's attention) would not see the position transformers gives it, or None.
     kvcompile's cache counts a forward's tokens once its last compressed layer has run, so a layer after that one
     would read the count with them; a full_attention layer is never after it (the policy compresses every one)."""
-    if not getattr(config, "attn_temperature_tuning", False) or not getattr(config, "no_rope_layers", None):
+    if not _nope_scaling(config):
         return None
     types = getattr(config, "layer_types", None) or ("full_attention",) * config.num_hidden_layers
     local = [i for i, (rope, kind) in enumerate(zip(config.no_rope_layers, types))
@@ -357,6 +363,12 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
                            f"runs model type {model.config.model_type!r} without SDPA (its "
                            f"{'soft-capped logits' if plan.softcap is not None else 'learned sinks'} are not SDPA's); "
                            "compile with mode='eager', which applies them exactly")
+    if traced and _nope_scaling(model.config):
+        raise CompileError(f"kvcompile: mode={mode!r} traces the model over a stand-in cache that reports no past "
+                           f"(one graph for every length), and model type {model.config.model_type!r} scales its NoPE "
+                           "layers' queries by the cache's length (attn_temperature_tuning); compile with "
+                           "mode='eager', which gives it the cache's length, or load it with "
+                           "attn_temperature_tuning=False")
     if mode == "reduce-overhead":
         from kvcompile import graphs
 
@@ -482,6 +494,11 @@ def _forward(entry: Entry, *args, use_cache=None, **kwargs):
     if not model.training:
         if past_key_values is not None and type(past_key_values) is not DynamicCache:  # a DynamicCache: the plain
             _check_cache(plan, past_key_values, "model")  # attention over its keys and values, exact
+        elif past_key_values is not None and "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+            raise CompileError("kvcompile: model(past_key_values=DynamicCache) on a model with chunked_attention "
+                               "layers: the attention does not see where the cache's held keys sit in the sequence, "
+                               "which a chunk needs; pass none (a KVCompileCache is made) or call "
+                               "kvcompile.uncompile(model) to use a DynamicCache")
         kvcompile_cache = isinstance(past_key_values, KVCompileCache) or (past_key_values is None
                                                                           and use_cache is not False)
         if plan.compiled_entry and kvcompile_cache and _needs_grad(model, kwargs):
@@ -624,6 +641,10 @@ def _generate(entry: Entry, *args, **kwargs):
 
 
 def _init_continuous_batching(model, *args, **kwargs):
+    if "chunked_attention" in (getattr(model.config, "layer_types", None) or ()):
+        raise CompileError(f"kvcompile: continuous batching (generate_batch, the server) does not run model type "
+                           f"{model.config.model_type!r}'s chunked_attention layers: transformers' paged engine has "
+                           "no chunked layer (its cache groups full and sliding layers only); use generate()")
     try:
         from kvcompile.integrations.batching import init_continuous_batching
     except ImportError as exc:  # the engine's internals kvcompile.integrations.batching builds on (pyproject's transformers range)

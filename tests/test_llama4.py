@@ -1,0 +1,434 @@
+"""Llama 4's text model (Llama4ForCausalLM), on tiny random models from transformers' own config class: most layers
+attend in chunks (`chunked_attention`: a query sees the keys of its own chunk of `attention_chunk_size` positions,
+counted from the row's first real token), the others to every token without RoPE (NoPE layers, whose queries
+transformers scales by position: attn_temperature_tuning); the RoPE layers L2-normalise queries and keys
+(use_qk_norm); the MLPs are experts. A policy compresses the full_attention layers and leaves each chunked layer to
+its chunk, holding only the chunk's entries so far. At a budget that keeps everything a compiled model is the plain
+model (logits and greedy tokens, prompts of several chunks, decoding across chunk boundaries, on every generate()
+path it runs here); at a budget that evicts, the chunked layers still equal a chunked reference; what cannot run
+exactly is refused up front, with the reason."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import DynamicCache, Llama4ForCausalLM, Llama4TextConfig
+
+import kvcompile
+from kvcompile import cache_arg
+from kvcompile.cache import KVCompileCache
+from kvcompile.engine.window import WindowLayer
+from test_runtime import full_budget
+from tiny import left_pad, peaked, prompt
+
+CHUNK = 16
+LAYERS = 4  # a NoPE layer every 2: chunked, full, chunked, full (transformers derives layer_types from them)
+NEW = 30  # decode steps: the prompts' chunks end and new ones begin while decoding
+
+
+def tiny_llama4(seed: int = 0, **extra) -> Llama4ForCausalLM:
+    """4 layers (2 chunked with 16-token chunks, 2 NoPE full ones), 4 query / 2 KV heads of dim 16, 2 experts (1 per
+    token) on every layer; temperature tuning that changes the NoPE queries' scale every 8 positions."""
+    torch.manual_seed(seed)
+    options = dict(vocab_size=96, hidden_size=64, intermediate_size=64, intermediate_size_mlp=96,
+                   num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=CHUNK, no_rope_layer_interval=2,
+                   floor_scale=8, attn_scale=0.5, max_position_embeddings=1024, attn_implementation="sdpa",
+                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model = Llama4ForCausalLM(Llama4TextConfig(**{**options, **extra}))
+    peaked(model)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+KINDS = tiny_llama4().config.layer_types
+LOCAL = [i for i, k in enumerate(KINDS) if k == "chunked_attention"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama4()
+
+
+def padded_batch():
+    """Two rows of 50 and 37 tokens (13 left pads: the second row's chunks start at position 13)."""
+    return left_pad([prompt(50, seed=3)[0], prompt(37, seed=4)[0]])
+
+
+def test_the_tiny_model_is_llama4_with_its_attention_features(model):
+    config = model.config
+    assert config.model_type == "llama4_text"
+    assert KINDS == ["chunked_attention", "full_attention"] * 2 and config.no_rope_layers == [1, 0, 1, 0]
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert [hasattr(a, "qk_norm") for a in attn] == [True, False, True, False]  # L2 norms on the RoPE layers
+    assert config.attn_temperature_tuning and all(a.attn_temperature_tuning and not a.use_rope for a in attn[1::2])
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "streamingllm", "knorm"])
+def test_full_budget_equals_the_plain_model(model, name):
+    """Logits of a left-padded batch of several chunks, and greedy tokens across the next chunk boundaries."""
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask).logits
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, full_budget(name, ids.shape[1] + NEW, LAYERS)):
+            logits = model(ids, attention_mask=mask).logits
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    real = mask.bool()
+    assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
+    assert got.tolist() == ref.tolist()
+
+
+def test_decode_logits_equal_the_plain_model_across_chunk_boundaries(model):
+    """Step by step, a token at a time from a 40-token prompt (positions 40..79: chunks end at 48, 64 and 80), the
+    compiled model's logits are the plain model's."""
+    ids = prompt(40, batch=2, seed=5)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=40, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        with kvcompile.compiled(model, full_budget("snapkv", 80, LAYERS)):
+            got = model.generate(ids, max_new_tokens=40, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+    assert got.sequences.tolist() == ref.sequences.tolist()
+    assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=1e-5, atol=1e-5)
+
+
+def test_every_generate_path_equals_the_plain_model(model):
+    """Beam search (rows reordered), sampling, a cache continued by a second call, generate's chunked prefill and
+    a forward without a cache (use_cache=False: the chunked attention without any cache)."""
+    ids, mask = padded_batch()
+    policy = full_budget("snapkv", 100, LAYERS)
+    runs = {
+        "beams": dict(num_beams=3, max_new_tokens=8, do_sample=False),
+        "sample": dict(do_sample=True, top_k=10, max_new_tokens=10),
+        "prefill chunks": dict(prefill_chunk_size=8, max_new_tokens=10, do_sample=False),
+    }
+    with torch.no_grad():
+        for label, kwargs in runs.items():
+            torch.manual_seed(5)
+            ref = model.generate(ids, attention_mask=mask, **kwargs)
+            with kvcompile.compiled(model, policy):
+                torch.manual_seed(5)
+                got = model.generate(ids, attention_mask=mask, **kwargs)
+            assert got.tolist() == ref.tolist(), label
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                               return_dict_in_generate=True)
+        more = torch.cat([first.sequences, prompt(5, batch=2, seed=9)], dim=1)
+        more_mask = torch.cat([mask, torch.ones(2, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+        ref = model.generate(more, attention_mask=more_mask, max_new_tokens=8, do_sample=False,
+                             **cache_arg.given(first.past_key_values))
+        ref_plain = model(ids, attention_mask=mask, use_cache=False).logits
+        with kvcompile.compiled(model, policy):
+            first = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                   return_dict_in_generate=True)
+            got = model.generate(more, attention_mask=more_mask, max_new_tokens=8, do_sample=False,
+                                 **cache_arg.given(first.past_key_values))
+            plain = model(ids, attention_mask=mask, use_cache=False).logits
+    assert got.tolist() == ref.tolist()
+    real = mask.bool()
+    assert_close(plain[real], ref_plain[real], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_layers_hold_their_chunk_only(model):
+    """After a prompt and decode steps, each chunked layer holds the positions of the chunk its next query falls in:
+    transformers' own cache's latest entries there, in tensors of that size (what left is freed); none right
+    after a chunk ends, at most chunk - 1 at any step."""
+    ids = prompt(30, batch=2, seed=6)
+    sizes = {}
+    with torch.no_grad():
+        for new in (3, 4, 18):  # the layer has seen 32 positions (two chunks ended), 33 and 47
+            ref = model.generate(ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True)
+            with kvcompile.compiled(model, full_budget("snapkv", 30 + new, LAYERS)):
+                out = model.generate(ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True)
+            theirs, ours = cache_arg.of(ref), cache_arg.of(out)
+            assert ours.plan.num_layers == 2 and ours.plan.model_layers == LAYERS
+            for layer in LOCAL:
+                held = ours.windows[layer]
+                n = held.seen % CHUNK
+                sizes[held.seen] = n
+                assert held.keys.shape[2] == n and held.keys.untyped_storage().nbytes() == held.keys.nbytes
+                assert theirs.layers[layer].keys.shape[2] == CHUNK - 1  # transformers keeps chunk - 1 positions
+                if n:
+                    assert_close(held.keys, theirs.layers[layer].keys[:, :, -n:], rtol=1e-4, atol=1e-4)
+                    assert_close(held.values, theirs.layers[layer].values[:, :, -n:], rtol=1e-4, atol=1e-4)
+            assert all(ours.windows[i] is None for i, k in enumerate(KINDS) if k == "full_attention")
+    assert sizes == {32: 0, 33: 1, 47: 15}  # (the last token generated has not run: seen = length - 1)
+
+
+def test_a_padded_row_counts_its_chunks_from_its_first_real_token(model):
+    """In a batch whose rows have different left pads, each row's chunks start at its first real token: the layer
+    holds the longest of the rows' runs in the current chunk (the others' older entries masked)."""
+    ids, mask = padded_batch()  # pads 0 and 13
+    with torch.no_grad(), kvcompile.compiled(model, full_budget("snapkv", 100, LAYERS)):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                             return_dict_in_generate=True)
+    held = cache_arg.of(out).windows[LOCAL[0]]
+    assert held.pads == (0, 13) and held.seen == 55
+    assert held.keys.shape[2] == max(55 % CHUNK, (55 - 13) % CHUNK) == 10
+
+
+def _chunked_reference(q, keys, values, valid, scale, offset, pads):
+    """softmax(q·kᵀ·scale) over the real keys p <= i of query i's chunk, (p - pads) // CHUNK == (i - pads) //
+    CHUNK, written out."""
+    group = q.shape[1] // keys.shape[1]
+    k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    i = torch.arange(q.shape[2])[:, None] + offset
+    p = torch.arange(keys.shape[2])[None, :]
+    pads = torch.tensor(pads)[:, None, None, None]
+    sees = (p <= i) & ((p - pads) // CHUNK == (i - pads) // CHUNK) & valid[:, None, None, :]
+    return torch.softmax(logits.masked_fill(~sees, float("-inf")), dim=-1) @ v
+
+
+def test_an_evicting_policy_leaves_chunked_layers_to_their_chunk(model, monkeypatch):
+    """snapkv at a budget that evicts most of the prompt: the full_attention layers keep the budget, and every
+    call of every chunked layer equals chunked attention over all the keys the layer has seen (the reference,
+    written out), pads masked."""
+    calls = []
+    attend_window = KVCompileCache.attend_window
+
+    def record(cache, layer, q, k, v, mask, scale):
+        out = attend_window(cache, layer, q, k, v, mask, scale)
+        calls.append((layer, q.clone(), k.clone(), v.clone(), None if mask is None else mask.clone(), scale,
+                      out.clone()))
+        return out
+
+    monkeypatch.setattr(KVCompileCache, "attend_window", record)
+    ids, mask = left_pad([prompt(80, seed=7)[0], prompt(67, seed=8)[0]])
+    with torch.no_grad(), kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=40)):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                             return_dict_in_generate=True)
+    report = cache_arg.of(out).memory_report()
+    assert report["kept"].max() < 80  # the full_attention layers evicted (40 kept + decoded ones)
+    seen = {layer: [] for layer in LOCAL}
+    for layer, q, k, v, m, scale, got in calls:
+        assert scale == 16 ** -0.5
+        seen[layer].append((k, v))
+        keys = torch.cat([x for x, _ in seen[layer]], dim=2)
+        values = torch.cat([y for _, y in seen[layer]], dim=2)
+        valid = torch.ones(2, keys.shape[2], dtype=torch.bool) if m is None else m[:, -keys.shape[2]:].bool()
+        want = _chunked_reference(q, keys, values, valid, scale, keys.shape[2] - q.shape[2], [0, 13])
+        real = valid[:, -q.shape[2]:]  # a pad query's output is never read
+        assert_close(got.transpose(1, 2)[real], want.transpose(1, 2)[real], rtol=1e-5, atol=1e-5)
+    assert sorted(seen) == LOCAL and all(len(s) == NEW for s in seen.values())  # the prompt + NEW - 1 steps
+
+
+def test_memory_report_by_layer_kind_against_transformers_hybrid_cache(model):
+    """At a full budget (pages of one entry), the full_attention layers hold what transformers' own hybrid cache
+    holds there, and a full cache of the chunked layers is transformers' (chunk - 1 positions); the chunked layers
+    hold the current chunk's positions only, within that bound."""
+    ids = prompt(30, batch=2, seed=10)
+    with torch.no_grad():
+        theirs = DynamicCache(config=model.config)
+        model.generate(ids, max_new_tokens=8, do_sample=False, **cache_arg.given(theirs))
+        with kvcompile.compiled(model, full_budget("snapkv", 38, LAYERS), page_size=1):
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    report = cache_arg.of(out).memory_report()
+    expected = {}
+    for kind, layer in zip(KINDS, theirs.layers):
+        expected[kind] = expected.get(kind, 0) + layer.keys.nbytes + layer.values.nbytes
+    per_token = 2 * 2 * 2 * 16 * 4  # rows, KV heads, key and value, head dim, float32
+    assert report["bytes_full_by_kind"] == expected
+    assert expected["chunked_attention"] == len(LOCAL) * (CHUNK - 1) * per_token
+    assert report["bytes_by_kind"]["full_attention"] == expected["full_attention"]
+    assert report["bytes_by_kind"]["chunked_attention"] == len(LOCAL) * (37 % CHUNK) * per_token  # positions 32..36
+
+
+def test_assisted_and_prompt_lookup_decoding_crop_inside_the_chunks(model):
+    """generate() records the chunked layers' past before it decodes with candidates and crops the rejected ones,
+    across chunk boundaries: at a full budget the plain model's tokens; the layers end back at their chunk's
+    positions. A crop without the recording that needs positions of an earlier chunk is refused."""
+    ids = prompt(40, batch=1, seed=2)
+    assistant = copy.deepcopy(model)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, full_budget("snapkv", 40 + NEW, LAYERS)):
+            out = model.generate(ids, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=2,
+                                 return_dict_in_generate=True)
+            assisted = model.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=assistant)
+    assert out.sequences.tolist() == assisted.tolist() == ref.tolist()
+    cache = cache_arg.of(out)
+    for i in LOCAL:
+        held = cache.windows[i]
+        assert held.keys.shape[2] <= held.seen % CHUNK + 2  # (the last call's candidates)
+    held = WindowLayer(CHUNK, torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), torch.ones(1, 3, dtype=torch.bool),
+                       51, (0,))  # positions 48..50 of the chunk from 48
+    assert held.can_crop(3) and held.cropped(3).keys.shape[2] == 0
+    assert not held.can_crop(4)  # position 47 (the chunk from 32) is gone
+    with torch.no_grad(), kvcompile.compiled(model, full_budget("snapkv", 60, LAYERS)):
+        plain = model.generate(ids, max_new_tokens=9, do_sample=False, return_dict_in_generate=True)
+    with pytest.raises(NotImplementedError, match=r"call activate_past_recording\(\) before the tokens to crop"):
+        cache_arg.of(plain).crop(-2)  # the next query at 48: a crop back to 46 needs 32..45
+
+
+def test_a_prompt_compressed_chunk_by_chunk_leaves_chunked_layers_to_their_chunk(model):
+    ids, mask = padded_batch()
+    policy = kvcompile.load_spec("snapkv", per_head=120, schedule={"prefill": {"chunk": 8}})
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        with kvcompile.compiled(model, policy):
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert got.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("spec", ["kvzip", "kvzip_adakv"])
+def test_kvzip_reconstructs_through_the_chunks(model, spec):
+    """KVzip's reconstruction forwards run through the chunked layers as the plain model runs the prompt followed
+    by the repeat input (reference.kvzip_scores, whose capture attends in chunks), and leave them as the prompt
+    left them: the kept entries and their scores are the reference's at a budget that evicts, and a full budget
+    generates the plain model's tokens."""
+    from kvcompile import reference
+    from test_kvzip import REPEAT, kept_scores
+
+    ids = prompt(40, batch=2, seed=11)
+    policy = kvcompile.load_spec(spec, per_head=12, scoring={"kvzip": {"chunk": 16, "sinks": 2, "overlap": 3}})
+    with torch.no_grad():
+        with kvcompile.compiled(model, policy, repeat_prompt=REPEAT):
+            cache = model(ids, use_cache=True).past_key_values
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        full = kvcompile.load_spec(spec, per_head=40 + NEW + 64)
+        with kvcompile.compiled(model, full, repeat_prompt=REPEAT):
+            got = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+        with kvcompile.compiled(model, kvcompile.load_spec("snapkv")):
+            plain = model(ids, use_cache=True).past_key_values
+    scores, states = reference.kvzip_scores(model, ids, REPEAT, policy.scoring)
+    expected = reference.compress(policy, states, scores=scores)
+    assert cache.seq_length == 40
+    for i in LOCAL:
+        assert cache.windows[i].seen == 40 and torch.equal(cache.windows[i].keys, plain.windows[i].keys)
+    for layer in range(cache.plan.num_layers):
+        kept = cache.kept_positions(layer)
+        assert torch.equal(kept, expected.kept[layer]), f"layer {layer}"
+        assert_close(kept_scores(cache, layer), torch.where(kept, scores[layer], 0.0))
+    assert got.sequences.tolist() == ref.tolist()
+
+
+def test_the_reference_capture_attends_in_chunks(model):
+    """reference.captured_states (what the reference scorers read) runs the chunked layers in chunks: its
+    full_attention layers' states are those the plain model computes (transformers' own attention, eager)."""
+    from kvcompile import reference
+
+    ids = prompt(50, batch=2, seed=13)
+    captured = reference.captured_states(model, ids)
+    states = {}
+
+    def hook(module, args, kwargs, out):
+        states[module.layer_idx] = kwargs["hidden_states"]
+
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    full = [i for i, k in enumerate(KINDS) if k == "full_attention"]
+    assert len(captured) == len(full)
+    for state, layer in zip(captured, full):
+        attn = model.model.layers[layer].self_attn
+        keys = attn.k_proj(states[layer]).view(2, 50, 2, 16).transpose(1, 2)  # NoPE: no rotary, no norm
+        assert_close(state.keys, keys, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_once_compress_many_carries_the_chunked_layers(model):
+    from kvcompile.tools.sweep import capture, greedy, replay
+
+    ids = prompt(40, seed=12)
+    policy = kvcompile.load_spec("snapkv", per_head=36)
+    with torch.no_grad():
+        states, logits = capture(model, ids)
+        cache = replay(policy, model.config, states, headroom=NEW)
+        tokens = greedy(model, cache, logits, NEW)
+        with kvcompile.compiled(model, policy):
+            own = model.generate(ids, max_new_tokens=NEW, do_sample=False)[:, ids.shape[1]:]
+    assert own.shape[1] >= 5 and tokens[:, :own.shape[1]].tolist() == own.tolist()
+    assert [w is not None for w in cache.windows] == [k == "chunked_attention" for k in KINDS]
+
+
+def test_the_compiled_entry_equals_the_plain_model_without_temperature_tuning():
+    """mode='compiled' (each chunked layer's captured attention becomes kvcompile.attend_window): at a budget that
+    keeps everything, the plain model's logits and greedy tokens, on a model whose NoPE queries are not scaled by
+    position. With temperature tuning it is refused: the traced forward sees a stand-in cache with no past, so
+    transformers would scale the queries as if at the sequence's start."""
+    tuned = tiny_llama4()
+    with pytest.raises(kvcompile.CompileError, match="mode='compiled' traces the model over a stand-in cache .* "
+                                                     "scales its NoPE layers' queries by the cache's length"):
+        kvcompile.compile(tuned, "snapkv", mode="compiled")
+    assert "forward" not in tuned.__dict__
+    model = tiny_llama4(attn_temperature_tuning=False)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        ref_logits = model(ids, attention_mask=mask).logits
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(model, full_budget("snapkv", ids.shape[1] + NEW, LAYERS), mode="compiled"):
+            logits = model(ids, attention_mask=mask).logits
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    real = mask.bool()
+    assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
+    assert got.tolist() == ref.tolist()
+
+
+# --- what is refused, and why -------------------------------------------------------------------------------------
+
+def test_a_policy_for_chunked_layers_is_refused(model):
+    chunked = {"budget": {"per_head": 64, "layers": {"uniform": {"kinds": ["full_attention", "chunked_attention"]}}}}
+    with pytest.raises(kvcompile.CompileError, match="applies to chunked_attention layers .*window already bounds its "
+                                                     "cache \\(a chunked layer's, its chunk\\)"):
+        kvcompile.compile(model, "snapkv", **chunked)
+    assert "forward" not in model.__dict__
+
+
+def test_expected_attention_is_refused_on_nope_and_interleaved_rotary(model):
+    with pytest.raises(kvcompile.CompileError, match="expected_attention rotates queries .* interleaved pairs or, "
+                                                     "its NoPE layers"):
+        kvcompile.compile(model, "expected_attention")
+    assert "forward" not in model.__dict__
+
+
+def test_temperature_tuning_on_a_nope_chunked_layer_is_refused():
+    """A NoPE layer scales its queries by the cache's length before its attention; kvcompile's cache gives the
+    right one to the full_attention layers only (it counts a forward's tokens after the last of them)."""
+    kinds = ["full_attention", "chunked_attention", "chunked_attention", "full_attention"]
+    model = tiny_llama4(layer_types=kinds, no_rope_layers=[1, 0, 1, 0])
+    with pytest.raises(kvcompile.CompileError, match=r"layers \[1\] are NoPE layers left to their window"):
+        kvcompile.compile(model, "snapkv")
+    assert "forward" not in model.__dict__
+    tuned_off = tiny_llama4(layer_types=kinds, no_rope_layers=[1, 0, 1, 0], attn_temperature_tuning=False)
+    ids = prompt(40, batch=2, seed=14)
+    with torch.no_grad():
+        ref = tuned_off.generate(ids, max_new_tokens=NEW, do_sample=False)
+        with kvcompile.compiled(tuned_off, full_budget("snapkv", 40 + NEW, LAYERS)):
+            got = tuned_off.generate(ids, max_new_tokens=NEW, do_sample=False)
+    assert got.tolist() == ref.tolist()
+
+
+def test_chunked_attention_on_every_layer_is_refused():
+    model = tiny_llama4()
+    model.config.layer_types = None  # transformers then runs every layer chunked (attention_chunk_size)
+    with pytest.raises(kvcompile.CompileError, match="attention_chunk_size without layer_types"):
+        kvcompile.compile(model, "snapkv")
+
+
+def test_continuous_batching_is_refused_as_transformers_refuses_it(model):
+    """transformers' paged engine has no chunked layer (the plain model's generate_batch raises), so kvcompile's
+    continuous batching on it is refused, with the reason."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=1, pad_token_id=0)
+    inputs = [prompt(30, seed=3)[0].tolist()]
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="chunked_attention"):
+            model.generate_batch(inputs=inputs, generation_config=config)
+        with kvcompile.compiled(model, "snapkv"):
+            with pytest.raises(kvcompile.CompileError, match="continuous batching .* does not run model type "
+                                                             "'llama4_text''s chunked_attention layers"):
+                model.generate_batch(inputs=inputs, generation_config=config)
+
+
+def test_a_dynamic_cache_on_a_chunked_model_is_refused(model):
+    ids = prompt(20)
+    with torch.no_grad(), kvcompile.compiled(model, "snapkv"):
+        with pytest.raises(kvcompile.CompileError, match="DynamicCache\\) on a model with chunked_attention layers"):
+            model(ids, **cache_arg.given(DynamicCache(config=model.config)))
