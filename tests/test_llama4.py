@@ -432,3 +432,32 @@ def test_a_dynamic_cache_on_a_chunked_model_is_refused(model):
     with torch.no_grad(), kvcompile.compiled(model, "snapkv"):
         with pytest.raises(kvcompile.CompileError, match="DynamicCache\\) on a model with chunked_attention layers"):
             model(ids, **cache_arg.given(DynamicCache(config=model.config)))
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with the gloo backend is not available in this torch build")
+def test_tensor_parallelism_equals_one_process(tmp_path):
+    """transformers' tp_plan="auto" on 2 gloo processes, tiny Llama 4 in float64, at budgets that evict: each rank
+    holds its own KV head's pages and chunks, and the kept entries, the chunked layers' keys and the generated
+    tokens are a one-process run's."""
+    from transformers import AutoModelForCausalLM
+    from tp_run import run_specs, spawn
+
+    names = ["snapkv", "h2o"]
+    tiny_llama4().save_pretrained(tmp_path / "llama4")
+    ranks = spawn(2, [("llama4", str(tmp_path / "llama4"), names)], tmp_path, 1800)  # (a hang guard only)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama4", dtype=torch.float64).eval()
+    model.generation_config.pad_token_id = 0
+    one = run_specs(model, names)
+    for name in names:
+        for rank, r in enumerate(ranks):
+            got = r["llama4"][name]
+            assert got["kv_heads"] == (rank,) and got["tokens"] == one[name]["tokens"], name
+            assert {k: v[:2] for k, v in got["entries"].items()} == \
+                {k: v[:2] for k, v in one[name]["entries"].items() if k[2] == rank}, name
+            assert sorted(got["windows"]) == sorted(one[name]["windows"]) == LOCAL
+            for field in ("bytes_by_kind", "bytes_full_by_kind"):
+                assert got["gathered"][field] == one[name]["report"][field], (name, field)
+            for layer, keys in got["windows"].items():
+                assert keys.shape[1] == 1
+                assert_close(keys, one[name]["windows"][layer][:, rank:rank + 1], rtol=1e-9, atol=1e-9)
