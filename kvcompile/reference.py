@@ -18,7 +18,6 @@ from torch import Tensor
 from kvcompile.allocation import (HeadBudgets, decode_budgets, head_budgets, head_split, latest,  # noqa: F401
                                   layer_totals, ranked)
 from kvcompile.layer_state import LayerState
-from kvcompile.engine.window import chunked_span
 from kvcompile.policies import scoring as scoring_parts
 from kvcompile import selection as _select
 from kvcompile.selection import (HeadEntries, Merged, merge_evicted, select,  # noqa: F401
@@ -780,7 +779,9 @@ def _recorded_step(module, query, key, value, attention_mask, scaling=None, drop
     one more logit of each query head in the softmax's denominator), the same written out."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
-    chunk = chunked_span(module)  # a chunked layer (Llama 4's local layers): its chunk
+    kinds = getattr(getattr(module, "config", None), "layer_types", None)  # a chunked layer (Llama 4's local
+    # layers) attends within its chunk
+    chunk = module.config.attention_chunk_size if kinds and kinds[module.layer_idx] == "chunked_attention" else None
     kwargs["kvcompile_states"][module.layer_idx] = LayerState(
         query.clone(), key.clone(), value.clone(), None, scale, softcap=softcap or None,
         sinks=None if sinks is None else sinks.detach().clone())
