@@ -461,3 +461,19 @@ def test_tensor_parallelism_equals_one_process(tmp_path):
             for layer, keys in got["windows"].items():
                 assert keys.shape[1] == 1
                 assert_close(keys, one[name]["windows"][layer][:, rank:rank + 1], rtol=1e-9, atol=1e-9)
+
+
+def test_the_multimodal_wrapper_is_refused_with_its_text_model_named():
+    """Llama4ForConditionalGeneration (model type llama4: a vision tower beside the language model) is not run; the
+    refusal names its text model, which is."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    text = dict(vocab_size=96, hidden_size=64, intermediate_size=64, intermediate_size_mlp=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                attention_chunk_size=CHUNK)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision)).eval()
+    with pytest.raises(kvcompile.CompileError, match="unsupported model type 'llama4'; .* its text model \\(model "
+                                                     "type 'llama4_text'\\) is: load that alone"):
+        kvcompile.compile(model, "snapkv")

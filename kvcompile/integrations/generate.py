@@ -77,7 +77,11 @@ def _check_model(model) -> None:
         raise CompileError(f"kvcompile: model type {kind!r} with use_bidirectional_attention=True attends to later "
                            "tokens too; kvcompile's attention is causal")
     if kind not in SUPPORTED:
-        raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported (tested): {', '.join(SUPPORTED)}")
+        text = getattr(getattr(config, "text_config", None), "model_type", None)  # a multimodal wrapper (Llama 4)
+        hint = f"; its text model (model type {text!r}) is: load that alone, a *ForCausalLM" if text in SUPPORTED \
+            else ""
+        raise CompileError(f"kvcompile: unsupported model type {kind!r}; supported (tested): {', '.join(SUPPORTED)}"
+                           f"{hint}")
     if not hasattr(model, "generate") or not hasattr(model, "model"):
         raise CompileError("kvcompile: expected a *ForCausalLM model (with .model and .generate)")
     layers = getattr(model.model, "layers", None)
