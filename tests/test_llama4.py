@@ -387,21 +387,29 @@ def test_expected_attention_is_refused_on_nope_and_interleaved_rotary(model):
     assert "forward" not in model.__dict__
 
 
-def test_temperature_tuning_on_a_nope_chunked_layer_is_refused():
-    """A NoPE layer scales its queries by the cache's length before its attention; kvcompile's cache gives the
-    right one to the full_attention layers only (it counts a forward's tokens after the last of them)."""
-    kinds = ["full_attention", "chunked_attention", "chunked_attention", "full_attention"]
-    model = tiny_llama4(layer_types=kinds, no_rope_layers=[1, 0, 1, 0])
-    with pytest.raises(kvcompile.CompileError, match=r"layers \[1\] are NoPE layers left to their window"):
+def test_temperature_tuning_on_a_nope_chunked_layer_runs_before_the_last_full_layer_only():
+    """A NoPE layer scales its queries by the cache's length before its attention; kvcompile's cache counts a
+    forward's tokens after its last compressed layer (the last full_attention one), so a NoPE chunked layer before
+    it runs exactly and one after it is refused (it runs with attn_temperature_tuning=False)."""
+    ids = prompt(40, batch=2, seed=14)
+    early = tiny_llama4(layer_types=["full_attention", "chunked_attention", "chunked_attention", "full_attention"],
+                        no_rope_layers=[1, 0, 1, 0])
+    late = dict(layer_types=["full_attention", "chunked_attention", "chunked_attention", "chunked_attention"],
+                no_rope_layers=[1, 1, 1, 0])
+    model = tiny_llama4(**late)
+    with pytest.raises(kvcompile.CompileError, match=r"layers \[3\] are NoPE layers left to their window after its "
+                                                     r"last full_attention layer \(0\)"):
         kvcompile.compile(model, "snapkv")
     assert "forward" not in model.__dict__
-    tuned_off = tiny_llama4(layer_types=kinds, no_rope_layers=[1, 0, 1, 0], attn_temperature_tuning=False)
-    ids = prompt(40, batch=2, seed=14)
-    with torch.no_grad():
-        ref = tuned_off.generate(ids, max_new_tokens=NEW, do_sample=False)
-        with kvcompile.compiled(tuned_off, full_budget("snapkv", 40 + NEW, LAYERS)):
-            got = tuned_off.generate(ids, max_new_tokens=NEW, do_sample=False)
-    assert got.tolist() == ref.tolist()
+    for model in (early, tiny_llama4(attn_temperature_tuning=False, **late)):
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+            with kvcompile.compiled(model, full_budget("snapkv", 40 + NEW, LAYERS)):
+                got = model.generate(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True)
+        assert got.sequences.tolist() == ref.sequences.tolist()
+        assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=1e-5, atol=1e-5)
 
 
 def test_chunked_attention_on_every_layer_is_refused():

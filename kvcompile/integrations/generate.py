@@ -102,19 +102,20 @@ def _nope_scaling(config) -> bool:
 def _position_scaling(config) -> str | None:
     """Why a model's query scaling by position (Llama 4's attn_temperature_tuning on its NoPE layers, read off the
     cache's length before the layer's attention) would not see the position transformers gives it, or None.
-    kvcompile's cache counts a forward's tokens once its last compressed layer has run, so a layer after that one
-    would read the count with them; a full_attention layer is never after it (the policy compresses every one)."""
+    kvcompile's cache counts a forward's tokens once its last compressed layer has run (the model's last
+    full_attention layer: a policy compresses every one), so a layer after it would read the count with them."""
     if not _nope_scaling(config):
         return None
     types = getattr(config, "layer_types", None) or ("full_attention",) * config.num_hidden_layers
-    local = [i for i, (rope, kind) in enumerate(zip(config.no_rope_layers, types))
-             if not rope and kind != "full_attention"]
-    if not local:
+    last = max((i for i, kind in enumerate(types) if kind == "full_attention"), default=-1)
+    late = [i for i, (rope, kind) in enumerate(zip(config.no_rope_layers, types))
+            if not rope and kind != "full_attention" and i > last]
+    if not late:
         return None
-    return (f"scales the queries of its NoPE layers by position (attn_temperature_tuning) and layers {local} are "
-            "NoPE layers left to their window, whose position kvcompile's cache does not give them; kvcompile runs "
-            "it on NoPE layers that are full_attention (as transformers' default layer_types make them), or with "
-            "attn_temperature_tuning=False")
+    return (f"scales the queries of its NoPE layers by position (attn_temperature_tuning) and layers {late} are "
+            f"NoPE layers left to their window after its last full_attention layer ({last}), where kvcompile's "
+            "cache already counts the forward's tokens; kvcompile runs NoPE layers up to the last full_attention "
+            "layer (as transformers' default layer_types make them), or attn_temperature_tuning=False")
 
 
 def model_sinks(model) -> tuple | None:
