@@ -240,8 +240,8 @@ class KVCompileCache(Cache):
     def attend_window(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                       scale: float) -> Tensor:
         """Model layer `layer`, left to its window (a hybrid model's local layer the policy does not apply to):
-        its sliding-window attention over the entries it holds and the new ones, which it then holds
-        (the last window - 1 positions; kvcompile.engine.window), except in a reconstruction scorer's forward
+        its sliding-window (or chunked) attention over the entries it holds and the new ones, which it then holds
+        (the last window - 1 positions, or its chunk's so far; kvcompile.engine.window), except in a reconstruction scorer's forward
         (KVzip's repeat input reads the window as it stands after the prompt and adds nothing to it)."""
         kinds = self.plan.layer_kinds
         out, held = window_step(self.windows[layer], q, k, v, mask, scale, kinds.windows[layer], self.plan.softcap,
