@@ -236,6 +236,60 @@ def test_memory_report_by_layer_kind_against_transformers_hybrid_cache(model):
     assert report["bytes_by_kind"]["chunked_attention"] == len(LOCAL) * (37 % CHUNK) * per_token  # positions 32..36
 
 
+def _kept_scores(model, policy, ids, mask, steps: int = 0):
+    """The scores the compiled model's cache keeps, per compressed layer: (B, H, width) by each real token's
+    index in the (padded) sequence, after the prompt and `steps` greedy decode steps."""
+    with torch.no_grad(), kvcompile.compiled(model, policy):
+        cache = KVCompileCache.from_plan(model.kvcompile_plan)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=steps + 1, do_sample=False,
+                             **cache_arg.given(cache)) if steps else model(ids, attention_mask=mask,
+                                                                         **cache_arg.given(cache))
+    pad = (mask == 0).sum(-1)
+    scores = []
+    for store in cache.stores:
+        layer = torch.zeros(ids.shape[0], store.lengths.shape[1], ids.shape[1] + steps)
+        for b, row in enumerate(store.to_heads()):
+            for h, head in enumerate(row):
+                layer[b, h, head.positions + pad[b]] = head.scores.float()
+        scores.append(layer)
+    return scores, out
+
+
+def _group_mean(a):
+    return a.reshape(a.shape[0], 2, -1, *a.shape[2:]).mean(2)
+
+
+def test_kept_scores_come_from_the_models_own_attention(model):
+    """The scores each full_attention (NoPE, temperature-tuned) layer keeps are those of transformers' own
+    attention weights (the eager model's output_attentions, after the chunked layers before it): TOVA's last row
+    and H2O's accumulated attention after the prompt, and H2O's after decode steps across a chunk boundary."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    ids, mask = padded_batch()
+    n, real = ids.shape[1], mask.bool()
+    full = [i for i, kind in enumerate(KINDS) if kind == "full_attention"]
+    with torch.no_grad():
+        attentions = eager(ids, attention_mask=mask, output_attentions=True).attentions
+    a = [torch.where(real[:, None, :, None], attentions[i], 0.0) for i in full]  # a pad query's row: 0
+    specs = {"last row": (full_budget("tova", n, LAYERS), lambda x: x[:, :, -1].mean(1, keepdim=True).expand(-1, 2,
+                                                                                                              -1)),
+             "accumulated": (full_budget("h2o", n, LAYERS), lambda x: _group_mean(x.sum(2)))}
+    for label, (policy, score) in specs.items():
+        got, _ = _kept_scores(model, policy, ids, mask)
+        for layer, weights in zip(got, a):
+            assert_close(layer.transpose(1, 2)[real], score(weights).transpose(1, 2)[real], rtol=1e-4, atol=1e-6,
+                         msg=label)
+    got, out = _kept_scores(model, full_budget("h2o", n + NEW, LAYERS), ids, mask, steps=15)  # positions 50..64
+    seq = out[:, :-1]
+    seq_mask = torch.cat([mask, torch.ones(2, 15, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        attentions = eager(seq, attention_mask=seq_mask, output_attentions=True).attentions
+    seq_real = seq_mask.bool()
+    for layer, i in zip(got, full):
+        want = _group_mean(torch.where(seq_real[:, None, :, None], attentions[i], 0.0).sum(2))
+        assert_close(layer.transpose(1, 2)[seq_real], want.transpose(1, 2)[seq_real], rtol=1e-4, atol=1e-5)
+
+
 def test_assisted_and_prompt_lookup_decoding_crop_inside_the_chunks(model):
     """generate() records the chunked layers' past before it decodes with candidates and crops the rejected ones,
     across chunk boundaries: at a full budget the plain model's tokens; the layers end back at their chunk's

@@ -30,8 +30,9 @@ from kvcompile.policy import Policy
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 from kvcompile.sharding import ShardingError, model_shard
 
-# the model types kvcompile is tested on (tests/test_runtime.py, test_architectures.py, test_hybrid.py, test_llama4.py): decoders whose
-# attention is softmax(q·kᵀ·scaling)·v over RoPE'd keys; they differ in norms, fused projections and MLPs (experts)
+# the model types kvcompile is tested on (tests/test_runtime.py, test_architectures.py, test_hybrid.py,
+# test_llama4.py): decoders whose attention is softmax(q·kᵀ·scaling)·v over RoPE'd keys (or none: Llama 4's NoPE
+# layers); they differ in norms, fused projections, MLPs (experts) and local layers (windows, chunks)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "olmo2", "gemma3_text", "gemma2",
              "gpt_oss", "llama4_text")
 _STATE = "_kvcompile"  # instance attribute holding what uncompile() restores
