@@ -58,6 +58,11 @@ def padded_batch():
 
 
 def test_the_tiny_model_is_llama4_with_its_attention_features(model):
+    """The model has what these tests exercise, and its plan compresses the full_attention layers and leaves each
+    chunked layer to its chunk."""
+    kinds = KVCompileCache(kvcompile.load_spec("snapkv"), model.config).plan.layer_kinds
+    assert kinds.windows == (CHUNK, None, CHUNK, None) and kinds.engine == (None, 0, None, 1)
+    assert [kinds.chunked(i) for i in range(LAYERS)] == [True, False, True, False]
     config = model.config
     assert config.model_type == "llama4_text"
     assert KINDS == ["chunked_attention", "full_attention"] * 2 and config.no_rope_layers == [1, 0, 1, 0]
