@@ -109,33 +109,40 @@ def check_policy(policy) -> None:
 
 
 def refusal(policy) -> str | None:
-    """Why the plugin cannot run `policy` exactly inside vLLM, or None. One reason per family, in this order:
-    merges (with the split that reserves their slots), decode-time schedules, compression between prefill
-    chunks, quantized storage, KVzip's reconstruction scores, scorers reading the rotary frequencies."""
+    """Why the plugin cannot run `policy` exactly inside vLLM (every reason, joined by "; "), or None."""
+    return "; ".join(refusals(policy)) or None
+
+
+def refusals(policy) -> list[str]:
+    """Every reason the plugin cannot run `policy` exactly inside vLLM, one per family it belongs to, in this
+    order: merges (with the split that reserves their slots), decode-time schedules, compression between
+    prefill chunks, quantized storage, KVzip's reconstruction scores, scorers reading the rotary frequencies."""
     budget, schedule = policy.budget, policy.schedule
+    why = []
     if policy.merges or budget.split is not None:
-        merge = type(policy.merge).name
-        split = (" (budget.split reserves its proximity and residual slots)" if budget.split is not None else "")
-        return (f"merge {merge}{split} folds evicted entries into merge slots that every later attention reads with "
-                "a logit bias of alpha*log(count); the plugin's packed decode attention and vLLM's CPU kernel add no "
-                "per-entry bias, so decode logits would differ")
+        split = " (budget.split reserves its proximity and residual slots)" if budget.split is not None else ""
+        why.append(f"merge {type(policy.merge).name}{split} folds evicted entries into merge slots that every later "
+                   "attention reads with a logit bias of alpha*log(count); the plugin's packed decode attention and "
+                   "vLLM's CPU kernel add no per-entry bias, so decode logits would differ")
     if schedule.decode is not None:
-        rule = type(schedule.decode).name
-        return (f"schedule.decode {rule} evicts while decoding (re-scoring every so many tokens or one token per "
-                "step); the plugin selects once, in the step that ends the prompt: its packed layout and the blocks "
-                "it returned to vLLM are fixed after that, and vLLM's decode attention gives no scores to re-select with")
+        why.append(f"schedule.decode {type(schedule.decode).name} evicts while decoding (re-scoring every so many "
+                   "tokens, or one token per step); the plugin selects once, in the step that ends the prompt: its "
+                   "packed layout and the blocks it returned to vLLM are fixed after that, and vLLM's decode "
+                   "attention gives no scores to re-select with")
     if schedule.prefill is not None:
-        return ("schedule.prefill: chunk evicts between a prompt's chunks; the plugin compresses once, in the step "
-                "that ends the prompt (vLLM's own chunked prefill runs)")
+        why.append("schedule.prefill: chunk evicts between a prompt's chunks; the plugin compresses once, in the "
+                   "step that ends the prompt (vLLM's own chunked prefill runs)")
     storage = type(policy.storage).name
     if storage != "model_dtype":
-        return (f"storage {storage} keeps entries quantized (codes and scales); vLLM allocates one cache in the "
-                "model's dtype for every request and the plugin's decode attention reads that dtype, so the kept "
-                "entries would not be stored or read as kvcompile stores them")
+        why.append(f"storage {storage} stores kept entries quantized, as codes and scales (all of them, or a share "
+                   "beside full-precision ones); vLLM allocates one cache in the model's dtype for every request and "
+                   "the plugin's decode attention reads that dtype, so they would be neither stored nor read as "
+                   "kvcompile stores them")
     if getattr(policy.scoring, "reconstructs", False):
-        return ("scoring kvzip scores entries by a reconstruction pass, a second forward pass of the whole model "
-                "that repeats the prompt from its cache; a vLLM attention backend sees one layer of the request's own step and "
-                "vLLM schedules no such pass")
-    if policy.scoring.needs_rope:
-        return f"scoring {type(policy.scoring).name} needs the model's rotary frequencies, not passed from vLLM yet"
-    return None
+        why.append("scoring kvzip scores entries by a reconstruction pass, a second forward pass of the whole model "
+                   "that repeats the prompt from its cache; a vLLM attention backend sees one layer of the "
+                   "request's own step and vLLM schedules no such pass")
+    elif policy.scoring.needs_rope:
+        why.append(f"scoring {type(policy.scoring).name} needs the model's rotary frequencies, not passed from vLLM "
+                   "yet")
+    return why
