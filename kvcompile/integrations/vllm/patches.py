@@ -224,6 +224,7 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _MANAGER = "vllm.v1.core.single_type_kv_cache_manager:FullAttentionManager"
 _CPU = "vllm.v1.attention.backends.cpu_attn"
+_SINGLE = "vllm.v1.core.single_type_kv_cache_manager"
 
 PATCHES = (
     Patch("vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_ATTN",
@@ -243,17 +244,20 @@ PATCHES = (
           "the front end resolves the engine's kvcompile settings (additional_config['kvcompile'], else the "
           "environment), refuses the policy and the vLLM settings under which compression is not exact before "
           "the engine starts, and writes the settings into additional_config for the engine's other processes",
-          source="b9b94288f46d2f67", relies_on=(("vllm.config.vllm:VllmConfig", "76f2388e112463d1"),), wrap=_create_engine_config),
+          source="b9b94288f46d2f67", relies_on=(("vllm.config.vllm:VllmConfig", "76f2388e112463d1"),),
+          wrap=_create_engine_config),
     Patch(f"{_SCHEDULER}.__init__",
           "the engine core checks its configuration again (one not built by create_engine_config) and its KV "
           "cache groups (one, full attention), and gives the scheduler a Compressed record shared with its "
           "full-attention manager",
-          source="c026802456720b43", relies_on=(("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.__init__", "db53dbf1b7f337e6"),),
+          source="c026802456720b43",
+          relies_on=(("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.__init__", "db53dbf1b7f337e6"),),
           wrap=_scheduler_init),
     Patch(f"{_SCHEDULER}.update_from_output",
           "N − S of the requests the worker compressed in the step arrives with the step's ModelRunnerOutput "
           "(any executor) and is kept in Compressed; requests gone from the scheduler are forgotten",
-          source="85b29db96051135c", relies_on=(("vllm.v1.outputs:ModelRunnerOutput", "b936f7c6940fc6ea"),), wrap=_update_from_output),
+          source="85b29db96051135c", relies_on=(("vllm.v1.outputs:ModelRunnerOutput", "b936f7c6940fc6ea"),),
+          wrap=_update_from_output),
     Patch(f"{_SCHEDULER}._preempt_request",
           "preempting a request whose prompt was compressed raises: vLLM would recompute it over its whole "
           "prompt, a different computation", source="4113f5de8a84ec25", wrap=_preempt_request),
@@ -261,22 +265,25 @@ PATCHES = (
           "after vLLM's own removal, a compressed request's blocks wholly before N − S are replaced by the null "
           "block and returned to the pool, the path of vLLM's sliding-window manager",
           source="7bf0e2a87ec3ccd0", relies_on=(
-              ("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager._remove_blocks_in_range", "2a6485c3cf389d4a"),
+              (f"{_SINGLE}:SingleTypeKVCacheManager._remove_blocks_in_range", "2a6485c3cf389d4a"),
               ("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", "8c60d937fd9eb0c8")),
           wrap=_remove_skipped_blocks),
     Patch(f"{_RUNNER}.sample_tokens",
           "the worker's step output carries N − S of each request it compressed in the step (on the inner "
           "ModelRunnerOutput of an async output)",
-          source="047e6a4738dead56", relies_on=(("vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.__init__", "4ea248b181b9ede6"),),
+          source="047e6a4738dead56",
+          relies_on=(("vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.__init__", "4ea248b181b9ede6"),),
           wrap=_sample_tokens),
     Patch(f"{_RUNNER}._build_attention_metadata",
           "the step's request ids and prompt lengths, in batch order (input_batch.req_ids, num_prompt_tokens), "
           "are given to the worker's state before the metadata builder plans the step",
-          source="6015ffa2b3ec7cd3", relies_on=(("vllm.v1.worker.gpu_input_batch:InputBatch.__init__", "f08db9118357af89"),),
+          source="6015ffa2b3ec7cd3",
+          relies_on=(("vllm.v1.worker.gpu_input_batch:InputBatch.__init__", "f08db9118357af89"),),
           wrap=_build_attention_metadata),
     Patch(f"{_RUNNER}._update_states",
           "a finished or aborted request's record and pending scores are dropped from the worker's state",
-          source="326599f31b273b94", relies_on=(("vllm.v1.core.sched.output:SchedulerOutput", "97fb4463a2eda132"),), wrap=_update_states),
+          source="326599f31b273b94", relies_on=(("vllm.v1.core.sched.output:SchedulerOutput", "97fb4463a2eda132"),),
+          wrap=_update_states),
 )
 
 
