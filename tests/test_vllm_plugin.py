@@ -341,7 +341,7 @@ def test_two_engines_in_one_process_keep_their_own_state(model_and_prompts, comp
     specs = ("snapkv", "lava")
     settings = [{"spec": spec, "overrides": COMPRESSED[spec], "record": str(tmp_path / f"{spec}.jsonl")}
                 for spec in specs]
-    out = run_vllm(prompts, timeout=600, more={"engines": settings}, spec="h2o", per_head=32)
+    out = run_vllm(prompts, timeout=600, more={"engines": settings}, spec="h2o", per_head=128)
     assert len({engine["worker"] for engine in out["engines"]}) == 2
     for i, (spec, got) in enumerate(zip(specs, out["engines"])):
         want, record = compressed_runs[spec]
