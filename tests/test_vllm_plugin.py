@@ -328,3 +328,27 @@ def test_preempting_a_compressed_request_is_refused(model_and_prompts):
                           env=vllm_env(spec="snapkv", per_head=64), capture_output=True, text=True, timeout=420)
     assert proc.returncode != 0 and "RESULT" not in proc.stdout
     assert "preempted request" in proc.stderr and "after its prompt was compressed" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_two_engines_in_one_process_keep_their_own_state(model_and_prompts, compressed_runs, tmp_path):
+    """Two engines alive together in one process (engine cores in-process), each naming its own policy in
+    vLLM's additional_config (snapkv and lava, the environment naming neither), stepped in turn with both
+    engines' requests in flight: each engine's tokens, kept entries and freed blocks are those of its policy
+    run alone in an engine of its own (compressed_runs); each has its own worker state, and records only its
+    own requests."""
+    _, prompts = model_and_prompts
+    specs = ("snapkv", "lava")
+    settings = [{"spec": spec, "overrides": COMPRESSED[spec], "record": str(tmp_path / f"{spec}.jsonl")}
+                for spec in specs]
+    out = run_vllm(prompts, timeout=600, more={"engines": settings}, spec="h2o", per_head=128)
+    assert len({engine["worker"] for engine in out["engines"]}) == 2
+    for i, (spec, got) in enumerate(zip(specs, out["engines"])):
+        want, record = compressed_runs[spec]
+        assert got["together"] == want["together"] and got["alone"] == want["alone"], spec
+        assert got["blocks_end"] == got["blocks_total"] == want["blocks"]["total"], spec
+        lines = [json.loads(line) for line in (tmp_path / f"{spec}.jsonl").read_text().splitlines()]
+        assert len(lines) == 2 * len(prompts)  # together, alone: this engine's requests only
+        assert all(line["request"].startswith(f"e{i}p") for line in lines[:len(prompts)]), spec
+        kept_alone = {json.dumps(line["kept"]) for line in map(json.loads, record.read_text().splitlines())}
+        assert {json.dumps(line["kept"]) for line in lines} == kept_alone, spec

@@ -36,8 +36,6 @@ def plugin_without_vllm(monkeypatch):
     """register() with the spec in the environment and vLLM's patching replaced (records what it applied)."""
     applied = []
     monkeypatch.setitem(sys.modules, "kvcompile.integrations.vllm.patches", types.SimpleNamespace(apply=applied.append))
-    monkeypatch.setitem(sys.modules, "kvcompile.integrations.vllm.backend", types.SimpleNamespace(
-        STEP=types.SimpleNamespace(record_to=None)))
     monkeypatch.setenv("KVCOMPILE_VLLM_SPEC", "snapkv")
     monkeypatch.setenv("KVCOMPILE_VLLM_PER_HEAD", "32")
     monkeypatch.delenv("KVCOMPILE_VLLM_RATIO", raising=False)

@@ -31,7 +31,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from kvcompile.layer_state import LayerState
 from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer, Record, prepare, read_entries, read_positions
 from kvcompile.integrations.vllm.packing import kept_entries, locations, region
-from kvcompile.integrations.vllm.settings import PluginError
+from kvcompile.integrations.vllm.settings import PluginError, engine_settings
 
 
 @dataclass
@@ -46,13 +46,16 @@ class Pending:
 
 
 @dataclass
-class Step:
-    """The worker's plugin state (the engine core's process: the scheduler reads `records`): the policy,
-    this step's requests in batch order (request id, prompt length; set by the patched model runner), the
-    prompts being compressed in this step, the compressed requests' records, and every layer's cache
-    tensor (vLLM allocates them once) with their addresses (for the decode kernel, once all are known)."""
+class Worker:
+    """One engine worker's plugin state, owned by its model runner's attention metadata builder (one per
+    runner: the plugin runs one full-attention KV cache group) and living as long as it: the engine's policy
+    (and where to record kept entries), this step's requests in batch order (request id, prompt length; set
+    by the patched model runner before it builds the step's metadata), the prompts being compressed, the
+    compressed requests' records, what this step compressed (N − S, read by the patched sample_tokens into
+    the step's output), and every layer's cache tensor (vLLM allocates them once) with their addresses (for
+    the decode kernel, once all are known). Each step's plan (StepPlan) carries it to the attention layers."""
 
-    policy: object = None
+    policy: object
     requests: list | None = None
     pending: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)
@@ -75,18 +78,27 @@ class Step:
                 self.addresses = torch.tensor([c.data_ptr() for c in caches])
 
 
-STEP = Step()
+def worker_of(runner) -> Worker | None:
+    """The plugin state of a vLLM model runner: its KVCompile metadata builder's (None before its attention
+    is set up, e.g. in vLLM's profiling run)."""
+    builders = [b for group in getattr(runner, "attn_groups", ()) for g in group for b in g.metadata_builders
+                if isinstance(b, KVCompileCPUMetadataBuilder)]
+    if len(builders) > 1:
+        raise PluginError(f"kvcompile: the model runner has {len(builders)} attention metadata builders (micro-"
+                          "batching?); the plugin runs one")
+    return builders[0].worker if builders else None
 
 
 @dataclass
 class StepPlan:
     """What the plugin does in one step, planned once by the metadata builder: the compressed requests'
     decode attention (None: none decode in this step), the prompts to score, (batch row, request id, N,
-    first query row), and the model's layer count."""
+    first query row), the model's layer count, and the worker's state it reads and updates."""
 
     decode: DecodePlan | None
     prompts: list
     layers: int
+    worker: Worker
 
 
 class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -100,10 +112,16 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.kv_heads = config.model_config.get_num_kv_heads(config.parallel_config)
         self.groups = config.model_config.get_num_attention_heads(config.parallel_config) // self.kv_heads
         prepare(self.groups, self.head_dim, self.dtype)
+        settings = engine_settings(config)
+        if settings is None:
+            raise PluginError("kvcompile: the plugin's backend was built for an engine without kvcompile settings "
+                              "(KVCOMPILE_VLLM_SPEC unset and no additional_config['kvcompile'])")
+        self.worker = Worker(settings.policy(), record_to=settings.record)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        requests = STEP.requests
-        if requests is None and common_attn_metadata.num_reqs and STEP.records:
+        worker = self.worker
+        requests = worker.requests
+        if requests is None and common_attn_metadata.num_reqs and worker.records:
             raise PluginError("kvcompile: the step's requests are unknown (a model runner the plugin does not patch?)")
         seq_lens = common_attn_metadata.seq_lens.cpu()
         starts = common_attn_metadata.query_start_loc_cpu.tolist()
@@ -112,7 +130,7 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             seq = int(seq_lens[i])
             new = starts[i + 1] - starts[i]
             first = seq - new
-            record = STEP.records.get(rid)
+            record = worker.records.get(rid)
             if record is not None and first >= n:
                 decoding.append((i, record, starts[i], new, first))
             elif first < n:
@@ -132,7 +150,7 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         decode = DecodePlan.plan(decoding, common_attn_metadata.block_table_tensor.cpu(), self.kv_heads,
                                  self.groups, self.head_dim) if decoding else None
-        meta.kvcompile = StepPlan(decode, prompts, self.num_layers) if decoding or prompts else None
+        meta.kvcompile = StepPlan(decode, prompts, self.num_layers, worker) if decoding or prompts else None
         return meta
 
 
@@ -145,19 +163,20 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         if plan is None:
             return output
         index = extract_layer_index(layer.layer_name)
-        STEP.cache(index, kv_cache, plan.layers)
+        worker = plan.worker
+        worker.cache(index, kv_cache, plan.layers)
         if plan.decode is not None:
-            plan.decode.run(index, query, output.view(output.shape[0], -1, self.head_size), STEP.caches,
-                            STEP.addresses, self.scale)
+            plan.decode.run(index, query, output.view(output.shape[0], -1, self.head_size), worker.caches,
+                            worker.addresses, self.scale)
         for i, rid, n, q0, first, seq in plan.prompts:
             rows = slice(q0, q0 + seq - first)
-            self._score(layer, rid, n, index, first, query[rows], key[rows], value[rows], kv_cache,
+            self._score(worker, layer, rid, n, index, first, query[rows], key[rows], value[rows], kv_cache,
                         attn_metadata.block_table[i])
             if seq == n and index == plan.layers - 1:
-                self._compress(rid, n)
+                self._compress(worker, rid, n)
         return output
 
-    def _score(self, layer, rid, n, index, first, query, key, value, kv_cache, block_row):
+    def _score(self, worker, layer, rid, n, index, first, query, key, value, kv_cache, block_row):
         """Layer `index` of an n-token prompt's positions [first, first + T) (the whole prompt or a chunk): keep
         its queries among the last R, and in the chunk that ends the prompt score the layer (kept until the
         last layer: LAVa's cascade re-selects lower layers with what the later ones score) from those queries
@@ -168,9 +187,9 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         if not (torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))):
             raise PluginError(f"kvcompile: vLLM's CPU cache layout for isa {layer.isa!r} is not the one the plugin "
                               "reads (keys [head_dim, block], values [block, head_dim])")
-        policy = STEP.policy
+        policy = worker.policy
         rows = policy.scoring.query_rows(n)
-        pending = STEP.pending.setdefault(rid, Pending())
+        pending = worker.pending.setdefault(rid, Pending())
         if first == 0:  # the prompt's first chunk (again, if it was preempted before it ended)
             pending.queries[index] = []
         kept_from = max(first, n - rows)
@@ -185,21 +204,21 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         pending.block_row = block_row.clone()
         pending.scores[index] = policy.scoring.score(state)
 
-    def _compress(self, rid, n):
+    def _compress(self, worker, rid, n):
         """After the last layer: select every layer's entries, pack them into [N − S, N) of the layers'
         caches, and record where they are."""
-        pending = STEP.pending.pop(rid)
+        pending = worker.pending.pop(rid)
         num_layers = len(pending.scores)
-        kept = [k[0] for k in kept_entries(STEP.policy, [pending.scores[j] for j in range(num_layers)])]
+        kept = [k[0] for k in kept_entries(worker.policy, [pending.scores[j] for j in range(num_layers)])]
         counts = torch.stack([k.sum(-1) for k in kept])  # (L, H)
-        if STEP.record_to:
-            with open(STEP.record_to, "a") as f:
+        if worker.record_to:
+            with open(worker.record_to, "a") as f:
                 f.write(json.dumps({"request": rid, "kept": [[k[h].nonzero().flatten().tolist()
                                                                 for h in range(k.shape[0])] for k in kept]}) + "\n")
         if bool((counts >= n).all()):
             return  # the budget covers the prompt at every (layer, head): nothing moves
         size = region(counts)
-        caches, block_row = STEP.caches, pending.block_row
+        caches, block_row = worker.caches, pending.block_row
         block_size = caches[0].shape[2]
         entries = []  # every layer's kept keys and values (E_l, d), read before anything is written
         for j in range(num_layers):
@@ -209,8 +228,8 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
         layers = [PackedLayer(where[j], counts[j]) for j in range(num_layers)]
         for layer, (keys, values) in zip(layers, entries):
             layer.write(caches, keys, values)
-        STEP.records[rid] = record = Record(n, size, layers)
-        STEP.reported[rid] = record.first_slot  # to the scheduler, with this step's output (kvcompile.integrations.vllm.patches)
+        worker.records[rid] = record = Record(n, size, layers)
+        worker.reported[rid] = record.first_slot  # to the scheduler, with this step's output (kvcompile.integrations.vllm.patches)
 
 
 class KVCompileCPUBackend(CPUAttentionBackend):

@@ -49,15 +49,12 @@ class VllmServe:
         """Refuse, before vLLM starts, what the plugin refuses (PluginError) and a missing vLLM (ImportError)."""
         import importlib.util
 
-        from kvcompile.integrations.vllm.settings import PluginError, from_env, refusal
+        from kvcompile.integrations.vllm.settings import check_policy, from_env
 
         if importlib.util.find_spec("vllm") is None:
             raise ImportError("kvcompile: --engine vllm needs vLLM in this environment "
                               "(bash scripts/setup.sh vllm; then .venv-vllm/bin/kvcompile serve --engine vllm)")
-        policy = from_env(self.env()).policy()
-        why = refusal(policy)
-        if why is not None:
-            raise PluginError(f"kvcompile: the vLLM plugin cannot run {policy.name}: {why}")
+        check_policy(from_env(self.env()).policy())
 
     def banner(self) -> str:
         """What `kvcompile serve --engine vllm` prints before vLLM's own log: the plugin, its spec, the address."""

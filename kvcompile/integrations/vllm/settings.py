@@ -1,15 +1,20 @@
-"""What the vLLM plugin runs, read from the environment, and what it refuses (docs/VLLM.md).
+"""What the vLLM plugin runs, and what it refuses (docs/VLLM.md).
+
+The environment enables the plugin and names every engine's default policy:
 
     KVCOMPILE_VLLM_SPEC=snapkv          a shipped spec name or a YAML path; unset: the plugin is off
     KVCOMPILE_VLLM_PER_HEAD=64          budget override (per_head=), or
     KVCOMPILE_VLLM_RATIO=0.1            budget override (ratio=)
 
 The environment is the one place every vLLM process (the front end, the engine core, its worker)
-reads alike: vLLM loads the plugin in each of them, before any configuration exists.
+reads alike: vLLM loads the plugin in each of them, before any configuration exists. One engine may name
+its own policy in vLLM's `additional_config={"kvcompile": {"spec": ..., "per_head": ...}}`; the engine's
+configuration carries its settings to each of its processes (`engine_settings`).
 
 Every prefill-time policy that drops what it evicts runs, with any layer and head allocation (uniform,
 pyramid, LAVa's entropy cascade, AdaKV's pooled heads, DBudgetKV's threshold): its kept entries are packed
-into the request's last slots (kvcompile.integrations.vllm.packing). Everything else is refused by name.
+into the request's last slots (kvcompile.integrations.vllm.packing). Everything else is refused by name,
+with the reason, before vLLM starts (`check_policy`).
 """
 from __future__ import annotations
 
@@ -25,15 +30,39 @@ class PluginError(ValueError):
     """The plugin cannot run this policy or this vLLM configuration exactly: refused up front."""
 
 
+CONFIG_KEY = "kvcompile"  # vLLM's additional_config[CONFIG_KEY]: one engine's settings (Settings.as_config)
+
+
 @dataclass(frozen=True)
 class Settings:
     spec: str
     overrides: tuple  # ((key, value), ...) passed to kvcompile.load_spec
+    record: str | None = None  # RECORD_ENV
 
     def policy(self):
         from kvcompile.spec import load_spec
 
         return load_spec(self.spec, **dict(self.overrides))
+
+    def as_config(self) -> dict:
+        """The engine's settings as vLLM's additional_config holds them (JSON: vLLM hashes it)."""
+        return {"spec": self.spec, **dict(self.overrides), **({"record": self.record} if self.record else {})}
+
+    @classmethod
+    def from_config(cls, given) -> Settings:
+        """Settings from additional_config["kvcompile"]: {"spec": str, "per_head": int | "ratio": float,
+        "record": str}; anything else is refused by name."""
+        if not isinstance(given, dict) or not isinstance(given.get("spec"), str) or not given["spec"].strip():
+            raise PluginError(f'kvcompile: additional_config["{CONFIG_KEY}"] must be a mapping with "spec" (a spec '
+                              f"name or YAML path), got {given!r}")
+        unknown = sorted(set(given) - {"spec", "per_head", "ratio", "record"})
+        if unknown:
+            raise PluginError(f'kvcompile: additional_config["{CONFIG_KEY}"] has unknown field(s) {unknown}; '
+                              'allowed: spec, per_head, ratio, record')
+        overrides = tuple((k, given[k]) for k in ("per_head", "ratio") if given.get(k) is not None)
+        if len(overrides) > 1:
+            raise PluginError(f'kvcompile: additional_config["{CONFIG_KEY}"]: give one of per_head and ratio, not both')
+        return cls(given["spec"].strip(), overrides, given.get("record") or None)
 
 
 def active_message(settings: Settings, policy) -> str:
@@ -59,25 +88,61 @@ def from_env(environ=os.environ) -> Settings | None:
         overrides.append(("ratio", float(environ[RATIO_ENV])))
     if len(overrides) > 1:
         raise PluginError(f"kvcompile: set one of {PER_HEAD_ENV} and {RATIO_ENV}, not both")
-    return Settings(spec, tuple(overrides))
+    return Settings(spec, tuple(overrides), environ.get(RECORD_ENV) or None)
+
+
+def engine_settings(vllm_config, environ=os.environ) -> Settings | None:
+    """One engine's settings: its configuration's additional_config["kvcompile"] where given (written there by
+    the patched EngineArgs.create_engine_config, so every process of the engine reads the same), else the
+    environment's."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and CONFIG_KEY in extra:
+        return Settings.from_config(extra[CONFIG_KEY])
+    return from_env(environ)
+
+
+def check_policy(policy) -> None:
+    """Refuse (PluginError, with the reason) a policy the plugin cannot run exactly inside vLLM."""
+    why = refusal(policy)
+    if why is not None:
+        raise PluginError(f"kvcompile: the vLLM plugin cannot run {policy.name}: {why}")
 
 
 def refusal(policy) -> str | None:
-    """Why the plugin cannot run `policy` exactly inside vLLM yet, or None."""
+    """Why the plugin cannot run `policy` exactly inside vLLM (every reason, joined by "; "), or None."""
+    return "; ".join(refusals(policy)) or None
+
+
+def refusals(policy) -> list[str]:
+    """Every reason the plugin cannot run `policy` exactly inside vLLM, one per family it belongs to, in this
+    order: merges (with the split that reserves their slots), decode-time schedules, compression between
+    prefill chunks, quantized storage, KVzip's reconstruction scores, scorers reading the rotary frequencies."""
     budget, schedule = policy.budget, policy.schedule
-    if budget.split is not None:
-        return "budget.split (ZSMerge's proximity/residual split) is a decode-time policy"
+    why = []
+    if policy.merges or budget.split is not None:
+        split = " (budget.split reserves its proximity and residual slots)" if budget.split is not None else ""
+        why.append(f"merge {type(policy.merge).name}{split} folds evicted entries into merge slots that every later "
+                   "attention reads with a logit bias of alpha*log(count); the plugin's packed decode attention and "
+                   "vLLM's CPU kernel add no per-entry bias, so decode logits would differ")
     if schedule.decode is not None:
-        return f"schedule.decode {type(schedule.decode).name} evicts while decoding; only prefill-time policies run"
+        why.append(f"schedule.decode {type(schedule.decode).name} evicts while decoding (re-scoring every so many "
+                   "tokens, or one token per step); the plugin selects once, in the step that ends the prompt: its "
+                   "packed layout and the blocks it returned to vLLM are fixed after that, and vLLM's decode "
+                   "attention gives no scores to re-select with")
     if schedule.prefill is not None:
-        return ("schedule.prefill: chunk evicts between a prompt's chunks; the plugin compresses once, in the step "
-                "that ends the prompt (vLLM's own chunked prefill runs)")
-    if policy.merges:
-        return f"merge {type(policy.merge).name} keeps merge slots with a logit bias, which vLLM's attention has not"
-    if type(policy.storage).name != "model_dtype":
-        return f"storage {type(policy.storage).name}: only the model's dtype is stored (vLLM's cache)"
+        why.append("schedule.prefill: chunk evicts between a prompt's chunks; the plugin compresses once, in the "
+                   "step that ends the prompt (vLLM's own chunked prefill runs)")
+    storage = type(policy.storage).name
+    if storage != "model_dtype":
+        why.append(f"storage {storage} stores kept entries quantized, as codes and scales (all of them, or a share "
+                   "beside full-precision ones); vLLM allocates one cache in the model's dtype for every request and "
+                   "the plugin's decode attention reads that dtype, so they would be neither stored nor read as "
+                   "kvcompile stores them")
     if getattr(policy.scoring, "reconstructs", False):
-        return "scoring kvzip scores by a second model-level reconstruction pass, which vLLM does not run"
-    if policy.scoring.needs_rope:
-        return f"scoring {type(policy.scoring).name} needs the model's rotary frequencies, not passed from vLLM yet"
-    return None
+        why.append("scoring kvzip scores entries by a reconstruction pass, a second forward pass of the whole model "
+                   "that repeats the prompt from its cache; a vLLM attention backend sees one layer of the "
+                   "request's own step and vLLM schedules no such pass")
+    elif policy.scoring.needs_rope:
+        why.append(f"scoring {type(policy.scoring).name} needs the model's rotary frequencies, not passed from vLLM "
+                   "yet")
+    return why
