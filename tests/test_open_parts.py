@@ -15,6 +15,7 @@ from kvcompile.policies import PARTS, part
 from kvcompile.policies.budgets import HeadsRule
 from kvcompile.policies.merge import MergeRule
 from kvcompile.policies.scoring import Scorer, mask_pads
+from kvcompile.spec import loads_spec
 from test_decode import token_by_token
 from tiny import prompt, tiny_model
 
@@ -94,11 +95,11 @@ schedule: {decode: {every: 3}}
 
 
 def test_the_new_parts_load_from_yaml():
-    policy = kvcompile.spec.loads_spec(MERGING)
+    policy = loads_spec(MERGING)
     assert (policy.scoring.name, policy.budget.heads.name, policy.merge.name) == tuple(NEW.values())
     assert policy.merges and policy.scoring.running
     with pytest.raises(kvcompile.SpecError, match="sinks"):
-        kvcompile.spec.loads_spec(MERGING.replace("sinks: 1", "sinks: -1"))
+        loads_spec(MERGING.replace("sinks: 1", "sinks: -1"))
 
 
 @pytest.mark.parametrize("spec", [MERGING, PRUNING], ids=["merging", "pruning"])
@@ -107,7 +108,7 @@ def test_runtime_equals_reference_prefill_and_decode(spec, pad):
     """One layer through the op, token by token: the pages after the prompt and after every
     decode step hold what reference.compress / decode_step / decode_prune hold, and the
     attention outputs agree."""
-    policy = kvcompile.spec.loads_spec(spec)
+    policy = loads_spec(spec)
     b, h, g, d, n, steps = 2, 3, 2, 8, 30, 10
     gen = torch.Generator().manual_seed(7)
     rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
@@ -125,7 +126,7 @@ def test_generate_keeps_what_the_reference_keeps(spec):
     """End to end on a tiny Llama through generate(): each layer keeps the reference's tokens
     (and merge slots), and the eager and compiled entries agree token for token."""
     model = tiny_model("llama")
-    policy = kvcompile.spec.loads_spec(spec)
+    policy = loads_spec(spec)
     ids = prompt(50, batch=2, seed=3)
     cache = KVCompileCache(policy, model.config, record=True)
     with kvcompile.compiled(model, policy), torch.no_grad():
