@@ -138,14 +138,11 @@ class KVCompileCache(Cache):
         and benchmarks run one prefilled cache through each implementation); this cache keeps its own."""
         if not self._same_model(plan):
             raise ValueError("kvcompile: copy_with() takes a plan of the cache's own policy and model")
-        new = copy.deepcopy(self)
-        new._plan = plan
-        return new
+        return copy.deepcopy(self, {id(self._plan): plan})  # (the copy's plan: __deepcopy__ keeps the memo's)
 
     def _same_model(self, plan: Plan) -> bool:
-        mine = self._plan
-        return (plan.policy, plan.num_layers, tuple(plan.kv_heads)) == (mine.policy, mine.num_layers,
-                                                                         tuple(mine.kv_heads))
+        return (plan.policy, plan.num_layers, tuple(plan.kv_heads)) == (self._plan.policy, self._plan.num_layers,
+                                                                         tuple(self._plan.kv_heads))
 
     def advance(self, tokens: int) -> None:
         """The cache grew by `tokens` tokens per sequence (a call's last layer ran): its length on the host and,
@@ -207,7 +204,7 @@ class KVCompileCache(Cache):
     def replayed(self, tokens: int = 1) -> None:
         """The host's bookkeeping of a decode step of `tokens` tokens that ran as a replayed graph (which skips
         the op's Python): what the op's body does on the host in such a step (`host_step` None), nothing else."""
-        self.seq_length += tokens  # (the replayed graph advanced the decode state's length on the device)
+        self.seq_length += tokens
         for store in self.stores:
             store.replayed(tokens)
         self.token.add_(tokens * self.num_layers)  # the op's declared write, once per layer
@@ -229,7 +226,7 @@ class KVCompileCache(Cache):
         writes into the copy, never into the original. The plan is immutable and shared."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        memo[id(self._plan)] = self._plan
+        memo.setdefault(id(self._plan), self._plan)
         bar = self.prompt.progress if self.prompt is not None else None
         if bar is not None:
             memo[id(bar)] = None  # a progress bar is not copied
@@ -323,15 +320,13 @@ class KVCompileCache(Cache):
         self._select_rows(torch.as_tensor(indices, dtype=torch.long))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        b = self.prompt.lengths.shape[0] if self.prompt is not None else None
-        if b is None:
-            return
-        self._select_rows(torch.arange(b).repeat_interleave(repeats))
+        if self.prompt is not None:
+            self._select_rows(torch.arange(self.prompt.lengths.shape[0]).repeat_interleave(repeats))
 
     def _select_rows(self, index: Tensor) -> None:
-        if self.chunks is not None or self.compressing is not None:
-            raise RuntimeError("kvcompile: a cache cannot change its rows in the middle of a chunked prompt")
-        if self.prompt is None:
+        if self._phase is Phase.PROMPT:
+            raise RuntimeError("kvcompile: a cache cannot change its rows in the middle of a prompt")
+        if self._phase is Phase.EMPTY:
             return
         index = index.to(self.prompt.lengths.device)
         self.stores = [None if store is None else store.rows(index, self.plan.spare_pages)

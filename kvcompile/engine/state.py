@@ -22,10 +22,7 @@ class Phase(enum.Enum):
 
 NEXT = {Phase.EMPTY: (Phase.PROMPT,), Phase.PROMPT: (Phase.PROMPT, Phase.COMPRESSED),
         Phase.COMPRESSED: (Phase.DECODING,), Phase.DECODING: ()}
-# the state each phase holds (what a move does not give is kept from the phase before, where the new one holds it)
-# and the one module that writes it: `prompt` engine.prefill (engine.chunked: a chunk's), `chunks` engine.prefill,
-# `compressing` engine.chunked (kvcompile.kvzip: a reconstructed chunk's), `reconstruction` kvcompile.kvzip,
-# `decoding` engine.decode; KVCompileCache.expect_prompt announces a prompt's `chunks` or `compressing`
+# the state each phase holds, each written by its owning module (docs/INTERNALS.md, tests/test_cache_states.py)
 HOLDS = {Phase.EMPTY: (), Phase.PROMPT: ("prompt", "chunks", "compressing", "reconstruction"),
          Phase.COMPRESSED: ("prompt",), Phase.DECODING: ("prompt", "decoding")}
 
