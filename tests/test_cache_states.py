@@ -307,6 +307,15 @@ def test_a_prompt_in_expected_calls_is_held_then_compressed(moves):
     assert moves == ["EMPTY", "PROMPT", "COMPRESSED"]
 
 
+def test_a_prompt_that_ends_inside_a_call_decodes_the_tokens_after_it(moves):
+    cache = one_layer()  # (assisted decoding sends the prompt's last chunk with candidate tokens)
+    cache.expect_prompt(24)
+    attend(cache, 16)
+    attend(cache, 10, seed=1)
+    assert cache.phase is Phase.DECODING and cache.seq_length == 26 and int(cache.decoding.length) == 26
+    assert moves == ["EMPTY", "PROMPT", "COMPRESSED", "DECODING"]
+
+
 def test_a_prompt_compressed_chunk_by_chunk(moves):
     cache = one_layer(schedule={"prefill": {"chunk": 8}})
     cache.expect_prompt(20)
