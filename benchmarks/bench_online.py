@@ -16,7 +16,6 @@ evict_online, merge_victims). Every cache of a spec continues one prefilled cach
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import statistics
 import time
@@ -61,10 +60,9 @@ def main() -> None:
             caches[spec] = cache
             if plan.online_impl is not None:
                 for impl in ("torch", None):
-                    other = copy.deepcopy(cache)
                     step = None if impl is None else TorchOnlineStep()
-                    other.plan = dataclasses.replace(cache.plan, online_step=step)
-                    caches[f"{spec}/{impl or 'python'}"] = other
+                    caches[f"{spec}/{impl or 'python'}"] = cache.copy_with(dataclasses.replace(cache.plan,
+                                                                                               online_step=step))
 
     inside = {"attend": 0.0, "decode": 0.0}
     attention = op.kvcompile_attention

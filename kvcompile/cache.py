@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 from kvcompile.cache_ref import CacheRef, new_token
 from kvcompile.store import LayerStore, TieredStore
 from kvcompile.engine.window import WindowLayer, window_step
-from kvcompile.engine.state import ChunkedPrompt, DecodeState, PromptChunks, PromptState, device_of, map_tensors, rows_of
+from kvcompile.engine.state import HOLDS, NEXT, ChunkedPrompt, Phase, PromptChunks, device_of, map_tensors, rows_of
 from kvcompile.layer_state import LayerState
 from kvcompile.plan import Plan, build_plan
 from kvcompile.policy import Policy
@@ -49,11 +49,13 @@ class KVCompileCache(Cache):
             lowering through Inductor) or "triton".
         plan: a `kvcompile.plan.Plan` (what compile() builds); instead of policy and config.
 
-    The runtime's state lives in declared fields: `stores` (one page store per layer, of the class `plan.store` names),
-    `prompt` (PromptState, while and after the prompt runs), `decoding` (DecodeState, once
-    tokens are generated), `rings` (latest queries per layer, for `decode: every`),
-    `states` (recorded LayerStates), `chunks` / `compressing` (a prompt arriving in several calls,
-    compressed once whole / after every chunk) and `seq_length`.
+    The cache is in one `phase` (engine.state.Phase: empty, prompt, compressed, decoding), which holds its
+    state, read-only here and set by the phase's own module through `enter`: `prompt` (PromptState, from the
+    prompt on), `chunks` / `compressing` (a prompt arriving in several calls, compressed once whole / after
+    every chunk), `reconstruction` (a reconstruction scorer's prompt) and `decoding` (DecodeState). `plan` is
+    bound once (`bind`, before a layer holds pages). The layers' contents: `stores` (one page store per layer,
+    of the class `plan.store` names), `rings` (latest queries per layer, for `decode: every`), `states`
+    (recorded LayerStates), `windows` and `seq_length` (`advance`).
     """
 
     is_compileable = False
@@ -83,7 +85,8 @@ class KVCompileCache(Cache):
             if policy is None or config is None:
                 raise TypeError("KVCompileCache needs a policy and the model's config, or a plan")
             plan = build_plan(policy, config, kernels=kernels, page_size=page_size, headroom=headroom)
-        self.plan = plan
+        self._plan = plan
+        self._phase, self._state = Phase.EMPTY, {}  # the phase and what it holds (`enter`)
         self.record = record
         self.progress = progress  # show a progress bar over the prompt's layers
         self.stores: list[LayerStore | TieredStore | None] = [None] * plan.num_layers
@@ -92,16 +95,61 @@ class KVCompileCache(Cache):
         # a hybrid model's layers left to their window (kvcompile.engine.window), by model layer; None elsewhere
         self.windows: list[WindowLayer | None] = [None] * plan.model_layers
         self.seq_length = 0  # logical length: prompt (pads included) + generated tokens
-        self.prompt: PromptState | None = None
-        self.decoding: DecodeState | None = None
-        self.chunks: PromptChunks | None = None
-        self.compressing: ChunkedPrompt | None = None  # a prompt compressed chunk by chunk, while it runs
-        self.reconstruction = None  # kvcompile.kvzip.Reconstruction while a reconstruction scorer's prompt runs
         self.record_past = False  # local layers keep every position until crop() (activate_past_recording)
         self.ref = CacheRef(self)  # what kvcompile.attend gets for this cache, and the token it declares it
         self.token = new_token()  # writes (kvcompile.cache_ref)
         self.host_syncs: Counter[str] = Counter()  # the plan's named host reads while decoding (Plan.host_syncs)
         #   -> layers that ran one: every other decode step after the first reads nothing back
+
+    # --- the phase and its state (engine.state: Phase, NEXT, HOLDS) ----------------------------------------
+    plan = property(lambda self: self._plan)  # bound once: `bind`
+    phase = property(lambda self: self._phase)
+    prompt = property(lambda self: self._state.get("prompt"))  # PromptState
+    chunks = property(lambda self: self._state.get("chunks"))  # PromptChunks
+    compressing = property(lambda self: self._state.get("compressing"))  # ChunkedPrompt
+    reconstruction = property(lambda self: self._state.get("reconstruction"))  # kvcompile.kvzip.Reconstruction
+    decoding = property(lambda self: self._state.get("decoding"))  # DecodeState
+
+    def enter(self, phase: Phase, **state) -> None:
+        """Move to `phase`, with the state given (what the phase holds and is not given is kept): only along
+        engine.state.NEXT, and only the state the phase holds (engine.state.HOLDS); refused (RuntimeError)
+        before anything changes otherwise. Each phase's module alone calls it for the state it owns."""
+        if phase not in NEXT[self._phase]:
+            allowed = " or ".join(f"'{p.value}'" for p in NEXT[self._phase]) or "nothing (reset() empties it)"
+            raise RuntimeError(f"kvcompile: a cache that is '{self._phase.value}' cannot move to '{phase.value}': "
+                               f"it moves to {allowed}")
+        if set(state) - set(HOLDS[phase]):
+            raise TypeError(f"kvcompile: a cache that is '{phase.value}' holds {', '.join(HOLDS[phase]) or 'nothing'}"
+                            f", not {', '.join(sorted(set(state) - set(HOLDS[phase])))}")
+        self._state = {name: state.get(name, self._state.get(name)) for name in HOLDS[phase]}
+        self._phase = phase
+
+    def bind(self, plan: Plan) -> None:
+        """Run `plan`, the same policy's plan for this model refined before anything is stored: bound to the
+        prompt's device and dtype at its first layer (Plan.bound_to), planned for the autocast dtype or a
+        generation's headroom (compile()'s entry, a caller's fresh cache). Refused once a layer holds pages."""
+        if self.is_initialized or not self._same_model(plan):
+            raise RuntimeError("kvcompile: a cache's plan is bound once, before its first layer holds pages, to "
+                               "its own policy and model; copy_with(plan) gives a copy that runs another plan")
+        self._plan = plan
+
+    def copy_with(self, plan: Plan) -> "KVCompileCache":
+        """An independent copy that runs `plan`, the same policy's plan for this model with other backends (tests
+        and benchmarks run one prefilled cache through each implementation); this cache keeps its own."""
+        if not self._same_model(plan):
+            raise ValueError("kvcompile: copy_with() takes a plan of the cache's own policy and model")
+        return copy.deepcopy(self, {id(self._plan): plan})  # (the copy's plan: __deepcopy__ keeps the memo's)
+
+    def _same_model(self, plan: Plan) -> bool:
+        return (plan.policy, plan.num_layers, tuple(plan.kv_heads)) == (self._plan.policy, self._plan.num_layers,
+                                                                         tuple(self._plan.kv_heads))
+
+    def advance(self, tokens: int) -> None:
+        """The cache grew by `tokens` tokens per sequence (a call's last layer ran): its length on the host and,
+        once decoding, on the device."""
+        self.seq_length += tokens
+        if self.decoding is not None and self.decoding.length is not None:
+            self.decoding.advance(tokens)
 
     def state_to(self, device: torch.device) -> None:
         """Move the state every layer reads to `device`, where the layer about to run lives (its
@@ -111,10 +159,10 @@ class KVCompileCache(Cache):
         per-layer counts); once decoding, `decoding` alone (the (B, L, H) budgets, ZSMerge's split,
         the pads): a decode step reads nothing else, so the prompt's state stays where it is. It moves
         where the layers change devices, a few times per forward."""
-        name = "prompt" if self.decoding is None else "decoding"
-        state = getattr(self, name)
+        name = "decoding" if self._phase is Phase.DECODING else "prompt"
+        state = self._state.get(name)
         if state is not None and device_of(state) not in (None, device):
-            setattr(self, name, map_tensors(state, lambda x: x.to(device)))
+            self._state[name] = map_tensors(state, lambda x: x.to(device))
 
     def count_host_sync(self, function: str) -> None:
         """A layer's decode step runs the host reads of the engine's `function`: counted under the plan's name
@@ -140,8 +188,7 @@ class KVCompileCache(Cache):
         step replays it (followed by `replayed(tokens)`, the step's host bookkeeping). The reasons: the first
         decode step (it sets up the decode state), a prompt still arriving, or one of the plan's named
         exceptions (Plan.host_syncs) falling in this step: a page allocation, a `decode: every` pruning."""
-        if self.decoding is None or any(store is None for store in self.stores) or self.chunks is not None \
-                or self.compressing is not None or self.reconstruction is not None:
+        if self._phase is not Phase.DECODING:
             return "not a decode step after the first (the first sets up the decode state)"
         if self.plan.online_eviction and not all(store.settled for store in self.stores):
             return "ZSMerge's first eviction rounds on these pages are counted on the host (the first decode step)"
@@ -168,10 +215,10 @@ class KVCompileCache(Cache):
         if self.is_initialized or self.seq_length:
             raise RuntimeError("kvcompile: expect_prompt() on a cache that already holds a prompt")
         if self.plan.prefill_chunk:  # the policy compresses after each chunk (schedule.prefill: chunk)
-            self.compressing = ChunkedPrompt(int(length))
-            return
-        n = self.plan.num_layers
-        self.chunks = PromptChunks(int(length), [None] * n, [None] * n, [None] * n)
+            self.enter(Phase.PROMPT, compressing=ChunkedPrompt(int(length)))
+        else:
+            n = self.plan.num_layers
+            self.enter(Phase.PROMPT, chunks=PromptChunks(int(length), [None] * n, [None] * n, [None] * n))
 
     def __deepcopy__(self, memo):
         """An independent cache (transformers' prefix-caching recipe deep-copies a prefilled
@@ -179,7 +226,7 @@ class KVCompileCache(Cache):
         writes into the copy, never into the original. The plan is immutable and shared."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        memo[id(self.plan)] = self.plan
+        memo.setdefault(id(self._plan), self._plan)
         bar = self.prompt.progress if self.prompt is not None else None
         if bar is not None:
             memo[id(bar)] = None  # a progress bar is not copied
@@ -274,21 +321,18 @@ class KVCompileCache(Cache):
         self._select_rows(torch.as_tensor(indices, dtype=torch.long))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        b = self.prompt.lengths.shape[0] if self.prompt is not None else None
-        if b is None:
-            return
-        self._select_rows(torch.arange(b).repeat_interleave(repeats))
+        if self.prompt is not None:
+            self._select_rows(torch.arange(self.prompt.lengths.shape[0]).repeat_interleave(repeats))
 
     def _select_rows(self, index: Tensor) -> None:
-        if self.chunks is not None or self.compressing is not None:
-            raise RuntimeError("kvcompile: a cache cannot change its rows in the middle of a chunked prompt")
-        if self.prompt is None:
+        if self._phase is Phase.PROMPT:
+            raise RuntimeError("kvcompile: a cache cannot change its rows in the middle of a prompt")
+        if self._phase is Phase.EMPTY:
             return
         index = index.to(self.prompt.lengths.device)
         self.stores = [None if store is None else store.rows(index, self.plan.spare_pages)
                        for store in self.stores]
-        self.prompt = rows_of(self.prompt, index)
-        self.decoding = None if self.decoding is None else rows_of(self.decoding, index)
+        self._state = {name: None if s is None else rows_of(s, index) for name, s in self._state.items()}
         self.rings = [None if ring is None else ring[index.to(ring.device)] for ring in self.rings]
         self.windows = [None if held is None else held.rows(index) for held in self.windows]
         self.states = [None] * self.plan.num_layers
@@ -336,7 +380,7 @@ class KVCompileCache(Cache):
             self.windows[i] = w.cropped(-tokens_to_remove)
         self.seq_length = max_length
         if self.decoding is not None and self.decoding.length is not None:
-            self.decoding.length = self.decoding.length.new_tensor(max_length)
+            self.decoding.cut(max_length)
 
     # --- reports -------------------------------------------------------------------------
     def kept(self, device: torch.device | None = None) -> Tensor:

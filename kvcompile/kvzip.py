@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from kvcompile import cache_arg
+from kvcompile.engine.state import Phase
 from kvcompile.errors import CompileError
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -168,7 +169,8 @@ def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
     plan = cache.plan
     scorer = plan.policy.scoring
     layers = plan.num_layers
-    cache.reconstruction = rec = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers)
+    rec = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers)
+    cache.enter(Phase.PROMPT, reconstruction=rec, compressing=None)  # (the whole prompt in one pass)
     try:
         out = forward(*args, **cache_arg.given(cache), **kwargs)
         b, n = ids.shape
@@ -179,8 +181,9 @@ def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
             queries = k.new_empty(b, rec.query_heads, 0, k.shape[-1])  # the scores are given: no query rows
             compress_prompt_layer(cache, queries, k, v, layer, rec.scales[layer], scores=rec.scores[layer])
             rec.keys[layer] = rec.values[layer] = rec.scores[layer] = None  # each layer's full cache freed in turn
-    finally:
-        cache.reconstruction = None
+    finally:  # (the last layer's compression ended the prompt: engine.prefill.compress_prompt_layer)
+        if cache.phase is Phase.PROMPT:
+            cache.enter(Phase.PROMPT, reconstruction=None)
     return out
 
 
@@ -216,8 +219,8 @@ def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dic
                            f"[{start}, {min(start + c, prompt.length)}), not {t} tokens: give the prompt in one "
                            f"call, or generate(prefill_chunk_size={c})")
     layers = plan.num_layers
-    cache.reconstruction = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers,
-                                          chunk=(start, end))
+    cache.enter(Phase.PROMPT, reconstruction=Reconstruction([None] * layers, [None] * layers, [None] * layers,
+                                                            [None] * layers, chunk=(start, end)))
     try:
         out = forward(*args, **cache_arg.given(cache), **kwargs)
         known = ids if prompt.ids is None else torch.cat([prompt.ids, ids], dim=1)  # from position end - its width
@@ -227,9 +230,9 @@ def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dic
             select_reconstructed(cache, layer)
         prompt.ids = known[:, known.shape[1] - min(scorer.overlap, known.shape[1]):]
     finally:
-        cache.reconstruction = None
+        cache.enter(Phase.PROMPT, reconstruction=None)
     if end == prompt.length:
-        cache.compressing = None
+        cache.enter(Phase.COMPRESSED)
     return out
 
 

@@ -207,7 +207,8 @@ def test_a_layer_on_another_device_than_its_cache_is_refused_at_its_step():
         cache = model(ids).past_key_values
         assert cache.plan.device == torch.device("cpu")
         lengths = cache.kept().clone()
-        cache.plan = dataclasses.replace(cache.plan, device=torch.device("meta"))  # as if layer 0 ran elsewhere
+        # as if layer 0 ran elsewhere
+        cache = cache.copy_with(dataclasses.replace(cache.plan, device=torch.device("meta")))
         with pytest.raises(RuntimeError, match="layer 0 runs on cpu but its pages live on meta"):
             model(ids[:, :1], past_key_values=cache)
     assert torch.equal(cache.kept(), lengths)

@@ -4,7 +4,6 @@ its C++ kernel and its torch path against the runtime's own Python path (`_atten
 against reference.decode_step, token by token; and how the plan chooses it."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -66,10 +65,8 @@ def one_layer(pol, b, h, g, d, page, impl=None, record=False):
 
 def with_impl(cache: KVCompileCache, impl: str | None) -> KVCompileCache:
     """A copy of a prefilled cache whose decode steps run `impl` (None: the runtime's Python path)."""
-    new = copy.deepcopy(cache)
     step = {"cpp": cache.plan.online_step, "torch": TorchOnlineStep(), None: None}[impl]
-    new.plan = dataclasses.replace(cache.plan, online_step=step)
-    return new
+    return cache.copy_with(dataclasses.replace(cache.plan, online_step=step))
 
 
 def assert_same_store(got, want):

@@ -6,7 +6,6 @@ a head takes a fresh page; and how the plan chooses it."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 from types import SimpleNamespace
 from unittest import mock
@@ -61,9 +60,7 @@ def prefilled(policy, b, h, g, d, page, n, pad, rand, scale):
 
 def unfused(cache: KVCompileCache) -> KVCompileCache:
     """A copy of a prefilled cache whose decode steps take the engine's path (append, then attention)."""
-    new = copy.deepcopy(cache)
-    new.plan = dataclasses.replace(cache.plan, online_step=None)
-    return new
+    return cache.copy_with(dataclasses.replace(cache.plan, online_step=None))
 
 
 def assert_same_store(got, want):

@@ -83,8 +83,7 @@ class DecodeBatch:
         self.counts["attention_calls"] += 1
         if layer == caches[0].plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
-                cache.seq_length += 1
-                cache.decoding.advance(1)
+                cache.advance(1)
             self.counts["steps"] += 1
             self.counts["tokens"] += len(caches)
         return out.to(query.dtype)

@@ -14,7 +14,7 @@ from kvcompile.engine.cascade import cascade
 from kvcompile.engine.compress import store_layer
 from kvcompile.store import Entries
 from kvcompile.engine.prefill import prefill
-from kvcompile.engine.state import ChunkedPrompt, PromptState
+from kvcompile.engine.state import ChunkedPrompt, Phase, PromptState
 from kvcompile.policies.scoring import entropy
 from kvcompile.selection import Merged, select_and_merge
 
@@ -36,7 +36,7 @@ def chunked_prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask
     if cache.compressing is None:
         if start or layer:
             raise RuntimeError("kvcompile: a chunked prompt's state is missing (its first call must reach layer 0)")
-        cache.compressing = ChunkedPrompt(t)
+        cache.enter(Phase.PROMPT, compressing=ChunkedPrompt(t))
     length = cache.compressing.length
     end = start + t
     if end > length:
@@ -52,15 +52,12 @@ def chunked_prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask
                            f"cascade): its prompt must come {c} tokens per forward call (compile()'s forward and "
                            f"generate() do this), not {t} in one")
     if start == 0 and end == length and length <= c:  # one chunk: one-pass compression
-        out = prefill(cache, q, k, v, mask, layer, scale)
-    else:
-        outs = [compress_chunk(cache, q[:, :, a - start:b - start], k[:, :, a - start:b - start],
-                               v[:, :, a - start:b - start], mask, layer, scale, a, b)
-                for a, b in zip(cuts[:-1], cuts[1:])]
-        out = torch.cat(outs, dim=2)
-    if layer == plan.num_layers - 1 and end == length:
-        cache.compressing = None
-    return out
+        return prefill(cache, q, k, v, mask, layer, scale)
+    outs = [compress_chunk(cache, q[:, :, a - start:b - start], k[:, :, a - start:b - start],
+                           v[:, :, a - start:b - start], mask, layer, scale, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+    if layer == plan.num_layers - 1 and end == length:  # the whole prompt is compressed
+        cache.enter(Phase.COMPRESSED)
+    return torch.cat(outs, dim=2)
 
 
 def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
@@ -115,11 +112,10 @@ def start_chunk(cache: KVCompileCache, like: Tensor, mask: Tensor | None, layer:
         lengths = seen.sum(-1)
         pad = end - lengths  # left pads so far: every pad comes before the real tokens
         if start == 0:
-            cache.plan = plan = plan.bound_to(like)
-            cache.rings = [None] * plan.num_layers
+            cache.bind(plan.bound_to(like))
+            plan = cache.plan
         totals = layer_totals(plan.policy, lengths, plan.num_layers, plan.num_heads) if plan.static_totals else None
-        cache.prompt = PromptState(seen, lengths, pad, end, totals, [])
-        cache.decoding = None
+        cache.enter(Phase.PROMPT, prompt=PromptState(seen, lengths, pad, end, totals, []))
     return seen[:, start:]
 
 

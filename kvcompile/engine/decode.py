@@ -12,7 +12,7 @@ from torch import Tensor
 from kvcompile.allocation import decode_budgets, head_split
 from kvcompile.engine.compress import choose, over_heads
 from kvcompile.engine.online import evict_online
-from kvcompile.engine.state import DecodeState
+from kvcompile.engine.state import DecodeState, Phase
 from kvcompile.policies.scoring import capped, model_softmax
 from kvcompile.selection import decode_prune
 
@@ -29,12 +29,13 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     given, start = start is not None, cache.seq_length if start is None else start
     store = cache.stores[layer]
     running, online, every = plan.running_scores, plan.online_eviction, plan.prune_every
-    if cache.decoding is None:
-        if all(s is not None for s in cache.stores):
-            cache.decoding = start_decode(cache)
-        elif online or every:  # tokens after a prompt that ends inside this call: later layers are not compressed yet
-            raise RuntimeError("kvcompile: the decode schedule needs every layer compressed before tokens follow "
-                               "the prompt in the same call")
+    if cache.phase is Phase.COMPRESSED:
+        cache.enter(Phase.DECODING, decoding=start_decode(cache))
+    elif cache.phase is Phase.EMPTY:
+        raise RuntimeError("kvcompile: a decode step on an empty cache: its prompt runs first")
+    elif cache.phase is Phase.PROMPT and (online or every):  # tokens after a prompt that ends inside this call
+        raise RuntimeError("kvcompile: the decode schedule needs every layer compressed before tokens follow "
+                           "the prompt in the same call")
     pad, width = cache.prompt.pad if cache.decoding is None else cache.decoding.pad, cache.prompt.width
     # the first new token's logical position among real tokens (B,): from the device's count of the cache's
     # length once decoding (a step replayed from a captured graph reads it), else from the host's

@@ -73,9 +73,7 @@ def run_layer(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, 
             torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
         out = _attend(cache, q, k, v, mask, layer, scale)
     if layer == cache.num_layers - 1 and not (cache.reconstruction is not None and cache.reconstruction.scoring):
-        cache.seq_length += q.shape[2]  # (a reconstruction forward adds nothing to the cache)
-        if cache.decoding is not None and cache.decoding.length is not None:  # its count on the device, too
-            cache.decoding.advance(q.shape[2])
+        cache.advance(q.shape[2])  # (a reconstruction forward adds nothing to the cache)
     return out.to(dtype).contiguous()
 
 

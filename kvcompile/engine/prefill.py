@@ -16,7 +16,7 @@ from kvcompile.engine.cascade import cascade
 from kvcompile.engine.compress import over_heads, select_and_merge_kernels, store_layer
 from kvcompile.store import Entries
 from kvcompile.engine.explicit import explicit_attention
-from kvcompile.engine.state import PromptState
+from kvcompile.engine.state import Phase, PromptState
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.scoring import entropy
 
@@ -71,7 +71,7 @@ def start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, lik
     """The prompt's state, read by every layer's compression (and a fresh decode state):
     real tokens, lengths, pads and, where they follow from the lengths alone, the layer totals.
     `like`: a tensor of the model's (device, dtype: the plan is checked against them, or bound to them)."""
-    cache.plan = cache.plan.bound_to(like)
+    cache.bind(cache.plan.bound_to(like))
     plan = cache.plan
     valid = torch.ones(b, n, dtype=torch.bool, device=like.device) if mask is None else mask[:, -n:].bool()
     lengths = valid.sum(-1)
@@ -81,9 +81,7 @@ def start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, lik
         from tqdm.auto import tqdm
 
         bar = tqdm(total=plan.num_layers, desc="prompt: attention + compression", unit="layer")
-    cache.prompt = PromptState(valid, lengths, n - lengths, n, totals, [], bar)
-    cache.decoding = None
-    cache.rings = [None] * plan.num_layers
+    cache.enter(Phase.PROMPT, prompt=PromptState(valid, lengths, n - lengths, n, totals, [], bar))
     return cache.prompt
 
 
@@ -163,6 +161,8 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
         prompt.progress.update(1)
         if layer == plan.num_layers - 1:
             prompt.progress.close()
+    if layer == plan.num_layers - 1:  # the whole prompt is compressed
+        cache.enter(Phase.COMPRESSED)
 
 
 def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
@@ -186,7 +186,5 @@ def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: T
         return prompt_attention(q, keys, values, padding, scale, offset=seen - t, softcap=cache.plan.softcap,
                                 sinks=cache.plan.layer_sinks(layer, q.device))
     chunks.keys[layer] = chunks.values[layer] = chunks.queries[layer] = None
-    if layer == cache.plan.num_layers - 1:
-        cache.chunks = None
     return prefill(cache, q, keys, values, mask, layer, scale, rows=queries)
 

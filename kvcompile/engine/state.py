@@ -1,12 +1,30 @@
-"""The state a prompt and a generation carry across layers and calls, in declared dataclasses that the
-cache (kvcompile.cache.KVCompileCache) holds and the engine's phases read and write."""
+"""The cache's phases and the state a prompt and a generation carry across layers and calls, in declared
+dataclasses that the cache (kvcompile.cache.KVCompileCache) holds and the engine's phases read and write
+(docs/INTERNALS.md "The cache's phases")."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+
+class Phase(enum.Enum):
+    """What a cache holds; it moves only along NEXT (`KVCompileCache.enter`), or back to EMPTY by reset()."""
+
+    EMPTY = "empty"  # nothing: a fresh or reset cache
+    PROMPT = "taking a prompt"  # a prompt arrives (held or compressed chunk by chunk, reconstructed) and compresses
+    COMPRESSED = "holding a compressed prompt"  # every layer compressed, nothing generated yet
+    DECODING = "decoding"  # tokens after the prompt
+
+
+NEXT = {Phase.EMPTY: (Phase.PROMPT,), Phase.PROMPT: (Phase.PROMPT, Phase.COMPRESSED),
+        Phase.COMPRESSED: (Phase.DECODING,), Phase.DECODING: ()}
+# the state each phase holds, each written by its owning module (docs/INTERNALS.md, tests/test_cache_states.py)
+HOLDS = {Phase.EMPTY: (), Phase.PROMPT: ("prompt", "chunks", "compressing", "reconstruction"),
+         Phase.COMPRESSED: ("prompt",), Phase.DECODING: ("prompt", "decoding")}
 
 
 def device_of(state) -> torch.device | None:
@@ -97,3 +115,7 @@ class DecodeState:
         if self.length.is_inference() and not torch.is_inference_mode_enabled():
             self.length = self.length.clone()
         self.length.add_(tokens)
+
+    def cut(self, length: int) -> None:
+        """The cache was cut back to `length` tokens (KVCompileCache.crop)."""
+        self.length = self.length.new_tensor(length)

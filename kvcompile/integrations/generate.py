@@ -525,7 +525,7 @@ def _forward(entry: Entry, *args, use_cache=None, **kwargs):
         if fresh:
             check_left_padded(kwargs.get("attention_mask"))
             if not past_key_values.is_initialized:  # its prompt runs in the autocast dtype, if any
-                past_key_values.plan = _autocast_plan(past_key_values.plan)
+                past_key_values.bind(_autocast_plan(past_key_values.plan))
         kwargs["kvcompile_cache"] = past_key_values
         chunk = past_key_values.plan.prefill_chunk
         if entry.repeat is not None and past_key_values.reconstruction is None and (
@@ -551,7 +551,6 @@ def _reconstructed_prompt(entry: Entry, forward, cache: KVCompileCache, t: int |
     if cache.seq_length or (prompt is not None and prompt.length != t):  # the next chunk of the prompt
         return step(*args, **cache_arg.given(cache), **kwargs)
     if not chunk or t is None or t <= chunk:  # the whole prompt, one chunk: one-pass KVzip exactly
-        cache.compressing = None
         return kvzip.prefill(forward, cache, entry.repeat, args, kwargs)
     return _forward_in_chunks(step, chunk, cache, args, kwargs)  # the whole prompt, chunk after chunk
 
@@ -629,7 +628,7 @@ def _generate(entry: Entry, *args, **kwargs):
         past_key_values = entry.new_cache(headroom)
     elif (isinstance(past_key_values, KVCompileCache) and not past_key_values.is_initialized
           and not past_key_values.headroom):  # a fresh cache of the caller's: spares for what generate() adds
-        past_key_values.plan = _autocast_plan(past_key_values.plan).with_headroom(headroom)
+        past_key_values.bind(_autocast_plan(past_key_values.plan).with_headroom(headroom))
     chunk = kwargs.get("prefill_chunk_size", getattr(gen, "prefill_chunk_size", None))
     if plan.prefill_chunk:  # the prompt runs chunk by chunk, compressed after each (schedule.prefill: chunk)
         if chunk is not None and chunk != plan.prefill_chunk:

@@ -101,7 +101,7 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
     start_prompt(cache, first.mask, b, n, first.keys)
     for layer, state in enumerate(states):
         compress_prompt_layer(cache, state.queries, state.keys, state.values, layer, state.scale)
-    cache.seq_length = n
+    cache.advance(n)
     return cache
 
 
