@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,50 @@ def test_the_check_refuses_a_run_on_another_transformers():
     assert done.returncode != 0 and f"expected transformers {lowest.lowest_version()} from" in done.stderr, done.stderr
 
 
+class LowestRun:
+    """The lowest transformers' run of TESTS, a subprocess of one torch thread started when the suite's collection
+    selects the test below (tests/conftest.py), so that it runs beside the rest of the suite instead of after it
+    (about 6 minutes of a quiet machine's suite); its output goes to files, read when the test asks for it."""
+
+    def __init__(self):
+        self.folder = tempfile.TemporaryDirectory(prefix="transformers_lowest_")
+        folder = Path(self.folder.name)
+        self.want = lowest.lowest_version()
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        args = ["-q", "-p", "no:cacheprovider", "-rs", *TESTS, *[f"--deselect={d}" for d in DESELECT]]
+        self.out, self.err = open(folder / "stdout", "w+"), open(folder / "stderr", "w+")
+        self.process = subprocess.Popen([str(lowest.python()), "-c", CHECK, self.want, str(lowest.FOLDER), *args],
+                                        cwd=ROOT, env=env, stdout=self.out, stderr=self.err, text=True)
+
+    def result(self) -> tuple[int, str, str]:
+        """(return code, stdout, stderr), once the run has ended (TIMEOUT after it began at the latest)."""
+        self.process.wait(timeout=TIMEOUT)
+        self.out.seek(0)
+        self.err.seek(0)
+        return self.process.returncode, self.out.read(), self.err.read()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.out.close()
+        self.err.close()
+        self.folder.cleanup()
+
+
+RUNS: list[LowestRun] = []  # the run this session started (tests/conftest.py), at most one
+
+
+def start_lowest_run() -> LowestRun | None:
+    """Start the run now if the lowest transformers is prepared (else the test skips, saying why)."""
+    got = lowest.installed()
+    if got is not None and got[0] == lowest.lowest_version() and not RUNS:
+        RUNS.append(LowestRun())
+        return RUNS[0]
+    return None
+
+
 def test_the_tests_of_the_internals_pass_on_the_lowest_transformers():
     want = lowest.lowest_version()
     got = lowest.installed()
@@ -83,15 +128,18 @@ def test_the_tests_of_the_internals_pass_on_the_lowest_transformers():
 
     assert Version(got[0]) == Version(want), (f"{lowest.FOLDER.name}/ holds transformers {got[0]}, pyproject's "
                                               f"lowest is {want}: run `bash scripts/setup.sh test`")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    args = ["-q", "-p", "no:cacheprovider", "-rs", *TESTS, *[f"--deselect={d}" for d in DESELECT]]
-    done = subprocess.run([str(lowest.python()), "-c", CHECK, want, str(lowest.FOLDER), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    out = done.stdout + done.stderr
+    started_here = not RUNS  # not started at collection (tests/conftest.py): start it now
+    run = RUNS[0] if RUNS else start_lowest_run()
+    try:
+        returncode, stdout, stderr = run.result()
+    finally:
+        if started_here:
+            run.stop()
+    out = stdout + stderr
     tail = out[-6000:]
-    assert re.search(rf"^transformers {re.escape(want)} from ", done.stdout, re.M), tail  # not some other version
-    assert done.returncode == 0, tail
-    summary = re.search(r"^(\d+) passed(.*)$", done.stdout, re.M)  # "N passed, M skipped, ... in T s"
+    assert re.search(rf"^transformers {re.escape(want)} from ", stdout, re.M), tail  # not some other version
+    assert returncode == 0, tail
+    summary = re.search(r"^(\d+) passed(.*)$", stdout, re.M)  # "N passed, M skipped, ... in T s"
     assert summary and int(summary.group(1)) > 0 and not re.search(r"failed|error", summary.group(2)), tail
-    skips = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    skips = [line for line in stdout.splitlines() if line.startswith("SKIPPED")]
     assert all(ALLOWED_SKIPS.search(line) for line in skips), "\n".join(skips)
