@@ -68,8 +68,8 @@ from torch import Tensor
 
 from kvcompile.kernels import paged_attention_cpp as fp32_cpp
 from kvcompile.kernels.backend import KernelBackend
+from kvcompile.kernels.paged_attention_cpp import _ARGTYPES, load_cpp  # noqa: F401 (a build of one's own)
 from kvcompile.kernels.paged_attention import paged_attention_torch
-from kvcompile.kernels.paged_attention_cpp import load_cpp
 from kvcompile.kernels.quantize import dequantize
 
 try:  # Triton is optional: the C++ kernel and the torch reference cover machines without it.
@@ -84,13 +84,6 @@ PARALLEL_WORK = fp32_cpp.PARALLEL_WORK
 ITEMS_PER_THREAD = fp32_cpp.ITEMS_PER_THREAD
 PREFETCH_AHEAD = fp32_cpp.PREFETCH_AHEAD
 CPP_GROUP = 16  # the C++ kernel's head dim and group sizes are multiples of this (the widest vector)
-
-_ARGTYPES = ("const float*", "const uint8_t*", "const float*", "const float*", "const uint8_t*",
-             "const float*", "const float*", "const int64_t*", "const int64_t*", "const float*", "float*",
-             "float*", "float*", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
-             "const int64_t", "const float", "const int64_t", "const int64_t", "const int64_t", "int64_t",
-             "const int64_t")
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -220,16 +213,15 @@ def dense_attention_lse(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale:
 
 def cpp_source(g: int, d: int, group_k: int, group_v: int) -> str:
     """The kernel's C++ for G query heads per KV head, head dim d, keys in groups of group_k
-    channels (0: per channel) and values in groups of group_v channels (package data, after the
-    #defines of these and the prefetch distance)."""
-    return fp32_cpp.cpp_source("paged_attention_quant.cpp", G=g, D=d, GK=group_k, GV=group_v, AHEAD=PREFETCH_AHEAD)
+    channels (0: per channel) and values in groups of group_v channels: paged_attention.cpp, the float
+    pages' kernel body with the codes' load (kvcompile.kernels.paged_attention_cpp)."""
+    return fp32_cpp.source(g, d, group_k, group_v)
 
 
 def _kernel(g: int, d: int, group_k: int, group_v: int):
     """The C++ kernel built once per (G, d, key group (0: per channel), value group): compile-time
     constants, so every loop over the head dim unrolls; int8 and int4 in one build."""
-    return load_cpp(_ARGTYPES, "paged_attention_quant.cpp", G=g, D=d, GK=group_k, GV=group_v,
-                    AHEAD=PREFETCH_AHEAD)
+    return fp32_cpp._kernel(g, d, group_k, group_v)
 
 
 def supports(device: torch.device | str, dtype: torch.dtype, head_dim: int, groups: tuple[int, ...] = ()) -> bool:
@@ -262,24 +254,12 @@ def paged_attention_quant_cpp(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zer
         raise ValueError(f"paged_attention_quant_cpp: fp32 CPU tensors, head dim and per-token groups "
                          f"multiples of {CPP_GROUP} and a C++ compiler; here {q.device.type}, {q.dtype}, head dim "
                          f"{d}, groups {groups}")
-    h, m = block_table.shape[1:]
-    s = k_codes.shape[1]
-    g = hq // h
-    scale = d ** -0.5 if scale is None else scale
-    max_threads = torch.get_num_threads() if threads is None else threads
-    work = (PARALLEL_WORK if parallel_work is None else parallel_work) if threads is None else 0
-    runs = max(1, -(-ITEMS_PER_THREAD * max_threads // (b * h))) if chunk is None else max(1, -(-m * s // chunk))
-    workspace = torch.empty(b * h * runs * g * (d + 2))
-    out = torch.empty(b, hq, d)
-    lse = torch.empty(b, hq) if return_lse else out
     f32, u8 = torch.float32, torch.uint8
-    kernel = _kernel(g, d, 0 if layout.k_channel else layout.group_k, layout.group_v)
-    kernel(_dense(q, f32), _dense(k_codes, u8), _dense(k_scale, f32), _dense(k_zero, f32), _dense(v_codes, u8),
-           _dense(v_scale, f32), _dense(v_zero, f32), _dense(block_table, torch.long), _dense(lengths, torch.long),
-           _dense(bias_pages, f32) if bias_pages is not None else out, workspace, out, lse, b * h, m, s,
-           int(bias_pages is not None), int(return_lse), float(scale), max_threads, ITEMS_PER_THREAD, work,
-           chunk or 0, layout.bits)
-    return (out, lse) if return_lse else out
+    pages = (_dense(k_codes, u8), _dense(k_scale, f32), _dense(k_zero, f32), _dense(v_codes, u8), _dense(v_scale, f32),
+             _dense(v_zero, f32))
+    kernel = _kernel(hq // block_table.shape[1], d, 0 if layout.k_channel else layout.group_k, layout.group_v)
+    return fp32_cpp.launch(kernel, q, pages, layout.bits, block_table, lengths, bias_pages, scale,
+                           return_lse=return_lse, threads=threads, chunk=chunk, parallel_work=parallel_work)
 
 
 # ----------------------------------------------------------------------------------- triton
