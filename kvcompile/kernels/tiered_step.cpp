@@ -1,9 +1,9 @@
 // One decode step of a layer whose heads hold entries in two tiers (kvcompile.store.tiers.TieredStore: float
 // pages in the model's dtype, `high`, and int8 / int4 codes per token, `low`), fused: the new key and value
-// appended to the appending tier (high: copied; low: quantized as quant_step.cpp does), then the attention over
+// appended to the appending tier (high: copied; low: quantized as append_step.cpp does), then the attention over
 // the high tier (with the merge rule's bias alpha * log w on its slots) and over the codes (the paged kernel of
 // paged_attention_quant.cpp, with its log-sum-exp), combined by their log-sum-exp. Built by
-// kvcompile/kernels/tiered_step.py after paged_attention_quant.cpp and quant_step.cpp (both entries renamed).
+// kvcompile/kernels/tiered_step.py after paged_attention_quant.cpp and append_step.cpp (both entries renamed).
 
 static inline float dot_row(const float* a, const float* b) {
     Vec acc(0.f);

@@ -175,6 +175,10 @@ class TieredStore:
     settled = False  # tiered parts have no online eviction
     step = LayerStore.step  # a fused step over both tiers' tensors (kernels.tiered_step)
 
+    def make_room(self, step: int) -> bool:
+        """`LayerStore.make_room` of the appending tier (the low tier's flushes reserve their own pages)."""
+        return self._appending.make_room(step)
+
     def pages_per_head(self) -> Tensor:
         return self.high.pages_per_head() + self.low.pages_per_head()
 
