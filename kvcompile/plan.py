@@ -393,7 +393,7 @@ def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_di
     """A fused step of a quantized store computes this policy's decode step here: codes per token (KIVI's keys
     per channel move a page at a time: store.tiers), no running scores, no online eviction, a merge bias of
     the form α·log w where slots sit beside the codes (StepRule), and the quantized C++ kernel runs for its
-    groups (fp32 on a CPU, kernels None or "cpp"). One store of codes: kernels.quant_step; two tiers (mixed
+    groups (fp32 on a CPU, kernels None or "cpp"). One store of codes: kernels.append_step; two tiers (mixed
     precision, or merge slots beside the codes): kernels.tiered_step."""
     storage = policy.storage
     if policy.scoring.running or (policy.schedule.decode is not None and policy.schedule.decode.online) \
