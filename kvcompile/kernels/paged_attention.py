@@ -407,8 +407,8 @@ def paged_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
         G=g, D=d, S=s, HAS_BIAS=has_bias, DOT_FP32=dot_fp32,
         BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
     out = torch.empty_like(q)
-    _reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, chunks,
-                             G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d)
+    _reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, m_part, chunks,
+                             G=g, D=d, HAS_LSE=False, BLOCK_G=block_g, BLOCK_D=block_d)
     return out
 
 
@@ -480,10 +480,12 @@ if triton is not None:
                  mask=mask_g[:, None] & mask_d[None, :])
 
     @triton.jit
-    def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, num_chunks,
-                       G: tl.constexpr, D: tl.constexpr,
+    def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, num_chunks,
+                       G: tl.constexpr, D: tl.constexpr, HAS_LSE: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Combine the chunk partials of one (sequence·KV head): rescale to a common max."""
+        """Combine the chunk partials of one (sequence·KV head): rescale to a common max; the log-sum-exp
+        m + log l (−inf for an empty head) when asked. The float and the quantized pages' kernels share it
+        (kvcompile.kernels.paged_attention_quant)."""
         bh = tl.program_id(0)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -506,3 +508,6 @@ if triton is not None:
         out = acc / tl.where(den > 0, den, 1.0)[:, None]
         tl.store(out_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask_gd)
+        if HAS_LSE:
+            lse = tl.where(den > 0, m_safe + tl.log(tl.where(den > 0, den, 1.0)), float("-inf"))
+            tl.store(lse_ptr + bh * G + offs_g, lse, mask=mask_g)

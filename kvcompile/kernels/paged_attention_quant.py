@@ -69,6 +69,7 @@ from torch import Tensor
 from kvcompile.kernels import paged_attention_cpp as fp32_cpp
 from kvcompile.kernels.backend import KernelBackend
 from kvcompile.kernels.paged_attention_cpp import _ARGTYPES, load_cpp  # noqa: F401 (a build of one's own)
+from kvcompile.kernels import paged_attention as float_pages  # its Triton reduce is this kernel's too
 from kvcompile.kernels.paged_attention import paged_attention_torch
 from kvcompile.kernels.quantize import dequantize
 
@@ -317,8 +318,8 @@ def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_
         BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32) if return_lse else m_part
-    _quant_reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, lse, chunks, G=g, D=d, HAS_LSE=return_lse,
-                                   BLOCK_G=block_g, BLOCK_D=block_d)
+    float_pages._reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, lse, chunks, G=g, D=d, HAS_LSE=return_lse,
+                                         BLOCK_G=block_g, BLOCK_D=block_d)
     return (out, lse) if return_lse else out
 
 
@@ -398,36 +399,6 @@ if triton is not None:
         tl.store(m_ptr + part, m_i, mask=mask_g)
         tl.store(l_ptr + part, l_i, mask=mask_g)
         tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
-
-    @triton.jit
-    def _quant_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, num_chunks, G: tl.constexpr,
-                             D: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_G: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
-        """Combine the chunk partials of one (sequence·KV head): rescale to a common max; the
-        log-sum-exp m + log l (−inf for an empty head) when asked."""
-        bh = tl.program_id(0)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_g = offs_g < G
-        mask_gd = mask_g[:, None] & (offs_d < D)[None, :]
-        m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        for c in range(num_chunks):
-            m_c = tl.load(m_ptr + (bh * num_chunks + c) * G + offs_g, mask=mask_g, other=float("-inf"))
-            m_all = tl.maximum(m_all, m_c)
-        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-        den = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for c in range(num_chunks):
-            part = (bh * num_chunks + c) * G + offs_g
-            w = tl.exp(tl.load(m_ptr + part, mask=mask_g, other=float("-inf")) - m_safe)
-            den += w * tl.load(l_ptr + part, mask=mask_g, other=0.0)
-            acc += w[:, None] * tl.load(acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_gd, other=0.0)
-        out = acc / tl.where(den > 0, den, 1.0)[:, None]
-        tl.store(out_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask_gd)
-        if HAS_LSE:
-            lse = tl.where(den > 0, m_safe + tl.log(tl.where(den > 0, den, 1.0)), float("-inf"))
-            tl.store(lse_ptr + bh * G + offs_g, lse, mask=mask_g)
 
 
 # ---------------------------------------------------------------------------------- backends
