@@ -111,27 +111,30 @@ def test_a_step_that_does_not_cover_the_plan_is_refused_when_the_plan_is_made():
 
 @needs_cpp
 @pytest.mark.parametrize("bias", [False, True])
-def test_float_and_quantized_pages_are_one_kernel_body(bias):
-    """The paged C++ kernel over fp32 pages and over int8 codes whose dequantized values are those floats
-    (integers: code · 1 + 0, keys in groups of 16 channels, dequantized before the dot product as the float load
-    gives them) sums the same products in the same order: the same bits. Both equal the eager reference."""
+def test_float_and_quantized_pages_are_one_kernel(bias):
+    """One C++ kernel (paged_attention.cpp, one entry `paged_attention_cpp.launch`) over fp32 pages and over int8
+    codes whose dequantized values are those floats (code · 1 + 0): the same attention, and over fp32 pages the
+    log-sum-exp the codes' kernel gives (the entry's, which the float pages had no kernel for), both equal to the
+    eager reference."""
     gen = torch.Generator().manual_seed(0)
     b, h, g, d, s, pages = 2, 2, 3, 32, 16, 12
     codes_k = torch.randint(0, 256, (pages, s, d), generator=gen, dtype=torch.uint8)
     codes_v = torch.randint(0, 256, (pages, s, d), generator=gen, dtype=torch.uint8)
     ones, zeros = torch.ones(pages, s, d // 16), torch.zeros(pages, s, d // 16)
     table = torch.randperm(pages, generator=gen)[:b * h * 3].view(b, h, 3)
-    lengths = torch.tensor([[40, 7], [1, 48]])
+    lengths = torch.tensor([[40, 7], [0, 48]])
     q = torch.randn(b, h * g, d, generator=gen) / 64
     bias_pages = torch.randn(pages, s, generator=gen) if bias else None
-    floats = paged_attention_cpp.paged_attention_cpp(q, codes_k.float(), codes_v.float(), table, lengths, bias_pages,
-                                                     0.1, threads=1)
-    quantized = pq.paged_attention_quant_cpp(q, codes_k, ones, zeros, codes_v, ones, zeros, table, lengths,
-                                             bias_pages, 0.1, threads=1)
-    assert torch.equal(floats, quantized)
-    reference = pq.paged_attention_quant_torch(q, codes_k, ones, zeros, codes_v, ones, zeros, table, lengths,
-                                               bias_pages, 0.1)
-    assert_close(floats, reference)
+    k, v = codes_k.float(), codes_v.float()
+    out, lse = paged_attention_cpp.launch(paged_attention_cpp._kernel(g, d), q, (k, k, k, v, v, v), 32, table,
+                                          lengths, bias_pages, 0.1, return_lse=True)
+    quantized, quantized_lse = pq.paged_attention_quant_cpp(q, codes_k, ones, zeros, codes_v, ones, zeros, table,
+                                                            lengths, bias_pages, 0.1, return_lse=True)
+    want, want_lse = pq.paged_attention_lse_torch(q, k, v, table, lengths, 0.1, bias_pages)
+    for got, got_lse in ((out, lse), (quantized, quantized_lse)):
+        assert_close(got, want)
+        assert_close(got_lse, want_lse)
+    assert torch.equal(out, paged_attention_cpp.paged_attention_cpp(q, k, v, table, lengths, bias_pages, 0.1))
 
 
 def test_no_step_backend_has_a_per_step_check():

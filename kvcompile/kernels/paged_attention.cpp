@@ -1,6 +1,7 @@
-// Paged decode attention on the CPU: flash-decoding over each head's pages, one kernel body for pages of
-// fp32 keys and values and for pages of int8 / int4 codes; only the load of an entry's vector differs (a
-// plain load, or the codes dequantized in registers: `decode<BITS>`, BITS 32 for floats). Built by
+// Paged decode attention on the CPU: flash-decoding over each head's pages, one kernel for pages of fp32 keys
+// and values and for pages of int8 / int4 codes: one entry, launch, split into work items, online softmax,
+// logit tree and combination of the partials; a work item's per-page loops take their load's register
+// blocking (`partial_fp32`: a plain load; `partial<BITS>`: the codes dequantized in registers, `decode`). Built by
 // kvcompile/kernels/paged_attention_cpp.py through Inductor's C++ toolchain; the contract, the layout and
 // the design are in kvcompile/kernels/paged_attention.py and paged_attention_quant.py, the quantizer (KIVI /
 // MiKV's asymmetric round-to-nearest) in kvcompile/kernels/quantize.py.
@@ -78,8 +79,7 @@ static inline float hmax(const Vec& x) {
 
 // ----------------------------------------------------------------------------------- codes
 // Vector J of an entry's keys or values as floats, channels in order (J is a constant once the loops
-// around it unroll): the one place the float and the quantized kernels differ. fp32 (BITS 32): a load.
-// int8: a widening load and a convert. int4 (channel 2i in the low nibble of byte i,
+// around it unroll). fp32 (BITS 32): a load. int8: a widening load and a convert. int4 (channel 2i in the low nibble of byte i,
 // 2i + 1 in its high nibble): little-endian dword i holds codes 8i .. 8i + 7, code 8i + c at bits
 // 4c .. 4c + 3, so a broadcast dword shifted left by 28 - 4c in lane c, then right by 28, gives 8
 // codes (one constant register: the shifts).
@@ -394,6 +394,77 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
     for (int64_t g = 0; g < G; ++g) { m_out[g] = m[g]; l_out[g] = l[g]; }
 }
 
+// The same work item over fp32 pages (BITS 32), with its own register blocking: a plain load leaves the
+// registers the codes' decoding needs free, so the G * DV scaled query vectors stay in registers over the
+// item and the G * DV accumulators over each page, each logit broadcast into the P·V FMAs (measured about
+// 1.3-2x faster on fp32 pages than the blocked loops above, which pay off where a vector is decoded).
+static void partial_fp32(const float* q, float scale, const float* kp, const float* vp, const int64_t* table,
+                         const float* bias, int64_t bh, int64_t M, int64_t S, int64_t lo, int64_t hi,
+                         float* logit, float* dots, float* m_out, float* l_out, float* acc_out) {
+    Vec qv[G][DV];
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t j = 0; j < DV; ++j) qv[g][j] = Vec::loadu(q + (bh * G + g) * D + j * L) * Vec(scale);
+    Vec acc[G][DV];
+    float m[G], l[G];
+    for (int64_t g = 0; g < G; ++g) {
+        m[g] = NEG_INF; l[g] = 0.f;
+        for (int64_t j = 0; j < DV; ++j) acc[g][j] = Vec(0.f);
+    }
+    const bool whole = S % L == 0;
+    const bool tree = TREE && whole;
+    for (int64_t start = lo; start < hi; ) {
+        const int64_t page = table[bh * M + start / S];
+        const int64_t first = start % S;
+        const int64_t last = std::min<int64_t>(S, first + (hi - start));
+        const float* kpage = kp + page * S * D;
+        const float* vpage = vp + page * S * D;
+        if (start / S + AHEAD < (hi + S - 1) / S) {  // as `partial`: prefetch a page out of order
+            const int64_t next = table[bh * M + start / S + AHEAD];
+            if (next != page + AHEAD)
+                for (int64_t line = 0; line < S * D; line += 64 / sizeof(float)) {
+                    __builtin_prefetch(kp + next * S * D + line);
+                    __builtin_prefetch(vp + next * S * D + line);
+                }
+        }
+        for (int64_t s = first; s < last; ++s) {  // q·k of each entry as a vector of partial sums
+            Vec dot[G];
+            for (int64_t g = 0; g < G; ++g) dot[g] = Vec(0.f);
+            for (int64_t j = 0; j < DV; ++j) {
+                const Vec k = Vec::loadu(kpage + s * D + j * L);
+                for (int64_t g = 0; g < G; ++g) dot[g] = at::vec::fmadd(qv[g][j], k, dot[g]);
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                if (tree) dot[g].store(dots + (g * S + s) * L);
+                else logit[g * S + s] = hsum(dot[g]) + (bias ? bias[page * S + s] : 0.f);
+            }
+        }
+        if (tree) {  // the page's logits, L entries a vector; entries outside [first, last) -> -inf
+            const Vec lane = Vec::arange(0.f, 1.f);
+            for (int64_t s0 = 0; s0 < S; s0 += L) {
+                const Vec t = lane + Vec(float(s0));
+                const Vec valid = (t >= Vec(float(first))) & (t < Vec(float(last)));
+                const Vec b = bias ? Vec::loadu(bias + page * S + s0) : Vec(0.f);
+                for (int64_t g = 0; g < G; ++g)
+                    Vec::blendv(Vec(NEG_INF), lane_sums(dots + (g * S + s0) * L) + b, valid).store(logit + g * S + s0);
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const Vec r(softmax_step(logit + g * S, S, first, last, tree, m[g], l[g]));
+            for (int64_t j = 0; j < DV; ++j) acc[g][j] = acc[g][j] * r;
+        }
+        for (int64_t s = first; s < last; ++s)
+            for (int64_t j = 0; j < DV; ++j) {
+                const Vec v = Vec::loadu(vpage + s * D + j * L);
+                for (int64_t g = 0; g < G; ++g) acc[g][j] = at::vec::fmadd(Vec(logit[g * S + s]), v, acc[g][j]);
+            }
+        start += last - first;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        m_out[g] = m[g]; l_out[g] = l[g];
+        for (int64_t j = 0; j < DV; ++j) acc[g][j].store(acc_out + g * D + j * L);
+    }
+}
+
 template <int BITS>
 static void run_items(const float* q, const uint8_t* kc, const float* ks, const float* kz, const uint8_t* vc,
                       const float* vs, const float* vz, const int64_t* table, const int64_t* lengths,
@@ -412,8 +483,12 @@ static void run_items(const float* q, const uint8_t* kc, const float* ks, const 
             continue;
         }
         std::vector<float> logit(G * S), dots(G * S * L);  // one page's logits, then its exp
-        partial<BITS>(q, scale, kc, ks, kz, vc, vs, vz, table, bias, bh, M, S, lo, hi, logit.data(), dots.data(),
-                      pm, pl, pa);
+        if constexpr (BITS == 32)
+            partial_fp32(q, scale, reinterpret_cast<const float*>(kc), reinterpret_cast<const float*>(vc), table,
+                         bias, bh, M, S, lo, hi, logit.data(), dots.data(), pm, pl, pa);
+        else
+            partial<BITS>(q, scale, kc, ks, kz, vc, vs, vz, table, bias, bh, M, S, lo, hi, logit.data(),
+                          dots.data(), pm, pl, pa);
     }
 }
 

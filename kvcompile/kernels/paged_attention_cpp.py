@@ -23,9 +23,11 @@ compiler, flags, vector ISA and OpenMP runtime of the kernels Inductor generates
 on-disk cache), once per (G, D): compile-time constants, so every loop over d unrolls. The C++
 is paged_attention.cpp beside this module (package data), read with importlib.resources; `source`
 prepends the #defines of G, D, the pages' kind and the prefetch distance. It is one kernel body for
-fp32 pages and for pages of int8 / int4 codes (kvcompile.kernels.paged_attention_quant): only the
-load of a key or value vector differs (`decode<BITS>` in the C++, BITS 32 for floats), and `launch`
-here is the one call of both. fp32 queries only; other dtypes use the torch lowering.
+fp32 pages and for pages of int8 / int4 codes (kvcompile.kernels.paged_attention_quant): one entry
+(`launch` here is the one call of both), split into work items, online softmax, logit tree and
+combination of partials (with the log-sum-exp where asked, for fp32 pages too); a work item's per-page
+loops take the register blocking of their load (fp32: the queries and accumulators in registers, each
+logit broadcast; codes: blocked loops around the dequantizing load). fp32 queries only; other dtypes use the torch lowering.
 """
 from __future__ import annotations
 
