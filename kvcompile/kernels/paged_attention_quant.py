@@ -75,7 +75,6 @@ from kvcompile.kernels.quantize import dequantize
 
 try:  # Triton is optional: the C++ kernel and the torch reference cover machines without it.
     import triton
-    import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
@@ -306,99 +305,21 @@ def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_
     bias = bias_pages if has_bias else k_scale  # a dummy pointer when there is no bias
     # q·Kᵀ's K dimension is d: tensor cores need at least 16 (loads are masked by D; the interpreter takes any)
     block_g, block_d = triton.next_power_of_2(g), max(16, triton.next_power_of_2(d))
-    _quant_partials_kernel[(b * h, chunks)](
+    float_pages._partials_kernel[(b * h, chunks)](  # the float pages' kernel with the codes' load
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias,
         m_part, l_part, acc_part, scale, h, chunk_tokens, chunks,
         block_table.stride(0), block_table.stride(1), block_table.stride(2),
-        lengths.stride(0), lengths.stride(1),
+        lengths.stride(0), lengths.stride(1), 0, 0, 0, 0,
         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
         G=g, D=d, S=s, W=k_codes.shape[2], BITS=layout.bits, K_CHANNEL=layout.k_channel,
         NGK=1 if layout.k_channel else d // layout.group_k, GROUP_K=layout.group_k,
-        NGV=d // layout.group_v, GROUP_V=layout.group_v, HAS_BIAS=has_bias,
+        NGV=d // layout.group_v, GROUP_V=layout.group_v, HAS_BIAS=has_bias, DOT_FP32=True,
         BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32) if return_lse else m_part
     float_pages._reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, lse, chunks, G=g, D=d, HAS_LSE=return_lse,
                                          BLOCK_G=block_g, BLOCK_D=block_d)
     return (out, lse) if return_lse else out
-
-
-if triton is not None:
-
-    @triton.jit
-    def _codes(ptrs, mask, BITS: tl.constexpr):
-        """The codes of a (BLOCK_N, BLOCK_D · BITS / 8) tile of code bytes as a (BLOCK_N, BLOCK_D) int32
-        tile: int8 as they are; int4 split into the low nibble (channel 2i) and the high nibble
-        (channel 2i + 1) of byte i and interleaved back into channel order."""
-        raw = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-        if BITS == 4:
-            raw = tl.interleave(raw & 15, raw >> 4)
-        return raw
-
-    @triton.jit
-    def _quant_partials_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, len_ptr,
-                               bias_ptr, m_ptr, l_ptr, acc_ptr, scale, H, chunk_tokens, num_chunks,
-                               stride_tb, stride_th, stride_tm, stride_lb, stride_lh, stride_bp, stride_bs,
-                               G: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
-                               BITS: tl.constexpr, K_CHANNEL: tl.constexpr, NGK: tl.constexpr,
-                               GROUP_K: tl.constexpr, NGV: tl.constexpr, GROUP_V: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                               BLOCK_D: tl.constexpr):
-        """Online-softmax partials of one (sequence·KV head, chunk) for its G query heads, the
-        codes dequantized to fp32 as they are loaded."""
-        bh = tl.program_id(0)
-        chunk = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
-        mask_g = offs_g < G
-        mask_d = offs_d < D
-        q = tl.load(q_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        offs_w = tl.arange(0, BLOCK_D * BITS // 8)  # code bytes of an entry (int4: two codes each)
-        mask_w = offs_w < W
-        length = tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32)
-        table_row = table_ptr + b.to(tl.int64) * stride_tb + h * stride_th
-        lo = chunk * chunk_tokens
-        hi = tl.minimum(lo + chunk_tokens, length)
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            t = start + offs_n
-            valid = t < hi
-            page = tl.load(table_row + (t // S) * stride_tm, mask=valid, other=0).to(tl.int64)
-            entry = page * S + t % S  # the entry's row in the pool, (BLOCK_N,)
-            kv_mask = valid[:, None] & mask_d[None, :]
-            codes = _codes(kc_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :], BITS)
-            if K_CHANNEL:
-                at = page[:, None] * D + offs_d[None, :]
-            else:
-                at = entry[:, None] * NGK + (offs_d // GROUP_K)[None, :]
-            k = (codes.to(tl.float32) * tl.load(ks_ptr + at, mask=kv_mask, other=0.0)
-                 + tl.load(kz_ptr + at, mask=kv_mask, other=0.0))
-            logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_G, BLOCK_N)
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + page * stride_bp + (t % S) * stride_bs, mask=valid, other=0.0)
-                logits += bias.to(tl.float32)[None, :]
-            logits = tl.where(valid[None, :], logits, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(logits - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            codes = _codes(vc_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :], BITS)
-            at = entry[:, None] * NGV + (offs_d // GROUP_V)[None, :]
-            v = (codes.to(tl.float32) * tl.load(vs_ptr + at, mask=kv_mask, other=0.0)
-                 + tl.load(vz_ptr + at, mask=kv_mask, other=0.0))
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        part = (bh * num_chunks + chunk) * G + offs_g
-        tl.store(m_ptr + part, m_i, mask=mask_g)
-        tl.store(l_ptr + part, l_i, mask=mask_g)
-        tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
 
 
 # ---------------------------------------------------------------------------------- backends
