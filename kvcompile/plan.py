@@ -385,7 +385,7 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage, tiered: 
     if tiered:  # entries in the model's dtype beside the codes (kvcompile.store.tiers)
         from kvcompile.store import TieredPagedAttention
 
-        return TieredPagedAttention(codes)
+        return TieredPagedAttention(codes, high_cpp=codes.name == "cpp")  # (the C++ kernel's fp32, its head dim)
     return codes
 
 

@@ -125,8 +125,10 @@ def _dense(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                         lengths: Tensor, bias_pages: Tensor | None = None,
                         scale: float | None = None, *, threads: int | None = None,
-                        chunk: int | None = None, parallel_work: int | None = None) -> Tensor:
-    """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d), fp32 on CPU.
+                        chunk: int | None = None, parallel_work: int | None = None,
+                        return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d), fp32 on CPU (with return_lse,
+    also the log-sum-exp of each query head's logits (B, Hq), −inf for an empty head).
 
     threads: OpenMP threads (default: torch's when the call has at least `parallel_work`
     multiply-adds, default PARALLEL_WORK, else 1; the C++ side decides); chunk: entries per work item (default:
@@ -137,7 +139,7 @@ def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
     k, v = _dense(k_pages), _dense(v_pages)
     b, hq, d = q.shape
     return launch(_kernel(hq // block_table.shape[1], d), q, (k, k, k, v, v, v), 32, block_table, lengths, bias_pages,
-                  scale, threads=threads, chunk=chunk, parallel_work=parallel_work)
+                  scale, threads=threads, chunk=chunk, parallel_work=parallel_work, return_lse=return_lse)
 
 
 def launch(kernel, q: Tensor, pages: tuple[Tensor, ...], bits: int, block_table: Tensor, lengths: Tensor,
