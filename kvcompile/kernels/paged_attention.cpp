@@ -18,15 +18,14 @@
 // The loader defines KVCOMPILE_G, KVCOMPILE_D, KVCOMPILE_FLOAT, KVCOMPILE_GK, KVCOMPILE_GV and
 // KVCOMPILE_AHEAD before this file: one build per (G, D, float or codes, key group, value group), so every
 // loop over the head dim unrolls and each group's scale and zero are read once per entry; the bit width is
-// a template argument (32: fp32 pages, no scales; 8 and 4: codes, both in one build).
+// a template argument (32: fp32 pages, in every build; 8 and 4: codes, both in a build of codes).
 #ifndef KVCOMPILE_FLOAT
 #define KVCOMPILE_FLOAT 0
 #endif
 constexpr int64_t G = KVCOMPILE_G, D = KVCOMPILE_D, AHEAD = KVCOMPILE_AHEAD;
-constexpr bool PLAIN = KVCOMPILE_FLOAT;  // fp32 pages: a plain load (GK = GV = D, no scales read)
 constexpr int64_t GK = KVCOMPILE_GK;  // channels per key group; 0: keys per channel (over a page)
 constexpr int64_t GV = KVCOMPILE_GV;  // channels per value group
-constexpr bool KCH = !PLAIN && GK == 0;
+constexpr bool KCH = GK == 0;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t L = Vec::size();
 static_assert(D % L == 0, "head dim must be a multiple of the vector width");
@@ -55,8 +54,8 @@ constexpr int64_t pick_jb() {
 }
 // Keys per token in one group (GK = D): q·k̂ = scale · (q·code) + zero · Σ_c q_c, applied to a page's
 // logits, L entries a vector, after the sums. Keys in several groups are dequantized vector by vector.
-constexpr bool KFACT = !PLAIN && !KCH && NGK == 1;
-constexpr bool KDEQ = !PLAIN && !KCH && NGK > 1;
+constexpr bool KFACT = !KCH && NGK == 1;
+constexpr bool KDEQ = !KCH && NGK > 1;
 // q·k: KE entries a step share each query vector load, with KC chains of partial sums per (entry,
 // query head), so that KE * KC * G independent FMA chains hide the FMA latency within the registers.
 constexpr int64_t KE = 2 * G + 4 <= REGS ? 2 : 1;
@@ -78,16 +77,14 @@ static inline float hmax(const Vec& x) {
 }
 
 // ----------------------------------------------------------------------------------- codes
-// Vector J of an entry's keys or values as floats, channels in order (J is a constant once the loops
-// around it unroll). fp32 (BITS 32): a load. int8: a widening load and a convert. int4 (channel 2i in the low nibble of byte i,
+// Vector J of an entry's codes as floats, channels in order (J is a constant once the loops around
+// it unroll). int8: a widening load and a convert. int4 (channel 2i in the low nibble of byte i,
 // 2i + 1 in its high nibble): little-endian dword i holds codes 8i .. 8i + 7, code 8i + c at bits
 // 4c .. 4c + 3, so a broadcast dword shifted left by 28 - 4c in lane c, then right by 28, gives 8
 // codes (one constant register: the shifts).
 template <int BITS>
 static inline Vec decode(const uint8_t* row, int64_t J) {
-    if constexpr (BITS == 32) {
-        return Vec::loadu(reinterpret_cast<const float*>(row) + J * L);
-    } else if constexpr (BITS == 8) {
+    if constexpr (BITS == 8) {
 #if defined(CPU_CAPABILITY_AVX512)
         return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + J * 16)))));
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -284,16 +281,14 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
                     __builtin_prefetch(kc + next * S * W + line);
                     __builtin_prefetch(vc + next * S * W + line);
                 }
-                if constexpr (!PLAIN) {
-                    const int64_t kfloats = KCH ? D : S * NGK;
-                    for (int64_t line = 0; line < kfloats; line += 16) {
-                        __builtin_prefetch(ks + next * kfloats + line);
-                        __builtin_prefetch(kz + next * kfloats + line);
-                    }
-                    for (int64_t line = 0; line < S * NGV; line += 16) {
-                        __builtin_prefetch(vs + next * S * NGV + line);
-                        __builtin_prefetch(vz + next * S * NGV + line);
-                    }
+                const int64_t kfloats = KCH ? D : S * NGK;
+                for (int64_t line = 0; line < kfloats; line += 16) {
+                    __builtin_prefetch(ks + next * kfloats + line);
+                    __builtin_prefetch(kz + next * kfloats + line);
+                }
+                for (int64_t line = 0; line < S * NGV; line += 16) {
+                    __builtin_prefetch(vs + next * S * NGV + line);
+                    __builtin_prefetch(vz + next * S * NGV + line);
                 }
             }
         }
@@ -312,8 +307,8 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
         }
         // q·k of each entry, KE at a time: a vector of partial sums per query head, into `dots`
         // (summed to logits by the tree below) or summed here.
-        const float* ksp = PLAIN || KCH ? ks : ks + page * S * NGK;  // (fp32 pages: no scales, null)
-        const float* kzp = PLAIN || KCH ? kz : kz + page * S * NGK;
+        const float* ksp = KCH ? ks : ks + page * S * NGK;
+        const float* kzp = KCH ? kz : kz + page * S * NGK;
         for (int64_t s = first; s < last; ) {
             Vec out[KE][G];
             int64_t n = KE;
@@ -364,8 +359,8 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
             for (int64_t s = first; s < last; ++s) Vec(logit[g * S + s]).store(dots + (g * S + s) * L);
         // P·V̂ in blocks of JB value vectors: G * JB accumulators in registers over the page's
         // entries, each value vector dequantized once for the G query heads.
-        const float* vsp = PLAIN ? vs : vs + page * S * NGV;
-        const float* vzp = PLAIN ? vz : vz + page * S * NGV;
+        const float* vsp = vs + page * S * NGV;
+        const float* vzp = vz + page * S * NGV;
 #pragma GCC unroll 64
         for (int64_t J = 0; J < DV; J += JB) {
             Vec a[G][JB];
@@ -377,8 +372,8 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
 #pragma GCC unroll 64
                 for (int64_t i = 0; i < JB; ++i) {
                     const int64_t grp = (J + i) / VPGV;
-                    Vec v = decode<BITS>(vpage + s * W, J + i);
-                    if constexpr (!PLAIN) v = at::vec::fmadd(v, Vec(vsp[s * NGV + grp]), Vec(vzp[s * NGV + grp]));
+                    const Vec v = at::vec::fmadd(decode<BITS>(vpage + s * W, J + i), Vec(vsp[s * NGV + grp]),
+                                                 Vec(vzp[s * NGV + grp]));
 #pragma GCC unroll 64
                     for (int64_t g = 0; g < G; ++g)
                         a[g][i] = at::vec::fmadd(Vec::loadu(dots + (g * S + s) * L), v, a[g][i]);
@@ -492,8 +487,8 @@ static void run_items(const float* q, const uint8_t* kc, const float* ks, const 
     }
 }
 
-// The launch: bits 32 (fp32 pages, a build with KVCOMPILE_FLOAT; scales and zeros unused), or 8 or 4. Threads = max_threads when the call has at least parallel_work
-// multiply-adds, else 1; runs of `chunk` entries (0: whole pages, about items_per_thread runs per
+// The launch: bits 32 (fp32 pages; scales and zeros unused), or 8 or 4 (a build of codes). Threads =
+// max_threads when the call has at least parallel_work multiply-adds, else 1; runs of `chunk` entries (0: whole pages, about items_per_thread runs per
 // thread over all heads); the partials in `work`, sized by the caller for
 // BH * max(1, ceil(items_per_thread * max_threads / BH)) runs (or the runs of the given chunk).
 // lse (BH * G; written when has_lse): log Σ exp(logit) per query head, -inf for an empty head.
@@ -515,11 +510,11 @@ extern "C" void kernel(const float* q, const uint8_t* kc, const float* ks, const
     float* part_m = work;
     float* part_l = part_m + BH * chunks * G;
     float* part_acc = part_l + BH * chunks * G;
-#if KVCOMPILE_FLOAT
-    run_items<32>(q, kc, ks, kz, vc, vs, vz, table, lengths, b, part_m, part_l, part_acc, BH, M, S, scale, threads,
-                  chunk, chunks);
-#else
-    if (bits == 8)
+    if (bits == 32)
+        run_items<32>(q, kc, ks, kz, vc, vs, vz, table, lengths, b, part_m, part_l, part_acc, BH, M, S, scale,
+                      threads, chunk, chunks);
+#if !KVCOMPILE_FLOAT  // (a build of fp32 pages has no codes' loops)
+    else if (bits == 8)
         run_items<8>(q, kc, ks, kz, vc, vs, vz, table, lengths, b, part_m, part_l, part_acc, BH, M, S, scale,
                      threads, chunk, chunks);
     else

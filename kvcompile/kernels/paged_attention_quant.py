@@ -231,10 +231,6 @@ def supports(device: torch.device | str, dtype: torch.dtype, head_dim: int, grou
             and all(group % CPP_GROUP == 0 for group in groups))
 
 
-def _dense(x: Tensor, dtype: torch.dtype) -> Tensor:
-    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
-
-
 def paged_attention_quant_cpp(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
                               v_scale: Tensor, v_zero: Tensor, block_table: Tensor, lengths: Tensor,
                               bias_pages: Tensor | None = None, scale: float | None = None, *,
@@ -254,9 +250,8 @@ def paged_attention_quant_cpp(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zer
         raise ValueError(f"paged_attention_quant_cpp: fp32 CPU tensors, head dim and per-token groups "
                          f"multiples of {CPP_GROUP} and a C++ compiler; here {q.device.type}, {q.dtype}, head dim "
                          f"{d}, groups {groups}")
-    f32, u8 = torch.float32, torch.uint8
-    pages = (_dense(k_codes, u8), _dense(k_scale, f32), _dense(k_zero, f32), _dense(v_codes, u8), _dense(v_scale, f32),
-             _dense(v_zero, f32))
+    u8, dense = torch.uint8, fp32_cpp._dense
+    pages = (dense(k_codes, u8), dense(k_scale), dense(k_zero), dense(v_codes, u8), dense(v_scale), dense(v_zero))
     kernel = _kernel(hq // block_table.shape[1], d, 0 if layout.k_channel else layout.group_k, layout.group_v)
     return fp32_cpp.launch(kernel, q, pages, layout.bits, block_table, lengths, bias_pages, scale,
                            return_lse=return_lse, threads=threads, chunk=chunk, parallel_work=parallel_work)

@@ -1,7 +1,7 @@
 """One decode step of a layer whose heads hold entries in two precisions (kvcompile.store.tiers.TieredStore:
 `storage: mixed`, MiKV, Yang et al., 2024, arXiv 2402.18096, §3; or codes per token beside merge slots), fused
-into one C++ call: what `TieredStore.append` and `TieredPagedAttention` (the float tier's eager attention with
-its log-sum-exp, the codes' C++ kernel with its own, `merge_partials`) do in about 40 small torch ops a layer.
+into one C++ call: what `TieredStore.append` and `TieredPagedAttention` (each tier's paged C++ kernel with its
+log-sum-exp, `merge_partials`) do in about 40 small torch ops a layer.
 
     out = tiered_step_cpp(pages, q, k, v, position, scale, ...)
 
@@ -10,9 +10,9 @@ in place; q (B, Hq, d), k, v (B, H, d), position (B,) long. Semantics, every hea
 1. the new entry is appended to the appending tier (`TieredStore._appending`): to the float tier as
    `LayerStore.append` writes float pages (mixed: generated tokens in the model's dtype), or, for a part that
    keeps every token as codes, quantized into the codes' next slot exactly as kernels.append_step does it;
-2. attention of the G query heads over both tiers: the float tier's logits with the merge rule's bias
-   α·log w (ZSMerge Eq. 8; −inf for an empty slot; none where the policy drops) and log-sum-exp lse_h, the
-   codes by the paged kernel of paged_attention.cpp with lse_l, combined as `merge_partials` does:
+2. attention of the G query heads over both tiers, each by the paged kernel of paged_attention.cpp: the float
+   tier's with the merge rule's bias α·log w (ZSMerge Eq. 8; −inf for an empty slot; none where the policy
+   drops) and its log-sum-exp lse_h, the codes' with lse_l, combined as `merge_partials` does:
    out = (e^{lse_h} out_h + e^{lse_l} out_l) / (e^{lse_h} + e^{lse_l}) (the attention over the union of the
    two sets of entries); equal to `TieredPagedAttention` up to float summation order.
 
@@ -44,7 +44,8 @@ _ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*",
              "const int64_t", "const int64_t",
              "uint8_t*", "float*", "float*", "uint8_t*", "float*", "float*", "float*", "int64_t*", "float*",
              "const int64_t*", "int64_t*", "const int64_t*", "const int64_t", "const int64_t",
-             "float*", "float*", "float*", "float*", "const int64_t", "const int64_t", "const float", "const int64_t",
+             "float*", "float*", "float*", "float*", "float*", "float*", "const int64_t", "float*", "const int64_t",
+             "const int64_t", "const float", "const int64_t",
              "const double*", "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
              "int64_t*")
 _HIGH = len(PageTensors._fields)
@@ -79,9 +80,10 @@ def tiered_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, sc
     max_threads = torch.get_num_threads() if threads is None else threads
     runs = max(1, -(-paged.ITEMS_PER_THREAD * max_threads // (b * h)))
     g = hq // h
-    work = torch.empty(b * h * runs * g * (d + 2) + 2 * b * hq * d + b * hq)
-    out_low = work[b * h * runs * g * (d + 2):][:b * hq * d]
-    lse_low = work[b * h * runs * g * (d + 2) + b * hq * d:][:b * hq]
+    parts = b * h * runs * g * (d + 2)  # the paged kernel's partials, one call after the other
+    work = torch.empty(parts + 2 * (b * hq * d + b * hq))
+    out_low, lse_low, out_high, lse_high = work[parts:].split([b * hq * d, b * hq, b * hq * d, b * hq])
+    bias = out_high if alpha is None else torch.empty(high.count_pages.shape)
     out = work.new_empty(b, hq, d)
     status = torch.empty(1, dtype=torch.long)
     _kernel(g, d, group)(
@@ -91,8 +93,8 @@ def tiered_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, sc
         high.lengths, high.owned, high.block_table.shape[-1], high.k_pages.shape[1],
         low.k_pages, low.k_scale, low.k_zero, low.v_pages, low.v_scale, low.v_zero, low.score_pages, low.pos_pages,
         low.count_pages, low.block_table, low.lengths, low.owned, low.block_table.shape[-1], low.k_pages.shape[1],
-        work, out_low, lse_low, out, b, h, float(scale), int(alpha is not None), _alpha(float(alpha or 0.0)),
-        int(append_low), max_threads, paged.ITEMS_PER_THREAD, parallel_work if threads is None else 0, bits, status)
+        work, out_low, lse_low, out_high, lse_high, bias, high.count_pages.shape[0], out, b, h, float(scale),
+        int(alpha is not None), _alpha(float(alpha or 0.0)), int(append_low), max_threads, paged.ITEMS_PER_THREAD, parallel_work if threads is None else 0, bits, status)
     if status.item():
         raise RuntimeError("kvcompile: the fused decode step met a head without a page in its appending tier (the "
                            "engine makes room before every step: TieredStore.make_room)")
