@@ -159,9 +159,10 @@ class CppAppendStep(DecodeStep):
         return ("LayerStore",) if self.bits == FLOAT else ("CodeStore",)
 
     def __call__(self, plan, store, layer, q, k, v, position, split, scale):
-        return store.step(self._step, q, k, v, position, split, scale)
+        return store.step(self.run, q, k, v, position, split, scale)
 
-    def _step(self, pages, q, k, v, position, split, scale):
+    def run(self, pages, q, k, v, position, split, scale):
+        """The kernel on a store's page tensors (`PageTensors`, `QuantPageTensors`; `__call__` hands them)."""
         return append_step_cpp(pages, q, k, v, position, scale, self.bits, self.group, self.parallel_work,
                                alpha=self.alpha)
 
