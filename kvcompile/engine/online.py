@@ -25,7 +25,6 @@ class TorchStep(DecodeStep):
 
     name: ClassVar[str] = "torch"
     stores: ClassVar[tuple[str, ...]] = ("LayerStore", "CodeStore", "TieredStore")
-    fp32_cpu: ClassVar[bool] = False
 
     def __call__(self, plan, store, layer: int, q: Tensor, k: Tensor, v: Tensor, position: Tensor,
                  split: Tensor | None, scale: float) -> Tensor:

@@ -115,17 +115,16 @@ def online_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, sp
 class DecodeStep(KernelBackend):
     """A decode step backend: `backend(plan, store, layer, q, k, v, position, split, scale)` -> the output
     (B, Hq, d), the module docstring's contract. `stores`: the store classes (kvcompile.store, by name) it
-    computes; `refuses(plan)`: why it cannot run a plan's steps (None: it can), checked when the plan is made."""
+    computes; `refuses(plan)`: why it cannot run a plan's steps (None: it can), checked when the plan is made.
+    (A C++ step's fp32 CPU tensors are `build_plan`'s choice, `choice.resolve`; a plan moved to another device
+    after it is refused at its step by the op, engine.op.run_layer.)"""
 
     name: ClassVar[str]
     stores: ClassVar[tuple[str, ...]] = ()
-    fp32_cpu: ClassVar[bool] = True  # a C++ kernel: fp32 tensors on the CPU
 
     def refuses(self, plan) -> str | None:
         if plan.store is not None and plan.store.__name__ not in self.stores:
             return f"it computes {' | '.join(self.stores)} layers, and this policy's are {plan.store.__name__}"
-        if self.fp32_cpu and plan.bound and (plan.device.type != "cpu" or plan.dtype != torch.float32):
-            return f"it runs fp32 on the CPU, and the plan's tensors are {plan.dtype} on {plan.device}"
         return None
 
     def __call__(self, plan, store, layer: int, q: Tensor, k: Tensor, v: Tensor, position: Tensor,
