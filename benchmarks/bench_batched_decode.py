@@ -38,7 +38,7 @@ def run_one(args) -> dict:
     import kvcompile.engine.op as op
     import kvcompile.integrations.batching as serving
     from kvcompile.tools.data import load_haystack
-    from kvcompile.kernels import online_step, paged_attention
+    from kvcompile.kernels import append_step, online_step, paged_attention
     from kvcompile.tools.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -70,7 +70,8 @@ def run_one(args) -> dict:
     op.run_layer = counted("op", op.run_layer)
     for cls in (paged_attention.CppPagedAttention, paged_attention.TorchPagedAttention):
         cls.run = counted("kernel", cls.run)
-    online_step.CppOnlineStep.__call__ = counted("kernel", online_step.CppOnlineStep.__call__)
+    for cls in (online_step.CppOnlineStep, append_step.CppAppendStep):
+        cls.__call__ = counted("kernel", cls.__call__)
     attention = [0.0]  # seconds in the attention function during decode-only forwards
     batching_attention = serving.batching_attention
 

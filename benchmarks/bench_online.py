@@ -9,9 +9,9 @@ engine.decode.decode alone, each also as a ratio to snapkv's.
     PYTHONPATH=. python3 benchmarks/bench_online.py --threads 2 --specs snapkv zsmerge h2o
 
 Rows: "SPEC" runs the plan's choice (zsmerge, h2o on a CPU in fp32: the fused C++ step of
-kvcompile.kernels.online_step); "SPEC/torch" the same step's torch path; "SPEC/python" the
-engine's own Python path (Plan.online_step = None: _attend_with_probs, _update_scores,
-evict_online, merge_victims). Every cache of a spec continues one prefilled cache (deep copies).
+kvcompile.kernels.online_step); "SPEC/torch" the torch step (kvcompile.engine.online.TorchStep:
+_attend_with_probs, _update_scores, evict_online, merge_victims). Every cache of a spec continues one
+prefilled cache (deep copies).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 import kvcompile
 import kvcompile.engine.op as op
 from kvcompile.cache import KVCompileCache
-from kvcompile.kernels.online_step import TorchOnlineStep
+from kvcompile.engine.online import TorchStep
 from kvcompile.tools.models import load_model
 from kvcompile.plan import build_plan
 
@@ -58,11 +58,8 @@ def main() -> None:
             model(ids, past_key_values=cache, use_cache=True)
             print(f"prefill {spec}: {time.perf_counter() - start:.1f} s, online_impl {plan.online_impl}", flush=True)
             caches[spec] = cache
-            if plan.online_impl is not None:
-                for impl in ("torch", None):
-                    step = None if impl is None else TorchOnlineStep()
-                    caches[f"{spec}/{impl or 'python'}"] = cache.copy_with(dataclasses.replace(cache.plan,
-                                                                                               online_step=step))
+            if plan.online_impl != "torch":
+                caches[f"{spec}/torch"] = cache.copy_with(dataclasses.replace(cache.plan, online_step=TorchStep()))
 
     inside = {"attend": 0.0, "decode": 0.0}
     attention = op.kvcompile_attention

@@ -1,5 +1,5 @@
 """One layer's decode step on the CPU at a model's shapes: full precision against quantized and mixed stores,
-fused (one C++ call: kvcompile.kernels.online_step, quant_step, tiered_step) and unfused (the engine's path:
+fused (one C++ call: kvcompile.kernels.online_step, append_step, tiered_step) and unfused (the engine's path:
 the append in torch ops, then the decode attention backend).
 
 Each case is a one-layer KVCompileCache (SmolLM2-135M's shapes by default: 3 KV heads, 3 query heads each,
@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import torch
 
 import kvcompile
+from kvcompile.engine.online import TorchStep
 import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
 from kvcompile.cache import KVCompileCache
 from kvcompile.plan import build_plan
@@ -46,7 +47,7 @@ def prefilled(storage, fused: bool, args) -> KVCompileCache:
     policy = kvcompile.load_spec("snapkv", per_head=args.per_head, storage=storage)
     plan = build_plan(policy, config, device="cpu", dtype=torch.float32, headroom=args.steps)
     if not fused:
-        plan = dataclasses.replace(plan, online_step=None)
+        plan = dataclasses.replace(plan, online_step=TorchStep())
     for backend in plan.backends:
         backend.build(g, d)
     cache = KVCompileCache.from_plan(plan)

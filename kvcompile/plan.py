@@ -87,11 +87,11 @@ class Plan:
     selection: object  # selection and gather (a kernels.select backend)
     prompt_merge: object  # the prompt's residual merge (a kernels.merge backend); None: the rule's own merge
     decode_attention: object  # paged decode attention (a kernels.paged_attention backend)
-    online_step: object  # the decode step (append, attention; running scores, online eviction where the
-    #   policy has them): kernels.online_step.CppOnlineStep (the fused C++ step; for a policy with neither,
-    #   only where the call would run on one thread anyway: its `runs`) | TorchOnlineStep (the runtime's
-    #   Python path); None: that path too, for parts whose behaviour the fused step cannot express
-    step_rule: StepRule | None  # what that step computes (with online_step)
+    online_step: object  # the decode step backend, called once a layer and step and never declining one
+    #   (kvcompile.kernels.online_step: append, attention; running scores, online eviction where the policy has
+    #   them): a fused C++ step (CppOnlineStep, append_step.CppAppendStep, tiered_step.CppTieredStep) where one
+    #   computes the policy on the plan's store, dtype and device, else engine.online.TorchStep (complete)
+    step_rule: StepRule | None  # what a fused step computes (None: the torch step's parts compute it)
     # decoding
     running_scores: bool  # scores keep running while decoding (H2O, ZSMerge)
     online_eviction: bool  # one token per head and step leaves through the split (ZSMerge Alg. 1)
@@ -121,6 +121,14 @@ class Plan:
     #   None: every layer is a full_attention layer the policy compresses
 
     store: type = None  # the class of every layer's page store (kvcompile.store.store_class): how entries are held
+
+    def __post_init__(self):
+        """A decode step that does not compute this plan's store, dtype or device is refused here, when the plan
+        is made (not at a step)."""
+        step = self.online_step
+        why = None if step is None else step.refuses(self)
+        if why is not None:
+            raise PlanError(f"kvcompile: the decode step {step.describe()} cannot run {self.policy.name}: {why}")
 
     def model_layer_sinks(self, layer: int, device) -> Tensor | None:
         """Model layer `layer`'s learned sinks (Hq,) on `device`, or None."""
@@ -290,9 +298,7 @@ class Plan:
             if backend is None:
                 text = unbound if not self.bound else "None" + (
                     " (the merge rule's own merge)" if name == "merge_impl" and self.policy.merges else
-                    " (the runtime's Python path)" if name == "online_impl" and self.step_rule is None and (
-                        self.running_scores or self.online_eviction) else
-                    " (append, then decode_impl)" if name == "online_impl" else "")
+                    "")
             else:
                 text = backend.describe()
             lines.append(f"{name}: {text}")
@@ -379,7 +385,7 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage, tiered: 
     if tiered:  # entries in the model's dtype beside the codes (kvcompile.store.tiers)
         from kvcompile.store import TieredPagedAttention
 
-        return TieredPagedAttention(codes)
+        return TieredPagedAttention(codes, high_cpp=codes.name == "cpp")  # (the C++ kernel's fp32, its head dim)
     return codes
 
 
@@ -387,7 +393,7 @@ def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_di
     """A fused step of a quantized store computes this policy's decode step here: codes per token (KIVI's keys
     per channel move a page at a time: store.tiers), no running scores, no online eviction, a merge bias of
     the form α·log w where slots sit beside the codes (StepRule), and the quantized C++ kernel runs for its
-    groups (fp32 on a CPU, kernels None or "cpp"). One store of codes: kernels.quant_step; two tiers (mixed
+    groups (fp32 on a CPU, kernels None or "cpp"). One store of codes: kernels.append_step; two tiers (mixed
     precision, or merge slots beside the codes): kernels.tiered_step."""
     storage = policy.storage
     if policy.scoring.running or (policy.schedule.decode is not None and policy.schedule.decode.online) \
@@ -400,14 +406,28 @@ def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_di
     return quant.supports(device, dtype, head_dim, (storage.low().group_size(head_dim),))
 
 
-def _quant_step(policy: Policy, rule: StepRule, head_dim: int):
-    """The fused step's backend for a policy's codes: kernels.quant_step.CppQuantStep for one store of codes,
-    kernels.tiered_step.CppTieredStep for two tiers (the appending one: the codes where every token is codes)."""
+def _decode_step(policy: Policy, impl: str, rule: StepRule | None, decode_impl: str, head_dim: int):
+    """The decode step backend (kvcompile.kernels.online_step's family) of `impl` for this policy: the torch step
+    (engine.online.TorchStep); for "cpp" the fused step of its store: kernels.append_step.CppAppendStep for fp32
+    pages of a plain step (where the paged C++ kernel runs, decode_impl "cpp") and for one store of codes,
+    kernels.online_step.CppOnlineStep for fp32 pages whose scores run or that evict (or a plain step at a head
+    dim the paged kernel does not take), kernels.tiered_step.CppTieredStep for two tiers (the appending one: the
+    codes where every token is codes)."""
+    if impl == "torch":
+        from kvcompile.engine.online import TorchStep
+
+        return TorchStep()
+    from kvcompile.kernels import append_step
+
+    if not policy.storage.quantizes:
+        if rule.decay is None and not rule.evict and decode_impl == "cpp":
+            return append_step.backend(append_step.FLOAT, 0, rule.alpha)
+        from kvcompile.kernels.online_step import CppOnlineStep
+
+        return CppOnlineStep(rule)
     codes = policy.storage.low()
     if not policy.tiered:
-        from kvcompile.kernels import quant_step
-
-        return quant_step.backend(codes.bits, codes.group_size(head_dim))
+        return append_step.backend(codes.bits, codes.group_size(head_dim))
     from kvcompile.kernels import tiered_step
 
     return tiered_step.backend(codes.bits, codes.group_size(head_dim), rule.alpha,
@@ -589,11 +609,11 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             why = _tiered_refusal(policy, page_size)
             if why is not None:
                 raise PlanError(f"kvcompile: storage: {storage.name}: {why}")
-    online_impl, step_rule = None, None
+    online_impl, step_rule = "torch", None  # the torch step computes every policy; a fused C++ one where it can
     if storage.quantizes:
         # codes per token (one tier, or two: codes and floats) with neither running scores nor online eviction:
-        # the append and the attention over the codes (and the float tier) as one C++ call (kernels.quant_step,
-        # kernels.tiered_step) where the quantized C++ kernel runs; the rest take the engine's path
+        # the append and the attention over the codes (and the float tier) as one C++ call (kernels.append_step,
+        # kernels.tiered_step) where the quantized C++ kernel runs; the rest take the torch step
         # (the store's append, then attention)
         if _quant_step_runs(policy, kernels, device, dtype, head_dim):
             online_impl, step_rule = "cpp", _step_rule(policy, False)
@@ -606,9 +626,10 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             except ValueError as exc:
                 raise PlanError(f"kvcompile: {exc}") from None
     elif kernels in (None, "cpp") and device is not None and not explicit:
-        # a plain decode step (append + attention) as one C++ call where it would run on one thread
-        # anyway (CppOnlineStep.runs): the separate append and paged-attention calls cost
-        # ~0.1 ms a layer in small torch ops, 5-10 % of a SmolLM2 step at 128 entries per head
+        # a plain decode step (append + attention) as one C++ call: the append and the paged C++ kernel
+        # (kernels.append_step), or, for a head dim it does not take, the one-thread fused step: the separate
+        # append and attention calls cost ~0.1 ms a layer in small torch ops, 5-10 % of a SmolLM2 step at 128
+        # entries per head
         step_rule = _step_rule(policy, False)
         if step_rule is not None and _resolve("online_step", None, device, dtype, head_dim) == "cpp":
             online_impl = "cpp"
@@ -627,8 +648,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             decode_attention=paged_attention.SoftcapPagedAttention(softcap or 0.0) if explicit else
             paged_attention.backend(decode_impl) if not storage.quantizes else
             _quantized_decode(decode_impl, device, dtype, head_dim, storage, policy.tiered),
-            online_step=None if online_impl is None else _quant_step(policy, step_rule, head_dim)
-            if storage.quantizes else online_step.backend(online_impl, step_rule, always=scoring.running or online),
+            online_step=_decode_step(policy, online_impl, step_rule, decode_impl, head_dim),
             chunk_attention=None if not policy.schedule.chunk_tokens else chunk_attention.CppChunkAttention()
             if chunk_impl == "cpp" else chunk_attention.SdpaChunkAttention())
     prune_every = decode.prune_every if decode is not None else 0

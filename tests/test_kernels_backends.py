@@ -30,7 +30,7 @@ def test_the_plan_holds_one_backend_per_family():
         assert isinstance(plan.decode_attention, paged_attention.CppPagedAttention)
         assert plan.decode_attention.parallel_work == CPP_PARALLEL_WORK
         assert isinstance(plan.prompt_merge, merge.CppResidualMerge)
-        assert isinstance(plan.online_step, online_step.CppOnlineStep) and plan.online_step.always
+        assert isinstance(plan.online_step, online_step.CppOnlineStep) and not hasattr(plan.online_step, "runs")
         assert plan.online_step.rule == plan.step_rule
     torch_plan = build_plan(kvcompile.load_spec("zsmerge"), CONFIG, kernels="torch", **FP32)
     assert isinstance(torch_plan.decode_attention, paged_attention.TorchPagedAttention)
@@ -51,7 +51,8 @@ def test_describe_shows_the_backends_and_their_thresholds():
     assert "select_impl: torch (one thread)" in text
     if CPP:
         text = build_plan(kvcompile.load_spec("snapkv"), CONFIG, **FP32).describe()
-        assert f"online_impl: cpp (steps below {CPP_PARALLEL_WORK} multiply-adds (one thread)" in text
+        assert f"online_impl: cpp, fp32 pages: the new entry copied into its slot, then the paged kernel, one " \
+               f"call (one thread below {CPP_PARALLEL_WORK} multiply-adds" in text
         text = build_plan(kvcompile.load_spec("zsmerge"), CONFIG, **FP32).describe()
         assert f"merge_impl: cpp (heads on torch's threads from {merge.CPP_PARALLEL_WORK} multiply-adds" in text
     assert "chosen at the first prompt" in build_plan(kvcompile.load_spec("snapkv"), CONFIG).describe()

@@ -219,11 +219,12 @@ def test_generate_keeps_what_the_scorers_own_pass_keeps(name):
 
 def test_compile_builds_the_plans_cpp_kernels_before_any_generation(monkeypatch):
     """compile() builds the C++ kernels its plan names (a cold build inside a generation costs ~1 s)."""
-    from kvcompile.kernels import attention_column_sums as acs, merge, online_step, paged_attention_cpp
+    from kvcompile.kernels import append_step, attention_column_sums as acs, merge, online_step, paged_attention_cpp
 
     built = []
     monkeypatch.setattr(paged_attention_cpp, "_kernel", lambda g, d: built.append(("paged", g, d)))
     monkeypatch.setattr(online_step, "_kernel", lambda g, d: built.append(("step", g, d)))
+    monkeypatch.setattr(append_step, "_kernel", lambda g, d, group: built.append(("step", g, d)))
     monkeypatch.setattr(acs, "_kernel", lambda d: built.append(("column_sums", d)))
     monkeypatch.setattr(merge, "_cpp_kernel", lambda: built.append(("merge",)))
     kvcompile.compile(tiny_model(heads=4, kv_heads=2), "zsmerge")

@@ -311,7 +311,7 @@ def test_cpp_matches_reference(seed, batch, heads, page, pages, bits, bias, layo
 def test_cpp_portable_code_paths_match_reference(seed, batch, heads, page, pages, bits, bias, threads):
     """The C++ kernel's paths for CPUs without AVX2 (ARM: at::vec and plain loops for the codes and
     the logit sums), built here with the x86 ISA macro undefined (KVCOMPILE_PORTABLE)."""
-    kernel = pq.load_cpp(pq._ARGTYPES, "paged_attention_quant.cpp", G=3, D=64, GK=0, GV=32,
+    kernel = pq.load_cpp(pq._ARGTYPES, "paged_attention.cpp", G=3, D=64, GK=0, GV=32,
                          AHEAD=pq.PREFETCH_AHEAD, PORTABLE=1)
     args, expected = quant_case(seed, batch, heads, 3, 64, page, pages, bits, None, 32, bias)
     with mock.patch.object(pq, "_kernel", lambda *layout: kernel):

@@ -1,6 +1,6 @@
 """The fused decode step (kvcompile.kernels.online_step) of running scores and online eviction:
-its C++ kernel and its torch path against the runtime's own Python path (`_attend_with_probs` +
-`_update_scores` + `evict_online` + `merge_victims`, run with Plan.online_impl = None) and
+its C++ kernel against the torch step (kvcompile.engine.online.TorchStep: `_attend_with_probs` +
+`_update_scores` + `evict_online` + `merge_victims`, Plan.online_impl "torch") and
 against reference.decode_step, token by token; and how the plan chooses it."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 import kvcompile
 import kvcompile.kernels.online_step as online_step_module
-from kvcompile.kernels.online_step import TorchOnlineStep
+from kvcompile.engine.online import TorchStep
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports
 from kvcompile.plan import PlanError, StepRule, build_plan
@@ -64,8 +64,8 @@ def one_layer(pol, b, h, g, d, page, impl=None, record=False):
 
 
 def with_impl(cache: KVCompileCache, impl: str | None) -> KVCompileCache:
-    """A copy of a prefilled cache whose decode steps run `impl` (None: the runtime's Python path)."""
-    step = {"cpp": cache.plan.online_step, "torch": TorchOnlineStep(), None: None}[impl]
+    """A copy of a prefilled cache whose decode steps run `impl` (None: the torch step, the runtime's path)."""
+    step = {"cpp": cache.plan.online_step, "torch": TorchStep(), None: TorchStep()}[impl]
     return cache.copy_with(dataclasses.replace(cache.plan, online_step=step))
 
 
@@ -140,8 +140,8 @@ def test_fused_step_equals_reference_token_by_token(kind, b, h, g, page, per_hea
 
 @needs_cpp
 def test_cpp_runs_the_common_case_and_falls_back_where_it_does_not(monkeypatch):
-    """The first step after a prompt that filled the cache evicts several tokens per head (the
-    torch path runs it); the steps after are one C++ call each."""
+    """The first step after a prompt that filled the cache evicts several tokens per head, in rounds (the C++
+    step runs them as the torch path does); every step is one C++ call, none declined."""
     pol = kvcompile.load_spec("zsmerge", per_head=20, budget={"split": {"proximity": 0.2, "context": 0.5,
                                                                          "residual": 0.3}})
     b, h, g, d, n = 2, 3, 2, 16, 20
@@ -163,13 +163,13 @@ def test_cpp_runs_the_common_case_and_falls_back_where_it_does_not(monkeypatch):
         want = torch.ops.kvcompile.attend(q, k, v, None, 0, python.ref, python.token, 0.3)
         assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert_same_store(cache.stores[0], python.stores[0])
-    assert calls == [False] + [True] * 5
+    assert calls == [True] * 6
 
 
 @needs_cpp
 def test_a_head_past_its_spare_pages_falls_back():
-    """H2O as shipped: heads grow while decoding; a step where a head takes a fresh page runs
-    the torch path, the others the C++ kernel, and both equal the Python path."""
+    """H2O as shipped: heads grow while decoding; a step where a head takes a fresh page takes it before the
+    C++ step (`make_room`), and every step equals the Python path."""
     pol = policy("h2o", 8)
     prompt, steps, _ = prompt_and_steps(pol, 2, 2, 3, 16, 2, 20, 12, 7, 2)
     cache = one_layer(pol, 2, 2, 3, 16, 2)
@@ -199,9 +199,9 @@ def test_the_plan_chooses_the_step():
     assert build_plan(kvcompile.load_spec("zsmerge"), CONFIG, device="cpu", dtype=torch.float16).online_impl \
         == "torch"
     snapkv = build_plan(kvcompile.load_spec("snapkv"), CONFIG, **cpu)  # nothing runs: append + attention
-    assert snapkv.online_impl == ("cpp" if CPP else None) and not snapkv.running_scores
+    assert snapkv.online_impl == ("cpp" if CPP else "torch") and not snapkv.running_scores
     assert snapkv.step_rule == (StepRule(None, False, None, False) if CPP else None)
-    assert build_plan(kvcompile.load_spec("snapkv"), CONFIG, kernels="torch", **cpu).online_impl is None
+    assert build_plan(kvcompile.load_spec("snapkv"), CONFIG, kernels="torch", **cpu).online_impl == "torch"
     assert build_plan(kvcompile.load_spec("lava_residual"), CONFIG, **cpu).step_rule.alpha == \
         kvcompile.load_spec("lava_residual").merge.bias_alpha
     h2o = build_plan(kvcompile.load_spec("h2o"), CONFIG, **cpu)
@@ -244,7 +244,7 @@ def test_parts_it_cannot_express_keep_the_python_path():
     pol = dataclasses.replace(kvcompile.load_spec("zsmerge", per_head=8), scoring=SquaredDecay())
     assert SquaredDecay().running_decay is None
     plan = build_plan(pol, CONFIG, device="cpu", dtype=torch.float32)
-    assert plan.online_impl is None and plan.step_rule is None and plan.running_scores
+    assert plan.online_impl == "torch" and plan.step_rule is None and plan.running_scores
     cache = one_layer(pol, 1, 2, 1, 8, 4)
     gen = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731

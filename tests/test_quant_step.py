@@ -1,8 +1,8 @@
-"""The fused decode step of a quantized store (kvcompile.kernels.quant_step): the new entry quantized into its
-slot and the attention over the codes in one C++ call, against the engine's unfused path (`LayerStore.append`
-with the torch quantizer, then the quantized decode backend), the torch quantizer itself (codes, scales and
-zero points bit for bit) and the eager reference (reference.decode_step, token by token); its fallback where
-a head takes a fresh page; and how the plan chooses it."""
+"""The fused decode step of a quantized store (kvcompile.kernels.append_step): the new entry quantized into its
+slot and the attention over the codes in one C++ call, against the torch step (`LayerStore.append` with the
+torch quantizer, then the quantized decode backend), the torch quantizer itself (codes, scales and zero points
+bit for bit) and the eager reference (reference.decode_step, token by token); every step of it, a head taking a
+fresh page included; and how the plan chooses it."""
 from __future__ import annotations
 
 import contextlib
@@ -18,11 +18,12 @@ from torch.testing import assert_close
 
 import kvcompile
 import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
-import kvcompile.kernels.quant_step as quant_step_module
+import kvcompile.kernels.append_step as quant_step_module
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels import paged_attention_quant as pq
-from kvcompile.kernels.quant_step import CppQuantStep
+from kvcompile.engine.online import TorchStep
+from kvcompile.kernels.append_step import CppQuantStep
 from kvcompile.kernels.tiered_step import CppTieredStep
 import kvcompile.kernels.tiered_step as tiered_step_module
 from kvcompile.kernels.quantize import dequantize, quantize
@@ -60,7 +61,7 @@ def prefilled(policy, b, h, g, d, page, n, pad, rand, scale):
 
 def unfused(cache: KVCompileCache) -> KVCompileCache:
     """A copy of a prefilled cache whose decode steps take the engine's path (append, then attention)."""
-    return cache.copy_with(dataclasses.replace(cache.plan, online_step=None))
+    return cache.copy_with(dataclasses.replace(cache.plan, online_step=TorchStep()))
 
 
 def assert_same_store(got, want):
@@ -72,7 +73,7 @@ def assert_same_store(got, want):
 
 
 @contextlib.contextmanager
-def counted(module=quant_step_module, name: str = "quant_step_cpp"):
+def counted(module=quant_step_module, name: str = "append_step_cpp"):
     """Each call of a C++ step while the block runs: whether it ran (False: not its case, the engine's path ran)."""
     calls = []
     original = getattr(module, name)
@@ -203,8 +204,8 @@ def test_fused_step_equals_reference_token_by_token(storage, b, h, g, n, steps, 
 
 @needs_cpp
 def test_a_head_taking_a_fresh_page_runs_the_engines_path():
-    """Past its spare pages a head takes a fresh page: that step is the engine's (append allocates, the C++
-    step changed nothing), the others are one C++ call, and every step equals the unfused path."""
+    """Past its spare pages a head takes a fresh page: the engine makes room before the step (the append's host
+    read), and every step is one C++ call that equals the unfused path."""
     with counted() as calls:
         b, h, g, d, page, n = 2, 2, 3, 16, 2, 20
         policy = kvcompile.load_spec("snapkv", per_head=6, storage="int4", **SMALL)
@@ -222,8 +223,10 @@ def test_a_head_taking_a_fresh_page_runs_the_engines_path():
             want = torch.ops.kvcompile.attend(q, k, v, None, 0, other.ref, other.token, 0.25)
             assert torch.equal(got, want)
             assert_same_store(cache.stores[0], other.stores[0])
-        # 6 entries a head in 3 pages + 1 spare: 2 appends fit, the 3rd takes a run of pages, 1 more fits, ...
-        assert calls == [True, True, False, True, False, True, False]
+        # 6 entries a head in 3 pages + 1 spare: 2 appends fit, the 3rd takes a run of pages, 1 more fits, ...:
+        # every step the C++ one (the pages taken before it), none declined
+        assert calls == [True] * 7
+        assert sum(cache.host_syncs.values()) == sum(other.host_syncs.values()) == 3
 
 
 @needs_cpp
@@ -239,7 +242,7 @@ def test_generate_gives_the_unfused_paths_tokens(storage):
         with torch.no_grad(), kvcompile.compiled(model, policy):
             plan = model.kvcompile_plan
             for fused in (True, False):
-                cache = KVCompileCache.from_plan((plan if fused else dataclasses.replace(plan, online_step=None))
+                cache = KVCompileCache.from_plan((plan if fused else dataclasses.replace(plan, online_step=TorchStep()))
                                                  .with_headroom(12))
                 out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                      return_dict_in_generate=True, output_logits=True)
@@ -272,7 +275,7 @@ def test_the_plan_chooses_the_fused_step_where_it_computes_the_policy():
         policy = kvcompile.load_spec(spec) if storage is None else kvcompile.load_spec(spec, storage=storage)
         plan = build_plan(policy, CONFIG, **FP32)
         if not CPP:
-            assert plan.online_step is None
+            assert plan.online_step == TorchStep()
             continue
         assert plan.online_step == CppQuantStep(bits, group, pq.PARALLEL_WORK) and plan.online_impl == "cpp"
         assert plan.step_rule.decay is None and plan.step_rule.alpha is None and not plan.step_rule.evict
@@ -285,7 +288,7 @@ def test_the_plan_chooses_the_fused_step_where_it_computes_the_policy():
                CppTieredStep(8, 64, kvcompile.load_spec("lava_residual").merge.bias_alpha, True, pq.PARALLEL_WORK))]
     for policy, step in tiered:
         plan = build_plan(policy, CONFIG, **FP32)
-        assert plan.online_step == (step if CPP else None), policy.name
+        assert plan.online_step == (step if CPP else TorchStep()), policy.name
         if CPP:
             assert f"online_impl: cpp, two tiers (model dtype and int{step.bits}" in plan.describe()
     not_fused = [
@@ -295,10 +298,11 @@ def test_the_plan_chooses_the_fused_step_where_it_computes_the_policy():
         (kvcompile.load_spec("lava_mixed"), dict(kernels="torch", **FP32)),
         (kvcompile.load_spec("kivi"), FP32),  # keys per channel: a flush moves whole pages
         (kvcompile.load_spec("h2o", storage="int8"), FP32),  # running scores
-        (kvcompile.load_spec("snapkv_int4"), {}),  # no device yet: chosen when the first prompt binds it
     ]
     for policy, options in not_fused:
-        assert build_plan(policy, CONFIG, **options).online_step is None, (policy.name, options)
+        assert build_plan(policy, CONFIG, **options).online_step == TorchStep(), (policy.name, options)
+    # no device yet: chosen when the first prompt binds it
+    assert build_plan(kvcompile.load_spec("snapkv_int4"), CONFIG).online_step is None
 
 
 # --- two tiers (kvcompile.kernels.tiered_step) ---------------------------------------------------------------

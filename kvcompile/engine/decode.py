@@ -1,6 +1,6 @@
-"""A decode step: append the new entries to their heads' pages, then attention over the pages with the
-merge rule's per-entry bias (ZSMerge Eq. 8: α·log w) when the policy merges; then the decode schedule:
-running scores (H2O, ZSMerge), online eviction (engine.online) and `decode: every` pruning."""
+"""A decode step: the plan's decode step backend (`Plan.online_step`, chosen once: append the new entries to
+their heads' pages, attention with the merge rule's per-entry bias, running scores and online eviction where
+the policy has them; kvcompile.kernels.online_step), then `decode: every` pruning."""
 from __future__ import annotations
 
 import functools
@@ -11,9 +11,7 @@ from torch import Tensor
 
 from kvcompile.allocation import decode_budgets, head_split
 from kvcompile.engine.compress import choose, over_heads
-from kvcompile.engine.online import evict_online
 from kvcompile.engine.state import DecodeState, Phase
-from kvcompile.policies.scoring import capped, model_softmax
 from kvcompile.selection import decode_prune
 
 if TYPE_CHECKING:
@@ -28,7 +26,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     plan = cache.plan
     given, start = start is not None, cache.seq_length if start is None else start
     store = cache.stores[layer]
-    running, online, every = plan.running_scores, plan.online_eviction, plan.prune_every
+    online, every = plan.online_eviction, plan.prune_every
     if cache.phase is Phase.COMPRESSED:
         cache.enter(Phase.DECODING, decoding=start_decode(cache))
     elif cache.phase is Phase.EMPTY:
@@ -40,28 +38,15 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     # the first new token's logical position among real tokens (B,): from the device's count of the cache's
     # length once decoding (a step replayed from a captured graph reads it), else from the host's
     first = (start if given or cache.decoding is None else cache.decoding.length) - pad
+    split = cache.decoding.split[:, layer] if online else None
     outs = []
     for i in range(q.shape[2]):
         position = first + i
-        out = None
-        if plan.online_step is not None:  # append, attention, running scores, online eviction: one fused step
-            split = cache.decoding.split[:, layer] if online else None
-            out = store.step(plan.online_step, q[:, :, i], k[:, :, i], v[:, :, i], position, split, scale)
-        if out is not None:
-            out = out.to(q.dtype)
-        else:  # no fused step, or not its common case (a head taking a fresh page, several to evict)
-            if store.room <= 0:  # the append reads the heads that need a page (Plan.host_syncs), counted
-                cache.count_host_sync("append")
-            store.append(k[:, :, i], v[:, :, i], position, step=plan.spare_pages)
-            if running or online:
-                out, probs = _attend_with_probs(cache, store, q[:, :, i], scale, layer)
-                if running:
-                    _update_scores(cache, store, probs)
-                if online:
-                    evict_online(cache, store, layer)
-            else:
-                out = paged_attention(cache, store, q[:, :, i], scale, layer)
-        outs.append(out)
+        if store.room <= 0:  # a head's pages are full: it takes its next run (Plan.host_syncs), counted
+            cache.count_host_sync("append")
+            store.make_room(plan.spare_pages)
+        outs.append(plan.online_step(plan, store, layer, q[:, :, i], k[:, :, i], v[:, :, i], position, split,
+                                     scale).to(q.dtype))
         if every:
             if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries
                 _ring_push(cache, layer, q[:, :, i, None])
@@ -100,36 +85,6 @@ def _ring_push(cache: KVCompileCache, layer: int, row: Tensor) -> None:
         cache.rings[layer] = torch.cat([ring, row], dim=2)[:, :, -rows:]
 
 
-def _attend_with_probs(cache: KVCompileCache, store, q: Tensor, scale: float, layer: int):
-    """Decode attention over the gathered entries, also returning the attention of every entry
-    reduced over each GQA group as the scorer reduces it (B, H, E): the running scores need it. The model's
-    soft-cap and the layer's learned sinks apply (the same weights as the model's attention)."""
-    plan = cache.plan
-    flat, stored = store.entries()
-    keys, values = store.kv_rows(flat)
-    b, hq, d = q.shape
-    h = keys.shape[1]
-    g = hq // h
-    logits = capped(torch.einsum("bhgd,bhed->bhge", q.float().view(b, h, g, d), keys.float()) * scale, plan.softcap)
-    bias = plan.merge_bias(store.count_pages.reshape(-1)[flat])
-    if bias is not None:
-        logits = logits + bias[:, :, None, :]
-    logits = logits.masked_fill(~stored[:, :, None, :], float("-inf"))
-    sinks = plan.layer_sinks(layer, q.device)
-    probs = model_softmax(logits, None if sinks is None else sinks.view(1, h, g, 1))
-    out = torch.einsum("bhge,bhed->bhgd", probs, values.float()).reshape(b, hq, d).to(q.dtype)
-    return out, plan.policy.scoring.reduce_group(probs, 2)
-
-
-def _update_scores(cache: KVCompileCache, store, probs: Tensor) -> None:
-    """Each token entry's running score ← scoring.running_update(score, attention), written with no host
-    read (`LayerStore.rescore`)."""
-    flat, stored = store.entries()
-    pos = store.pos_pages.reshape(-1)[flat]
-    new = cache.policy.scoring.running_update(store.score_pages.reshape(-1)[flat], probs)
-    store.rescore(flat, stored & (pos >= 0), new)
-
-
 def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> None:
     """`decode: every n`: re-score the layer with the ring of latest queries and prune it back
     to its budget (selection.decode_prune), then write it into fresh pages, copied into the layer's own
@@ -145,11 +100,3 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
                                         storage=cache.policy.storage, dtype=cache.plan.dtype)
     if not cache.stores[layer].refill(store):  # into the layer's own tensors where it fits (a captured step's)
         cache.stores[layer] = store
-
-
-def paged_attention(cache: KVCompileCache, store, q: Tensor, scale: float, layer: int | None = None) -> Tensor:
-    """Attention of one query per head over that head's pages, with the merge rule's bias, by the
-    plan's decode attention backend (a model with learned sinks: the layer's, `Plan.decode_backend`)."""
-    backend = cache.plan.decode_attention if layer is None else cache.plan.decode_backend(layer, q.device)
-    return store.attend(backend, q, cache.plan.merge_bias, scale)
-

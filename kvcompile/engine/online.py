@@ -1,27 +1,92 @@
-"""ZSMerge's online eviction (Alg. 1) while decoding: every head over its budget sends its lowest running
-score outside the proximity window into the residual slots, all heads at once, with fixed shapes and no
-host read once the heads are within their budgets."""
+"""The decode step in torch ops (`TorchStep`, the torch member of the decode-step family the plan chooses from,
+kvcompile.kernels.online_step): the new entry appended to its head's pages, attention over them with the merge
+rule's per-entry bias (ZSMerge Eq. 8: α·log w) by the plan's decode attention backend, and where the policy has
+them the running scores (H2O, ZSMerge) and ZSMerge's online eviction (Alg. 1): every head over its budget sends
+its lowest running score outside the proximity window into the residual slots, all heads at once, with fixed
+shapes and no host read once the heads are within their budgets."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from kvcompile.allocation import latest
+from kvcompile.kernels.online_step import DecodeStep
+from kvcompile.policies.scoring import capped, model_softmax
 
-if TYPE_CHECKING:
-    from kvcompile.cache import KVCompileCache
+
+@dataclass(frozen=True)
+class TorchStep(DecodeStep):
+    """Every policy's decode step in torch ops, over every store (LayerStore.append, or a store of codes' or two
+    tiers'; then the plan's decode attention backend, whichever implementation it is; running scores and online
+    eviction here). The plan's step wherever no fused C++ step computes the policy on its tensors."""
+
+    name: ClassVar[str] = "torch"
+    stores: ClassVar[tuple[str, ...]] = ("LayerStore", "CodeStore", "TieredStore")
+
+    def __call__(self, plan, store, layer: int, q: Tensor, k: Tensor, v: Tensor, position: Tensor,
+                 split: Tensor | None, scale: float) -> Tensor:
+        store.append(k, v, position, step=plan.spare_pages)
+        if not (plan.running_scores or plan.online_eviction):
+            return paged_attention(plan, store, q, scale, layer)
+        out, probs = _attend_with_probs(plan, store, q, scale, layer)
+        if plan.running_scores:
+            _update_scores(plan, store, probs)
+        if plan.online_eviction:
+            evict_online(store, split)
+        return out
+
+    def describe(self) -> str:
+        return "torch (the store's append, then decode_impl; running scores and online eviction in torch)"
 
 
-def evict_online(cache: KVCompileCache, store, layer: int) -> None:
+def paged_attention(plan, store, q: Tensor, scale: float, layer: int | None = None) -> Tensor:
+    """Attention of one query per head over that head's pages, with the merge rule's bias, by the
+    plan's decode attention backend (a model with learned sinks: the layer's, `Plan.decode_backend`)."""
+    backend = plan.decode_attention if layer is None else plan.decode_backend(layer, q.device)
+    return store.attend(backend, q, plan.merge_bias, scale)
+
+
+def _attend_with_probs(plan, store, q: Tensor, scale: float, layer: int):
+    """Decode attention over the gathered entries, also returning the attention of every entry
+    reduced over each GQA group as the scorer reduces it (B, H, E): the running scores need it. The model's
+    soft-cap and the layer's learned sinks apply (the same weights as the model's attention)."""
+    flat, stored = store.entries()
+    keys, values = store.kv_rows(flat)
+    b, hq, d = q.shape
+    h = keys.shape[1]
+    g = hq // h
+    logits = capped(torch.einsum("bhgd,bhed->bhge", q.float().view(b, h, g, d), keys.float()) * scale, plan.softcap)
+    bias = plan.merge_bias(store.count_pages.reshape(-1)[flat])
+    if bias is not None:
+        logits = logits + bias[:, :, None, :]
+    logits = logits.masked_fill(~stored[:, :, None, :], float("-inf"))
+    sinks = plan.layer_sinks(layer, q.device)
+    probs = model_softmax(logits, None if sinks is None else sinks.view(1, h, g, 1))
+    out = torch.einsum("bhge,bhed->bhgd", probs, values.float()).reshape(b, hq, d).to(q.dtype)
+    return out, plan.policy.scoring.reduce_group(probs, 2)
+
+
+def _update_scores(plan, store, probs: Tensor) -> None:
+    """Each token entry's running score ← scoring.running_update(score, attention), written with no host
+    read (`LayerStore.rescore`)."""
+    flat, stored = store.entries()
+    pos = store.pos_pages.reshape(-1)[flat]
+    new = plan.policy.scoring.running_update(store.score_pages.reshape(-1)[flat], probs)
+    store.rescore(flat, stored & (pos >= 0), new)
+
+
+def evict_online(store, split: Tensor) -> None:
     """ZSMerge Alg. 1, every (sequence, head) at once: while a head holds more tokens than
     proximity + context, its lowest running score outside the latest B_p tokens (ties: the
     earliest position, as reference.decode_step) leaves into the residual slots. Each round
     takes one victim from every head over its budget; a decode step appends one token per
     head, so one round is the rule once every head is within its budget (`store.settled`: no host
-    read then); right after a prompt that filled the cache, the rounds are counted on the host."""
-    prox, context, slots = cache.decoding.split[:, layer].unbind(-1)  # (B, H) each
+    read then); right after a prompt that filled the cache, the rounds are counted on the host. split (B, H, 3):
+    each head's (proximity, context, residual slots)."""
+    prox, context, slots = split.unbind(-1)  # (B, H) each
     flat, stored = store.entries()
     pos = store.pos_pages.reshape(-1)[flat]
     tokens = stored & (pos >= 0)
@@ -36,12 +101,12 @@ def evict_online(cache: KVCompileCache, store, layer: int) -> None:
         scores = store.score_pages.reshape(-1)[flat].masked_fill(~candidates, float("inf"))
         lowest = candidates & (scores == scores.amin(-1, keepdim=True))
         victim = pos.masked_fill(~lowest, torch.iinfo(pos.dtype).max).argmin(-1)  # (B, H) entry index
-        merge_victims(cache, store, excess > done, victim, slots, flat, pos, stored, check=not store.settled)
+        merge_victims(store, excess > done, victim, slots, flat, pos, stored, check=not store.settled)
     if not store.settled:  # every head within its budget from now on: its length stays at most budget + 1
         store.settle(prox + context + slots)
 
 
-def merge_victims(cache: KVCompileCache, store, leaving: Tensor, victim: Tensor, slots: Tensor, flat: Tensor,
+def merge_victims(store, leaving: Tensor, victim: Tensor, slots: Tensor, flat: Tensor,
                    pos: Tensor, stored: Tensor, check: bool = True) -> None:
     """Entry victim[b, h] of every head with leaving[b, h] leaves (reference._merge_one, ZSMerge
     Alg. 1 lines 11–15), all heads at once: with no slot it is dropped; with a free slot it

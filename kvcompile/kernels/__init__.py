@@ -6,8 +6,9 @@
 - `merge`: the ZSMerge residual merge update.
 - `select`: prefill selection (top-k per head, pooled top-k, DBudgetKV threshold) and
   the gather of the kept rows into pages.
-- `online_step`: the fused decode step (C++); `quant_step`, `tiered_step`: the fused decode step of a
-  store of int8 / int4 codes and of a two-tier store (C++, over `paged_attention_quant`'s kernel);
+- `online_step`: the decode step's backend family (the plan's `online_step`) and its fused C++ step of
+  running scores and online eviction; `append_step`, `tiered_step`: the fused decode step of fp32 pages or a
+  store of int8 / int4 codes, and of a two-tier store (C++, over the paged kernel);
   `attention_column_sums`: the prompt's attention
   with its weighted column sums (C++); `chunk_attention`: a chunk's attention over the held
   entries and itself (a chunked prompt).

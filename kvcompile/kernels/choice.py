@@ -18,7 +18,7 @@ Each kernel op has a few implementations ("impls"), named by strings:
 
 "torch" is the eager torch lowering, "compiled" the same lowering through Inductor
 (torch.compile), "cpp" the hand-written C++ kernels (paged_attention_cpp; online_step: the
-fused decode step of running scores and online eviction; column_sums: the prompt's attention
+fused decode steps, kernels.online_step's family, "torch" its step in torch ops; column_sums: the prompt's attention
 with the weighted column sums of its probabilities, attention_column_sums; its "torch" is the
 model's attention and the scorer's own pass), "triton"
 the Triton kernels: on a CUDA device, or on any device under Triton's interpreter

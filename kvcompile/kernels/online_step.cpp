@@ -28,10 +28,10 @@ static inline float dot(const float* a, const float* b) {
     return s;
 }
 
-// status[0]: 0 = done; 1 = the common case does not hold for some head (nothing was changed:
-// the caller runs the general path). The common case: every head's next entry has a page
-// (no fresh page to take), and, when evicting, at most one token over proximity + context after
-// the append and no more slots held than the split allows.
+// status[0]: 0 = done; 1 = some head's next entry has no page (nothing was changed: the engine makes room
+// before the step, so this is an error); 2 = a head holds more residual slots than its split allows (an
+// error, as the engine's path raises it). Evicting, a head over proximity + context after the append loses
+// one token a round until it is within them (several rounds: the first step after a prompt that filled it).
 extern "C" void kernel(const float* q, const float* k, const float* v, const int64_t* position,
                        float* kp, float* vp, float* sp, int64_t* pp, float* cp, const int64_t* table,
                        int64_t* lengths, int64_t* slots, const int64_t* owned, const int64_t* split,
@@ -41,7 +41,7 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
     const double alpha = alpha_p[0];
     status[0] = 0;
     int64_t widest = 0;
-    for (int64_t bh = 0; bh < B * H; ++bh) {  // pass 1: the common case, or nothing is touched
+    for (int64_t bh = 0; bh < B * H; ++bh) {  // pass 1: every head has a page, or nothing is touched
         const int64_t e = lengths[bh];
         if (e / S >= owned[bh] || e / S >= M) { status[0] = 1; return; }
         widest = std::max(widest, e + 1);
@@ -53,7 +53,7 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
             ntok += token;
             held += !token;
         }
-        if (ntok - split[bh * 3] - split[bh * 3 + 1] > 1 || held > split[bh * 3 + 2]) { status[0] = 1; return; }
+        if (ntok - split[bh * 3] - split[bh * 3 + 1] >= 1 && held > split[bh * 3 + 2]) { status[0] = 2; return; }
     }
     static thread_local std::vector<int64_t> idx, recent;
     static thread_local std::vector<float> probs, reduced;
@@ -114,11 +114,12 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
                 if (pp[idx[i]] >= 0) { const float t = decay * sp[idx[i]]; sp[idx[i]] = t + reduced[i]; }
         }
         if (!evict) continue;
-        // online eviction (ZSMerge Alg. 1): one token over proximity + context leaves
+        // online eviction (ZSMerge Alg. 1): a token over proximity + context leaves, a round at a time
         const int64_t prox = split[bh * 3], context = split[bh * 3 + 1], nslots = split[bh * 3 + 2];
+        for (int64_t n = lengths[bh];; n = lengths[bh]) {
         int64_t ntok = 0, held = 0;
         for (int64_t i = 0; i < n; ++i) { if (pp[idx[i]] >= 0) recent[ntok++] = pp[idx[i]]; else ++held; }
-        if (ntok - prox - context < 1) continue;
+        if (ntok - prox - context < 1) break;
         // the latest `prox` tokens stay: positions >= cut (positions of a head's tokens are distinct)
         int64_t cut = std::numeric_limits<int64_t>::max();
         if (prox > 0) {
@@ -137,7 +138,7 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
         const int64_t ve = idx[victim];
         if (nslots > 0 && held < nslots) {  // a free slot: the victim becomes slot `held` in place
             pp[ve] = -1 - held; sp[ve] = 0.f; slots[bh] += 1;
-            continue;
+            continue;  // (the next round)
         }
         if (nslots > 0) {  // fold into the slot of largest k_r . k (ties: the lowest r = the highest position)
             int64_t target = -1;
@@ -162,5 +163,6 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
         for (int64_t j = 0; j < D; ++j) { kp[ve * D + j] = kp[last * D + j]; vp[ve * D + j] = vp[last * D + j]; }
         sp[ve] = sp[last]; pp[ve] = pp[last]; cp[ve] = cp[last];
         lengths[bh] = n - 1;
+        }
     }
 }

@@ -1,46 +1,44 @@
-"""One decode step of a layer whose scores run (H2O, ZSMerge) or that evicts online (ZSMerge
-Alg. 1), fused: what the engine's Python path does in `LayerStore.append` + `_attend_with_probs` +
-`_update_scores` + `evict_online` + `merge_victims` + `LayerStore.remove_where`, in one call.
+"""The decode step's backends: what the plan chose, once, to run a layer's decode step (append the new token's
+entry, attend, and where the policy has them update running scores and evict online), called once a layer and
+step with one signature and never declining a step (FlashInfer's shape: the plan is made once, `run` per layer):
 
-    out = online_step_cpp(pages, q, k, v, position, split, rule, scale)   # None: not run
+    out = plan.online_step(plan, store, layer, q, k, v, position, split, scale)    # (B, Hq, d)
 
-pages: a layer's page tensors (`kvcompile.store.PageTensors`, `LayerStore.tensors()`: docs/INTERNALS.md
-"Paged cache layout"), updated in place;
-q (B, Hq, d), k, v (B, H, d) the new token's query, key and value of every head; position
-(B,) long its logical position; split (B, H, 3) long the ZSMerge (proximity, context,
-residual) of every head (`DecodeState.split[:, layer]`), or None when nothing is evicted;
-rule: the plan's `StepRule` (numbers read off the parts: the running update λ·s + a, λ = 1
-for accumulated; the GQA reduce; the merge bias α·log w; whether to evict). Returns the
-attention output (B, Hq, d). Semantics, all heads at once (each head independent):
+store: the layer's page store (kvcompile.store; every head's next entry has a page: the engine makes room
+before the step, `store.make_room`, the append's named host read); q (B, Hq, d), k, v (B, H, d) the new token's
+query, key and value of every head; position (B,) long its logical position; split (B, H, 3) long the ZSMerge
+(proximity, context, residual) of every head (`DecodeState.split[:, layer]`), or None when nothing is evicted.
+
+The family (`DecodeStep`; each declares the stores it computes, `stores`, and the plan refuses a step that does
+not cover its store, dtype or device: `refuses`):
+- `kvcompile.engine.online.TorchStep`: the step in torch ops (`LayerStore.append`, then the plan's decode
+  attention backend: torch, compiled, C++ or Triton; running scores and online eviction in torch). Complete:
+  every store, dtype, device and policy; the plan's choice wherever no fused kernel computes the policy.
+- `CppOnlineStep` (here): the fused C++ step of a float store whose scores run (H2O, ZSMerge) or that evicts
+  online (ZSMerge Alg. 1), or of a plain step where the paged C++ kernel does not take the head dim; one thread.
+- `kvcompile.kernels.append_step.CppAppendStep`: append, then the paged C++ kernel, one call (fp32 pages or
+  int8 / int4 codes per token).
+- `kvcompile.kernels.tiered_step.CppTieredStep`: a two-tier store (codes and floats), one call.
+
+`CppOnlineStep` is online_step.cpp beside this module, built with Inductor's C++ toolchain once per (G, d)
+(fp32 CPU, any head dim, one thread, no host read). It computes what the torch step does in `LayerStore.append`
++ `_attend_with_probs` + `_update_scores` + `evict_online` + `merge_victims` + `LayerStore.remove_where`
+(kvcompile.engine.online), all heads at once (each head independent), with the plan's `StepRule` (numbers read
+off the parts: the running update λ·s + a, λ = 1 for accumulated; the GQA reduce; the merge bias α·log w;
+whether to evict):
 1. the new entry is appended (score 0, count 1);
-2. attention of the G query heads over the head's entries with logit bias α·log w (−inf for
-   an empty slot, w = 0; no bias at all when the rule has none);
-3. running scores of the token entries (position ≥ 0): s ← λ·s + a, a = the attention
-   reduced over the group (mean | max);
-4. evicting: while the head holds more tokens than proximity + context, its lowest running
-   score outside the latest `proximity` tokens (ties: the earliest position) leaves: into a
-   free residual slot in place (position −1 − r, score 0), else folded into the slot r of
-   largest k_r·k (ties: the lowest r), k_r ← (w·k_r + k)/(w + 1), the same for v, w ← w + 1,
-   and removed (the head's last entry moves into its place); with no slot it is dropped.
-
-Impls (`kvcompile.kernels.choice.resolve("online_step", ...)`): "cpp" (online_step.cpp beside
-this module, built with Inductor's C++ toolchain once per (G, d), as paged_attention_cpp;
-fp32 CPU, any head dim, one thread, no host sync) and "torch" (the runtime's own Python path,
-kvcompile.engine.decode and kvcompile.engine.online: LayerStore.append, _attend_with_probs, _update_scores,
-evict_online). The C++ kernel
-runs the common case of a decode step: every head's next entry has a page and at most one
-token leaves; otherwise (a head taking a fresh page, the first step after a prompt that filled
-the cache: several rounds) it changes nothing and returns None, and the runtime's path runs
-that step. The two agree exactly on evictions, positions, slots, counts, keys and values
-(tests/test_online_step.py); scores and outputs up to float summation order (the softmax,
-the GQA mean).
-
-Backends (`Plan.online_step`): `CppOnlineStep` (the C++ kernel, with the plan's StepRule and when it
-runs: every step where scores run or tokens leave, else only below `one_thread_work` multiply-adds, where
-the paged-attention kernel would run on one thread anyway) and `TorchOnlineStep` (the runtime's path:
-`runs` is False). `backend.runs(pages, query_heads)` says whether `backend(pages, q, k, v, position,
-split, scale)` is called for a step. The same slot and call hold the fused steps of quantized stores:
-`kernels.quant_step.CppQuantStep` (codes per token) and `kernels.tiered_step.CppTieredStep` (two tiers).
+2. attention of the G query heads over the head's entries with logit bias α·log w (−inf for an empty slot,
+   w = 0; no bias at all when the rule has none);
+3. running scores of the token entries (position ≥ 0): s ← λ·s + a, a = the attention reduced over the group
+   (mean | max);
+4. evicting: while the head holds more tokens than proximity + context (once a step when it is within its
+   budget; several times at the first step after a prompt that filled the cache), its lowest running score
+   outside the latest `proximity` tokens (ties: the earliest position) leaves: into a free residual slot in
+   place (position −1 − r, score 0), else folded into the slot r of largest k_r·k (ties: the lowest r),
+   k_r ← (w·k_r + k)/(w + 1), the same for v, w ← w + 1, and removed (the head's last entry moves into its
+   place); with no slot it is dropped.
+The two agree exactly on evictions, positions, slots, counts, keys and values (tests/test_online_step.py);
+scores and outputs up to float summation order (the softmax, the GQA mean).
 """
 from __future__ import annotations
 
@@ -51,7 +49,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvcompile.kernels import paged_attention_cpp
 from kvcompile.kernels.paged_attention_cpp import load_cpp
 from kvcompile.kernels.backend import KernelBackend
 
@@ -86,14 +83,15 @@ def _writable_layout(pages) -> bool:
 
 
 def online_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
-                    rule, scale: float) -> Tensor | None:
-    """The C++ kernel: the output (B, Hq, d), or None when the common case does not hold for
-    some head (the pages are then untouched)."""
+                    rule, scale: float) -> Tensor:
+    """The C++ kernel: the output (B, Hq, d) (RuntimeError where a head has no page for its next entry, or holds
+    more residual slots than its split allows)."""
     b, hq, d = q.shape
     h = k.shape[1]
     if not _writable_layout(pages) or q.dtype != torch.float32 or k.dtype != torch.float32 \
             or v.dtype != torch.float32 or position.dtype != torch.long:
-        return None
+        raise RuntimeError(f"kvcompile: the fused decode step (C++, fp32) got tensors of another layout: q {q.dtype}, "
+                           f"pages {pages.k_pages.dtype}")
     out = torch.empty(b, hq, d)
     status = torch.empty(1, dtype=torch.long)
     if split is not None and not split.is_contiguous():
@@ -106,69 +104,55 @@ def online_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, sp
         float(scale), int(rule.decay is not None), float(rule.decay or 0.0), int(rule.gqa_max),
         int(rule.alpha is not None), _alpha(float(rule.alpha or 0.0)), int(rule.evict and split is not None),
         status)
-    return None if int(status[0]) else out
+    if int(status[0]) == 1:
+        raise RuntimeError("kvcompile: the fused decode step met a head without a page for its next entry (the "
+                           "engine makes room before every step: LayerStore.make_room)")
+    if int(status[0]) == 2:
+        raise RuntimeError("kvcompile: a head holds more residual slots than its ZSMerge split allows")
+    return out
 
 
-@dataclass(frozen=True)
-class OnlineStep(KernelBackend):
-    """A decode step backend: `runs(pages, query_heads)` whether this step goes through it, and
-    `backend(pages, q, k, v, position, split, scale)` -> the output (B, Hq, d), or None where the
-    kernel's common case does not hold (the pages untouched; the engine's path runs that step)."""
+class DecodeStep(KernelBackend):
+    """A decode step backend: `backend(plan, store, layer, q, k, v, position, split, scale)` -> the output
+    (B, Hq, d), the module docstring's contract. `stores`: the store classes (kvcompile.store, by name) it
+    computes; `refuses(plan)`: why it cannot run a plan's steps (None: it can), checked when the plan is made.
+    (A C++ step's fp32 CPU tensors are `build_plan`'s choice, `choice.resolve`; a plan moved to another device
+    after it is refused at its step by the op, engine.op.run_layer.)"""
 
     name: ClassVar[str]
+    stores: ClassVar[tuple[str, ...]] = ()
 
-    def runs(self, pages, query_heads: int) -> bool:
-        return False
-
-    def __call__(self, pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
-                 scale: float) -> Tensor | None:
+    def refuses(self, plan) -> str | None:
+        if plan.store is not None and plan.store.__name__ not in self.stores:
+            return f"it computes {' | '.join(self.stores)} layers, and this policy's are {plan.store.__name__}"
         return None
 
-
-
-
-@dataclass(frozen=True)
-class TorchOnlineStep(OnlineStep):
-    """The engine's own Python path (LayerStore.append, _attend_with_probs, _update_scores, evict_online)."""
-
-    name: ClassVar[str] = "torch"
-
-    def describe(self) -> str:
-        return "torch (the engine's path)"
+    def __call__(self, plan, store, layer: int, q: Tensor, k: Tensor, v: Tensor, position: Tensor,
+                 split: Tensor | None, scale: float) -> Tensor:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class CppOnlineStep(OnlineStep):
-    """The fused C++ step (`online_step_cpp`) computing `rule`. always: every step runs it (scores run
-    or tokens leave online); else (append + attention only) a step runs it where it has fewer than
-    `one_thread_work` multiply-adds (entries · query heads per KV head · d, the paged-attention C++
-    kernel's one-thread bound): the separate append and paged-attention calls cost ~0.1 ms a layer in
-    small torch ops there, and the fused step runs on one thread."""
+class CppOnlineStep(DecodeStep):
+    """The fused C++ step (`online_step_cpp`) computing `rule` on one thread: every step of a float store whose
+    scores run or that evicts online, or a plain step (append + attention) where the paged C++ kernel does not
+    take the head dim (kernels.append_step otherwise)."""
 
     name: ClassVar[str] = "cpp"
+    stores: ClassVar[tuple[str, ...]] = ("LayerStore",)
     rule: object = None  # kvcompile.plan.StepRule
-    always: bool = True
-    one_thread_work: int = paged_attention_cpp.PARALLEL_WORK
 
-    def runs(self, pages, query_heads: int) -> bool:
-        if self.always:
-            return True
-        heads = pages.lengths.shape[1]
-        return int(pages.lengths.sum()) * (query_heads // heads) * pages.k_pages.shape[-1] < self.one_thread_work
+    def __call__(self, plan, store, layer, q, k, v, position, split, scale):
+        out = store.step(self._step, q, k, v, position, split, scale)
+        if split is not None and self.rule.evict and not store.settled:  # the first step after the prompt:
+            store.settle(split.sum(-1))  # every head within its budget from now on (as engine.online's)
+        return out
 
-    def __call__(self, pages, q, k, v, position, split, scale):
+    def _step(self, pages, q, k, v, position, split, scale):
         return online_step_cpp(pages, q, k, v, position, split, self.rule, scale)
 
     def build(self, group: int, head_dim: int) -> None:
         _kernel(group, head_dim)
 
     def describe(self) -> str:
-        when = "every step" if self.always else f"steps below {self.one_thread_work} multiply-adds (one thread)"
-        return f"cpp ({when}; {self.rule})"
-
-
-def backend(name: str, rule=None, always: bool = True) -> OnlineStep:
-    """The backend of impl `name` (one `choice.resolve("online_step", ...)` returned)."""
-    if name == "cpp":
-        return CppOnlineStep(rule, always, paged_attention_cpp.PARALLEL_WORK)
-    return TorchOnlineStep()
+        return f"cpp (one thread; {self.rule})"

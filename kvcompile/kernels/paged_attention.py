@@ -398,31 +398,46 @@ def paged_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     # or the cache is fp32; p·V in fp32 (p is not rounded to 16 bits).
     dot_fp32 = q.dtype != k_pages.dtype or k_pages.dtype == torch.float32
     _partials_kernel[(b * h, chunks)](
-        q, k_pages, v_pages, block_table, lengths, bias, m_part, l_part, acc_part,
-        scale, h, chunk_tokens, chunks,
+        q, k_pages, k_pages, k_pages, v_pages, v_pages, v_pages, block_table, lengths, bias, m_part, l_part,
+        acc_part, scale, h, chunk_tokens, chunks,
         block_table.stride(0), block_table.stride(1), block_table.stride(2),
         lengths.stride(0), lengths.stride(1),
         k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
-        G=g, D=d, S=s, HAS_BIAS=has_bias, DOT_FP32=dot_fp32,
-        BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
+        G=g, D=d, S=s, W=d, BITS=32, K_CHANNEL=False, NGK=1, GROUP_K=d, NGV=1, GROUP_V=d, HAS_BIAS=has_bias,
+        DOT_FP32=dot_fp32, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
     out = torch.empty_like(q)
-    _reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, chunks,
-                             G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d)
+    _reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, m_part, chunks,
+                             G=g, D=d, HAS_LSE=False, BLOCK_G=block_g, BLOCK_D=block_d)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _partials_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, bias_ptr,
+    def _codes(ptrs, mask, BITS: tl.constexpr):
+        """The codes of a (BLOCK_N, BLOCK_D · BITS / 8) tile of code bytes as a (BLOCK_N, BLOCK_D) int32
+        tile: int8 as they are; int4 split into the low nibble (channel 2i) and the high nibble
+        (channel 2i + 1) of byte i and interleaved back into channel order."""
+        raw = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        if BITS == 4:
+            raw = tl.interleave(raw & 15, raw >> 4)
+        return raw
+
+    @triton.jit
+    def _partials_kernel(q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, vz_ptr, table_ptr, len_ptr, bias_ptr,
                          m_ptr, l_ptr, acc_ptr, scale, H, chunk_tokens, num_chunks,
                          stride_tb, stride_th, stride_tm, stride_lb, stride_lh,
                          stride_kp, stride_ks, stride_vp, stride_vs, stride_bp, stride_bs,
-                         G: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
+                         G: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                         BITS: tl.constexpr, K_CHANNEL: tl.constexpr, NGK: tl.constexpr,
+                         GROUP_K: tl.constexpr, NGV: tl.constexpr, GROUP_V: tl.constexpr,
                          HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Online-softmax partials of one (sequence·KV head, chunk) for its G query heads."""
+        """Online-softmax partials of one (sequence·KV head, chunk) for its G query heads, over float pages
+        (BITS 32: keys and values loaded as they are, by their strides) or codes (BITS 8 or 4: W bytes an
+        entry, dequantized to fp32 as they are loaded, kvcompile.kernels.paged_attention_quant): only the
+        load of a key or value tile differs."""
         bh = tl.program_id(0)
         chunk = tl.program_id(1)
         b = bh // H
@@ -436,6 +451,8 @@ if triton is not None:
                     mask=mask_g[:, None] & mask_d[None, :], other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
+        offs_w = tl.arange(0, BLOCK_D * BITS // 8)  # code bytes of an entry (int4: two codes each)
+        mask_w = offs_w < W
         length = tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32)
         table_row = table_ptr + b.to(tl.int64) * stride_tb + h * stride_th
         lo = chunk * chunk_tokens
@@ -448,11 +465,22 @@ if triton is not None:
             valid = t < hi
             page = tl.load(table_row + (t // S) * stride_tm, mask=valid, other=0).to(tl.int64)
             slot = t % S
+            entry = page * S + slot  # the entry's row in the pool, (BLOCK_N,)
             kv_mask = valid[:, None] & mask_d[None, :]
-            k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
+            if BITS == 32:
+                k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
+                            mask=kv_mask, other=0.0)
+                if DOT_FP32:
+                    k = k.to(tl.float32)
+            else:
+                codes = _codes(k_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :],
+                               BITS)
+                if K_CHANNEL:
+                    at = page[:, None] * D + offs_d[None, :]
+                else:
+                    at = entry[:, None] * NGK + (offs_d // GROUP_K)[None, :]
+                k = (codes.to(tl.float32) * tl.load(ks_ptr + at, mask=kv_mask, other=0.0)
+                     + tl.load(kz_ptr + at, mask=kv_mask, other=0.0))
             logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_G, BLOCK_N)
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + page * stride_bp + slot * stride_bs, mask=valid, other=0.0)
@@ -462,14 +490,22 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(logits - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:  # p = hi + lo in V's dtype: two tensor-core products, p kept to 2x its bits
-                p_hi = p.to(v.dtype)
-                p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-                pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
+            if BITS == 32:
+                v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
+                            mask=kv_mask, other=0.0)
+                if DOT_FP32:
+                    pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                else:  # p = hi + lo in V's dtype: two tensor-core products, p kept to 2x its bits
+                    p_hi = p.to(v.dtype)
+                    p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+                    pv = tl.dot(p_hi, v) + tl.dot(p_lo, v)
+            else:
+                codes = _codes(v_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :],
+                               BITS)
+                at = entry[:, None] * NGV + (offs_d // GROUP_V)[None, :]
+                v = (codes.to(tl.float32) * tl.load(vs_ptr + at, mask=kv_mask, other=0.0)
+                     + tl.load(vz_ptr + at, mask=kv_mask, other=0.0))
+                pv = tl.dot(p, v, input_precision="ieee")
             acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -480,10 +516,12 @@ if triton is not None:
                  mask=mask_g[:, None] & mask_d[None, :])
 
     @triton.jit
-    def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, num_chunks,
-                       G: tl.constexpr, D: tl.constexpr,
+    def _reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, num_chunks,
+                       G: tl.constexpr, D: tl.constexpr, HAS_LSE: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Combine the chunk partials of one (sequence·KV head): rescale to a common max."""
+        """Combine the chunk partials of one (sequence·KV head): rescale to a common max; the log-sum-exp
+        m + log l (−inf for an empty head) when asked. The float and the quantized pages' kernels share it
+        (kvcompile.kernels.paged_attention_quant)."""
         bh = tl.program_id(0)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -506,3 +544,6 @@ if triton is not None:
         out = acc / tl.where(den > 0, den, 1.0)[:, None]
         tl.store(out_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask_gd)
+        if HAS_LSE:
+            lse = tl.where(den > 0, m_safe + tl.log(tl.where(den > 0, den, 1.0)), float("-inf"))
+            tl.store(lse_ptr + bh * G + offs_g, lse, mask=mask_g)

@@ -20,10 +20,14 @@ Dao et al. 2023), and a second loop combines the partials of each head.
 
 It is compiled by Inductor's own C++ toolchain (`CppPythonBindingsCodeCache`: the
 compiler, flags, vector ISA and OpenMP runtime of the kernels Inductor generates, and its
-on-disk cache), once per (G, D): compile-time constants, so the G·D/lanes accumulators
-stay in registers. The C++ is paged_attention.cpp beside this module (package data), read
-with importlib.resources; `source` prepends the #defines of G, D and the prefetch distance.
-fp32 only; other dtypes use the torch lowering.
+on-disk cache), once per (G, D): compile-time constants, so every loop over d unrolls. The C++
+is paged_attention.cpp beside this module (package data), read with importlib.resources; `source`
+prepends the #defines of G, D, the pages' kind and the prefetch distance. It is one kernel body for
+fp32 pages and for pages of int8 / int4 codes (kvcompile.kernels.paged_attention_quant): one entry
+(`launch` here is the one call of both), split into work items, online softmax, logit tree and
+combination of partials (with the log-sum-exp where asked, for fp32 pages too); a work item's per-page
+loops take the register blocking of their load (fp32: the queries and accumulators in registers, each
+logit broadcast; codes: blocked loops around the dequantizing load). fp32 queries only; other dtypes use the torch lowering.
 """
 from __future__ import annotations
 
@@ -33,10 +37,14 @@ from importlib import resources
 import torch
 from torch import Tensor
 
-_ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "const int64_t*",
-             "const float*", "float*", "float*", "const int64_t", "const int64_t", "const int64_t",
-             "const int64_t", "const float", "const int64_t", "const int64_t", "const int64_t",
-             "int64_t"]
+# the kernel's C signature (paged_attention.cpp's `kernel`): q, keys, key scales, key zeros, values, value
+# scales, value zeros (fp32 pages: keys and values as the "codes", the scales unused), block table, lengths,
+# bias, workspace, out, lse, then the sizes and switches
+_ARGTYPES = ("const float*", "const uint8_t*", "const float*", "const float*", "const uint8_t*",
+             "const float*", "const float*", "const int64_t*", "const int64_t*", "const float*", "float*",
+             "float*", "float*", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
+             "const int64_t", "const float", "const int64_t", "const int64_t", "const int64_t", "int64_t",
+             "const int64_t")
 
 # Below this many multiply-adds a call stays on one thread (see paged_attention.PARALLEL_WORK:
 # an OpenMP fork/join costs more than the work, and much more on a shared machine).
@@ -47,10 +55,18 @@ ITEMS_PER_THREAD = 8
 PREFETCH_AHEAD = 2  # pages: how far ahead the kernel starts loading a run's next page
 
 
-def source(g: int, d: int) -> str:
-    """The kernel's C++ for G query heads per KV head and head dim d: paged_attention.cpp
-    (package data) after the #defines that make G, D and the prefetch distance constants."""
-    return cpp_source("paged_attention.cpp", G=g, D=d, AHEAD=PREFETCH_AHEAD)
+def _constants(g: int, d: int, group_k: int | None, group_v: int | None) -> dict[str, int]:
+    """The build's constants: fp32 pages where group_k is None, else codes with keys in groups of group_k
+    channels (0: per channel, over a page) and values in groups of group_v."""
+    if group_k is None:
+        return dict(G=g, D=d, FLOAT=1, GK=d, GV=d, AHEAD=PREFETCH_AHEAD)
+    return dict(G=g, D=d, FLOAT=0, GK=group_k, GV=group_v, AHEAD=PREFETCH_AHEAD)
+
+
+def source(g: int, d: int, group_k: int | None = None, group_v: int | None = None) -> str:
+    """The kernel's C++ for G query heads per KV head and head dim d, over fp32 pages (group_k None) or codes
+    (`_constants`): paged_attention.cpp (package data) after the #defines that make these constants."""
+    return cpp_source("paged_attention.cpp", **_constants(g, d, group_k, group_v))
 
 
 def cpp_source(name: str, **constants: int) -> str:
@@ -69,8 +85,9 @@ def load_cpp(argtypes: tuple[str, ...], name: str, **constants: int):
     return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), cpp_source(name, **constants))
 
 
-def _kernel(g: int, d: int):
-    return load_cpp(tuple(_ARGTYPES), "paged_attention.cpp", G=g, D=d, AHEAD=PREFETCH_AHEAD)
+def _kernel(g: int, d: int, group_k: int | None = None, group_v: int | None = None):
+    """The kernel built once per (G, d, pages' kind and groups): int8 and int4 codes in one build."""
+    return load_cpp(_ARGTYPES, "paged_attention.cpp", **_constants(g, d, group_k, group_v))
 
 
 @functools.cache
@@ -108,8 +125,10 @@ def _dense(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                         lengths: Tensor, bias_pages: Tensor | None = None,
                         scale: float | None = None, *, threads: int | None = None,
-                        chunk: int | None = None, parallel_work: int | None = None) -> Tensor:
-    """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d), fp32 on CPU.
+                        chunk: int | None = None, parallel_work: int | None = None,
+                        return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Decode attention of q (B, Hq, d) over each head's pages -> (B, Hq, d), fp32 on CPU (with return_lse,
+    also the log-sum-exp of each query head's logits (B, Hq), −inf for an empty head).
 
     threads: OpenMP threads (default: torch's when the call has at least `parallel_work`
     multiply-adds, default PARALLEL_WORK, else 1; the C++ side decides); chunk: entries per work item (default:
@@ -117,9 +136,22 @@ def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
     on one thread)."""
     if not supported(q, k_pages):
         raise ValueError("paged_attention_cpp: fp32 CPU tensors with head dim a multiple of 16")
+    k, v = _dense(k_pages), _dense(v_pages)
+    b, hq, d = q.shape
+    return launch(_kernel(hq // block_table.shape[1], d), q, (k, k, k, v, v, v), 32, block_table, lengths, bias_pages,
+                  scale, threads=threads, chunk=chunk, parallel_work=parallel_work, return_lse=return_lse)
+
+
+def launch(kernel, q: Tensor, pages: tuple[Tensor, ...], bits: int, block_table: Tensor, lengths: Tensor,
+           bias_pages: Tensor | None, scale: float | None, *, return_lse: bool = False, threads: int | None = None, chunk: int | None = None,
+           parallel_work: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """The one call of the kernel (`kernel`: its build for these pages, `_kernel`), over fp32 pages (bits 32;
+    pages (k, ·, ·, v, ·, ·), the scales unread) or codes (bits 8 or 4; pages (k_codes, k_scale, k_zero, v_codes,
+    v_scale, v_zero)), every tensor contiguous in its dtype (`_dense` of the block table and lengths here).
+    -> out (B, Hq, d) (and the log-sum-exp (B, Hq) with return_lse); threads, chunk, parallel_work: `paged_attention_cpp`'s."""
     b, hq, d = q.shape
     h, m = block_table.shape[1:]
-    s = k_pages.shape[1]
+    s = pages[0].shape[1]
     g = hq // h
     scale = d ** -0.5 if scale is None else scale
     max_threads = torch.get_num_threads() if threads is None else threads
@@ -128,8 +160,9 @@ def paged_attention_cpp(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
         max(1, -(-m * s // chunk))  # bounds the runs per head the C++ side can choose
     workspace = torch.empty(b * h * runs * g * (d + 2))
     out = torch.empty(b, hq, d)
-    _kernel(g, d)(_dense(q), _dense(k_pages), _dense(v_pages), _dense(block_table, torch.long),
-                  _dense(lengths, torch.long), _dense(bias_pages) if bias_pages is not None else k_pages,
-                  workspace, out, b * h, m, s, int(bias_pages is not None), float(scale), max_threads,
-                  ITEMS_PER_THREAD, work, chunk or 0)
-    return out
+    lse = torch.empty(b, hq) if return_lse else out
+    kernel(_dense(q), *pages, _dense(block_table, torch.long), _dense(lengths, torch.long),
+           _dense(bias_pages) if bias_pages is not None else out, workspace, out, lse, b * h, m, s,
+           int(bias_pages is not None), int(return_lse), float(scale), max_threads, ITEMS_PER_THREAD, work, chunk or 0,
+           bits)
+    return (out, lse) if return_lse else out

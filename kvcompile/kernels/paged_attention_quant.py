@@ -68,13 +68,13 @@ from torch import Tensor
 
 from kvcompile.kernels import paged_attention_cpp as fp32_cpp
 from kvcompile.kernels.backend import KernelBackend
+from kvcompile.kernels.paged_attention_cpp import _ARGTYPES, load_cpp  # noqa: F401 (a build of one's own)
+from kvcompile.kernels import paged_attention as float_pages  # its Triton reduce is this kernel's too
 from kvcompile.kernels.paged_attention import paged_attention_torch
-from kvcompile.kernels.paged_attention_cpp import load_cpp
 from kvcompile.kernels.quantize import dequantize
 
 try:  # Triton is optional: the C++ kernel and the torch reference cover machines without it.
     import triton
-    import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
@@ -84,13 +84,6 @@ PARALLEL_WORK = fp32_cpp.PARALLEL_WORK
 ITEMS_PER_THREAD = fp32_cpp.ITEMS_PER_THREAD
 PREFETCH_AHEAD = fp32_cpp.PREFETCH_AHEAD
 CPP_GROUP = 16  # the C++ kernel's head dim and group sizes are multiples of this (the widest vector)
-
-_ARGTYPES = ("const float*", "const uint8_t*", "const float*", "const float*", "const uint8_t*",
-             "const float*", "const float*", "const int64_t*", "const int64_t*", "const float*", "float*",
-             "float*", "float*", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
-             "const int64_t", "const float", "const int64_t", "const int64_t", "const int64_t", "int64_t",
-             "const int64_t")
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -220,16 +213,15 @@ def dense_attention_lse(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale:
 
 def cpp_source(g: int, d: int, group_k: int, group_v: int) -> str:
     """The kernel's C++ for G query heads per KV head, head dim d, keys in groups of group_k
-    channels (0: per channel) and values in groups of group_v channels (package data, after the
-    #defines of these and the prefetch distance)."""
-    return fp32_cpp.cpp_source("paged_attention_quant.cpp", G=g, D=d, GK=group_k, GV=group_v, AHEAD=PREFETCH_AHEAD)
+    channels (0: per channel) and values in groups of group_v channels: paged_attention.cpp, the float
+    pages' kernel body with the codes' load (kvcompile.kernels.paged_attention_cpp)."""
+    return fp32_cpp.source(g, d, group_k, group_v)
 
 
 def _kernel(g: int, d: int, group_k: int, group_v: int):
     """The C++ kernel built once per (G, d, key group (0: per channel), value group): compile-time
     constants, so every loop over the head dim unrolls; int8 and int4 in one build."""
-    return load_cpp(_ARGTYPES, "paged_attention_quant.cpp", G=g, D=d, GK=group_k, GV=group_v,
-                    AHEAD=PREFETCH_AHEAD)
+    return fp32_cpp._kernel(g, d, group_k, group_v)
 
 
 def supports(device: torch.device | str, dtype: torch.dtype, head_dim: int, groups: tuple[int, ...] = ()) -> bool:
@@ -237,10 +229,6 @@ def supports(device: torch.device | str, dtype: torch.dtype, head_dim: int, grou
     `groups` multiples of 16 (a vector never straddles two groups), and a C++ toolchain."""
     return (fp32_cpp.supports(device, dtype, head_dim)
             and all(group % CPP_GROUP == 0 for group in groups))
-
-
-def _dense(x: Tensor, dtype: torch.dtype) -> Tensor:
-    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
 def paged_attention_quant_cpp(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
@@ -262,24 +250,11 @@ def paged_attention_quant_cpp(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zer
         raise ValueError(f"paged_attention_quant_cpp: fp32 CPU tensors, head dim and per-token groups "
                          f"multiples of {CPP_GROUP} and a C++ compiler; here {q.device.type}, {q.dtype}, head dim "
                          f"{d}, groups {groups}")
-    h, m = block_table.shape[1:]
-    s = k_codes.shape[1]
-    g = hq // h
-    scale = d ** -0.5 if scale is None else scale
-    max_threads = torch.get_num_threads() if threads is None else threads
-    work = (PARALLEL_WORK if parallel_work is None else parallel_work) if threads is None else 0
-    runs = max(1, -(-ITEMS_PER_THREAD * max_threads // (b * h))) if chunk is None else max(1, -(-m * s // chunk))
-    workspace = torch.empty(b * h * runs * g * (d + 2))
-    out = torch.empty(b, hq, d)
-    lse = torch.empty(b, hq) if return_lse else out
-    f32, u8 = torch.float32, torch.uint8
-    kernel = _kernel(g, d, 0 if layout.k_channel else layout.group_k, layout.group_v)
-    kernel(_dense(q, f32), _dense(k_codes, u8), _dense(k_scale, f32), _dense(k_zero, f32), _dense(v_codes, u8),
-           _dense(v_scale, f32), _dense(v_zero, f32), _dense(block_table, torch.long), _dense(lengths, torch.long),
-           _dense(bias_pages, f32) if bias_pages is not None else out, workspace, out, lse, b * h, m, s,
-           int(bias_pages is not None), int(return_lse), float(scale), max_threads, ITEMS_PER_THREAD, work,
-           chunk or 0, layout.bits)
-    return (out, lse) if return_lse else out
+    u8, dense = torch.uint8, fp32_cpp._dense
+    pages = (dense(k_codes, u8), dense(k_scale), dense(k_zero), dense(v_codes, u8), dense(v_scale), dense(v_zero))
+    kernel = _kernel(hq // block_table.shape[1], d, 0 if layout.k_channel else layout.group_k, layout.group_v)
+    return fp32_cpp.launch(kernel, q, pages, layout.bits, block_table, lengths, bias_pages, scale,
+                           return_lse=return_lse, threads=threads, chunk=chunk, parallel_work=parallel_work)
 
 
 # ----------------------------------------------------------------------------------- triton
@@ -325,129 +300,21 @@ def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_
     bias = bias_pages if has_bias else k_scale  # a dummy pointer when there is no bias
     # q·Kᵀ's K dimension is d: tensor cores need at least 16 (loads are masked by D; the interpreter takes any)
     block_g, block_d = triton.next_power_of_2(g), max(16, triton.next_power_of_2(d))
-    _quant_partials_kernel[(b * h, chunks)](
+    float_pages._partials_kernel[(b * h, chunks)](  # the float pages' kernel with the codes' load
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias,
         m_part, l_part, acc_part, scale, h, chunk_tokens, chunks,
         block_table.stride(0), block_table.stride(1), block_table.stride(2),
-        lengths.stride(0), lengths.stride(1),
+        lengths.stride(0), lengths.stride(1), 0, 0, 0, 0,
         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
         G=g, D=d, S=s, W=k_codes.shape[2], BITS=layout.bits, K_CHANNEL=layout.k_channel,
         NGK=1 if layout.k_channel else d // layout.group_k, GROUP_K=layout.group_k,
-        NGV=d // layout.group_v, GROUP_V=layout.group_v, HAS_BIAS=has_bias,
+        NGV=d // layout.group_v, GROUP_V=layout.group_v, HAS_BIAS=has_bias, DOT_FP32=True,
         BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32) if return_lse else m_part
-    _quant_reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, lse, chunks, G=g, D=d, HAS_LSE=return_lse,
-                                   BLOCK_G=block_g, BLOCK_D=block_d)
+    float_pages._reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, lse, chunks, G=g, D=d, HAS_LSE=return_lse,
+                                         BLOCK_G=block_g, BLOCK_D=block_d)
     return (out, lse) if return_lse else out
-
-
-if triton is not None:
-
-    @triton.jit
-    def _codes(ptrs, mask, BITS: tl.constexpr):
-        """The codes of a (BLOCK_N, BLOCK_D · BITS / 8) tile of code bytes as a (BLOCK_N, BLOCK_D) int32
-        tile: int8 as they are; int4 split into the low nibble (channel 2i) and the high nibble
-        (channel 2i + 1) of byte i and interleaved back into channel order."""
-        raw = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-        if BITS == 4:
-            raw = tl.interleave(raw & 15, raw >> 4)
-        return raw
-
-    @triton.jit
-    def _quant_partials_kernel(q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, len_ptr,
-                               bias_ptr, m_ptr, l_ptr, acc_ptr, scale, H, chunk_tokens, num_chunks,
-                               stride_tb, stride_th, stride_tm, stride_lb, stride_lh, stride_bp, stride_bs,
-                               G: tl.constexpr, D: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
-                               BITS: tl.constexpr, K_CHANNEL: tl.constexpr, NGK: tl.constexpr,
-                               GROUP_K: tl.constexpr, NGV: tl.constexpr, GROUP_V: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                               BLOCK_D: tl.constexpr):
-        """Online-softmax partials of one (sequence·KV head, chunk) for its G query heads, the
-        codes dequantized to fp32 as they are loaded."""
-        bh = tl.program_id(0)
-        chunk = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
-        mask_g = offs_g < G
-        mask_d = offs_d < D
-        q = tl.load(q_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :],
-                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        offs_w = tl.arange(0, BLOCK_D * BITS // 8)  # code bytes of an entry (int4: two codes each)
-        mask_w = offs_w < W
-        length = tl.load(len_ptr + b * stride_lb + h * stride_lh).to(tl.int32)
-        table_row = table_ptr + b.to(tl.int64) * stride_tb + h * stride_th
-        lo = chunk * chunk_tokens
-        hi = tl.minimum(lo + chunk_tokens, length)
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            t = start + offs_n
-            valid = t < hi
-            page = tl.load(table_row + (t // S) * stride_tm, mask=valid, other=0).to(tl.int64)
-            entry = page * S + t % S  # the entry's row in the pool, (BLOCK_N,)
-            kv_mask = valid[:, None] & mask_d[None, :]
-            codes = _codes(kc_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :], BITS)
-            if K_CHANNEL:
-                at = page[:, None] * D + offs_d[None, :]
-            else:
-                at = entry[:, None] * NGK + (offs_d // GROUP_K)[None, :]
-            k = (codes.to(tl.float32) * tl.load(ks_ptr + at, mask=kv_mask, other=0.0)
-                 + tl.load(kz_ptr + at, mask=kv_mask, other=0.0))
-            logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_G, BLOCK_N)
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + page * stride_bp + (t % S) * stride_bs, mask=valid, other=0.0)
-                logits += bias.to(tl.float32)[None, :]
-            logits = tl.where(valid[None, :], logits, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(logits - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            codes = _codes(vc_ptr + entry[:, None] * W + offs_w[None, :], valid[:, None] & mask_w[None, :], BITS)
-            at = entry[:, None] * NGV + (offs_d // GROUP_V)[None, :]
-            v = (codes.to(tl.float32) * tl.load(vs_ptr + at, mask=kv_mask, other=0.0)
-                 + tl.load(vz_ptr + at, mask=kv_mask, other=0.0))
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        part = (bh * num_chunks + chunk) * G + offs_g
-        tl.store(m_ptr + part, m_i, mask=mask_g)
-        tl.store(l_ptr + part, l_i, mask=mask_g)
-        tl.store(acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
-
-    @triton.jit
-    def _quant_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lse_ptr, num_chunks, G: tl.constexpr,
-                             D: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_G: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
-        """Combine the chunk partials of one (sequence·KV head): rescale to a common max; the
-        log-sum-exp m + log l (−inf for an empty head) when asked."""
-        bh = tl.program_id(0)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_g = offs_g < G
-        mask_gd = mask_g[:, None] & (offs_d < D)[None, :]
-        m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        for c in range(num_chunks):
-            m_c = tl.load(m_ptr + (bh * num_chunks + c) * G + offs_g, mask=mask_g, other=float("-inf"))
-            m_all = tl.maximum(m_all, m_c)
-        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-        den = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for c in range(num_chunks):
-            part = (bh * num_chunks + c) * G + offs_g
-            w = tl.exp(tl.load(m_ptr + part, mask=mask_g, other=float("-inf")) - m_safe)
-            den += w * tl.load(l_ptr + part, mask=mask_g, other=0.0)
-            acc += w[:, None] * tl.load(acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_gd, other=0.0)
-        out = acc / tl.where(den > 0, den, 1.0)[:, None]
-        tl.store(out_ptr + (bh * G + offs_g)[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask_gd)
-        if HAS_LSE:
-            lse = tl.where(den > 0, m_safe + tl.log(tl.where(den > 0, den, 1.0)), float("-inf"))
-            tl.store(lse_ptr + bh * G + offs_g, lse, mask=mask_g)
 
 
 # ---------------------------------------------------------------------------------- backends

@@ -1,26 +1,27 @@
 """One decode step of a layer whose heads hold entries in two precisions (kvcompile.store.tiers.TieredStore:
 `storage: mixed`, MiKV, Yang et al., 2024, arXiv 2402.18096, §3; or codes per token beside merge slots), fused
-into one C++ call: what `TieredStore.append` and `TieredPagedAttention` (the float tier's eager attention with
-its log-sum-exp, the codes' C++ kernel with its own, `merge_partials`) do in about 40 small torch ops a layer.
+into one C++ call: what `TieredStore.append` and `TieredPagedAttention` (each tier's paged C++ kernel with its
+log-sum-exp, `merge_partials`) do in about 40 small torch ops a layer.
 
-    out = tiered_step_cpp(pages, q, k, v, position, scale, ...)   # None: not run, the pages untouched
+    out = tiered_step_cpp(pages, q, k, v, position, scale, ...)
 
 pages: `TieredStore.tensors()` (the high tier's `PageTensors`, then the low tier's `QuantPageTensors`), updated
 in place; q (B, Hq, d), k, v (B, H, d), position (B,) long. Semantics, every head at once:
 1. the new entry is appended to the appending tier (`TieredStore._appending`): to the float tier as
    `LayerStore.append` writes float pages (mixed: generated tokens in the model's dtype), or, for a part that
-   keeps every token as codes, quantized into the codes' next slot exactly as kernels.quant_step does it;
-2. attention of the G query heads over both tiers: the float tier's logits with the merge rule's bias
-   α·log w (ZSMerge Eq. 8; −inf for an empty slot; none where the policy drops) and log-sum-exp lse_h, the
-   codes by the paged kernel of paged_attention_quant.cpp with lse_l, combined as `merge_partials` does:
+   keeps every token as codes, quantized into the codes' next slot exactly as kernels.append_step does it;
+2. attention of the G query heads over both tiers, each by the paged kernel of paged_attention.cpp: the float
+   tier's with the merge rule's bias α·log w (ZSMerge Eq. 8; −inf for an empty slot; none where the policy
+   drops) and its log-sum-exp lse_h, the codes' with lse_l, combined as `merge_partials` does:
    out = (e^{lse_h} out_h + e^{lse_l} out_l) / (e^{lse_h} + e^{lse_l}) (the attention over the union of the
    two sets of entries); equal to `TieredPagedAttention` up to float summation order.
 
-Not its case (None, nothing changed; the engine's path runs the step): a head whose next entry needs a fresh
-page in the appending tier, or pages not of the layout the kernel writes. Keys per channel (KIVI: its flush
-moves whole pages) are the engine's path, chosen so by the plan.
+Every head's next entry has a page in the appending tier (the engine makes room before the step,
+`TieredStore.make_room`; a head without one is an error), and the pages have the layout the kernel writes (the
+store's, as the plan chose it). Keys per channel (KIVI: its flush moves whole pages) are the torch step's,
+chosen so by the plan.
 
-The C++ is tiered_step.cpp, compiled after paged_attention_quant.cpp and quant_step.cpp (entries renamed), once
+The C++ is tiered_step.cpp, compiled after paged_attention.cpp and append_step.cpp (entries renamed), once
 per (G, d, group). Backend: `CppTieredStep(bits, group, alpha, append_low, parallel_work)` (`Plan.online_step`).
 """
 from __future__ import annotations
@@ -34,27 +35,28 @@ import torch
 from torch import Tensor
 
 from kvcompile.store import PageTensors, QuantPageTensors
-from kvcompile.kernels import paged_attention_quant as quant
-from kvcompile.kernels.online_step import OnlineStep, _alpha
-from kvcompile.kernels.quant_step import _layout as _codes_layout, counters_layout
+from kvcompile.kernels import paged_attention_cpp as paged
+from kvcompile.kernels.append_step import check_call
+from kvcompile.kernels.online_step import DecodeStep, _alpha
 
 _ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*",
              "float*", "float*", "float*", "int64_t*", "float*", "const int64_t*", "int64_t*", "const int64_t*",
              "const int64_t", "const int64_t",
              "uint8_t*", "float*", "float*", "uint8_t*", "float*", "float*", "float*", "int64_t*", "float*",
              "const int64_t*", "int64_t*", "const int64_t*", "const int64_t", "const int64_t",
-             "float*", "float*", "float*", "float*", "const int64_t", "const int64_t", "const float", "const int64_t",
+             "float*", "float*", "float*", "float*", "float*", "float*", "const int64_t", "float*", "const int64_t",
+             "const int64_t", "const float", "const int64_t",
              "const double*", "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
              "int64_t*")
 _HIGH = len(PageTensors._fields)
 
 
 def source(g: int, d: int, group: int) -> str:
-    """paged_attention_quant.cpp and quant_step.cpp (their entries renamed), then tiered_step.cpp."""
+    """paged_attention.cpp and append_step.cpp (their entries renamed), then tiered_step.cpp."""
     text = lambda name: resources.files(__package__).joinpath(name).read_text(encoding="utf-8")  # noqa: E731
     return ("#include <torch/csrc/inductor/cpp_prefix.h>\n#define kernel kvcompile_paged_attention_quant\n"
-            + quant.cpp_source(g, d, group, group) + "\n#undef kernel\n#define kernel kvcompile_quant_step\n"
-            + text("quant_step.cpp") + "\n#undef kernel\n" + text("tiered_step.cpp"))
+            + paged.source(g, d, group, group) + "\n#undef kernel\n#define kernel kvcompile_quant_step\n"
+            + text("append_step.cpp") + "\n#undef kernel\n" + text("tiered_step.cpp"))
 
 
 @functools.cache
@@ -64,32 +66,24 @@ def _kernel(g: int, d: int, group: int):
     return CppPythonBindingsCodeCache.load_pybinding(list(_ARGTYPES), source(g, d, group))
 
 
-def _float_layout(pages, d: int) -> bool:
-    return (pages.k_pages.dtype == torch.float32 and pages.v_pages.dtype == torch.float32
-            and pages.k_pages.shape[-1] == d and pages.v_pages.shape[-1] == d and counters_layout(pages))
-
-
 def tiered_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, scale: float, bits: int, group: int,
-                    alpha: float | None, append_low: bool, parallel_work: int = quant.PARALLEL_WORK,
-                    threads: int | None = None) -> Tensor | None:
-    """The C++ step: the output (B, Hq, d), or None where it is not its case (the pages untouched).
+                    alpha: float | None, append_low: bool, parallel_work: int = paged.PARALLEL_WORK,
+                    threads: int | None = None) -> Tensor:
+    """The C++ step: the output (B, Hq, d).
     alpha: the merge bias α of α·log w on the float tier (None: no bias); append_low: the new entry goes to the
     codes (else to the float tier)."""
     b, hq, d = q.shape
     h = k.shape[1]
-    if len(pages) != _HIGH + len(QuantPageTensors._fields):
-        return None
     high, low = PageTensors(*pages[:_HIGH]), QuantPageTensors(*pages[_HIGH:])
-    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 \
-            or position.dtype != torch.long or q.device.type != "cpu" or not _float_layout(high, d) \
-            or not _codes_layout(low, d, bits, group):
-        return None
+    check_call(high, q, k, v, position, d, 32, 0)
+    check_call(low, q, k, v, position, d, bits, group)
     max_threads = torch.get_num_threads() if threads is None else threads
-    runs = max(1, -(-quant.ITEMS_PER_THREAD * max_threads // (b * h)))
+    runs = max(1, -(-paged.ITEMS_PER_THREAD * max_threads // (b * h)))
     g = hq // h
-    work = torch.empty(b * h * runs * g * (d + 2) + 2 * b * hq * d + b * hq)
-    out_low = work[b * h * runs * g * (d + 2):][:b * hq * d]
-    lse_low = work[b * h * runs * g * (d + 2) + b * hq * d:][:b * hq]
+    parts = b * h * runs * g * (d + 2)  # the paged kernel's partials, one call after the other
+    work = torch.empty(parts + 2 * (b * hq * d + b * hq))
+    out_low, lse_low, out_high, lse_high = work[parts:].split([b * hq * d, b * hq, b * hq * d, b * hq])
+    bias = out_high if alpha is None else torch.empty(high.count_pages.shape)
     out = work.new_empty(b, hq, d)
     status = torch.empty(1, dtype=torch.long)
     _kernel(g, d, group)(
@@ -99,13 +93,16 @@ def tiered_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, sc
         high.lengths, high.owned, high.block_table.shape[-1], high.k_pages.shape[1],
         low.k_pages, low.k_scale, low.k_zero, low.v_pages, low.v_scale, low.v_zero, low.score_pages, low.pos_pages,
         low.count_pages, low.block_table, low.lengths, low.owned, low.block_table.shape[-1], low.k_pages.shape[1],
-        work, out_low, lse_low, out, b, h, float(scale), int(alpha is not None), _alpha(float(alpha or 0.0)),
-        int(append_low), max_threads, quant.ITEMS_PER_THREAD, parallel_work if threads is None else 0, bits, status)
-    return None if status.item() else out
+        work, out_low, lse_low, out_high, lse_high, bias, high.count_pages.shape[0], out, b, h, float(scale),
+        int(alpha is not None), _alpha(float(alpha or 0.0)), int(append_low), max_threads, paged.ITEMS_PER_THREAD, parallel_work if threads is None else 0, bits, status)
+    if status.item():
+        raise RuntimeError("kvcompile: the fused decode step met a head without a page in its appending tier (the "
+                           "engine makes room before every step: TieredStore.make_room)")
+    return out
 
 
 @dataclass(frozen=True)
-class CppTieredStep(OnlineStep):
+class CppTieredStep(DecodeStep):
     """The fused C++ step of a two-tier store (`tiered_step_cpp`). bits, group: the codes' width and channels
     per scale; alpha: the merge bias α (None: the policy drops); append_low: decode entries go to the codes
     (a part that keeps every token as codes), else to the float tier (mixed); parallel_work: the paged
@@ -116,13 +113,15 @@ class CppTieredStep(OnlineStep):
     group: int = 0
     alpha: float | None = None
     append_low: bool = False
-    parallel_work: int = quant.PARALLEL_WORK
+    parallel_work: int = paged.PARALLEL_WORK
 
-    def runs(self, pages, query_heads: int) -> bool:
-        return True
+    stores: ClassVar[tuple[str, ...]] = ("TieredStore",)
 
-    def __call__(self, pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
-                 scale: float) -> Tensor | None:
+    def __call__(self, plan, store, layer, q, k, v, position, split, scale):
+        return store.step(self._step, q, k, v, position, split, scale)
+
+    def _step(self, pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
+              scale: float) -> Tensor:
         return tiered_step_cpp(pages, q, k, v, position, scale, self.bits, self.group, self.alpha, self.append_low,
                                self.parallel_work)
 
@@ -137,4 +136,4 @@ class CppTieredStep(OnlineStep):
 
 
 def backend(bits: int, group: int, alpha: float | None, append_low: bool) -> CppTieredStep:
-    return CppTieredStep(bits, group, alpha, append_low, quant.PARALLEL_WORK)
+    return CppTieredStep(bits, group, alpha, append_low, paged.PARALLEL_WORK)

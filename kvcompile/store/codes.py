@@ -16,7 +16,7 @@ QUANT_FIELDS = ("k_scale", "k_zero", "v_scale", "v_zero")  # a store of codes' p
 
 
 # A store of codes' tensors (`PageTensors`, k_pages and v_pages holding codes, then the scales and zero points),
-# what the fused step of a quantized store takes (kvcompile.kernels.quant_step)
+# what the fused step of a quantized store takes (kvcompile.kernels.append_step)
 QuantPageTensors = NamedTuple("QuantPageTensors", [(name, Tensor) for name in PageTensors._fields + QUANT_FIELDS])
 
 

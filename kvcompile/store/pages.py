@@ -358,18 +358,24 @@ class LayerStore:
         self.room -= tokens
 
     def step(self, kernel, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
-             scale: float) -> Tensor | None:
-        """One decode step of the layer by a fused kernel (`Plan.online_step`: append, attention and, where the
-        policy has them, running scores and online eviction) on this store's tensors, in place: its output
-        (B, Hq, d), or None with nothing changed where the kernel does not take this step (`runs`, or not
-        its common case: then the caller runs `append` and attention)."""
-        pages = self.tensors()
-        if not kernel.runs(pages, q.shape[1]):
-            return None
-        out = kernel(pages, q, k, v, position, split, scale)
-        if out is not None:
-            self.replayed(1)  # the host's count of the append the kernel made into the pages heads own
+             scale: float) -> Tensor:
+        """One decode step of the layer by a fused kernel (a C++ decode step of the plan's, kvcompile.kernels.
+        online_step: append, attention and, where the policy has them, running scores and online eviction),
+        `kernel(tensors, q, k, v, position, split, scale)`, on this store's tensors, in place: its output
+        (B, Hq, d). Every head's next entry has a page (`make_room` ran before)."""
+        out = kernel(self.tensors(), q, k, v, position, split, scale)
+        self.replayed(1)  # the host's count of the append the kernel made into the pages heads own
         return out
+
+    def make_room(self, step: int) -> bool:
+        """Before a decode step's append (the plan's step, or a batched one): where a head's pages are full, it
+        takes its next run of `step` pages (the host read of `append`, Plan.host_syncs). True where it ran that
+        read (`room` was spent)."""
+        if self.room > 0:
+            return False
+        e = self.lengths
+        self._allocate(e // self.page_size, e, step)
+        return True
 
     # --- decode-time scores and online eviction (kvcompile.engine.decode, kvcompile.engine.online) -------
 

@@ -279,16 +279,6 @@ class PooledStore(LayerStore):
         fresh, table = self._next_append(step)
         return fresh * step * self.pool.page_bytes + table
 
-    # --- the batched decode step (PagePools.append) ---------------------------------------------------------
-    def make_room(self, step: int) -> bool:
-        """Before a batched append: where a head's pages are full, take its next run of pages (the host read of
-        `append`, Plan.host_syncs). True where it ran that read."""
-        if self.room > 0:
-            return False
-        e = self.lengths
-        self._allocate(e // self.page_size, e, step)
-        return True
-
 
 def _give_back(pool: PagePool, lease: list) -> None:
     if lease:

@@ -175,6 +175,10 @@ class TieredStore:
     settled = False  # tiered parts have no online eviction
     step = LayerStore.step  # a fused step over both tiers' tensors (kernels.tiered_step)
 
+    def make_room(self, step: int) -> bool:
+        """`LayerStore.make_room` of the appending tier (the low tier's flushes reserve their own pages)."""
+        return self._appending.make_room(step)
+
     def pages_per_head(self) -> Tensor:
         return self.high.pages_per_head() + self.low.pages_per_head()
 
@@ -255,6 +259,7 @@ class TieredPagedAttention(KernelBackend):
     combined by `merge_partials` (the attention over the union of the two sets of entries)."""
 
     low: KernelBackend  # a QuantPagedAttention backend
+    high_cpp: bool = False  # the float tier by the paged C++ kernel (with its log-sum-exp), else the eager torch
     name: ClassVar[str] = "tiered"
 
     def build(self, group: int, head_dim: int) -> None:
@@ -264,11 +269,17 @@ class TieredPagedAttention(KernelBackend):
         from kvcompile.kernels.paged_attention_quant import merge_partials, paged_attention_lse_torch
 
         hi, lo = store.high, store.low
-        out_h, lse_h = paged_attention_lse_torch(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, scale,
-                                                 bias)
+        if self.high_cpp:
+            from kvcompile.kernels.paged_attention_cpp import paged_attention_cpp
+
+            out_h, lse_h = paged_attention_cpp(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, bias, scale,
+                                               return_lse=True)
+        else:
+            out_h, lse_h = paged_attention_lse_torch(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, scale,
+                                                     bias)
         out_l, lse_l = self.low(q, *lo.kv(), lo.block_table, lo.lengths, None, scale, return_lse=True)
         return merge_partials(out_h, lse_h, out_l, lse_l).to(q.dtype)
 
     def describe(self) -> str:
-        return f"model dtype: torch (with log-sum-exp); codes: {self.low.describe()}"
+        return f"model dtype: {'cpp' if self.high_cpp else 'torch'} (with log-sum-exp); codes: {self.low.describe()}"
 

@@ -1,8 +1,9 @@
-// One decode step of a layer whose pages hold int8 / int4 codes (keys and values per token), fused: the new
-// key and value of every head quantized into the head's next slot (kvcompile/kernels/quantize.py's formula,
-// bit for bit), then the quantized pages' flash-decoding attention (paged_attention_quant.cpp, whose text
-// comes right before this one with its entry renamed `kvcompile_paged_attention_quant`). Built by
-// kvcompile/kernels/quant_step.py, where the contract is; the loader defines KVCOMPILE_G, _D, _GK, _GV.
+// One decode step of a layer whose step is an append and an attention, fused: the new key and value of every
+// head written into the head's next slot (fp32 pages: copied; pages of int8 / int4 codes, keys and values per
+// token: quantized by kvcompile/kernels/quantize.py's formula, bit for bit), then the pages' flash-decoding
+// attention (paged_attention.cpp, whose text comes right before this one with its entry renamed
+// `kvcompile_paged_attention_quant`). Built by kvcompile/kernels/append_step.py, where the contract is; the
+// loader defines KVCOMPILE_G, _D, _FLOAT, _GK, _GV.
 static_assert(!KCH, "the fused step appends entries one at a time: keys per token only (KIVI's per-channel "
                     "pages take whole pages, kvcompile.store.tiers)");
 
@@ -47,8 +48,13 @@ static void append_all(const float* k, const float* v, const int64_t* position, 
     for (int64_t bh = 0; bh < B * H; ++bh) {
         const int64_t e = lengths[bh];
         const int64_t at = table[bh * M + e / S] * S + e % S;  // the head's next slot (LayerStore.append)
-        quantize_entry<BITS, GK>(k + bh * D, kc + at * W, ks + at * NGK, kz + at * NGK);
-        quantize_entry<BITS, GV>(v + bh * D, vc + at * W, vs + at * NGV, vz + at * NGV);
+        if constexpr (BITS == 32) {  // fp32 pages: the entry as it is
+            std::memcpy(kc + at * W, k + bh * D, W);
+            std::memcpy(vc + at * W, v + bh * D, W);
+        } else {
+            quantize_entry<BITS, GK>(k + bh * D, kc + at * W, ks + at * NGK, kz + at * NGK);
+            quantize_entry<BITS, GV>(v + bh * D, vc + at * W, vs + at * NGV, vz + at * NGV);
+        }
         sp[at] = 0.f;
         pp[at] = position[bh / H];
         cp[at] = 1.f;
@@ -56,24 +62,36 @@ static void append_all(const float* k, const float* v, const int64_t* position, 
     }
 }
 
-// status[0]: 0 = done; 1 = some head's next entry has no page it owns (a fresh page to take: the caller's
-// path runs the step) and nothing was changed. Threads, work items and the partials' workspace `work` as the
+// has_bias: the attention adds the merge rule's bias alpha * log w (alpha_p[0]) of each entry, written into
+// `bias` (P * S floats) first (slots beside fp32 pages; the prompt's residual merge).
+// status[0]: 0 = done; 1 = some head's next entry has no page it owns (nothing was changed: the engine makes
+// room before the step, `LayerStore.make_room`, so this is an error). Threads, work items and the partials' workspace `work` as the
 // paged kernel's launch (its parallel_work and items_per_thread; chunk 0: whole pages).
 extern "C" void kernel(const float* q, const float* k, const float* v, const int64_t* position, uint8_t* kc,
                        float* ks, float* kz, uint8_t* vc, float* vs, float* vz, float* sp, int64_t* pp, float* cp,
                        const int64_t* table, int64_t* lengths, const int64_t* owned, float* work, float* out,
                        const int64_t B, const int64_t H, const int64_t M, const int64_t S, const float scale,
                        const int64_t max_threads, const int64_t items_per_thread, const int64_t parallel_work,
-                       const int64_t bits, int64_t* status) {
+                       const int64_t bits, const int64_t has_bias, const double* alpha_p, float* bias, const int64_t P,
+                       int64_t* status) {
     status[0] = 0;
     for (int64_t bh = 0; bh < B * H; ++bh) {
         const int64_t col = lengths[bh] / S;
         if (col >= owned[bh] || col >= M) { status[0] = 1; return; }
     }
+#if KVCOMPILE_FLOAT
+    append_all<32>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
+#else
     if (bits == 8)
         append_all<8>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
     else
         append_all<4>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
-    kvcompile_paged_attention_quant(q, kc, ks, kz, vc, vs, vz, table, lengths, nullptr, work, out, out, B * H, M, S,
-                                    0, 0, scale, max_threads, items_per_thread, parallel_work, 0, bits);
+#endif
+    if (has_bias) {  // the merge rule's bias alpha * log w of every entry (-inf for w = 0), as MergeRule.bias
+        const double alpha = alpha_p[0];
+        for (int64_t i = 0; i < P * S; ++i)
+            bias[i] = cp[i] > 0.f ? (float)(alpha * std::log((double)cp[i])) : -std::numeric_limits<float>::infinity();
+    }
+    kvcompile_paged_attention_quant(q, kc, ks, kz, vc, vs, vz, table, lengths, bias, work, out, out, B * H, M, S,
+                                    has_bias, 0, scale, max_threads, items_per_thread, parallel_work, 0, bits);
 }
