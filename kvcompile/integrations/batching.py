@@ -506,7 +506,8 @@ class KVCompilePagedCache(PagedAttentionCache):
         """Tokens' worth of blocks (a multiple of the page size) the request must hold during its next
         forward of `request_len` tokens (`continues`: the kept cache it continues, where not registered yet)."""
         plan, kv = self.kvcompile.plan, self.kvcompile.requests.get(state.request_id)
-        continues = continues or self.kvcompile.continued.get(state.request_id)
+        if continues is None:
+            continues = self.kvcompile.continued.get(state.request_id)
         if kv is None and continues is not None:  # its first forward: a copy of the kept cache, as many bytes
             kv = RequestKV(continues, 0)
         if kv is not None and kv.compressed:
