@@ -175,3 +175,30 @@ def test_a_continued_request_reserves_blocks_for_what_it_holds(monkeypatch):
     for mine, blocks, per_block, held, counted, outside in seen:
         assert blocks == -(-mine // per_block) > 0 and held == counted and outside == 0
     assert report["free_blocks"] == report["num_blocks"] and report["decode"]["pool"]["bytes_taken"] == 0
+
+
+def test_a_soft_reset_continued_request_is_replayed_from_its_kept_cache(monkeypatch):
+    """A pool too small for every request as they grow while decoding: the engine soft-resets starved requests,
+    a continued one among them (re-queued from token 0 with its prompt and generated tokens). kvcompile replays it
+    from a fresh copy of the same kept cache (its new tokens, then each generated token as a decode step): its
+    tokens are generate()'s from a copy of the kept cache, the others' generate()'s, and every page comes back."""
+    model = compiled()
+    sequence, kept = kept_sequence(model, prompts([60])[0], 4)
+    ids = sequence + tiny_prompt(30, seed=11)[0].tolist()
+    replayed = []
+    requeued = KVCompilePagedCache.requeued
+    monkeypatch.setattr(KVCompilePagedCache, "requeued",
+                        lambda self, request, prompt: replayed.append(request.request_id) or
+                        requeued(self, request, prompt))
+    new = 72
+    others = prompts([150, 150, 150])
+    with engine(model, num_blocks=20, max_batch_tokens=256) as manager:
+        outputs, _ = run(manager, model, [(f"r{i}", x, new, None) for i, x in enumerate(others)] +
+                         [("continued", ids, new, kept)])
+        report = manager.batch_processor.cache.memory_report()
+    assert "continued" in replayed and report["soft_resets"] >= 1
+    assert outputs["continued"] == continued(model, ids, kept, new)[0]
+    assert [outputs[f"r{i}"] for i in range(3)] == [reference(model, x, new) for x in others]
+    pool = report["decode"]["pool"]
+    assert report["requests"] == {} and report["free_blocks"] == report["num_blocks"]
+    assert pool["free_pages"] == pool["pages"]
