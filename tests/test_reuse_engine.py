@@ -202,3 +202,27 @@ def test_a_soft_reset_continued_request_is_replayed_from_its_kept_cache(monkeypa
     pool = report["decode"]["pool"]
     assert report["requests"] == {} and report["free_blocks"] == report["num_blocks"]
     assert pool["free_pages"] == pool["pages"]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 9, 17])
+def test_what_several_appends_can_take_bounds_what_they_take(tokens):
+    """append_bytes (a continued request's reservation for its tokens after the kept sequence): for a store in a
+    pool, exactly the pages and block-table columns those appends take; for a store with pages of its own, at least
+    what they take (its tensors grow by a quarter at once)."""
+    from kvcompile.integrations.batching import append_bytes
+    from kvcompile.store.pool import PagePools
+    from tests.test_batched_decode import layer_store
+
+    for n, seed in ((20, 0), (33, 1), (8, 2)):
+        own, pools = layer_store(n, seed), PagePools(1)
+        pooled = pools.adopt(0, layer_store(n, seed))
+        bounds = [append_bytes(own, tokens, 2, pooled=False), append_bytes(pooled, tokens, 2, pooled=True)]
+        before = [own.nbytes, pooled.nbytes]
+        g = torch.Generator().manual_seed(seed)
+        for i in range(tokens):
+            k, v = torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)
+            for store in (own, pooled):
+                store.append(k, v, torch.tensor([100 + i]), step=2)
+        grown = [own.nbytes - before[0], pooled.nbytes - before[1]]
+        assert grown[1] == bounds[1] and grown[0] <= bounds[0], (n, grown, bounds)
+        assert grown[1] > 0 or tokens < 17  # 17 appends take pages past every head's spares

@@ -86,7 +86,7 @@ from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
 from kvcompile.engine.batch import PooledPages, StepPlan, decode_path
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
-from kvcompile.store.pool import PooledStore
+from kvcompile.store.tiers import TieredStore
 
 logger = logging.getLogger("kvcompile.integrations.batching")
 
@@ -270,13 +270,14 @@ def request_bytes(kv: RequestKV) -> int:
     return held
 
 
-def append_bytes(store, tokens: int, step: int) -> int:
+def append_bytes(store, tokens: int, step: int, pooled: bool) -> int:
     """The most `store` grows by when every head appends `tokens` entries (a request continuing a kept sequence
-    brings its new tokens in one forward): each head takes runs of `step` pages as it fills its pages
-    (`LayerStore._take_pages`), its block table widens to the pages it owns, and a store with pages of its own may
-    grow its tensors by a quarter (`_new_runs`); a store of two tiers: both tiers' bounds."""
-    if hasattr(store, "high"):  # kvcompile.store.tiers.TieredStore: every entry enters the high tier, some flush low
-        return append_bytes(store.high, tokens, step) + append_bytes(store.low, tokens, step)
+    brings its new tokens in one forward): each head takes a run of `step` pages whenever its pages are full
+    (`LayerStore._take_pages`: exactly these pages), its block table widens to the pages it owns, and a store with
+    pages of its own (not `pooled`: in or bound for the engine's pools) may grow its tensors by a quarter
+    (`_new_runs`); a store of two tiers: both tiers' bounds."""
+    if isinstance(store, TieredStore):  # every entry enters the high tier, then some flush to the low one
+        return append_bytes(store.high, tokens, step, pooled) + append_bytes(store.low, tokens, step, pooled)
     s, e, owned = store.page_size, store.lengths, store.owned
     runs = ((e + tokens + s - 1) // s - owned).clamp(min=0).add(step - 1).div(step, rounding_mode="floor")
     pages = int(runs.sum()) * step
@@ -284,7 +285,7 @@ def append_bytes(store, tokens: int, step: int) -> int:
         return 0
     width = int((owned + runs * step).max())
     table = max(0, width - store.block_table.shape[-1]) * e.numel() * store.block_table.element_size()
-    if isinstance(store, PooledStore):  # the pool's own growth is the engine's
+    if pooled:  # the pool's own growth is the engine's
         return pages * store.page_bytes + table
     used, have = store.next_page + pages, store.k_pages.shape[0]
     grown = 0 if used <= have else used - have + max(e.numel() * step, used // 4)
@@ -508,14 +509,16 @@ class KVCompilePagedCache(PagedAttentionCache):
         plan, kv = self.kvcompile.plan, self.kvcompile.requests.get(state.request_id)
         if continues is None:
             continues = self.kvcompile.continued.get(state.request_id)
+        live = kv is not None
         if kv is None and continues is not None:  # its first forward: a copy of the kept cache, as many bytes
             kv = RequestKV(continues, 0)
         if kv is not None and kv.compressed:
             step = kv.cache.plan.spare_pages  # a head past its spares takes this many pages (LayerStore.append)
-            if request_len == 1:
+            if request_len == 1 and live:  # a decode step
                 grows = sum(s.growth_bytes(step) for s in kv.cache.stores)
-            else:  # a continued request's tokens after its kept sequence
-                grows = sum(append_bytes(s, request_len, step) for s in kv.cache.stores)
+            else:  # a continued request's tokens after its kept sequence (its copy in the pools where they exist)
+                pooled = self.kvcompile.pages.pools is not None
+                grows = sum(append_bytes(s, request_len, step, pooled) for s in kv.cache.stores)
             windows = window_bytes(kv.cache.plan, 1, self.dtype.itemsize)  # a window not yet full takes each token
             need = request_bytes(kv) + grows + windows * request_len
         else:
