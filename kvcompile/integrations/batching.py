@@ -794,6 +794,16 @@ class ReplaySteps(Scheduler):
         step = self.cache.replay_step(state)
         return tokens if step is None else tokens[:step]
 
+    def schedule_batch(self, token_budget: int, cache_budget: int):
+        """The engine's schedule; new requests blocked after a soft reset (`block_new_requests`, so that the starved
+        requests get the blocks first) are let in again once no request is active. transformers 5.21 to 5.24 (checked
+        against both) lift the block only when a request finishes by itself (`update_batch`): after a soft reset
+        whose last active request was cancelled or failed instead, the re-queued and waiting requests were never
+        scheduled again (tests/test_scheduler_stall.py)."""
+        if self.block_new_requests and not self.active_requests:
+            self.block_new_requests = False
+        return super().schedule_batch(token_budget, cache_budget)
+
     def add_waiting_request(self, state) -> None:
         # a request the pool can never hold is refused here (RequestTooLarge); one continuing a kept cache starts
         #   after it (a soft-reset one too: the engine re-queues it from token 0)
