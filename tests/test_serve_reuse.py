@@ -286,3 +286,195 @@ def test_the_command_line_names_both_flags_and_refuses_a_query_aware_spec(folder
     with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "--spec", "snapkv", "--model", str(folder), "--reuse-context"])
     assert exc.value.code == 2 and "--reuse-context needs a query-agnostic policy" in capsys.readouterr().err
+
+
+# --- a continued request is a request of the engine (kvcompile.integrations.batching) ---------------------------
+
+def post(server, body: dict) -> dict:
+    """A non-streamed completion; its whole reply (the id is the engine's request id)."""
+    body = {"model": server.options.model_name, "temperature": 0, **body}
+    reply = requests.post(f"http://127.0.0.1:{server.options.port}/v1/completions", json=body, timeout=TIMEOUT)
+    return reply.json() | {"status": reply.status_code}
+
+
+def first_turn(server, policy, folder):
+    """Turn 1 served and kept; the answer and turn 2's text."""
+    tokenizer = char_tokenizer()
+    answer1 = fresh(compiled(folder, policy), tokenizer, TURN1)
+    assert complete(server, TURN1)["text"] == answer1
+    settled(server, kept_sequences=1)
+    return TURN1 + answer1 + TURN2
+
+
+def test_a_continued_and_a_fresh_request_decode_in_one_batched_step(folder, monkeypatch):
+    """A continued request sent while a fresh one decodes: their decode steps run as one batch (one paged
+    attention call per layer for both), and each gets its own tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcompile.engine.batch import DecodeBatch
+
+    policy = kvcompile.load_spec("expected_attention", **EA)
+    tokenizer = char_tokenizer()
+    answer1, answer2 = two_turns(compiled(folder, policy), tokenizer, TURN1, TURN2)
+    steps = []
+    run = DecodeBatch.run
+    with serving(folder, policy, reuse_context=True) as server:
+        backend = type(server.cache.kvcompile.plan.decode_attention)
+        calls = []
+        call = backend.run
+        monkeypatch.setattr(backend, "run", lambda self, q, *a: calls.append(q.shape[0]) or call(self, q, *a))
+
+        def recorded(self, layer, *args):
+            names = {id(kv.cache): rid for rid, kv in server.cache.kvcompile.requests.items()}
+            before = len(calls)
+            out = run(self, layer, *args)
+            steps.append((frozenset(names[id(c)] for c in self.caches), calls[before:]))
+            return out
+
+        monkeypatch.setattr(DecodeBatch, "run", recorded)
+        assert complete(server, TURN1)["text"] == answer1
+        settled(server, kept_sequences=1)
+        url = f"http://127.0.0.1:{server.options.port}/v1/completions"
+        body = {"model": server.options.model_name, "temperature": 0, "stream": True, "max_tokens": 40,
+                "prompt": TURN2 * 2}
+        with requests.post(url, json=body, timeout=TIMEOUT, stream=True) as long_reply, ThreadPoolExecutor(1) as pool:
+            lines = long_reply.iter_lines()
+            first = next(line for line in lines if line.startswith(b"data: "))  # the fresh request decodes
+            continued = pool.submit(post, server, {"prompt": TURN1 + answer1 + TURN2, "max_tokens": NEW}).result()
+            rest = [line for line in lines if line.startswith(b"data: ")]
+        assert continued["choices"][0]["text"] == answer2 and server.metrics()["requests_reused"] == 1
+    import json
+
+    fresh_id = json.loads(first[6:])["id"]
+    assert rest[-1] == b"data: [DONE]"
+    layers = server.cache.kvcompile.plan.num_layers
+    together = [made for names, made in steps if names == {continued["id"], fresh_id}]
+    assert len(together) >= layers * (NEW - 2)  # every decode step of the continued request after its first
+    assert all(made == [2] for made in together) and all(made == [len(names)] for names, made in steps)
+
+
+def test_the_pools_hold_what_the_memory_report_counts_while_a_continuation_runs(folder, monkeypatch):
+    """After every forward while a continued request runs: it holds pages of the engine's pools, the requests'
+    bytes are their pool pages and tables, the pages taken are those their block tables name, and the blocks
+    each holds cover its bytes; the kept caches alone are held outside the engine."""
+    from kvcompile.integrations.batching import KVCompilePagedCache
+    from kvcompile.store.pool import PooledStore
+
+    policy = kvcompile.load_spec("expected_attention", **EA)
+    seen = []
+    sync = KVCompilePagedCache.sync_blocks
+
+    def checked(self):
+        sync(self)
+        state = self.kvcompile
+        report = self.memory_report()
+        pooled = {rid: kv for rid, kv in state.requests.items()
+                  if all(isinstance(s, PooledStore) for s in kv.cache.stores)}
+        own = sum(s.own_tensors_bytes for kv in pooled.values() for s in kv.cache.stores)
+        named = 0
+        for layer, pool in enumerate(state.pages.pools.layers):
+            pages = set()
+            for kv in pooled.values():
+                s = kv.cache.stores[layer]
+                pages |= set(s.block_table[torch.arange(s.block_table.shape[-1]) < s.owned[..., None]].tolist())
+            named += len(pages) * (0 if pool is None else pool.page_bytes)
+        held = sum(r["bytes"] for rid, r in report["requests"].items() if rid in pooled)
+        taken = report["decode"]["pool"]["bytes_taken"]
+        blocks = all(r["blocks"] == math.ceil(r["bytes"] / report["bytes_per_block"]) for r in report["requests"].values())
+        seen.append((set(pooled), held, taken + own, taken, named, blocks, self.outside_bytes()))
+
+    monkeypatch.setattr(KVCompilePagedCache, "sync_blocks", checked)
+    with serving(folder, policy, reuse_context=True) as server:
+        turn2 = first_turn(server, policy, folder)
+        kept = server.metrics()["kv_bytes_kept"]
+        reply = post(server, {"prompt": turn2, "max_tokens": NEW})
+        assert reply["status"] == 200 and server.metrics()["requests_reused"] == 1
+    running = [s for s in seen if reply["id"] in s[0]]
+    assert len(running) >= NEW - 1  # its forwards, in the pools from the first
+    for _, held, counted, taken, named, blocks, outside in seen:
+        assert held == counted and taken == named and blocks
+    assert all(outside == kept for *_, outside in running)  # the continuation's bytes are the engine's
+
+
+def test_every_page_comes_back_after_a_continuation_finishes_is_cut_or_fails(folder, monkeypatch):
+    """A continued request that ends by itself (kept in turn), one cut at a stop string, one whose sampling fails
+    (a 500 for it alone, the fresh request beside it answered): each held pool pages while it ran, and after it
+    every pool page is free and the blocks free are the pool's less the kept caches'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcompile.integrations.batching import RequestSampling
+    from kvcompile.store.pool import PooledStore
+
+    policy = kvcompile.load_spec("expected_attention", **EA)
+    tokenizer = char_tokenizer()
+    model = compiled(folder, policy)
+    pooled = set()  # (request id, prompt tokens) of the requests holding pool pages when one picks a token
+    pick = RequestSampling.pick
+    failing = False
+
+    def picked(self, history, raw):
+        for rid, kv in server.cache.kvcompile.requests.items():  # on the engine thread
+            if all(isinstance(s, PooledStore) for s in kv.cache.stores):
+                pooled.add((rid, kv.prompt_length))
+        if failing and history.shape[1] > len(turn2) + 2:  # the continued request, after two tokens
+            raise RuntimeError("this request's sampling failed")
+        return pick(self, history, raw)
+
+    monkeypatch.setattr(RequestSampling, "pick", picked)
+
+    def all_back(server, kept_sequences):
+        end = time.monotonic() + 10
+        while server.cache.kvcompile.requests and time.monotonic() < end:  # a cancelled request leaves at the
+            time.sleep(0.05)  # engine's next step
+        m = settled(server, kept_sequences=kept_sequences)
+        pool = server.cache.memory_report()["decode"]["pool"]
+        per_block = server.cache.kvcompile.bytes_per_block
+        kept = sum(math.ceil(n / per_block) for n in server.cache.kvcompile.outside.values())  # each its own
+        return (pool["free_pages"] == pool["pages"] > 0 and server.cache.kvcompile.requests == {} and
+                m["blocks_free"] == m["blocks_total"] - kept and m["kv_bytes_outside"] == m["kv_bytes_kept"])
+
+    with serving(folder, policy, reuse_context=True) as server:
+        turn2 = first_turn(server, policy, folder)
+        done = post(server, {"prompt": turn2, "max_tokens": NEW})
+        assert done["status"] == 200 and (done["id"], len(turn2)) in pooled and all_back(server, kept_sequences=2)
+        text = done["choices"][0]["text"]
+        cut = post(server, {"prompt": turn2, "max_tokens": NEW, "stop": text[2:4]})
+        assert cut["choices"][0]["finish_reason"] == "stop" and (cut["id"], len(turn2)) in pooled
+        assert all_back(server, kept_sequences=2)
+        failing = True
+        pooled.clear()
+        with ThreadPoolExecutor(2) as threads:
+            failed, other = threads.map(lambda p: post(server, {"prompt": p, "max_tokens": NEW}), [turn2, TURN2])
+        assert failed["status"] == 500 and "this request's sampling failed" in failed["error"]["message"]
+        assert len(turn2) in {length for _, length in pooled}
+        assert other["status"] == 200 and other["choices"][0]["text"] == fresh(model, tokenizer, TURN2)
+        assert all_back(server, kept_sequences=2) and server.metrics()["requests_reused"] == 3
+
+
+def test_tokens_equal_generate_from_a_copy_of_the_kept_cache_and_usage_is_the_engines(folder):
+    """The continued request's tokens and log-probabilities are `generate(prompt, past_key_values=<a copy of the
+    kept cache>)`'s on the compiled model, and its usage is recorded by the engine, as every request's."""
+    import copy
+
+    policy = kvcompile.load_spec("expected_attention", **EA)
+    tokenizer = char_tokenizer()
+    model = compiled(folder, policy)
+    new = 12
+    with serving(folder, policy, reuse_context=True) as server:
+        turn2 = first_turn(server, policy, folder)
+        prompt = ids(tokenizer, turn2)
+        entry = server.kept.match(prompt[0].tolist())
+        assert entry is not None
+        cache = copy.deepcopy(entry.cache)
+        reply = post(server, {"prompt": turn2, "max_tokens": new, "logprobs": 0})
+        usage = [u for u in server.cache.memory_report()["finished"] if u.request_id == reply["id"]]
+    with torch.no_grad():
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, prompt.shape[1]:]
+    assert reply["choices"][0]["text"] == tokenizer.decode(tokens)
+    want = torch.stack([torch.log_softmax(step[0].float(), -1) for step in out.logits])[torch.arange(len(tokens)),
+                                                                                        tokens]
+    torch.testing.assert_close(torch.tensor(reply["choices"][0]["logprobs"]["token_logprobs"]), want, rtol=1e-4,
+                               atol=1e-4)
+    assert len(usage) == 1 and usage[0].tokens == prompt.shape[1] + new - 1 and usage[0].bytes > 0

@@ -27,7 +27,8 @@ spec = importlib.util.spec_from_file_location("transformers_lowest", ROOT / "scr
 lowest = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lowest)
 
-TESTS = ["tests/test_serving.py", "tests/test_serve_http.py", "tests/test_generate_compat.py", "tests/test_runtime.py",
+TESTS = ["tests/test_serving.py", "tests/test_serve_http.py", "tests/test_reuse_engine.py", "tests/test_scheduler_stall.py",
+         "tests/test_generate_compat.py", "tests/test_runtime.py",
          "tests/test_compiled.py", "tests/test_devices.py", "tests/test_tensor_parallel.py",
          "tests/test_distributed_doc.py", "tests/test_models.py"]
 # Not transformers: torch's Inductor cache across processes (~40 s); the engine's decode steps on a simulated

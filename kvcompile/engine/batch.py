@@ -21,6 +21,7 @@ kernels (kvcompile.kernels.paged_attention) take for a batch.
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -140,6 +141,14 @@ class PooledPages:
                 store = own
             stores.append(store)
         cache.stores = stores
+
+    def copy_in(self, cache: KVCompileCache) -> KVCompileCache:
+        """A copy of `cache` (kept outside the engine, left as it is) with its pages copied into the pools: a request
+        that continues a kept sequence (kvcompile serve --reuse-context)."""
+        memo = {}
+        if self.pools is not None:
+            memo = {id(store): self.pools.adopt(layer, store) for layer, store in enumerate(cache.stores)}
+        return copy.deepcopy(cache, memo)
 
     def report(self) -> dict:
         return {**self.counts, "pool": None if self.pools is None else self.pools.report()}

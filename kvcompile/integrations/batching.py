@@ -86,6 +86,7 @@ from kvcompile.errors import CompileError
 from kvcompile.plan import Plan
 from kvcompile.engine.batch import PooledPages, StepPlan, decode_path
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
+from kvcompile.store.tiers import TieredStore
 
 logger = logging.getLogger("kvcompile.integrations.batching")
 
@@ -112,8 +113,9 @@ class RequestKV:
     """One request's kvcompile cache (one sequence) and its prompt length."""
 
     cache: KVCompileCache
-    prompt_length: int  # tokens of the prompt the cache compresses: the request's initial tokens, or for a
-    #   replayed request its original prompt (the tokens after it are decode steps)
+    prompt_length: int  # tokens of the request's prompt: its initial tokens, or for a replayed request its original
+    #   prompt (the tokens after it are decode steps); compressed when it ends, or, for a request continuing a kept
+    #   sequence, its tokens after that sequence appended to a copy of the kept cache (any number per forward)
 
     @property
     def compressed(self) -> bool:
@@ -225,13 +227,16 @@ class BatchingState:
     failed_forwards: int = 0  # forwards that raised: their requests failed, the engine went on
     keep: set[str] = field(default_factory=set)  # ids whose cache is handed over when they end (`handed`)
     handed: dict[str, KVCompileCache] = field(default_factory=dict)  # caches of ended `keep` requests, each still
-    #   holding its blocks under `outside_id(request id)` until its taker holds or releases them
+    #   holding its blocks under `outside_id(request id)` until its taker keeps or releases them
     outside: dict[str, int] = field(default_factory=dict)  # bytes held by caches outside the engine, by key
     pool_lock: threading.RLock = field(default_factory=threading.RLock)  # held by the engine thread while it
-    #   schedules and updates a batch (not during the forward), and by holds outside the engine
+    #   schedules and updates a batch (not during the forward), and by releases of kept caches
     keep_lock: threading.Lock = field(default_factory=threading.Lock)  # `keep` and `handed` change under it
     outside_bound_blocks: int = 0  # blocks the caches kept outside the engine may take (kvcompile serve
     #   --reuse-context): a request must fit in the rest of the pool
+    continued: dict[str, KVCompileCache] = field(default_factory=dict)  # by request id: the kept compressed cache
+    #   a request continues (`submit(continues=...)`; never written: the request works on a copy in the pools),
+    #   until the request ends
     pages: PooledPages = None  # where requests keep their pages and how a step decodes (engine.batch.decode_path)
     step: StepPlan | None = None  # the next forward's plan (`pages.plan`)
 
@@ -263,6 +268,28 @@ def request_bytes(kv: RequestKV) -> int:
         held += sum(t.nbytes for part in (cache.chunks.keys, cache.chunks.values, cache.chunks.queries)
                     for t in part if t is not None)
     return held
+
+
+def append_bytes(store, tokens: int, step: int, pooled: bool) -> int:
+    """The most `store` grows by when every head appends `tokens` entries (a request continuing a kept sequence
+    brings its new tokens in one forward): each head takes a run of `step` pages whenever its pages are full
+    (`LayerStore._take_pages`: exactly these pages), its block table widens to the pages it owns, and a store with
+    pages of its own (not `pooled`: in or bound for the engine's pools) may grow its tensors by a quarter
+    (`_new_runs`); a store of two tiers: both tiers' bounds."""
+    if isinstance(store, TieredStore):  # every entry enters the high tier, then some flush to the low one
+        return append_bytes(store.high, tokens, step, pooled) + append_bytes(store.low, tokens, step, pooled)
+    s, e, owned = store.page_size, store.lengths, store.owned
+    runs = ((e + tokens + s - 1) // s - owned).clamp(min=0).add(step - 1).div(step, rounding_mode="floor")
+    pages = int(runs.sum()) * step
+    if not pages:
+        return 0
+    width = int((owned + runs * step).max())
+    table = max(0, width - store.block_table.shape[-1]) * e.numel() * store.block_table.element_size()
+    if pooled:  # the pool's own growth is the engine's
+        return pages * store.page_bytes + table
+    used, have = store.next_page + pages, store.k_pages.shape[0]
+    grown = 0 if used <= have else used - have + max(e.numel() * step, used // 4)
+    return grown * store.page_bytes + table
 
 
 def window_bytes(plan: Plan, tokens: int, elt: int) -> int:
@@ -310,7 +337,7 @@ def prompt_bound_bytes(plan: Plan, tokens: int, elt: int, query_heads: int, chun
 # --- the pool as kvcompile's byte budget -------------------------------------------------------
 
 def outside_id(name: str) -> str:
-    """The pool's name for blocks held outside the engine under `name` (a kept or continued cache)."""
+    """The pool's name for blocks held outside the engine under `name` (a kept cache)."""
     return f"kvcompile-outside:{name}"
 
 
@@ -394,9 +421,10 @@ class KVCompilePagedCache(PagedAttentionCache):
         if kv is not None:
             state.pages.release(kv.cache)  # its pages back to the pools
         state.replays.pop(request_id, None)
-        if not state.offloading:  # a soft-reset request keeps its sampling and its admission
+        if not state.offloading:  # a soft-reset request keeps its sampling, its admission and the cache it continues
             state.sampling.pop(request_id, None)
             state.admitted.discard(request_id)
+            state.continued.pop(request_id, None)
         super().free_blocks(request_id, no_cache=True)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
@@ -409,13 +437,14 @@ class KVCompilePagedCache(PagedAttentionCache):
         self.kvcompile.replays.clear()
         self.kvcompile.sampling.clear()
         self.kvcompile.admitted.clear()
+        self.kvcompile.continued.clear()
         self.kvcompile.batch = []
         self.kvcompile.rows = []
 
     def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
         raise BatchingError("kvcompile: forking a request (num_return_sequences > 1) is not supported")
 
-    # --- caches held outside the engine (kept contexts, requests continued from one) ------------
+    # --- caches kept outside the engine (kvcompile serve --reuse-context) --------------------------
     def _move_blocks(self, source: str, key: str, nbytes: int) -> None:
         """Give `source`'s blocks to `key`, trimmed to those that cover `nbytes` (engine thread)."""
         table = self.allocator.block_table
@@ -425,26 +454,6 @@ class KVCompilePagedCache(PagedAttentionCache):
             self.pool.free_blocks(self.allocator.index, blocks[keep:])
             blocks = blocks[:keep]
         table[key] = table.get(key, []) + blocks
-
-    def hold_outside(self, key: str, nbytes: int) -> bool:
-        """Hold (or resize to) the pool blocks that cover `nbytes` under `key`, for a cache kept or run outside the
-        engine: the scheduler admits requests into what is left. Any thread; waits only while the engine schedules
-        or updates a batch (`pool_lock`), not for its forward. False when the pool has not the blocks free (then
-        nothing is held under `key`)."""
-        state, allocator = self.kvcompile, self.allocator
-        with state.pool_lock:
-            need = math.ceil(nbytes / state.bytes_per_block)
-            if need <= len(allocator.block_table.get(key, [])):
-                self._move_blocks(key, key, nbytes)
-                ok = True
-            else:
-                ok = PagedAttentionCache.can_store_request_tokens(
-                    self, _Reservation(key, need * allocator.tokens_per_page), 0)
-            if ok:
-                state.outside[key] = nbytes
-            else:
-                self.release_outside(key)
-            return ok
 
     def release_outside(self, key: str) -> None:
         """Give back what `key` holds (any thread)."""
@@ -494,15 +503,24 @@ class KVCompilePagedCache(PagedAttentionCache):
         self.kvcompile.soft_resets += 1
         self.kvcompile.replayed_tokens += len(request.initial_tokens) - prompt
 
-    def reserved_tokens(self, state, request_len: int) -> int:
+    def reserved_tokens(self, state, request_len: int, continues: KVCompileCache | None = None) -> int:
         """Tokens' worth of blocks (a multiple of the page size) the request must hold during its next
-        forward of `request_len` tokens."""
+        forward of `request_len` tokens (`continues`: the kept cache it continues, where not registered yet)."""
         plan, kv = self.kvcompile.plan, self.kvcompile.requests.get(state.request_id)
+        if continues is None:
+            continues = self.kvcompile.continued.get(state.request_id)
+        live = kv is not None
+        if kv is None and continues is not None:  # its first forward: a copy of the kept cache, as many bytes
+            kv = RequestKV(continues, 0)
         if kv is not None and kv.compressed:
             step = kv.cache.plan.spare_pages  # a head past its spares takes this many pages (LayerStore.append)
-            grows = sum(s.growth_bytes(step) for s in kv.cache.stores)
-            grows += window_bytes(kv.cache.plan, 1, self.dtype.itemsize)  # a window not yet full takes each token
-            need = request_bytes(kv) + grows * request_len
+            if request_len == 1 and live:  # a decode step
+                grows = sum(s.growth_bytes(step) for s in kv.cache.stores)
+            else:  # a continued request's tokens after its kept sequence (its copy in the pools where they exist)
+                pooled = self.kvcompile.pages.pools is not None
+                grows = sum(append_bytes(s, request_len, step, pooled) for s in kv.cache.stores)
+            windows = window_bytes(kv.cache.plan, 1, self.dtype.itemsize)  # a window not yet full takes each token
+            need = request_bytes(kv) + grows + windows * request_len
         else:
             plan = plan.with_headroom(self.headroom(state))
             prompt = self.prompt_length(state)
@@ -514,36 +532,54 @@ class KVCompilePagedCache(PagedAttentionCache):
         """Tokens' worth of blocks of the whole pool."""
         return self.num_blocks * self.allocator.tokens_per_page
 
-    def admission_error(self, request_id: str, prompt: int, max_new_tokens: int) -> RequestTooLarge | None:
-        """The refusal of a new request of `prompt` tokens (and `max_new_tokens`) whose prompt needs more
-        blocks than the whole pool has (it could never be scheduled), else None."""
+    def admission_error(self, request_id: str, prompt: int, max_new_tokens: int,
+                        continues: KVCompileCache | None = None) -> RequestTooLarge | None:
+        """The refusal of a new request of `prompt` tokens (and `max_new_tokens`) whose first forward needs more
+        blocks than the whole pool has (it could never be scheduled), else None. `continues`: the kept cache the
+        request continues (its first forward: a copy of it and the prompt's tokens after it)."""
         state = RequestState(request_id, initial_tokens=[0] * prompt, max_new_tokens=max_new_tokens)
-        tokens = self.reserved_tokens(state, min(prompt, self.max_batch_tokens))  # the engine splits longer ones
+        start = 0 if continues is None else continues.seq_length
+        # the engine splits what is longer than its token budget
+        tokens = self.reserved_tokens(state, min(prompt - start, self.max_batch_tokens), continues)
         page = self.allocator.tokens_per_page
         kept = self.kvcompile.outside_bound_blocks
         if tokens <= self.pool_tokens() - kept * page:
             return None
         blocks = tokens // page
         beside = f", {kept} of them for kept contexts" if kept else ""
+        what = f"{prompt}-token prompt" if continues is None else f"{prompt - start} tokens after a kept {start}"
         return RequestTooLarge(f"kvcompile: request {request_id} needs {blocks} blocks ({tokens} tokens of full cache) "
-                               f"for its {prompt}-token prompt under {self.kvcompile.plan.policy.name}; the pool has "
+                               f"for its {what} under {self.kvcompile.plan.policy.name}; the pool has "
                                f"{self.num_blocks} blocks ({self.pool_tokens()} tokens{beside})", blocks,
                                self.num_blocks - kept)
 
     def admit(self, state) -> None:
         """Refuse (RequestTooLarge) a new request the pool can never hold; a request re-queued by a soft reset
-        was admitted already."""
-        if state.request_id in self.kvcompile.admitted:
-            return
-        error = self.admission_error(state.request_id, len(state.initial_tokens), state.max_new_tokens or 0)
-        if error is not None:
-            self.kvcompile.sampling.pop(state.request_id, None)
-            raise error
-        self.kvcompile.admitted.add(state.request_id)
+        was admitted already. A request continuing a kept cache starts after it (`resume`)."""
+        ours, rid = self.kvcompile, state.request_id
+        if rid not in ours.admitted:
+            error = self.admission_error(rid, len(state.initial_tokens), state.max_new_tokens or 0,
+                                         ours.continued.get(rid))
+            if error is not None:
+                ours.sampling.pop(rid, None)
+                ours.continued.pop(rid, None)
+                raise error
+            ours.admitted.add(rid)
+        self.resume(state)
+
+    def resume(self, state) -> None:
+        """A request continuing a kept cache (new, or re-queued by a soft reset) starts after the tokens that cache
+        holds, as transformers' prefix sharing starts a request after its shared prefix: its position, and the
+        tokens left to feed."""
+        continues = self.kvcompile.continued.get(state.request_id)
+        if continues is not None and state.position_offset == 0 and state.status == RequestStatus.PENDING:
+            state.position_offset = continues.seq_length
+            state.remaining_prefill_tokens = state.remaining_prefill_tokens[continues.seq_length:]
 
     def begin_batch(self, scheduled) -> None:
         """The next forward's requests (FutureRequestStates, in the order of the packed tokens); a request
-        seen for the first time gets its cache, sized for its max_new_tokens as generate() sizes it."""
+        seen for the first time gets its cache, sized for its max_new_tokens as generate() sizes it, or, continuing
+        a kept cache, a copy of that cache in the pools."""
         state = self.kvcompile
         batch = []
         for future in scheduled:
@@ -551,13 +587,18 @@ class KVCompilePagedCache(PagedAttentionCache):
             kv = state.requests.get(request.request_id)
             if kv is None:
                 prompt = self.prompt_length(request)
-                if request.position_offset - future.query_length != 0:
+                continues = state.continued.get(request.request_id)
+                first = 0 if continues is None else continues.seq_length
+                if request.position_offset - future.query_length != first:
                     raise BatchingError(f"kvcompile: request {request.request_id} starts at token "
-                                        f"{request.position_offset - future.query_length}, not 0 (prefix sharing or "
-                                        "an offloaded request, which kvcompile does not restore)")
-                kv = RequestKV(KVCompileCache.from_plan(state.plan.with_headroom(self.headroom(request))), prompt)
-                if future.query_length < prompt:  # the engine splits the prompt: compressed when it ends
-                    kv.cache.expect_prompt(prompt)
+                                        f"{request.position_offset - future.query_length}, not {first} (prefix sharing "
+                                        "or an offloaded request, which kvcompile does not restore)")
+                if continues is not None:
+                    kv = RequestKV(state.pages.copy_in(continues), prompt)
+                else:
+                    kv = RequestKV(KVCompileCache.from_plan(state.plan.with_headroom(self.headroom(request))), prompt)
+                    if future.query_length < prompt:  # the engine splits the prompt: compressed when it ends
+                        kv.cache.expect_prompt(prompt)
                 state.requests[request.request_id] = kv
             start = request.position_offset - future.query_length
             if start < kv.prompt_length < request.position_offset or (start >= kv.prompt_length
@@ -621,7 +662,7 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
 
     def prepare_next_batch(self) -> bool:
         self.forward = []
-        with self.cache.kvcompile.pool_lock:  # holds outside the engine change the pool between forwards only
+        with self.cache.kvcompile.pool_lock:  # kept caches' releases change the pool between forwards only
             ready = super().prepare_next_batch()
             if ready:
                 scheduled = self.inputs_and_outputs.requests_in_batch
@@ -753,8 +794,20 @@ class ReplaySteps(Scheduler):
         step = self.cache.replay_step(state)
         return tokens if step is None else tokens[:step]
 
+    def schedule_batch(self, token_budget: int, cache_budget: int):
+        """The engine's schedule; new requests blocked after a soft reset (`block_new_requests`, so that the starved
+        requests get the blocks first) are let in again once no request is active. transformers 5.21 to 5.24 (checked
+        against both) lift the block only when a request finishes by itself (`update_batch`): after a soft reset
+        whose last active request was cancelled or failed instead, the re-queued and waiting requests were never
+        scheduled again (tests/test_scheduler_stall.py)."""
+        if self.block_new_requests and not self.active_requests:
+            self.block_new_requests = False
+        return super().schedule_batch(token_budget, cache_budget)
+
     def add_waiting_request(self, state) -> None:
-        self.cache.admit(state)  # a request the pool can never hold is refused here (RequestTooLarge)
+        # a request the pool can never hold is refused here (RequestTooLarge); one continuing a kept cache starts
+        #   after it (a soft-reset one too: the engine re-queues it from token 0)
+        self.cache.admit(state)
         super().add_waiting_request(state)
 
     def _schedule_request(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting):
@@ -918,17 +971,28 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
             return True
 
     def submit(self, input_ids: list[int], request_id: str, max_new_tokens: int, sampling: RequestSampling,
-               streaming: bool = False, eos_token_id=None) -> str:
+               streaming: bool = False, eos_token_id=None, continues: KVCompileCache | None = None) -> str:
         """Queue a request that picks its own tokens (`RequestSampling`); its output reaches the handler
-        registered for `request_id`. The engine must be running (its cache is what admission reads)."""
+        registered for `request_id`. The engine must be running (its cache is what admission reads).
+        `continues`: a compressed cache of `input_ids[:n]` (n its length, less than the prompt's), kept outside the
+        engine: the request works on a copy of it in the pools and feeds only `input_ids[n:]`, as
+        `generate(input_ids, past_key_values=copy)` does (kvcompile serve --reuse-context); it is never written."""
         processor = self.batch_processor
         if processor is None or not isinstance(processor.cache, KVCompilePagedCache):
             raise RuntimeError("kvcompile: the engine is not running")
-        processor.cache.kvcompile.sampling[request_id] = sampling
+        state = processor.cache.kvcompile
+        if continues is not None:
+            if not 0 < continues.seq_length < len(input_ids) or any(s is None for s in continues.stores):
+                raise ValueError(f"kvcompile: request {request_id} continues a cache of {continues.seq_length} tokens "
+                                 f"(compressed: {all(s is not None for s in continues.stores)}); it must be a "
+                                 f"compressed cache of fewer tokens than its {len(input_ids)}-token prompt")
+            state.continued[request_id] = continues
+        state.sampling[request_id] = sampling
         queued = self.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens,
                                   streaming=streaming, eos_token_id=eos_token_id)
         if queued is None:
-            processor.cache.kvcompile.sampling.pop(request_id, None)
+            state.sampling.pop(request_id, None)
+            state.continued.pop(request_id, None)
             raise RuntimeError("kvcompile: the engine is stopping and accepts no request")
         return queued
 

@@ -302,14 +302,6 @@ class KeptSequences:
                 dropped.append(self._entries.pop(next(iter(self._entries))))
             return dropped
 
-    def drop_oldest(self, keep: KeptSequence | None = None) -> KeptSequence | None:
-        """Drop the least recently used sequence other than `keep` (to make room in the pool), or None."""
-        with self._lock:
-            for ids, entry in self._entries.items():
-                if entry is not keep:
-                    return self._entries.pop(ids)
-            return None
-
     def clear(self) -> list[KeptSequence]:
         with self._lock:
             dropped = list(self._entries.values())

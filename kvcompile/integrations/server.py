@@ -25,7 +25,6 @@ the `--model` argument as given is accepted too.
 """
 
 import asyncio
-import copy
 import logging
 import math
 import sys
@@ -324,9 +323,10 @@ class Job:
     and cut at the first stop string (the engine request is then cancelled)."""
 
     def __init__(self, server: "KVCompileServer", request_id: str, prompt_ids: list[int], max_new_tokens: int,
-                 sampling, stop: list[str]):
+                 sampling, stop: list[str], continues=None):
         self.server, self.request_id, self.prompt_ids = server, request_id, prompt_ids
         self.max_new_tokens, self.sampling, self.stop = max_new_tokens, sampling, stop
+        self.continues = continues  # the kept sequence it continues (--reuse-context), or None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.start = time.perf_counter()
         self.first_token: float | None = None
@@ -335,7 +335,7 @@ class Job:
         self.status = "running"
         self.cut = False  # ended at a stop string (its cache holds tokens past the answer)
         self.keep = False  # hand its cache over when it ends, to be kept for a continuation (--reuse-context)
-        self.reused = 0  # tokens of a kept sequence it continued (ReuseJob)
+        self.reused = 0 if continues is None else len(continues.ids) - 1  # tokens of the kept sequence not fed again
 
     def submit(self) -> None:
         manager = self.server.manager
@@ -345,7 +345,8 @@ class Job:
                 self.server.cache.kvcompile.keep.add(self.request_id)
         try:
             manager.submit(self.prompt_ids, self.request_id, self.max_new_tokens, self.sampling, streaming=True,
-                           eos_token_id=self.server.eos_token_id)
+                           eos_token_id=self.server.eos_token_id,
+                           continues=None if self.continues is None else self.continues.cache)
         except Exception:
             self.forget()
             with self.server.cache.kvcompile.keep_lock:
@@ -448,52 +449,6 @@ class Job:
         return next((u.bytes for u in reversed(finished) if u.request_id == self.request_id), None)
 
 
-@dataclass
-class _Output:
-    """What the engine's GenerationOutput gives Job.deltas, for a request served outside the engine."""
-
-    generated_tokens: list[int]
-    finished: bool
-    error: str | None = None
-
-    def is_finished(self) -> bool:
-        return self.finished
-
-
-class ReuseJob(Job):
-    """A request that starts with a kept sequence (`--reuse-context`): served outside the engine, on a copy of that
-    sequence's compressed cache, feeding only the tokens after it (`KVCompileServer._continue`), on the server's
-    reuse thread. Its outputs reach `deltas` as the engine's do."""
-
-    def __init__(self, server: "KVCompileServer", request_id: str, prompt_ids: list[int], max_new_tokens: int,
-                 sampling, stop: list[str], entry):
-        super().__init__(server, request_id, prompt_ids, max_new_tokens, sampling, stop)
-        from kvcompile.integrations.batching import outside_id
-
-        self.entry = entry
-        self.reused = len(entry.ids) - 1
-        self.hold = outside_id(request_id)  # the pool blocks its cache holds
-        self.stopped = threading.Event()  # cancelled: stop after the current step
-        self.done = threading.Event()  # the reuse thread is done with it
-        self.result = None  # its cache when it ended by itself (eos or max_tokens)
-        self.held_bytes: int | None = None
-
-    def submit(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.server._reuse_thread.submit(self.server._continue, self, loop)
-
-    def forget(self) -> None:
-        return None
-
-    def cancel(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.stopped.set()
-
-    def kv_held(self) -> int | None:
-        return self.held_bytes
-
-
 # --- the server ------------------------------------------------------------------------------------
 
 def prompt_chars_bound(tokenizer, context: int | None) -> int | None:
@@ -529,7 +484,6 @@ class KVCompileServer:
 
     def __init__(self, options: ServeOptions):
         _require_serving()
-        import torch
         import uvicorn
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
         from transformers.utils import logging as hf_logging
@@ -581,8 +535,6 @@ class KVCompileServer:
         self.kept = None
         self.reused_requests = 0
         if options.reuse_context:
-            from concurrent.futures import ThreadPoolExecutor
-
             from kvcompile.integrations.context import KeptSequences
 
             state = self.cache.kvcompile
@@ -596,8 +548,6 @@ class KVCompileServer:
             self.kept = KeptSequences(bound)
             # a request is admitted only if it fits beside kept caches filling their bound (it never waits on them)
             state.outside_bound_blocks = math.ceil(bound / state.bytes_per_block)
-            self._reuse_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcompile-reuse")
-        self._torch = torch
         self.counts = {"ok": 0, "refused": 0, "failed": 0, "cancelled": 0}
         self.started_at = time.time()
         self.app = self._build_app()
@@ -686,110 +636,33 @@ class KVCompileServer:
         if error is not None:
             raise APIError(400, str(error), param="messages" if chat else "prompt", code="kv_pool_exceeded")
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-        if self.kept is not None:
-            entry = self.kept.match(ids)
-            if entry is not None:
-                self.reused_requests += 1
-                return ReuseJob(self, request_id, ids, new, self._sampling(request), stop, entry)
-        job = Job(self, request_id, ids, new, self._sampling(request), stop)
+        entry = None if self.kept is None else self.kept.match(ids)
+        if entry is not None and self.cache.admission_error(request_id, len(ids), new, entry.cache) is not None:
+            entry = None  # its copy and new tokens cannot fit beside the kept caches: prefilled as a new prompt
+        if entry is not None:
+            self.reused_requests += 1
+        job = Job(self, request_id, ids, new, self._sampling(request), stop, continues=entry)
         job.keep = self.kept is not None
         return job
 
     # --- reuse of kept compressed sequences (--reuse-context) ------------------------------------
-    def _hold(self, key: str, nbytes: int, spare=None) -> bool:
-        """Hold `nbytes` of the pool under `key`, dropping the least recently used kept sequences (other than
-        `spare`) while the pool has no room, then waiting for the engine's requests to give blocks back (60 s)."""
-        end = time.monotonic() + 60
-        while not self.cache.hold_outside(key, nbytes):
-            dropped = self.kept.drop_oldest(keep=spare)
-            if dropped is not None:
-                self.cache.release_outside(dropped.key)
-            elif time.monotonic() > end or not self.engine_alive():
-                return False
-            else:
-                time.sleep(0.05)
-        return True
-
-    def _continue(self, job: "ReuseJob", loop) -> None:
-        """The reuse thread's run of `job`: a copy of its kept sequence's cache, the prompt's tokens after that
-        sequence fed in one forward, then one token per forward, each picked as the engine picks it
-        (`RequestSampling.pick`); the same forwards as `generate(prompt, past_key_values=copy)` on the compiled
-        model (the in-process multi-turn path, docs/SPECS.md §4b)."""
-        torch = self._torch
-        from kvcompile.store import LayerStore
-        from kvcompile.integrations.batching import request_bytes, RequestKV
-
-        def emit(tokens, finished, error=None):
-            loop.call_soon_threadsafe(job.queue.put_nowait, _Output(list(tokens), finished, error))
-
-        try:
-            plan = self.cache.kvcompile.plan
-            entry_bytes = LayerStore.entry_bytes(plan.storage, plan.head_dim, self.cache.dtype.itemsize)
-            heads = plan.num_layers * len(plan.kv_heads)
-            added = len(job.prompt_ids) - job.reused + job.max_new_tokens
-            held = job.entry.nbytes + heads * entry_bytes * (added + plan.page_size * (plan.spare_pages + 1))
-            if not self._hold(job.hold, held, spare=job.entry):
-                emit([], True, "the KV pool has no room for the continued cache")
-                return
-            from kvcompile import cache_arg
-
-            cache = copy.deepcopy(job.entry.cache)
-            fed = job.prompt_ids[cache.seq_length:]
-            eos = self.eos_token_id if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
-            history, tokens = list(job.prompt_ids), []
-            inputs = torch.tensor([fed], device=self.model.device)
-            with torch.no_grad():
-                while True:
-                    logits = self.model(input_ids=inputs, **cache_arg.given(cache), use_cache=True,
-                                        logits_to_keep=1).logits[:, -1].float()
-                    token = job.sampling.pick(torch.tensor([history], device=logits.device), logits)
-                    tokens.append(int(token))
-                    history.append(tokens[-1])
-                    now = request_bytes(RequestKV(cache, 0))
-                    if now > held:
-                        held = now + heads * entry_bytes * plan.page_size
-                        if not self._hold(job.hold, held, spare=job.entry):
-                            emit(tokens, True, "the KV pool has no room for the continued cache")
-                            return
-                    job.held_bytes = now
-                    finished = tokens[-1] in eos or len(tokens) >= job.max_new_tokens
-                    if job.stopped.is_set():
-                        return
-                    emit(tokens, finished)
-                    if finished:
-                        job.result = cache
-                        return
-                    inputs = token.reshape(1, 1)
-        except Exception as exc:  # noqa: BLE001 - a failure of this request only
-            log.exception("kvcompile serve: a continued request failed")
-            emit([], True, f"{type(exc).__name__}: {exc}")
-        finally:
-            job.done.set()
-
     def _settle(self, job: Job, outcome) -> None:
         """After a request ends: keep its compressed cache (prompt + answer) for a continuation when it ended by
         itself (eos or max_tokens: not cut at a stop string, cancelled or failed), else give its blocks back."""
         from kvcompile.integrations.batching import outside_id, request_bytes, RequestKV
         from kvcompile.integrations.context import KeptSequence
 
-        if isinstance(job, ReuseJob):
-            job.done.wait(timeout=120)
-            cache, key = job.result, job.hold
-        elif job.keep:
-            state, key = self.cache.kvcompile, outside_id(job.request_id)
-            with state.keep_lock:  # the engine hands a finished request's cache over before its last output
-                cache = state.handed.pop(job.request_id, None)
-                state.keep.discard(job.request_id)
-        else:
+        if not job.keep:
             return
+        state, key = self.cache.kvcompile, outside_id(job.request_id)
+        with state.keep_lock:  # the engine hands a finished request's cache over before its last output
+            cache = state.handed.pop(job.request_id, None)
+            state.keep.discard(job.request_id)
         ids = list(job.prompt_ids) + list(job.tokens)
         if cache is None or outcome is None or job.cut or cache.seq_length != len(ids) - 1:
             self.cache.release_outside(key)
             return
         nbytes = request_bytes(RequestKV(cache, 0))
-        if isinstance(job, ReuseJob) and not self.cache.hold_outside(key, nbytes):  # shrinks: always granted
-            self.cache.release_outside(key)
-            return
         for dropped in self.kept.put(KeptSequence(tuple(ids), cache, nbytes, key)):
             self.cache.release_outside(dropped.key)
 
@@ -1046,8 +919,7 @@ class KVCompileServer:
                 ("kv_bytes_held", "KV bytes the live requests' compressed caches hold", "gauge"),
                 ("kv_bytes_full", "KV bytes a full cache of the same tokens would hold", "gauge"),
                 ("kv_bytes_kept", "KV bytes of the compressed sequences kept for continuations", "gauge"),
-                ("kv_bytes_outside", "KV bytes the pool accounts for outside the engine (kept and continued caches)",
-                 "gauge"),
+                ("kv_bytes_outside", "KV bytes the pool accounts for outside the engine (kept caches)", "gauge"),
                 ("kept_sequences", "compressed sequences kept for continuations", "gauge"),
                 ("requests_reused", "requests that continued a kept sequence since start", "counter"),
                 ("blocks_free", "free blocks of the KV pool", "gauge"),
@@ -1093,7 +965,6 @@ class KVCompileServer:
         self._stopped = True
         report = self.cache.memory_report()
         if self.kept is not None:
-            self._reuse_thread.shutdown(wait=True, cancel_futures=True)
             self.kept.clear()
         self.manager.stop(block=True, timeout=10)
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
