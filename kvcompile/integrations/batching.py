@@ -412,7 +412,7 @@ class KVCompilePagedCache(PagedAttentionCache):
                     self._move_blocks(request_id, outside_id(request_id), request_bytes(kv))
                     state.outside[outside_id(request_id)] = request_bytes(kv)
                     state.handed[request_id] = kv.cache
-        kv = state.requests.pop(request_id, None)
+        kv = state.requests.get(request_id)
         if kv is not None and kv.compressed and not state.offloading:
             tokens = kv.cache.seq_length
             state.finished.append(RequestUsage(request_id, tokens, request_bytes(kv),
@@ -426,6 +426,9 @@ class KVCompilePagedCache(PagedAttentionCache):
             state.admitted.discard(request_id)
             state.continued.pop(request_id, None)
         super().free_blocks(request_id, no_cache=True)
+        # it leaves `requests` last: another thread that finds it gone (the server's metrics, a caller waiting for
+        # a cancelled request to leave) finds its pages and blocks given back
+        state.requests.pop(request_id, None)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests(clear_ledgers)
