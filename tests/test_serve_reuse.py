@@ -451,6 +451,42 @@ def test_every_page_comes_back_after_a_continuation_finishes_is_cut_or_fails(fol
         assert all_back(server, kept_sequences=2) and server.metrics()["requests_reused"] == 3
 
 
+def test_a_request_leaves_the_engine_only_with_its_pages_and_blocks_given_back(folder):
+    """A request (fresh and kept, continued and kept, continued and cut at a stop string: cancelled) is gone from the
+    cache's live requests only once its pool pages and its blocks are back: a thread that finds it gone (the
+    server's metrics, a caller waiting for a cancelled request to leave) never reads them still held."""
+    policy = kvcompile.load_spec("expected_attention", **EA)
+    seen = []  # (request id, every pool page free, its blocks still in the block table) when it left
+
+    with serving(folder, policy, reuse_context=True) as server:
+        state, cache = server.cache.kvcompile, server.cache
+
+        class Watched(dict):  # the cache's live requests, noting the pool when one leaves (on the engine thread)
+            def _left(self, rid):
+                pool = cache.memory_report()["decode"]["pool"]
+                seen.append((rid, pool["free_pages"] == pool["pages"] > 0, rid in cache.allocator.block_table))
+
+            def pop(self, rid, *default):
+                if rid in self:
+                    self._left(rid)
+                return super().pop(rid, *default)
+
+            def __delitem__(self, rid):
+                self._left(rid)
+                super().__delitem__(rid)
+
+        state.requests = Watched(state.requests)
+        turn2 = first_turn(server, policy, folder)
+        done = post(server, {"prompt": turn2, "max_tokens": NEW})
+        cut = post(server, {"prompt": turn2, "max_tokens": NEW, "stop": done["choices"][0]["text"][2:4]})
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        end = time.monotonic() + TIMEOUT
+        while cut["id"] not in {rid for rid, *_ in seen} and time.monotonic() < end:  # it leaves at the engine's
+            time.sleep(0.05)  # next step
+    assert {done["id"], cut["id"]} <= {rid for rid, *_ in seen} and len(seen) >= 3
+    assert all(free and not blocks for _, free, blocks in seen), seen
+
+
 def test_tokens_equal_generate_from_a_copy_of_the_kept_cache_and_usage_is_the_engines(folder):
     """The continued request's tokens and log-probabilities are `generate(prompt, past_key_values=<a copy of the
     kept cache>)`'s on the compiled model, and its usage is recorded by the engine, as every request's."""
