@@ -544,3 +544,26 @@ def test_the_multimodal_wrapper_is_refused_with_its_text_model_named():
     with pytest.raises(kvcompile.CompileError, match="unsupported model type 'llama4'; .* its text model \\(model "
                                                      "type 'llama4_text'\\) is: load that alone"):
         kvcompile.compile(model, "snapkv")
+
+
+def test_the_server_refuses_a_llama4_model_before_listening(tmp_path):
+    """`kvcompile serve` on a Llama 4 checkpoint: the engine's refusal (its chunked layers) reaches the caller when
+    the server is built, before it listens, and no engine thread is left running."""
+    import threading
+
+    pytest.importorskip("uvicorn")
+    from test_serve_http import char_tokenizer
+
+    from kvcompile.integrations.server import KVCompileServer, ServeOptions
+
+    tokenizer = char_tokenizer()
+    model = tiny_llama4(vocab_size=len(tokenizer))
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id, None
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(kvcompile.CompileError, match="continuous batching .* does not run model type "
+                                                     "'llama4_text''s chunked_attention layers"):
+        KVCompileServer(ServeOptions(spec="snapkv", model=str(tmp_path), log_level="error", log_requests=False))
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
