@@ -408,6 +408,12 @@ def _check_together(ranking, budget: Budget, merge, schedule: Schedule, src: _So
                             "a scorer whose scores are attention mass, or layers: uniform | pyramid, no threshold",
                             blame=(("scoring",),))
     decode = schedule.decode
+    if scoring is not None and scoring.whole_prompt and (schedule.chunk_tokens or decode is not None):
+        part, what = (("prefill",), "compresses the prompt chunk by chunk") if schedule.chunk_tokens else \
+            (("decode",), "re-scores while decoding")
+        raise src.error(("schedule", *part), f"scoring: {scoring.name} scores each key by the mean over the whole "
+                        f"prompt's queries that see it, and this schedule {what}, which would need each held "
+                        "entry's count of queries so far", "schedule: prefill or cascade, without decode", blame=(("scoring",),))
     if decode is not None and decode.prune_every and split is not None:
         raise src.error(("schedule", "decode"), f"decode: {decode.name} prunes back to the budget, and a split's "
                         "parts are kept while decoding by decode: online", "decode: online with a split",

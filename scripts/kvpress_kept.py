@@ -65,7 +65,8 @@ KEPT_SPECS = {
     "adakv_snapkv": [("adakv", "adakv", {}), ("adakv window 64 avg 5", "adakv", _snap(64, "avg", 5))],
     "streaming_llm": [("streamingllm", "streamingllm", {})],
     "tova": [("tova", "tova", {})],
-    "observed_attention": [("h2o", "h2o", {}), ("h2o window 0", "h2o", {"ranking": {"by_score": {"window": 0}}})],
+    "observed_attention": [("observed_attention", "observed_attention", {}), ("h2o", "h2o", {}),
+                           ("h2o window 0", "h2o", {"ranking": {"by_score": {"window": 0}}})],
     "knorm": [("knorm", "knorm", {})],
     "expected_attention_uniform": [("expected_attention", "expected_attention", {})],
     "expected_attention": [("expected_adakv", "expected_adakv", {})],
@@ -105,6 +106,8 @@ KEPT_WHY = {
     ("expected_attention_uniform", "expected_attention"): "exact (ExpectedAttentionPress(epsilon=1e-2), the spec's "
                                                           "epsilon)",
     ("expected_attention", "expected_adakv"): "exact up to float near-ties at the cut",
+    ("observed_attention", "observed_attention"): "exact: scoring mean_attention is ObservedAttentionPress's mean "
+        "attention, Σ_j A[j,i] / (N − i), no window, the same count per head",
     ("observed_attention", "h2o"): "a different score: kvpress's ObservedAttentionPress ranks by the mean attention a "
         "key receives, Σ_j A[j,i] / (N − i), with no recent window; H2O (arXiv:2306.14048, §4, Alg. 1: accumulated "
         "attention, heavy hitters + recent window) sums and keeps a recent half. kvcompile's h2o is the paper's",

@@ -18,7 +18,7 @@ from kvcompile.kernels import choice
 from kvcompile.kernels.attention_column_sums import attention_column_sums, runs_here
 from kvcompile.layer_state import LayerState
 from kvcompile.plan import PlanError, build_plan
-from kvcompile.policies.scoring import Accumulated, Decayed
+from kvcompile.policies.scoring import Accumulated, Decayed, MeanAttention
 from kvcompile.engine.prefill import prompt_attention
 from tiny import prompt, tiny_model
 
@@ -62,6 +62,22 @@ def test_pads_anywhere_follow_the_model_attention():
     state = LayerState(q, k, v, valid, 0.25)
     assert_close(Accumulated().score_from_column_sums(sums, state), Accumulated().score(state))
     assert (sums[1, :, 17:21] == 0).all() and (sums[0, :, :9] == 0).all()
+
+
+@pytest.mark.parametrize("gqa", ["mean", "max"])
+def test_mean_attention_from_the_sums_and_by_row_chunks_equals_its_specification(gqa):
+    """MeanAttention (kvpress's ObservedAttentionPress) is the column sums divided by each key's count of queries:
+    from the attention's sums and from the chunked rows as from its N×N specification, pads left and inside."""
+    q, k, v = tensors(2, 2, 2, 70, 16, 5)
+    valid = torch.ones(2, 70, dtype=torch.bool)
+    valid[0, :11] = False
+    state = LayerState(q, k, v, valid, 0.3)
+    scorer = MeanAttention(gqa=gqa)
+    out, sums = attention_column_sums(q, k, v, valid, 0.3, scorer.column_weights(70))
+    expected = scorer.score(state)
+    assert_close(scorer.score_from_column_sums(sums, state), expected)
+    assert_close(scorer.score_prompt(state), expected)
+    assert torch.isneginf(expected[0, :, :11]).all() and torch.isfinite(expected[:, :, 11:]).all()
 
 
 def test_threads_agree_and_a_long_prompt_fits():

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from kvcompile.policies.scoring import (
-    Accumulated, Decayed, KeyNorm, LastToken, Lava, Pooling, Recency, WindowAttention,
+    Accumulated, Decayed, KeyNorm, LastToken, Lava, MeanAttention, Pooling, Recency, WindowAttention,
     attention_rows, entropy, reduce_gqa,
 )
 from kvcompile.reference import LayerState
@@ -89,6 +89,7 @@ scorers = st.one_of(
     st.builds(Lava, window=windows, pooling=poolings, gqa=gqas),
     st.builds(LastToken, gqa=gqas, heads=st.sampled_from(["group", "all"])),
     st.builds(Accumulated, gqa=gqas),
+    st.builds(MeanAttention, gqa=gqas),
     st.builds(Decayed, decay=st.floats(0.0, 1.0, exclude_min=True), gqa=gqas),
     st.just(KeyNorm()),
     st.just(Recency()),
@@ -98,6 +99,7 @@ attention_scorers = st.one_of(
     st.builds(Lava, window=windows, gqa=gqas),
     st.builds(LastToken, gqa=gqas, heads=st.sampled_from(["group", "all"])),
     st.builds(Accumulated, gqa=gqas),
+    st.builds(MeanAttention, gqa=gqas),
     st.builds(Decayed, decay=st.floats(0.0, 1.0, exclude_min=True), gqa=gqas),
 )
 
@@ -153,6 +155,8 @@ def brute_scores(scorer, q, k, v, scale) -> torch.Tensor:
         per_query_head = sum(a[:, j] for j in range(n - w, n)) / w
     elif isinstance(scorer, LastToken):
         per_query_head = a[:, n - 1]
+    elif isinstance(scorer, MeanAttention):  # kvpress ObservedAttentionPress: the sum over the n − i queries j ≥ i
+        per_query_head = torch.stack([a[:, i:, i].sum(-1) / (n - i) for i in range(n)], dim=-1)
     elif isinstance(scorer, Accumulated):
         per_query_head = sum(a[:, j] for j in range(n))
     else:  # Decayed

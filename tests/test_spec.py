@@ -197,6 +197,10 @@ CASES = [
     ("unknown decode part", S + B + "schedule: {decode: {evry: 8}}\n", 3, "schedule.decode",
      ["unknown decode part 'evry'", "every, online"]),
     ("duplicate key", S + B + "scoring: lava\n", 3, "scoring", ["duplicate key 'scoring'"]),
+    ("mean attention chunked", "scoring: mean_attention\n" + B + "schedule: {prefill: {chunk: {size: 64}}}\n", 3,
+     "schedule.prefill", ["scoring: mean_attention", "compresses the prompt chunk by chunk", "count of queries"]),
+    ("mean attention decode", "scoring: mean_attention\n" + B + "schedule: {decode: {every: 8}}\n", 3,
+     "schedule.decode", ["scoring: mean_attention", "re-scores while decoding", "schedule: prefill or cascade"]),
     ("yaml syntax error", S + "budget: {per_head: 64\nmerge: drop\n", 3, None,
      ["YAML syntax error"]),
     ("yaml bad indentation", S + "budget:\n  per_head: 64\n layers: uniform\n", 4, None,
@@ -512,7 +516,9 @@ def valid_specs(draw) -> dict:
     rows = PARTS["scoring"][name](**(fields or {})).query_rows(2 ** 30)
     # decode: every needs the scorer's window queries cached (ranking window >= them) and no split
     every = split is None and (name in ("accumulated", "decayed") or window >= rows)
-    decodes = [None] + (["every"] if every else []) + (["online"] if split else [])
+    # a score of the whole prompt (mean_attention) has no decode schedule
+    whole = PARTS["scoring"][name].whole_prompt
+    decodes = [None] + ([] if whole else (["every"] if every else []) + (["online"] if split else []))
     decode = draw(st.sampled_from(decodes))
     return {
         "name": draw(st.text(string.ascii_letters + "_", min_size=1, max_size=12)),

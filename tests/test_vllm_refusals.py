@@ -26,7 +26,7 @@ ROTARY = "needs the model's rotary frequencies"
 # every shipped spec: the reasons it is refused for (each family's phrase), or () where the plugin runs it
 FAMILIES = {
     "adakv": (), "dbudget_lava": (), "dbudgetkv": (), "h2o": (), "knorm": (), "lava": (), "pyramid_pooled": (),
-    "pyramidkv": (), "snapkv": (), "snapkv_global": (), "streamingllm": (), "tova": (),
+    "observed_attention": (), "pyramidkv": (), "snapkv": (), "snapkv_global": (), "streamingllm": (), "tova": (),
     "zsmerge": ("merge residual (budget.split", MERGE, "schedule.decode online " + DECODE),
     "lava_residual": ("merge residual (budget.split", MERGE),
     "expected_zsmerge": ("merge residual (budget.split", MERGE, "scoring expected_attention " + ROTARY),

@@ -201,6 +201,7 @@ class Scorer(Part):
     needs_rope = False  # the scorer reads the model's rotary frequencies (LayerState.rope; the plan supplies them)
     softcaps = True  # the scorer's attention weights apply a model's logit soft-cap (LayerState.softcap)
     nonnegative = True  # scores are >= 0 (attention mass): what entropy layers and DBudgetKV's norm stop read
+    whole_prompt = False  # the score needs the whole prompt at once: no chunked prefill, no re-scoring while decoding
     # the scores of a prompt do not depend on a question at its end (its own queries, keys or positions only), so a
     # compressed context can be reused for what follows it (docs/SPECS.md §4b; `kvcompile serve --reuse-context`)
     query_agnostic = False
@@ -393,6 +394,53 @@ class Accumulated(Scorer):
     @property
     def running_decay(self) -> float | None:
         return 1.0 if type(self).running_update is Accumulated.running_update else None
+
+
+@part("scoring", "mean_attention")
+@dataclass(frozen=True)
+class MeanAttention(Accumulated):
+    """kvpress's ObservedAttentionPress: s[i] = (1/(N−i)) Σ over the queries j ≥ i of A[j, i], the mean attention
+    key i receives from the N−i prompt queries that see it (H2O's accumulated attention, `Accumulated`, divided by
+    that count, so late keys are not penalised for having been seen by fewer queries). The G query heads of a group
+    are averaged (or maxed) after the division; the two commute, the count being per key.
+
+    A score of the whole prompt only (`whole_prompt`): it keeps no running score while decoding, and a prompt
+    compressed chunk by chunk, or re-scored while decoding, would need each held entry's count of queries so far
+    (the spec refuses both)."""
+
+    running = False
+    whole_prompt = True
+
+    @staticmethod
+    def _per_query(summed: Tensor) -> Tensor:
+        """The mean from the column sums (B, ·, N): divided by N−i, the queries j ≥ i (−inf at pads stays −inf)."""
+        n = summed.shape[-1]
+        return summed / torch.arange(n, 0, -1, device=summed.device, dtype=torch.float32)
+
+    def score(self, state: LayerState) -> Tensor:
+        return self._per_query(super().score(state))
+
+    def score_prompt(self, state: LayerState) -> Tensor:
+        return self._per_query(super().score_chunked(state))
+
+    def column_weights(self, n: int) -> Tensor | None:
+        """w = 1: the column sums of the prompt's attention, divided by N−i in `score_from_column_sums`."""
+        return torch.ones(n, dtype=torch.float32)
+
+    def score_from_column_sums(self, sums: Tensor, state: LayerState) -> Tensor:
+        return self._per_query(super().score_from_column_sums(sums, state))
+
+    def score_chunk(self, state: LayerState, carried: Tensor | None) -> Tensor:
+        raise NotImplementedError("scoring mean_attention scores a whole prompt (the spec refuses a chunked one)")
+
+    score_chunk_prompt = score_chunk_from_column_sums = score_chunk
+
+    def running_update(self, scores: Tensor, attention: Tensor) -> Tensor:
+        raise NotImplementedError("scoring mean_attention keeps no running score")
+
+    @property
+    def running_decay(self) -> float | None:
+        return None
 
 
 @part("scoring", "decayed")
