@@ -263,6 +263,42 @@ def test_kept_sequences_match_the_longest_and_drop_the_oldest():
     assert len(kept) == 2 and kept.nbytes == 20
 
 
+def test_a_kept_sequence_lent_to_a_continuation_stays_counted_until_given_back():
+    """A continuation holds the kept cache it continues until it ends: that sequence is not the one dropped to make
+    room, one replaced while lent is counted until its last give_back returns it for release, and a new sequence
+    that cannot fit beside lent ones is not kept."""
+    kept = KeptSequences(max_bytes=25)
+    a, b = KeptSequence((1,), None, 10, "a"), KeptSequence((2,), None, 10, "b")
+    assert kept.put(a) == [] and kept.put(b) == []
+    assert kept.match([1, 5], lend=True) is a and kept.match([1, 6], lend=True) is a  # two continuations of a
+    assert kept.match([2, 5]) is b  # b now the most recently used, a the least, but lent
+    c = KeptSequence((3,), None, 10, "c")
+    assert kept.put(c) == [b]  # a is lent: b goes instead
+    assert kept.put(KeptSequence((4,), None, 10, "d")) == [c]
+    assert kept.put(KeptSequence((5,), None, 20, "e")) == [KeptSequence((5,), None, 20, "e")]  # beside a: no room
+    again = KeptSequence((1,), None, 12, "a2")
+    assert kept.put(again) == [KeptSequence((4,), None, 10, "d")]  # a replaced while lent: a (10) + a2 (12) counted
+    assert kept.nbytes == 22 and len(kept) == 1
+    assert kept.give_back(a) == []  # the other continuation still uses it
+    assert kept.give_back(a) == [a] and kept.nbytes == 12  # its last: released now
+    with pytest.raises(RuntimeError, match="given back more often than lent"):
+        kept.give_back(a)
+    assert kept.match([1, 2], lend=True) is again and kept.clear() == [again] and kept.nbytes == 0
+
+
+def test_a_continuation_gives_its_kept_sequence_back_when_it_ends(folder):
+    """The server lends the kept sequence a request continues and gives it back when the request is settled: the
+    kept sequences' bytes always equal the blocks held outside the engine, and nothing stays lent."""
+    policy = kvcompile.load_spec("expected_attention", **EA)
+    with serving(folder, policy, reuse_context=True) as server:
+        answer = complete(server, TURN1)["text"]
+        settled(server, kept_sequences=1)
+        complete(server, TURN1 + answer + TURN2)
+        m = settled(server, kept_sequences=2)
+        assert m["requests_reused"] == 1 and m["kv_bytes_outside"] == m["kv_bytes_kept"]
+        assert [e.lent for e in server.kept._entries.values()] == [0, 0]
+
+
 def test_query_aware_policies_are_refused_at_start_up(folder):
     for spec in ("snapkv", "lava", "h2o"):
         with pytest.raises(ValueError, match="--reuse-context needs a query-agnostic policy"):

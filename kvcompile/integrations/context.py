@@ -252,19 +252,27 @@ class KeptSequence:
     cache: KVCompileCache = field(repr=False)
     nbytes: int
     key: str
+    lent: int = field(default=0, compare=False)  # continuations using it now (`match(lend=True)`, `give_back`)
 
 
 class KeptSequences:
     """Kept compressed sequences, least recently used dropped first so that their bytes stay within `max_bytes`.
 
     A request's token ids reuse the longest kept sequence they start with (`match`): every token of it, answer
-    included; a prompt that diverges anywhere inside a kept sequence does not match it. Thread-safe."""
+    included; a prompt that diverges anywhere inside a kept sequence does not match it. Thread-safe.
+
+    A sequence lent to a continuation (`match(..., lend=True)`, until `give_back`) holds its memory while the
+    continuation runs, so it counts against the bound until it is given back: it is never the one dropped to make
+    room, and one replaced while lent leaves the kept sequences but stays counted (`nbytes`) and is handed back for
+    its memory to be released only by the last `give_back`. A new sequence that cannot fit beside the lent ones
+    is not kept."""
 
     def __init__(self, max_bytes: int):
         if max_bytes < 1:
             raise ValueError(f"kvcompile: the bound of kept sequences must be at least 1 byte, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: dict[tuple[int, ...], KeptSequence] = {}  # least recently used first
+        self._replaced: list[KeptSequence] = []  # replaced while lent: counted until given back
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -272,10 +280,16 @@ class KeptSequences:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        """The bytes of the kept sequences and of those replaced while a continuation still uses them."""
+        with self._lock:
+            return self._nbytes()
 
-    def match(self, ids) -> KeptSequence | None:
-        """The longest kept sequence `ids` start with (now the most recently used), or None."""
+    def _nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values()) + sum(e.nbytes for e in self._replaced)
+
+    def match(self, ids, lend: bool = False) -> KeptSequence | None:
+        """The longest kept sequence `ids` start with (now the most recently used), or None; `lend`: lent to the
+        caller until its `give_back`."""
         ids = tuple(ids)
         with self._lock:
             best = None
@@ -285,25 +299,42 @@ class KeptSequences:
                     best = entry
             if best is not None:
                 self._entries[best.ids] = self._entries.pop(best.ids)
+                best.lent += lend
             return best
 
-    def put(self, entry: KeptSequence) -> list[KeptSequence]:
-        """Keep `entry` (replacing one of the same ids), dropping the least recently used until the bytes fit;
-        returns what was dropped (`entry` itself when it alone exceeds the bound), for its memory to be given back."""
+    def give_back(self, entry: KeptSequence) -> list[KeptSequence]:
+        """A continuation is done with `entry` (lent by `match`); returns it if it was replaced meanwhile and no
+        other continuation uses it, for its memory to be given back."""
         with self._lock:
-            dropped = []
-            if entry.nbytes > self.max_bytes:
+            if entry.lent < 1:
+                raise RuntimeError(f"kvcompile: kept sequence {entry.key} given back more often than lent")
+            entry.lent -= 1
+            if entry.lent == 0 and any(e is entry for e in self._replaced):
+                self._replaced = [e for e in self._replaced if e is not entry]
                 return [entry]
-            old = self._entries.pop(entry.ids, None)
+            return []
+
+    def put(self, entry: KeptSequence) -> list[KeptSequence]:
+        """Keep `entry` (replacing one of the same ids), dropping the least recently used sequences no continuation
+        uses until the bytes fit; returns what was dropped (`entry` itself when it cannot fit), for its memory to
+        be given back."""
+        with self._lock:
+            held = sum(e.nbytes for e in self._entries.values() if e.lent) + sum(e.nbytes for e in self._replaced)
+            if held + entry.nbytes > self.max_bytes:  # beside what continuations hold (or alone) it cannot fit
+                return [entry]
+            dropped, old = [], self._entries.pop(entry.ids, None)
             if old is not None:
-                dropped.append(old)
+                (self._replaced if old.lent else dropped).append(old)
             self._entries[entry.ids] = entry
-            while self.nbytes > self.max_bytes:
-                dropped.append(self._entries.pop(next(iter(self._entries))))
+            while self._nbytes() > self.max_bytes:  # ends: what is lent fits beside `entry`
+                dropped.append(self._entries.pop(next(e.ids for e in self._entries.values() if not e.lent)))
             return dropped
 
     def clear(self) -> list[KeptSequence]:
+        """Drop every sequence (the server stops): all of them, lent or replaced, for their memory to be given
+        back."""
         with self._lock:
-            dropped = list(self._entries.values())
+            dropped = list(self._entries.values()) + self._replaced
             self._entries.clear()
+            self._replaced = []
             return dropped

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -335,6 +336,7 @@ class Job:
         self.status = "running"
         self.cut = False  # ended at a stop string (its cache holds tokens past the answer)
         self.keep = False  # hand its cache over when it ends, to be kept for a continuation (--reuse-context)
+        self.give_back = None  # returns the kept sequence it continues, once (weakref.finalize; --reuse-context)
         self.reused = 0 if continues is None else len(continues.ids) - 1  # tokens of the kept sequence not fed again
 
     def submit(self) -> None:
@@ -636,13 +638,16 @@ class KVCompileServer:
         if error is not None:
             raise APIError(400, str(error), param="messages" if chat else "prompt", code="kv_pool_exceeded")
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-        entry = None if self.kept is None else self.kept.match(ids)
+        entry = None if self.kept is None else self.kept.match(ids, lend=True)
         if entry is not None and self.cache.admission_error(request_id, len(ids), new, entry.cache) is not None:
+            self._give_back(entry)
             entry = None  # its copy and new tokens cannot fit beside the kept caches: prefilled as a new prompt
         if entry is not None:
             self.reused_requests += 1
         job = Job(self, request_id, ids, new, self._sampling(request), stop, continues=entry)
         job.keep = self.kept is not None
+        if entry is not None:  # given back when the request is settled, or else when the job is dropped
+            job.give_back = weakref.finalize(job, self._give_back, entry)
         return job
 
     # --- reuse of kept compressed sequences (--reuse-context) ------------------------------------
@@ -652,6 +657,8 @@ class KVCompileServer:
         from kvcompile.integrations.batching import outside_id, request_bytes, RequestKV
         from kvcompile.integrations.context import KeptSequence
 
+        if job.give_back is not None:
+            job.give_back()  # the kept sequence it continued: its memory is no longer this request's to hold
         if not job.keep:
             return
         state, key = self.cache.kvcompile, outside_id(job.request_id)
@@ -664,6 +671,11 @@ class KVCompileServer:
             return
         nbytes = request_bytes(RequestKV(cache, 0))
         for dropped in self.kept.put(KeptSequence(tuple(ids), cache, nbytes, key)):
+            self.cache.release_outside(dropped.key)
+
+    def _give_back(self, entry) -> None:
+        """A continuation is done with the kept sequence `entry`: release its blocks if it was dropped meanwhile."""
+        for dropped in self.kept.give_back(entry):
             self.cache.release_outside(dropped.key)
 
     async def settle(self, job: Job | None, outcome) -> None:
