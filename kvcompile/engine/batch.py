@@ -24,12 +24,14 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from kvcompile.engine.decode import begin_decoding
+from kvcompile.engine.state import Phase
 from kvcompile.store.pages import LayerStore
 from kvcompile.store.pool import PagePools, PooledStore
 
@@ -77,10 +79,8 @@ class DecodeBatch:
             q = query[0, :, self.index].transpose(0, 1)
             k = key[0, :, self.index].transpose(0, 1)
             v = value[0, :, self.index].transpose(0, 1)
-        lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
+        out, lengths = self._step(layer, stores, table, lengths, q.contiguous(), k, v, scale)
         self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)}, table, lengths)
-        backend = caches[0].plan.decode_backend(layer, q.device)
-        out = self.pools.attend(layer, backend, q.contiguous(), table, lengths, scale)
         self.counts["attention_calls"] += 1
         if layer == caches[0].plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
@@ -88,6 +88,14 @@ class DecodeBatch:
             self.counts["steps"] += 1
             self.counts["tokens"] += len(caches)
         return out.to(query.dtype)
+
+    def _step(self, layer: int, stores: list, table: Tensor, lengths: Tensor, q: Tensor, k: Tensor, v: Tensor,
+              scale: float) -> tuple[Tensor, Tensor]:
+        """The layer's append and attention for the batch (q (R, Hq, d), k, v (R, H, d)): one write of every new
+        entry into the pool, one call of the plan's decode backend. Returns the outputs and the lengths after."""
+        lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
+        backend = self.caches[0].plan.decode_backend(layer, q.device)
+        return self.pools.attend(layer, backend, q, table, lengths, scale), lengths
 
     def _last_rows(self, layer: int, stores: list) -> list[int] | None:
         """Each store's row in the last step's block table and lengths of `layer`, where every store was in that
@@ -171,6 +179,7 @@ class BatchedDecode(PooledPages):
     """A step's decode tokens in one batch (`DecodeBatch`) over the pools."""
 
     batched = True
+    batch: ClassVar[type] = DecodeBatch  # what runs the step's batch per layer
     tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
 
     def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
@@ -178,7 +187,9 @@ class BatchedDecode(PooledPages):
         pools), in the order of the packed tokens."""
         alone, batched, index, offset = [], [], [], 0
         for i, (cache, tokens) in enumerate(requests):
-            if tokens == 1 and cache.decoding is not None and all(isinstance(s, PooledStore) for s in cache.stores):
+            if tokens == 1 and cache.phase in (Phase.COMPRESSED, Phase.DECODING) \
+                    and all(isinstance(s, PooledStore) for s in cache.stores):
+                begin_decoding(cache)  # a first decode step: the request enters decoding here, its attention batched
                 batched.append(cache)
                 index.append(offset)
             else:
@@ -190,8 +201,8 @@ class BatchedDecode(PooledPages):
         device = batched[0].stores[0].device
         if self.tables is None:
             self.tables = [None] * len(batched[0].stores)
-        return StepPlan(alone, DecodeBatch(self.pools, batched, torch.tensor(index, device=device),
-                                           positions.to(device), self.counts, self.tables, not alone))
+        return StepPlan(alone, self.batch(self.pools, batched, torch.tensor(index, device=device),
+                                          positions.to(device), self.counts, self.tables, not alone))
 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
