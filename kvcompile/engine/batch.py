@@ -113,6 +113,28 @@ class DecodeBatch:
 
 
 @dataclass
+class StepBatch(DecodeBatch):
+    """A step's decode tokens in one batch through the plan's own decode step (`Plan.online_step`): per layer one
+    call for every request, on the batch as one store over the pool (`PagePools.batch`), whatever the step does
+    (running scores, online eviction into merge slots, the merge bias); then each request takes its row back."""
+
+    split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
+
+    def __post_init__(self):
+        if self.caches[0].plan.online_eviction:
+            self.split = torch.cat([cache.decoding.split for cache in self.caches])
+
+    def _step(self, layer: int, stores: list, table: Tensor, lengths: Tensor, q: Tensor, k: Tensor, v: Tensor,
+              scale: float) -> tuple[Tensor, Tensor]:
+        plan = self.caches[0].plan
+        batch = self.pools.batch(layer, stores, table, lengths)
+        split = None if self.split is None else self.split[:, layer]
+        out = plan.online_step(plan, batch, layer, q, k, v, self.positions, split, scale)
+        batch.finish()
+        return out, batch.lengths
+
+
+@dataclass
 class StepPlan:
     """One forward's plan: the requests that run alone (their index among the step's requests) and the batch."""
 
@@ -205,21 +227,29 @@ class BatchedDecode(PooledPages):
                                           positions.to(device), self.counts, self.tables, not alone))
 
 
+@dataclass
+class BatchedStepDecode(BatchedDecode):
+    """A step's decode tokens in one batch through the plan's decode step (`StepBatch`): running scores, online
+    eviction, a merge bias per entry."""
+
+    batch: ClassVar[type] = StepBatch
+
+
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
     attention over full-precision pages, else per request (with the reason)."""
     why = None
     if plan.store is not LayerStore:
         why = f"pages of {plan.store.__name__}"
-    elif plan.running_scores or plan.online_eviction:
-        why = "scores run while decoding" if not plan.online_eviction else "online eviction"
     elif plan.prune_every:
         why = f"pruning every {plan.prune_every} tokens"
-    elif plan.policy.merges:
-        why = "merge slots (a bias per entry)"
     elif plan.layer_kinds is not None:
         why = "a hybrid model's window layers"
     elif plan.shard is not None or plan.layer_devices is not None:
         why = "layers split over ranks or devices"
     pools = PagePools(plan.num_layers) if plan.store is LayerStore else None
-    return PerRequestDecode(pools, reason=why) if why is not None else BatchedDecode(pools)
+    if why is not None:
+        return PerRequestDecode(pools, reason=why)
+    if plan.running_scores or plan.online_eviction or plan.policy.merges:
+        return BatchedStepDecode(pools)  # the plan's decode step, on the batch
+    return BatchedDecode(pools)
