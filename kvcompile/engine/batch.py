@@ -1,23 +1,30 @@
-"""A serving step's decode tokens as one batch: plan once per step, then per layer one append and one paged
-attention call for every request of the step (FlashInfer's plan()/run(); docs/INTERNALS.md "Continuous
-batching": the batched decode step).
+"""A serving step's decode tokens as one batch: plan once per step, then per layer one call for every request of the
+step (FlashInfer's plan()/run(); docs/INTERNALS.md "Continuous batching": the batched decode step).
 
 A serving engine (kvcompile.integrations.batching) packs many requests into one forward, each request with its own
 `KVCompileCache` (one sequence). Its pages live in the engine's page pools (kvcompile.store.pool: one per
 layer), so every request's heads are rows of one block table over the same page tensors, what the paged
-kernels (kvcompile.kernels.paged_attention) take for a batch.
+kernels (kvcompile.kernels.paged_attention) and the plan's decode steps (kvcompile.kernels.online_step) take for
+a batch.
 
-- `decode_path(plan, pools)`, chosen once per engine from the plan: `BatchedDecode` for a policy whose decode
-  step is an append and attention (full-precision pages; no running scores, online eviction, `decode: every`
-  pruning or merge bias; not a hybrid model's windows), else `PerRequestDecode`, the op once per request.
+- `decode_path(plan)`, chosen once per engine from the plan (full-precision pages, no `decode: every` pruning,
+  not a hybrid model's windows, one rank and device): `BatchedDecode` for a policy whose decode step is an append
+  and an attention; `BatchedStepDecode` for one whose step does more (running scores: h2o; online eviction into
+  merge slots: zsmerge; a merge bias per entry), run through the plan's own decode step; else
+  `PerRequestDecode`, the op once per request, with the reason.
 - `path.plan(requests)` once per forward, requests (cache, tokens) in the order of the packed tokens: a
-  `StepPlan`, which requests run alone (a prompt or a part of it, a first decode step, any step of a policy
-  decoded per request) and the `DecodeBatch` of the others: their caches, their tokens' places in the packed
-  forward, their positions.
-- `DecodeBatch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the
-  append's host read, counted as the op counts it), one block table padded over the batch, one write of every
-  new entry into the pool (`PagePools.append`), one attention call (`PagePools.attend`, the plan's decode
-  backend); after the last layer each cache counts its token (`seq_length`, the decode state's length).
+  `StepPlan`, which requests run alone (a prompt or a part of it, any step of a policy decoded per request) and
+  the batch of the others (one token each, pages in the pools): their caches, their tokens' places in the packed
+  forward, their positions. A request's first decode step is in the batch: its cache enters decoding here
+  (`engine.decode.begin_decoding`: its decode state, as the op's first decode step sets it up).
+- `batch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the append's
+  host read, counted as the op counts it), one block table padded over the batch (the last step's while no store
+  changed), then the step (`_step`): `DecodeBatch`, one write of every new entry into the pool
+  (`PagePools.append`) and one attention call (`PagePools.attend`, the plan's decode backend); `StepBatch`, one
+  call of the plan's decode step (`Plan.online_step`: a fused C++ step, or the torch step) on the batch as one
+  store over the pool (`PagePools.batch`, `BatchStore`: a head's step reads and writes its own pages only), each
+  request then taking its row of lengths, slots, room and settled budget back (`BatchStore.finish`). After the
+  last layer each cache counts its token (`seq_length`, the decode state's length).
 """
 from __future__ import annotations
 
@@ -186,8 +193,8 @@ class PooledPages:
 
 @dataclass
 class PerRequestDecode(PooledPages):
-    """Every request's decode step through its own op call (a policy whose decode step is more than an append
-    and an attention: running scores, online eviction, pruning, merge slots, pages of codes, a hybrid model)."""
+    """Every request's decode step through its own op call (pages of codes or two tiers, `decode: every` pruning, a
+    hybrid model's windows, layers over several ranks or devices)."""
 
     reason: str = ""
     batched = False
@@ -205,8 +212,8 @@ class BatchedDecode(PooledPages):
     tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
 
     def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
-        """The step's plan: which requests decode in the batch (one token after a first decode step, pages in the
-        pools), in the order of the packed tokens."""
+        """The step's plan: which requests decode in the batch (one token after the compressed prompt, pages in the
+        pools; a first decode step enters decoding here), in the order of the packed tokens."""
         alone, batched, index, offset = [], [], [], 0
         for i, (cache, tokens) in enumerate(requests):
             if tokens == 1 and cache.phase in (Phase.COMPRESSED, Phase.DECODING) \
@@ -236,8 +243,8 @@ class BatchedStepDecode(BatchedDecode):
 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
-    """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
-    attention over full-precision pages, else per request (with the reason)."""
+    """How a serving engine runs `plan`'s decode steps, chosen once: batched over full-precision pages (an append
+    and an attention, or the plan's decode step where it does more), else per request (with the reason)."""
     why = None
     if plan.store is not LayerStore:
         why = f"pages of {plan.store.__name__}"

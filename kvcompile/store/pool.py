@@ -14,8 +14,9 @@ pages it took are its lease, given back when the store is released (`release`) o
 deep copy, or `detached()`, is a plain `LayerStore` with pages of its own (a cache that leaves the engine).
 
 `PagePools`: the pools of an engine, one per layer, made on first use from the first store adopted there
-(`adopt`: a `LayerStore` built by the engine moved into the pool), and `append`, the batched decode step's one
-write of every request's new entry (kvcompile.engine.batch).
+(`adopt`: a `LayerStore` built by the engine moved into the pool), `append`, the batched decode step's one
+write of every request's new entry, and `batch`, a batched step's requests as one store over the pool
+(`BatchStore`, what the plan's decode step runs on once for all of them; kvcompile.engine.batch).
 
 Full-precision stores only (`LayerStore`); the stores of codes and of two tiers keep pages of their own.
 """
