@@ -1,11 +1,13 @@
 """One page pool per layer and one batched decode step (kvcompile.store.pool, kvcompile.engine.batch) under
 transformers' continuous batching (kvcompile.integrations.batching).
 
-Every request's pages live in the engine's pools; a step's decode tokens run as one batch: per layer one append
-and one paged attention call for all of them. What holds: the tokens are generate()'s (each request alone) and
-the per-request path's, logits included, with requests of different lengths joining and leaving mid-run; one
-attention call per layer per decode step; every page goes back to its pool; the pool's bytes are what the
-engine's memory report counts.
+Every request's pages live in the engine's pools; a step's decode tokens run as one batch, each request's first
+decode step included: per layer one append and one paged attention call for all of them, or, where the policy's
+step does more (h2o's running scores, zsmerge's online eviction into merge slots, a merge bias), one call of the
+plan's decode step on the batch. What holds: the tokens are generate()'s (each request alone) and the per-request
+path's, logits included, with requests of different lengths joining and leaving mid-run; a batched step leaves
+each request's pages as its own step does; one attention call per layer per decode step; every page goes back to
+its pool; the pool's bytes are what the engine's memory report counts.
 """
 from __future__ import annotations
 
