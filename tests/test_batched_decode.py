@@ -409,7 +409,8 @@ def test_a_batched_step_is_each_request_alone(spec, kernels):
     """The plan's decode step on a batch of requests (of different lengths, their first decode step and the next
     ones, past the point where zsmerge's heads evict into full merge slots) leaves each request's pages as its own
     steps do: the same entries (keys, values, positions, merge counts, running scores) and outputs, exactly for the
-    fused C++ step (a head's step reads its own pages only), within float summation order for the torch step."""
+    C++ steps (a head's step reads its own pages only, on one thread at these sizes), within float summation order
+    for the torch step (its softmax runs over the batch's padded width)."""
     overrides = dict(STEP_SPECS[spec], per_head=16) | ({} if kernels is None else {"kernels": kernels})
     plan = compiled(spec, **overrides).kvcompile_plan.with_headroom(24)
     assert type(decode_path(plan)) is BatchedStepDecode
