@@ -294,6 +294,8 @@ class BatchStore(LayerStore):
     budgets: Tensor | None = None  # what the step settled the heads to (`settle`), handed to the members by finish
 
     def settle(self, budget: Tensor) -> None:
+        """The step settled the heads to budget (R, H) (online eviction's first step): the members take it at
+        `finish`, after their append's count, as their own step orders the two."""
         self.settled = True
         self.budgets = budget
 
