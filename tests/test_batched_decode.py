@@ -407,8 +407,8 @@ def prefilled(plan, n: int, seed: int):
 @pytest.mark.parametrize("spec", list(STEP_SPECS))
 def test_a_batched_step_is_each_request_alone(spec, kernels):
     """The plan's decode step on a batch of requests (of different lengths, their first decode step and the next
-    ones, past the point where zsmerge's heads evict into full merge slots) leaves each request's pages as its own
-    steps do: the same entries (keys, values, positions, merge counts, running scores) and outputs, exactly for the
+    ones, past the point where zsmerge's heads evict into full merge slots; one joining the batch for its first step
+    beside requests already decoding, one leaving) leaves each request's pages as its own steps do: the same entries (keys, values, positions, merge counts, running scores) and outputs, exactly for the
     C++ steps (a head's step reads its own pages only, on one thread at these sizes), within float summation order
     for the torch step (its softmax runs over the batch's padded width)."""
     overrides = dict(STEP_SPECS[spec], per_head=16) | ({} if kernels is None else {"kernels": kernels})
@@ -422,14 +422,15 @@ def test_a_batched_step_is_each_request_alone(spec, kernels):
         path.adopt(cache)
     same = torch.equal if kernels is None else torch.testing.assert_close
     hq, h, d = 4, plan.num_heads, plan.head_dim
-    for _ in range(20):
-        step = path.plan([(cache, 1) for cache, _ in batched])
+    for t in range(20):
+        live = [0, 1] if t < 6 else [0, 1, 2] if t < 14 else [0, 2]  # request 2 joins at step 6, 1 leaves at 14
+        step = path.plan([(batched[r][0], 1) for r in live])
         assert step.alone == [] and step.batch is not None
         for layer in range(plan.num_layers):
-            draws = [[torch.randn(1, x, 1, d, generator=g) for x in (hq, h, h)] for _, g in own]
+            draws = [[torch.randn(1, x, 1, d, generator=own[r][1]) for x in (hq, h, h)] for r in live]
             q, k, v = (torch.cat([x[i] for x in draws], dim=2) for i in range(3))
             out = step.batch.run(layer, q, k, v, d ** -0.5)
-            for r, ((cache, _), (qi, ki, vi)) in enumerate(zip(own, draws)):
+            for r, ((cache, _), (qi, ki, vi)) in enumerate(zip([own[r] for r in live], draws)):
                 alone = kvcompile.engine.op.run_layer(qi, ki, vi, None, layer, cache, d ** -0.5)
                 if kernels is None:
                     assert torch.equal(out[r], alone[0, :, 0])
