@@ -1,11 +1,13 @@
 """One page pool per layer and one batched decode step (kvcompile.store.pool, kvcompile.engine.batch) under
 transformers' continuous batching (kvcompile.integrations.batching).
 
-Every request's pages live in the engine's pools; a step's decode tokens run as one batch: per layer one append
-and one paged attention call for all of them. What holds: the tokens are generate()'s (each request alone) and
-the per-request path's, logits included, with requests of different lengths joining and leaving mid-run; one
-attention call per layer per decode step; every page goes back to its pool; the pool's bytes are what the
-engine's memory report counts.
+Every request's pages live in the engine's pools; a step's decode tokens run as one batch, each request's first
+decode step included: per layer one append and one paged attention call for all of them, or, where the policy's
+step does more (h2o's running scores, zsmerge's online eviction into merge slots, a merge bias), one call of the
+plan's decode step on the batch. What holds: the tokens are generate()'s (each request alone) and the per-request
+path's, logits included, with requests of different lengths joining and leaving mid-run; a batched step leaves
+each request's pages as its own step does; one attention call per layer per decode step; every page goes back to
+its pool; the pool's bytes are what the engine's memory report counts.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import kvcompile
 import kvcompile.engine.op
 import kvcompile.integrations.batching
-from kvcompile.engine.batch import BatchedDecode, PerRequestDecode, decode_path
+from kvcompile.engine.batch import BatchedDecode, BatchedStepDecode, PerRequestDecode, decode_path
 from kvcompile.kernels import paged_attention
 from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
 from kvcompile.store.pages import Entries, LayerStore
@@ -29,6 +31,11 @@ from tests.tiny import tiny_model
 
 SPECS = {"snapkv": SNAP, "pyramidkv": dict(per_head=40), "adakv": dict(per_head=40), "lava": dict(per_head=40),
          "streamingllm": dict(per_head=40)}
+# policies whose decode step is more than an append and an attention: the plan's decode step runs on the batch
+# (h2o: running scores; zsmerge: decayed scores, online eviction into merge slots, the merge bias; lava_residual:
+# merge slots from the prompt, the merge bias)
+STEP_SPECS = {"h2o": dict(per_head=40, ranking={"by_score": {"sinks": 0, "window": 8}}), "zsmerge": dict(per_head=40),
+              "lava_residual": dict(per_head=40)}
 
 
 def run_engine(model, first, later=(), per_request=None, monkeypatch=None, check=None, **cb):
@@ -113,9 +120,9 @@ def prompt(n, seed):
 
 
 def test_one_attention_call_per_layer_per_decode_step(monkeypatch):
-    """Four requests prefilled in one forward, then decoding together: after each request's first decode step
-    (alone: it sets up the decode state), every step is one paged attention call per layer for all four, and
-    no request runs the op's decode."""
+    """Four requests prefilled in one forward, then decoding together: every decode step, each request's first
+    included (it enters decoding in the step's plan), is one paged attention call per layer for all four, and no
+    request runs the op's decode."""
     model = compiled()
     plan = model.kvcompile_plan
     backend = type(plan.decode_attention)
@@ -129,18 +136,20 @@ def test_one_attention_call_per_layer_per_decode_step(monkeypatch):
     tokens, _, report = run_engine(model, first, max_batch_tokens=512)
     counted = list(calls), len(alone)
     layers = plan.num_layers
-    steps = new - 2  # the first token comes from the prompt's forward, the next from each first decode step
-    # one call per layer and decode step, for the four; the op's decode only for each first decode step, alone
-    assert counted == ([4] * (layers * steps), 4 * layers)
+    steps = new - 1  # the first token comes from the prompt's forward
+    # one call per layer and decode step, for the four; the op's decode never
+    assert counted == ([4] * (layers * steps), 0)
     assert tokens == [reference(model, ids, new) for ids, new in first]
     assert report["decode"]["steps"] == steps and report["decode"]["attention_calls"] == layers * steps
 
 
-def test_pages_go_back_and_the_pool_is_what_memory_reports(monkeypatch):
+@pytest.mark.parametrize("spec", ["adakv", "h2o", "zsmerge"])
+def test_pages_go_back_and_the_pool_is_what_memory_reports(spec, monkeypatch):
     """After every forward: the requests' bytes (what their pool blocks cover) are the pages they hold in the pools
     and their block tables and counters; the pages taken are those the live requests' block tables name. After
-    the run, every page is free again."""
-    model = compiled("adakv", per_head=40)
+    the run, every page is free again. (h2o and zsmerge: the plan's decode step on the batch, zsmerge's evicting
+    online.)"""
+    model = compiled(spec, **(SPECS | STEP_SPECS)[spec])
     seen = []
     sync = KVCompilePagedCache.sync_blocks
 
@@ -174,6 +183,7 @@ def test_pages_go_back_and_the_pool_is_what_memory_reports(monkeypatch):
     for held, counted, taken, named in seen:
         assert held == counted and taken == named
     pool = report["decode"]["pool"]
+    assert report["decode"]["steps"] > 0  # decoded in batches
     assert pool["pages"] > 0 and pool["free_pages"] == pool["pages"] and pool["bytes_taken"] == 0
     assert report["free_blocks"] == report["num_blocks"]
 
@@ -233,10 +243,12 @@ def test_a_pooled_store_is_the_store_it_adopted():
 def test_the_plan_says_which_policies_decode_in_the_batch():
     for spec, overrides in SPECS.items():
         assert isinstance(decode_path(compiled(spec, **overrides).kvcompile_plan), BatchedDecode), spec
-    for spec, why in (("h2o", "scores run"), ("zsmerge", "online eviction"), ("kivi", "TieredStore")):
+    for spec in ("h2o", "zsmerge", "lava_residual"):  # running scores, online eviction, a merge bias: the plan's step
+        path = decode_path(plan_of(spec))
+        assert type(path) is BatchedStepDecode and path.pools is not None, spec
+    for spec, why in (("kivi", "TieredStore"),):
         path = decode_path(plan_of(spec))
         assert isinstance(path, PerRequestDecode) and why in path.reason, (spec, path.reason)
-    assert decode_path(plan_of("h2o")).pools is not None  # full-precision pages: in the pools all the same
     assert decode_path(plan_of("kivi")).pools is None
 
 
@@ -323,3 +335,116 @@ def test_cancelled_and_soft_reset_requests_give_their_pages_back():
     assert [outputs[f"r{i}"] for i in range(3)] == [reference(model, x, new) for x in ids[:3]]
     pool = report["decode"]["pool"]
     assert report["requests"] == {} and pool["pages"] > 0 and pool["free_pages"] == pool["pages"]
+
+
+# --- the plan's decode step on the batch: running scores, online eviction, the merge bias ----------------------
+
+@pytest.mark.parametrize("kernels", [None, "torch"])
+@pytest.mark.parametrize("spec", list(STEP_SPECS))
+def test_batched_step_equals_generate_and_the_per_request_path(spec, kernels, monkeypatch):
+    """h2o, zsmerge and lava_residual (the fused C++ step, and the torch step): requests joining and leaving mid-run
+    decode in one batch, each its first decode step included, and each gets generate()'s tokens and the per-request
+    path's tokens and log-probabilities."""
+    model = compiled(spec, **STEP_SPECS[spec], **({} if kernels is None else {"kernels": kernels}))
+    assert type(decode_path(model.kvcompile_plan)) is BatchedStepDecode
+    first = requests(REQUESTS)
+    later = [(prompt(n, seed=40 + i)[0].tolist(), new) for i, (n, new) in enumerate(LATER)]
+    tokens, logprobs, report = run_engine(model, first, later)
+    counts = report["decode"]
+    assert counts["steps"] > 0 and counts["tokens"] > counts["steps"]
+    assert tokens == [reference(model, ids, new) for ids, new in first + later]
+    alone, alone_logprobs, alone_report = run_engine(model, first, later, per_request="pooled",
+                                                     monkeypatch=monkeypatch)
+    assert "steps" not in alone_report["decode"]
+    assert tokens == alone
+    for a, b in zip(logprobs, alone_logprobs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", list(STEP_SPECS))
+def test_one_decode_step_call_per_layer_per_step(spec, monkeypatch):
+    """Four requests prefilled in one forward, then decoding together: every decode step, the first included, is
+    one call of the plan's decode step per layer for all four (the fused C++ kernel once, over the four), no
+    request runs the op's decode, and the tokens are generate()'s."""
+    model = compiled(spec, **STEP_SPECS[spec])
+    plan = model.kvcompile_plan
+    step, kernel = type(plan.online_step), []
+    calls, alone = [], []
+    call = step.__call__
+    monkeypatch.setattr(step, "__call__", lambda self, plan, store, layer, q, *a: calls.append(q.shape[0]) or call(
+        self, plan, store, layer, q, *a))
+    decode = kvcompile.engine.op.decode
+    monkeypatch.setattr(kvcompile.engine.op, "decode", lambda cache, *a, **k: alone.append(1) or decode(cache, *a, **k))
+    counted = kvcompile.kernels.online_step.online_step_cpp
+    monkeypatch.setattr(kvcompile.kernels.online_step, "online_step_cpp",
+                        lambda pages, q, *a: kernel.append(q.shape[0]) or counted(pages, q, *a))
+    new = 10
+    first = [(x, new) for x in prompts([60, 70, 80, 90])]
+    tokens, _, report = run_engine(model, first, max_batch_tokens=512)
+    got = list(calls), len(alone), list(kernel)
+    layers = plan.num_layers
+    steps = new - 1  # the first token comes from the prompt's forward
+    uses_kernel = isinstance(plan.online_step, kvcompile.kernels.online_step.CppOnlineStep)
+    assert got == ([4] * (layers * steps), 0, [4] * (layers * steps) if uses_kernel else [])
+    assert tokens == [reference(model, ids, new) for ids, new in first]
+    assert report["decode"]["steps"] == steps and report["decode"]["attention_calls"] == layers * steps
+
+
+def prefilled(plan, n: int, seed: int):
+    """A cache holding a random prompt of n tokens compressed by the plan (the op's prompt path, layer by layer),
+    and the generator its decode steps draw from."""
+    from kvcompile.cache import KVCompileCache
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCompileCache.from_plan(plan)
+    hq, h, d = 4, plan.num_heads, plan.head_dim
+    for layer in range(plan.num_layers):
+        q, k, v = (torch.randn(1, x, n, d, generator=g) for x in (hq, h, h))
+        kvcompile.engine.op.run_layer(q, k, v, None, layer, cache, d ** -0.5)
+    return cache, g
+
+
+@pytest.mark.parametrize("kernels", [None, "torch"])
+@pytest.mark.parametrize("spec", list(STEP_SPECS))
+def test_a_batched_step_is_each_request_alone(spec, kernels):
+    """The plan's decode step on a batch of requests (of different lengths, their first decode step and the next
+    ones, past the point where zsmerge's heads evict into full merge slots; one joining the batch for its first step
+    beside requests already decoding, one leaving) leaves each request's pages as its own steps do: the same entries (keys, values, positions, merge counts, running scores) and outputs, exactly for the
+    C++ steps (a head's step reads its own pages only, on one thread at these sizes), within float summation order
+    for the torch step (its softmax runs over the batch's padded width)."""
+    overrides = dict(STEP_SPECS[spec], per_head=16) | ({} if kernels is None else {"kernels": kernels})
+    plan = compiled(spec, **overrides).kvcompile_plan.with_headroom(24)
+    assert type(decode_path(plan)) is BatchedStepDecode
+    lengths = (40, 23, 61)
+    own = [prefilled(plan, n, seed) for seed, n in enumerate(lengths)]
+    batched = [prefilled(plan, n, seed) for seed, n in enumerate(lengths)]
+    path = decode_path(plan)
+    for cache, _ in batched:
+        path.adopt(cache)
+    same = torch.equal if kernels is None else torch.testing.assert_close
+    hq, h, d = 4, plan.num_heads, plan.head_dim
+    for t in range(20):
+        live = [0, 1] if t < 6 else [0, 1, 2] if t < 14 else [0, 2]  # request 2 joins at step 6, 1 leaves at 14
+        step = path.plan([(batched[r][0], 1) for r in live])
+        assert step.alone == [] and step.batch is not None
+        for layer in range(plan.num_layers):
+            draws = [[torch.randn(1, x, 1, d, generator=own[r][1]) for x in (hq, h, h)] for r in live]
+            q, k, v = (torch.cat([x[i] for x in draws], dim=2) for i in range(3))
+            out = step.batch.run(layer, q, k, v, d ** -0.5)
+            for r, ((cache, _), (qi, ki, vi)) in enumerate(zip([own[r] for r in live], draws)):
+                alone = kvcompile.engine.op.run_layer(qi, ki, vi, None, layer, cache, d ** -0.5)
+                if kernels is None:
+                    assert torch.equal(out[r], alone[0, :, 0])
+                else:
+                    torch.testing.assert_close(out[r], alone[0, :, 0])
+    for (a, _), (b, _) in zip(own, batched):
+        assert a.seq_length == b.seq_length
+        for x, y in zip(a.stores, b.stores):
+            assert isinstance(y, PooledStore) and torch.equal(x.lengths, y.lengths) and torch.equal(x.slots, y.slots)
+            gx, gy = x.gather(), y.gather()
+            stored = gx[-1]
+            assert torch.equal(stored, gy[-1])
+            assert torch.equal(gx[3][stored], gy[3][stored]) and torch.equal(gx[4][stored], gy[4][stored])
+            for u, w in zip(gx[:3], gy[:3]):
+                same(u[stored], w[stored])
+    if spec == "zsmerge":  # merge slots were filled and folded into while the batch decoded
+        assert all(bool((s.slots > 0).all()) and float(s.count_pages.max()) > 1 for c, _ in batched for s in c.stores)

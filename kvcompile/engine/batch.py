@@ -1,35 +1,44 @@
-"""A serving step's decode tokens as one batch: plan once per step, then per layer one append and one paged
-attention call for every request of the step (FlashInfer's plan()/run(); docs/INTERNALS.md "Continuous
-batching": the batched decode step).
+"""A serving step's decode tokens as one batch: plan once per step, then per layer one call for every request of the
+step (FlashInfer's plan()/run(); docs/INTERNALS.md "Continuous batching": the batched decode step).
 
 A serving engine (kvcompile.integrations.batching) packs many requests into one forward, each request with its own
 `KVCompileCache` (one sequence). Its pages live in the engine's page pools (kvcompile.store.pool: one per
 layer), so every request's heads are rows of one block table over the same page tensors, what the paged
-kernels (kvcompile.kernels.paged_attention) take for a batch.
+kernels (kvcompile.kernels.paged_attention) and the plan's decode steps (kvcompile.kernels.online_step) take for
+a batch.
 
-- `decode_path(plan, pools)`, chosen once per engine from the plan: `BatchedDecode` for a policy whose decode
-  step is an append and attention (full-precision pages; no running scores, online eviction, `decode: every`
-  pruning or merge bias; not a hybrid model's windows), else `PerRequestDecode`, the op once per request.
+- `decode_path(plan)`, chosen once per engine from the plan (full-precision pages, no `decode: every` pruning,
+  not a hybrid model's windows, one rank and device): `BatchedDecode` for a policy whose decode step is an append
+  and an attention; `BatchedStepDecode` for one whose step does more (running scores: h2o; online eviction into
+  merge slots: zsmerge; a merge bias per entry), run through the plan's own decode step; else
+  `PerRequestDecode`, the op once per request, with the reason.
 - `path.plan(requests)` once per forward, requests (cache, tokens) in the order of the packed tokens: a
-  `StepPlan`, which requests run alone (a prompt or a part of it, a first decode step, any step of a policy
-  decoded per request) and the `DecodeBatch` of the others: their caches, their tokens' places in the packed
-  forward, their positions.
-- `DecodeBatch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the
-  append's host read, counted as the op counts it), one block table padded over the batch, one write of every
-  new entry into the pool (`PagePools.append`), one attention call (`PagePools.attend`, the plan's decode
-  backend); after the last layer each cache counts its token (`seq_length`, the decode state's length).
+  `StepPlan`, which requests run alone (a prompt or a part of it, any step of a policy decoded per request) and
+  the batch of the others (one token each, pages in the pools): their caches, their tokens' places in the packed
+  forward, their positions. A request's first decode step is in the batch: its cache enters decoding here
+  (`engine.decode.begin_decoding`: its decode state, as the op's first decode step sets it up).
+- `batch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the append's
+  host read, counted as the op counts it), one block table padded over the batch (the last step's while no store
+  changed), then the step (`_step`): `DecodeBatch`, one write of every new entry into the pool
+  (`PagePools.append`) and one attention call (`PagePools.attend`, the plan's decode backend); `StepBatch`, one
+  call of the plan's decode step (`Plan.online_step`: a fused C++ step, or the torch step) on the batch as one
+  store over the pool (`PagePools.batch`, `BatchStore`: a head's step reads and writes its own pages only), each
+  request then taking its row of lengths, slots, room and settled budget back (`BatchStore.finish`). After the
+  last layer each cache counts its token (`seq_length`, the decode state's length).
 """
 from __future__ import annotations
 
 import copy
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from kvcompile.engine.decode import begin_decoding
+from kvcompile.engine.state import Phase
 from kvcompile.store.pages import LayerStore
 from kvcompile.store.pool import PagePools, PooledStore
 
@@ -77,10 +86,8 @@ class DecodeBatch:
             q = query[0, :, self.index].transpose(0, 1)
             k = key[0, :, self.index].transpose(0, 1)
             v = value[0, :, self.index].transpose(0, 1)
-        lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
+        out, lengths = self._step(layer, stores, table, lengths, q.contiguous(), k, v, scale)
         self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)}, table, lengths)
-        backend = caches[0].plan.decode_backend(layer, q.device)
-        out = self.pools.attend(layer, backend, q.contiguous(), table, lengths, scale)
         self.counts["attention_calls"] += 1
         if layer == caches[0].plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
@@ -88,6 +95,14 @@ class DecodeBatch:
             self.counts["steps"] += 1
             self.counts["tokens"] += len(caches)
         return out.to(query.dtype)
+
+    def _step(self, layer: int, stores: list, table: Tensor, lengths: Tensor, q: Tensor, k: Tensor, v: Tensor,
+              scale: float) -> tuple[Tensor, Tensor]:
+        """The layer's append and attention for the batch (q (R, Hq, d), k, v (R, H, d)): one write of every new
+        entry into the pool, one call of the plan's decode backend. Returns the outputs and the lengths after."""
+        lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
+        backend = self.caches[0].plan.decode_backend(layer, q.device)
+        return self.pools.attend(layer, backend, q, table, lengths, scale), lengths
 
     def _last_rows(self, layer: int, stores: list) -> list[int] | None:
         """Each store's row in the last step's block table and lengths of `layer`, where every store was in that
@@ -102,6 +117,28 @@ class DecodeBatch:
                 return None
             rows.append(hit[0])
         return rows
+
+
+@dataclass
+class StepBatch(DecodeBatch):
+    """A step's decode tokens in one batch through the plan's own decode step (`Plan.online_step`): per layer one
+    call for every request, on the batch as one store over the pool (`PagePools.batch`), whatever the step does
+    (running scores, online eviction into merge slots, the merge bias); then each request takes its row back."""
+
+    split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
+
+    def __post_init__(self):
+        if self.caches[0].plan.online_eviction:
+            self.split = torch.cat([cache.decoding.split for cache in self.caches])
+
+    def _step(self, layer: int, stores: list, table: Tensor, lengths: Tensor, q: Tensor, k: Tensor, v: Tensor,
+              scale: float) -> tuple[Tensor, Tensor]:
+        plan = self.caches[0].plan
+        batch = self.pools.batch(layer, stores, table, lengths)
+        split = None if self.split is None else self.split[:, layer]
+        out = plan.online_step(plan, batch, layer, q, k, v, self.positions, split, scale)
+        batch.finish()
+        return out, batch.lengths
 
 
 @dataclass
@@ -156,8 +193,8 @@ class PooledPages:
 
 @dataclass
 class PerRequestDecode(PooledPages):
-    """Every request's decode step through its own op call (a policy whose decode step is more than an append
-    and an attention: running scores, online eviction, pruning, merge slots, pages of codes, a hybrid model)."""
+    """Every request's decode step through its own op call (pages of codes or two tiers, `decode: every` pruning, a
+    hybrid model's windows, layers over several ranks or devices)."""
 
     reason: str = ""
     batched = False
@@ -171,14 +208,17 @@ class BatchedDecode(PooledPages):
     """A step's decode tokens in one batch (`DecodeBatch`) over the pools."""
 
     batched = True
+    batch: ClassVar[type] = DecodeBatch  # what runs the step's batch per layer
     tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
 
     def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
-        """The step's plan: which requests decode in the batch (one token after a first decode step, pages in the
-        pools), in the order of the packed tokens."""
+        """The step's plan: which requests decode in the batch (one token after the compressed prompt, pages in the
+        pools; a first decode step enters decoding here), in the order of the packed tokens."""
         alone, batched, index, offset = [], [], [], 0
         for i, (cache, tokens) in enumerate(requests):
-            if tokens == 1 and cache.decoding is not None and all(isinstance(s, PooledStore) for s in cache.stores):
+            if tokens == 1 and cache.phase in (Phase.COMPRESSED, Phase.DECODING) \
+                    and all(isinstance(s, PooledStore) for s in cache.stores):
+                begin_decoding(cache)  # a first decode step: the request enters decoding here, its attention batched
                 batched.append(cache)
                 index.append(offset)
             else:
@@ -190,25 +230,33 @@ class BatchedDecode(PooledPages):
         device = batched[0].stores[0].device
         if self.tables is None:
             self.tables = [None] * len(batched[0].stores)
-        return StepPlan(alone, DecodeBatch(self.pools, batched, torch.tensor(index, device=device),
-                                           positions.to(device), self.counts, self.tables, not alone))
+        return StepPlan(alone, self.batch(self.pools, batched, torch.tensor(index, device=device),
+                                          positions.to(device), self.counts, self.tables, not alone))
+
+
+@dataclass
+class BatchedStepDecode(BatchedDecode):
+    """A step's decode tokens in one batch through the plan's decode step (`StepBatch`): running scores, online
+    eviction, a merge bias per entry."""
+
+    batch: ClassVar[type] = StepBatch
 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
-    """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
-    attention over full-precision pages, else per request (with the reason)."""
+    """How a serving engine runs `plan`'s decode steps, chosen once: batched over full-precision pages (an append
+    and an attention, or the plan's decode step where it does more), else per request (with the reason)."""
     why = None
     if plan.store is not LayerStore:
         why = f"pages of {plan.store.__name__}"
-    elif plan.running_scores or plan.online_eviction:
-        why = "scores run while decoding" if not plan.online_eviction else "online eviction"
     elif plan.prune_every:
         why = f"pruning every {plan.prune_every} tokens"
-    elif plan.policy.merges:
-        why = "merge slots (a bias per entry)"
     elif plan.layer_kinds is not None:
         why = "a hybrid model's window layers"
     elif plan.shard is not None or plan.layer_devices is not None:
         why = "layers split over ranks or devices"
     pools = PagePools(plan.num_layers) if plan.store is LayerStore else None
-    return PerRequestDecode(pools, reason=why) if why is not None else BatchedDecode(pools)
+    if why is not None:
+        return PerRequestDecode(pools, reason=why)
+    if plan.running_scores or plan.online_eviction or plan.policy.merges:
+        return BatchedStepDecode(pools)  # the plan's decode step, on the batch
+    return BatchedDecode(pools)

@@ -28,7 +28,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     store = cache.stores[layer]
     online, every = plan.online_eviction, plan.prune_every
     if cache.phase is Phase.COMPRESSED:
-        cache.enter(Phase.DECODING, decoding=start_decode(cache))
+        begin_decoding(cache)
     elif cache.phase is Phase.EMPTY:
         raise RuntimeError("kvcompile: a decode step on an empty cache: its prompt runs first")
     elif cache.phase is Phase.PROMPT and (online or every):  # tokens after a prompt that ends inside this call
@@ -56,6 +56,14 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
                 _prune(cache, layer, position + 1, scale)
                 store = cache.stores[layer]
     return torch.stack(outs, dim=2)
+
+
+def begin_decoding(cache: KVCompileCache) -> None:
+    """The first token after a compressed prompt: the cache enters decoding with its decode state (`start_decode`),
+    at the first layer of the step (the op's `decode`, or a batched step's plan for each of its requests, before
+    its forward: kvcompile.engine.batch). A cache already decoding is left as it is."""
+    if cache.phase is Phase.COMPRESSED:
+        cache.enter(Phase.DECODING, decoding=start_decode(cache))
 
 
 def start_decode(cache: KVCompileCache) -> DecodeState:

@@ -49,9 +49,9 @@ The pieces, each installed on the engine's own objects:
 - `KVCompileOffloadingManager`, `KVCompileFIFOScheduler` / `KVCompilePrefillFirstScheduler`: the
   engine's, recording and replaying soft-reset requests.
 - `batching_attention`: the attention function; the step's decode tokens as one batch where the policy allows
-  (kvcompile.engine.batch: one append and one paged attention call per layer over the engine's page pools,
-  kvcompile.store.pool), the other tokens cut per request through `torch.ops.kvcompile.attend` on each
-  request's cache (prefill + compression, or decode).
+  (kvcompile.engine.batch: per layer one append and one paged attention call, or one call of the plan's decode
+  step, over the engine's page pools, kvcompile.store.pool), the other tokens cut per request through
+  `torch.ops.kvcompile.attend` on each request's cache (prefill + compression, or decode).
 
 The pool's own cache tensor is released: kvcompile's pages are its own tensors, bounded by the
 pool's budget (carving them out of the pool's memory is future work, see INTERNALS).

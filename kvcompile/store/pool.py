@@ -14,8 +14,9 @@ pages it took are its lease, given back when the store is released (`release`) o
 deep copy, or `detached()`, is a plain `LayerStore` with pages of its own (a cache that leaves the engine).
 
 `PagePools`: the pools of an engine, one per layer, made on first use from the first store adopted there
-(`adopt`: a `LayerStore` built by the engine moved into the pool), and `append`, the batched decode step's one
-write of every request's new entry (kvcompile.engine.batch).
+(`adopt`: a `LayerStore` built by the engine moved into the pool), `append`, the batched decode step's one
+write of every request's new entry, and `batch`, a batched step's requests as one store over the pool
+(`BatchStore`, what the plan's decode step runs on once for all of them; kvcompile.engine.batch).
 
 Full-precision stores only (`LayerStore`); the stores of codes and of two tiers keep pages of their own.
 """
@@ -280,6 +281,40 @@ class PooledStore(LayerStore):
         return fresh * step * self.pool.page_bytes + table
 
 
+@dataclass(eq=False)
+class BatchStore(LayerStore):
+    """One layer of a batched decode step's requests as one store: the pool's page tensors, the step's block
+    table (R, H, M), and the members' lengths, slots and owned counts (R, H), a row a request. The plan's decode
+    step (`Plan.online_step`: the append, the attention with the merge bias, running scores, online eviction) runs
+    on it once for all of them, through the methods every store has; a head's step reads and writes its own pages
+    only, so each row's result is what its store's own step gives. `finish()` then hands every member its row back.
+    It takes no page: the members made room before the step (`make_room`)."""
+
+    members: list = field(default_factory=list)  # the requests' PooledStores, in row order
+    budgets: Tensor | None = None  # what the step settled the heads to (`settle`), handed to the members by finish
+
+    def settle(self, budget: Tensor) -> None:
+        """The step settled the heads to budget (R, H) (online eviction's first step): the members take it at
+        `finish`, after their append's count, as their own step orders the two."""
+        self.settled = True
+        self.budgets = budget
+
+    def _new_runs(self, fresh: int, step: int, heads: int) -> Tensor:
+        raise RuntimeError("kvcompile: a batched decode step takes no page (its members make room before it)")
+
+    def finish(self) -> None:
+        """Every member takes its row of the step's lengths and slots, counts its append (`room`) and, where the
+        step settled it (online eviction's first step), its budget, in the order its own step does these."""
+        members = self.members
+        torch._foreach_copy_([m.lengths for m in members], list(self.lengths.split(1)))
+        torch._foreach_copy_([m.slots for m in members], list(self.slots.split(1)))
+        for i, member in enumerate(members):
+            member.room -= 1
+            member.version += 1
+            if self.budgets is not None and not member.settled:
+                member.settle(self.budgets[i:i + 1])
+
+
 def _give_back(pool: PagePool, lease: list) -> None:
     if lease:
         pool.give_back(torch.cat(lease))
@@ -319,6 +354,15 @@ class PagePools:
             store.room -= 1
             store.version += 1
         return lengths + 1
+
+    def batch(self, layer: int, stores: list[PooledStore], block_table: Tensor, lengths: Tensor) -> BatchStore:
+        """The requests `stores` of a batched decode step (their block table (R, H, M) and lengths (R, H), made room
+        in) as one store over the layer's pool, for the plan's decode step to run on once (`BatchStore`)."""
+        pool = self.layers[layer]
+        return BatchStore(**{name: getattr(pool, name) for name in PAGE_FIELDS}, block_table=block_table,
+                          lengths=lengths, slots=torch.cat([s.slots for s in stores]), next_page=pool.pages,
+                          owned=torch.cat([s.owned for s in stores]), settled=all(s.settled for s in stores),
+                          room=min(s.room for s in stores), storage=stores[0].storage, members=stores)
 
     def attend(self, layer: int, backend, q: Tensor, block_table: Tensor, lengths: Tensor, scale: float) -> Tensor:
         """Decode attention of the batch's queries q (R, Hq, d) over their heads' pages in the layer's pool (block
