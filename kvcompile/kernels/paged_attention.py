@@ -150,11 +150,18 @@ class SoftcapPagedAttention(PagedAttention):
             return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, softcap=self.softcap)
         out, lse = _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True,
                              softcap=self.softcap)
-        return (out.float() * torch.sigmoid(lse - self.sinks.float())[..., None]).to(q.dtype)
+        return with_sinks(out, lse, self.sinks)
 
     def describe(self) -> str:
         return f"torch (eager{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
                f"{', learned sinks' if self.sinks is not None else ''})"
+
+
+def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """The attention `out` (B, Hq, d) over some entries, whose logits' log-sum-exp is `lse` (B, Hq), with learned
+    sinks (Hq,) joining its softmax's denominator: out · e^lse / (e^lse + e^sink) = out · sigmoid(lse − sink) (an
+    empty head, lse −inf, stays zeros)."""
+    return (out.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(out.dtype)
 
 
 @dataclass(frozen=True)
