@@ -303,6 +303,23 @@ def test_chunked_kvzip_equals_the_reference(model_key, variant):
     assert_equals_reference(model, policy, prompt(60, batch=2, seed=5))
 
 
+@pytest.mark.parametrize("model_key", sorted(MODELS))
+def test_chunked_kvzip_on_the_hybrid_models_at_a_full_budget(model_key):
+    """kvzip reconstructing chunk by chunk on the hybrid Gemma 2 and gpt-oss (local layers left to their window) at a
+    budget that keeps everything: the plain model's greedy tokens."""
+    from test_kvzip_chunked import REPEAT, chunked_kvzip
+
+    build, _ = MODELS[model_key]
+    model = build()
+    ids = prompt(50, batch=2, seed=5)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+        with kvcompile.compiled(model, chunked_kvzip("kvzip", 16, 200, chunk=24, sinks=2, overlap=3),
+                                repeat_prompt=REPEAT):
+            got = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert got.tolist() == ref.tolist()
+
+
 def test_expected_attention_stays_refused_under_the_cap_only():
     """Expected attention has no closed form under a cap (Gemma 2: refused with the reason); under sinks alone
     (gpt-oss) it runs."""
