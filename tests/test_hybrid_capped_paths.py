@@ -207,6 +207,44 @@ def test_chunked_prefill_equals_reference(feature, key, b, h, g, n, chunk, per_h
     assert isinstance(cache.plan.chunk_attention, ExplicitChunkAttention) and not cache.plan.chunk_scores
 
 
+@pytest.mark.parametrize("pad", [0, 3])
+def test_chunked_expected_attention_under_sinks_equals_the_reference(pad):
+    """Expected attention (gpt-oss's sinks in its softmax) on a prompt compressed in chunks of 5: each chunk's
+    single-head scoring states carry their KV head's sinks; attention and kept entries are the reference's."""
+    from types import SimpleNamespace
+
+    from test_decode import assert_same_cache
+    from test_query_agnostic import EA, rope_of
+
+    policy = kvcompile.load_spec({"name": "ea_chunked", "scoring": EA, "budget": {"per_head": 6},
+                                  "schedule": {"prefill": {"chunk": 5}}})
+    b, h, g, n, d, layers = 2, 2, 2, 17, 8, 2
+    gen = torch.Generator().manual_seed(5)
+    learned = [drawn_sinks(gen, h * g) for _ in range(layers)]
+    config = SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
+                             hidden_size=h * g * d, rope_theta=10000.0,
+                             sinks=tuple(tuple(float(x) for x in s) for s in learned))
+    cache = kvcompile.KVCompileCache(policy, config, page_size=4)
+    cache.expect_prompt(n)
+    ref = reference.ChunkedPrefill(policy, layers, rope=rope_of(d), sinks=learned)
+    plain = reference.ChunkedPrefill(policy, layers, rope=rope_of(d))  # the sinks matter: without, other scores
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, :pad] = False
+    for start in range(0, n, 5):
+        end = min(start + 5, n)
+        for layer in range(layers):
+            q, k, v = (torch.randn(b, x, end - start, d, generator=gen) for x in (h * g, h, h))
+            got = torch.ops.kvcompile.attend(q, k, v, mask[:, :end], layer, cache.ref, cache.token, d ** -0.5)
+            want = ref.step(layer, q, k, v, mask[:, start:end], d ** -0.5)
+            plain.step(layer, q, k, v, mask[:, start:end], d ** -0.5)
+            assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for layer in range(layers):
+        assert_same_cache(cache.stores[layer].to_heads(), ref.heads[layer])
+    assert any(not torch.equal(x.scores, y.scores) for layer in range(layers)
+               for row_x, row_y in zip(ref.heads[layer], plain.heads[layer]) for x, y in zip(row_x, row_y)
+               if len(x.scores) == len(y.scores))
+
+
 def test_the_plan_chooses_the_torch_lowerings():
     """On a capped (or sinked) model the plan picks, once, the lowerings that apply the cap and the sinks where
     it picks C++ kernels for the plain model: decode over float pages, codes and two tiers, the decode step, a
