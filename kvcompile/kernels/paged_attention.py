@@ -135,7 +135,8 @@ class SoftcapPagedAttention(PagedAttention):
     """The torch lowering run eagerly with the model's logit soft-cap (Gemma 2: cap·tanh(s/cap) before the
     softmax, s the scaled logit, before any merge bias) and/or a layer's learned sinks (gpt-oss: one logit per
     query head in the softmax's denominator: the output scaled by sigmoid(lse − sink), lse the log-sum-exp of
-    the head's logits); the plan's decode attention of such a model (`with_sinks` gives a layer's)."""
+    the head's logits); the plan's decode attention of such a model (`with_sinks` gives a layer's). Equal to
+    `reference.decode_attention(..., softcap=, sinks=)`: the merge bias pages are added after the cap."""
 
     name: ClassVar[str] = "torch"
     softcap: float = 0.0
