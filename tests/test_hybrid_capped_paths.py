@@ -186,16 +186,22 @@ def test_engine_equals_reference_token_by_token(feature, key, b, h, g, n, steps,
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 @settings(max_examples=10, deadline=None)
-@given(key=st.sampled_from(["zsmerge", "lava_residual", "snapkv", "h2o", "snapkv_every", "key_norm"]),
+@given(key=st.sampled_from(["zsmerge", "lava_residual", "snapkv", "h2o", "snapkv_every", "key_norm", "snapkv+int8",
+                            "lava_residual+int4", "snapkv+mixed"]),
        b=st.integers(1, 2), h=st.integers(1, 2), g=st.integers(1, 2), n=st.integers(5, 26), chunk=st.integers(2, 10),
        per_head=st.integers(4, 9), page=st.sampled_from([2, 4]), pad=st.integers(0, 10), steps=st.integers(0, 4),
        d=st.sampled_from([8, 16]), seed=st.integers(0, 2 ** 16))
 def test_chunked_prefill_equals_reference(feature, key, b, h, g, n, chunk, per_head, page, pad, steps, d, seed):
     """schedule.prefill: chunk on a capped and/or sinked model, 2 layers with their own sinks: every chunk's
     attention (over held tokens and merge slots, with their bias after the cap), scores (the scorer's weights
-    with the cap and each head's sinks) and selection equal reference.ChunkedPrefill's, then decode steps."""
+    with the cap and each head's sinks) and selection equal reference.ChunkedPrefill's, then decode steps; held
+    entries stored as codes (or in two tiers) attend as their x̂."""
     cap, sinks = FEATURES[feature]
+    key, _, storage = key.partition("+")
     policy = chunked_policy(key, per_head, chunk)
+    if storage:  # codes (held entries attend as x̂), codes beside merge slots, two tiers
+        policy = kvcompile.load_spec(policy, storage={"mixed": {"full": 0.5, "bits": 4}} if storage == "mixed"
+                                     else {storage: {"group": 4}})
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
     learned = [drawn_sinks(gen, h * g) for _ in range(2)] if sinks else None
