@@ -493,9 +493,9 @@ def test_gemma2_expected_attention_is_refused(name):
     model = tiny_gemma2()
     with pytest.raises(kvcompile.CompileError, match="model type 'gemma2' soft-caps its attention logits "
                                                      "\\(attn_logit_softcapping=5.0: cap·tanh\\(s/cap\\) before the "
-                                                     "softmax\\), and scoring: expected_attention scores entries by the "
-                                                     "expected attention of future queries, whose closed form .* has "
-                                                     "none under the cap"):
+                                                     "softmax\\), and scoring: expected_attention scores entries by "
+                                                     "the expected attention of future queries, whose closed form .* "
+                                                     "has none under the cap"):
         kvcompile.compile(model, name)
     assert "forward" not in model.__dict__
 

@@ -24,7 +24,7 @@ from kvcompile.kernels.quantize import quantize
 from kvcompile.store import SoftcapTieredPagedAttention
 from test_chunked import chunked_policy, run_both
 from test_decode import token_by_token
-from test_hybrid import WINDOW, check_full_budget, padded_batch, tiny_gemma2, tiny_gpt_oss
+from test_hybrid import check_full_budget, padded_batch, tiny_gemma2, tiny_gpt_oss
 from tiny import prompt
 
 FEATURES = {  # (soft-cap, sinks?): Gemma 2's, gpt-oss's, both at once
@@ -66,7 +66,8 @@ def test_a_slot_under_the_cap_weighs_the_tokens_it_stands_for(e, w, cap, sinks, 
 # --- the torch lowerings against the reference ---------------------------------------------------------------
 
 def _pages(gen, b, h, pages, s, d):
-    k_pages, v_pages = torch.randn(b * h * pages, s, d, generator=gen) * 3, torch.randn(b * h * pages, s, d, generator=gen)
+    k_pages = torch.randn(b * h * pages, s, d, generator=gen) * 3
+    v_pages = torch.randn(b * h * pages, s, d, generator=gen)
     block_table = torch.randperm(b * h * pages, generator=gen).view(b, h, pages)
     return k_pages, v_pages, block_table
 
@@ -266,8 +267,9 @@ def test_the_plan_chooses_the_torch_lowerings():
 
     chunked = kvcompile.load_spec("snapkv", schedule={"prefill": {"chunk": 8}})
     cases = [("zsmerge", SoftcapPagedAttention), ("snapkv_int4", SoftcapQuantPagedAttention),
-             ("lava_mixed", SoftcapTieredPagedAttention), (kvcompile.load_spec("lava_residual", storage="int4"),
-                                                           SoftcapTieredPagedAttention), (chunked, SoftcapPagedAttention)]
+             ("lava_mixed", SoftcapTieredPagedAttention),
+             (kvcompile.load_spec("lava_residual", storage="int4"), SoftcapTieredPagedAttention),
+             (chunked, SoftcapPagedAttention)]
     for config in ({"attn_logit_softcapping": 5.0}, {"sinks": ((0.5,) * 4, (1.0,) * 4)}):
         for spec, backend in cases:
             spec = kvcompile.load_spec(spec)

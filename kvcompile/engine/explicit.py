@@ -3,7 +3,8 @@
 logit per query head in the softmax's denominator), as transformers' eager attention computes them. The prompt's
 attention, a local layer's window and a chunk's attention over the held entries (kernels.chunk_attention.
 ExplicitChunkAttention) use it where the plan has either (`Plan.softcap`, `Plan.sinks`; the decode attention's is
-`kernels.paged_attention.SoftcapPagedAttention`, over codes `kernels.paged_attention_quant.SoftcapQuantPagedAttention`)."""
+`kernels.paged_attention.SoftcapPagedAttention`, over codes
+`kernels.paged_attention_quant.SoftcapQuantPagedAttention`)."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,8 @@ from torch import Tensor
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, softcap: float | None = None,
                        sinks: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    """softmax(cap·tanh(q·kᵀ·scale / cap) + bias) · v over the `allowed` keys (broadcast to (B, Hq, T, N)); `sinks`
-    (Hq,): one more logit per query head in the denominator, whose value is dropped; `bias` (broadcast to the
+    """softmax(cap·tanh(q·kᵀ·scale / cap) + bias) · v over the `allowed` keys (broadcast to (B, Hq, T, N));
+    `sinks` (Hq,): one more logit per query head in the denominator, whose value is dropped; `bias` (broadcast to the
     logits, or None): a merge rule's logit bias of each key (α·log w for a slot of w tokens), added after the cap,
     so that a slot weighs w^α·exp(capped logit) as its tokens would. GQA by repeating the KV heads."""
     group = q.shape[1] // k.shape[1]

@@ -96,7 +96,6 @@ class ExplicitChunkAttention(ChunkAttention):
 
         b, hq, t, d = q.shape
         hk, hv, bias, stored = held
-        e = hk.shape[2]
         rows = torch.arange(t, device=q.device)
         own = (rows[None, :] <= rows[:, None])[None] & real[:, None, :]  # (B, T, T): real keys up to the query
         own = own | (torch.eye(t, dtype=torch.bool, device=q.device)[None] & ~real[:, :, None])

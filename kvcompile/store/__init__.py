@@ -16,7 +16,8 @@ from kvcompile.store.pages import ENTRY_METADATA_BYTES, Entries, LayerStore, Pag
 from kvcompile.store.tiers import SoftcapTieredPagedAttention, TieredPagedAttention, TieredStore
 
 __all__ = ["ENTRY_METADATA_BYTES", "ChannelCodeStore", "CodeStore", "Entries", "LayerStore", "PageTensors",
-           "QuantPageTensors", "SoftcapTieredPagedAttention", "TieredPagedAttention", "TieredStore", "page_table", "store_class"]
+           "QuantPageTensors", "SoftcapTieredPagedAttention", "TieredPagedAttention", "TieredStore", "page_table",
+           "store_class"]
 
 
 def store_class(policy) -> type:
