@@ -538,7 +538,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     A prompt compressed in chunks (schedule.prefill: chunk) runs each chunk's attention over the held
     entries and itself through the column-sums C++ kernel where it runs (CppChunkAttention: fp32 on a CPU,
     head dim a multiple of 16, kernels None or "cpp"; it also gives the scores of a column-sum scorer
-    that does not merge), else through SDPA with a (T × E + T) mask.
+    that does not merge), else through SDPA with a (T × E + T) mask; on a model that soft-caps its logits or has
+    learned sinks, written out with them (ExplicitChunkAttention), as its decode attention is (`_explicit_decode`).
     rope: the rotary inverse frequencies, for a scorer that reads them (default: from `config`, rope_frequencies).
     shard: this process's share of the KV heads under tensor parallelism (kvcompile.sharding.model_shard);
     the plan names them and what its selections gather across ranks.
