@@ -21,4 +21,5 @@ class LayerState:
     softcap: float | None = None  # the model's attention logit soft-cap (Gemma 2: cap·tanh(s/cap) before the
     #   softmax); None = none. A scorer's attention weights apply it, as the model's attention does
     sinks: Tensor | None = None  # (Hq,) the layer's learned sinks for the state's query heads (gpt-oss: one logit
-    #   per query head in the softmax's denominator); None = none. A scorer's attention weights count them
+    #   per query head in the softmax's denominator), or (B, Hq) where they differ by batch row (a chunked prompt's
+    #   single-head states, one per KV head: engine.chunked); None = none. A scorer's attention weights count them

@@ -150,6 +150,13 @@ class Plan:
             return self.decode_attention
         return self.decode_attention.with_sinks(self.layer_sinks(layer, device))
 
+    def chunk_backend(self, layer: int, device):
+        """The chunk attention backend of the engine's layer `layer` (schedule.prefill: chunk): chunk_attention,
+        with the layer's sinks where the model has them."""
+        if self.sinks is None:
+            return self.chunk_attention
+        return self.chunk_attention.with_sinks(self.layer_sinks(layer, device))
+
     @property
     def model_layers(self) -> int:
         """The model's layers (num_layers counts those the policy compresses: fewer in a hybrid model)."""
@@ -389,6 +396,23 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage, tiered: 
     return codes
 
 
+def _explicit_decode(softcap: float | None, storage, tiered: bool):
+    """The decode attention backend of a model that soft-caps its logits or has learned sinks: the eager torch
+    lowering with the cap (before the merge bias) and the sinks (`with_sinks` gives a layer's), over float pages
+    (kernels.paged_attention.SoftcapPagedAttention), codes (kernels.paged_attention_quant.
+    SoftcapQuantPagedAttention: dequantized, then attended) or two tiers (store.SoftcapTieredPagedAttention: the
+    sinks once over both); no C++ or Triton kernel applies either."""
+    from kvcompile.kernels import paged_attention, paged_attention_quant
+
+    if not storage.quantizes:
+        return paged_attention.SoftcapPagedAttention(softcap or 0.0)
+    if tiered:
+        from kvcompile.store import SoftcapTieredPagedAttention
+
+        return SoftcapTieredPagedAttention(softcap or 0.0)
+    return paged_attention_quant.SoftcapQuantPagedAttention(softcap or 0.0)
+
+
 def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_dim: int) -> bool:
     """A fused step of a quantized store computes this policy's decode step here: codes per token (KIVI's keys
     per channel move a page at a time: store.tiers), no running scores, no online eviction, a merge bias of
@@ -514,7 +538,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     A prompt compressed in chunks (schedule.prefill: chunk) runs each chunk's attention over the held
     entries and itself through the column-sums C++ kernel where it runs (CppChunkAttention: fp32 on a CPU,
     head dim a multiple of 16, kernels None or "cpp"; it also gives the scores of a column-sum scorer
-    that does not merge), else through SDPA with a (T × E + T) mask.
+    that does not merge), else through SDPA with a (T × E + T) mask; on a model that soft-caps its logits or has
+    learned sinks, written out with them (ExplicitChunkAttention), as its decode attention is (`_explicit_decode`).
     rope: the rotary inverse frequencies, for a scorer that reads them (default: from `config`, rope_frequencies).
     shard: this process's share of the KV heads under tensor parallelism (kvcompile.sharding.model_shard);
     the plan names them and what its selections gather across ranks.
@@ -589,8 +614,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                 and kernels in (None, "cpp") \
                 and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
             score_impl = "column_sums:cpp"  # attention and score in one pass: 0.6-0.8x the attention alone
-        chunk_impl = None
-        if policy.schedule.chunk_tokens and device is not None and kernels in (None, "cpp") \
+        chunk_impl = None  # (a soft-cap or sinks: the chunk's attention written out, ExplicitChunkAttention)
+        if policy.schedule.chunk_tokens and not explicit and device is not None and kernels in (None, "cpp") \
                 and _resolve("column_sums", kernels, device, dtype, head_dim) == "cpp":
             chunk_impl = "cpp"  # a chunk's attention without its (T × E + T) mask, in blocks up to each query
     except ValueError as exc:
@@ -615,7 +640,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         # the append and the attention over the codes (and the float tier) as one C++ call (kernels.append_step,
         # kernels.tiered_step) where the quantized C++ kernel runs; the rest take the torch step
         # (the store's append, then attention)
-        if _quant_step_runs(policy, kernels, device, dtype, head_dim):
+        if not explicit and _quant_step_runs(policy, kernels, device, dtype, head_dim):  # (else the torch step)
             online_impl, step_rule = "cpp", _step_rule(policy, False)
     elif (scoring.running or online) and not explicit:  # (a soft-cap or sinks: the Python step applies them)
         step_rule = _step_rule(policy, online)
@@ -645,12 +670,13 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             if score_impl == "part" else window_scores.backend(score_impl),
             selection=select.backend(select_impl, cuda=cuda),
             prompt_merge=None if merge_impl is None else merge.backend(merge_impl, merge_compile_above),
-            decode_attention=paged_attention.SoftcapPagedAttention(softcap or 0.0) if explicit else
+            decode_attention=_explicit_decode(softcap, storage, policy.tiered) if explicit else
             paged_attention.backend(decode_impl) if not storage.quantizes else
             _quantized_decode(decode_impl, device, dtype, head_dim, storage, policy.tiered),
             online_step=_decode_step(policy, online_impl, step_rule, decode_impl, head_dim),
             chunk_attention=None if not policy.schedule.chunk_tokens else chunk_attention.CppChunkAttention()
-            if chunk_impl == "cpp" else chunk_attention.SdpaChunkAttention())
+            if chunk_impl == "cpp" else chunk_attention.ExplicitChunkAttention(softcap or 0.0) if explicit else
+            chunk_attention.SdpaChunkAttention())
     prune_every = decode.prune_every if decode is not None else 0
     ring_rows = scoring.query_rows(2 ** 30) if prune_every and not scoring.running else 0
     exchange = "none"
@@ -698,22 +724,18 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 def _softcap_refusal(policy: Policy, softcap: bool) -> str | None:
     """Why `policy` cannot run exactly on a model that soft-caps its attention logits (`softcap`) or has learned
-    sinks, or None. The prompt's attention, a local layer's window, the decode attention (the eager torch
-    lowering) and the scorers' attention weights (the part's own paths: scoring.attention_rows, the running
-    scores' Python decode step) apply the cap and the sinks (engine.explicit,
-    kernels.paged_attention.SoftcapPagedAttention, LayerState.softcap / .sinks) and a reconstruction scorer's
-    forwards and softmax (engine.reconstruction, KVzip.score_keys); expected attention's closed form under a
-    cap, merge slots, quantized pages and a prompt compressed in chunks do not."""
+    sinks, or None. Every attention the plan runs applies the cap and the sinks, in eager torch where a kernel
+    does not (build_plan chooses those backends once): the prompt's attention, a local layer's window and a
+    chunk's attention over the held entries (engine.explicit, kernels.chunk_attention.ExplicitChunkAttention),
+    the decode attention over float pages, codes or two tiers (kernels.paged_attention.SoftcapPagedAttention,
+    kernels.paged_attention_quant.SoftcapQuantPagedAttention, store.SoftcapTieredPagedAttention), the torch
+    decode step's (running scores, online eviction), with a merge slot's bias added after the cap; and the
+    scorers' attention weights (LayerState.softcap / .sinks) and a reconstruction scorer's forwards and softmax
+    (engine.reconstruction, KVzip.score_keys). Only expected attention's closed form has none under a cap."""
     scoring = policy.scoring
     if softcap and not scoring.softcaps:
         return (f"scoring: {scoring.name} scores entries by the expected attention of future queries, whose closed "
                 "form (E[exp(c·qᵀk)] over a Gaussian query) has none under the cap (E[exp(cap·tanh(c·qᵀk/cap))])")
-    if policy.merges:
-        return f"merge: {policy.merge.name} attends to merge slots through kernels without the cap"
-    if policy.storage.quantizes:
-        return f"storage: {policy.storage.name} attends over quantized pages through kernels without the cap"
-    if policy.schedule.chunk_tokens:
-        return "schedule.prefill: chunk attends over the held entries through kernels without the cap"
     return None
 
 

@@ -36,7 +36,8 @@ class Selection:
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None = None,
-           lengths: Tensor | None = None, scale: float | None = None) -> Tensor:
+           lengths: Tensor | None = None, scale: float | None = None, softcap: float | None = None,
+           sinks: Tensor | None = None) -> Tensor:
     """Decode attention over a compressed cache: the ground truth for every decode kernel.
 
     q: (B, Hq, T, d) queries (T new tokens, usually 1) that see every cache entry;
@@ -44,6 +45,11 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | Non
     bias: (B, H, S) added to the logits (ZSMerge Eq. 8: α·log w, w = merge count);
     lengths: (B, H) long, None = all S valid. Returns (B, Hq, T, d).
     A head with no valid entry returns zeros.
+
+    A model's soft-cap and learned sinks (`model_logits`, `model_weights`): the logit of entry s is
+    cap·tanh(q·k_s·scale / cap) + bias_s, the cap before the bias: a slot standing for w tokens weighs
+    w^α·exp(capped logit), as its tokens would under the cap; the sinks (Hq,) join the softmax's
+    denominator only (one more logit per query head whose weight is dropped).
     """
     b, hq, t, d = q.shape
     h = keys.shape[1]
@@ -51,15 +57,30 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | Non
     scale = d ** -0.5 if scale is None else scale
     k = keys.repeat_interleave(g, dim=1).float()
     v = values.repeat_interleave(g, dim=1).float()
-    logits = torch.einsum("bhtd,bhsd->bhts", q.float(), k) * scale
+    logits = model_logits(torch.einsum("bhtd,bhsd->bhts", q.float(), k) * scale, softcap)
     if bias is not None:
         logits = logits + bias.repeat_interleave(g, dim=1).float()[:, :, None, :]
     if lengths is not None:
         valid = torch.arange(keys.shape[2], device=keys.device) < lengths[..., None]  # (B, H, S)
         valid = valid.repeat_interleave(g, dim=1)[:, :, None, :]
         logits = logits.masked_fill(~valid, float("-inf"))
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # an empty head gives zeros
+    weights = model_weights(logits, None if sinks is None else sinks.view(1, hq, 1, 1))
     return torch.einsum("bhts,bhsd->bhtd", weights, v).to(q.dtype)
+
+
+def model_logits(logits: Tensor, softcap: float | None) -> Tensor:
+    """The model's logits from the scaled dot products s: cap·tanh(s/cap) where it soft-caps them (Gemma 2's
+    attn_logit_softcapping), else s. A merge bias is added after (`decode_attention`)."""
+    return logits if not softcap else softcap * torch.tanh(logits / softcap)
+
+
+def model_weights(logits: Tensor, sinks: Tensor | None) -> Tensor:
+    """softmax over the last dim of (biased, masked) logits; with learned sinks (gpt-oss; broadcast against
+    logits[..., :1]) one more logit per row in the denominator, its weight dropped. A row with no key: zeros."""
+    if sinks is not None:
+        sink = sinks.float().expand(*logits.shape[:-1], 1)
+        return torch.softmax(torch.cat([logits.float(), sink], dim=-1), dim=-1)[..., :-1].nan_to_num(0.0)
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0)  # an empty head gives zeros
 
 
 # --- scoring -------------------------------------------------------------------------------
@@ -184,7 +205,8 @@ class ChunkedPrefill:
     mask (B, T) its real tokens, None = all real):
     1. Attention: real query t sees every entry the head holds (kept tokens and merge slots, with
        the merge rule's logit bias, α·log w for ZSMerge) and the chunk's real tokens up to itself;
-       a pad query sees itself only (as in one pass).
+       a pad query sees itself only (as in one pass). A model's soft-cap and learned sinks (`softcap`,
+       `sinks`) apply as in `decode_attention`: cap·tanh(s/cap) + bias, the sinks in the denominator only.
     2. Scores: the scorer's `score_chunk` over the held tokens (in position order) followed by the
        chunk's tokens, per KV head with its own held set, from the chunk's last
        R = query_rows(T) queries (a window scorer: the last min(w, T) queries of the chunk;
@@ -230,6 +252,8 @@ class ChunkedPrefill:
     entropy: list = field(default_factory=list)  # dynamic budgets: this chunk's (B,) entropy per layer so far
     chunks: int = 0  # chunks started (at layer 0)
     rope: Tensor | None = None  # the model's rotary inverse frequencies, for a scorer that reads them (LayerState.rope)
+    softcap: float | None = None  # the model's logit soft-cap (Gemma 2), in the attention and the scores
+    sinks: list | None = None  # per layer, its learned sinks (Hq,) or None (gpt-oss), in the attention and the scores
 
     def __post_init__(self):
         if not self.policy.scoring.head_local:
@@ -253,19 +277,25 @@ class ChunkedPrefill:
         held = self.held(layer, b_, h_, k, v)
 
         # 1. attention of the chunk's queries over the held entries and the chunk (causal)
-        out = chunk_attention(policy, held, q, k, v, real, scale)
+        sinks = self.layer_sinks(layer)
+        out = chunk_attention(policy, held, q, k, v, real, scale, softcap=self.softcap, sinks=sinks)
 
         # 2. scores of the held tokens and the chunk's, per head, from the chunk's last R queries
         rows = policy.scoring.query_rows(t_)
 
         def score(b: int, h: int, keys: Tensor, values: Tensor, valid: Tensor, carried: Tensor) -> Tensor:
             state = LayerState(q[b:b + 1, h * g:(h + 1) * g, t_ - rows:], keys[None, None], values[None, None],
-                               valid[None], scale, self.rope)
+                               valid[None], scale, self.rope, self.softcap,
+                               None if sinks is None else sinks[h * g:(h + 1) * g])
             return policy.scoring.score_chunk(state, None if first else carried[None, None])[0, 0]
 
         # 3. selection back to the budget of the tokens seen (4. inside the chunk's cascade)
         self.select(layer, k, v, real, score)
         return out.to(q.dtype)
+
+    def layer_sinks(self, layer: int) -> Tensor | None:
+        """The learned sinks (Hq,) of `layer`, or None."""
+        return None if self.sinks is None or self.sinks[layer] is None else self.sinks[layer].float()
 
     def start_chunk(self, real: Tensor) -> None:
         """A new chunk (B, T) of real tokens arrives (at layer 0)."""
@@ -343,11 +373,13 @@ class ChunkedPrefill:
 
 
 def chunk_attention(policy, held: list[list[HeadEntries]], q: Tensor, k: Tensor, v: Tensor, real: Tensor,
-                    scale: float, seen_k: Tensor | None = None, seen_v: Tensor | None = None) -> Tensor:
+                    scale: float, seen_k: Tensor | None = None, seen_v: Tensor | None = None,
+                    softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """ChunkedPrefill's step 1, (B, Hq, T, d) float32: real query t of the chunk (q, k, v; real (B, T))
     sees every entry its head holds (kept tokens and merge slots, with the merge rule's logit bias), then
     `seen_k`, `seen_v` (B, H, T', d) where given (a reconstruction forward sees the chunk it reconstructs
-    whole), then the chunk's real tokens up to itself; a pad query sees itself only."""
+    whole), then the chunk's real tokens up to itself; a pad query sees itself only. softcap, sinks (Hq,): the
+    model's, as `decode_attention` applies them (the cap before the merge bias; the sinks in the denominator)."""
     b_, hq, t_, d = q.shape
     h_ = k.shape[1]
     g = hq // h_
@@ -371,8 +403,9 @@ def chunk_attention(policy, held: list[list[HeadEntries]], q: Tensor, k: Tensor,
                     logit_bias = torch.cat([bias, torch.zeros(int(mine.sum()))])
                 else:  # a pad query sees itself only
                     keys, values, logit_bias = k[b, h, t:t + 1].float(), v[b, h, t:t + 1].float(), torch.zeros(1)
-                logits = q[b, h * g:(h + 1) * g, t].float() @ keys.T * scale + logit_bias
-                out[b, h * g:(h + 1) * g, t] = torch.softmax(logits, dim=-1) @ values
+                logits = model_logits(q[b, h * g:(h + 1) * g, t].float() @ keys.T * scale, softcap) + logit_bias
+                weights = model_weights(logits, None if sinks is None else sinks[h * g:(h + 1) * g, None])
+                out[b, h * g:(h + 1) * g, t] = weights @ values
     return out
 
 
@@ -596,12 +629,15 @@ def _merge_one(policy, head: HeadEntries, e: int, slots: int) -> None:
 
 
 def decode_step(policy, heads: list[list[HeadEntries]], q: Tensor, k: Tensor, v: Tensor, position: Tensor,
-                budgets: Tensor, scale: float | None = None) -> Tensor:
+                budgets: Tensor, scale: float | None = None, softcap: float | None = None,
+                sinks: Tensor | None = None) -> Tensor:
     """One generated token at one layer: append it, attend, update running scores, and
     (decode: online, ZSMerge Alg. 1) evict the lowest-scored context token into the slots.
 
     q (B, Hq, d), k, v (B, H, d), position (B,) the new token's position, budgets (B, H)
     entries per head (decode_budgets). Returns the attention output (B, Hq, d).
+    softcap, sinks (Hq,): the model's (`decode_attention`): the logits capped, then the merge bias added,
+    the sinks in the denominator; the running scores take those weights (the model's attention).
     """
     b_, hq, d = q.shape
     h_ = k.shape[1]
@@ -617,8 +653,8 @@ def decode_step(policy, heads: list[list[HeadEntries]], q: Tensor, k: Tensor, v:
             bias = torch.zeros(len(head.counts))
             if policy.merges:
                 bias = torch.where(head.tokens(), 0.0, policy.merge.bias(head.counts))
-            logits = q[b, h * g:(h + 1) * g].float() @ head.keys.float().T * scale + bias
-            probs = torch.softmax(logits, dim=-1)  # (G, E)
+            logits = model_logits(q[b, h * g:(h + 1) * g].float() @ head.keys.float().T * scale, softcap) + bias
+            probs = model_weights(logits, None if sinks is None else sinks[h * g:(h + 1) * g, None])  # (G, E)
             out[b, h * g:(h + 1) * g] = probs @ head.values.float()
             if policy.scoring.running:  # H2O: s ← s + a; ZSMerge Eq. 5: s ← λ·s + a
                 a = policy.scoring.reduce_group(probs, 0)
@@ -870,8 +906,10 @@ class ChunkedKVzip:
     def begin(self, start: int, end: int) -> None:
         self.chunk, self.span = (start, end), None
 
-    def attend_chunk(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """Step 1 at one layer: the chunk's attention output (B, Hq, T, d); its keys and values held."""
+    def attend_chunk(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None,
+                     sinks: Tensor | None = None) -> Tensor:
+        """Step 1 at one layer: the chunk's attention output (B, Hq, T, d); its keys and values held. softcap,
+        sinks (Hq,): the model's (`chunk_attention`)."""
         b_, _, t_, _ = q.shape
         real = torch.ones(b_, t_, dtype=torch.bool)
         if layer == 0:
@@ -879,11 +917,14 @@ class ChunkedKVzip:
         held = self.chunked.held(layer, b_, k.shape[1], k, v)
         self.keys[layer], self.values[layer] = k, v
         self.scores[layer] = torch.zeros(b_, k.shape[1], t_)
-        return chunk_attention(self.policy, held, q, k, v, real, scale).to(q.dtype)
+        return chunk_attention(self.policy, held, q, k, v, real, scale, softcap=softcap, sinks=sinks).to(q.dtype)
 
-    def reconstruct(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def reconstruct(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None,
+                    sinks: Tensor | None = None) -> Tensor:
         """Step 2 at one layer, for the span being reconstructed: the reconstruction's attention output
-        (B, Hq, T, d) (over the held entries, the chunk, its own keys); the span's scores recorded."""
+        (B, Hq, T, d) (over the held entries, the chunk, its own keys); the span's scores recorded. softcap,
+        sinks (Hq,): the model's, in the attention and in the scores' softmax (the cap on every logit, the
+        sinks in the denominator)."""
         start, end = self.chunk
         s, e = self.span
         b_, hq, t_, _ = q.shape
@@ -892,9 +933,10 @@ class ChunkedKVzip:
         chunk_k, chunk_v = self.keys[layer], self.values[layer]
         held = self.chunked.held(layer, b_, h_, chunk_k, chunk_v)
         out = chunk_attention(self.policy, held, q, k, v, torch.ones(b_, t_, dtype=torch.bool), scale,
-                              seen_k=chunk_k, seen_v=chunk_v)
+                              seen_k=chunk_k, seen_v=chunk_v, softcap=softcap, sinks=sinks)
         sink = min(self.policy.scoring.sinks, s)
         causal = torch.arange(t_)[None, :] <= torch.arange(t_)[:, None]  # (T, T): own key u ≤ row t
+        learned = sinks  # (the model's; `sinks` below: KVzip's sink entries)
         for b in range(b_):
             for h in range(h_):
                 x = held[b][h]
@@ -907,8 +949,10 @@ class ChunkedKVzip:
                 allowed = torch.cat([torch.ones(t_, len(sinks) + len(span), dtype=torch.bool), causal], dim=1)
                 best = torch.zeros(e - s)
                 for head in range(h * g, (h + 1) * g):
-                    logits = (q[b, head].float() @ keys.T * scale).masked_fill(~allowed, float("-inf"))
-                    probs = torch.softmax(logits, dim=-1)[:, len(sinks):len(sinks) + len(span)]
+                    logits = model_logits(q[b, head].float() @ keys.T * scale, softcap).masked_fill(~allowed,
+                                                                                                   float("-inf"))
+                    probs = model_weights(logits, None if learned is None else learned[head].view(1, 1))
+                    probs = probs[:, len(sinks):len(sinks) + len(span)]
                     best = torch.maximum(best, probs.amax(dim=0))
                 self.scores[layer][b, h, s - start:e - start] = best
         return out.to(q.dtype)
@@ -925,9 +969,13 @@ class ChunkedKVzip:
             self.chunked.select(layer, k, v, torch.ones(k.shape[0], t_, dtype=torch.bool), score)
             self.keys[layer] = self.values[layer] = self.scores[layer] = None
 
-    def step(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-        """What the model's attention at `layer` computes now: step 1, or step 2 while a span is reconstructed."""
-        return self.attend_chunk(layer, q, k, v, scale) if self.span is None else self.reconstruct(layer, q, k, v, scale)
+    def step(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None = None,
+             sinks: Tensor | None = None) -> Tensor:
+        """What the model's attention at `layer` computes now: step 1, or step 2 while a span is reconstructed
+        (softcap, sinks: the model's, where it has them)."""
+        if self.span is None:
+            return self.attend_chunk(layer, q, k, v, scale, softcap, sinks)
+        return self.reconstruct(layer, q, k, v, scale, softcap, sinks)
 
     @classmethod
     @torch.no_grad()
@@ -960,7 +1008,9 @@ def _reference_step(module, query, key, value, attention_mask, scaling=None, dro
     """transformers' attention entry while `ChunkedKVzip.run` drives a model: the reference's step."""
     ref = kwargs["kvcompile_reference"]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return ref.step(module.layer_idx, query, key, value, scale).transpose(1, 2).contiguous(), None
+    sinks = kwargs.get("s_aux")  # gpt-oss's learned sinks; Gemma 2's soft-cap comes as `softcap`
+    return ref.step(module.layer_idx, query, key, value, scale, kwargs.get("softcap") or None,
+                    None if sinks is None else sinks.detach().float()).transpose(1, 2).contiguous(), None
 
 
 def _reference_attention(model):

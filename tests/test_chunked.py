@@ -55,20 +55,22 @@ def chunked_policy(key: str, per_head: int, chunk: int):
     return kvcompile.load_spec(name, schedule=schedule, **spec)
 
 
-def config_for(layers, h, g, d):
+def config_for(layers, h, g, d, softcap=None, sinks=None):
     return SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
-                           hidden_size=h * g * d)
+                           hidden_size=h * g * d, attn_logit_softcapping=softcap,
+                           sinks=None if sinks is None else tuple(tuple(float(x) for x in s) for s in sinks))
 
 
-def run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps):
+def run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps, softcap=None, sinks=None):
     """The prompt chunk by chunk, every layer through the op and through reference.ChunkedPrefill, then
     `steps` decode tokens through the op and reference.decode_step (and decode_prune); the attention
-    outputs agree all along and every layer holds the same entries. Returns the cache."""
+    outputs agree all along and every layer holds the same entries. Returns the cache. softcap, sinks (per
+    layer (Hq,)): a model's logit soft-cap and learned sinks, given to the plan and to the reference."""
     c = policy.schedule.chunk_tokens
     scale = d ** -0.5
-    cache = KVCompileCache(policy, config_for(layers, h, g, d), page_size=page)
+    cache = KVCompileCache(policy, config_for(layers, h, g, d, softcap, sinks), page_size=page)
     cache.expect_prompt(n)
-    ref = reference.ChunkedPrefill(policy, layers)
+    ref = reference.ChunkedPrefill(policy, layers, softcap=softcap, sinks=sinks)
     real = torch.ones(b, n, dtype=torch.bool) if mask is None else mask
     rows = policy.scoring.query_rows(2 ** 30)
     rings = [None] * layers
@@ -95,14 +97,15 @@ def run_both(policy, layers, b, h, g, n, d, mask, page, rand, steps):
         for layer in range(layers):
             qn, kn, vn = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
             got = torch.ops.kvcompile.attend(qn, kn, vn, None, layer, cache.ref, cache.token, scale)
+            learned = None if sinks is None else sinks[layer]
             want = reference.decode_step(policy, ref.heads[layer], qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], position,
-                                         budgets[:, layer], scale)
+                                         budgets[:, layer], scale, softcap, learned)
             if every:
                 if rows:
                     rings[layer] = torch.cat([rings[layer], qn], dim=2)[:, :, -rows:]
                 if (step + 1) % every == 0:
                     reference.decode_prune(policy, ref.heads[layer], rings[layer], position + 1, budgets[:, layer],
-                                           layer, scale)
+                                           layer, scale, softcap=softcap, sinks=learned)
             assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-5)
             assert_same_cache(cache.stores[layer].to_heads(), ref.heads[layer])
     if steps:

@@ -81,15 +81,17 @@ def test_runtime_equals_reference_token_by_token(key, b, h, g, n, steps, per_hea
     assert torch.equal(cache.budgets, budgets)
 
 
-def token_by_token(policy, q, k, v, mask, steps, rand, page):
+def token_by_token(policy, q, k, v, mask, steps, rand, page, softcap=None, sinks=None):
     """One layer through the op: the prompt (q, k, v; mask or None), then `steps` tokens drawn by
     `rand`. After the prompt and after every token the pages hold what reference.compress,
     decode_step and decode_prune hold, and the attention outputs agree. Returns the cache,
-    the reference's prompt selection and the decode budgets."""
+    the reference's prompt selection and the decode budgets. softcap, sinks (Hq,): a model's logit soft-cap
+    (Gemma 2) and learned sinks (gpt-oss), given to the plan (as the config's) and to the reference."""
     b, hq, n, d = q.shape
     h = k.shape[1]
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=h, num_attention_heads=hq, head_dim=d,
-                             hidden_size=hq * d)
+                             hidden_size=hq * d, attn_logit_softcapping=softcap,
+                             sinks=None if sinks is None else (tuple(float(x) for x in sinks),))
     cache = KVCompileCache(policy, config, page_size=page, record=True)
     scale = d ** -0.5
     torch.ops.kvcompile.attend(q, k, v, mask, 0, cache.ref, cache.token, scale)
@@ -108,13 +110,14 @@ def token_by_token(policy, q, k, v, mask, steps, rand, page):
         got = torch.ops.kvcompile.attend(qn, kn, vn, None, 0, cache.ref, cache.token, scale)
         position = lengths + step
         want = reference.decode_step(policy, heads, qn[:, :, 0], kn[:, :, 0], vn[:, :, 0], position, budgets[:, 0],
-                                     scale)
+                                     scale, softcap, sinks)
         if every:
             rows = policy.scoring.query_rows(2 ** 30)
             if rows:
                 ring = torch.cat([ring, qn], dim=2)[:, :, -rows:]
             if (step + 1) % every == 0:
-                reference.decode_prune(policy, heads, ring, position + 1, budgets[:, 0], 0, scale)
+                reference.decode_prune(policy, heads, ring, position + 1, budgets[:, 0], 0, scale, softcap=softcap,
+                                       sinks=sinks)
         assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-5)
         assert_same_cache(cache.stores[0].to_heads(), heads)
     return cache, selection, budgets

@@ -76,13 +76,15 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     held = held_entries(cache, layer, k, v)
     # the attention over the held entries and the chunk (and, for a column-sum scorer, its score: chunk_scores)
     weights = policy.scoring.column_weights(t) if plan.chunk_scores else None
-    out, sums = plan.chunk_attention(q, k, v, held.attention(plan), real, scale, weights)
+    out, sums = plan.chunk_backend(layer, q.device)(q, k, v, held.attention(plan), real, scale, weights)
     cand = candidates(cache, held, k, v, real, start, end)
     rows = policy.scoring.query_rows(t)
     width = cand.keys.shape[2]
     state = plan.state(q[:, :, t - rows:].reshape(b * h, g, rows, d), cand.keys.reshape(b * h, 1, width, d),
                        cand.values.reshape(b * h, 1, width, cand.values.shape[-1]), cand.valid.reshape(b * h, width),
-                       scale)
+                       scale, layer)
+    if state.sinks is not None:  # the learned sinks of each single-head state's G query heads: (B·H, G)
+        state.sinks = state.sinks.view(1, h, g).expand(b, h, g).reshape(b * h, g)
     carried = None if held.first else cand.scores.reshape(b * h, 1, width)
     if sums is None:
         scores = policy.scoring.score_chunk_prompt(state, carried)

@@ -56,7 +56,7 @@ def _chunk_attention(cache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                            "run whole through every layer, in one forward call")
     real = start_chunk(cache, q, mask, layer, start, end)
     held = held_entries(cache, layer, k, v)
-    out, _ = cache.plan.chunk_attention(q, k, v, held.attention(cache.plan), real, scale)
+    out, _ = cache.plan.chunk_backend(layer, q.device)(q, k, v, held.attention(cache.plan), real, scale)
     rec.keys[layer], rec.values[layer], rec.scales[layer], rec.query_heads = k, v, scale, q.shape[1]
     return out
 
@@ -74,9 +74,10 @@ def _chunk_reconstruction(cache, q: Tensor, k: Tensor, v: Tensor, layer: int, sc
     chunk_k, chunk_v = rec.keys[layer], rec.values[layer]
     held = held_entries(cache, layer, chunk_k, chunk_v)
     real = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
-    out, _ = plan.chunk_attention(q, k, v, held.attention(plan, chunk_k, chunk_v), real, scale)
+    out, _ = plan.chunk_backend(layer, q.device)(q, k, v, held.attention(plan, chunk_k, chunk_v), real, scale)
     sink_k, sink_valid = _sinks(held, chunk_k, start, min(scorer.sinks, s))
-    scores = scorer.score_keys(q, sink_k, chunk_k[:, :, s - start:e - start], k, scale, sink_valid)
+    scores = scorer.score_keys(q, sink_k, chunk_k[:, :, s - start:e - start], k, scale, sink_valid,
+                               softcap=plan.softcap, learned=plan.layer_sinks(layer, q.device))  # (Gemma 2, gpt-oss)
     if rec.scores[layer] is None:
         rec.scores[layer] = torch.zeros(*chunk_k.shape[:3], dtype=torch.float32, device=k.device)
     rec.scores[layer][:, :, s - start:e - start] = scores

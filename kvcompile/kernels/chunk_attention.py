@@ -12,6 +12,8 @@ held entries and the chunk, which `sums` returns where the backend computes them
 
 Backends (what `Plan.chunk_attention` holds):
 - `SdpaChunkAttention`: SDPA with the (T × E + T) logit bias as its mask; no column sums.
+- `ExplicitChunkAttention`: written out with a model's logit soft-cap (Gemma 2) and learned sinks (gpt-oss), the
+  merge bias added after the cap; no column sums.
 - `CppChunkAttention`: the column-sums C++ kernel (kvcompile.kernels.attention_column_sums) with the held
   entries as a biased prefix of the keys (fp32 CPU): no mask is built, and each block of queries reads only
   the keys up to itself; with weights it also gives the column sums.
@@ -72,6 +74,47 @@ class SdpaChunkAttention(ChunkAttention):
 
     def describe(self) -> str:
         return "None (SDPA with a (T × E + T) mask)"
+
+
+@dataclass(frozen=True, eq=False)
+class ExplicitChunkAttention(ChunkAttention):
+    """The attention written out (engine.explicit) for a model that soft-caps its logits (Gemma 2) or has
+    learned sinks (gpt-oss): logit cap·tanh(q·k·scale / cap) + the merge rule's bias of a held entry (the
+    cap first: a slot of w tokens weighs w^α·exp(capped logit)), the layer's sinks one more logit per query
+    head in the denominator (reference.chunk_attention); no column sums. The plan's chunk attention of such a
+    model (`with_sinks` gives a layer's: Plan.chunk_backend)."""
+
+    name: ClassVar[str | None] = "explicit"
+    softcap: float = 0.0
+    sinks: Tensor | None = None  # (Hq,) one layer's sinks, else None
+
+    def with_sinks(self, sinks: Tensor | None) -> "ExplicitChunkAttention":
+        return ExplicitChunkAttention(self.softcap, sinks)
+
+    def __call__(self, q, k, v, held, real, scale, weights=None):
+        from kvcompile.engine.explicit import explicit_attention
+
+        b, hq, t, d = q.shape
+        hk, hv, bias, stored = held
+        rows = torch.arange(t, device=q.device)
+        own = (rows[None, :] <= rows[:, None])[None] & real[:, None, :]  # (B, T, T): real keys up to the query
+        own = own | (torch.eye(t, dtype=torch.bool, device=q.device)[None] & ~real[:, :, None])
+        seen = stored[:, :, None, :] & real[:, None, :, None]  # (B, H, T, E): a pad query sees no held entry
+        allowed = torch.cat([seen, own[:, None].expand(b, k.shape[1], t, t)], dim=-1)
+        group = hq // k.shape[1]
+        logit_bias = None
+        if bias is not None:
+            held_bias = torch.where(stored, bias.float(), 0.0)  # (B, H, E): masked entries are not allowed anyway
+            logit_bias = torch.cat([held_bias, held_bias.new_zeros(b, k.shape[1], t)], dim=-1)
+            logit_bias = logit_bias.repeat_interleave(group, dim=1)[:, :, None, :].to(q.dtype)
+        keys, values = torch.cat([hk.to(k.dtype), k], dim=2), torch.cat([hv.to(v.dtype), v], dim=2)
+        out = explicit_attention(q, keys, values, allowed.repeat_interleave(group, dim=1), scale,
+                                 self.softcap or None, self.sinks, logit_bias)
+        return out, None
+
+    def describe(self) -> str:
+        return f"explicit (written out{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
+               f"{', learned sinks' if self.sinks is not None else ''})"
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,8 @@ class SoftcapPagedAttention(PagedAttention):
     """The torch lowering run eagerly with the model's logit soft-cap (Gemma 2: cap·tanh(s/cap) before the
     softmax, s the scaled logit, before any merge bias) and/or a layer's learned sinks (gpt-oss: one logit per
     query head in the softmax's denominator: the output scaled by sigmoid(lse − sink), lse the log-sum-exp of
-    the head's logits); the plan's decode attention of such a model (`with_sinks` gives a layer's)."""
+    the head's logits); the plan's decode attention of such a model (`with_sinks` gives a layer's). Equal to
+    `reference.decode_attention(..., softcap=, sinks=)`: the merge bias pages are added after the cap."""
 
     name: ClassVar[str] = "torch"
     softcap: float = 0.0
@@ -150,11 +151,18 @@ class SoftcapPagedAttention(PagedAttention):
             return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, softcap=self.softcap)
         out, lse = _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True,
                              softcap=self.softcap)
-        return (out.float() * torch.sigmoid(lse - self.sinks.float())[..., None]).to(q.dtype)
+        return with_sinks(out, lse, self.sinks)
 
     def describe(self) -> str:
         return f"torch (eager{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
                f"{', learned sinks' if self.sinks is not None else ''})"
+
+
+def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """The attention `out` (B, Hq, d) over some entries, whose logits' log-sum-exp is `lse` (B, Hq), with learned
+    sinks (Hq,) joining its softmax's denominator: out · e^lse / (e^lse + e^sink) = out · sigmoid(lse − sink) (an
+    empty head, lse −inf, stays zeros)."""
+    return (out.float() * torch.sigmoid(lse - sinks.float())[..., None]).to(out.dtype)
 
 
 @dataclass(frozen=True)

@@ -390,6 +390,41 @@ class TritonQuantPagedAttention(QuantPagedAttention):
                                             lengths, bias_pages, scale, return_lse=return_lse)
 
 
+@dataclass(frozen=True, eq=False)
+class SoftcapQuantPagedAttention(QuantPagedAttention):
+    """The eager reference over codes with a model's logit soft-cap (Gemma 2: cap·tanh(s/cap) before the softmax,
+    s the scaled logit, before any merge bias) and/or a layer's learned sinks (gpt-oss: one logit per query head
+    in the softmax's denominator): the pages dequantized, then `paged_attention.SoftcapPagedAttention`'s
+    attention. return_lse (the low tier of a two-tier store): the capped attention over these entries and its
+    log-sum-exp, without the sinks, which the caller adds once over all its entries
+    (store.tiers.SoftcapTieredPagedAttention). The plan's decode attention over codes on such a model
+    (`with_sinks` gives a layer's)."""
+
+    name: ClassVar[str] = "torch"
+    softcap: float = 0.0
+    sinks: Tensor | None = None  # (Hq,) one layer's sinks, else None
+
+    def with_sinks(self, sinks: Tensor | None) -> "SoftcapQuantPagedAttention":
+        return SoftcapQuantPagedAttention(self.softcap, sinks)
+
+    def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
+            scale, return_lse=False):
+        from kvcompile.kernels.paged_attention import SoftcapPagedAttention, _gathered
+
+        layout = check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
+        k_pages, v_pages = _dequantized(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, layout)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if return_lse:
+            return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True,
+                             softcap=self.softcap)
+        return SoftcapPagedAttention(self.softcap, self.sinks).run(q, k_pages, v_pages, block_table, lengths,
+                                                                   bias_pages, scale)
+
+    def describe(self) -> str:
+        return f"torch, quantized pages (eager{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
+               f"{', learned sinks' if self.sinks is not None else ''})"
+
+
 def backend(name: str) -> QuantPagedAttention:
     """The backend of impl `name`: "cpp" | "torch" | "triton" (ValueError for another name)."""
     if name == "cpp":

@@ -15,7 +15,10 @@ class MergeRule(Part):
 
     `merges`: the rule keeps evicted tokens in merge slots (the budget's split.residual share
     of each head's entries). `bias(counts)`: the logit bias of every cache entry from its
-    merge count (plain tokens have count 1), added by every attention over the cache.
+    merge count (plain tokens have count 1), added by every attention over the cache, after a
+    model's logit soft-cap (Gemma 2: cap·tanh(s/cap) + bias, so a slot weighs exp(bias) times
+    exp(its capped logit), as the tokens it stands for would); a model's learned sinks (gpt-oss)
+    only join the softmax's denominator (reference.decode_attention).
     `merge` folds evicted tokens into one head's slots, in order; `shrink` cuts a head's
     slots to fewer (the cascade lowered its budget). The runtime asks the rule for all of
     this; a rule with a batched kernel is named in the plan (kvcompile.plan)."""

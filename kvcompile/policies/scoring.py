@@ -97,7 +97,7 @@ def attention_rows(state: LayerState, rows: int) -> Tensor:
     key_pos = torch.arange(n, device=keys.device)
     causal = key_pos[None, :] <= query_pos[:, None]  # (rows, N)
     visible = causal[None, None] & real[:, None, None, :]  # (B, 1, rows, N)
-    sinks = None if state.sinks is None else state.sinks.float().view(1, hq, 1, 1)
+    sinks = None if state.sinks is None else state.sinks.float().view(-1, hq, 1, 1)
     probs = model_softmax(logits.masked_fill(~visible, NEG_INF), sinks)
 
     real_query = real[:, None, n - rows:, None]  # (B, 1, rows, 1)
@@ -549,7 +549,7 @@ def decayed_scores_chunked(state: LayerState, decay: float, gqa: str, chunk: int
     q_all = queries[:, :, r - rows:]  # (B, Hq, rows, d): query of key first_row + j; head h·G+g of KV head h
     k = keys.float().reshape(b * h, n, d)
     padded = not bool(real.all())
-    sinks = None if state.sinks is None else state.sinks.float().view(1, h, g, 1, 1)  # query head h·G+g
+    sinks = None if state.sinks is None else state.sinks.float().view(-1, h, g, 1, 1)  # query head h·G+g
     acc = torch.zeros(b, h, g, n, dtype=torch.float32, device=device)
     for lo in range(start, n, chunk):
         hi = min(lo + chunk, n)  # rows lo … hi−1 see keys 0 … hi−1 at most
@@ -731,7 +731,7 @@ class ExpectedAttention(Scorer):
             logits = logits + torch.einsum("bhni,bhij,bhnj->bhn", k, sigma, k) * (scale * scale / 2)  # c² kᵀΣk / 2
         # 3. softmax over the counted keys (and the model's learned sinks), mean over the group, value norm; the
         #    first `sinks` entries on top
-        learned = None if state.sinks is None else state.sinks.float().view(1, hq, 1)
+        learned = None if state.sinks is None else state.sinks.float().view(-1, hq, 1)
         probs = model_softmax(logits.masked_fill(~counted[:, None], NEG_INF), learned)
         s = reduce_gqa(probs, h, "mean")
         if self.value_norm:

@@ -13,10 +13,11 @@ tensors (tests/test_store_ownership.py).
 """
 from kvcompile.store.codes import ChannelCodeStore, CodeStore, QuantPageTensors
 from kvcompile.store.pages import ENTRY_METADATA_BYTES, Entries, LayerStore, PageTensors, page_table
-from kvcompile.store.tiers import TieredPagedAttention, TieredStore
+from kvcompile.store.tiers import SoftcapTieredPagedAttention, TieredPagedAttention, TieredStore
 
 __all__ = ["ENTRY_METADATA_BYTES", "ChannelCodeStore", "CodeStore", "Entries", "LayerStore", "PageTensors",
-           "QuantPageTensors", "TieredPagedAttention", "TieredStore", "page_table", "store_class"]
+           "QuantPageTensors", "SoftcapTieredPagedAttention", "TieredPagedAttention", "TieredStore", "page_table",
+           "store_class"]
 
 
 def store_class(policy) -> type:

@@ -19,7 +19,8 @@ The part says how many of a head's tokens stay in the model's dtype and in what 
 it takes from the high tier after an append (`flush`).
 
 Attention over a head is the attention over its two tiers, combined by their log-sum-exp
-(kvcompile.kernels.paged_attention_quant.merge_partials): `TieredPagedAttention`.
+(kvcompile.kernels.paged_attention_quant.merge_partials): `TieredPagedAttention`; with a model's soft-cap and
+learned sinks, `SoftcapTieredPagedAttention`.
 
 What needs every entry of a head in one pool (running scores, online eviction, merge slots) is refused
 by the plan for a tiered part; `decode: every` (mixed) rebuilds both tiers from the pruned heads.
@@ -282,4 +283,38 @@ class TieredPagedAttention(KernelBackend):
 
     def describe(self) -> str:
         return f"model dtype: {'cpp' if self.high_cpp else 'torch'} (with log-sum-exp); codes: {self.low.describe()}"
+
+
+@dataclass(frozen=True, eq=False)
+class SoftcapTieredPagedAttention(KernelBackend):
+    """Decode attention over a TieredStore for a model that soft-caps its logits (Gemma 2) or has learned sinks
+    (gpt-oss), in eager torch: each tier's attention with the cap (the merge bias of the high tier's slots added
+    after it) and its log-sum-exp, combined by `merge_partials`, then the sinks once over the union (the output
+    scaled by sigmoid(lse − sink), lse the log-sum-exp over both tiers). `with_sinks` gives a layer's."""
+
+    softcap: float = 0.0
+    sinks: Tensor | None = None  # (Hq,) one layer's sinks, else None
+    name: ClassVar[str] = "tiered"
+
+    def with_sinks(self, sinks: Tensor | None) -> "SoftcapTieredPagedAttention":
+        return SoftcapTieredPagedAttention(self.softcap, sinks)
+
+    def __call__(self, q: Tensor, store: TieredStore, bias: Tensor | None, scale: float) -> Tensor:
+        from kvcompile.kernels.paged_attention import _gathered, with_sinks
+        from kvcompile.kernels.paged_attention_quant import SoftcapQuantPagedAttention, merge_partials
+
+        hi, lo = store.high, store.low
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out_h, lse_h = _gathered(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, bias, scale,
+                                 return_lse=True, softcap=self.softcap)
+        out_l, lse_l = SoftcapQuantPagedAttention(self.softcap)(q, *lo.kv(), lo.block_table, lo.lengths, None, scale,
+                                                                return_lse=True)
+        out = merge_partials(out_h, lse_h, out_l, lse_l)
+        if self.sinks is not None:
+            out = with_sinks(out, torch.logaddexp(lse_h, lse_l), self.sinks)
+        return out.to(q.dtype)
+
+    def describe(self) -> str:
+        return f"torch, both tiers (eager{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
+               f"{', learned sinks' if self.sinks is not None else ''})"
 
