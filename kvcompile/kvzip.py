@@ -17,6 +17,10 @@ steps (`prefill`, called by compile()'s forward, hence by generate()):
    heads, threshold, split) and merge rule: `engine.prefill.compress_prompt_layer`, the per-layer selection
    every other scorer goes through (a cascade of layer budgets runs over the layers in order).
 
+A captured prefill (kvcompile.tools.sweep.capture: the same forward as step 1) replays under a reconstruction
+scorer: `scores_of` runs step 2 alone over the captured keys and values, and sweep.replay runs step 3 with
+those scores for any allocation, ranking, merge or storage (the scores depend on none of them).
+
 Extra work: a forward over n + k·(p + overlap) tokens (n context tokens, k = ⌈n / chunk⌉ chunks, p the
 repeat prompt and turn end), its attention over the n cached entries and its own keys (the C++ attention
 kernel on fp32 CPUs, else SDPA), and the score's softmax over each chunk's keys (the first sinks, the
