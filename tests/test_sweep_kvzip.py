@@ -122,3 +122,21 @@ def test_what_still_cannot_be_replayed_is_refused_with_the_reason():
     padded, _ = capture(model, ids, mask)
     with pytest.raises(ValueError, match="unpadded"):
         replay(policy, model.config, padded, model=model, repeat_prompt=REPEAT)
+
+
+def test_the_needle_eval_replays_kvzip_as_its_compiled_generate():
+    """`kvcompile eval` (prefill once, compress many) replays kvzip over the captured prompt with the model and its
+    tokenizer's repeat prompt: the answer is the compiled model's own generate()."""
+    from kvcompile.tools.cli import eval_records
+    from kvcompile.tools.data import needle_suite
+    from kvcompile.tools.models import generate
+    from test_ruler import FILLER, TOK, tiny_for
+
+    model = tiny_for(TOK)
+    prompts = needle_suite(TOK, FILLER, [300], [0.5])
+    records = eval_records(model, TOK, prompts, ["kvzip", "kvzip_adakv"], [40], 6, full=False, quiet=True)
+    assert [r["spec"] for r in records] == ["kvzip", "kvzip_adakv"] and all(r["replay_s"] for r in records)
+    for r in records:
+        with kvcompile.compiled(model, load_spec(r["spec"], per_head=40), tokenizer=TOK):
+            own = generate(model, TOK, prompts[0].input_ids, 6)
+        assert r["answer"] == own.text and len(own.new_tokens) == 6
