@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--query", default="agnostic", choices=["agnostic", "aware"])
     parser.add_argument("--kv-fraction", type=float, default=0.25)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--direct", nargs="*", default=["kvzip"],
+                        help="the kvzip specs also run through their compiled prefill, to compare (each costs one)")
     parser.add_argument("--specs", nargs="+", default=["kvzip", "kvzip_adakv", "kvzip_uniform", "snapkv",
                                                        "expected_attention"])
     args = parser.parse_args()
@@ -64,7 +66,7 @@ def main() -> None:
             cache, wall, cpu = timed(lambda: replay(policy, model.config, states, headroom=64, model=model,
                                                     tokenizer=tok))
             show(f"replay {spec} ({policy.budget.per_head}/head)", wall, cpu)
-            if kvzip:
+            if spec in args.direct:
                 (own, own_last), wall, cpu = timed(lambda: prefilled(model, policy, ids, headroom=64, tokenizer=tok))
                 same = torch.equal(own_last, last) and torch.equal(own.kept(), cache.kept()) and all(
                     torch.equal(own.kept_positions(layer), cache.kept_positions(layer))
