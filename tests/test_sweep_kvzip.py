@@ -49,7 +49,7 @@ def assert_same_as_prefilled(model, policy, ids, states, last):
         assert torch.equal(cache.kept_positions(layer), own.kept_positions(layer)), f"layer {layer}"
         assert torch.equal(kept_scores(cache, layer), kept_scores(own, layer)), f"layer {layer}"
     assert int(cache.kept().sum()) < ids.shape[1] * int(cache.kept()[0].numel())  # something was evicted
-    continuation = prompt(6, seed=9)
+    continuation = prompt(6, batch=ids.shape[0], seed=9)
     replayed = teacher_forced(model, cache, last, continuation, repeat_prompt=REPEAT)
     direct = teacher_forced(model, own, own_last, continuation, repeat_prompt=REPEAT)
     assert torch.equal(replayed, direct)
@@ -70,6 +70,14 @@ def test_replayed_kvzip_is_the_compiled_prefill(captured, case):
     policy = load_spec(load_spec(spec, scoring=CHUNKED), per_head=20, **overrides)
     assert not_replayable(policy) is None
     assert_same_as_prefilled(model, policy, ids, states, last)
+
+
+def test_replayed_kvzip_of_an_unpadded_batch_is_the_compiled_prefill():
+    model = tiny_model("qwen2", kv_heads=1)
+    ids = prompt(60, batch=2, seed=8)
+    states, last = capture(model, ids)
+    for spec in ("kvzip", "kvzip_adakv"):
+        assert_same_as_prefilled(model, load_spec(load_spec(spec, scoring=CHUNKED), per_head=14), ids, states, last)
 
 
 def test_replayed_kvzip_on_a_hybrid_model_reads_the_captured_windows():
