@@ -71,7 +71,7 @@ def main() -> None:
                 same = torch.equal(own_last, last) and torch.equal(own.kept(), cache.kept()) and all(
                     torch.equal(own.kept_positions(layer), cache.kept_positions(layer))
                     for layer in range(cache.num_layers))
-                show(f"  its compiled prefill (prefill + reconstruction + select)", wall, cpu,
+                show("  its compiled prefill (prefill + reconstruction + select)", wall, cpu,
                      f"  replay identical: {same}")
         evaluator = tune.Evaluator(model, [sample], budget, 32, tokenizer=tok)
         evaluator._states[0], evaluator._scores[0] = (states, last), states.scores  # this sample, captured above

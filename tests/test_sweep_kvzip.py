@@ -124,8 +124,8 @@ def test_what_still_cannot_be_replayed_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="token ids"):  # states without the capture's ids
         replay(policy, model.config, list(states), model=model, repeat_prompt=REPEAT)
     with pytest.raises(kvcompile.CompileError, match="schedule.decode"):  # what compile() refuses, replay does
-        replay(load_spec("kvzip_adakv", per_head=16, schedule={"decode": {"every": 8}}), model.config, states, model=model,
-               repeat_prompt=REPEAT)
+        replay(load_spec("kvzip_adakv", per_head=16, schedule={"decode": {"every": 8}}), model.config, states,
+               model=model, repeat_prompt=REPEAT)
     ids, mask = left_pad([prompt(30, seed=1)[0], prompt(20, seed=2)[0]])
     padded, _ = capture(model, ids, mask)
     with pytest.raises(ValueError, match="unpadded"):
