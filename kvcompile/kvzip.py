@@ -17,6 +17,10 @@ steps (`prefill`, called by compile()'s forward, hence by generate()):
    heads, threshold, split) and merge rule: `engine.prefill.compress_prompt_layer`, the per-layer selection
    every other scorer goes through (a cascade of layer budgets runs over the layers in order).
 
+A captured prefill (kvcompile.tools.sweep.capture: the same forward as step 1) replays under a reconstruction
+scorer: `scores_of` runs step 2 alone over the captured keys and values, and sweep.replay runs step 3 with
+those scores for any allocation, ranking, merge or storage (the scores depend on none of them).
+
 Extra work: a forward over n + k·(p + overlap) tokens (n context tokens, k = ⌈n / chunk⌉ chunks, p the
 repeat prompt and turn end), its attention over the n cached entries and its own keys (the C++ attention
 kernel on fp32 CPUs, else SDPA), and the score's softmax over each chunk's keys (the first sinks, the
@@ -159,6 +163,15 @@ def _reconstruct(forward, cache, repeat: RepeatPrompt, ids: Tensor, spans: list[
     rec.span = None
 
 
+def _score_prompt(forward, cache, repeat: RepeatPrompt, ids: Tensor) -> None:
+    """Step 2 of `prefill`: the reconstruction forwards of the whole prompt `ids` (B, N), its chunks cut from
+    where the reconstruction starts (`KVzip.context_start`), at the positions after the prompt."""
+    scorer = cache.plan.policy.scoring
+    n = ids.shape[1]
+    start = scorer.context_start(ids, repeat.prefix)  # 0, or after the chat template's prefix
+    _reconstruct(forward, cache, repeat, ids, scorer.chunks(n, start), scorer.overlap, at=n, origin=start)
+
+
 def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
     """A fresh prompt under a reconstruction scorer (steps 1–3 of the module's docstring), through the
     model's `forward` (the compiled model's, with `kvcompile_cache` in kwargs). Returns the prompt's
@@ -166,16 +179,13 @@ def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
     from kvcompile.engine.prefill import compress_prompt_layer
 
     ids, _ = _ids_and_mask(args, kwargs)
-    plan = cache.plan
-    scorer = plan.policy.scoring
-    layers = plan.num_layers
+    layers = cache.plan.num_layers
     rec = Reconstruction([None] * layers, [None] * layers, [None] * layers, [None] * layers)
     cache.enter(Phase.PROMPT, reconstruction=rec, compressing=None)  # (the whole prompt in one pass)
     try:
         out = forward(*args, **cache_arg.given(cache), **kwargs)
-        b, n = ids.shape
-        start = scorer.context_start(ids, repeat.prefix)  # 0, or after the chat template's prefix
-        _reconstruct(forward, cache, repeat, ids, scorer.chunks(n, start), scorer.overlap, at=n, origin=start)
+        b = ids.shape[0]
+        _score_prompt(forward, cache, repeat, ids)
         for layer in range(layers):
             k, v = rec.keys[layer], rec.values[layer]
             queries = k.new_empty(b, rec.query_heads, 0, k.shape[-1])  # the scores are given: no query rows
@@ -185,6 +195,30 @@ def prefill(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):
         if cache.phase is Phase.PROMPT:
             cache.enter(Phase.PROMPT, reconstruction=None)
     return out
+
+
+def scores_of(forward, cache, repeat: RepeatPrompt, ids: Tensor, keys: list[Tensor], values: list[Tensor],
+              scales: list[float], query_heads: int) -> list[Tensor]:
+    """Step 2 of `prefill` alone, for a prompt `ids` (B, N) whose forward already ran with every entry kept (a
+    captured prefill, kvcompile.tools.sweep: the same forward, so the same keys and values): every layer's full
+    keys and values (B, H, N, d) and softmax scale given, `cache` fresh (the compiled model's, of the scoring
+    policy). The cache is put where step 1 leaves it (the prompt started, its length N, every layer's full cache
+    held), the reconstruction forwards run as in `prefill` through the model's `forward`, and every layer's
+    scores (B, H, N) float32 are returned; nothing is stored and nothing is selected. A hybrid model's local
+    layers read the windows the cache holds (the prompt's: set them first)."""
+    from kvcompile.engine.prefill import start_prompt
+
+    b, n = ids.shape
+    layers = cache.plan.num_layers
+    rec = Reconstruction(list(keys), list(values), list(scales), [None] * layers, query_heads=query_heads)
+    cache.enter(Phase.PROMPT, reconstruction=rec, compressing=None)
+    try:
+        start_prompt(cache, None, b, n, keys[0])  # what the prompt's first layer does (reconstruction_step)
+        cache.advance(n)  # what the prompt's last layer does
+        _score_prompt(forward, cache, repeat, ids)
+    finally:
+        cache.enter(Phase.PROMPT, reconstruction=None)
+    return rec.scores
 
 
 def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dict):

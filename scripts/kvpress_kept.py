@@ -559,7 +559,7 @@ class Prompt:
 
         from kvcompile.tools.sweep import capture, not_replayable
 
-        if not_replayable(policy):
+        if getattr(policy.scoring, "reconstructs", False) or not_replayable(policy):  # (kvzip: its own path here)
             if policy.schedule.prefill is not None or not getattr(policy.scoring, "reconstructs", False):
                 raise ValueError(f"{policy.name}: only one-pass prefill policies are compared")
             if policy.scoring not in self.kvzip:

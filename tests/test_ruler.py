@@ -314,7 +314,7 @@ def test_agnostic_path_equals_generate_with_a_budget_covering_everything():
         ids_m, q_m = ruler.mode_prompt(TOK, {**s, "max_new_tokens": new}, mode)
         want = model.generate(torch.tensor([ids_m + q_m]), max_new_tokens=new, do_sample=False,
                               pad_token_id=0)[0, len(ids_m) + len(q_m):]
-        # snapkv and expected_attention replay the captured context; kvzip runs its reconstruction pass and
+        # snapkv, expected_attention and kvzip (its reconstruction over the captured context) replay it, and
         # a chunked prefill the compiled model's own chunked forward (a replay would be one pass)
         chunked = kvcompile.load_spec("expected_attention", name="ea_chunked", schedule={"prefill": {"chunk": 256}})
         specs = ["snapkv", "expected_attention", "kvzip", chunked]

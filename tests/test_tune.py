@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvcompile
+from kvcompile.kvzip import RepeatPrompt
 from kvcompile.tools import tune
 from kvcompile.policies import PARTS
 from kvcompile.policy import policy_to_mapping
@@ -25,7 +26,9 @@ def test_the_default_space_is_the_part_library():
     # every candidate is a spec the validator accepts
     for c in found[:20]:
         kvcompile.load_spec(c.mapping)
-    assert any("reconstruction" in why for why in refused), refused  # kvzip needs the model: not replayable
+    # kvzip replays (its reconstruction scores computed once per sample): in the space, nothing refused as unreplayable
+    assert any(c.mapping["scoring"] == "kvzip" or "kvzip" in c.mapping["scoring"] for c in found)
+    assert not any("not replayable" in why for why in refused), refused
 
 
 def test_a_space_narrows_widens_and_is_checked_against_the_declared_ranges():
@@ -207,7 +210,8 @@ def test_tune_writes_its_plot_with_the_references(tmp_path):
     assert {"expected_attention = kvpress expected_attention_uniform", "knorm = kvpress knorm"} <= names
     assert len(refs) == len({json.dumps({k: v for k, v in c.mapping.items() if k not in ("name", "description")},
                                         sort_keys=True) for _, c in refs})  # each policy scored once
-    assert any(why.startswith("kvzip:") for why in skipped)  # a reconstruction: not replayable
+    # KVzip replays from the capture (sweep.reconstruction_scores): the shipped specs and KVzipPress's reproductions
+    assert {"kvzip", "kvzip_adakv", "kvzip_uniform", "kvpress kvzip", "kvpress kvzip_global"} <= names and not skipped
     scored = tune.score_references(ev, [r for r in refs if r[1].key in ("knorm = kvpress knorm", "snapkv_int4", "tova = kvpress tova", "kvpress snapkv")],
                                    progress=False)
     errors = {t.candidate.key: t.error for _, t in scored}
@@ -243,3 +247,39 @@ def test_tune_refuses_to_start_without_matplotlib_unless_told_not_to_plot(monkey
     with pytest.raises(SystemExit):  # with --no-plot it goes on (to the next check: a bad --space file)
         cli.main(["tune", "--kv-fraction", "0.25", "--no-plot", "--space", "/nonexistent/space.yaml"])
     assert "matplotlib" not in capsys.readouterr().err
+
+
+REPEAT = RepeatPrompt(first=(5, 6, 7, 8), later=(9, 10), suffix=(11, 12))  # token ids of the tiny vocabulary
+
+
+def test_tune_searches_kvzip_with_one_reconstruction_per_sample(tmp_path, monkeypatch):
+    """KVzip's candidates are run, not refused: each sample's reconstruction scores are computed once (for the one
+    scorer configuration of the space) and every allocation is replayed over them, through the proxy, the
+    confirmation and the references; the written spec reproduces the score it was chosen for."""
+    from kvcompile import kvzip
+
+    model = tiny_model(layers=2)
+    samples = [tune.Sample(i, prompt(80, seed=10 + i)[0].tolist(), prompt(4, seed=20 + i)[0].tolist(),
+                           prompt(3, seed=30 + i)[0].tolist()) for i in range(3)]
+    ev = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.25), max_new_tokens=3, repeat_prompt=REPEAT)
+    space = tune.load_space({"scoring": ["kvzip"], "layers": ["uniform", "global", "pyramid"],
+                             "heads": ["uniform", "pooled"], "schedule": ["prefill", "cascade"],
+                             "fields": {"scoring.kvzip.chunk": [32]},
+                             "ranking": {"by_score": {"sinks": 0, "window": 4}}}, bytes_budget=False)
+    found, refused = tune.candidates(space)
+    assert len(found) >= 6 and not any("not replayable" in why for why in refused), refused
+    forwards = []
+    real = kvzip._reconstruct
+    monkeypatch.setattr(kvzip, "_reconstruct", lambda *a, **k: (forwards.append(len(a[4])), real(*a, **k))[1])
+    result = tune.tune(ev, space, seed=0, confirm=2, progress=False)
+    assert len(result.trials) == len(found) and all(t.error is None for t in result.trials)
+    assert result.refused == refused  # the spec validator's refusals only (layers: global needs pooled heads)
+    assert len(result.trials[0].proxy) == len(samples) and len(result.trials[0].confirmed) == len(samples)
+    assert forwards == [3] * len(samples)  # one reconstruction of each sample's 3 chunks, for every candidate
+    path = tune.write_spec(result, tmp_path / "tuned.yaml", "3 random prompts")
+    policy = kvcompile.load_spec(path)
+    assert policy.scoring.name == "kvzip" and policy.scoring.chunk == 32 and policy.budget.ratio == 0.25
+    again = tune.Candidate("written", policy_to_mapping(policy))
+    scores = [ev.proxy(again, i) for i in range(len(samples))]
+    assert sum(scores) / len(scores) == pytest.approx(result.best.mean(), abs=0, rel=1e-6)
+    assert forwards == [3] * len(samples)  # the written spec scored over the kept scores

@@ -391,9 +391,10 @@ def eval_records(model, tokenizer, prompts, specs, budgets, max_new_tokens: int,
                 captured[key] = capture(model, torch.as_tensor(prompt.input_ids).reshape(1, -1))
             states, logits = captured[key]
             started = time.perf_counter()
-            cache = replay(policy, model.config, states, headroom=max_new_tokens)  # as generate() reserves
+            cache = replay(policy, model.config, states, headroom=max_new_tokens,  # as generate() reserves
+                           model=model, tokenizer=tokenizer)  # (kvzip: the model reads the prompt again)
             replayed = time.perf_counter()
-            new = greedy(model, cache, logits, max_new_tokens, tokenizer.eos_token_id)[0].tolist()
+            new = greedy(model, cache, logits, max_new_tokens, tokenizer.eos_token_id, tokenizer=tokenizer)[0].tolist()
             decoded = time.perf_counter()
             text = tokenizer.decode(new, skip_special_tokens=True).strip()
             report = cache.memory_report()
@@ -459,10 +460,11 @@ def continuation_records(model, tokenizer, filler: str, lengths, specs, budgets,
         states, last = capture(model, prompt)
         runs = [(None, full_logits)]
         for policy in tqdm(policies, desc=f"continuation at {length} tokens", unit="policy", disable=quiet):
-            if not_replayable(policy):  # chunked prefill, kvzip: the compiled model's own prefill
+            if not_replayable(policy):  # chunked prefill: the compiled model's own prefill
                 cache, own_last = prefilled(model, policy, prompt, headroom=tokens, tokenizer=tokenizer)
             else:
-                cache, own_last = replay(policy, model.config, states, headroom=tokens), last
+                cache, own_last = replay(policy, model.config, states, headroom=tokens, model=model,
+                                         tokenizer=tokenizer), last
             runs.append((policy, teacher_forced(model, cache, own_last, target, tokenizer=tokenizer)[0].float()))
         for j, (policy, logits) in enumerate(runs):
             nll = torch.nn.functional.cross_entropy(logits, target[0])
@@ -1059,7 +1061,7 @@ def cmd_tune(args) -> None:
     rows = ruler_samples_for(args, tokenizer, args.tasks, args.quiet)
     samples = tune.samples_from_ruler(tokenizer, rows, args.query)
     evaluator = tune.Evaluator(model, samples, budget, max(r["max_new_tokens"] for r in rows),
-                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer=tokenizer)
     result = tune.tune(evaluator, space, seed=args.seed, eta=args.eta, confirm=args.confirm, records=args.records,
                        progress=not args.quiet)
     label = (f"{args.dataset}" if args.dataset else

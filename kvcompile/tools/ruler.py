@@ -1083,14 +1083,14 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
 
         def compressed(policy):
             nonlocal states
-            if not_replayable(policy):  # chunked prefill or a reconstruction scorer: the model's own forward
+            if not_replayable(policy):  # chunked prefill: the model's own forward
                 with owed.timing("compress"):
                     return prefilled(model, policy, context, headroom, tokenizer=tokenizer)[0]
             if states is None:
                 with owed.timing("prefill"):
                     states, _ = capture(model, context)
-            with owed.timing("compress"):
-                return replay(policy, model.config, states, headroom=headroom)
+            with owed.timing("compress"):  # (kvzip: its reconstruction, once per context and scorer)
+                return replay(policy, model.config, states, headroom=headroom, model=model, tokenizer=tokenizer)
 
         for spec in specs:
             for fraction, policy in policies_for(spec, n, fractions, budgets, kv_bytes, geometry):

@@ -6,6 +6,11 @@ every spec and budget is applied to them; then each policy decodes its own answe
     for spec in ("snapkv", "lava"):
         cache = replay(kvcompile.load_spec(spec, per_head=64), model.config, states)
         tokens = greedy(model, cache, logits, max_new_tokens=16)
+
+A reconstruction scorer (kvzip) replays too: its scores are the model's reconstruction forwards over the
+prompt's full keys and values, which the capture holds, and they do not depend on the policy's other parts; they
+are computed once per scorer configuration (`reconstruction_scores`, kept with the states), so every allocation,
+ranking, merge and storage over them costs a replay (`replay(..., model=model, tokenizer=tokenizer)`).
 """
 from __future__ import annotations
 
@@ -26,13 +31,18 @@ KEEP_ALL = {"name": "capture", "scoring": "recency", "budget": {"ratio": 1.0}}
 class Captured(list):
     """The captured prefill states of the layers a policy compresses (a list of LayerState), a hybrid
     model's local layers as the prompt left them (`windows`, by model layer: kvcompile.engine.window; what every
-    policy leaves there, since a policy does not touch a local layer's window), and the model's learned attention
-    sinks (`sinks`, Plan.sinks: gpt-oss's, which a config does not hold; None where it has none)."""
+    policy leaves there, since a policy does not touch a local layer's window), the model's learned attention
+    sinks (`sinks`, Plan.sinks: gpt-oss's, which a config does not hold; None where it has none), the prompt's
+    token ids (`ids`, what a reconstruction scorer reads again) and the reconstruction scores computed so far
+    (`scores`: `reconstruction_scores`, one entry per scorer configuration; a caller may give a dict of its own
+    that outlives the states, as tune's Evaluator does)."""
 
-    def __init__(self, states, windows=None, sinks=None):
+    def __init__(self, states, windows=None, sinks=None, ids=None, scores=None):
         super().__init__(states)
         self.windows = windows
         self.sinks = sinks
+        self.ids = ids
+        self.scores = {} if scores is None else scores
 
 
 @torch.no_grad()
@@ -48,21 +58,54 @@ def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> t
         cache = KVCompileCache.from_plan(model.kvcompile_plan, record=True)  # (the model's sinks in its plan)
         out = model(input_ids, attention_mask=attention_mask, position_ids=positions, **cache_arg.given(cache))
     hybrid = cache.plan.layer_kinds is not None
-    return Captured(cache.states, list(cache.windows) if hybrid else None, model_sinks(model)), out.logits[:, -1]
+    return (Captured(cache.states, list(cache.windows) if hybrid else None, model_sinks(model), input_ids),
+            out.logits[:, -1])
 
 
 def not_replayable(policy: Policy) -> str | None:
     """Why `replay` cannot give what a compiled model's own prefill of the prompt keeps, or None.
     Replay applies a policy to one captured one-pass prefill, layer by layer; a policy whose prefill
     is not that (chunked prefill: each chunk attends to what the previous chunks kept, so the forward
-    itself changes; a reconstruction scorer: a second model-level pass) needs the model's forward."""
+    itself changes) needs the model's forward. A reconstruction scorer (kvzip) is replayable: its
+    reconstruction forwards read the prompt's full keys and values, which the capture holds, and its scores
+    do not depend on the other parts (`reconstruction_scores`; replay then needs the model)."""
     if policy.schedule.prefill is not None:
         return ("its schedule compresses while prefilling in chunks (schedule.prefill), so each chunk's forward "
                 "attends to what the earlier chunks kept: a one-pass capture cannot be replayed into it")
-    if getattr(policy.scoring, "reconstructs", False):
-        return ("scoring kvzip scores a prompt by running the model again on its reconstruction; a captured "
-                "layer state has no model to reconstruct with")
     return None
+
+
+@torch.no_grad()
+def reconstruction_scores(model, policy: Policy, states: Captured, tokenizer=None, repeat_prompt=None) -> list[Tensor]:
+    """Every layer's scores (B, H, N) float32 of `policy`'s reconstruction scorer (scoring: kvzip) for the captured
+    prompt, as the compiled model's own prefill computes them (kvcompile.kvzip.prefill, step 2): the
+    reconstruction forwards of the model over the captured full keys and values (the prompt's forward is not run
+    again: the capture ran the same forward). They depend on the scorer's fields, the repeat prompt and the
+    layers compressed only, not on the ranking, budget, allocation, merge or storage parts: computed once per such
+    configuration and kept in `states.scores`. tokenizer / repeat_prompt: compile()'s (the repeat prompt's ids).
+    Refused (ValueError) without the prompt's ids (`capture`'s states carry them) and for a padded batch (the
+    reconstruction runs unpadded batches only, as compile()'s does)."""
+    from kvcompile import kvzip
+
+    ids = getattr(states, "ids", None)
+    if ids is None:
+        raise ValueError(f"kvcompile: {policy.name} scores the prompt by reading it again (scoring kvzip): give the "
+                         "states `capture` returned, which carry the prompt's token ids")
+    if any(s.mask is not None and not bool(s.mask.all()) for s in states):
+        raise ValueError(f"kvcompile: {policy.name}: scoring kvzip runs unpadded batches only (every sequence of the "
+                         "batch the same length): capture sequences of one length, or one at a time")
+    repeat = kvzip.repeat_prompt_for(model, tokenizer, repeat_prompt)
+    key = (policy.scoring, repeat, policy.budget.layers.kinds)
+    if key not in states.scores:
+        first = states[0]
+        with compiled(model, policy, repeat_prompt=repeat):  # (compile() refuses what kvzip cannot run)
+            cache = model.forward.new_cache()
+            if cache.plan.layer_kinds is not None:  # the local layers' windows as the prompt left them
+                cache.windows = list(states.windows)
+            states.scores[key] = kvzip.scores_of(
+                model.forward.wrapped, cache, repeat, ids.to(first.keys.device), [s.keys for s in states],
+                [s.values for s in states], [s.scale for s in states], first.queries.shape[1])
+    return states.scores[key]
 
 
 @torch.no_grad()
@@ -78,15 +121,26 @@ def prefilled(model, policy: Policy, input_ids: Tensor, headroom: int = 0,
 
 
 def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16, headroom: int = 0,
-           kernels: str | None = None) -> KVCompileCache:
+           kernels: str | None = None, model=None, tokenizer=None, repeat_prompt=None) -> KVCompileCache:
     """A KVCompileCache holding what `policy` keeps of the captured prompt, exactly as if the
     prompt had been prefilled with the policy compiled in (the same per-layer code runs).
     Refused (ValueError) for a policy whose prefill is not one pass compressed layer by layer
-    (`not_replayable`): use `prefilled` with the model."""
+    (`not_replayable`): use `prefilled` with the model. A reconstruction scorer (scoring: kvzip) needs the
+    `model` that was captured (and compile()'s tokenizer or repeat_prompt where the model has no tokenizer saved
+    with it): its scores come from `reconstruction_scores`, computed once per scorer configuration and kept with
+    the states, then every layer is selected with them as the model's own prefill selects (kvzip.prefill, step 3)."""
     why = not_replayable(policy)
     if why is not None:
         raise ValueError(f"kvcompile: {policy.name} cannot be replayed from a captured prefill: {why}; "
                          "prefill it through the compiled model (kvcompile.tools.sweep.prefilled)")
+    scores = None
+    if getattr(policy.scoring, "reconstructs", False):
+        if model is None:
+            raise ValueError(f"kvcompile: {policy.name} cannot be replayed from a captured prefill without its model: "
+                             "scoring kvzip scores the prompt by running the model again on its reconstruction; give "
+                             "replay(..., model=model) the model that was captured (and tokenizer= where the model "
+                             "has none saved with it)")
+        scores = reconstruction_scores(model, policy, states, tokenizer, repeat_prompt)
     # the captured model's learned sinks (a config alone has none): the scores and the decode attention count them
     cache = KVCompileCache(plan=build_plan(policy, config, kernels=kernels, page_size=page_size, headroom=headroom,
                                            sinks=getattr(states, "sinks", None)))
@@ -100,7 +154,11 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
     b, _, n, _ = first.keys.shape
     start_prompt(cache, first.mask, b, n, first.keys)
     for layer, state in enumerate(states):
-        compress_prompt_layer(cache, state.queries, state.keys, state.values, layer, state.scale)
+        if scores is None:
+            compress_prompt_layer(cache, state.queries, state.keys, state.values, layer, state.scale)
+        else:  # the scores are given: no query rows, as the model's own prefill passes them (kvzip.prefill)
+            compress_prompt_layer(cache, state.queries[:, :, :0], state.keys, state.values, layer, state.scale,
+                                  scores=scores[layer])
     cache.advance(n)
     return cache
 

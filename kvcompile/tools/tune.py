@@ -301,12 +301,18 @@ class Budget:
 
 
 class Evaluator:
-    """The proxy and the confirmation of candidates on samples, one captured prefill per sample."""
+    """The proxy and the confirmation of candidates on samples, one captured prefill per sample. A reconstruction
+    scorer's (kvzip's) scores are computed once per sample and scorer configuration (sweep.reconstruction_scores)
+    and kept for the whole search, so each of its candidates costs a replay like any other. tokenizer /
+    repeat_prompt: compile()'s, for kvzip's repeat prompt (default: the tokenizer saved with the model)."""
 
-    def __init__(self, model, samples: list[Sample], budget: Budget, max_new_tokens: int = 32, decode=None):
+    def __init__(self, model, samples: list[Sample], budget: Budget, max_new_tokens: int = 32, decode=None,
+                 tokenizer=None, repeat_prompt=None):
         self.model, self.samples, self.budget, self.max_new_tokens = model, samples, budget, max_new_tokens
         self.decode = decode  # token ids -> text, for the confirmation's task score
+        self.tokenizer, self.repeat_prompt = tokenizer, repeat_prompt
         self._states: dict[int, tuple] = {}
+        self._scores: dict[int, dict] = {}  # sample -> its reconstruction scores (Captured.scores), kept throughout
 
     def _captured(self, i: int):
         from kvcompile.tools.sweep import capture
@@ -314,15 +320,28 @@ class Evaluator:
         if i not in self._states:
             self._states.clear()  # one sample's layers at a time (every query, key and value of a long prompt)
             ids = torch.tensor([self.samples[i].context])
-            self._states[i] = capture(self.model, ids)
+            states, logits = capture(self.model, ids)
+            states.scores = self._scores.setdefault(i, {})
+            self._states[i] = states, logits
         return self._states[i]
+
+    def options(self, policy) -> dict:
+        """compile()'s keywords for `policy`: a reconstruction scorer's repeat prompt (found once), else none."""
+        if not getattr(policy.scoring, "reconstructs", False):
+            return {}
+        if self.repeat_prompt is None:
+            from kvcompile.kvzip import repeat_prompt_for
+
+            self.repeat_prompt = repeat_prompt_for(self.model, self.tokenizer)
+        return {"repeat_prompt": self.repeat_prompt}
 
     def _cache(self, candidate: Candidate, i: int, headroom: int):
         from kvcompile.tools.sweep import replay
 
         states, logits = self._captured(i)
         policy = self.budget.policy(candidate.mapping, len(self.samples[i].context), self.model)
-        return replay(policy, self.model.config, states, headroom=headroom), logits
+        cache = replay(policy, self.model.config, states, headroom=headroom, model=self.model, **self.options(policy))
+        return cache, logits
 
     @torch.no_grad()
     def proxy(self, candidate: Candidate, i: int) -> float:
@@ -331,10 +350,11 @@ class Evaluator:
 
         s = self.samples[i]
         cache, logits = self._cache(candidate, i, len(s.question) + len(s.gold))
+        options = self.options(cache.policy)
         if s.question:
-            logits = feed(self.model, cache, torch.tensor([s.question]))
+            logits = feed(self.model, cache, torch.tensor([s.question]), **options)
         gold = torch.tensor([s.gold])
-        rows = teacher_forced(self.model, cache, logits, gold)
+        rows = teacher_forced(self.model, cache, logits, gold, **options)
         return float(torch.log_softmax(rows.float(), -1)[0].gather(-1, gold[0][:, None]).mean())
 
     @torch.no_grad()
@@ -345,9 +365,10 @@ class Evaluator:
 
         s = self.samples[i]
         cache, logits = self._cache(candidate, i, len(s.question) + self.max_new_tokens)
+        options = self.options(cache.policy)
         if s.question:
-            logits = feed(self.model, cache, torch.tensor([s.question]))
-        tokens = greedy(self.model, cache, logits, self.max_new_tokens, eos_ids(self.model))[0].tolist()
+            logits = feed(self.model, cache, torch.tensor([s.question]), **options)
+        tokens = greedy(self.model, cache, logits, self.max_new_tokens, eos_ids(self.model), **options)[0].tolist()
         if self.decode is None:  # token-level: the gold tokens appear in order at the start
             return 100.0 * float(tokens[:len(s.gold)] == s.gold)
         return 100.0 * score(s.task, self.decode(tokens), s.answers)  # RULER's share of gold strings, in %
@@ -532,8 +553,10 @@ def spec_mapping(result: Result, name: str) -> dict:
 # kvpress's presses as kvcompile reproduces them entry for entry (benchmarks/RESULTS.md, "Quality: kvpress's
 # presses reproduced entry for entry"): press -> (shipped spec, the overrides that set kvpress's settings).
 # PyramidKVPress falls back to uniform layers where its smallest layer budget is under its window (below about
-# 32 % kept of a 4k prompt); its reproduction follows it (reproduction()). KVzipPress needs a reconstruction
-# pass, which a captured prefill cannot replay, and ObservedAttentionPress is not reproduced (h2o is the paper's).
+# 32 % kept of a 4k prompt); its reproduction follows it (reproduction()). KVzipPress reconstructs the context after
+# the chat template's prefix (reconstruct: context): with its default layerwise=False one ranking of every layer and
+# head (`kvzip`), with layerwise=True a count per layer without AdaKV's floor. ObservedAttentionPress is not
+# reproduced (h2o is the paper's).
 _SNAP64 = {"scoring": {"window_attention": {"window": 64, "pooling": {"kind": "avg", "kernel": 5}}},
            "ranking": {"by_score": {"window": 64}}}
 KVPRESS_REPRODUCTIONS = {
@@ -545,6 +568,9 @@ KVPRESS_REPRODUCTIONS = {
     "knorm": ("knorm", {}),
     "expected_attention_uniform": ("expected_attention", {}),
     "expected_attention": ("expected_adakv", {}),
+    "kvzip_global": ("kvzip", {"scoring": {"kvzip": {"reconstruct": "context"}}}),
+    "kvzip": ("kvzip_adakv", {"scoring": {"kvzip": {"reconstruct": "context"}},
+                              "budget": {"heads": {"pooled": {"floor": 0.0}}}}),
 }
 
 
@@ -561,7 +587,7 @@ def reproduction(press: str, kept_share: float, n: int) -> dict:
 
 def reference_candidates(evaluator: Evaluator) -> tuple[list[tuple[str, Candidate]], Counter]:
     """The shipped specs and kvpress's reproduced presses as (kind, Candidate) at the evaluator's budget, and
-    those a captured prefill cannot replay, counted by reason."""
+    those a captured prefill cannot replay (a chunked prefill), counted by reason."""
     from kvcompile.spec import available_specs, load_spec, policy_to_mapping
     from kvcompile.tools.sweep import not_replayable
 
