@@ -207,7 +207,8 @@ def test_tune_writes_its_plot_with_the_references(tmp_path):
     refs, skipped = tune.reference_candidates(ev)
     names = {c.key for _, c in refs}
     assert {"snapkv", "kivi", "kvpress snapkv", "tova = kvpress tova"} <= names  # tova reproduces TOVAPress as is
-    assert {"expected_attention = kvpress expected_attention_uniform", "knorm = kvpress knorm"} <= names
+    assert {"expected_attention = kvpress expected_attention_uniform", "knorm = kvpress knorm",
+            "observed_attention = kvpress observed_attention"} <= names
     assert len(refs) == len({json.dumps({k: v for k, v in c.mapping.items() if k not in ("name", "description")},
                                         sort_keys=True) for _, c in refs})  # each policy scored once
     # KVzip replays from the capture (sweep.reconstruction_scores): the shipped specs and KVzipPress's reproductions

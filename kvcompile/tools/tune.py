@@ -555,8 +555,8 @@ def spec_mapping(result: Result, name: str) -> dict:
 # PyramidKVPress falls back to uniform layers where its smallest layer budget is under its window (below about
 # 32 % kept of a 4k prompt); its reproduction follows it (reproduction()). KVzipPress reconstructs the context after
 # the chat template's prefix (reconstruct: context): with its default layerwise=False one ranking of every layer and
-# head (`kvzip`), with layerwise=True a count per layer without AdaKV's floor. ObservedAttentionPress is not
-# reproduced (h2o is the paper's).
+# head (`kvzip`), with layerwise=True a count per layer without AdaKV's floor. ObservedAttentionPress is
+# `observed_attention` (the mean attention a key receives; H2O's own rule is `h2o`).
 _SNAP64 = {"scoring": {"window_attention": {"window": 64, "pooling": {"kind": "avg", "kernel": 5}}},
            "ranking": {"by_score": {"window": 64}}}
 KVPRESS_REPRODUCTIONS = {
@@ -566,6 +566,7 @@ KVPRESS_REPRODUCTIONS = {
     "streaming_llm": ("streamingllm", {}),
     "tova": ("tova", {}),
     "knorm": ("knorm", {}),
+    "observed_attention": ("observed_attention", {}),
     "expected_attention_uniform": ("expected_attention", {}),
     "expected_attention": ("expected_adakv", {}),
     "kvzip_global": ("kvzip", {"scoring": {"kvzip": {"reconstruct": "context"}}}),
