@@ -149,11 +149,14 @@ def test_every_family_evicts_across_chunks(key):
 # ChunkedPrefill's per-layer steps cannot feed: its chunked prefill is tests/test_kvzip_chunked.py's. layers:
 # global ranks the whole prompt's entries of every layer at once: a chunked prefill is refused for it
 # (tests/test_global_allocation.py). A scorer that reads every head (tova's `last_token: {heads: all}`) is
-# refused a chunked prefill: each head holds its own entries after a chunk (test below)
+# refused a chunked prefill: each head holds its own entries after a chunk (test below). A score of the whole
+# prompt (observed_attention's `mean_attention`: a mean over each key's queries) is refused one by the spec
+# (tests/test_spec.py)
 SPECS = [name for name in available_specs()
          if not getattr(kvcompile.load_spec(name).scoring, "reconstructs", False)
          and not kvcompile.load_spec(name).budget.layers.ranks_entries
-         and kvcompile.load_spec(name).scoring.head_local]
+         and kvcompile.load_spec(name).scoring.head_local
+         and not kvcompile.load_spec(name).scoring.whole_prompt]
 
 
 def test_a_scorer_of_every_head_is_refused_a_chunked_prefill():
@@ -169,7 +172,7 @@ def test_a_scorer_of_every_head_is_refused_a_chunked_prefill():
         reference.ChunkedPrefill(tova, 2)
     grouped = kvcompile.load_spec("tova", scoring={"last_token": {"heads": "group"}}, **chunked)
     assert build_plan(grouped, config).prefill_chunk == 16
-    assert "tova" not in SPECS and "snapkv" in SPECS
+    assert "tova" not in SPECS and "observed_attention" not in SPECS and "snapkv" in SPECS
 
 
 def test_chunk_at_least_the_prompt_is_reference_compress():
