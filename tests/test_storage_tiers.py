@@ -109,6 +109,24 @@ def test_a_prompt_compressed_in_chunks_equals_the_reference(storage, key, n, chu
     run_both(policy, 2, 1, 2, 2, n, 8, None, 4, rand, steps)
 
 
+def test_mixed_tiers_on_a_left_padded_prompt_in_chunks_are_refused_before_any_entry_is_held():
+    """Two tiers by score with a prompt compressed chunk by chunk on a left-padded batch do not yet equal the
+    reference (found on padded rows only: unpadded rows, above, and one-pass prompts agree); refused at the first
+    chunk's first layer, before any layer holds an entry."""
+    from kvcompile.cache import KVCompileCache
+    from test_chunked import config_for
+
+    policy = kvcompile.load_spec(chunked_policy("snapkv", 4, 2), storage=MIXED[0])
+    cache = KVCompileCache(policy, config_for(2, 1, 1, 8), page_size=2)
+    cache.expect_prompt(9)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, :3] = False
+    q, k, v = torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
+    with pytest.raises(RuntimeError, match="two tiers by score .* left-padded batch .* refused"):
+        torch.ops.kvcompile.attend(q, k, v, mask[:, :2], 0, cache.ref, cache.token, 8 ** -0.5)
+    assert all(store is None for store in cache.stores)
+
+
 CONFIG = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, num_attention_heads=1, head_dim=8, hidden_size=8)
 
 
