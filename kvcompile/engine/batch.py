@@ -3,21 +3,23 @@ attention call for every request of the step (FlashInfer's plan()/run(); docs/IN
 batching": the batched decode step).
 
 A serving engine (kvcompile.integrations.batching) packs many requests into one forward, each request with its own
-`KVCompileCache` (one sequence). Its pages live in the engine's page pools (kvcompile.store.pool: one per
-layer), so every request's heads are rows of one block table over the same page tensors, what the paged
+`KVCompileCache` (one sequence). Its pages live in the engine's page pools (kvcompile.store.pool: per layer one
+per page layout), so every request's heads are rows of one block table over the same page tensors, what the paged
 kernels (kvcompile.kernels.paged_attention) take for a batch.
 
-- `decode_path(plan, pools)`, chosen once per engine from the plan: `BatchedDecode` for a policy whose decode
-  step is an append and attention (full-precision pages; no running scores, online eviction, `decode: every`
-  pruning or merge bias; not a hybrid model's windows), else `PerRequestDecode`, the op once per request.
+- `decode_path(plan)`, chosen once per engine from the plan: `BatchedDecode` for a policy whose decode step is
+  an append and attention over one pool (full-precision pages or codes, int8 / int4; no running scores, online
+  eviction, `decode: every` pruning or merge bias; not two tiers, not a hybrid model's windows), else
+  `PerRequestDecode`, the op once per request; every store kind's pages in the pools either way.
 - `path.plan(requests)` once per forward, requests (cache, tokens) in the order of the packed tokens: a
   `StepPlan`, which requests run alone (a prompt or a part of it, a first decode step, any step of a policy
   decoded per request) and the `DecodeBatch` of the others: their caches, their tokens' places in the packed
   forward, their positions.
 - `DecodeBatch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the
   append's host read, counted as the op counts it), one block table padded over the batch, one write of every
-  new entry into the pool (`PagePools.append`), one attention call (`PagePools.attend`, the plan's decode
-  backend); after the last layer each cache counts its token (`seq_length`, the decode state's length).
+  new entry into the pool (`PagePools.append`: codes quantized as the store writes them), one attention call
+  (`PagePools.attend`, the plan's decode backend: the quantized kernel over codes); after the last layer each
+  cache counts its token (`seq_length`, the decode state's length).
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from kvcompile.store.codes import CodeStore
 from kvcompile.store.pages import LayerStore
-from kvcompile.store.pool import PagePools, PooledStore
+from kvcompile.store.pool import PagePools, Pooled
 
 if TYPE_CHECKING:
     from kvcompile.cache import KVCompileCache
@@ -80,7 +83,7 @@ class DecodeBatch:
         lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
         self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)}, table, lengths)
         backend = caches[0].plan.decode_backend(layer, q.device)
-        out = self.pools.attend(layer, backend, q.contiguous(), table, lengths, scale)
+        out = self.pools.attend(layer, backend, q.contiguous(), table, lengths, scale, stores[0].pool)
         self.counts["attention_calls"] += 1
         if layer == caches[0].plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
@@ -114,8 +117,8 @@ class StepPlan:
 
 @dataclass
 class PooledPages:
-    """Where a serving engine's requests keep their pages: the engine's pools (`pools`), or, where None (pages
-    of codes or of two tiers), pages of each cache's own."""
+    """Where a serving engine's requests keep their pages: the engine's pools (`pools`: every store kind, a
+    TieredStore tier by tier), or, where None, pages of each cache's own."""
 
     pools: PagePools | None
     counts: Counter = field(default_factory=Counter)
@@ -128,19 +131,11 @@ class PooledPages:
     def release(self, cache: KVCompileCache) -> None:
         """A request ended: its pages go back to the pools."""
         for store in cache.stores:
-            if isinstance(store, PooledStore):
-                store.release()
+            PagePools.release(store)
 
     def detach(self, cache: KVCompileCache) -> None:
         """A request's cache leaves the engine (kept for a continuation): pages of its own, the pool's back."""
-        stores = []
-        for store in cache.stores:
-            if isinstance(store, PooledStore):
-                own = store.detached()
-                store.release()
-                store = own
-            stores.append(store)
-        cache.stores = stores
+        cache.stores = [PagePools.detached(store) for store in cache.stores]
 
     def copy_in(self, cache: KVCompileCache) -> KVCompileCache:
         """A copy of `cache` (kept outside the engine, left as it is) with its pages copied into the pools: a request
@@ -157,7 +152,8 @@ class PooledPages:
 @dataclass
 class PerRequestDecode(PooledPages):
     """Every request's decode step through its own op call (a policy whose decode step is more than an append
-    and an attention: running scores, online eviction, pruning, merge slots, pages of codes, a hybrid model)."""
+    and an attention over one pool: running scores, online eviction, pruning, merge slots, two tiers, a hybrid
+    model), its pages in the pools all the same."""
 
     reason: str = ""
     batched = False
@@ -178,7 +174,7 @@ class BatchedDecode(PooledPages):
         pools), in the order of the packed tokens."""
         alone, batched, index, offset = [], [], [], 0
         for i, (cache, tokens) in enumerate(requests):
-            if tokens == 1 and cache.decoding is not None and all(isinstance(s, PooledStore) for s in cache.stores):
+            if tokens == 1 and cache.decoding is not None and all(isinstance(s, Pooled) for s in cache.stores):
                 batched.append(cache)
                 index.append(offset)
             else:
@@ -194,12 +190,22 @@ class BatchedDecode(PooledPages):
                                            positions.to(device), self.counts, self.tables, not alone))
 
 
+BATCHED_STORES = (LayerStore, CodeStore)  # a step over their pages is an append and one attention call
+
+
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
-    attention over full-precision pages, else per request (with the reason)."""
+    attention over one pool's pages (full precision, or codes: int8 / int4), else per request (with the reason).
+    Every store kind's pages live in the engine's pools either way.
+
+    Two tiers (`TieredStore`: mixed precision, KIVI, codes beside merge slots) decode per request: a step is two
+    attentions (the float tier's and the codes', each with its log-sum-exp) merged, over two pools, and KIVI's
+    flush moves a full group of the float tier into a new page of codes, reserving that tier's pages per store
+    (a host read of its own, `ChannelCodeStore._reserve`); the batched step is one append and one attention
+    call over one pool."""
     why = None
-    if plan.store is not LayerStore:
-        why = f"pages of {plan.store.__name__}"
+    if plan.store not in BATCHED_STORES:
+        why = f"pages of {plan.store.__name__} (two tiers: two attentions merged, and KIVI's flush, per request)"
     elif plan.running_scores or plan.online_eviction:
         why = "scores run while decoding" if not plan.online_eviction else "online eviction"
     elif plan.prune_every:
@@ -210,5 +216,5 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
         why = "a hybrid model's window layers"
     elif plan.shard is not None or plan.layer_devices is not None:
         why = "layers split over ranks or devices"
-    pools = PagePools(plan.num_layers) if plan.store is LayerStore else None
+    pools = PagePools(plan.num_layers)
     return PerRequestDecode(pools, reason=why) if why is not None else BatchedDecode(pools)
