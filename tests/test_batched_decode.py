@@ -233,11 +233,11 @@ def test_a_pooled_store_is_the_store_it_adopted():
 def test_the_plan_says_which_policies_decode_in_the_batch():
     for spec, overrides in SPECS.items():
         assert isinstance(decode_path(compiled(spec, **overrides).kvcompile_plan), BatchedDecode), spec
-    for spec, why in (("h2o", "scores run"), ("zsmerge", "online eviction"), ("kivi", "TieredStore")):
+    for spec, why in (("h2o", "scores run"), ("zsmerge", "online eviction")):
         path = decode_path(plan_of(spec))
         assert isinstance(path, PerRequestDecode) and why in path.reason, (spec, path.reason)
     assert decode_path(plan_of("h2o")).pools is not None  # full-precision pages: in the pools all the same
-    assert decode_path(plan_of("kivi")).pools is not None  # two tiers: each in the pool of its page layout
+    assert isinstance(decode_path(plan_of("kivi")), BatchedDecode)  # two tiers: each in the pool of its page layout
 
 
 def plan_of(spec: str):

@@ -18,7 +18,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import kvcompile
 import kvcompile.engine.op
-from kvcompile.engine.batch import BatchedDecode, PerRequestDecode, decode_path
+from kvcompile.engine.batch import BatchedDecode, DecodeBatch, PerRequestDecode, TieredDecodeBatch, decode_path
 from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
 from kvcompile.store.codes import ChannelCodeStore, CodeStore
 from kvcompile.store.pages import Entries
@@ -104,10 +104,10 @@ def test_every_store_kind_lives_in_the_pools_and_its_bytes_are_what_memory_repor
     assert report["free_blocks"] == report["num_blocks"]
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_batched_codes_equal_generate_and_the_per_request_path(kind, monkeypatch):
-    """Pages of codes decode in one batch over the pool: requests of different lengths, two joining once the others
-    decode, get generate()'s tokens and the per-request path's log-probabilities."""
+    """Pages of codes (and two tiers) decode in one batch over the pools: requests of different lengths, two joining
+    once the others decode, get generate()'s tokens and the per-request path's log-probabilities."""
     model = kind_model(kind)
     assert isinstance(decode_path(model.kvcompile_plan), BatchedDecode)
     first = requests(REQUESTS)
@@ -124,33 +124,41 @@ def test_batched_codes_equal_generate_and_the_per_request_path(kind, monkeypatch
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_one_quantized_attention_call_per_layer_per_decode_step(kind, monkeypatch):
-    """Four requests of codes prefilled in one forward, then decoding together: after each request's first decode
-    step (alone), every step is one quantized paged attention call per layer for all four."""
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_one_attention_call_per_layer_per_decode_step_over_codes_and_tiers(kind, monkeypatch):
+    """Four requests prefilled in one forward, then decoding together: after each request's first decode step
+    (alone), every step is one call of the plan's decode attention per layer for all four (over codes: the quantized
+    kernel; over two tiers: TieredPagedAttention, one kernel call per tier's pool)."""
     model = kind_model(kind)
     plan = model.kvcompile_plan
     backend = type(plan.decode_attention)
     calls, alone = [], []
-    run = backend.run
-    monkeypatch.setattr(backend, "run", lambda self, q, *args: calls.append(q.shape[0]) or run(self, q, *args))
+    call = backend.__call__
+    monkeypatch.setattr(backend, "__call__", lambda self, q, *args, **kw: calls.append(q.shape[0]) or
+                        call(self, q, *args, **kw))
     decode = kvcompile.engine.op.decode
     monkeypatch.setattr(kvcompile.engine.op, "decode", lambda cache, *a, **k: alone.append(1) or decode(cache, *a, **k))
     new = 10
     first = [(x, new) for x in prompts([60, 70, 80, 90])]
     tokens, _, report = run_engine(model, first, max_batch_tokens=512)
-    counted = list(calls), len(alone)
     layers = plan.num_layers
     steps = new - 2  # the first token comes from the prompt's forward, the next from each first decode step
-    assert counted == ([4] * (layers * steps), 4 * layers)
+    # the first decode steps, alone, call the plan's decode attention only where its step is the torch step (KIVI)
+    firsts = 4 * layers if plan.online_step.name == "torch" else 0
+    assert (list(calls), len(alone)) == ([1] * firsts + [4] * (layers * steps), 4 * layers)
     assert tokens == [reference(model, ids, new) for ids, new in first]
     assert report["decode"]["steps"] == steps and report["decode"]["attention_calls"] == layers * steps
 
 
-def test_tiered_stores_decode_per_request_with_the_reason():
-    for kind in ("mixed", "kivi"):
+def test_the_plan_batches_every_store_kind_without_a_decode_schedule():
+    """int8, int4 (one pool a layer), mixed and KIVI (two: a batch of two tiers) decode in the batch; codes beside
+    merge slots do not (the merge bias), and say so."""
+    for kind in KINDS:
         path = decode_path(kind_model(kind).kvcompile_plan)
-        assert isinstance(path, PerRequestDecode) and "TieredStore" in path.reason and path.pools is not None
+        assert isinstance(path, BatchedDecode) and path.pools is not None, kind
+        assert path.batch is (TieredDecodeBatch if kind in ("mixed", "kivi") else DecodeBatch), kind
+    path = decode_path(compiled("lava_residual", storage="int8").kvcompile_plan)
+    assert isinstance(path, PerRequestDecode) and "merge slots" in path.reason
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

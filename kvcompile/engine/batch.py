@@ -34,7 +34,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from kvcompile.store.codes import CodeStore
 from kvcompile.store.pages import LayerStore
-from kvcompile.store.pool import PagePools, Pooled
+from kvcompile.store.pool import PagePools, TieredRows
+from kvcompile.store.tiers import TieredStore
 
 if TYPE_CHECKING:
     from kvcompile.cache import KVCompileCache
@@ -108,6 +109,43 @@ class DecodeBatch:
 
 
 @dataclass
+class TieredDecodeBatch(DecodeBatch):
+    """The requests of a step that decode one token each, together, over two tiers (`TieredStore`: mixed precision,
+    KIVI) in two pools a layer: one write of every new entry into the appending tier's pool, each store's flush
+    (KIVI: a full group of the float tier into a page of codes, computed for every head and applied where one is
+    full; nothing for codes per entry), and one call of the plan's decode backend (`TieredPagedAttention`: the float
+    tier's pool and the codes' pool, one kernel call each with its log-sum-exp, merged)."""
+
+    def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        caches = self.caches
+        plan = caches[0].plan
+        stores = [cache.stores[layer] for cache in caches]
+        for cache, store in zip(caches, stores):
+            if store.room <= 0:  # a head's pages (or the flush's) are full: the op's host read, counted as it counts
+                cache.count_host_sync("append")
+                store.make_room(plan.spare_pages)
+        q = query[0, :, self.index].transpose(0, 1)
+        k = key[0, :, self.index].transpose(0, 1)
+        v = value[0, :, self.index].transpose(0, 1)
+        appending = [getattr(store, store.storage.new_token_tier) for store in stores]
+        rows = PagePools.rows(appending)
+        self.pools.append(layer, appending, rows.block_table, rows.lengths, k, v, self.positions)
+        for store in stores:
+            store.low.flush(store.high, plan.spare_pages)  # TieredStore.append's second half, per store
+        high, low = PagePools.rows([s.high for s in stores]), PagePools.rows([s.low for s in stores])
+        self.counts["tables_built"] += 2
+        backend = plan.decode_backend(layer, q.device)
+        out = backend(q.contiguous(), TieredRows(high, low), plan.merge_bias(high.count_pages), scale)
+        self.counts["attention_calls"] += 1
+        if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
+            for cache in caches:
+                cache.advance(1)
+            self.counts["steps"] += 1
+            self.counts["tokens"] += len(caches)
+        return out.to(query.dtype)
+
+
+@dataclass
 class StepPlan:
     """One forward's plan: the requests that run alone (their index among the step's requests) and the batch."""
 
@@ -168,13 +206,14 @@ class BatchedDecode(PooledPages):
 
     batched = True
     tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
+    batch: type = DecodeBatch  # what a step's batch is (TieredDecodeBatch: two tiers)
 
     def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
         """The step's plan: which requests decode in the batch (one token after a first decode step, pages in the
         pools), in the order of the packed tokens."""
         alone, batched, index, offset = [], [], [], 0
         for i, (cache, tokens) in enumerate(requests):
-            if tokens == 1 and cache.decoding is not None and all(isinstance(s, Pooled) for s in cache.stores):
+            if tokens == 1 and cache.decoding is not None and all(PagePools.pooled(s) for s in cache.stores):
                 batched.append(cache)
                 index.append(offset)
             else:
@@ -186,26 +225,22 @@ class BatchedDecode(PooledPages):
         device = batched[0].stores[0].device
         if self.tables is None:
             self.tables = [None] * len(batched[0].stores)
-        return StepPlan(alone, DecodeBatch(self.pools, batched, torch.tensor(index, device=device),
+        return StepPlan(alone, self.batch(self.pools, batched, torch.tensor(index, device=device),
                                            positions.to(device), self.counts, self.tables, not alone))
 
 
-BATCHED_STORES = (LayerStore, CodeStore)  # a step over their pages is an append and one attention call
+# the store classes whose decode step batches (an append and an attention), and the batch of each
+BATCHED_STORES = {LayerStore: DecodeBatch, CodeStore: DecodeBatch, TieredStore: TieredDecodeBatch}
 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
-    attention over one pool's pages (full precision, or codes: int8 / int4), else per request (with the reason).
-    Every store kind's pages live in the engine's pools either way.
-
-    Two tiers (`TieredStore`: mixed precision, KIVI, codes beside merge slots) decode per request: a step is two
-    attentions (the float tier's and the codes', each with its log-sum-exp) merged, over two pools, and KIVI's
-    flush moves a full group of the float tier into a new page of codes, reserving that tier's pages per store
-    (a host read of its own, `ChannelCodeStore._reserve`); the batched step is one append and one attention
-    call over one pool."""
+    attention over the pools' pages (full precision, codes: int8 / int4, two tiers: mixed precision and KIVI,
+    `BATCHED_STORES`), else per request (with the reason). Every store kind's pages live in the engine's pools
+    either way."""
     why = None
     if plan.store not in BATCHED_STORES:
-        why = f"pages of {plan.store.__name__} (two tiers: two attentions merged, and KIVI's flush, per request)"
+        why = f"pages of {plan.store.__name__}"
     elif plan.running_scores or plan.online_eviction:
         why = "scores run while decoding" if not plan.online_eviction else "online eviction"
     elif plan.prune_every:
@@ -217,4 +252,5 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     elif plan.shard is not None or plan.layer_devices is not None:
         why = "layers split over ranks or devices"
     pools = PagePools(plan.num_layers)
-    return PerRequestDecode(pools, reason=why) if why is not None else BatchedDecode(pools)
+    return PerRequestDecode(pools, reason=why) if why is not None else \
+        BatchedDecode(pools, batch=BATCHED_STORES[plan.store])

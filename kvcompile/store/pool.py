@@ -431,8 +431,42 @@ class PagePools:
         pool = self.layers[layer] if pool is None else pool
         return backend(q, *pool.kv(), block_table, lengths, None, scale)
 
+    @staticmethod
+    def rows(stores: list[Pooled]) -> "PoolRows":
+        """The batch's rows of the stores' pool: one block table padded over the stores (R, H, M) and their
+        lengths (R, H) (one sequence each)."""
+        table = torch.nn.utils.rnn.pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
+        return PoolRows(stores[0].pool, table.transpose(1, 2).contiguous(), torch.cat([s.lengths for s in stores]))
+
     def report(self) -> dict:
         """Pages and bytes of every pool: all, free, and taken."""
         pools = [p for layer in self.by_layout for p in layer.values()]
         return {"pages": sum(p.pages for p in pools), "free_pages": sum(p.free_pages for p in pools),
                 "bytes": sum(p.nbytes for p in pools), "bytes_taken": sum(p.bytes_taken for p in pools)}
+
+
+@dataclass
+class PoolRows:
+    """A batch's rows over one pool, read as a decode attention backend reads a store: the pool's page tensors
+    (`kv()`, `k_pages`, ...), the batch's block table and lengths (a TieredPagedAttention takes two, `high` and
+    `low`: `TieredRows`)."""
+
+    pool: PagePool
+    block_table: Tensor  # (R, H, M)
+    lengths: Tensor  # (R, H)
+
+    def __getattr__(self, name: str):
+        if name in ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages"):
+            return getattr(self.pool, name)
+        raise AttributeError(name)
+
+    def kv(self) -> tuple[Tensor, ...]:
+        return self.pool.kv()
+
+
+@dataclass
+class TieredRows:
+    """A batch's rows of both tiers' pools (what `TieredPagedAttention` reads of a TieredStore)."""
+
+    high: PoolRows
+    low: PoolRows
