@@ -8,8 +8,8 @@ per page layout), so every request's heads are rows of one block table over the 
 kernels (kvcompile.kernels.paged_attention) take for a batch.
 
 - `decode_path(plan)`, chosen once per engine from the plan: `BatchedDecode` for a policy whose decode step is
-  an append and attention over one pool (full-precision pages or codes, int8 / int4; no running scores, online
-  eviction, `decode: every` pruning or merge bias; not two tiers, not a hybrid model's windows), else
+  an append and attention over the pools (full-precision pages, codes: int8 / int4, two tiers: mixed, KIVI; no
+  running scores, online eviction, `decode: every` pruning or merge bias; not a hybrid model's windows), else
   `PerRequestDecode`, the op once per request; every store kind's pages in the pools either way.
 - `path.plan(requests)` once per forward, requests (cache, tokens) in the order of the packed tokens: a
   `StepPlan`, which requests run alone (a prompt or a part of it, a first decode step, any step of a policy
@@ -19,7 +19,8 @@ kernels (kvcompile.kernels.paged_attention) take for a batch.
   append's host read, counted as the op counts it), one block table padded over the batch, one write of every
   new entry into the pool (`PagePools.append`: codes quantized as the store writes them), one attention call
   (`PagePools.attend`, the plan's decode backend: the quantized kernel over codes); after the last layer each
-  cache counts its token (`seq_length`, the decode state's length).
+  cache counts its token (`seq_length`, the decode state's length). Two tiers: `TieredDecodeBatch.run`, the
+  append into the appending tier's pool, each store's flush (KIVI), one attention call over both tiers' pools.
 """
 from __future__ import annotations
 
@@ -190,8 +191,8 @@ class PooledPages:
 @dataclass
 class PerRequestDecode(PooledPages):
     """Every request's decode step through its own op call (a policy whose decode step is more than an append
-    and an attention over one pool: running scores, online eviction, pruning, merge slots, two tiers, a hybrid
-    model), its pages in the pools all the same."""
+    and an attention: running scores, online eviction, pruning, merge slots, a hybrid model), its pages in the
+    pools all the same."""
 
     reason: str = ""
     batched = False

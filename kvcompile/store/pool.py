@@ -21,7 +21,8 @@ float tier's, the codes'), the tiered store itself unchanged around them.
 adopted there), `adopt` (a store built by the engine moved into the pools: `LayerStore`, `CodeStore`,
 `TieredStore`), `release` and `detached` (a request's store, whatever its kind), and the batched decode step's
 one write of every request's new entry (`append`: keys and values written as the store class writes them, codes
-quantized) and one attention call (`attend`) (kvcompile.engine.batch).
+quantized) and one attention call (`attend`; `rows`: a batch's block table and lengths over one pool, `PoolRows`,
+`TieredRows` for two tiers' pools) (kvcompile.engine.batch).
 """
 from __future__ import annotations
 
