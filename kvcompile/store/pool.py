@@ -456,10 +456,9 @@ class PoolRows:
     block_table: Tensor  # (R, H, M)
     lengths: Tensor  # (R, H)
 
-    def __getattr__(self, name: str):
-        if name in ("k_pages", "v_pages", "score_pages", "pos_pages", "count_pages"):
-            return getattr(self.pool, name)
-        raise AttributeError(name)
+    k_pages = property(lambda self: self.pool.k_pages)
+    v_pages = property(lambda self: self.pool.v_pages)
+    count_pages = property(lambda self: self.pool.count_pages)
 
     def kv(self) -> tuple[Tensor, ...]:
         return self.pool.kv()
