@@ -33,10 +33,12 @@ from tests.test_serving import SNAP, compiled, gen_config, prompts, reference
 KIVI = dict(storage={"kivi": {"bits": 4, "residual": 16, "tokens": 16}})
 KINDS = {"int8": ("snapkv", dict(SNAP, storage="int8")), "int4": ("snapkv", dict(SNAP, storage="int4")),
          "mixed": ("snapkv", dict(SNAP, storage={"mixed": {"full": 0.5, "bits": 4}})), "kivi": ("kivi", KIVI)}
+# codes beside merge slots (two tiers, new tokens into the codes): decoded per request (the merge bias), in the pools
+SLOTS = {"slots": ("lava_residual", dict(per_head=40, storage="int8"))}
 
 
 def kind_model(kind: str):
-    spec, overrides = KINDS[kind]
+    spec, overrides = {**KINDS, **SLOTS}[kind]
     return compiled(spec, **overrides)
 
 
@@ -67,7 +69,7 @@ def check_pools(state) -> tuple[int, int, int, int]:
     return sum(request_bytes(kv) for kv in pooled), taken + own, taken, named
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(KINDS) + list(SLOTS))
 def test_every_store_kind_lives_in_the_pools_and_its_bytes_are_what_memory_reports(kind, monkeypatch):
     """After every forward: the requests' stores (each tier of a tiered store) are in the engine's pools, a pool per
     page layout; the bytes they hold are the pool pages they lease and their block tables and counters; the pages
@@ -157,11 +159,11 @@ def test_the_plan_batches_every_store_kind_without_a_decode_schedule():
         path = decode_path(kind_model(kind).kvcompile_plan)
         assert isinstance(path, BatchedDecode) and path.pools is not None, kind
         assert path.batch is (TieredDecodeBatch if kind in ("mixed", "kivi") else DecodeBatch), kind
-    path = decode_path(compiled("lava_residual", storage="int8").kvcompile_plan)
-    assert isinstance(path, PerRequestDecode) and "merge slots" in path.reason
+    path = decode_path(kind_model("slots").kvcompile_plan)
+    assert isinstance(path, PerRequestDecode) and "merge slots" in path.reason and path.pools is not None
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(KINDS) + list(SLOTS))
 def test_cancelled_and_failed_requests_give_every_page_back(kind, monkeypatch):
     """Among requests decoding together, one is cancelled and one's sampling fails after it holds pool pages: the
     others get generate()'s tokens, the failed one its error, and every page of every pool is free at the end."""
@@ -306,3 +308,22 @@ def test_the_batched_write_of_codes_equals_each_store_append():
         for name in ("k_pages", "k_scale", "k_zero", "v_pages", "v_scale", "v_zero"):  # the codes themselves
             a, b = getattr(s, name), getattr(pool, name)
             assert torch.equal(a.reshape(-1, a.shape[-1])[flat[stored]], b.reshape(-1, b.shape[-1])[mine[stored]])
+
+
+def test_a_tiered_store_reserves_what_its_appending_tier_takes():
+    """Codes beside merge slots: new tokens join the codes (`new_token_tier` low), so what one append can add
+    (`growth_bytes`, what serving reserves for a decode step) is the codes' pages, which a pooled store leases."""
+    part = kvcompile.load_spec("lava_residual", storage="int8").storage
+    assert part.new_token_tier == "low"
+    src = entries(20, 0)
+    src.positions[..., :2] = torch.tensor([-1, -2])  # two merge slots a head, kept
+    src.take[..., :2] = True
+    store = PagePools(1).adopt(0, TieredStore.build([src], torch.full((1, 2), 2), 4, 1, storage=part))
+    g = torch.Generator().manual_seed(4)
+    grew = []
+    for i in range(12):
+        reserved, before = store.growth_bytes(1), store.nbytes
+        store.append(torch.randn(1, 2, 16, generator=g), torch.randn(1, 2, 16, generator=g), torch.tensor([30 + i]))
+        assert store.nbytes - before <= reserved, i
+        grew.append(store.nbytes > before)
+    assert any(grew)
