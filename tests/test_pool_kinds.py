@@ -1,11 +1,12 @@
 """Every store kind in the engine's page pools (kvcompile.store.pool), and the batched decode step over pages of
-codes (kvcompile.engine.batch), under transformers' continuous batching (kvcompile.integrations.batching).
+codes and two tiers (kvcompile.engine.batch), under transformers' continuous batching
+(kvcompile.integrations.batching).
 
-The stores of codes (int8, int4), of two tiers (mixed precision) and KIVI's keep their pages in the engine's
-per-layer pools, a pool per page layout: on every forward the pools' bytes taken are what the memory report counts
-of the requests in them, and the pages taken are those their block tables name; every page comes back when requests
-finish, are cancelled or fail. Codes per token decode in one batch: generate()'s tokens, the per-request path's
-log-probabilities, one attention call per layer per step.
+The stores of codes (int8, int4), of two tiers (mixed precision, codes beside merge slots) and KIVI's keep their
+pages in the engine's per-layer pools, a pool per page layout: on every forward the pools' bytes taken are what the
+memory report counts of the requests in them, and the pages taken are those their block tables name; every page
+comes back when requests finish, are cancelled or fail. Codes and two tiers decode in one batch: generate()'s
+tokens, the per-request path's log-probabilities, one decode attention call per layer per step.
 """
 from __future__ import annotations
 
