@@ -271,8 +271,11 @@ def test_a_pooled_store_of_codes_or_tiers_is_the_store_it_adopted(part):
         assert all(bool((p.low.lengths > before).all()) for p, before in zip(pooled, low))  # flushed groups
     taken = sum(t.leased for p in pooled for t in tiers(p))
     assert pools.report()["pages"] - pools.report()["free_pages"] == taken
-    for p in pooled:
-        PagePools.release(p)
+    left = PagePools.detached(pooled[0])  # a cache that leaves the engine: pages of its own, the pools' back
+    assert type(left) is type(own[0]) and not any(isinstance(t, Pooled) for t in tiers(left))
+    assert_same_entries(own[0], left) if cls is CodeStore else assert_same_tiers(own[0], left)
+    assert pools.report()["pages"] - pools.report()["free_pages"] == sum(t.leased for t in tiers(pooled[1]))
+    PagePools.release(pooled[1])
     assert all(pool.free_pages == pool.pages for pool in pools.by_layout[0].values())
 
 
