@@ -30,11 +30,10 @@ import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
-
-from typing import ClassVar
 
 from kvcompile.store.codes import ChannelCodeStore, CodeStore
 from kvcompile.store.pages import LayerStore
