@@ -246,14 +246,14 @@ def test_the_plan_says_which_policies_decode_in_the_batch():
     for spec in ("h2o", "zsmerge", "lava_residual"):  # running scores, online eviction, a merge bias: the plan's step
         path = decode_path(plan_of(spec))
         assert type(path) is BatchedStepDecode and path.pools is not None, spec
-    for spec, why in (("kivi", "TieredStore"),):
-        path = decode_path(plan_of(spec))
-        assert isinstance(path, PerRequestDecode) and why in path.reason, (spec, path.reason)
-    assert decode_path(plan_of("kivi")).pools is None
+    assert isinstance(decode_path(plan_of("kivi")), BatchedDecode)  # two tiers: each in the pool of its page layout
+    path = decode_path(plan_of("lava_residual", storage="int8"))  # codes beside merge slots: per request, in the pools
+    assert isinstance(path, PerRequestDecode) and "over pages of TieredStore" in path.reason \
+        and path.pools is not None, path.reason
 
 
-def plan_of(spec: str):
-    return kvcompile.compile(tiny_model(), spec).kvcompile_plan
+def plan_of(spec: str, **overrides):
+    return kvcompile.compile(tiny_model(), spec, **overrides).kvcompile_plan
 
 
 def test_the_batched_write_equals_each_store_append():

@@ -2,16 +2,17 @@
 step (FlashInfer's plan()/run(); docs/INTERNALS.md "Continuous batching": the batched decode step).
 
 A serving engine (kvcompile.integrations.batching) packs many requests into one forward, each request with its own
-`KVCompileCache` (one sequence). Its pages live in the engine's page pools (kvcompile.store.pool: one per
-layer), so every request's heads are rows of one block table over the same page tensors, what the paged
+`KVCompileCache` (one sequence). Its pages live in the engine's page pools (kvcompile.store.pool: per layer one
+per page layout), so every request's heads are rows of one block table over the same page tensors, what the paged
 kernels (kvcompile.kernels.paged_attention) and the plan's decode steps (kvcompile.kernels.online_step) take for
 a batch.
 
-- `decode_path(plan)`, chosen once per engine from the plan (full-precision pages, no `decode: every` pruning,
-  not a hybrid model's windows, one rank and device): `BatchedDecode` for a policy whose decode step is an append
-  and an attention; `BatchedStepDecode` for one whose step does more (running scores: h2o; online eviction into
-  merge slots: zsmerge; a merge bias per entry), run through the plan's own decode step; else
-  `PerRequestDecode`, the op once per request, with the reason.
+- `decode_path(plan)`, chosen once per engine from the plan (no `decode: every` pruning, not a hybrid model's
+  windows, one rank and device): `BatchedDecode` for a policy whose decode step is an append and an attention
+  over the pools (full-precision pages, codes: int8 / int4, two tiers: mixed, KIVI); `BatchedStepDecode` for one
+  whose step does more over full-precision pages (running scores: h2o; online eviction into merge slots: zsmerge;
+  a merge bias per entry), run through the plan's own decode step; else `PerRequestDecode`, the op once per
+  request, with the reason; every store kind's pages in the pools either way.
 - `path.plan(requests)` once per forward, requests (cache, tokens) in the order of the packed tokens: a
   `StepPlan`, which requests run alone (a prompt or a part of it, any step of a policy decoded per request) and
   the batch of the others (one token each, pages in the pools): their caches, their tokens' places in the packed
@@ -20,18 +21,20 @@ a batch.
 - `batch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the append's
   host read, counted as the op counts it), one block table padded over the batch (the last step's while no store
   changed), then the step (`_step`): `DecodeBatch`, one write of every new entry into the pool
-  (`PagePools.append`) and one attention call (`PagePools.attend`, the plan's decode backend); `StepBatch`, one
-  call of the plan's decode step (`Plan.online_step`: a fused C++ step, or the torch step) on the batch as one
-  store over the pool (`PagePools.batch`, `BatchStore`: a head's step reads and writes its own pages only), each
-  request then taking its row of lengths, slots, room and settled budget back (`BatchStore.finish`). After the
-  last layer each cache counts its token (`seq_length`, the decode state's length).
+  (`PagePools.append`: codes quantized as the store writes them) and one attention call (`PagePools.attend`, the
+  plan's decode backend: the quantized kernel over codes); `StepBatch`, one call of the plan's decode step
+  (`Plan.online_step`: a fused C++ step, or the torch step) on the batch as one store over the pool
+  (`PagePools.batch`, `BatchStore`: a head's step reads and writes its own pages only), each request then taking
+  its row of lengths, slots, room and settled budget back (`BatchStore.finish`). After the last layer each cache
+  counts its token (`seq_length`, the decode state's length). Two tiers: `TieredDecodeBatch.run`, the append into
+  the appending tier's pool, each store's flush (KIVI), one attention call over both tiers' pools.
 """
 from __future__ import annotations
 
 import copy
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -39,8 +42,10 @@ from torch.nn.utils.rnn import pad_sequence
 
 from kvcompile.engine.decode import begin_decoding
 from kvcompile.engine.state import Phase
+from kvcompile.store.codes import CodeStore
 from kvcompile.store.pages import LayerStore
-from kvcompile.store.pool import PagePools, PooledStore
+from kvcompile.store.pool import PagePools, TieredRows
+from kvcompile.store.tiers import TieredStore
 
 if TYPE_CHECKING:
     from kvcompile.cache import KVCompileCache
@@ -102,7 +107,7 @@ class DecodeBatch:
         entry into the pool, one call of the plan's decode backend. Returns the outputs and the lengths after."""
         lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
         backend = self.caches[0].plan.decode_backend(layer, q.device)
-        return self.pools.attend(layer, backend, q, table, lengths, scale), lengths
+        return self.pools.attend(layer, backend, q, table, lengths, scale, stores[0].pool), lengths
 
     def _last_rows(self, layer: int, stores: list) -> list[int] | None:
         """Each store's row in the last step's block table and lengths of `layer`, where every store was in that
@@ -142,6 +147,43 @@ class StepBatch(DecodeBatch):
 
 
 @dataclass
+class TieredDecodeBatch(DecodeBatch):
+    """The requests of a step that decode one token each, together, over two tiers (`TieredStore`: mixed precision,
+    KIVI) in two pools a layer: one write of every new entry into the appending tier's pool, each store's flush
+    (KIVI: a full group of the float tier into a page of codes, computed for every head and applied where one is
+    full; nothing for codes per entry), and one call of the plan's decode backend (`TieredPagedAttention`: the float
+    tier's pool and the codes' pool, one kernel call each with its log-sum-exp, merged)."""
+
+    def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        caches = self.caches
+        plan = caches[0].plan
+        stores = [cache.stores[layer] for cache in caches]
+        for cache, store in zip(caches, stores):
+            if store.room <= 0:  # a head's pages (or the flush's) are full: the op's host read, counted as it counts
+                cache.count_host_sync("append")
+                store.make_room(plan.spare_pages)
+        q = query[0, :, self.index].transpose(0, 1)
+        k = key[0, :, self.index].transpose(0, 1)
+        v = value[0, :, self.index].transpose(0, 1)
+        appending = [getattr(store, store.storage.new_token_tier) for store in stores]
+        rows = PagePools.rows(appending)
+        self.pools.append(layer, appending, rows.block_table, rows.lengths, k, v, self.positions)
+        for store in stores:
+            store.low.flush(store.high, plan.spare_pages)  # TieredStore.append's second half, per store
+        high, low = PagePools.rows([s.high for s in stores]), PagePools.rows([s.low for s in stores])
+        self.counts["tables_built"] += 2
+        backend = plan.decode_backend(layer, q.device)
+        out = backend(q.contiguous(), TieredRows(high, low), plan.merge_bias(high.count_pages), scale)
+        self.counts["attention_calls"] += 1
+        if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
+            for cache in caches:
+                cache.advance(1)
+            self.counts["steps"] += 1
+            self.counts["tokens"] += len(caches)
+        return out.to(query.dtype)
+
+
+@dataclass
 class StepPlan:
     """One forward's plan: the requests that run alone (their index among the step's requests) and the batch."""
 
@@ -151,8 +193,8 @@ class StepPlan:
 
 @dataclass
 class PooledPages:
-    """Where a serving engine's requests keep their pages: the engine's pools (`pools`), or, where None (pages
-    of codes or of two tiers), pages of each cache's own."""
+    """Where a serving engine's requests keep their pages: the engine's pools (`pools`: every store kind, a
+    TieredStore tier by tier), or, where None, pages of each cache's own."""
 
     pools: PagePools | None
     counts: Counter = field(default_factory=Counter)
@@ -165,19 +207,11 @@ class PooledPages:
     def release(self, cache: KVCompileCache) -> None:
         """A request ended: its pages go back to the pools."""
         for store in cache.stores:
-            if isinstance(store, PooledStore):
-                store.release()
+            PagePools.release(store)
 
     def detach(self, cache: KVCompileCache) -> None:
         """A request's cache leaves the engine (kept for a continuation): pages of its own, the pool's back."""
-        stores = []
-        for store in cache.stores:
-            if isinstance(store, PooledStore):
-                own = store.detached()
-                store.release()
-                store = own
-            stores.append(store)
-        cache.stores = stores
+        cache.stores = [PagePools.detached(store) for store in cache.stores]
 
     def copy_in(self, cache: KVCompileCache) -> KVCompileCache:
         """A copy of `cache` (kept outside the engine, left as it is) with its pages copied into the pools: a request
@@ -193,8 +227,9 @@ class PooledPages:
 
 @dataclass
 class PerRequestDecode(PooledPages):
-    """Every request's decode step through its own op call (pages of codes or two tiers, `decode: every` pruning, a
-    hybrid model's windows, layers over several ranks or devices)."""
+    """Every request's decode step through its own op call (`decode: every` pruning, a hybrid model's windows,
+    layers over several ranks or devices, a step that does more than an append and an attention over pages of
+    codes or two tiers), its pages in the pools all the same."""
 
     reason: str = ""
     batched = False
@@ -208,8 +243,8 @@ class BatchedDecode(PooledPages):
     """A step's decode tokens in one batch (`DecodeBatch`) over the pools."""
 
     batched = True
-    batch: ClassVar[type] = DecodeBatch  # what runs the step's batch per layer
     tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
+    batch: type = DecodeBatch  # what a step's batch is (TieredDecodeBatch: two tiers)
 
     def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
         """The step's plan: which requests decode in the batch (one token after the compressed prompt, pages in the
@@ -217,7 +252,7 @@ class BatchedDecode(PooledPages):
         alone, batched, index, offset = [], [], [], 0
         for i, (cache, tokens) in enumerate(requests):
             if tokens == 1 and cache.phase in (Phase.COMPRESSED, Phase.DECODING) \
-                    and all(isinstance(s, PooledStore) for s in cache.stores):
+                    and all(PagePools.pooled(s) for s in cache.stores):
                 begin_decoding(cache)  # a first decode step: the request enters decoding here, its attention batched
                 batched.append(cache)
                 index.append(offset)
@@ -239,14 +274,20 @@ class BatchedStepDecode(BatchedDecode):
     """A step's decode tokens in one batch through the plan's decode step (`StepBatch`): running scores, online
     eviction, a merge bias per entry."""
 
-    batch: ClassVar[type] = StepBatch
+    batch: type = StepBatch
+
+
+# the store classes whose decode step batches (an append and an attention), and the batch of each
+BATCHED_STORES = {LayerStore: DecodeBatch, CodeStore: DecodeBatch, TieredStore: TieredDecodeBatch}
 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
-    """How a serving engine runs `plan`'s decode steps, chosen once: batched over full-precision pages (an append
-    and an attention, or the plan's decode step where it does more), else per request (with the reason)."""
+    """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
+    attention over the pools' pages (full precision, codes: int8 / int4, two tiers: mixed precision and KIVI,
+    `BATCHED_STORES`), or the plan's decode step where it does more over full-precision pages; else per request
+    (with the reason). Every store kind's pages live in the engine's pools either way."""
     why = None
-    if plan.store is not LayerStore:
+    if plan.store not in BATCHED_STORES:
         why = f"pages of {plan.store.__name__}"
     elif plan.prune_every:
         why = f"pruning every {plan.prune_every} tokens"
@@ -254,9 +295,13 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
         why = "a hybrid model's window layers"
     elif plan.shard is not None or plan.layer_devices is not None:
         why = "layers split over ranks or devices"
-    pools = PagePools(plan.num_layers) if plan.store is LayerStore else None
+    pools = PagePools(plan.num_layers)
+    steps = ("online eviction" if plan.online_eviction else "scores run while decoding" if plan.running_scores
+             else "merge slots (a bias per entry)" if plan.policy.merges else None)  # the plan's step does more
+    if why is None and steps is not None and plan.store is not LayerStore:
+        why = f"{steps} over pages of {plan.store.__name__}"
     if why is not None:
         return PerRequestDecode(pools, reason=why)
-    if plan.running_scores or plan.online_eviction or plan.policy.merges:
+    if steps is not None:
         return BatchedStepDecode(pools)  # the plan's decode step, on the batch
-    return BatchedDecode(pools)
+    return BatchedDecode(pools, batch=BATCHED_STORES[plan.store])

@@ -4,8 +4,10 @@
   model's dtype, the class every store builds on;
 - `codes`: `CodeStore` (int8 / int4 codes per entry) and `ChannelCodeStore` (KIVI's keys per channel);
 - `tiers`: `TieredStore`, two stores per layer (a float tier and a tier of codes), and its attention.
-- `pool`: `PagePool`, one layer's pages shared by every request of a serving engine, its allocator, and
-  `PooledStore`, a request's full-precision layer in it (`PagePools`: an engine's pools and the batched append).
+- `pool`: `PagePool`, one layer's pages of one layout shared by every request of a serving engine, its allocator,
+  and the `Pooled` mixin that puts a store class in it (`PooledStore`, `PooledCodeStore`,
+  `PooledChannelCodeStore`; a TieredStore tier by tier); `PagePools`: an engine's pools, per layer one per page
+  layout, and the batched append and attention.
 
 The plan names a layer's store class once (`Plan.store`, `store_class`); the engine builds stores with it and
 changes them only through their methods: nothing outside this package writes a store's fields or into its

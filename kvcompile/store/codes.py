@@ -27,6 +27,8 @@ class CodeStore(LayerStore):
 
     page_fields: ClassVar[tuple[str, ...]] = PAGE_FIELDS + QUANT_FIELDS
     pool_fields: ClassVar[tuple[str, ...]] = PAGE_FIELDS + QUANT_FIELDS
+    # (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero): what kernels.paged_attention_quant reads (`kv`)
+    kv_fields: ClassVar[tuple[str, ...]] = ("k_pages", "k_scale", "k_zero", "v_pages", "v_scale", "v_zero")
     flush_room: ClassVar[int] = 1 << 62  # a tier of codes per entry takes nothing from the float tier (`flush`)
     key_axis: ClassVar[str] = "token"  # keys quantized per entry; "channel": each channel over a page
     k_scale: Tensor = None  # (P, S, d / group) float32
@@ -81,10 +83,6 @@ class CodeStore(LayerStore):
         values = dequantize(_rows(self.v_pages, flat), _rows(self.v_scale, flat), _rows(self.v_zero, flat),
                             self.storage.bits)
         return self._key_rows(flat), values
-
-    def kv(self) -> tuple[Tensor, ...]:
-        """(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero): what kernels.paged_attention_quant reads."""
-        return self.k_pages, self.k_scale, self.k_zero, self.v_pages, self.v_scale, self.v_zero
 
     def tensors(self) -> QuantPageTensors:
         return QuantPageTensors(*(getattr(self, name) for name in QuantPageTensors._fields))

@@ -89,6 +89,7 @@ class LayerStore:
 
     page_fields: ClassVar[tuple[str, ...]] = PAGE_FIELDS  # the per-entry page tensors (an entry moves with them)
     pool_fields: ClassVar[tuple[str, ...]] = PAGE_FIELDS  # every tensor with a row per page: the pool
+    kv_fields: ClassVar[tuple[str, ...]] = ("k_pages", "v_pages")  # what a decode attention backend reads (`kv`)
 
     k_pages: Tensor  # (P, S, d)
     v_pages: Tensor  # (P, S, d)
@@ -221,8 +222,8 @@ class LayerStore:
 
     def kv(self) -> tuple[Tensor, ...]:
         """What a decode attention backend reads besides the block table and lengths: (k_pages, v_pages) here
-        (the six tensors of codes for kvcompile.kernels.paged_attention_quant)."""
-        return self.k_pages, self.v_pages
+        (the six tensors of codes for kvcompile.kernels.paged_attention_quant): the `kv_fields`."""
+        return tuple(getattr(self, name) for name in self.kv_fields)
 
     def tensors(self) -> PageTensors:
         """The store's tensors, for a kernel that reads or updates them in place (the store's own methods
@@ -271,8 +272,8 @@ class LayerStore:
 
     def _write_kv(self, page: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> None:
         """Write each head's new key and value (B, H, d) into its slot (page, slot (B, H))."""
-        self.k_pages[page, slot] = k
-        self.v_pages[page, slot] = v
+        self.k_pages[page, slot] = k.to(self.k_pages.dtype)
+        self.v_pages[page, slot] = v.to(self.v_pages.dtype)
 
     def _allocate(self, col: Tensor, e: Tensor, step: int) -> None:
         """Give every head on a full last page without spares a run of `step` fresh pages (the one host

@@ -1,24 +1,29 @@
-"""One page pool per layer, shared by every request of a serving engine, and the stores that live in it
-(docs/INTERNALS.md "Paged cache layout": the pool).
+"""One page pool per layer and page layout, shared by every request of a serving engine, and the stores that live
+in it (docs/INTERNALS.md "Paged cache layout": the pool).
 
-`PagePool`: one layer's page tensors (`k_pages`, `v_pages`, `score_pages`, `pos_pages`, `count_pages`, the
-layout of `kvcompile.store.pages`) and one allocator over them: a free map of pages, `take(n)` the lowest n free
-pages (so a request's run of pages stays consecutive where the pool allows, as the decode kernel streams them),
+`PagePool`: one layer's page tensors of one layout (a store class's `pool_fields`: `k_pages`, `v_pages`,
+`score_pages`, `pos_pages`, `count_pages` of `kvcompile.store.pages`; for codes also the scales and zero points of
+`kvcompile.store.codes`) and one allocator over them: a free map of pages, `take(n)` the lowest n free pages (so a
+request's run of pages stays consecutive where the pool allows, as the decode kernel streams them),
 `give_back(ids)`, and the byte counts. When too few pages are free the pool grows by a quarter at least, and
 every store living in it is pointed at the grown tensors (the pool's `_stores`).
 
-`PooledStore(LayerStore)`: a request's layer in a pool: its own block table (ids of pool pages), lengths,
-slots and owned counts, the pool's page tensors. Everything a `LayerStore` does it does the same way (the layout,
-append, removal, byte counts of what it holds); its new page runs come from the pool (`_new_runs`), and the
-pages it took are its lease, given back when the store is released (`release`) or dropped (a finalizer). A
-deep copy, or `detached()`, is a plain `LayerStore` with pages of its own (a cache that leaves the engine).
+`Pooled`: what a store class becomes in a pool (one mixin, `POOLED`: `PooledStore(Pooled, LayerStore)`,
+`PooledCodeStore`, `PooledChannelCodeStore`): a request's layer with its own block table (ids of pool pages),
+lengths, slots and owned counts, the pool's page tensors. Everything its store class does it does the same way
+(the layout, append, removal, codes, byte counts of what it holds); its new page runs come from the pool
+(`_new_runs`), and the pages it took are its lease, given back when the store is released (`release`) or dropped
+(a finalizer). A deep copy, or `detached()`, is a store of its class with pages of its own (a cache that leaves the
+engine). A `TieredStore` lives in the pools tier by tier: each tier a pooled store in the pool of its layout (the
+float tier's, the codes'), the tiered store itself unchanged around them.
 
-`PagePools`: the pools of an engine, one per layer, made on first use from the first store adopted there
-(`adopt`: a `LayerStore` built by the engine moved into the pool), `append`, the batched decode step's one
-write of every request's new entry, and `batch`, a batched step's requests as one store over the pool
-(`BatchStore`, what the plan's decode step runs on once for all of them; kvcompile.engine.batch).
-
-Full-precision stores only (`LayerStore`); the stores of codes and of two tiers keep pages of their own.
+`PagePools`: the pools of an engine, per layer one per page layout (made on first use from the first store
+adopted there), `adopt` (a store built by the engine moved into the pools: `LayerStore`, `CodeStore`,
+`TieredStore`), `release` and `detached` (a request's store, whatever its kind), and the batched decode step's
+one write of every request's new entry (`append`: keys and values written as the store class writes them, codes
+quantized) and one attention call (`attend`; `rows`: a batch's block table and lengths over one pool, `PoolRows`,
+`TieredRows` for two tiers' pools), and `batch`, a batched step's requests as one store over their pool
+(`BatchStore`, what the plan's decode step runs on once for all of them) (kvcompile.engine.batch).
 """
 from __future__ import annotations
 
@@ -26,35 +31,51 @@ import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from kvcompile.store.codes import ChannelCodeStore, CodeStore
 from kvcompile.store.pages import PAGE_FIELDS, LayerStore
+from kvcompile.store.tiers import TieredStore
 
 _FILL = {"pos_pages": -1}  # what a free page holds (the rest: 0), as a fresh store's pages
 
 
 class PagePool:
-    """One layer's pages for every request of an engine, and their allocator."""
+    """One layer's pages of one layout for every request of an engine, and their allocator."""
 
-    def __init__(self, page_size: int, k_dim: int, v_dim: int, dtype: torch.dtype, device, pages: int = 0):
-        self.page_size = page_size
-        self.k_pages = torch.zeros(pages, page_size, k_dim, dtype=dtype, device=device)
-        self.v_pages = torch.zeros(pages, page_size, v_dim, dtype=dtype, device=device)
-        self.score_pages = torch.zeros(pages, page_size, dtype=torch.float32, device=device)
-        self.pos_pages = torch.full((pages, page_size), -1, dtype=torch.long, device=device)
-        self.count_pages = torch.zeros(pages, page_size, dtype=torch.float32, device=device)
+    def __init__(self, layout: dict[str, tuple[tuple[int, ...], torch.dtype]], kv_fields: tuple[str, ...], device,
+                 pages: int = 0):
+        """`layout`: each page tensor's name, shape of one page and dtype (`like`); kv_fields: the tensors a decode
+        attention backend reads, in its order (the store class's `kv_fields`)."""
+        self.fields = tuple(layout)
+        self.kv_fields = kv_fields
+        for name, (shape, dtype) in layout.items():
+            setattr(self, name, torch.full((pages, *shape), _FILL.get(name, 0), dtype=dtype, device=device))
         self.free = torch.ones(pages, dtype=torch.bool)  # the free map (on the host)
         self.free_pages = pages  # its count
         self._lock = threading.Lock()  # a dropped store's pages may come back from another thread
-        self._stores: weakref.WeakValueDictionary[int, PooledStore] = weakref.WeakValueDictionary()
+        self._stores: weakref.WeakValueDictionary[int, Pooled] = weakref.WeakValueDictionary()
+
+    @staticmethod
+    def layout(store: LayerStore) -> tuple:
+        """The page layout of `store` (its class's page tensors, each one page's shape and dtype, and the device):
+        the stores whose layouts are equal share a pool."""
+        return (type(store).__name__, store.device,
+                *((name, tuple(getattr(store, name).shape[1:]), getattr(store, name).dtype)
+                  for name in store.pool_fields))
 
     @classmethod
     def like(cls, store: LayerStore) -> "PagePool":
-        """An empty pool for pages like `store`'s (page size, head dims, dtype, device)."""
-        return cls(store.page_size, store.k_pages.shape[-1], store.v_pages.shape[-1], store.k_pages.dtype,
-                   store.device)
+        """An empty pool for pages like `store`'s (its layout: page size, widths, dtypes, device)."""
+        return cls({name: (tuple(getattr(store, name).shape[1:]), getattr(store, name).dtype)
+                    for name in store.pool_fields}, store.kv_fields, store.device)
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[1]
 
     # --- the allocator --------------------------------------------------------------------------------------
     @property
@@ -80,13 +101,13 @@ class PagePool:
             host = ids.cpu()
             if not bool(self.free[host].logical_not().all()):
                 raise RuntimeError("kvcompile: a page given back to the pool twice")
-            for name in PAGE_FIELDS:
+            for name in self.fields:
                 getattr(self, name).index_fill_(0, ids, _FILL.get(name, 0))
             self.free[host] = True
             self.free_pages += len(host)
 
     def _grow(self, extra: int) -> None:
-        for name in PAGE_FIELDS:
+        for name in self.fields:
             t = getattr(self, name)
             setattr(self, name, torch.cat([t, t.new_full((extra, *t.shape[1:]), _FILL.get(name, 0))]))
         self.free = torch.cat([self.free, torch.ones(extra, dtype=torch.bool)])
@@ -97,7 +118,7 @@ class PagePool:
     def writable(self) -> None:
         """Make pages made under torch.inference_mode() writable outside it (copied once; every store follows)."""
         if self.k_pages.is_inference():
-            for name in PAGE_FIELDS:
+            for name in self.fields:
                 setattr(self, name, getattr(self, name).clone())
             for store in list(self._stores.values()):
                 store._use_pool_tensors()
@@ -105,12 +126,16 @@ class PagePool:
     # --- bytes ----------------------------------------------------------------------------------------------
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page: its entries' keys, values, scores, positions and counts."""
-        return sum(_empty_page_bytes(getattr(self, name)) for name in PAGE_FIELDS)
+        """Bytes of one page: its entries' keys, values (codes, scales, zero points), scores, positions and counts."""
+        return sum(_empty_page_bytes(getattr(self, name)) for name in self.fields)
 
     @property
     def kv_page_bytes(self) -> int:
-        return sum(_empty_page_bytes(t) for t in (self.k_pages, self.v_pages))
+        return sum(_empty_page_bytes(t) for t in self.kv())
+
+    def kv(self) -> tuple[Tensor, ...]:
+        """What a decode attention backend reads besides the block table and lengths (a store's `kv()`)."""
+        return tuple(getattr(self, name) for name in self.kv_fields)
 
     @property
     def nbytes(self) -> int:
@@ -122,23 +147,27 @@ class PagePool:
         return (self.pages - self.free_pages) * self.page_bytes
 
     # --- stores ---------------------------------------------------------------------------------------------
-    def adopt(self, store: LayerStore) -> "PooledStore":
+    def adopt(self, store: LayerStore) -> "Pooled":
         """`store`'s entries and layout in pages of this pool (each page a head owns copied into a pool page, the
-        block table renumbered): the store that replaces it."""
-        if type(store) is not LayerStore:
-            raise TypeError(f"kvcompile: a page pool holds full-precision pages (LayerStore), not {type(store).__name__}")
+        block table renumbered): the store of its class's pooled class (`POOLED`) that replaces it."""
+        pooled_class = POOLED.get(type(store))
+        if pooled_class is None:
+            raise TypeError(f"kvcompile: a page pool holds the pages of {', '.join(c.__name__ for c in POOLED)}, "
+                            f"not {type(store).__name__}")
+        if store.pool_fields != self.fields:
+            raise TypeError(f"kvcompile: a {type(store).__name__} does not have this pool's page layout")
         cols = torch.arange(store.block_table.shape[-1], device=store.block_table.device)
         owned = cols < store.owned[..., None]
         mine = store.block_table[owned]  # the pages the heads own, distinct
         ids = self.take(int(mine.numel()))
-        for name in PAGE_FIELDS:
+        for name in self.fields:
             getattr(self, name)[ids] = getattr(store, name)[mine]
         remap = torch.zeros(store.k_pages.shape[0], dtype=torch.long, device=ids.device)
         remap[mine] = ids
         table = torch.where(owned, remap[store.block_table], 0)
-        pooled = PooledStore(**{f.name: getattr(self, f.name) if f.name in PAGE_FIELDS else getattr(store, f.name)
-                                for f in dataclasses.fields(LayerStore)} | dict(block_table=table, next_page=0),
-                             pool=self)
+        pooled = pooled_class(**{f.name: getattr(self, f.name) if f.name in self.fields else getattr(store, f.name)
+                                 for f in dataclasses.fields(type(store))} | dict(block_table=table, next_page=0),
+                              pool=self)
         pooled.lengths, pooled.slots, pooled.owned = store.lengths.clone(), store.slots.clone(), store.owned.clone()
         pooled._lease(ids)
         return pooled
@@ -153,9 +182,11 @@ def _empty_page_bytes(t: Tensor) -> int:
 
 
 @dataclass(eq=False)
-class PooledStore(LayerStore):
-    """A request's layer in a shared `PagePool`: the layout of LayerStore over the pool's page tensors."""
+class Pooled:
+    """A request's layer in a shared `PagePool`: the layout of its store class (`own`) over the pool's page tensors.
+    Mixed in before the store class (`POOLED`)."""
 
+    own: ClassVar[type]  # the store class it pools (`detached` gives one)
     pool: PagePool | None = None
     leased: int = 0  # pages taken from the pool (on the host)
     lease: list = field(default_factory=list)  # their ids, tensors (n,) long; given back with the store
@@ -173,7 +204,7 @@ class PooledStore(LayerStore):
         self.leased += int(ids.numel())
 
     def _use_pool_tensors(self) -> None:
-        for name in PAGE_FIELDS:
+        for name in self.pool.fields:
             setattr(self, name, getattr(self.pool, name))
 
     # every method that changes the block table or the lengths counts it (`version`)
@@ -218,17 +249,18 @@ class PooledStore(LayerStore):
         return not self._release.alive
 
     def detached(self) -> LayerStore:
-        """The same entries and layout in pages of its own (a plain LayerStore): a cache that leaves the engine."""
+        """The same entries and layout in pages of its own (a store of its class, `own`): a cache that leaves the
+        engine."""
         mine = torch.cat(self.lease) if self.lease else torch.zeros(0, dtype=torch.long, device=self.device)
         remap = torch.zeros(self.pool.pages, dtype=torch.long, device=mine.device)
         remap[mine] = torch.arange(mine.numel(), device=mine.device)
         cols = torch.arange(self.block_table.shape[-1], device=self.block_table.device)
         table = torch.where(cols < self.owned[..., None], remap[self.block_table], 0)
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(LayerStore)}
-        fields.update({name: getattr(self.pool, name)[mine].clone() for name in PAGE_FIELDS})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self.own)}
+        fields.update({name: getattr(self.pool, name)[mine].clone() for name in self.pool.fields})
         fields.update(block_table=table, lengths=self.lengths.clone(), slots=self.slots.clone(),
                       owned=self.owned.clone(), next_page=int(mine.numel()))
-        return LayerStore(**fields)
+        return self.own(**fields)
 
     def __deepcopy__(self, memo):
         return self.detached()
@@ -321,31 +353,102 @@ def _give_back(pool: PagePool, lease: list) -> None:
         lease.clear()
 
 
+@dataclass(eq=False)
+class PooledStore(Pooled, LayerStore):
+    """A request's full-precision layer in a pool."""
+
+    own: ClassVar[type] = LayerStore
+
+
+@dataclass(eq=False)
+class PooledCodeStore(Pooled, CodeStore):
+    """A request's layer of codes (int8, int4; a tiered store's low tier) in a pool."""
+
+    own: ClassVar[type] = CodeStore
+
+
+@dataclass(eq=False)
+class PooledChannelCodeStore(Pooled, ChannelCodeStore):
+    """KIVI's tier of codes (keys per channel) in a pool; a flush changes its lengths (`version`)."""
+
+    own: ClassVar[type] = ChannelCodeStore
+
+    def flush(self, high: LayerStore, step: int) -> None:
+        self.version += 1
+        super().flush(high, step)
+
+
+POOLED = {LayerStore: PooledStore, CodeStore: PooledCodeStore, ChannelCodeStore: PooledChannelCodeStore}
+
+
+def tiers(store) -> tuple:
+    """The page stores of a layer's store: a TieredStore's two tiers, else the store itself."""
+    return (store.high, store.low) if isinstance(store, TieredStore) else (store,)
+
+
 class PagePools:
-    """An engine's page pools, one per layer (made on first use), and the batched decode step's write."""
+    """An engine's page pools, per layer one per page layout (made on first use), and the batched decode step's write
+    and attention."""
 
     def __init__(self, layers: int):
-        self.layers: list[PagePool | None] = [None] * layers
+        self.by_layout: list[dict[tuple, PagePool]] = [{} for _ in range(layers)]
 
-    def adopt(self, layer: int, store: LayerStore) -> PooledStore:
-        """`store` (a layer's pages built by the engine) moved into the layer's pool."""
-        if isinstance(store, PooledStore):
+    @property
+    def layers(self) -> list[PagePool | None]:
+        """Each layer's first pool (its only one unless its stores have two tiers: `by_layout`), or None."""
+        return [next(iter(pools.values()), None) for pools in self.by_layout]
+
+    def pool(self, layer: int, store: LayerStore) -> PagePool:
+        """The layer's pool of `store`'s page layout (made on first use)."""
+        key = PagePool.layout(store)
+        pool = self.by_layout[layer].get(key)
+        if pool is None:
+            pool = self.by_layout[layer][key] = PagePool.like(store)
+        return pool
+
+    def adopt(self, layer: int, store):
+        """`store` (a layer's pages built by the engine: a LayerStore, a store of codes, or each tier of a
+        TieredStore) moved into the layer's pool of its layout."""
+        if isinstance(store, TieredStore):
+            return dataclasses.replace(store, high=self.adopt(layer, store.high), low=self.adopt(layer, store.low))
+        if isinstance(store, Pooled):
             return store
-        if self.layers[layer] is None:
-            self.layers[layer] = PagePool.like(store)
-        return self.layers[layer].adopt(store)
+        return self.pool(layer, store).adopt(store)
 
-    def append(self, layer: int, stores: list[PooledStore], block_table: Tensor, lengths: Tensor, k: Tensor,
+    @staticmethod
+    def release(store) -> None:
+        """A request's layer gives its pages back to the pools (each tier's)."""
+        for tier in tiers(store):
+            if isinstance(tier, Pooled):
+                tier.release()
+
+    @staticmethod
+    def detached(store):
+        """A request's layer with pages of its own (each tier's), the pools' pages given back."""
+        if isinstance(store, TieredStore):
+            return dataclasses.replace(store, high=PagePools.detached(store.high), low=PagePools.detached(store.low))
+        if not isinstance(store, Pooled):
+            return store
+        own = store.detached()
+        store.release()
+        return own
+
+    @staticmethod
+    def pooled(store) -> bool:
+        """Every tier of `store` lives in a pool."""
+        return all(isinstance(tier, Pooled) for tier in tiers(store))
+
+    def append(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor, k: Tensor,
                v: Tensor, positions: Tensor) -> Tensor:
-        """One decode token of every request in `stores` (one sequence each) appended in one write: k, v (R, H, d)
-        into each head's next slot by the step's block table (R, H, M) and lengths (R, H) (`make_room` ran
-        first); each store's lengths and room count it. Returns the lengths after the append (R, H)."""
-        pool = self.layers[layer]
+        """One decode token of every request in `stores` (one sequence each, one pool) appended in one write: k, v
+        (R, H, d) into each head's next slot by the step's block table (R, H, M) and lengths (R, H) (`make_room` ran
+        first), written as the stores' class writes them (`_write_kv`: codes quantized); each store's lengths and
+        room count it. Returns the lengths after the append (R, H)."""
+        pool = stores[0].pool
         s = pool.page_size
         r, h = lengths.shape
         entry = (block_table.gather(-1, (lengths // s)[..., None]).squeeze(-1) * s + lengths % s).view(-1)
-        pool.k_pages.view(-1, pool.k_pages.shape[-1]).index_copy_(0, entry, k.reshape(r * h, -1).to(pool.k_pages.dtype))
-        pool.v_pages.view(-1, pool.v_pages.shape[-1]).index_copy_(0, entry, v.reshape(r * h, -1).to(pool.v_pages.dtype))
+        stores[0]._write_kv(entry.view(r, h) // s, entry.view(r, h) % s, k, v)  # into the pool's tensors, shared
         pool.score_pages.view(-1).index_fill_(0, entry, 0.0)
         pool.pos_pages.view(-1).index_copy_(0, entry, positions[:, None].expand(r, h).reshape(-1))
         pool.count_pages.view(-1).index_fill_(0, entry, 1.0)
@@ -358,20 +461,55 @@ class PagePools:
     def batch(self, layer: int, stores: list[PooledStore], block_table: Tensor, lengths: Tensor) -> BatchStore:
         """The requests `stores` of a batched decode step (their block table (R, H, M) and lengths (R, H), made room
         in) as one store over the layer's pool, for the plan's decode step to run on once (`BatchStore`)."""
-        pool = self.layers[layer]
+        pool = stores[0].pool
         return BatchStore(**{name: getattr(pool, name) for name in PAGE_FIELDS}, block_table=block_table,
                           lengths=lengths, slots=torch.cat([s.slots for s in stores]), next_page=pool.pages,
                           owned=torch.cat([s.owned for s in stores]), settled=all(s.settled for s in stores),
                           room=min(s.room for s in stores), storage=stores[0].storage, members=stores)
 
-    def attend(self, layer: int, backend, q: Tensor, block_table: Tensor, lengths: Tensor, scale: float) -> Tensor:
+    def attend(self, layer: int, backend, q: Tensor, block_table: Tensor, lengths: Tensor, scale: float,
+               pool: PagePool | None = None) -> Tensor:
         """Decode attention of the batch's queries q (R, Hq, d) over their heads' pages in the layer's pool (block
-        table (R, H, M), lengths (R, H)) by a decode attention backend (kvcompile.kernels.paged_attention): one call."""
-        pool = self.layers[layer]
-        return backend(q, pool.k_pages, pool.v_pages, block_table, lengths, None, scale)
+        table (R, H, M), lengths (R, H)) by a decode attention backend (kvcompile.kernels.paged_attention, or
+        paged_attention_quant for codes): one call. `pool`: the stores' pool (default: the layer's first)."""
+        pool = self.layers[layer] if pool is None else pool
+        return backend(q, *pool.kv(), block_table, lengths, None, scale)
+
+    @staticmethod
+    def rows(stores: list[Pooled]) -> "PoolRows":
+        """The batch's rows of the stores' pool: one block table padded over the stores (R, H, M) and their
+        lengths (R, H) (one sequence each)."""
+        table = torch.nn.utils.rnn.pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
+        return PoolRows(stores[0].pool, table.transpose(1, 2).contiguous(), torch.cat([s.lengths for s in stores]))
 
     def report(self) -> dict:
-        """Pages and bytes of every layer's pool: all, free, and taken."""
-        pools = [p for p in self.layers if p is not None]
+        """Pages and bytes of every pool: all, free, and taken."""
+        pools = [p for layer in self.by_layout for p in layer.values()]
         return {"pages": sum(p.pages for p in pools), "free_pages": sum(p.free_pages for p in pools),
                 "bytes": sum(p.nbytes for p in pools), "bytes_taken": sum(p.bytes_taken for p in pools)}
+
+
+@dataclass
+class PoolRows:
+    """A batch's rows over one pool, read as a decode attention backend reads a store: the pool's page tensors
+    (`kv()`, `k_pages`, ...), the batch's block table and lengths (a TieredPagedAttention takes two, `high` and
+    `low`: `TieredRows`)."""
+
+    pool: PagePool
+    block_table: Tensor  # (R, H, M)
+    lengths: Tensor  # (R, H)
+
+    k_pages = property(lambda self: self.pool.k_pages)
+    v_pages = property(lambda self: self.pool.v_pages)
+    count_pages = property(lambda self: self.pool.count_pages)
+
+    def kv(self) -> tuple[Tensor, ...]:
+        return self.pool.kv()
+
+
+@dataclass
+class TieredRows:
+    """A batch's rows of both tiers' pools (what `TieredPagedAttention` reads of a TieredStore)."""
+
+    high: PoolRows
+    low: PoolRows

@@ -117,7 +117,8 @@ class TieredStore:
         spares; counted in pages of S entries of the larger of the two entry sizes, a low page of `low` entries
         as ceil(low / S) of them (its per-page key scales, KIVI, are within its entries' bound)."""
         low = CODE_STORES[storage.key_axis].tier_page_size(storage, page_size)
-        entry = max(LayerStore.entry_bytes(storage, head_dim, element_size),
+        # the high tier's entries are in the model's dtype whatever the part (codes beside merge slots: int8, int4)
+        entry = max(2 * head_dim * element_size + ENTRY_METADATA_BYTES,
                     math.ceil(storage.low_entry_bytes(head_dim)) + ENTRY_METADATA_BYTES)
         pages += heads * (1 + math.ceil(low / page_size) * (1 + spare_pages))
         return LayerStore.bound_bytes(pages, page_size, entry, 2 * heads, table_width)
@@ -248,9 +249,9 @@ class TieredStore:
         return out
 
     def growth_bytes(self, step: int) -> int:
-        """Bytes one append can add: the high tier's, and for KIVI a run of low pages where a flush may need
-        them."""
-        return self.high.growth_bytes(step) + self.low.flush_bytes(step)
+        """Bytes one append can add: the appending tier's (the codes' where every token is codes, beside merge
+        slots), and for KIVI a run of low pages where a flush may need them."""
+        return self._appending.growth_bytes(step) + self.low.flush_bytes(step)
 
 
 @dataclass(frozen=True)
