@@ -11,8 +11,8 @@ steps (`prefill`, called by compile()'s forward, hence by generate()):
    template's turn end and the chunk's tokens, at the positions after the prompt. Each layer's op
    (`engine.reconstruction.reconstruction_step`) attends over the full cache and the input's own keys (what the model
    computes) and records, for the chunk's cached entries, the largest attention any reconstruction
-   query of the head's group gives them (`KVzip.score_reconstruction`); it stores nothing, and the
-   cache's length does not move;
+   query of the head's group gives them (`KVzip.score_reconstruction`; on fp32 CPUs from the logits the
+   attention kernel computes, in the same pass); it stores nothing, and the cache's length does not move;
 3. every layer's prompt entries selected by those scores with the policy's ranking, budget (layers,
    heads, threshold, split) and merge rule: `engine.prefill.compress_prompt_layer`, the per-layer selection
    every other scorer goes through (a cascade of layer budgets runs over the layers in order).
@@ -24,7 +24,8 @@ those scores for any allocation, ranking, merge or storage (the scores depend on
 Extra work: a forward over n + k·(p + overlap) tokens (n context tokens, k = ⌈n / chunk⌉ chunks, p the
 repeat prompt and turn end), its attention over the n cached entries and its own keys (the C++ attention
 kernel on fp32 CPUs, else SDPA), and the score's softmax over each chunk's keys (the first sinks, the
-chunk's, the input's own); the model's logits are taken at one position. Peak memory: the full cache of
+chunk's, the input's own: on fp32 CPUs from the kernel's logits, one more exp per key of the chunk and own
+keys, else a second pass); the model's logits are taken at one position (`logits_to_keep=1`). Peak memory: the full cache of
 every layer while scoring, plus one block of reconstruction rows' logits (about 2^23 floats).
 """
 from __future__ import annotations

@@ -15,10 +15,10 @@ from torch.testing import assert_close
 
 import kvcompile
 from kvcompile.kernels import choice
-from kvcompile.kernels.attention_column_sums import attention_column_sums, runs_here
+from kvcompile.kernels.attention_column_sums import attention_column_sums, reconstruction_attention, runs_here
 from kvcompile.layer_state import LayerState
 from kvcompile.plan import PlanError, build_plan
-from kvcompile.policies.scoring import Accumulated, Decayed, MeanAttention
+from kvcompile.policies.scoring import Accumulated, Decayed, KVzip, MeanAttention
 from kvcompile.engine.prefill import prompt_attention
 from tiny import prompt, tiny_model
 
@@ -48,6 +48,33 @@ def test_equals_the_attention_and_the_scorers_specification(b, h, g, n, d, pads,
     assert_close(out, prompt_attention(q, k, v, valid, 0.3))
     assert_close(scorer.score_from_column_sums(sums, state), scorer.score(state))  # the N×N specification
 
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 2), h=st.integers(1, 3), g=st.integers(1, 4), n=st.integers(1, 90), t=st.integers(1, 40),
+       d=st.sampled_from([16, 64]), sinks=st.integers(0, 6), threads=st.integers(1, 2), data=st.data())
+def test_reconstruction_equals_the_attention_and_kvzips_scores(b, h, g, n, t, d, sinks, threads, data):
+    """A KVzip reconstruction forward's attention (the last T of N + T keys) is the kernel's without scores,
+    bit for bit, and its scores are KVzip.score_keys' (the softmax over the sinks, the chunk and the own keys)."""
+    start = data.draw(st.integers(0, n - 1))
+    end = data.draw(st.integers(start + 1, n))
+    q, k, v = tensors(b, h, g, n + t, d, n * 7 + t)
+    q = q[:, :, n:]
+    sink = min(sinks, start)
+    out, scores = reconstruction_attention(q, k, v, 0.3, sink, start, end, threads=threads)
+    assert torch.equal(out, attention_column_sums(q, k, v, None, 0.3, q.new_zeros(t), threads=threads)[0])
+    assert_close(out, prompt_attention(q, k, v, None, 0.3, offset=n))
+    expected = KVzip(sinks=sinks).score_reconstruction(q, k[:, :, :n], k[:, :, n:], start, end, 0.3)
+    assert scores.shape == (b, h, end - start)
+    assert_close(scores, expected)
+
+
+def test_reconstruction_refuses_a_chunk_outside_the_cache():
+    q, k, v = tensors(1, 1, 1, 30, 16, 0)
+    with pytest.raises(ValueError, match="sink <= start <= end <= N - T"):
+        reconstruction_attention(q[:, :, 20:], k, v, 0.3, 0, 5, 25)  # the cache is 20 keys
+    with pytest.raises(ValueError, match="sink <= start"):
+        reconstruction_attention(q[:, :, 20:], k, v, 0.3, 4, 2, 10)
 
 def test_pads_anywhere_follow_the_model_attention():
     """A pad query sees itself only (as prompt_attention), a pad key is seen by no real query,

@@ -56,6 +56,42 @@ def test_scores_and_kept_equal_the_reference(kv_heads, n, batch, chunk, sinks, o
     assert torch.equal(cache.kept(), expected.budgets)
 
 
+
+def test_reconstruction_scores_come_from_the_attentions_logits(monkeypatch):
+    """Where the C++ attention kernel runs (fp32 CPU), a reconstruction forward's scores come from the logits its
+    attention computes: no layer runs KVzip's score pass a second time, and the kept entries are the reference's."""
+    from kvcompile.kernels.attention_column_sums import runs_here
+    from kvcompile.policies.scoring import KVzip
+
+    if not runs_here(torch.device("cpu"), torch.float32, 16):
+        pytest.skip("no C++ toolchain: the scorer's own pass runs")
+    calls = []
+    original = KVzip.score_keys
+    monkeypatch.setattr(KVzip, "score_keys", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    model = tiny_model("llama", kv_heads=2)
+    policy = load_spec("kvzip", per_head=12, scoring={"kvzip": {"chunk": 20, "sinks": 4, "overlap": 3}})
+    ids = prompt(50, seed=5)
+    cache = run(model, policy, ids)
+    assert calls == []
+    scores, states = reference.kvzip_scores(model, ids, REPEAT, policy.scoring)
+    expected = reference.compress(policy, states, scores=scores)
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(cache.kept_positions(layer), expected.kept[layer]), f"layer {layer}"
+
+
+def test_reconstruction_forwards_compute_one_position_of_logits():
+    """The reconstruction forwards' logits are never read: the model's head runs at one position of each (the
+    prompt's own forward keeps all its logits, as the model does)."""
+    model = tiny_model("llama", kv_heads=2)
+    policy = load_spec("kvzip", per_head=12, scoring={"kvzip": {"chunk": 20, "sinks": 4, "overlap": 3}})
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
+    try:
+        run(model, policy, prompt(50, seed=5))
+    finally:
+        hook.remove()
+    assert rows == [50, 1, 1, 1]  # the prompt, then its 3 chunks' reconstruction forwards
+
 def test_every_entry_gets_a_score_from_its_own_chunk():
     """The scores are attention probabilities of every prompt entry (chunks cover the prompt once)."""
     model = tiny_model("llama")

@@ -35,9 +35,8 @@ def reconstruction_step(cache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     cached_k, cached_v = rec.keys[layer], rec.values[layer]
     start, end = rec.span
     keys, values = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
-    out = _attention_after(q, keys, values, scale, softcap, sinks)
-    scores = cache.plan.policy.scoring.score_reconstruction(q, cached_k, k, start, end, scale, softcap=softcap,
-                                                            sinks=sinks)
+    out, scores = _attention_and_scores(cache.plan.policy.scoring, q, keys, values, k, start, end, scale, softcap,
+                                        sinks)
     if rec.scores[layer] is None:
         rec.scores[layer] = torch.zeros(b, k.shape[1], cached_k.shape[2], dtype=torch.float32, device=k.device)
     rec.scores[layer][:, :, start:end] = scores
@@ -115,6 +114,24 @@ def select_reconstructed(cache, layer: int) -> None:
     scores = torch.cat([cand.scores[:, :, :cand.held], rec.scores[layer]], dim=2)
     select_chunk(cache, layer, held, cand, scores)
     rec.keys[layer] = rec.values[layer] = rec.scores[layer] = None
+
+
+def _attention_and_scores(scorer, q: Tensor, keys: Tensor, values: Tensor, own_k: Tensor, start: int, end: int,
+                          scale: float, softcap: float | None, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A reconstruction forward's attention at one layer (the last T = q.shape[2] rows of the causal sequence
+    `keys`, `values`: the cached prompt, then the input's own `own_k`) and the scores of the cached entries
+    [start, end) (`scorer.score_reconstruction`). Where the C++ attention kernel runs (fp32 CPU, no soft-cap, no
+    sinks) one pass computes both from the same logits (`kernels.attention_column_sums.reconstruction_attention`);
+    elsewhere the attention, then the scorer's own pass."""
+    from kvcompile.kernels.attention_column_sums import reconstruction_attention, runs_here
+
+    n = keys.shape[2] - q.shape[2]
+    if not softcap and sinks is None and runs_here(q.device, q.dtype, q.shape[-1]):
+        out, scores = reconstruction_attention(q, keys, values, scale, min(scorer.sinks, start), start, end)
+        return out.to(q.dtype), scores
+    out = _attention_after(q, keys, values, scale, softcap, sinks)
+    return out, scorer.score_reconstruction(q, keys[:, :, :n], own_k, start, end, scale, softcap=softcap,
+                                            sinks=sinks)
 
 
 def _attention_after(q: Tensor, keys: Tensor, values: Tensor, scale: float, softcap: float | None = None,

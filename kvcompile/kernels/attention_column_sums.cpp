@@ -12,6 +12,13 @@
 // thread's accumulator, and the stripe times V gives the output. So the logits are computed
 // once, as flash attention computes them, and the score costs one extra multiply-add per
 // probability. Both products are register-tiled with the keys and V in L1.
+//
+// KVzip's reconstruction (kvz_on): the T queries are a reconstruction input read after the N − T cached
+// keys, and the kernel also records, for the cached keys i ∈ [w0, w1) (the chunk), the largest log of
+// KVzip's attention any row of the work item's KV head gives them: the softmax over KVzip's keys only,
+// the sinks [0, sink), the chunk and the own keys [N − T, j], taken from the row's logits in the stripe
+// before the model's softmax overwrites them: kvz[i − w0] = max_rows (l_i − m' − log Z') (the caller
+// takes exp of it: exp is monotone, so it is the maximum attention itself).
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <omp.h>
 #include <algorithm>
@@ -75,6 +82,25 @@ static inline float row_max(const float* s, int64_t n) {
     return out;
 }
 
+// Σ_{i < n} exp(s[i] − m), s left as is.
+static inline float exp_total(const float* s, int64_t n, float m) {
+    const Vec mv(m);
+    Vec total(0.f);
+    int64_t i = 0;
+    for (; i + L <= n; i += L) total = total + (Vec::loadu(s + i) - mv).exp();
+    float out = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, total);
+    for (; i < n; ++i) out += std::exp(s[i] - m);
+    return out;
+}
+
+// acc[i] ← max(acc[i], s[i] − c) for i < n.
+static inline void max_shifted(float* acc, const float* s, int64_t n, float c) {
+    const Vec cv(c);
+    int64_t i = 0;
+    for (; i + L <= n; i += L) at::vec::maximum(Vec::loadu(acc + i), Vec::loadu(s + i) - cv).store(acc + i);
+    for (; i < n; ++i) acc[i] = std::max(acc[i], s[i] - c);
+}
+
 // s[i] ← exp(s[i] − m) for i < n; returns their sum.
 static inline float exp_sum(float* s, int64_t n, float m) {
     const Vec mv(m);
@@ -107,11 +133,13 @@ static inline void axpy(float* acc, const float* s, int64_t n, float c) {
 // weights; out (B, H·G, T, D); partial (threads, B, H·G, N) zeros: each thread's column sums
 // (the caller adds them up); stripe (threads, G·QB, NP) scratch. Query t is key j = N − T + t: it
 // sees the keys i ≤ j that are real (i < j; itself always), the first E with their bias; a pad
-// query sees none of the first E.
+// query sees none of the first E. kvz (threads, B, H, w1 − w0) −inf: each thread's KVzip maxima, read
+// when kvz_on (no mask, no bias; sink ≤ w0 ≤ w1 ≤ N − T).
 extern "C" void kernel(const float* q, const float* kt, const float* v, const int64_t* valid, const float* bias,
-                       const float* w, float* out, float* partial, float* stripe, const int64_t B, const int64_t H,
-                       const int64_t G, const int64_t N, const int64_t T, const int64_t E, const int64_t NP,
-                       const float scale, const int64_t has_mask, const int64_t threads) {
+                       const float* w, float* out, float* partial, float* stripe, float* kvz, const int64_t B,
+                       const int64_t H, const int64_t G, const int64_t N, const int64_t T, const int64_t E,
+                       const int64_t NP, const float scale, const int64_t has_mask, const int64_t kvz_on,
+                       const int64_t sink, const int64_t w0, const int64_t w1, const int64_t threads) {
     const int64_t blocks = (T + QB - 1) / QB, BH = B * H, offset = N - T;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if(threads > 1)
     for (int64_t item = 0; item < BH * blocks; ++item) {
@@ -126,6 +154,7 @@ extern "C" void kernel(const float* q, const float* kt, const float* v, const in
         const float* vh = v + bh * N * D;
         const float* held = E ? bias + bh * E : nullptr;
         const int64_t* real = has_mask ? valid + b * N : nullptr;
+        float* best = kvz_on ? kvz + (thread * BH + bh) * (w1 - w0) : nullptr;  // (w1 − w0) of this KV head
         std::vector<const float*> qr(rows);
         std::vector<float*> sr(rows), orow(rows);
         std::vector<int64_t> len(rows);
@@ -154,6 +183,12 @@ extern "C" void kernel(const float* q, const float* kt, const float* v, const in
             float* s = sr[r];
             const int64_t n = len[r], j = n - 1, t = j - offset;
             const bool real_query = real == nullptr || real[j];
+            if (best != nullptr) {  // KVzip's softmax over the sinks, the chunk and the own keys ≤ j
+                const float m = std::max({row_max(s, sink), row_max(s + w0, w1 - w0), row_max(s + offset, n - offset)});
+                const float z = exp_total(s, sink, m) + exp_total(s + w0, w1 - w0, m) +
+                                exp_total(s + offset, n - offset, m);
+                max_shifted(best, s + w0, w1 - w0, m + std::log(z));
+            }
             if (held != nullptr) {  // the held entries: their bias (none for a pad query)
                 const int64_t e_end = std::min(E, j);
                 if (real_query) axpy(s, held, e_end, 1.f);

@@ -41,8 +41,9 @@ from kvcompile.kernels.paged_attention_cpp import load_cpp, supports
 from kvcompile.layer_state import LayerState
 
 _ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*", "const float*", "const float*",
-             "float*", "float*", "float*", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
-             "const int64_t", "const int64_t", "const int64_t", "const float", "const int64_t", "const int64_t")
+             "float*", "float*", "float*", "float*", "const int64_t", "const int64_t", "const int64_t",
+             "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const float", "const int64_t",
+             "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t")
 QUERY_BLOCK = 16  # queries per work item: G·16 rows of logits stay in a core's L2 up to ~8k keys (G = 3)
 LANES = 16  # the widest vector (AVX-512 fp32): keys are padded to a multiple of it
 
@@ -70,6 +71,30 @@ def attention_column_sums(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None,
         raise ValueError(f"attention_column_sums: q (B, H·G, T, d), k and v (B, H, N, d) with T <= N, weights (T,), "
                          f"bias (B, H, E) with E <= N - T; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(weights.shape)}, {None if bias is None else tuple(bias.shape)}")
+    out, partial, _ = _run(q, k, v, valid, scale, weights, bias, threads, None)
+    return out, partial.sum(0)
+
+
+def reconstruction_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, sink: int, start: int, end: int, *,
+                             threads: int | None = None) -> tuple[Tensor, Tensor]:
+    """(out, scores) of a KVzip reconstruction forward at one layer, in one pass: q (B, Hq, T, d) the
+    reconstruction input's queries, k, v (B, H, N, d) the cached keys and values followed by the input's own
+    (the last T); out (B, Hq, T, d) the model's attention of those T rows (as `attention_column_sums` gives it);
+    scores (B, H, end − start) float32 the largest attention any query of a KV head's group gives the cached
+    keys [start, end), the softmax over the first `sink` keys, [start, end) and the own keys up to the query:
+    `policies.scoring.KVzip.score_keys`, from the logits the model's attention computes (not a second time)."""
+    b, hq, t, d = q.shape
+    if not 0 <= sink <= start <= end <= k.shape[2] - t:
+        raise ValueError(f"reconstruction_attention: need 0 <= sink <= start <= end <= N - T; got sink {sink}, "
+                         f"[{start}, {end}), N {k.shape[2]}, T {t}")
+    out, _, best = _run(q, k, v, None, scale, q.new_zeros(t), None, threads, (sink, start, end))
+    return out, best.amax(0).exp_()
+
+
+def _run(q, k, v, valid, scale, weights, bias, threads, kvzip):
+    b, hq, t, d = q.shape
+    h, n = k.shape[1], k.shape[2]
+    e = 0 if bias is None else bias.shape[-1]
     threads = torch.get_num_threads() if threads is None else threads
     g = hq // h
     padded = -(-n // LANES) * LANES
@@ -80,9 +105,12 @@ def attention_column_sums(q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None,
     out = torch.empty(b, hq, t, d)
     partial = torch.zeros(threads, b, hq, n)
     stripe = torch.empty(threads, g * QUERY_BLOCK, padded)
+    sink, start, end = kvzip or (0, 0, 0)
+    best = torch.full((threads, b, h, end - start) if kvzip else (1,), float("-inf"))
     _kernel(d)(q.contiguous(), kt, v.contiguous(), mask, held, weights.to(torch.float32).contiguous(), out,
-               partial, stripe, b, h, g, n, t, e, padded, float(scale), int(valid is not None), threads)
-    return out, partial.sum(0)
+               partial, stripe, best, b, h, g, n, t, e, padded, float(scale), int(valid is not None),
+               int(kvzip is not None), sink, start, end, threads)
+    return out, partial, best
 
 
 @dataclass(frozen=True)
