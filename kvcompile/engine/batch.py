@@ -123,7 +123,7 @@ class PooledPages:
     def adopt(self, cache: KVCompileCache) -> None:
         """Move a request's compressed layers into the pools (once, after the forward that compressed them)."""
         if self.pools is not None:
-            cache.stores = [self.pools.adopt(layer, store) for layer, store in enumerate(cache.stores)]
+            cache.hold_stores([self.pools.adopt(layer, store) for layer, store in enumerate(cache.stores)])
 
     def release(self, cache: KVCompileCache) -> None:
         """A request ended: its pages go back to the pools."""
@@ -140,7 +140,7 @@ class PooledPages:
                 store.release()
                 store = own
             stores.append(store)
-        cache.stores = stores
+        cache.hold_stores(stores)
 
     def copy_in(self, cache: KVCompileCache) -> KVCompileCache:
         """A copy of `cache` (kept outside the engine, left as it is) with its pages copied into the pools: a request

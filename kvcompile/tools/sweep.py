@@ -95,7 +95,7 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
         if windows is None or len(windows) != cache.plan.model_layers:
             raise ValueError("kvcompile: replaying onto a hybrid model (sliding_attention layers) needs its local "
                              "layers' windows: give the states `capture` returned (Captured.windows)")
-        cache.windows = list(windows)  # a decode step replaces a layer's window, never changes it in place
+        cache.hold_windows(windows)  # a decode step replaces a layer's window, never changes it in place
     first = states[0]
     b, _, n, _ = first.keys.shape
     start_prompt(cache, first.mask, b, n, first.keys)
