@@ -9,8 +9,9 @@ modules that own the phase and the state it is given; the fields of a phase's st
 `rec = cache.reconstruction; rec.span = s`) are written only by their owners; `bind` only where a plan is refined
 before the prompt. The layers' contents (`cache.stores`, `rings`, `states`, `windows`: the lists, a layer's
 entry, a part of what a layer holds but a store's fields, which tests/test_store_ownership.py checks) are written
-by cache.py alone, in its declared methods (`hold_store`, `push_query`, ...). Then at run time: the moves of generate(), a prompt in chunks, a policy that compresses chunk by
-chunk, KVzip (one pass and chunked) and a continued cache (multi-turn), and the illegal moves refused."""
+by cache.py alone, in its declared methods (`hold_store`, `push_query`, ...). Then at run time: the moves of
+generate(), a prompt in chunks, a policy that compresses chunk by chunk, KVzip (one pass and chunked) and a
+continued cache (multi-turn), and the illegal moves refused."""
 from __future__ import annotations
 
 import ast
