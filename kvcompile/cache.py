@@ -53,9 +53,11 @@ class KVCompileCache(Cache):
     state, read-only here and set by the phase's own module through `enter`: `prompt` (PromptState, from the
     prompt on), `chunks` / `compressing` (a prompt arriving in several calls, compressed once whole / after
     every chunk), `reconstruction` (a reconstruction scorer's prompt) and `decoding` (DecodeState). `plan` is
-    bound once (`bind`, before a layer holds pages). The layers' contents: `stores` (one page store per layer,
-    of the class `plan.store` names), `rings` (latest queries per layer, for `decode: every`), `states`
-    (recorded LayerStates), `windows` and `seq_length` (`advance`).
+    bound once (`bind`, before a layer holds pages). The layers' contents, read-only lists that the engine's
+    phases change through the cache's methods only (`hold_store`, `hold_stores`, `hold_queries`, `push_query`,
+    `record_state`, `hold_windows`): `stores` (one page store per layer, of the class `plan.store` names),
+    `rings` (latest queries per layer, for `decode: every`), `states` (recorded LayerStates), `windows`; and
+    `seq_length` (`advance`).
     """
 
     is_compileable = False
@@ -89,11 +91,12 @@ class KVCompileCache(Cache):
         self._phase, self._state = Phase.EMPTY, {}  # the phase and what it holds (`enter`)
         self.record = record
         self.progress = progress  # show a progress bar over the prompt's layers
-        self.stores: list[LayerStore | TieredStore | None] = [None] * plan.num_layers
-        self.states: list[LayerState | None] = [None] * plan.num_layers
-        self.rings: list[Tensor | None] = [None] * plan.num_layers  # latest query rows (decode: every)
+        # the layers' contents, read-only lists written by the cache's own methods ("the layers' contents" below)
+        self._stores: list[LayerStore | TieredStore | None] = [None] * plan.num_layers
+        self._states: list[LayerState | None] = [None] * plan.num_layers
+        self._rings: list[Tensor | None] = [None] * plan.num_layers  # latest query rows (decode: every)
         # a hybrid model's layers left to their window (kvcompile.engine.window), by model layer; None elsewhere
-        self.windows: list[WindowLayer | None] = [None] * plan.model_layers
+        self._windows: list[WindowLayer | None] = [None] * plan.model_layers
         self.seq_length = 0  # logical length: prompt (pads included) + generated tokens
         self.record_past = False  # local layers keep every position until crop() (activate_past_recording)
         self.ref = CacheRef(self)  # what kvcompile.attend gets for this cache, and the token it declares it
@@ -143,6 +146,54 @@ class KVCompileCache(Cache):
     def _same_model(self, plan: Plan) -> bool:
         return (plan.policy, plan.num_layers, tuple(plan.kv_heads)) == (self._plan.policy, self._plan.num_layers,
                                                                          tuple(self._plan.kv_heads))
+
+    # --- the layers' contents: read here, written only by the methods below (tests/test_cache_states.py) ----
+    stores = property(lambda self: self._stores)  # one page store per layer (kvcompile/store/), or None
+    rings = property(lambda self: self._rings)  # per layer, the latest query rows (B, Hq, <=R, d), or None
+    states = property(lambda self: self._states)  # per layer, its recorded LayerState (`record`), or None
+    windows = property(lambda self: self._windows)  # per model layer, a local layer's WindowLayer, or None
+
+    def hold_store(self, layer: int, store: LayerStore | TieredStore) -> None:
+        """Layer `layer` now holds `store`'s entries: its compressed prompt (a prompt's layer, a chunk's, a
+        cascade's re-selection) or, while decoding, its pruned entries in fresh pages."""
+        self._stores[layer] = store
+
+    def hold_stores(self, stores: list) -> None:
+        """Every layer's entries, the same ones, in other pages: a serving engine's pool adopts a request's pages
+        or gives them back (kvcompile.engine.batch.PooledPages)."""
+        if len(stores) != len(self._stores):
+            raise ValueError(f"kvcompile: hold_stores() takes one store per layer ({len(self._stores)}), got "
+                             f"{len(stores)}")
+        self._stores = list(stores)
+
+    def hold_queries(self, layer: int, rows: Tensor) -> None:
+        """Layer `layer`'s ring of latest query rows (B, Hq, <=R, d) is `rows` (a prompt's, a chunk's): what
+        `decode: every` pruning scores with."""
+        self._rings[layer] = rows
+
+    def push_query(self, layer: int, row: Tensor) -> None:
+        """Layer `layer`'s ring of latest queries (B, Hq, <=R, d) takes `row` (B, Hq, 1, d), dropping its oldest
+        row once it holds `plan.ring_rows`: in place then (its storage kept, what a captured step replays into)."""
+        ring, rows = self._rings[layer], self.plan.ring_rows
+        if ring.shape[2] == rows and not (ring.is_inference() and not torch.is_inference_mode_enabled()):
+            ring.copy_(torch.cat([ring[:, :, 1:], row], dim=2))
+        else:
+            self._rings[layer] = torch.cat([ring, row], dim=2)[:, :, -rows:]
+
+    def record_state(self, layer: int, state: LayerState) -> None:
+        """Layer `layer`'s prefill state, kept for tests and sweeps (a cache made with `record`)."""
+        if not self.record:
+            raise RuntimeError("kvcompile: record_state() on a cache made without record=True")
+        self._states[layer] = state
+
+    def hold_windows(self, windows: list) -> None:
+        """A hybrid model's local layers as a captured prompt left them (kvcompile.tools.sweep.replay), on an empty
+        cache: one entry per model layer (a WindowLayer, None for a compressed layer). A decode step replaces a
+        layer's window, never changes it in place, so the windows given are shared, not copied."""
+        if self._phase is not Phase.EMPTY or len(windows) != len(self._windows):
+            raise ValueError(f"kvcompile: hold_windows() takes one entry per model layer ({len(self._windows)}) "
+                             f"on an empty cache; got {len(windows)} on a cache that is '{self._phase.value}'")
+        self._windows = list(windows)
 
     def advance(self, tokens: int) -> None:
         """The cache grew by `tokens` tokens per sequence (a call's last layer ran): its length on the host and,
@@ -294,7 +345,7 @@ class KVCompileCache(Cache):
         out, held = window_step(self.windows[layer], q, k, v, mask, scale, kinds.windows[layer], self.plan.softcap,
                                 self.plan.model_layer_sinks(layer, q.device), self.record_past, kinds.chunked(layer))
         if self.reconstruction is None or not self.reconstruction.scoring:  # (a reconstruction forward, KVzip's,
-            self.windows[layer] = held  # is no part of the sequence: its tokens attend within the window, kept not)
+            self._windows[layer] = held  # is no part of the sequence: its tokens attend within the window, kept not)
         return out
 
     def activate_past_recording(self) -> None:
@@ -330,12 +381,12 @@ class KVCompileCache(Cache):
         if self._phase is Phase.EMPTY:
             return
         index = index.to(self.prompt.lengths.device)
-        self.stores = [None if store is None else store.rows(index, self.plan.spare_pages)
-                       for store in self.stores]
+        self._stores = [None if store is None else store.rows(index, self.plan.spare_pages)
+                        for store in self._stores]
         self._state = {name: None if s is None else rows_of(s, index) for name, s in self._state.items()}
-        self.rings = [None if ring is None else ring[index.to(ring.device)] for ring in self.rings]
-        self.windows = [None if held is None else held.rows(index) for held in self.windows]
-        self.states = [None] * self.plan.num_layers
+        self._rings = [None if ring is None else ring[index.to(ring.device)] for ring in self._rings]
+        self._windows = [None if held is None else held.rows(index) for held in self._windows]
+        self._states = [None] * self.plan.num_layers
 
     @property
     def is_croppable(self) -> bool:
@@ -357,7 +408,7 @@ class KVCompileCache(Cache):
         windows = [(i, w) for i, w in enumerate(self.windows) if w is not None]  # a hybrid model's local layers
         if tokens_to_remove == 0:
             for i, w in windows:  # back to their last window - 1 positions
-                self.windows[i] = w.cropped(0)
+                self._windows[i] = w.cropped(0)
             return
         if any(not w.can_crop(-tokens_to_remove) for _, w in windows):
             raise NotImplementedError(
@@ -377,7 +428,7 @@ class KVCompileCache(Cache):
         for store in self.stores:
             store.crop(cutoff)
         for i, w in windows:
-            self.windows[i] = w.cropped(-tokens_to_remove)
+            self._windows[i] = w.cropped(-tokens_to_remove)
         self.seq_length = max_length
         if self.decoding is not None and self.decoding.length is not None:
             self.decoding.cut(max_length)

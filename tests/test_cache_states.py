@@ -7,8 +7,11 @@ Checked on the source (AST), as tests/test_store_ownership.py checks the store: 
 assigns a cache's phase state or plan (`cache.prompt = ...`, `cache.plan = ...`); `enter` is called only by the
 modules that own the phase and the state it is given; the fields of a phase's state (`cache.prompt.held[i] = x`,
 `rec = cache.reconstruction; rec.span = s`) are written only by their owners; `bind` only where a plan is refined
-before the prompt. Then at run time: the moves of generate(), a prompt in chunks, a policy that compresses chunk by
-chunk, KVzip (one pass and chunked) and a continued cache (multi-turn), and the illegal moves refused."""
+before the prompt. The layers' contents (`cache.stores`, `rings`, `states`, `windows`: the lists, a layer's
+entry, a part of what a layer holds but a store's fields, which tests/test_store_ownership.py checks) are written
+by cache.py alone, in its declared methods (`hold_store`, `push_query`, ...). Then at run time: the moves of
+generate(), a prompt in chunks, a policy that compresses chunk by chunk, KVzip (one pass and chunked) and a
+continued cache (multi-turn), and the illegal moves refused."""
 from __future__ import annotations
 
 import ast
@@ -45,6 +48,10 @@ BINDS = {"engine/prefill.py", "engine/chunked.py", "integrations/generate.py"}  
 # moves of every state at once (rows for beam search, devices for a pipeline)
 CACHE_WRITERS = {"__init__", "enter", "bind", "copy_with", "_select_rows", "state_to"}
 MUTATORS = {"append", "extend", "insert", "pop", "clear", "update", "remove", "setdefault"}
+# the layers' contents, lists on the cache written only by its own methods (`hold_store`, `push_query`, ...)
+CONTENTS = {"stores", "rings", "states", "windows"}
+CONTENTS_WRITERS = {"__init__", "hold_store", "hold_stores", "hold_queries", "push_query", "record_state",
+                    "hold_windows", "_select_rows", "attend_window", "crop"}  # cache.py's methods that write them
 
 
 def _is_cache(node: ast.expr) -> bool:
@@ -57,9 +64,32 @@ def _is_cache(node: ast.expr) -> bool:
 class _Function(ast.NodeVisitor):
     """The writes of phase state in one module; `found` gets (line, state or '', what) for each."""
 
-    def __init__(self, found: list, aliases: dict | None = None):
+    def __init__(self, found: list, aliases: dict | None = None, contents: dict | None = None, selves=()):
         self.found = found
         self.aliases = dict(aliases or {})  # local name -> the state it is bound to
+        self.contents = dict(contents or {})  # local name -> (the layer contents it is part of, its depth)
+        self.selves = tuple(selves)  # names that are a cache too (`self`, scanning cache.py itself)
+
+    def contents_of(self, node: ast.expr) -> tuple[str, int] | None:
+        """(name, depth) where `node` is a cache's layer contents or a part of one: `cache.stores` (depth 0), a
+        layer's `cache.rings[i]` (1), a part of a layer's `cache.windows[i].keys` (2), or a name bound to one."""
+        depth = 0
+        while isinstance(node, (ast.Subscript, ast.Attribute)):
+            if isinstance(node, ast.Attribute) and node.attr.lstrip("_") in CONTENTS and (
+                    _is_cache(node.value) or (isinstance(node.value, ast.Name) and node.value.id in self.selves)):
+                return node.attr.lstrip("_"), depth
+            node, depth = node.value, depth + 1
+        if isinstance(node, ast.Name) and node.id in self.contents:
+            name, at = self.contents[node.id]
+            return name, at + depth
+        return None
+
+    def contents_target(self, node: ast.AST, target: ast.expr) -> None:
+        """An assignment to `target` writes a layer's contents: the list, a layer's entry in it, or (but a store's
+        fields: tests/test_store_ownership.py) a part of what a layer holds."""
+        found = None if isinstance(target, ast.Name) else self.contents_of(target)
+        if found is not None and (found[0] != "stores" or found[1] <= 1):
+            self.report(node, f"contents {found[0]}", "writes a layer's contents")
 
     def state_of(self, node: ast.expr) -> str | None:
         """The phase state `node` is (cache.prompt, or a name bound to it), else None."""
@@ -91,6 +121,7 @@ class _Function(ast.NodeVisitor):
         state = self.field_of(target)
         if state is not None:
             self.report(node, state, "writes a field of the phase state")
+        self.contents_target(node, target)
 
     def bind(self, target: ast.expr, value: ast.expr | None) -> None:
         if isinstance(target, (ast.Tuple, ast.List)):
@@ -104,6 +135,11 @@ class _Function(ast.NodeVisitor):
                 self.aliases[target.id] = state
             else:
                 self.aliases.pop(target.id, None)
+            found = None if value is None else self.contents_of(value)
+            if found is not None:
+                self.contents[target.id] = found
+            else:
+                self.contents.pop(target.id, None)
 
     def visit_Assign(self, node: ast.Assign) -> None:
         for t in node.targets:
@@ -114,6 +150,22 @@ class _Function(ast.NodeVisitor):
 
     def visit_AugAssign(self, node: ast.AugAssign) -> None:
         self.target(node, node.target)
+        self.generic_visit(node)
+
+    def visit_Delete(self, node: ast.Delete) -> None:
+        for t in node.targets:
+            self.contents_target(node, t)
+        self.generic_visit(node)
+
+    def visit_For(self, node: ast.For) -> None:
+        """`for s in cache.windows` binds s to a layer's entry (`for i, s in enumerate(...)` too)."""
+        it, target = node.iter, node.target
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" and it.args \
+                and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+            it, target = it.args[0], target.elts[1]
+        found = self.contents_of(it)
+        if found is not None and isinstance(target, ast.Name):
+            self.contents[target.id] = (found[0], found[1] + 1)
         self.generic_visit(node)
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
@@ -143,10 +195,14 @@ class _Function(ast.NodeVisitor):
                     self.report(node, kw.arg or "?", "gives a phase its state")
             if name == "bind" and _is_cache(func.value):
                 self.report(node, "bind", "binds a cache's plan")
+            found = self.contents_of(func.value)  # cache.stores.append(s), ring.copy_(x)
+            if found is not None and ((found[1] == 0 and name in MUTATORS | {"sort", "reverse", "__setitem__"}) or (
+                    found[0] != "stores" and found[1] > 0 and name.endswith("_") and not name.startswith("_"))):
+                self.report(node, f"contents {found[0]}", "changes a layer's contents in place")
         self.generic_visit(node)
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:  # a nested function: its own names
-        inner = _Function(self.found, self.aliases)
+        inner = _Function(self.found, self.aliases, self.contents, self.selves)
         for stmt in node.body:
             inner.visit(stmt)
 
@@ -202,6 +258,84 @@ def test_cache_py_sets_its_phase_state_and_plan_in_its_declared_methods_only():
                     if isinstance(t, ast.Attribute) and t.attr in ("_state", "_phase", "_plan"):
                         writers.add(function.name)
     assert writers and writers <= CACHE_WRITERS, writers - CACHE_WRITERS
+
+
+def test_cache_py_writes_the_layers_contents_in_its_declared_methods_only():
+    tree = ast.parse((PACKAGE / "cache.py").read_text())
+    writers = set()
+    for cls in tree.body:
+        for function in getattr(cls, "body", []) if isinstance(cls, ast.ClassDef) else []:
+            if isinstance(function, ast.FunctionDef):
+                found: list = []
+                _Function(found, selves=("self",)).visit(function)
+                if any(state.startswith("contents ") for _, state, _ in found):
+                    writers.add(function.name)
+    assert writers == CONTENTS_WRITERS, writers ^ CONTENTS_WRITERS
+
+
+# the writes of layer contents that the cache's methods replaced, planted back into their modules
+PLANTED = [
+    ("engine/prefill.py", "cache.hold_store(layer, ", "cache.stores[layer] = (", "contents stores"),
+    ("engine/prefill.py", "cache.hold_queries(layer, ", "cache.rings[layer] = (", "contents rings"),
+    ("engine/prefill.py", "cache.record_state(layer, ", "cache.states[layer] = (", "contents states"),
+    ("engine/decode.py", "cache.hold_store(layer, store)", "cache.stores[layer] = store", "contents stores"),
+    ("engine/decode.py", "cache.push_query(layer, q[:, :, i, None])",
+     "ring = cache.rings[layer]; ring.copy_(q[:, :, i, None])", "contents rings"),
+    ("engine/chunked.py", "cache.hold_queries(layer, ", "cache.rings[layer] = (", "contents rings"),
+    ("engine/chunked.py", "cache.hold_store(layer, ", "cache.stores[layer] = (", "contents stores"),
+    ("engine/cascade.py", "cache.hold_store(layer, ", "cache.stores[layer] = (", "contents stores"),
+    ("engine/batch.py", "cache.hold_stores(stores)", "cache.stores = stores", "contents stores"),
+    ("engine/batch.py", "cache.hold_stores([", "cache.stores = ([", "contents stores"),
+    ("tools/sweep.py", "cache.hold_windows(windows)", "cache.windows = list(windows)", "contents windows"),
+]
+
+
+@pytest.mark.parametrize("module, now, planted, state", PLANTED, ids=[f"{p[0]}:{p[3]}" for p in PLANTED])
+def test_a_write_of_the_layers_contents_planted_in_a_module_is_found(module, now, planted, state):
+    source = (PACKAGE / module).read_text()
+    assert source.count(now) == 1
+    found = [s for _, s, _ in state_writes(source.replace(now, planted))]
+    assert [s for s in found if s.startswith("contents ")] == [state]
+
+
+CONTENTS_WRITES = {
+    "the list": ("def f(cache, s):\n    cache.stores = s", "contents stores"),
+    "a layer's entry": ("def f(cache, s):\n    cache.stores[0] = s", "contents stores"),
+    "a private list": ("def f(cache, s):\n    cache._rings[0] = s", "contents rings"),
+    "a layer's ring in place": ("def f(cache, x):\n    cache.rings[0].copy_(x)", "contents rings"),
+    "a ring through an alias": ("def f(cache, x):\n    ring, n = cache.rings[1], 2\n    ring[:, :, -1] = x",
+                                "contents rings"),
+    "a ring in place through an alias": ("def f(cache, x):\n    ring = cache.rings[1]\n    ring.copy_(x)",
+                                         "contents rings"),
+    "the list through an alias": ("def f(past_key_values, s):\n    rings = past_key_values.rings\n"
+                                  "    rings[0] = s", "contents rings"),
+    "the list in place": ("def f(kv, s):\n    kv.cache.windows.append(s)", "contents windows"),
+    "a window's field": ("def f(cache, k):\n    cache.windows[3].keys = k", "contents windows"),
+    "a window in a loop": ("def f(cache, k):\n    for i, w in enumerate(cache.windows):\n        w.keys = k",
+                           "contents windows"),
+    "a recorded state's tensor": ("def f(cache):\n    cache.states[0].keys.zero_()", "contents states"),
+    "deleted": ("def f(cache):\n    del cache.states[0]", "contents states"),
+}
+CONTENTS_READS = {
+    "reads": "def f(cache):\n    ring = cache.rings[0]\n    n = ring.shape[2] + len(cache.stores)\n"
+             "    w = [x for x in cache.windows if x is not None]",
+    "the cache's methods": "def f(cache, s, r):\n    cache.hold_store(0, s)\n    cache.push_query(0, r)",
+    "a store's methods (its own test's)": "def f(cache, k):\n    store = cache.stores[0]\n    store.append(k)\n"
+                                          "    for s in cache.stores:\n        s.release()",
+    "other objects": "def f(self, plan, stores):\n    self.windows = plan.layer_kinds.windows\n    stores[0] = 1",
+    "a rebound name": "def f(cache, x):\n    ring = cache.rings[0]\n    ring = x\n    ring.copy_(x)",
+}
+
+
+@pytest.mark.parametrize("source, state", CONTENTS_WRITES.values(), ids=CONTENTS_WRITES.keys())
+def test_the_check_finds_each_kind_of_write_of_the_layers_contents(source, state):
+    found = state_writes(textwrap.dedent(source))
+    assert ", ".join(s for _, s, _ in found) == state, found
+
+
+@pytest.mark.parametrize("source", CONTENTS_READS.values(), ids=CONTENTS_READS.keys())
+def test_the_check_lets_reads_of_the_layers_contents_pass(source):
+    assert state_writes(textwrap.dedent(source)) == []
 
 
 WRITES = {
@@ -428,3 +562,26 @@ def test_the_state_and_the_plan_are_read_only_and_the_plan_is_bound_once():
     assert cache.plan is bound and copied.plan.online_step is None and copied.phase is Phase.COMPRESSED
     with pytest.raises(ValueError, match="own policy"):
         cache.copy_with(other.plan)
+
+
+def test_the_layers_contents_are_read_only_and_their_methods_refuse_what_does_not_fit():
+    cache = one_layer(schedule={"decode": {"every": 2}})
+    for name in CONTENTS:
+        with pytest.raises(AttributeError):
+            setattr(cache, name, [None])
+    with pytest.raises(RuntimeError, match="without record=True"):
+        cache.record_state(0, None)
+    with pytest.raises(ValueError, match=r"one store per layer \(1\), got 2"):
+        cache.hold_stores([None, None])
+    with pytest.raises(ValueError, match=r"one entry per model layer \(1\) on an empty cache; got 2"):
+        cache.hold_windows([None, None])
+    attend(cache, 24)
+    assert cache.stores[0] is not None and cache.rings[0] is not None
+    with pytest.raises(ValueError, match="on a cache that is 'holding a compressed prompt'"):
+        cache.hold_windows([None])
+    ring = cache.rings[0]  # full (the plan's 2 rows): each step's query goes in place, the oldest out
+    assert ring.shape[2] == cache.plan.ring_rows == 2
+    for step in range(1, 4):
+        before = ring[:, :, 1:].clone()
+        attend(cache, 1, seed=step)
+        assert cache.rings[0] is ring and torch.equal(ring[:, :, :1], before)

@@ -6,30 +6,12 @@ compressing plugin must keep when its budget covers the prompt). Each check runs
 that environment, bounded in time."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
-PYTHON = VENV / "bin" / "python"
-pytestmark = pytest.mark.skipif(not PYTHON.exists(),
-                                reason="the vLLM environment is not set up: bash scripts/setup.sh vllm")
+from vllm_venv import ROOT, in_vllm_env, needs_vllm
 
-
-def in_vllm_env(code: str, timeout: int = 300) -> dict:
-    """Run `code` with the vLLM environment's Python (tests/ importable, one thread); it prints one
-    JSON line after RESULT."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind")
-    proc = subprocess.run([str(PYTHON), "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])
+pytestmark = needs_vllm
 
 
 REPLAY = """
@@ -62,7 +44,7 @@ print("RESULT" + json.dumps({"vllm": vllm.__version__, "torch": torch.__version_
       "transformers": transformers.__version__, "kvcompile": kvcompile.__file__, "refusal": refusal,
       "kept": {name: kept(name) for name in ("snapkv", "lava")},
       "absent": [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m) is None]}))
-""")
+""", timeout=300)
     here = {}
     exec(REPLAY, here)
     assert out["vllm"] == "0.32.0" and out["torch"] == torch.__version__

@@ -7,30 +7,11 @@ additional_config names a refused policy or malformed settings is refused by cre
 engine starts. Each check runs in a subprocess of the vLLM environment, bounded in time; no engine starts."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
-PYTHON = VENV / "bin" / "python"
-MODEL = ROOT / "models" / "smollm2-135m"
-pytestmark = pytest.mark.skipif(not PYTHON.exists(),
-                                reason="the vLLM environment is not set up: bash scripts/setup.sh vllm")
+from vllm_venv import MODEL, ROOT, in_vllm_env, needs_vllm
 
-
-def in_vllm_env(code: str, timeout: int = 240, **env) -> dict:
-    """`code` run by the vLLM environment's Python (the plugin's settings cleared, then `env`); it prints one
-    JSON line after RESULT."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPILE_VLLM_")}
-    environ.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", **env)
-    proc = subprocess.run([str(PYTHON), "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])
+pytestmark = needs_vllm
 
 
 DRIFT = """
@@ -162,7 +143,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def applied() -> dict:
-    return in_vllm_env(f"MODEL = {str(MODEL)!r}\n" + APPLY, KVCOMPILE_VLLM_SPEC="snapkv", KVCOMPILE_VLLM_PER_HEAD="64")
+    return in_vllm_env(f"MODEL = {str(MODEL)!r}\n" + APPLY, spec="snapkv", per_head=64)
 
 
 def test_apply_refuses_a_vllm_that_changed_under_a_patch_and_patches_nothing(applied):

@@ -9,32 +9,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
-PYTHON = VENV / "bin" / "python"
-MODEL = ROOT / "models" / "smollm2-135m"
-pytestmark = pytest.mark.skipif(not PYTHON.exists(),
-                                reason="the vLLM environment is not set up: bash scripts/setup.sh vllm")
+from vllm_venv import MODEL, PYTHON, ROOT, needs_vllm, run, vllm_env
+
+pytestmark = needs_vllm
 MAX_TOKENS = 8
-
-
-def vllm_env(**plugin) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPILE_VLLM_")}
-    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               PYTHONPATH=str(ROOT / "tests"))
-    env.update({f"KVCOMPILE_VLLM_{k.upper()}": str(v) for k, v in plugin.items()})
-    return env
-
-
-def run(args: list[str], env: dict, timeout: int) -> dict:
-    proc = subprocess.run([str(PYTHON), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])
 
 
 def run_vllm(prompts: list[list[int]], timeout: int = 420, more: dict | None = None, **plugin) -> dict:

@@ -202,7 +202,7 @@ class PooledPages:
     def adopt(self, cache: KVCompileCache) -> None:
         """Move a request's compressed layers into the pools (once, after the forward that compressed them)."""
         if self.pools is not None:
-            cache.stores = [self.pools.adopt(layer, store) for layer, store in enumerate(cache.stores)]
+            cache.hold_stores([self.pools.adopt(layer, store) for layer, store in enumerate(cache.stores)])
 
     def release(self, cache: KVCompileCache) -> None:
         """A request ended: its pages go back to the pools."""
@@ -211,7 +211,8 @@ class PooledPages:
 
     def detach(self, cache: KVCompileCache) -> None:
         """A request's cache leaves the engine (kept for a continuation): pages of its own, the pool's back."""
-        cache.stores = [PagePools.detached(store) for store in cache.stores]
+        stores = [PagePools.detached(store) for store in cache.stores]
+        cache.hold_stores(stores)
 
     def copy_in(self, cache: KVCompileCache) -> KVCompileCache:
         """A copy of `cache` (kept outside the engine, left as it is) with its pages copied into the pools: a request

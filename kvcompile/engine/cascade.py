@@ -69,5 +69,5 @@ def recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
     ranks = None if cache.plan.shard is None else functools.partial(choose, cache, kernels=False)
     kept, merged = select_and_merge(policy, k, v, scores.masked_fill(~is_token, float("-inf")),
                                     pos, is_token, cache.prompt.lengths.to(k.device), total, layer, slots, ranks)
-    cache.stores[layer] = store_layer(cache, Entries(k, v, scores, pos, counts, kept), merged)
+    cache.hold_store(layer, store_layer(cache, Entries(k, v, scores, pos, counts, kept), merged))
 

@@ -108,7 +108,7 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     select_chunk(cache, layer, held, cand, scores.reshape(b, h, width))
     if plan.prune_every:  # the latest query rows, for pruning while decoding
         ring = q if cache.rings[layer] is None else torch.cat([cache.rings[layer], q], dim=2)
-        cache.rings[layer] = ring[:, :, ring.shape[2] - min(plan.ring_rows, ring.shape[2]):].clone()
+        cache.hold_queries(layer, ring[:, :, ring.shape[2] - min(plan.ring_rows, ring.shape[2]):].clone())
     return out
 
 
@@ -248,8 +248,8 @@ def select_chunk(cache: KVCompileCache, layer: int, held: Held, cand: Candidates
         totals = None
     kept, merged = select_and_merge(policy, cand.keys, cand.values, scores, cand.positions, valid, lengths,
                                     None if totals is None else totals[:, layer], layer, slots)
-    cache.stores[layer] = store_layer(cache, Entries(cand.keys, cand.values, scores, cand.positions,
-                                                     torch.ones_like(scores), kept), merged)
+    cache.hold_store(layer, store_layer(cache, Entries(cand.keys, cand.values, scores, cand.positions,
+                                                       torch.ones_like(scores), kept), merged))
     if plan.cascade:
         prompt.held.append(cache.stores[layer].lengths.sum(-1))
         cascade(cache, layer, totals)

@@ -49,7 +49,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
                                      scale).to(q.dtype))
         if every:
             if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries
-                _ring_push(cache, layer, q[:, :, i, None])
+                cache.push_query(layer, q[:, :, i, None])
             generated = start - width + i + 1  # the host's count: pruning is a named exception (Plan.host_syncs)
             if generated % every == 0:
                 cache.count_host_sync("_prune")
@@ -83,16 +83,6 @@ def start_decode(cache: KVCompileCache) -> DecodeState:
     return DecodeState(budgets, split, pad, totals, torch.tensor(cache.seq_length, device=pad.device))
 
 
-def _ring_push(cache: KVCompileCache, layer: int, row: Tensor) -> None:
-    """The ring of latest queries (B, Hq, ≤R, d) takes `row` (B, Hq, 1, d), dropping its oldest row once it holds
-    `plan.ring_rows`: in place then (its storage kept, what a captured step replays into)."""
-    ring, rows = cache.rings[layer], cache.plan.ring_rows
-    if ring.shape[2] == rows and not (ring.is_inference() and not torch.is_inference_mode_enabled()):
-        ring.copy_(torch.cat([ring[:, :, 1:], row], dim=2))
-    else:
-        cache.rings[layer] = torch.cat([ring, row], dim=2)[:, :, -rows:]
-
-
 def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> None:
     """`decode: every n`: re-score the layer with the ring of latest queries and prune it back
     to its budget (selection.decode_prune), then write it into fresh pages, copied into the layer's own
@@ -107,4 +97,4 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
     store = cache.plan.store.from_heads(heads, cache.page_size, cache.plan.spare_pages,
                                         storage=cache.policy.storage, dtype=cache.plan.dtype)
     if not cache.stores[layer].refill(store):  # into the layer's own tensors where it fits (a captured step's)
-        cache.stores[layer] = store
+        cache.hold_store(layer, store)

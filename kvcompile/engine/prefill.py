@@ -119,8 +119,8 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     rows = r if cache.record else policy.scoring.query_rows(n)
     state = plan.state(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale, layer)
     if cache.record:  # copies: a compiled graph reuses the memory of its intermediate tensors
-        cache.states[layer] = LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale, state.rope,
-                                         state.softcap, state.sinks)
+        cache.record_state(layer, LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale,
+                                             state.rope, state.softcap, state.sinks))
     scores = plan.score(state) if scores is None else scores
     positions = (torch.arange(n, device=q.device)[None, :] - prompt.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)
@@ -148,9 +148,10 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
         totals = prompt.totals
     total = None if totals is None else totals[:, layer]
     kept, merged = select_and_merge_kernels(cache, k, v, scores, positions, valid_h, total, layer, every)
-    cache.stores[layer] = store_layer(cache, Entries(k, v, scores, positions, torch.ones_like(scores), kept), merged)
+    cache.hold_store(layer, store_layer(cache, Entries(k, v, scores, positions, torch.ones_like(scores), kept),
+                                        merged))
     if plan.prune_every:  # the latest query rows the scorer reads, for pruning while decoding (maybe none)
-        cache.rings[layer] = q[:, :, r - min(plan.ring_rows, n):].clone()
+        cache.hold_queries(layer, q[:, :, r - min(plan.ring_rows, n):].clone())
     if plan.cascade:
         prompt.held.append(over_heads(plan, cache.stores[layer].lengths.sum(-1)))
         if prompt.protected is None:  # the same in every head of a prompt

@@ -101,7 +101,7 @@ def reconstruction_scores(model, policy: Policy, states: Captured, tokenizer=Non
         with compiled(model, policy, repeat_prompt=repeat):  # (compile() refuses what kvzip cannot run)
             cache = model.forward.new_cache()
             if cache.plan.layer_kinds is not None:  # the local layers' windows as the prompt left them
-                cache.windows = list(states.windows)
+                cache.hold_windows(list(states.windows))
             states.scores[key] = kvzip.scores_of(
                 model.forward.wrapped, cache, repeat, ids.to(first.keys.device), [s.keys for s in states],
                 [s.values for s in states], [s.scale for s in states], first.queries.shape[1])
@@ -149,7 +149,7 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
         if windows is None or len(windows) != cache.plan.model_layers:
             raise ValueError("kvcompile: replaying onto a hybrid model (sliding_attention layers) needs its local "
                              "layers' windows: give the states `capture` returned (Captured.windows)")
-        cache.windows = list(windows)  # a decode step replaces a layer's window, never changes it in place
+        cache.hold_windows(windows)  # a decode step replaces a layer's window, never changes it in place
     first = states[0]
     b, _, n, _ = first.keys.shape
     start_prompt(cache, first.mask, b, n, first.keys)
