@@ -59,7 +59,7 @@ def main() -> None:
             print(f"prefill {spec}: {time.perf_counter() - start:.1f} s, online_impl {plan.online_impl}", flush=True)
             caches[spec] = cache
             if plan.online_impl != "torch":
-                caches[f"{spec}/torch"] = cache.copy_with(dataclasses.replace(cache.plan, online_step=TorchStep()))
+                caches[f"{spec}/torch"] = cache.copy_with(dataclasses.replace(cache.plan, decode_step=TorchStep()))
 
     inside = {"attend": 0.0, "decode": 0.0}
     attention = op.kvcompile_attention

@@ -47,7 +47,7 @@ def prefilled(storage, fused: bool, args) -> KVCompileCache:
     policy = kvcompile.load_spec("snapkv", per_head=args.per_head, storage=storage)
     plan = build_plan(policy, config, device="cpu", dtype=torch.float32, headroom=args.steps)
     if not fused:
-        plan = dataclasses.replace(plan, online_step=TorchStep())
+        plan = dataclasses.replace(plan, decode_step=TorchStep())
     for backend in plan.backends:
         backend.build(g, d)
     cache = KVCompileCache.from_plan(plan)

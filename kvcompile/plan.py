@@ -87,7 +87,7 @@ class Plan:
     selection: object  # selection and gather (a kernels.select backend)
     prompt_merge: object  # the prompt's residual merge (a kernels.merge backend); None: the rule's own merge
     decode_attention: object  # paged decode attention (a kernels.paged_attention backend)
-    online_step: object  # the decode step backend, called once a layer and step and never declining one
+    decode_step: object  # the decode step backend, called once a layer and step and never declining one
     #   (kvcompile.kernels.online_step: append, attention; running scores, online eviction where the policy has
     #   them): a fused C++ step (CppOnlineStep, append_step.CppAppendStep, tiered_step.CppTieredStep) where one
     #   computes the policy on the plan's store, dtype and device, else engine.online.TorchStep (complete)
@@ -125,7 +125,7 @@ class Plan:
     def __post_init__(self):
         """A decode step that does not compute this plan's store, dtype or device is refused here, when the plan
         is made (not at a step)."""
-        step = self.online_step
+        step = self.decode_step
         why = None if step is None else step.refuses(self)
         if why is not None:
             raise PlanError(f"kvcompile: the decode step {step.describe()} cannot run {self.policy.name}: {why}")
@@ -211,14 +211,14 @@ class Plan:
     def backends(self) -> tuple:
         """The backends the plan holds (for compile.build_kernels and describe)."""
         return tuple(b for b in (self.prompt_scores, self.selection, self.prompt_merge, self.decode_attention,
-                                 self.online_step, self.chunk_attention) if b is not None)
+                                 self.decode_step, self.chunk_attention) if b is not None)
 
     # the implementations' names (for describe, tests and logs; the runtime calls the backends)
     score_impl = property(lambda self: None if self.prompt_scores is None else self.prompt_scores.label)
     select_impl = property(lambda self: None if self.selection is None else self.selection.name)
     merge_impl = property(lambda self: None if self.prompt_merge is None else self.prompt_merge.name)
     decode_impl = property(lambda self: None if self.decode_attention is None else self.decode_attention.name)
-    online_impl = property(lambda self: None if self.online_step is None else self.online_step.name)
+    online_impl = property(lambda self: None if self.decode_step is None else self.decode_step.name)
     chunk_impl = property(lambda self: None if self.chunk_attention is None else self.chunk_attention.name)
 
     def state(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
@@ -301,7 +301,7 @@ class Plan:
         lines = [f"device: {self.device}, dtype: {self.dtype}, kernels: {self.kernels}"]
         for name, backend in (("score_impl", self.prompt_scores), ("select_impl", self.selection),
                               ("merge_impl", self.prompt_merge), ("decode_impl", self.decode_attention),
-                              ("online_impl", self.online_step), ("chunk_impl", self.chunk_attention)):
+                              ("online_impl", self.decode_step), ("chunk_impl", self.chunk_attention)):
             if backend is None:
                 text = unbound if not self.bound else "None" + (
                     " (the merge rule's own merge)" if name == "merge_impl" and self.policy.merges else
@@ -673,7 +673,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             decode_attention=_explicit_decode(softcap, storage, policy.tiered) if explicit else
             paged_attention.backend(decode_impl) if not storage.quantizes else
             _quantized_decode(decode_impl, device, dtype, head_dim, storage, policy.tiered),
-            online_step=_decode_step(policy, online_impl, step_rule, decode_impl, head_dim),
+            decode_step=_decode_step(policy, online_impl, step_rule, decode_impl, head_dim),
             chunk_attention=None if not policy.schedule.chunk_tokens else chunk_attention.CppChunkAttention()
             if chunk_impl == "cpp" else chunk_attention.ExplicitChunkAttention(softcap or 0.0) if explicit else
             chunk_attention.SdpaChunkAttention())
@@ -707,7 +707,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         compiled_entry=compiled_entry, page_size=page_size,
         headroom=headroom, prompt_scores=backends.get("prompt_scores"), selection=backends.get("selection"),
         prompt_merge=backends.get("prompt_merge"), decode_attention=backends.get("decode_attention"),
-        online_step=backends.get("online_step"), chunk_attention=backends.get("chunk_attention"),
+        decode_step=backends.get("decode_step"), chunk_attention=backends.get("chunk_attention"),
         step_rule=step_rule, running_scores=scoring.running, online_eviction=online,
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,

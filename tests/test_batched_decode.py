@@ -368,7 +368,7 @@ def test_one_decode_step_call_per_layer_per_step(spec, monkeypatch):
     request runs the op's decode, and the tokens are generate()'s."""
     model = compiled(spec, **STEP_SPECS[spec])
     plan = model.kvcompile_plan
-    step, kernel = type(plan.online_step), []
+    step, kernel = type(plan.decode_step), []
     calls, alone = [], []
     call = step.__call__
     monkeypatch.setattr(step, "__call__", lambda self, plan, store, layer, q, *a: calls.append(q.shape[0]) or call(
@@ -384,7 +384,7 @@ def test_one_decode_step_call_per_layer_per_step(spec, monkeypatch):
     got = list(calls), len(alone), list(kernel)
     layers = plan.num_layers
     steps = new - 1  # the first token comes from the prompt's forward
-    uses_kernel = isinstance(plan.online_step, kvcompile.kernels.online_step.CppOnlineStep)
+    uses_kernel = isinstance(plan.decode_step, kvcompile.kernels.online_step.CppOnlineStep)
     assert got == ([4] * (layers * steps), 0, [4] * (layers * steps) if uses_kernel else [])
     assert tokens == [reference(model, ids, new) for ids, new in first]
     assert report["decode"]["steps"] == steps and report["decode"]["attention_calls"] == layers * steps

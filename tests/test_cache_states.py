@@ -556,10 +556,10 @@ def test_the_state_and_the_plan_are_read_only_and_the_plan_is_bound_once():
     bound = cache.plan
     assert bound.bound and bound.headroom == 8
     with pytest.raises(RuntimeError, match="bound once"):
-        cache.bind(dataclasses.replace(bound, online_step=None))
+        cache.bind(dataclasses.replace(bound, decode_step=None))
     assert cache.plan is bound
-    copied = cache.copy_with(dataclasses.replace(bound, online_step=None))  # a copy runs another backend
-    assert cache.plan is bound and copied.plan.online_step is None and copied.phase is Phase.COMPRESSED
+    copied = cache.copy_with(dataclasses.replace(bound, decode_step=None))  # a copy runs another backend
+    assert cache.plan is bound and copied.plan.decode_step is None and copied.phase is Phase.COMPRESSED
     with pytest.raises(ValueError, match="own policy"):
         cache.copy_with(other.plan)
 

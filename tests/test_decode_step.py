@@ -46,9 +46,9 @@ def test_the_plans_step_runs_every_step_and_nothing_else(spec, backend):
     prompt, steps, _ = prompt_and_steps(pol, b, h, g, d, page, 20, 10, 5, 2)
     cache = one_layer(pol, b, h, g, d, page)
     torch.ops.kvcompile.attend(*prompt, 0, cache.ref, cache.token, 0.3)
-    assert isinstance(cache.plan.online_step, backend) and not hasattr(cache.plan.online_step, "runs")
+    assert isinstance(cache.plan.decode_step, backend) and not hasattr(cache.plan.decode_step, "runs")
     calls = Counter()
-    real_call, real_append, real_codes = type(cache.plan.online_step).__call__, LayerStore.append, CodeStore.append
+    real_call, real_append, real_codes = type(cache.plan.decode_step).__call__, LayerStore.append, CodeStore.append
 
     def count(name, fn):
         def wrapper(*args, **kwargs):
@@ -56,7 +56,7 @@ def test_the_plans_step_runs_every_step_and_nothing_else(spec, backend):
             return fn(*args, **kwargs)
         return wrapper
 
-    with mock.patch.object(type(cache.plan.online_step), "__call__", count("step", real_call)), \
+    with mock.patch.object(type(cache.plan.decode_step), "__call__", count("step", real_call)), \
             mock.patch.object(LayerStore, "append", count("append", real_append)), \
             mock.patch.object(CodeStore, "append", count("append", real_codes)):
         for q, k, v in steps:
@@ -75,8 +75,8 @@ def test_the_fused_plain_step_is_the_torch_steps_kernel_bit_for_bit(spec):
     prompt, steps, _ = prompt_and_steps(pol, 2, 3, 2, 16, 4, 24, 12, 11, 3)
     cache = one_layer(pol, 2, 3, 2, 16, 4)
     torch.ops.kvcompile.attend(*prompt, 0, cache.ref, cache.token, 0.25)
-    assert isinstance(cache.plan.online_step, CppAppendStep)
-    assert (cache.plan.online_step.alpha is None) == (spec == "snapkv")
+    assert isinstance(cache.plan.decode_step, CppAppendStep)
+    assert (cache.plan.decode_step.alpha is None) == (spec == "snapkv")
     other = with_impl(cache, "torch")
     for q, k, v in steps:
         got = torch.ops.kvcompile.attend(q, k, v, None, 0, cache.ref, cache.token, 0.25)
@@ -94,17 +94,17 @@ FP32 = dict(device="cpu", dtype=torch.float32)
 def test_a_step_that_does_not_cover_the_plan_is_refused_when_the_plan_is_made():
     plan = build_plan(kvcompile.load_spec("snapkv"), CONFIG, **FP32)
     with pytest.raises(PlanError, match=r"computes CodeStore layers, and this policy's are LayerStore"):
-        dataclasses.replace(plan, online_step=CppQuantStep(8, 16))
+        dataclasses.replace(plan, decode_step=CppQuantStep(8, 16))
     half = build_plan(kvcompile.load_spec("zsmerge"), CONFIG, device="cpu", dtype=torch.float16)
-    assert isinstance(half.online_step, TorchStep)  # the C++ steps are fp32: the torch step there
+    assert isinstance(half.decode_step, TorchStep)  # the C++ steps are fp32: the torch step there
     codes = build_plan(kvcompile.load_spec("snapkv_int4"), CONFIG, **FP32)
     with pytest.raises(PlanError, match="the decode step cpp .* cannot run"):
-        dataclasses.replace(codes, online_step=CppOnlineStep(plan.step_rule))
+        dataclasses.replace(codes, decode_step=CppOnlineStep(plan.step_rule))
     for spec in ("snapkv", "zsmerge", "h2o", "snapkv_int4", "kivi", "lava_mixed"):  # the torch step runs them all
         for options in (FP32, dict(device="cpu", dtype=torch.bfloat16)):
             plan = build_plan(kvcompile.load_spec(spec), CONFIG, **options)
-            assert isinstance(plan.online_step, DecodeStep)
-            assert dataclasses.replace(plan, online_step=TorchStep()).online_step == TorchStep()
+            assert isinstance(plan.decode_step, DecodeStep)
+            assert dataclasses.replace(plan, decode_step=TorchStep()).decode_step == TorchStep()
 
 
 @needs_cpp

@@ -30,8 +30,8 @@ def test_the_plan_holds_one_backend_per_family():
         assert isinstance(plan.decode_attention, paged_attention.CppPagedAttention)
         assert plan.decode_attention.parallel_work == CPP_PARALLEL_WORK
         assert isinstance(plan.prompt_merge, merge.CppResidualMerge)
-        assert isinstance(plan.online_step, online_step.CppOnlineStep) and not hasattr(plan.online_step, "runs")
-        assert plan.online_step.rule == plan.step_rule
+        assert isinstance(plan.decode_step, online_step.CppOnlineStep) and not hasattr(plan.decode_step, "runs")
+        assert plan.decode_step.rule == plan.step_rule
     torch_plan = build_plan(kvcompile.load_spec("zsmerge"), CONFIG, kernels="torch", **FP32)
     assert isinstance(torch_plan.decode_attention, paged_attention.TorchPagedAttention)
     assert isinstance(torch_plan.prompt_merge, merge.TorchResidualMerge)

@@ -65,8 +65,8 @@ def one_layer(pol, b, h, g, d, page, impl=None, record=False):
 
 def with_impl(cache: KVCompileCache, impl: str | None) -> KVCompileCache:
     """A copy of a prefilled cache whose decode steps run `impl` (None: the torch step, the runtime's path)."""
-    step = {"cpp": cache.plan.online_step, "torch": TorchStep(), None: TorchStep()}[impl]
-    return cache.copy_with(dataclasses.replace(cache.plan, online_step=step))
+    step = {"cpp": cache.plan.decode_step, "torch": TorchStep(), None: TorchStep()}[impl]
+    return cache.copy_with(dataclasses.replace(cache.plan, decode_step=step))
 
 
 def assert_same_store(got, want):

@@ -61,7 +61,7 @@ def prefilled(policy, b, h, g, d, page, n, pad, rand, scale):
 
 def unfused(cache: KVCompileCache) -> KVCompileCache:
     """A copy of a prefilled cache whose decode steps take the engine's path (append, then attention)."""
-    return cache.copy_with(dataclasses.replace(cache.plan, online_step=TorchStep()))
+    return cache.copy_with(dataclasses.replace(cache.plan, decode_step=TorchStep()))
 
 
 def assert_same_store(got, want):
@@ -129,7 +129,7 @@ def test_fused_step_equals_the_unfused_path(bits, d, groups, b, h, g, page, per_
     rand = lambda *shape: torch.randn(*shape, generator=gen) * magnitude  # noqa: E731
     scale = d ** -0.5
     cache, other = prefilled(policy, b, h, g, d, page, max(4, per_head + extra), pad, rand, scale)
-    assert isinstance(cache.plan.online_step, CppQuantStep)
+    assert isinstance(cache.plan.decode_step, CppQuantStep)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -199,7 +199,7 @@ def test_fused_step_equals_reference_token_by_token(storage, b, h, g, n, steps, 
     rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
     q, k, v = rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d)
     cache, _, _ = token_by_token(policy, q, k, v, None, steps, rand, page)
-    assert isinstance(cache.plan.online_step, CppQuantStep)
+    assert isinstance(cache.plan.decode_step, CppQuantStep)
 
 
 @needs_cpp
@@ -242,7 +242,7 @@ def test_generate_gives_the_unfused_paths_tokens(storage):
         with torch.no_grad(), kvcompile.compiled(model, policy):
             plan = model.kvcompile_plan
             for fused in (True, False):
-                cache = KVCompileCache.from_plan((plan if fused else dataclasses.replace(plan, online_step=TorchStep()))
+                cache = KVCompileCache.from_plan((plan if fused else dataclasses.replace(plan, decode_step=TorchStep()))
                                                  .with_headroom(12))
                 out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                      return_dict_in_generate=True, output_logits=True)
@@ -251,7 +251,7 @@ def test_generate_gives_the_unfused_paths_tokens(storage):
                 assert calls == ([True] * 11 * 3 if fused else [])  # 11 decode steps after the prompt's token, 3 layers
                 calls.clear()
         (a, plan), (b, _) = runs[True], runs[False]
-        assert isinstance(plan.online_step, CppQuantStep) and isinstance(runs[False][1].decode_attention, pq.QuantPagedAttention)
+        assert isinstance(plan.decode_step, CppQuantStep) and isinstance(runs[False][1].decode_attention, pq.QuantPagedAttention)
         assert "online_impl: cpp, quantized pages" in plan.describe()
         assert torch.equal(a.sequences, b.sequences)
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
@@ -275,12 +275,12 @@ def test_the_plan_chooses_the_fused_step_where_it_computes_the_policy():
         policy = kvcompile.load_spec(spec) if storage is None else kvcompile.load_spec(spec, storage=storage)
         plan = build_plan(policy, CONFIG, **FP32)
         if not CPP:
-            assert plan.online_step == TorchStep()
+            assert plan.decode_step == TorchStep()
             continue
-        assert plan.online_step == CppQuantStep(bits, group, pq.PARALLEL_WORK) and plan.online_impl == "cpp"
+        assert plan.decode_step == CppQuantStep(bits, group, pq.PARALLEL_WORK) and plan.online_impl == "cpp"
         assert plan.step_rule.decay is None and plan.step_rule.alpha is None and not plan.step_rule.evict
         assert f"online_impl: cpp, quantized pages (int{bits}, {group} channels a scale)" in plan.describe()
-        assert build_plan(policy, CONFIG, kernels="cpp", **FP32).online_step == plan.online_step
+        assert build_plan(policy, CONFIG, kernels="cpp", **FP32).decode_step == plan.decode_step
     tiered = [(kvcompile.load_spec("lava_mixed"), CppTieredStep(4, 64, None, False, pq.PARALLEL_WORK)),
               (kvcompile.load_spec("snapkv", storage={"mixed": {"full": 0.5, "bits": 8, "group": 16}}),
                CppTieredStep(8, 16, None, False, pq.PARALLEL_WORK)),
@@ -288,7 +288,7 @@ def test_the_plan_chooses_the_fused_step_where_it_computes_the_policy():
                CppTieredStep(8, 64, kvcompile.load_spec("lava_residual").merge.bias_alpha, True, pq.PARALLEL_WORK))]
     for policy, step in tiered:
         plan = build_plan(policy, CONFIG, **FP32)
-        assert plan.online_step == (step if CPP else TorchStep()), policy.name
+        assert plan.decode_step == (step if CPP else TorchStep()), policy.name
         if CPP:
             assert f"online_impl: cpp, two tiers (model dtype and int{step.bits}" in plan.describe()
     not_fused = [
@@ -300,9 +300,9 @@ def test_the_plan_chooses_the_fused_step_where_it_computes_the_policy():
         (kvcompile.load_spec("h2o", storage="int8"), FP32),  # running scores
     ]
     for policy, options in not_fused:
-        assert build_plan(policy, CONFIG, **options).online_step == TorchStep(), (policy.name, options)
+        assert build_plan(policy, CONFIG, **options).decode_step == TorchStep(), (policy.name, options)
     # no device yet: chosen when the first prompt binds it
-    assert build_plan(kvcompile.load_spec("snapkv_int4"), CONFIG).online_step is None
+    assert build_plan(kvcompile.load_spec("snapkv_int4"), CONFIG).decode_step is None
 
 
 # --- two tiers (kvcompile.kernels.tiered_step) ---------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_tiered_step_equals_the_unfused_path(key, d, b, h, g, page, per_head, ex
         rand = lambda *shape: torch.randn(*shape, generator=gen) * magnitude  # noqa: E731
         scale = d ** -0.5
         cache, other = prefilled(policy, b, h, g, d, page, max(4, per_head + extra), pad, rand, scale)
-        assert isinstance(cache.plan.online_step, CppTieredStep)
+        assert isinstance(cache.plan.decode_step, CppTieredStep)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -356,9 +356,9 @@ def test_tiered_step_equals_the_unfused_path(key, d, b, h, g, page, per_head, ex
                 got = torch.ops.kvcompile.attend(q, k, v, None, 0, cache.ref, cache.token, scale)
                 want = torch.ops.kvcompile.attend(q, k, v, None, 0, other.ref, other.token, scale)
                 assert_same_tiers(cache.stores[0], other.stores[0])
-                if cache.plan.online_step.append_low:
-                    assert_quantized_as_torch(cache.stores[0].low, k[:, :, 0], v[:, :, 0], cache.plan.online_step.bits,
-                                              cache.plan.online_step.group)
+                if cache.plan.decode_step.append_low:
+                    assert_quantized_as_torch(cache.stores[0].low, k[:, :, 0], v[:, :, 0], cache.plan.decode_step.bits,
+                                              cache.plan.decode_step.group)
                 assert_close(got, want, rtol=1e-5, atol=1e-5 * magnitude)
         finally:
             torch.set_num_threads(before)
@@ -378,4 +378,4 @@ def test_tiered_step_equals_reference_token_by_token(key, b, h, g, n, steps, per
     rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
     q, k, v = rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d)
     cache, _, _ = token_by_token(policy, q, k, v, None, steps, rand, page)
-    assert isinstance(cache.plan.online_step, CppTieredStep)
+    assert isinstance(cache.plan.decode_step, CppTieredStep)

@@ -23,7 +23,7 @@ a batch.
   changed), then the step (`_step`): `DecodeBatch`, one write of every new entry into the pool
   (`PagePools.append`: codes quantized as the store writes them) and one attention call (`PagePools.attend`, the
   plan's decode backend: the quantized kernel over codes); `StepBatch`, one call of the plan's decode step
-  (`Plan.online_step`: a fused C++ step, or the torch step) on the batch as one store over the pool
+  (`Plan.decode_step`: a fused C++ step, or the torch step) on the batch as one store over the pool
   (`PagePools.batch`, `BatchStore`: a head's step reads and writes its own pages only), each request then taking
   its row of lengths, slots, room and settled budget back (`BatchStore.finish`). After the last layer each cache
   counts its token (`seq_length`, the decode state's length). Two tiers: `TieredDecodeBatch.run`, the append into
@@ -126,7 +126,7 @@ class DecodeBatch:
 
 @dataclass
 class StepBatch(DecodeBatch):
-    """A step's decode tokens in one batch through the plan's own decode step (`Plan.online_step`): per layer one
+    """A step's decode tokens in one batch through the plan's own decode step (`Plan.decode_step`): per layer one
     call for every request, on the batch as one store over the pool (`PagePools.batch`), whatever the step does
     (running scores, online eviction into merge slots, the merge bias); then each request takes its row back."""
 
@@ -141,7 +141,7 @@ class StepBatch(DecodeBatch):
         plan = self.caches[0].plan
         batch = self.pools.batch(layer, stores, table, lengths)
         split = None if self.split is None else self.split[:, layer]
-        out = plan.online_step(plan, batch, layer, q, k, v, self.positions, split, scale)
+        out = plan.decode_step(plan, batch, layer, q, k, v, self.positions, split, scale)
         batch.finish()
         return out, batch.lengths
 

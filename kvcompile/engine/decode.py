@@ -1,4 +1,4 @@
-"""A decode step: the plan's decode step backend (`Plan.online_step`, chosen once: append the new entries to
+"""A decode step: the plan's decode step backend (`Plan.decode_step`, chosen once: append the new entries to
 their heads' pages, attention with the merge rule's per-entry bias, running scores and online eviction where
 the policy has them; kvcompile.kernels.online_step), then `decode: every` pruning."""
 from __future__ import annotations
@@ -45,7 +45,7 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
         if store.room <= 0:  # a head's pages are full: it takes its next run (Plan.host_syncs), counted
             cache.count_host_sync("append")
             store.make_room(plan.spare_pages)
-        outs.append(plan.online_step(plan, store, layer, q[:, :, i], k[:, :, i], v[:, :, i], position, split,
+        outs.append(plan.decode_step(plan, store, layer, q[:, :, i], k[:, :, i], v[:, :, i], position, split,
                                      scale).to(q.dtype))
         if every:
             if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries

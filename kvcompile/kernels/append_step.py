@@ -29,7 +29,7 @@ The C++ is append_step.cpp beside this module, compiled after paged_attention.cp
 by Inductor's C++ toolchain, once per (G, d, fp32 or codes, group): compile-time constants, as the paged
 kernel.
 
-Backend (`Plan.online_step`, the decode-step family of kernels.online_step): `CppAppendStep(bits, group,
+Backend (`Plan.decode_step`, the decode-step family of kernels.online_step): `CppAppendStep(bits, group,
 parallel_work)`, bits 32 for fp32 pages (group unused), chosen by the plan for a policy of that store with
 neither running scores nor online eviction nor merge slots beside codes, on the CPU for fp32 where the paged
 C++ kernel runs (head dim and group multiples of 16).

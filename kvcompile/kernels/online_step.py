@@ -2,7 +2,7 @@
 entry, attend, and where the policy has them update running scores and evict online), called once a layer and
 step with one signature and never declining a step (FlashInfer's shape: the plan is made once, `run` per layer):
 
-    out = plan.online_step(plan, store, layer, q, k, v, position, split, scale)    # (B, Hq, d)
+    out = plan.decode_step(plan, store, layer, q, k, v, position, split, scale)    # (B, Hq, d)
 
 store: the layer's page store (kvcompile.store; every head's next entry has a page: the engine makes room
 before the step, `store.make_room`, the append's named host read); q (B, Hq, d), k, v (B, H, d) the new token's

@@ -22,7 +22,7 @@ store's, as the plan chose it). Keys per channel (KIVI: its flush moves whole pa
 chosen so by the plan.
 
 The C++ is tiered_step.cpp, compiled after paged_attention.cpp and append_step.cpp (entries renamed), once
-per (G, d, group). Backend: `CppTieredStep(bits, group, alpha, append_low, parallel_work)` (`Plan.online_step`).
+per (G, d, group). Backend: `CppTieredStep(bits, group, alpha, append_low, parallel_work)` (`Plan.decode_step`).
 """
 from __future__ import annotations
 

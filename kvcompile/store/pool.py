@@ -317,7 +317,7 @@ class Pooled:
 class BatchStore(LayerStore):
     """One layer of a batched decode step's requests as one store: the pool's page tensors, the step's block
     table (R, H, M), and the members' lengths, slots and owned counts (R, H), a row a request. The plan's decode
-    step (`Plan.online_step`: the append, the attention with the merge bias, running scores, online eviction) runs
+    step (`Plan.decode_step`: the append, the attention with the merge bias, running scores, online eviction) runs
     on it once for all of them, through the methods every store has; a head's step reads and writes its own pages
     only, so each row's result is what its store's own step gives. `finish()` then hands every member its row back.
     It takes no page: the members made room before the step (`make_room`)."""
