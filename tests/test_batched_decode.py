@@ -337,16 +337,9 @@ def test_cancelled_and_soft_reset_requests_give_their_pages_back():
     assert report["requests"] == {} and pool["pages"] > 0 and pool["free_pages"] == pool["pages"]
 
 
-# --- the plan's decode step on the batch: running scores, online eviction, the merge bias ----------------------
-
-@pytest.mark.parametrize("kernels", [None, "torch"])
-@pytest.mark.parametrize("spec", list(STEP_SPECS))
-def test_batched_step_equals_generate_and_the_per_request_path(spec, kernels, monkeypatch):
-    """h2o, zsmerge and lava_residual (the fused C++ step, and the torch step): requests joining and leaving mid-run
-    decode in one batch, each its first decode step included, and each gets generate()'s tokens and the per-request
-    path's tokens and log-probabilities."""
-    model = compiled(spec, **STEP_SPECS[spec], **({} if kernels is None else {"kernels": kernels}))
-    assert type(decode_path(model.kvcompile_plan)) is BatchedStepDecode
+def batched_equals_generate_and_alone(model, monkeypatch) -> None:
+    """Requests of different lengths, two joining once the others decode, run in one batch: some steps batched,
+    each request gets generate()'s tokens, and the per-request path's tokens and log-probabilities (1e-4)."""
     first = requests(REQUESTS)
     later = [(prompt(n, seed=40 + i)[0].tolist(), new) for i, (n, new) in enumerate(LATER)]
     tokens, logprobs, report = run_engine(model, first, later)
@@ -359,6 +352,19 @@ def test_batched_step_equals_generate_and_the_per_request_path(spec, kernels, mo
     assert tokens == alone
     for a, b in zip(logprobs, alone_logprobs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# --- the plan's decode step on the batch: running scores, online eviction, the merge bias ----------------------
+
+@pytest.mark.parametrize("kernels", [None, "torch"])
+@pytest.mark.parametrize("spec", list(STEP_SPECS))
+def test_batched_step_equals_generate_and_the_per_request_path(spec, kernels, monkeypatch):
+    """h2o, zsmerge and lava_residual (the fused C++ step, and the torch step): requests joining and leaving mid-run
+    decode in one batch, each its first decode step included, and each gets generate()'s tokens and the per-request
+    path's tokens and log-probabilities."""
+    model = compiled(spec, **STEP_SPECS[spec], **({} if kernels is None else {"kernels": kernels}))
+    assert type(decode_path(model.kvcompile_plan)) is BatchedStepDecode
+    batched_equals_generate_and_alone(model, monkeypatch)
 
 
 @pytest.mark.parametrize("spec", list(STEP_SPECS))

@@ -25,7 +25,7 @@ from kvcompile.store.codes import ChannelCodeStore, CodeStore
 from kvcompile.store.pages import Entries
 from kvcompile.store.pool import PagePools, Pooled, PooledChannelCodeStore, PooledCodeStore, tiers
 from kvcompile.store.tiers import TieredStore
-from tests.test_batched_decode import LATER, REQUESTS, assert_same_entries, prompt, requests, run_engine
+from tests.test_batched_decode import assert_same_entries, batched_equals_generate_and_alone, requests, run_engine
 from tests.test_serving import SNAP, compiled, gen_config, prompts, reference
 
 # every kept token as codes (int8, int4: one pool of codes a layer), two tiers (mixed: a float pool and a pool of
@@ -113,18 +113,7 @@ def test_batched_codes_equal_generate_and_the_per_request_path(kind, monkeypatch
     once the others decode, get generate()'s tokens and the per-request path's log-probabilities."""
     model = kind_model(kind)
     assert isinstance(decode_path(model.kvcompile_plan), BatchedDecode)
-    first = requests(REQUESTS)
-    later = [(prompt(n, seed=40 + i)[0].tolist(), new) for i, (n, new) in enumerate(LATER)]
-    tokens, logprobs, report = run_engine(model, first, later)
-    counts = report["decode"]
-    assert counts["steps"] > 0 and counts["tokens"] > counts["steps"]
-    assert tokens == [reference(model, ids, new) for ids, new in first + later]
-    alone, alone_logprobs, alone_report = run_engine(model, first, later, per_request="pooled",
-                                                     monkeypatch=monkeypatch)
-    assert "steps" not in alone_report["decode"]
-    assert tokens == alone
-    for a, b in zip(logprobs, alone_logprobs):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    batched_equals_generate_and_alone(model, monkeypatch)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
