@@ -38,6 +38,16 @@ STEP_SPECS = {"h2o": dict(per_head=40, ranking={"by_score": {"sinks": 0, "window
               "lava_residual": dict(per_head=40)}
 
 
+def start_engine(manager) -> None:
+    """Start a continuous-batching manager and wait (60 s at most) until its kvcompile cache exists, as server.py
+    waits."""
+    manager.start()
+    deadline = time.monotonic() + 60
+    while not isinstance(getattr(manager.batch_processor, "cache", None), KVCompilePagedCache):
+        assert time.monotonic() < deadline, "the engine did not start"
+        time.sleep(0.01)
+
+
 def run_engine(model, first, later=(), per_request=None, monkeypatch=None, check=None, **cb):
     """Requests `first` [(ids, max_new_tokens)] submitted at once, then `later` ones once every first request has
     a token (they join while the others decode); each picks its tokens with its own RequestSampling (greedy, the
@@ -48,11 +58,7 @@ def run_engine(model, first, later=(), per_request=None, monkeypatch=None, check
             PagePools(plan.num_layers) if per_request == "pooled" else None, reason="forced"))
     config = ContinuousBatchingConfig(**{"num_blocks": 128, "max_batch_tokens": 64, "page_size": 16, **cb})
     manager = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=config)
-    manager.start()
-    deadline = time.monotonic() + 60
-    while not isinstance(getattr(manager.batch_processor, "cache", None), KVCompilePagedCache):  # as server.py waits
-        assert time.monotonic() < deadline, "the engine did not start"
-        time.sleep(0.01)
+    start_engine(manager)
     outputs, picks = {}, {}
 
     def submit(name, ids, new):
@@ -301,11 +307,7 @@ def test_cancelled_and_soft_reset_requests_give_their_pages_back():
                      scoring={"window_attention": {"window": 4}})
     config = ContinuousBatchingConfig(num_blocks=20, max_batch_tokens=256, page_size=16)
     manager = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=config)
-    manager.start()
-    deadline = time.monotonic() + 60
-    while not isinstance(getattr(manager.batch_processor, "cache", None), KVCompilePagedCache):
-        assert time.monotonic() < deadline, "the engine did not start"
-        time.sleep(0.01)
+    start_engine(manager)
     new = 72
     ids = prompts([150, 150, 150, 140])
     picks = {}

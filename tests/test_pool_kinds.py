@@ -25,7 +25,8 @@ from kvcompile.store.codes import ChannelCodeStore, CodeStore
 from kvcompile.store.pages import Entries
 from kvcompile.store.pool import PagePools, Pooled, PooledChannelCodeStore, PooledCodeStore, tiers
 from kvcompile.store.tiers import TieredStore
-from tests.test_batched_decode import assert_same_entries, batched_equals_generate_and_alone, requests, run_engine
+from tests.test_batched_decode import (assert_same_entries, batched_equals_generate_and_alone, requests, run_engine,
+                                       start_engine)
 from tests.test_serving import SNAP, compiled, gen_config, prompts, reference
 
 # every kept token as codes (int8, int4: one pool of codes a layer), two tiers (mixed: a float pool and a pool of
@@ -169,11 +170,7 @@ def test_cancelled_and_failed_requests_give_every_page_back(kind, monkeypatch):
         return pick(self, history, raw)
 
     monkeypatch.setattr(RequestSampling, "pick", picked)
-    manager.start()
-    deadline = time.monotonic() + 60
-    while not isinstance(getattr(manager.batch_processor, "cache", None), KVCompilePagedCache):
-        assert time.monotonic() < deadline, "the engine did not start"
-        time.sleep(0.01)
+    start_engine(manager)
     new = 24
     ids = prompts([150, 120, 140, 100])
     picks = {}
