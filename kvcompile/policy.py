@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -47,6 +49,17 @@ class Policy:
 
     def to_yaml(self) -> str:
         return policy_to_yaml(self)
+
+    def definition(self) -> str:
+        """What the policy computes, as a 12-hex digest of its explicit full form (policy_to_mapping) without
+        its name and its tokens per head (a RULER record's key holds both). Records of one spec name with
+        two digests were made under two definitions (a field or a part's default changed between them) and
+        are never pooled (kvcompile.tools.ruler_records)."""
+        mapping = policy_to_mapping(self)
+        del mapping["name"]
+        del mapping["budget"]["per_head"]
+        text = json.dumps(mapping, sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _fields(obj) -> dict:

@@ -4,6 +4,7 @@ bootstrap (deterministic for a seed, its interval around the point, differences 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -247,3 +248,74 @@ def test_answer_stop_ends_at_a_complete_answer_and_changes_no_score(setup):
     late = ruler.run_group(model, TOK, [{**s, "answers": ["@@@"]}], "agnostic", ["snapkv"], fractions=[1.0],
                            answer_stop=True)
     assert [r["prediction"] for r in late] == [text, text] and all(r["stop"] == "length" for r in late)
+
+
+def test_a_policy_definition_names_what_it_computes_not_its_name_or_size():
+    import kvcompile
+
+    snapkv = kvcompile.load_spec("snapkv")
+    assert kvcompile.load_spec(snapkv, per_head=700).definition() == snapkv.definition()
+    assert ruler.eval_spec("snapkv").definition() == snapkv.definition()
+    renamed = kvcompile.load_spec({**yaml_of(snapkv), "name": "other"})
+    assert renamed.name == "other" and renamed.definition() == snapkv.definition()
+    wider = kvcompile.load_spec({**yaml_of(snapkv), "ranking": {"by_score": {"sinks": 0, "window": 64}}})
+    assert wider.definition() != snapkv.definition()
+    assert ruler.eval_spec("snapkv@int8").definition() != snapkv.definition()
+    assert kvcompile.load_spec("kvzip").definition() != kvcompile.load_spec("kvzip_uniform").definition()
+
+
+def yaml_of(policy) -> dict:
+    import yaml
+
+    return yaml.safe_load(policy.to_yaml())
+
+
+def test_a_spec_whose_definition_changed_is_not_pooled_with_its_old_records(setup, tmp_path, capsys):
+    """Records carry their spec's definition; a file with records of a spec name made under another definition
+    (or an unrecorded one) is refused before any record is added, and the report refuses to pool them."""
+    model, samples = setup
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    TOK.save_pretrained(folder)
+    data = tmp_path / "ds.jsonl"
+    ruler.dump_dataset(samples[:1], data)
+    spec = tmp_path / "mine.yaml"
+    spec.write_text("name: mine\nscoring: {window_attention: {window: 8}}\nranking: {by_score: {window: 8}}\n"
+                    "budget: {per_head: 16}\n")
+    path = tmp_path / "r.jsonl"
+    argv = ["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--specs", str(spec),
+            "--kv-fraction", "0.5", "--query", "agnostic", "--max-new-tokens", "2", "--resume", str(path), "--quiet"]
+    cli.main(argv)
+    made = read_records([path])
+    mine = [r for r in made if r["spec"] == "mine"]
+    assert len(mine) == 1 and mine[0]["definition"] == ruler.eval_spec(str(spec)).definition()
+    assert all("definition" not in r for r in made if r["spec"] == "full")
+    before = path.read_bytes()
+    spec.write_text(spec.read_text().replace("window: 8}}\nranking", "window: 4}}\nranking"))  # same name, changed
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert re.search(r"line 2: a record of spec 'mine' made under another definition of it", capsys.readouterr().err)
+    assert path.read_bytes() == before  # nothing added
+    # a record written before records carried a definition: refused with the stamping command
+    rows = [json.loads(x) for x in before.decode().splitlines()]
+    legacy = [{k: v for k, v in r.items() if k != "definition"} for r in rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in legacy))
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert "scripts/ruler_records_definition.py" in capsys.readouterr().err
+    stamping = load_script("ruler_records_definition")
+    stamping.main([str(path), "--spec", "mine", "--as", str(spec)])  # made under the spec as it is now, says its user
+    assert [r.get("definition") for r in read_records([path]) if r["spec"] == "mine"] == \
+        [ruler.eval_spec(str(spec)).definition()]
+    capsys.readouterr()
+    cli.main(argv)
+    assert "0 records made now, 2 there before" in capsys.readouterr().out
+    # the report never pools two definitions of one name
+    other = tmp_path / "old.jsonl"
+    other.write_text("".join(json.dumps({**r, "sample": 1}) + "\n" for r in rows))
+    with pytest.raises(RecordsError, match=r"records of spec 'mine' were made under 2 definitions"):
+        read_records([path, other])
+    with pytest.raises(SystemExit):
+        cli.main(["report", str(path), str(other)])
+    assert "2 definitions" in capsys.readouterr().err

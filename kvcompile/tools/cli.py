@@ -792,6 +792,7 @@ def cmd_eval_ruler(args) -> None:
                  "--tasks and file)")
         try:
             store = RecordsFile(args.resume, model=model.config.name_or_path)
+            store.check_definitions({policy.name: policy.definition() for policy in policies.values()})
         except RecordsError as exc:
             fail(str(exc))
         if store.repaired and not quiet:

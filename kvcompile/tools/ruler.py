@@ -1042,7 +1042,7 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
 
     owed = Phases()  # the seconds the next record carries
 
-    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full, held=None, decode=None):
+    def record(s, spec, fraction, per_head, n, q, tokens, kv, kv_full, held=None, decode=None, definition=None):
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if decode is not None:
             owed.add(decode)
@@ -1054,7 +1054,7 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
                "spec": spec, "fraction": fraction, "per_head": per_head, "tokens": n, "question_tokens": len(q),
                "prediction": text, "answers": s["answers"], "score": value,
                "kv_bytes": kv, "kv_bytes_full": kv_full, "source": "kvcompile", "new_tokens": len(tokens), "stop": ended,
-               **owed.take(), **(held or {})}
+               **({"definition": definition} if definition is not None else {}), **owed.take(), **(held or {})}
         if emit is not None:
             emit(out)
         return out
@@ -1123,7 +1123,8 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
                     decode.stop()
                     report = cache.memory_report()
                     records.append(record(s, policy.name, fraction, per_head, n, q, tokens,
-                                          report["bytes_held"], report["bytes_full"], held, decode=decode))
+                                          report["bytes_held"], report["bytes_full"], held, decode=decode,
+                                          definition=policy.definition()))
         states = None  # this context's captured states go before the next context is captured
     return records
 

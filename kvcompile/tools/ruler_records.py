@@ -3,6 +3,12 @@
 flushed to disk (fsync), so an interrupted run loses only the record in flight; a later run with the
 same file skips every key it holds. A last line cut short by a kill (no newline, not JSON) is dropped
 when the file is opened again; a bad line anywhere else is an error naming the file and the line.
+
+Each record of a policy carries its `definition` (Policy.definition: a digest of what the spec computes).
+A spec name alone does not say what was run: a shipped spec or a part's default can change between
+sessions. A run refuses to add records of a spec to a file whose records of that name were made under
+another definition, or under an unrecorded one (records written before they carried it), and the report
+refuses to pool them, so a row never mixes two definitions.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ class RecordsFile:
         self.path = Path(path)
         self.records: list[dict] = []
         self._keys: set[str] = set()
+        self._lines: list[int] = []  # each record's line number in the file
         self.repaired = False
         if self.path.exists():
             self._read(model)
@@ -81,7 +88,25 @@ class RecordsFile:
                 raise RecordsError(f"{self.path}, line {number}: a record of model {row.get('model')!r}; this run is "
                                    f"{model!r}: resume into another file")
             self.records.append(row)
+            self._lines.append(number)
             self._keys.add(_json_key(record_key(row)))
+
+    def check_definitions(self, definitions: dict[str, str]) -> None:
+        """RecordsError naming the first record of a spec in `definitions` ({spec name: Policy.definition()},
+        the specs this run will add) made under another definition or an unrecorded one: adding this run's
+        records would pool two definitions under one name."""
+        for number, row in zip(self._lines, self.records):
+            want = definitions.get(row["spec"])
+            if want is None or row.get("source", "kvcompile") != "kvcompile" or row.get("definition") == want:
+                continue
+            have = row.get("definition")
+            why = (f"under another definition of it (digest {have}; the spec now has {want}: a field or a part's "
+                   "default changed since)") if have else \
+                "before records carried their spec's definition, so whether the spec changed since is unknown"
+            stamp = "" if have else (f"; if it is unchanged since they were made, stamp them: python3 "
+                                     f"scripts/ruler_records_definition.py {self.path} --spec {row['spec']}")
+            raise RecordsError(f"{self.path}, line {number}: a record of spec {row['spec']!r} made {why}. This run's "
+                               f"records would be pooled with it under one name: resume into another file{stamp}")
 
     def has(self, key: tuple) -> bool:
         return _json_key(key) in self._keys
@@ -94,6 +119,7 @@ class RecordsFile:
             f.flush()
             os.fsync(f.fileno())
         self.records.append(record)
+        self._lines.append((self._lines[-1] if self._lines else 0) + 1)
         self._keys.add(_json_key(record_key(record)))
 
 
@@ -119,4 +145,20 @@ def read_records(paths) -> list[dict]:
             if (error := unnumbered(path, number, row)) is not None:
                 raise error
             out.append(row)
+    check_one_definition(out)
     return out
+
+
+def check_one_definition(records: list[dict]) -> None:
+    """RecordsError when records of one spec name were made under two definitions (Policy.definition; None for
+    records written before records carried it): a table would pool them as one row."""
+    seen: dict[str, set] = {}
+    for row in records:
+        if row["spec"] != "full" and row.get("source", "kvcompile") == "kvcompile":
+            seen.setdefault(row["spec"], set()).add(row.get("definition"))
+    mixed = {spec: kinds for spec, kinds in seen.items() if len(kinds) > 1}
+    if mixed:
+        spec, kinds = next(iter(mixed.items()))
+        names = ", ".join(sorted("unrecorded" if k is None else k for k in kinds))
+        raise RecordsError(f"records of spec {spec!r} were made under {len(kinds)} definitions ({names}): one row "
+                           "would pool them; give the files of one definition, or rename the spec of the others")
