@@ -228,8 +228,9 @@ def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dic
 
     1. the chunk's forward: each layer's queries attend over the entries the layer holds and the chunk
        (causal), and the chunk's keys and values are held (`engine.reconstruction._chunk_attention`);
-    2. one reconstruction forward per span of `scoring.chunk` tokens of the chunk (the repeat prompt:
-       `first` at position 0, else `later` and the `overlap` tokens before the span, from this call or the
+    2. one reconstruction forward per span of `scoring.chunk` tokens of the chunk (from the end of the chat
+       template's prefix under reconstruct: context, where the first chunk starts with it; the repeat prompt:
+       `first` at the first span, else `later` and the `overlap` tokens before the span, from this call or the
        previous one; the turn end; the span), at the positions after the chunk; its queries attend over the
        held entries, the chunk and their own keys, and record the span's scores; nothing is stored;
     3. every layer selects among its held entries and the chunk back to the budget of the tokens seen
@@ -259,8 +260,11 @@ def prefill_chunk(forward, cache, repeat: RepeatPrompt, args: tuple, kwargs: dic
     try:
         out = forward(*args, **cache_arg.given(cache), **kwargs)
         known = ids if prompt.ids is None else torch.cat([prompt.ids, ids], dim=1)  # from position end - its width
-        spans = [(s, min(s + scorer.chunk, end)) for s in range(start, end, scorer.chunk)]
-        _reconstruct(forward, cache, repeat, known, spans, scorer.overlap, at=end, offset=end - known.shape[1])
+        if start == 0:  # reconstruct: context: after the chat template's prefix, where the first chunk starts with it
+            prompt.origin = scorer.context_start(ids, repeat.prefix)
+        spans = [(s, min(s + scorer.chunk, end)) for s in range(max(start, prompt.origin), end, scorer.chunk)]
+        _reconstruct(forward, cache, repeat, known, spans, scorer.overlap, at=end, offset=end - known.shape[1],
+                     origin=prompt.origin)
         for layer in range(layers):
             select_reconstructed(cache, layer)
         prompt.ids = known[:, known.shape[1] - min(scorer.overlap, known.shape[1]):]
@@ -294,6 +298,3 @@ def check(plan, mode: str) -> None:
     if schedule.decode is not None:
         raise CompileError(f"kvcompile: {name}: scoring kvzip scores the prompt by reconstruction, once per chunk; "
                            "it cannot re-score while decoding (schedule.decode): drop schedule.decode")
-    if schedule.prefill is not None and plan.policy.scoring.reconstruct == "context":
-        raise CompileError(f"kvcompile: {name}: scoring kvzip with reconstruct: context under a chunked prefill "
-                           "(schedule.prefill) is not built: use reconstruct: prompt, or drop schedule.prefill")

@@ -986,6 +986,9 @@ class ChunkedKVzip:
         ref = cls(policy, model.config.num_hidden_layers)
         c, r, overlap = policy.schedule.chunk_tokens, policy.scoring.chunk, policy.scoring.overlap
         b_, n = ids.shape
+        # reconstruct: context: the spans start after the chat template's prefix where the first chunk starts
+        # with it (its entries keep score 0), as one-pass KVzip's (`kvzip_scores`) do
+        origin = policy.scoring.context_start(ids[:, :c], repeat.prefix)
         logits = []
         with _reference_attention(model):
             for start in range(0, n, c):
@@ -993,8 +996,8 @@ class ChunkedKVzip:
                 ref.begin(start, end)
                 logits.append(model(ids[:, start:end], position_ids=torch.arange(start, end)[None].expand(b_, -1),
                                     use_cache=False, kvcompile_reference=ref).logits)
-                spans = [(s, min(s + r, end)) for s in range(start, end, r)]
-                for span, rebuilt in zip(spans, repeat.inputs(ids, spans, overlap)):
+                spans = [(s, min(s + r, end)) for s in range(max(start, origin), end, r)]
+                for span, rebuilt in zip(spans, repeat.inputs(ids, spans, overlap, origin=origin)):
                     ref.span = span
                     t_ = rebuilt.shape[1]
                     model(rebuilt, position_ids=torch.arange(end, end + t_)[None].expand(b_, -1), use_cache=False,

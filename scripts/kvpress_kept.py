@@ -56,6 +56,7 @@ def _snap(w: int, kind: str, kernel: int) -> dict:
 
 # press -> [(label, shipped spec, overrides)]: the shipped spec first, then the spec with the overrides that
 # set it to the press's hyper-parameters (each a spec option), to show which difference accounts for what
+_PROMPT = {"scoring": {"kvzip": {"reconstruct": "prompt"}}}  # the whole prompt from position 0 (before session 19's default)
 KEPT_SPECS = {
     "snapkv": [("snapkv", "snapkv", {}), ("snapkv window 64", "snapkv", _window(64))],
     "pyramidkv": [("pyramidkv", "pyramidkv", {}),
@@ -70,11 +71,11 @@ KEPT_SPECS = {
     "knorm": [("knorm", "knorm", {})],
     "expected_attention_uniform": [("expected_attention", "expected_attention", {})],
     "expected_attention": [("expected_adakv", "expected_adakv", {})],
-    "kvzip": [("kvzip", "kvzip", {}), ("kvzip_adakv", "kvzip_adakv", {}),
-              ("kvzip_adakv floor 0", "kvzip_adakv", {"budget": {"heads": {"pooled": {"floor": 0.0}}}}),
-              ("kvzip_adakv floor 0 reconstruct context", "kvzip_adakv",
-               {"budget": {"heads": {"pooled": {"floor": 0.0}}}, "scoring": {"kvzip": {"reconstruct": "context"}}}),
-              ("kvzip reconstruct context", "kvzip", {"scoring": {"kvzip": {"reconstruct": "context"}}})],
+    "kvzip": [("kvzip", "kvzip", {}), ("kvzip_adakv floor 0", "kvzip_adakv", {"budget": {"heads": {"pooled": {"floor": 0.0}}}}),
+              ("kvzip reconstruct prompt", "kvzip", _PROMPT),
+              ("kvzip_adakv reconstruct prompt", "kvzip_adakv", _PROMPT),
+              ("kvzip_adakv floor 0 reconstruct prompt", "kvzip_adakv",
+               {"budget": {"heads": {"pooled": {"floor": 0.0}}}, **_PROMPT})],
 }
 KEPT_SPECS[KVZIP_GLOBAL] = KEPT_SPECS["kvzip"]  # KVzipPress(layerwise=False): the same specs (`kvzip` is global)
 
@@ -112,24 +113,28 @@ KEPT_WHY = {
         "key receives, Σ_j A[j,i] / (N − i), with no recent window; H2O (arXiv:2306.14048, §4, Alg. 1: accumulated "
         "attention, heavy hitters + recent window) sums and keeps a recent half. kvcompile's h2o is the paper's",
     ("observed_attention", "h2o window 0"): "the window removed: what is left is the sum against kvpress's mean",
-    ("kvzip", "kvzip"): "allocation: the shipped spec ranks every layer and head at once (KVzip §4.1, kvpress's "
-                        "default layerwise=False) against KVzipPress(layerwise=True)'s per-layer count; plus the "
-                        "reconstruction below",
-    ("kvzip", "kvzip_adakv"): "pooled heads with floor 0.2 (kvpress: none); plus the reconstruction below",
-    ("kvzip", "kvzip_adakv floor 0"): "the allocation is kvpress's; the reconstruction is not: kvcompile's default "
-        "(reconstruct: prompt) reconstructs and scores the whole prompt from position 0, kvpress only the context "
+    ("kvzip", "kvzip"): "the global allocation (KVzip §4.1, kvpress's default layerwise=False) against "
+                        "KVzipPress(layerwise=True)'s per-layer count, with kvpress's reconstruction (reconstruct: "
+                        "context, the default since session 19)",
+    ("kvzip", "kvzip_adakv floor 0"): "kvpress's allocation and reconstruction (reconstruct: context, KVzip's "
+        "Algorithm 1); what is left: float near-ties at the cut",
+    ("kvzip", "kvzip reconstruct prompt"): "both: the global allocation against the per-layer count, and "
+        "reconstruct: prompt (the default before session 19: the whole prompt from position 0) against kvpress's "
+        "context after the chat template's prefix (24 tokens with SmolLM2), the prefix's scores 0",
+    ("kvzip", "kvzip_adakv reconstruct prompt"): "pooled heads with floor 0.2 (kvpress: none); plus reconstruct: "
+        "prompt",
+    ("kvzip", "kvzip_adakv floor 0 reconstruct prompt"): "the allocation is kvpress's; the reconstruction is not: "
+        "reconstruct: prompt reconstructs and scores the whole prompt from position 0, kvpress only the context "
         "after the chat template's prefix (24 tokens with SmolLM2), the prefix's scores 0",
-    ("kvzip", "kvzip_adakv floor 0 reconstruct context"): "kvpress's allocation and reconstruction (reconstruct: "
-        "context, KVzip's Algorithm 1); what is left: float near-ties at the cut",
-    ("kvzip", "kvzip reconstruct context"): "the global allocation against layerwise=True's per-layer count, with "
-                                            "kvpress's reconstruction",
-    ("kvzip_global", "kvzip"): "KVzipPress's default layerwise=False (one ranking over every layer, head and token, "
-                               "KVzip §4.1), as the shipped spec; the reconstruction differs (reconstruct: prompt)",
-    ("kvzip_global", "kvzip_adakv"): "per-layer budgets against one global ranking; plus the reconstruction",
-    ("kvzip_global", "kvzip_adakv floor 0"): "per-layer budgets against one global ranking; plus the reconstruction",
-    ("kvzip_global", "kvzip_adakv floor 0 reconstruct context"): "per-layer budgets against one global ranking",
-    ("kvzip_global", "kvzip reconstruct context"): "kvpress's allocation (global, no floor) and reconstruction "
-                                                   "(reconstruct: context)",
+    ("kvzip_global", "kvzip"): "KVzipPress's default layerwise=False reproduced by the shipped spec (global "
+                               "allocation, no floor, reconstruct: context); what is left: float near-ties at the cut",
+    ("kvzip_global", "kvzip_adakv floor 0"): "per-layer budgets against one global ranking",
+    ("kvzip_global", "kvzip reconstruct prompt"): "the allocation is the press's; the reconstruction is "
+        "reconstruct: prompt (the whole prompt) against kvpress's context after the template's prefix",
+    ("kvzip_global", "kvzip_adakv reconstruct prompt"): "per-layer budgets against one global ranking; plus the "
+        "reconstruction",
+    ("kvzip_global", "kvzip_adakv floor 0 reconstruct prompt"): "per-layer budgets against one global ranking; plus "
+        "the reconstruction",
 }
 TABLE_START, TABLE_END = "<!-- kept-table: start (scripts/kvpress_compare.py kept-table) -->", "<!-- kept-table: end -->"
 

@@ -292,9 +292,9 @@ def test_reconstruct_context_skips_the_template_prefix_as_the_reference_does(n, 
         kept = cache.kept_positions(layer)
         assert torch.equal(kept, expected.kept[layer]), f"layer {layer}"
         assert_close(kept_scores(cache, layer), torch.where(kept, scores[layer], 0.0))
-    # the default reconstructs the whole prompt: other scores
+    # reconstruct: prompt reconstructs the whole prompt: other scores
     whole, _ = reference.kvzip_scores(model, ids, PREFIXED, load_spec(spec, scoring={"kvzip": {
-        "chunk": chunk, "sinks": sinks, "overlap": overlap}}).scoring)
+        "chunk": chunk, "sinks": sinks, "overlap": overlap, "reconstruct": "prompt"}}).scoring)
     assert bool((whole[0][..., :p] > 0).all())
 
 
@@ -313,16 +313,15 @@ def test_reconstruct_context_inputs_and_a_prompt_without_the_prefix():
     assert scorer.context_start(both, PREFIXED.prefix) == 7
     both[1, 0] = 99  # one row without it: the whole prompt, for every row
     assert scorer.context_start(both, PREFIXED.prefix) == 0
-    assert load_spec("kvzip").scoring.context_start(both[:1], PREFIXED.prefix) == 0  # reconstruct: prompt
+    assert load_spec("kvzip").scoring.context_start(both[:1], PREFIXED.prefix) == 7  # the default: context
+    prompt_mode = load_spec("kvzip", scoring={"kvzip": {"reconstruct": "prompt"}}).scoring
+    assert prompt_mode.context_start(both[:1], PREFIXED.prefix) == 0  # reconstruct: prompt
     model = tiny_model("llama")
-    plain = load_spec("kvzip", per_head=8)
-    ctx = load_spec("kvzip", per_head=8, scoring={"kvzip": {"reconstruct": "context"}})
+    plain = load_spec("kvzip", per_head=8, scoring={"kvzip": {"reconstruct": "prompt"}})
+    ctx = load_spec("kvzip", per_head=8)
     ids = prompt(40, seed=3)
     a, _ = reference.kvzip_scores(model, ids, PREFIXED, plain.scoring)
     b, _ = reference.kvzip_scores(model, ids, PREFIXED, ctx.scoring)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     with pytest.raises(SpecError, match=r"scoring\.kvzip\.reconstruct: 'template' .*allowed: prompt \| context"):
         load_spec("kvzip", scoring={"kvzip": {"reconstruct": "template"}})
-    with pytest.raises(CompileError, match="reconstruct: context under a chunked prefill"):
-        kvcompile.compile(model, "kvzip_adakv", repeat_prompt=PREFIXED, scoring={"kvzip": {"reconstruct": "context"}},
-                          schedule={"prefill": {"chunk": 16}})

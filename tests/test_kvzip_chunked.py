@@ -62,16 +62,16 @@ def assert_same_entries(runtime_heads, reference_heads):
         assert torch.equal(got[6], want[6])  # merge counts
 
 
-def run_engine(model, policy, ids):
+def run_engine(model, policy, ids, repeat=REPEAT):
     """compile()'s forward over the whole prompt: its cache and logits (B, N, V)."""
-    with kvcompile.compiled(model, policy, repeat_prompt=REPEAT), torch.no_grad():
+    with kvcompile.compiled(model, policy, repeat_prompt=repeat), torch.no_grad():
         out = model(ids, use_cache=True)
     return out.past_key_values, out.logits
 
 
-def assert_equals_reference(model, policy, ids):
-    ref, logits = reference.ChunkedKVzip.run(model, policy, ids, REPEAT)
-    cache, got = run_engine(model, policy, ids)
+def assert_equals_reference(model, policy, ids, repeat=REPEAT):
+    ref, logits = reference.ChunkedKVzip.run(model, policy, ids, repeat)
+    cache, got = run_engine(model, policy, ids, repeat)
     assert cache.seq_length == ids.shape[1] and cache.compressing is None and cache.reconstruction is None
     for layer in range(model.config.num_hidden_layers):
         assert_same_entries(cache.stores[layer].to_heads(), ref.heads[layer])
@@ -90,6 +90,37 @@ def test_engine_equals_reference(key, kv_heads, n, batch, chunk, recon, sinks, o
     model = tiny_model(arch, kv_heads=kv_heads)
     policy = chunked_kvzip(key, chunk, per_head, chunk=recon, sinks=sinks, overlap=overlap)
     assert_equals_reference(model, policy, prompt(n, batch=batch, seed=n + chunk))
+
+
+PREFIXED = RepeatPrompt(first=(5, 6, 7, 8), later=(9, 10), suffix=(11, 12), prefix=(13, 14, 15, 16, 17, 18, 19))
+
+
+@settings(max_examples=10, deadline=None)
+@given(key=st.sampled_from(["kvzip", "kvzip_adakv", "entropy", "int4"]), n=st.integers(20, 60),
+       batch=st.integers(1, 2), chunk=st.integers(8, 40), recon=st.integers(5, 30), sinks=st.integers(0, 5),
+       overlap=st.integers(0, 6))
+def test_reconstruct_context_in_chunks_skips_the_template_prefix_as_the_reference_does(key, n, batch, chunk, recon,
+                                                                                      sinks, overlap):
+    """reconstruct: context (the default: KVzip's Algorithm 1, kvpress's KVzipPress) under a chunked prefill: the
+    first chunk's spans start after the chat template's prefix (its entries score 0, the first span reads
+    `first`), later chunks' spans quote nothing of the prefix; the engine equals the reference, and with one
+    chunk covering the prompt the reference is one-pass KVzip's scores (`kvzip_scores`) exactly."""
+    assume(overlap <= recon)
+    model = tiny_model("llama", kv_heads=2)
+    policy = chunked_kvzip(key, chunk, 10, chunk=recon, sinks=sinks, overlap=overlap)
+    assert policy.scoring.reconstruct == "context"
+    p = len(PREFIXED.prefix)
+    ids = torch.cat([torch.tensor([PREFIXED.prefix] * batch), prompt(n, batch=batch, seed=n + chunk)], dim=1)
+    assert_equals_reference(model, policy, ids, PREFIXED)
+    whole = kvcompile.load_spec(policy, schedule={"prefill": {"chunk": n + p}})
+    scores, _ = reference.kvzip_scores(model, ids, PREFIXED, whole.scoring)
+    ref, _ = reference.ChunkedKVzip.run(model, whole, ids, PREFIXED)
+    for layer in range(model.config.num_hidden_layers):
+        assert bool((scores[layer][..., :p] == 0).all()) and bool((scores[layer][..., p:] > 0).all())
+        for b in range(batch):
+            for h, held in enumerate(ref.heads[layer][b]):
+                tok = held.tokens()
+                assert_close(held.scores[tok], scores[layer][b, h, held.positions[tok]], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("key", sorted(VARIANTS))

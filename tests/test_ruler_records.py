@@ -319,3 +319,7 @@ def test_a_spec_whose_definition_changed_is_not_pooled_with_its_old_records(setu
     with pytest.raises(SystemExit):
         cli.main(["report", str(path), str(other)])
     assert "2 definitions" in capsys.readouterr().err
+    # the old definition's records renamed: one report reads both
+    stamping.main([str(other), "--spec", "mine", "--rename", "mine_before", "--as", str(spec)])
+    assert {r["spec"] for r in read_records([other]) if r["spec"] != "full"} == {"mine_before"}
+    assert {r["spec"] for r in read_records([path, other])} == {"full", "mine", "mine_before"}

@@ -105,10 +105,11 @@ def test_the_reconstruction_runs_once_per_scorer_configuration(captured, monkeyp
                                                "merge": {"residual": {"alpha": 0.6}}})]:
         replay(load_spec(load_spec(spec, scoring=CHUNKED), per_head=20, **overrides), model.config, states,
                model=model, repeat_prompt=REPEAT)
-    assert spans == [[(0, 32), (32, 64), (64, 90)]] and len(states.scores) == 1
+    # (the captured prompt starts with REPEAT's prefix: reconstruct: context, the default, starts after it)
+    assert spans == [[(3, 35), (35, 67), (67, 90)]] and len(states.scores) == 1
     replay(load_spec("kvzip", per_head=20, scoring={"kvzip": {"chunk": 50}}), model.config, states, model=model,
            repeat_prompt=REPEAT)
-    assert spans[1:] == [[(0, 50), (50, 90)]] and len(states.scores) == 2
+    assert spans[1:] == [[(3, 53), (53, 90)]] and len(states.scores) == 2
 
 
 def test_what_still_cannot_be_replayed_is_refused_with_the_reason():

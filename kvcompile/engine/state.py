@@ -94,6 +94,8 @@ class ChunkedPrompt:
     length: int  # the whole prompt's length, pads included
     ids: Tensor | None = None  # a reconstruction scorer (kvcompile.kvzip.prefill_chunk): the prompt's last token
     #   ids so far (B, ≤ overlap), which the next chunk's repeat prompt quotes
+    origin: int = 0  # a reconstruction scorer: where its reconstruction starts (after the chat template's prefix
+    #   under reconstruct: context, found in the first chunk)
 
 
 @dataclass

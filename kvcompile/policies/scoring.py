@@ -769,12 +769,13 @@ class KVzip(Scorer):
     with c the model's softmax scale. Nothing of a question enters: the scores are the context's
     own.
 
-    `reconstruct`: what is reconstructed. "prompt" (the default): the whole prompt from position 0, so a
-    prompt in a chat template has its template prefix (system prompt, user header) repeated and scored like
-    the rest. "context": only what follows the chat template's prefix (RepeatPrompt.prefix, found from the
-    tokenizer's template with a dummy message) where every row of the prompt starts with it, the chunks cut
-    from there, and the prefix's entries scored 0 (evicted first, after the ranking's sinks); a prompt that
-    does not start with the prefix is reconstructed whole. "context" is the paper's: KVzip (§2.1: the
+    `reconstruct`: what is reconstructed. "context" (the default): only what follows the chat template's
+    prefix (RepeatPrompt.prefix, found from the tokenizer's template with a dummy message) where every row of
+    the prompt starts with it, the chunks cut from there, and the prefix's entries scored 0 (evicted first,
+    after the ranking's sinks); a prompt that does not start with the prefix (or a tokenizer without a chat
+    template) is reconstructed whole. "prompt": the whole prompt from position 0, so a prompt in a chat
+    template has its template prefix (system prompt, user header) repeated and scored like the rest.
+    "context" is the paper's: KVzip (§2.1: the
     context c of n_c tokens prefilled into KV_c; §3, Eq. 2: S ∈ R^{L×H×n_c}, a score for each of the
     context's KV pairs; Appendix A, Algorithm 1: c partitioned into chunks c_1..c_T, the input "Repeat the
     previous context:" + c_t) scores and reconstructs the context, not the template around it, and it is
@@ -787,7 +788,7 @@ class KVzip(Scorer):
     chunk: int = bounded(2048, low=1, why="context tokens per reconstruction forward (KVzip: 2000, kvpress: 2048)")
     sinks: int = bounded(4, low=0, why="first cached entries in every chunk's softmax (kvpress n_sink = 4)")
     overlap: int = bounded(8, low=0, why="previous chunk's last tokens quoted in the next repeat prompt (KVzip: 8)")
-    reconstruct: Literal["prompt", "context"] = "prompt"  # the whole prompt, or the context after the template
+    reconstruct: Literal["prompt", "context"] = "context"  # the context after the template (the paper's), or all
     gqa = "max"
     reconstructs = True  # scores come from a model-level reconstruction pass (kvcompile.kvzip)
 

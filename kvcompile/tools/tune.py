@@ -554,8 +554,8 @@ def spec_mapping(result: Result, name: str) -> dict:
 # presses reproduced entry for entry"): press -> (shipped spec, the overrides that set kvpress's settings).
 # PyramidKVPress falls back to uniform layers where its smallest layer budget is under its window (below about
 # 32 % kept of a 4k prompt); its reproduction follows it (reproduction()). KVzipPress reconstructs the context after
-# the chat template's prefix (reconstruct: context): with its default layerwise=False one ranking of every layer and
-# head (`kvzip`), with layerwise=True a count per layer without AdaKV's floor. ObservedAttentionPress is
+# the chat template's prefix (reconstruct: context, the default): with its default layerwise=False one ranking of
+# every layer and head (`kvzip` as shipped), with layerwise=True a count per layer without AdaKV's floor. ObservedAttentionPress is
 # `observed_attention` (the mean attention a key receives; H2O's own rule is `h2o`).
 _SNAP64 = {"scoring": {"window_attention": {"window": 64, "pooling": {"kind": "avg", "kernel": 5}}},
            "ranking": {"by_score": {"window": 64}}}
@@ -569,9 +569,8 @@ KVPRESS_REPRODUCTIONS = {
     "observed_attention": ("observed_attention", {}),
     "expected_attention_uniform": ("expected_attention", {}),
     "expected_attention": ("expected_adakv", {}),
-    "kvzip_global": ("kvzip", {"scoring": {"kvzip": {"reconstruct": "context"}}}),
-    "kvzip": ("kvzip_adakv", {"scoring": {"kvzip": {"reconstruct": "context"}},
-                              "budget": {"heads": {"pooled": {"floor": 0.0}}}}),
+    "kvzip_global": ("kvzip", {}),
+    "kvzip": ("kvzip_adakv", {"budget": {"heads": {"pooled": {"floor": 0.0}}}}),
 }
 
 
