@@ -697,7 +697,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
                         "of the whole prompt, which a prompt compressed chunk by chunk (schedule.prefill) does not "
                         "have; drop schedule.prefill")
     if scoring.needs_rope and rope is None:
-        rope = rope_frequencies(config, scoring.name)
+        rope = rope_frequencies(config, scoring.name,
+                                None if kinds is None else [i for i, e in enumerate(kinds.engine) if e is not None])
     # a chunked prompt re-selects every layer after each chunk: the lazy cascade's counting does not apply
     lazy = cascade and not chunk and policy.budget.heads.nested and not policy.merges and policy.budget.split is None
     return Plan(
@@ -739,15 +740,37 @@ def _softcap_refusal(policy: Policy, softcap: bool) -> str | None:
     return None
 
 
-def rope_frequencies(config, scorer: str) -> tuple[float, ...]:
+def rope_frequencies(config, scorer: str, layers: list[int] | None = None) -> tuple[float, ...]:
     """The model's rotary inverse frequencies (d/2 of them, transformers' rotate-half layout), from its
     config as transformers computes them (`rope_parameters`: the default rope, or one of its
-    ROPE_INIT_FUNCTIONS); PlanError where they are not fixed or not over the whole head."""
-    if getattr(config, "no_rope_layers", None):  # Llama 4: NoPE layers, rotary on interleaved pairs elsewhere
-        raise PlanError(f"kvcompile: scoring: {scorer} rotates queries to future positions with the rotary of "
-                        "transformers' rotate-half layout; this model's layers rotate interleaved pairs or, its NoPE "
-                        "layers (no_rope_layers: its full_attention layers by default), not at all")
+    ROPE_INIT_FUNCTIONS); PlanError where they are not fixed or not over the whole head. `layers`: the model
+    layers the policy compresses (default: all), whose queries the scorer moves.
+
+    A model whose compressed layers use no rotary (Llama 4's NoPE layers, no_rope_layers[i] = 0: its
+    full_attention layers by default) gets d/2 zero frequencies: the layer's map from a query to its position is
+    the identity, so R(t) = I for every t, and the scorer's moved queries and mean rotation (R̄ = I) are exactly
+    those of a model without rotary (no approximation). Refused there: compressed layers with Llama 4's rotary
+    (complex, on interleaved pairs), and temperature tuning (attn_temperature_tuning: the NoPE layers scale a
+    query at position p by 1 + attn_scale·log(1 + ⌊(p + 1)/floor_scale⌋), so the next queries are the prompt's
+    scaled by their own positions, a map the scorer's statistics do not model)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    no_rope = getattr(config, "no_rope_layers", None)
+    if no_rope:  # Llama 4: NoPE layers, rotary on interleaved pairs elsewhere
+        layers = range(config.num_hidden_layers) if layers is None else layers
+        roped = [i for i in layers if no_rope[i]]
+        if roped:
+            raise PlanError(f"kvcompile: scoring: {scorer} rotates queries to future positions with the rotary of "
+                            f"transformers' rotate-half layout; this model's compressed layers {roped} rotate "
+                            "interleaved pairs (no_rope_layers), which it does not build; it runs where the compressed "
+                            "layers are NoPE layers (transformers' default layer_types make the full_attention "
+                            "layers so)")
+        if getattr(config, "attn_temperature_tuning", False):
+            raise PlanError(f"kvcompile: scoring: {scorer} models the next queries as the prompt's queries moved to "
+                            "their positions; this model's NoPE layers scale each query by its position "
+                            "(attn_temperature_tuning: 1 + attn_scale·log(1 + ⌊(p + 1)/floor_scale⌋)), a map the "
+                            "scorer's statistics do not model; load the model with attn_temperature_tuning=False, "
+                            "with which its compressed NoPE layers are scored exactly (no rotation)")
+        return (0.0,) * (head_dim // 2)
     params = getattr(config, "rope_parameters", None) or {}
     if not params and getattr(config, "rope_theta", None) is not None:
         params = {"rope_type": "default", "rope_theta": config.rope_theta}

@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 import kvcompile
 import kvcompile.engine.op  # noqa: F401  registers torch.ops.kvcompile.attend
-from kvcompile import reference
+from kvcompile import cache_arg, reference
 from kvcompile.kernels.chunk_attention import ExplicitChunkAttention
 from kvcompile.kernels.paged_attention import SoftcapPagedAttention
 from kvcompile.kernels.paged_attention_quant import SoftcapQuantPagedAttention, _dequantized, check
@@ -379,3 +379,89 @@ def test_expected_attention_stays_refused_under_the_cap_only():
     model = tiny_gpt_oss()
     with torch.no_grad(), kvcompile.compiled(model, "expected_zsmerge"):
         model.generate(prompt(20), max_new_tokens=3, do_sample=False)
+
+
+# --- the compiled entry ----------------------------------------------------------------------------------------
+
+def _compiled_against_plain_and_eager(model, feature: str, monkeypatch, inductor: bool) -> None:
+    """mode='compiled' on a capped or sinked model (traced through kvcompile's call site, passes.site; the passes
+    alone where `inductor` is False): at a budget that keeps everything the plain model's greedy tokens and each
+    step's logits, and a forward without a cache the plain model's logits; at budgets that evict (merge slots
+    after the cap or beside the sinks; int8 codes) the eager entry's tokens and kept entries. One prefill and one
+    decode graph serve every policy, each with every layer's attention rewritten; the feature matters (without it
+    the plain model's logits move)."""
+    import functools
+
+    import kvcompile.passes
+    from kvcompile.passes.backend import COMPILES, compile_forward
+    from test_hybrid import NEW
+    from test_runtime import full_budget
+
+    if not inductor:
+        monkeypatch.setattr(kvcompile.passes, "compile_forward", functools.partial(compile_forward, inductor=False))
+    ids, mask = padded_batch()
+    real = mask.bool()
+    evicting = [kvcompile.load_spec("zsmerge", per_head=8), decode_policy("snapkv_int8", 10)]
+    def run():  # (model.generate read at each call: compile() replaces it)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                              return_dict_in_generate=True, output_logits=True)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny shapes: two threads on a shared 2-core machine spin-wait on each other
+    torch._dynamo.reset()  # graphs are shared by every model of a shape: none from an earlier test
+    COMPILES.clear()
+    try:
+        with torch.no_grad():
+            ref, plain = run(), model(ids, attention_mask=mask, use_cache=False).logits
+            eager = []
+            for policy in evicting:
+                with kvcompile.compiled(model, policy):
+                    eager.append(run())
+            with kvcompile.compiled(model, full_budget("snapkv", ids.shape[1] + NEW, 4), mode="compiled"):
+                assert model.config._attn_implementation == "kvcompile_site"
+                full = run()
+                uncached = model(ids, attention_mask=mask, use_cache=False).logits
+            compiled = []
+            for policy in evicting:
+                with kvcompile.compiled(model, policy, mode="compiled"):
+                    compiled.append(run())
+            _remove(model, feature)()
+            without = model(ids, attention_mask=mask, use_cache=False).logits
+    finally:
+        torch.set_num_threads(threads)
+    assert full.sequences.tolist() == ref.sequences.tolist()
+    for got, want in zip(full.logits, ref.logits):
+        assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_close(uncached[real], plain[real], rtol=1e-5, atol=1e-5)
+    assert (without[real] - plain[real]).abs().max() > 1e-2
+    for got, want in zip(compiled, eager):
+        assert got.sequences.tolist() == want.sequences.tolist()
+        assert torch.equal(cache_arg.of(got).kept(), cache_arg.of(want).kept())
+    assert any(int(cache_arg.of(e).kept().max()) < ids.shape[1] for e in eager)  # the global layers evicted
+    kinds = sorted((c["kind"], c["layers"], c["inductor"]) for c in COMPILES)
+    assert kinds == [("decode", [0, 1, 2, 3], inductor), ("prefill", [0, 1, 2, 3], inductor)], COMPILES
+
+
+@pytest.mark.parametrize("model_key", sorted(MODELS))
+def test_the_compiled_entry_runs_the_capped_models_through_the_passes(model_key, monkeypatch):
+    """The passes alone (the rewritten graphs run as Python code, no Inductor): see _compiled_against_plain_and_eager."""
+    build, feature = MODELS[model_key]
+    _compiled_against_plain_and_eager(build(), feature, monkeypatch, inductor=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_key", sorted(MODELS))
+def test_the_compiled_entry_runs_the_capped_models_with_inductor(model_key, monkeypatch):
+    """Passes + Inductor (what mode='compiled' runs): see _compiled_against_plain_and_eager."""
+    build, feature = MODELS[model_key]
+    _compiled_against_plain_and_eager(build(), feature, monkeypatch, inductor=True)
+
+
+def test_the_call_site_is_never_run_unrewritten():
+    """kvcompile.attention_site only marks a layer's attention for the passes: a graph that kept it fails, naming
+    the entry that rewrites it, rather than attending without the cap or the sinks."""
+    import kvcompile.passes.site  # noqa: F401  registers torch.ops.kvcompile.attention_site
+
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="placeholder .* mode='compiled'"):
+        torch.ops.kvcompile.attention_site(q, k, k, None, 0, 0.3)

@@ -439,11 +439,52 @@ def test_a_policy_for_chunked_layers_is_refused(model):
     assert "forward" not in model.__dict__
 
 
-def test_expected_attention_is_refused_on_nope_and_interleaved_rotary(model):
-    with pytest.raises(kvcompile.CompileError, match="expected_attention rotates queries .* interleaved pairs or, "
-                                                     "its NoPE layers"):
+def test_expected_attention_is_refused_under_temperature_tuning_and_on_rotary_compressed_layers(model):
+    """Temperature tuning scales each NoPE query by its position (the next queries are not the prompt's moved by
+    a rotation), and a compressed layer with Llama 4's rotary rotates interleaved pairs: both refused, named."""
+    with pytest.raises(kvcompile.CompileError, match="expected_attention models the next queries .*"
+                                                     "attn_temperature_tuning.* load the model with "
+                                                     "attn_temperature_tuning=False"):
         kvcompile.compile(model, "expected_attention")
     assert "forward" not in model.__dict__
+    roped = tiny_llama4(attn_temperature_tuning=False, no_rope_layers=[1, 1, 1, 0],
+                        layer_types=["chunked_attention", "full_attention", "chunked_attention", "full_attention"])
+    with pytest.raises(kvcompile.CompileError, match=r"expected_attention rotates .* compressed layers \[1\] rotate "
+                                                     "interleaved pairs"):
+        kvcompile.compile(roped, "expected_attention")
+    assert "forward" not in roped.__dict__
+
+
+def test_expected_attention_scores_the_nope_layers_as_the_reference():
+    """Without temperature tuning the compressed layers are Llama 4's NoPE full_attention layers, whose map from a
+    query to its position is the identity (R(t) = I): the plan gives the scorer zero rotary frequencies, and the
+    kept entries are reference.compress's over the plain model's own states (transformers' attention, the chunked
+    layers in chunks) scored without rotation, not those a rotary would give. At a budget that keeps everything,
+    the plain model's tokens."""
+    import dataclasses
+
+    from kvcompile import reference
+    from test_query_agnostic import EA, rope_of
+
+    model = tiny_llama4(attn_temperature_tuning=False)
+    ids = prompt(40, batch=2, seed=11)
+    policy = kvcompile.load_spec({"name": "ea_llama4", "scoring": EA, "budget": {"per_head": 10}})
+    with torch.no_grad():
+        with kvcompile.compiled(model, policy):
+            cache = cache_arg.of(model(ids, use_cache=True))
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+        with kvcompile.compiled(model, full_budget("expected_attention", 48, LAYERS)):
+            got = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert cache.plan.rope == (0.0,) * 8
+    states = reference.captured_states(model, ids)
+    expected = reference.compress(policy, [dataclasses.replace(s, rope=torch.zeros(8)) for s in states])
+    rotated = reference.compress(policy, [dataclasses.replace(s, rope=rope_of(16)) for s in states])
+    assert len(states) == cache.plan.num_layers == 2
+    for layer in range(cache.plan.num_layers):
+        assert torch.equal(cache.kept_positions(layer), expected.kept[layer]), f"layer {layer}"
+        assert int(expected.kept[layer].sum()) < expected.kept[layer].numel()  # evicted
+    assert any(not torch.equal(expected.kept[i], rotated.kept[i]) for i in range(2))
+    assert got.tolist() == ref.tolist()
 
 
 def test_temperature_tuning_on_a_nope_chunked_layer_runs_before_the_last_full_layer_only():

@@ -364,11 +364,6 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
                           layer_devices=layer_devices, sinks=model_sinks(model))
     except (PlanError, ShardingError, DeviceError) as exc:
         raise CompileError(str(exc)) from None
-    if traced and (plan.softcap is not None or plan.sinks is not None):
-        raise CompileError(f"kvcompile: mode={mode!r} captures the model's SDPA attention calls, and transformers "
-                           f"runs model type {model.config.model_type!r} without SDPA (its "
-                           f"{'soft-capped logits' if plan.softcap is not None else 'learned sinks'} are not SDPA's); "
-                           "compile with mode='eager', which applies them exactly")
     if traced and _nope_scaling(model.config):
         raise CompileError(f"kvcompile: mode={mode!r} traces the model over a stand-in cache that reports no past "
                            f"(one graph for every length), and model type {model.config.model_type!r} scales its NoPE "
@@ -399,7 +394,13 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
     if traced:
         from kvcompile.passes import compile_forward
 
-        model.set_attn_implementation("sdpa")
+        if plan.softcap is not None or plan.sinks is not None:  # no SDPA call to capture: kvcompile's call site
+            from kvcompile.passes import site
+
+            site.register()
+            model.set_attn_implementation(site.NAME)
+        else:
+            model.set_attn_implementation("sdpa")
         forward = compile_forward(model, forward, kv_heads=len(plan.kv_heads),
                                   engine=None if plan.layer_kinds is None else plan.layer_kinds.engine)
     else:

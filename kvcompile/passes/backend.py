@@ -340,7 +340,7 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
     `past_key_values` it runs the compiled graph (inference only, under no_grad) with that
     cache bound; otherwise (no cache, use_cache=False) it runs `forward` as is — plain
     attention, what the eager entry does then. The model must keep
-    attn_implementation="sdpa". `dynamic` is torch.compile's; the default (None) keeps
+    attn_implementation="sdpa" (a soft-capped or sinked model: kvcompile.passes.site.NAME). `dynamic` is torch.compile's; the default (None) keeps
     everything static but the batch and the sequence lengths (a float made symbolic, as
     dynamic=True does with the model's eps and scaling, would be read at run time). A call
     without an attention_mask or position_ids gets them here, so that every call has the
@@ -349,10 +349,13 @@ def compile_forward(model, forward=None, *, dynamic: bool | None = None, inducto
     (kvcompile.layer_kinds.LayerKinds.engine): its local layers' attention goes to their windows
     (`kvcompile.attend_window`), the others' to the op under their number among the compressed layers.
     """
+    from kvcompile.passes.site import NAME
+
     config = model.config
-    if config._attn_implementation != "sdpa":
-        raise PassError(f"kvcompile: the compiled entry needs attn_implementation='sdpa', the model has "
-                        f"{config._attn_implementation!r}")
+    if config._attn_implementation not in ("sdpa", NAME):
+        raise PassError(f"kvcompile: the compiled entry needs attn_implementation='sdpa' (or, on a model that "
+                        f"soft-caps its logits or has learned sinks, {NAME!r}: kvcompile.passes.site), the model "
+                        f"has {config._attn_implementation!r}")
     forward = forward or type(model).forward.__get__(model)
     return CompiledForward(forward, (kv_heads or config.num_key_value_heads, config.num_hidden_layers, inductor,
                                      None if engine is None else tuple(engine)), dynamic)

@@ -5,7 +5,9 @@ where the graph was captured (docs/INTERNALS.md "The op and its two entries"): t
 (`F.scaled_dot_product_attention`, which is `torch._C._nn.scaled_dot_product_attention`)
 in dynamo's torch-level graphs, `aten.scaled_dot_product_attention` in pre-dispatch
 graphs, and the `aten._scaled_dot_product_*_attention*` kernels (which return a tuple
-whose item 0 is the output) once the composite op is decomposed.
+whose item 0 is the output) once the composite op is decomposed. A model that transformers runs
+without SDPA (soft-capped logits, learned sinks) is traced with kvcompile's own call site instead,
+`kvcompile.attention_site(q, k, v, mask, layer, scale)` (passes.site), found here the same way.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import re
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
+
+import kvcompile.passes.site  # noqa: F401  (registers torch.ops.kvcompile.attention_site)
 
 aten = torch.ops.aten
 
@@ -36,12 +40,17 @@ SDPA_KERNELS = {
     if hasattr(aten, name)
 }
 
+SITES = {torch.ops.kvcompile.attention_site, torch.ops.kvcompile.attention_site.default}
+_SITE_ARGS = ("query", "key", "value", "attn_mask", "layer", "scale")
+
 _LAYER = re.compile(r"layers(?:\.|\[|_)(\d+)")
 
 
 def is_sdpa(node: Node) -> bool:
+    """An attention call the passes rewrite: an SDPA form, or kvcompile's call site (module doc)."""
     return node.op == "call_function" and (
-        node.target in SDPA_FUNCTIONS or node.target in SDPA_COMPOSITE or node.target in SDPA_KERNELS)
+        node.target in SDPA_FUNCTIONS or node.target in SDPA_COMPOSITE or node.target in SDPA_KERNELS or
+        node.target in SITES)
 
 
 def returns_tuple(node: Node) -> bool:
@@ -54,6 +63,10 @@ def sdpa_arguments(node: Node) -> dict:
     (None = d**-0.5), dropout_p, is_causal, enable_gqa. `attn_bias` (efficient kernel) is
     reported as attn_mask."""
     target = node.target
+    if target in SITES:  # causal by definition: the model's own (causal, or a local layer's window) attention
+        bound = dict(zip(_SITE_ARGS, node.args))
+        bound.update(node.kwargs, dropout_p=0.0, is_causal=True, enable_gqa=True)
+        return bound
     if target in SDPA_FUNCTIONS:
         names = _FUNCTIONAL_ARGS
     else:
@@ -73,6 +86,8 @@ def sdpa_arguments(node: Node) -> dict:
 def layer_of(node: Node) -> int:
     """The decoder layer index N from the innermost `layers.N` / `layers[N]` entry of
     `node.meta["nn_module_stack"]` (dynamo writes paths like "L['self'].model.layers.3")."""
+    if node.target in SITES:  # the call site names its layer (module.layer_idx)
+        return int(sdpa_arguments(node)["layer"])
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in reversed(list(stack.values())):
         found = _LAYER.findall(str(path))
