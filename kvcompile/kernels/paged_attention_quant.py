@@ -21,28 +21,14 @@ with an attention over other entries, as KIVI's full-precision residual needs
 
 Implementations:
 - `paged_attention_quant_torch`: the eager reference above (the specification).
-- `paged_attention_quant_cpp` (paged_attention_quant.cpp beside this module): the fp32 C++ kernel's
-  flash-decoding (kvcompile/kernels/paged_attention_cpp.py) over packed pages. A work item is one
-  (sequence, KV head, run of pages), on OpenMP threads above PARALLEL_WORK multiply-adds a call;
-  each code row is read once and decoded in registers (int8: a widening load and a convert per
-  vector; int4: a broadcast dword shifted left by 28 − 4c in lane c and right by 28, which the
-  low-nibble-first order makes two shifts). q·k: keys per channel take
-  q·k̂ = Σ_c (q_c scale_c) code_c + Σ_c q_c zero_c, q_c scale_c and the constant once per page
-  (KIVI's fused dequantize-and-multiply); keys per token in one group take
-  scale · (q·code) + zero · Σ_c q_c, applied to the page's logits as vectors; keys in several
-  groups are dequantized vector by vector (code · scale + zero, a vector never straddles two
-  groups). Two entries a step share each query load, with enough independent FMA chains to hide
-  their latency. A page's G·S dot vectors become its logits by a transpose-and-add tree and are
-  exponentiated a vector at a time (online softmax, Milakov & Gimelshein 2018). P·V runs in
-  blocks of value vectors whose G accumulators stay in registers over the page's entries; each
-  value vector is dequantized once for the G query heads. Every retained byte (codes, scales,
-  zeros, bias) comes from memory once (a value group wider than a block has its scale and zero
-  loaded again, from L1, by the entry's next block). fp32 queries on the CPU; head dim and per-token group sizes multiples
-  of 16 (`supports`); built once per (G, d, key group, value group) — compile-time constants, so
-  every loop over d unrolls — with int8 and int4 in each build. AVX2 and AVX-512 have their own
-  decode and reduction code (the AVX-512 code is compile-checked only: the development machine
-  has AVX2); other CPUs (ARM) take at::vec and plain loops, tested on x86 by building with
-  KVCOMPILE_PORTABLE, which removes the x86 ISA macro.
+- `paged_attention_quant_cpp`: the C++ flash-decoding kernel of the float pages (paged_attention.cpp,
+  kvcompile/kernels/paged_attention_cpp.py) with the codes' load: each code row read once and decoded in
+  registers, keys per channel through KIVI's fused dequantize-and-multiply, each value vector dequantized
+  once for the G query heads (the .cpp's comments say how); every retained byte (codes, scales, zeros,
+  bias) comes from memory once. fp32 queries on the CPU; head dim and per-token group sizes multiples of
+  16 (`supports`); built once per (G, d, key group, value group), int8 and int4 in each build. AVX2 and
+  AVX-512 have their own decode and reduction code (the AVX-512 code is compile-checked only: the
+  development machine has AVX2); other CPUs (ARM) take at::vec and plain loops (KVCOMPILE_PORTABLE).
 - `paged_attention_quant_triton`: the Triton paged kernel's flash-decoding
   (`paged_attention.paged_attention_triton`): one program per (sequence · KV head, chunk of
   entries) writes online-softmax partials, a second kernel combines them. Codes are loaded as a
