@@ -47,24 +47,23 @@ def ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def fractions(text: str) -> list[float]:
+def fraction_list(text: str, zero: bool, what: str) -> list[float]:
+    """Comma-separated numbers in [0, 1] (zero) or (0, 1]; `what` says which, in the error."""
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"depths are fractions between 0 and 1, got {text!r}")
+    if not values or any(not (0.0 <= v if zero else 0.0 < v) or v > 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
     return values
+
+
+def fractions(text: str) -> list[float]:
+    return fraction_list(text, True, "depths are fractions between 0 and 1")
 
 
 def kept_fractions(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not 0.0 < v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"KV fractions kept are in (0, 1], got {text!r}")
-    return values
+    return fraction_list(text, False, "KV fractions kept are in (0, 1]")
 
 
 def byte_fractions(text: str) -> list:
