@@ -174,17 +174,10 @@ def dense_attention_lse(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale:
                         ) -> tuple[Tensor, Tensor]:
     """Attention of q (B, Hq, d) over a small dense float cache k, v (B, H, W, d), entry w of head h
     valid when w < lengths[b, h] (KIVI's full-precision residual page) -> (out (B, Hq, d) in q's
-    dtype, lse (B, Hq)); an empty head gives zeros and lse −inf. Eager torch."""
-    b, hq, d = q.shape
-    h, w = k.shape[1:3]
-    scale = d ** -0.5 if scale is None else scale
-    logits = torch.matmul(q.float().view(b, h, hq // h, d), k.float().transpose(-1, -2)) * scale
-    valid = torch.arange(w, device=q.device) < lengths[..., None]
-    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
-    lse = torch.logsumexp(logits, -1)
-    weights = torch.softmax(logits, -1).nan_to_num(0.0)
-    out = torch.matmul(weights, v.float().masked_fill(~valid[..., None], 0.0))
-    return out.view(b, hq, d).to(q.dtype), lse.view(b, hq)
+    dtype, lse (B, Hq)); an empty head gives zeros and lse −inf. Eager torch: each head's cache as one page."""
+    b, h, w, d = k.shape
+    table = torch.arange(b * h, device=k.device).view(b, h, 1)
+    return paged_attention_lse_torch(q, k.reshape(b * h, w, d), v.reshape(b * h, w, d), table, lengths, scale)
 
 
 # -------------------------------------------------------------------------------------- C++
