@@ -592,10 +592,9 @@ def process_group(ranks: Ranks | None):
 
 
 def gathered_run(ranks: Ranks | None, work, refusals: tuple = ()) -> tuple[dict, list[int] | None] | None:
-    """`work()` -> parts (a dict of record lists) run by this process. Alone: a refusal (an exception of a type
-    in `refusals`, pairs (type, its message)) exits clearly, anything else raises; -> (parts, None). Sharded:
-    every rank's records (or its error: the refusal's message or the traceback) meet at `Ranks.gather`, and a
-    failed rank fails naming it; -> (parts, records per rank) on rank 0, None on the other ranks."""
+    """`work()` -> parts (record lists by name). Alone: a refusal (refusals: pairs (exception type, its message))
+    exits clearly, any other error raises; -> (parts, None). Sharded: each rank's records or error (the refusal's
+    message, else the traceback) meet at `Ranks.gather`; -> (parts, records per rank) on rank 0, else None."""
     parts, error = {}, None
     try:
         parts = work()
