@@ -662,7 +662,7 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
             step_rule = None
     backends = {}
     if bound:  # the names become the backends the runtime calls (kvcompile.kernels.*), once
-        from kvcompile.kernels import chunk_attention, merge, online_step, paged_attention, select, window_scores
+        from kvcompile.kernels import chunk_attention, merge, paged_attention, select, window_scores
         from kvcompile.kernels.attention_column_sums import ColumnSumScores
 
         backends = dict(

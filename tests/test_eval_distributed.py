@@ -100,3 +100,41 @@ def test_one_rank_is_a_one_process_run(monkeypatch):
     assert cli.eval_ranks() is None
     ranks = cli.Ranks(1, 3)
     assert [i for i in range(8) if ranks.mine(i)] == [1, 4, 7]
+
+
+class Refused(Exception):
+    pass
+
+
+class SentRanks(cli.Ranks):
+    """Ranks whose gather keeps what this rank sent and answers as rank `rank` would."""
+
+    def gather(self, parts, error):
+        self.sent = (parts, error)
+        return None if self.rank else ({k: [r for _, r in v] for k, v in parts.items()}, [len(parts["a"])])
+
+
+def raising(exc: Exception):
+    def work():
+        raise exc
+    return work
+
+
+def test_a_run_fails_the_same_way_alone_and_sharded(capsys):
+    """`gathered_run`: alone, a refusal exits with its message and any other error raises; sharded, the rank
+    sends the refusal's message (or the traceback) instead of records and fails naming itself."""
+    refusals = ((Refused, lambda exc: f"refused: {exc}"),)
+    assert cli.gathered_run(None, lambda: {"a": [1]}, refusals) == ({"a": [1]}, None)
+    with pytest.raises(SystemExit):
+        cli.gathered_run(None, raising(Refused("no")), refusals)
+    assert "kvcompile: error: refused: no" in capsys.readouterr().err
+    with pytest.raises(KeyError):
+        cli.gathered_run(None, raising(KeyError("k")), refusals)
+    assert cli.gathered_run(SentRanks(0, 2), lambda: {"a": [(0, "x")]}, refusals) == ({"a": ["x"]}, [1])
+    assert cli.gathered_run(SentRanks(1, 2), lambda: {"a": [(1, "y")]}, refusals) is None
+    for exc, said in ((Refused("no"), "refused: no"), (KeyError("k"), "KeyError: 'k'")):
+        ranks = SentRanks(1, 2)
+        with pytest.raises(SystemExit):
+            cli.gathered_run(ranks, raising(exc), refusals)
+        assert ranks.sent[0] == {} and said in ranks.sent[1]
+        assert "eval rank 1 of 2 failed:\n" in capsys.readouterr().err

@@ -161,6 +161,40 @@ static inline Vec lane_sums(const float* rows) {
 constexpr bool TREE = false;
 #endif
 
+// ------------------------------------------------------------------------ a work item's pages
+// The page AHEAD pages on in a run of entries [start, hi) when it does not follow `page` in the pool (which defeats
+// the hardware prefetcher), else -1; row: the head's block table.
+static inline int64_t out_of_order(const int64_t* row, int64_t S, int64_t start, int64_t hi, int64_t page) {
+    if (start / S + AHEAD >= (hi + S - 1) / S) return -1;
+    const int64_t next = row[start / S + AHEAD];
+    return next != page + AHEAD ? next : -1;
+}
+
+// Start loading `bytes` of a and of b, a cache line of each in turn.
+static inline void prefetch2(const void* a, const void* b, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch(static_cast<const char*>(a) + line);
+        __builtin_prefetch(static_cast<const char*>(b) + line);
+    }
+}
+
+// Page `page`'s logits (G, S) from its dot vectors dots (G, S, L) by the tree, L entries a vector: the lane
+// sums, `adjust(row, g, s0)` (what the keys' load leaves to add), then its bias; entries outside [first, last)
+// -> -inf.
+template <typename Adjust>
+static inline void tree_logits(const float* dots, float* logit, int64_t S, int64_t first, int64_t last,
+                               const float* bias, int64_t page, Adjust adjust) {
+    const Vec lane = Vec::arange(0.f, 1.f);
+    for (int64_t s0 = 0; s0 < S; s0 += L) {
+        const Vec t = lane + Vec(float(s0));
+        const Vec valid = (t >= Vec(float(first))) & (t < Vec(float(last)));
+        const Vec b = bias ? Vec::loadu(bias + page * S + s0) : Vec(0.f);
+        for (int64_t g = 0; g < G; ++g)
+            Vec::blendv(Vec(NEG_INF), adjust(lane_sums(dots + (g * S + s0) * L), g, s0) + b, valid)
+                .store(logit + g * S + s0);
+    }
+}
+
 // --------------------------------------------------------------------------- online softmax
 // Query head g over one page's logits row[0..S) (when `whole`, S a multiple of L and the entries
 // outside [first, last) hold -inf: max, exp and sum run on vectors): row becomes exp(logit - m_new)
@@ -272,25 +306,12 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
         const int64_t last = std::min<int64_t>(S, first + (hi - start));
         const uint8_t* kpage = kc + page * S * W;
         const uint8_t* vpage = vc + page * S * W;
-        // A page that does not follow its predecessor in the pool defeats the hardware prefetcher:
-        // start the loads of the page AHEAD pages on where the pages up to it do not lie in order.
-        if (start / S + AHEAD < (hi + S - 1) / S) {
-            const int64_t next = table[bh * M + start / S + AHEAD];
-            if (next != page + AHEAD) {
-                for (int64_t line = 0; line < S * W; line += 64) {
-                    __builtin_prefetch(kc + next * S * W + line);
-                    __builtin_prefetch(vc + next * S * W + line);
-                }
-                const int64_t kfloats = KCH ? D : S * NGK;
-                for (int64_t line = 0; line < kfloats; line += 16) {
-                    __builtin_prefetch(ks + next * kfloats + line);
-                    __builtin_prefetch(kz + next * kfloats + line);
-                }
-                for (int64_t line = 0; line < S * NGV; line += 16) {
-                    __builtin_prefetch(vs + next * S * NGV + line);
-                    __builtin_prefetch(vz + next * S * NGV + line);
-                }
-            }
+        // Start the loads of the page AHEAD pages on where the pages up to it do not lie in order.
+        if (const int64_t next = out_of_order(table + bh * M, S, start, hi, page); next >= 0) {
+            const int64_t kfloats = KCH ? D : S * NGK;
+            prefetch2(kc + next * S * W, vc + next * S * W, S * W);
+            prefetch2(ks + next * kfloats, kz + next * kfloats, kfloats * sizeof(float));
+            prefetch2(vs + next * S * NGV, vz + next * S * NGV, S * NGV * sizeof(float));
         }
         // Keys per channel: q·k̂ = Σ_c (q_c scale_c) code_c + Σ_c q_c zero_c, both once per page.
         if constexpr (KCH) {
@@ -332,20 +353,12 @@ static void partial(const float* q, float scale, const uint8_t* kc, const float*
                 }
             s += n;
         }
-        if (tree) {  // the page's logits, L entries a vector; entries outside [first, last) -> -inf
-            const Vec lane = Vec::arange(0.f, 1.f);
-            for (int64_t s0 = 0; s0 < S; s0 += L) {
-                const Vec t = lane + Vec(float(s0));
-                const Vec valid = (t >= Vec(float(first))) & (t < Vec(float(last)));
-                const Vec b = bias ? Vec::loadu(bias + page * S + s0) : Vec(0.f);
-                for (int64_t g = 0; g < G; ++g) {
-                    Vec row = lane_sums(dots + (g * S + s0) * L);
-                    if constexpr (KFACT)
-                        row = at::vec::fmadd(row, Vec::loadu(ksp + s0), Vec::loadu(kzp + s0) * Vec(qsum[g]));
-                    row = row + Vec(cz[g]) + b;
-                    Vec::blendv(Vec(NEG_INF), row, valid).store(logit + g * S + s0);
-                }
-            }
+        if (tree) {
+            tree_logits(dots, logit, S, first, last, bias, page, [&](Vec row, int64_t g, int64_t s0) {
+                if constexpr (KFACT)
+                    row = at::vec::fmadd(row, Vec::loadu(ksp + s0), Vec::loadu(kzp + s0) * Vec(qsum[g]));
+                return row + Vec(cz[g]);
+            });
         } else if (whole) {
             for (int64_t g = 0; g < G; ++g) {
                 for (int64_t s = 0; s < first; ++s) logit[g * S + s] = NEG_INF;
@@ -413,14 +426,8 @@ static void partial_fp32(const float* q, float scale, const float* kp, const flo
         const int64_t last = std::min<int64_t>(S, first + (hi - start));
         const float* kpage = kp + page * S * D;
         const float* vpage = vp + page * S * D;
-        if (start / S + AHEAD < (hi + S - 1) / S) {  // as `partial`: prefetch a page out of order
-            const int64_t next = table[bh * M + start / S + AHEAD];
-            if (next != page + AHEAD)
-                for (int64_t line = 0; line < S * D; line += 64 / sizeof(float)) {
-                    __builtin_prefetch(kp + next * S * D + line);
-                    __builtin_prefetch(vp + next * S * D + line);
-                }
-        }
+        if (const int64_t next = out_of_order(table + bh * M, S, start, hi, page); next >= 0)
+            prefetch2(kp + next * S * D, vp + next * S * D, S * D * sizeof(float));
         for (int64_t s = first; s < last; ++s) {  // q·k of each entry as a vector of partial sums
             Vec dot[G];
             for (int64_t g = 0; g < G; ++g) dot[g] = Vec(0.f);
@@ -433,16 +440,7 @@ static void partial_fp32(const float* q, float scale, const float* kp, const flo
                 else logit[g * S + s] = hsum(dot[g]) + (bias ? bias[page * S + s] : 0.f);
             }
         }
-        if (tree) {  // the page's logits, L entries a vector; entries outside [first, last) -> -inf
-            const Vec lane = Vec::arange(0.f, 1.f);
-            for (int64_t s0 = 0; s0 < S; s0 += L) {
-                const Vec t = lane + Vec(float(s0));
-                const Vec valid = (t >= Vec(float(first))) & (t < Vec(float(last)));
-                const Vec b = bias ? Vec::loadu(bias + page * S + s0) : Vec(0.f);
-                for (int64_t g = 0; g < G; ++g)
-                    Vec::blendv(Vec(NEG_INF), lane_sums(dots + (g * S + s0) * L) + b, valid).store(logit + g * S + s0);
-            }
-        }
+        if (tree) tree_logits(dots, logit, S, first, last, bias, page, [](Vec row, int64_t, int64_t) { return row; });
         for (int64_t g = 0; g < G; ++g) {
             const Vec r(softmax_step(logit + g * S, S, first, last, tree, m[g], l[g]));
             for (int64_t j = 0; j < DV; ++j) acc[g][j] = acc[g][j] * r;

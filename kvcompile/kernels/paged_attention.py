@@ -89,8 +89,6 @@ class PagedAttention(KernelBackend):
         raise NotImplementedError
 
 
-
-
 @dataclass(frozen=True)
 class TritonPagedAttention(PagedAttention):
     """Flash-decoding in Triton (`paged_attention_triton`): CUDA tensors, or any under TRITON_INTERPRET=1."""
@@ -136,7 +134,9 @@ class SoftcapPagedAttention(PagedAttention):
     softmax, s the scaled logit, before any merge bias) and/or a layer's learned sinks (gpt-oss: one logit per
     query head in the softmax's denominator: the output scaled by sigmoid(lse − sink), lse the log-sum-exp of
     the head's logits); the plan's decode attention of such a model (`with_sinks` gives a layer's). Equal to
-    `reference.decode_attention(..., softcap=, sinks=)`: the merge bias pages are added after the cap."""
+    `reference.decode_attention(..., softcap=, sinks=)`: the merge bias pages are added after the cap.
+    `run(..., return_lse=True)`: the capped attention and its log-sum-exp, without the sinks (a caller that
+    attends over other entries too adds them once over all)."""
 
     name: ClassVar[str] = "torch"
     softcap: float = 0.0
@@ -145,13 +145,13 @@ class SoftcapPagedAttention(PagedAttention):
     def with_sinks(self, sinks: Tensor | None) -> "SoftcapPagedAttention":
         return SoftcapPagedAttention(self.softcap, sinks)
 
-    def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale):
+    def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=False):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if self.sinks is None:
+        if self.sinks is None and not return_lse:
             return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, softcap=self.softcap)
         out, lse = _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True,
                              softcap=self.softcap)
-        return with_sinks(out, lse, self.sinks)
+        return (out, lse) if return_lse else with_sinks(out, lse, self.sinks)
 
     def describe(self) -> str:
         return f"torch (eager{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
@@ -381,14 +381,31 @@ def paged_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     is never formed in registers. The block table and lengths are read as given (int32
     or int64, any strides): no conversion or copy per call; the partials are one buffer.
     """
+    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError("paged_attention_triton: pages must be contiguous in d")
+    strides = (k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1))
+    return flash_decode_triton(q, (k_pages, k_pages, k_pages, v_pages, v_pages, v_pages), strides, block_table,
+                               lengths, bias_pages, scale, bits=32, width=q.shape[-1], k_channel=False,
+                               groups=(q.shape[-1], q.shape[-1]), block_n=block_n, chunk_tokens=chunk_tokens,
+                               dot_fp32=q.dtype != k_pages.dtype or k_pages.dtype == torch.float32)
+
+
+def flash_decode_triton(q: Tensor, pages: tuple[Tensor, ...], strides: tuple[int, int, int, int],
+                        block_table: Tensor, lengths: Tensor, bias_pages: Tensor | None, scale: float | None, *,
+                        bits: int, width: int, k_channel: bool, groups: tuple[int, int], block_n: int,
+                        chunk_tokens: int | None, dot_fp32: bool, return_lse: bool = False):
+    """The one launch of the Triton kernels for float pages (bits 32: pages (k, k, k, v, v, v), each read by
+    `strides`, its page and entry strides of k and v) and for codes (bits 8 / 4: pages (k_codes, k_scale,
+    k_zero, v_codes, v_scale, v_zero), contiguous, strides unused, `width` code bytes an entry, keys per
+    channel or per token, groups (key group, value group) of channels): grid (B·H, chunks) of partials, then
+    a (B·H,) reduce -> out (B, Hq, d) in q's dtype (and the log-sum-exp (B, Hq) with return_lse).
+    dot_fp32: q·Kᵀ in fp32 (else in the cache's dtype, on tensor cores)."""
     if triton is None:
         raise RuntimeError("paged_attention_triton needs triton")
     b, hq, d = q.shape
     h, m = block_table.shape[1:]
-    s = k_pages.shape[1]
+    s = pages[0].shape[1]
     g = hq // h
-    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
-        raise ValueError("paged_attention_triton: pages must be contiguous in d")
     scale = d ** -0.5 if scale is None else scale
     chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
     chunk_tokens = -(-chunk_tokens // block_n) * block_n
@@ -399,25 +416,23 @@ def paged_attention_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     work = torch.empty(parts * (d + 2), device=q.device, dtype=torch.float32)  # one allocation
     acc_part, m_part, l_part = work[: parts * d], work[parts * d: parts * (d + 1)], work[parts * (d + 1):]
     has_bias = bias_pages is not None
-    bias = bias_pages if has_bias else k_pages  # a dummy pointer when there is no bias
+    bias = bias_pages if has_bias else pages[1]  # a dummy pointer when there is no bias
     # q·Kᵀ's K dimension is d: tensor cores need at least 16 (loads are masked by D; the interpreter takes any)
     block_g, block_d = triton.next_power_of_2(g), max(16, triton.next_power_of_2(d))
-    # q·Kᵀ in the cache's dtype (tensor cores; products exact in fp32) unless q differs
-    # or the cache is fp32; p·V in fp32 (p is not rounded to 16 bits).
-    dot_fp32 = q.dtype != k_pages.dtype or k_pages.dtype == torch.float32
+    group_k, group_v = groups
     _partials_kernel[(b * h, chunks)](
-        q, k_pages, k_pages, k_pages, v_pages, v_pages, v_pages, block_table, lengths, bias, m_part, l_part,
-        acc_part, scale, h, chunk_tokens, chunks,
+        q, *pages, block_table, lengths, bias, m_part, l_part, acc_part, scale, h, chunk_tokens, chunks,
         block_table.stride(0), block_table.stride(1), block_table.stride(2),
-        lengths.stride(0), lengths.stride(1),
-        k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
+        lengths.stride(0), lengths.stride(1), *strides,
         bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
-        G=g, D=d, S=s, W=d, BITS=32, K_CHANNEL=False, NGK=1, GROUP_K=d, NGV=1, GROUP_V=d, HAS_BIAS=has_bias,
+        G=g, D=d, S=s, W=width, BITS=bits, K_CHANNEL=k_channel, NGK=1 if k_channel else d // group_k,
+        GROUP_K=group_k, NGV=d // group_v, GROUP_V=group_v, HAS_BIAS=has_bias,
         DOT_FP32=dot_fp32, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
     out = torch.empty_like(q)
-    _reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, m_part, chunks,
-                             G=g, D=d, HAS_LSE=False, BLOCK_G=block_g, BLOCK_D=block_d)
-    return out
+    lse = torch.empty(b, hq, device=q.device, dtype=torch.float32) if return_lse else m_part
+    _reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, lse, chunks,
+                             G=g, D=d, HAS_LSE=return_lse, BLOCK_G=block_g, BLOCK_D=block_d)
+    return (out, lse) if return_lse else out
 
 
 if triton is not None:

@@ -21,28 +21,14 @@ with an attention over other entries, as KIVI's full-precision residual needs
 
 Implementations:
 - `paged_attention_quant_torch`: the eager reference above (the specification).
-- `paged_attention_quant_cpp` (paged_attention_quant.cpp beside this module): the fp32 C++ kernel's
-  flash-decoding (kvcompile/kernels/paged_attention_cpp.py) over packed pages. A work item is one
-  (sequence, KV head, run of pages), on OpenMP threads above PARALLEL_WORK multiply-adds a call;
-  each code row is read once and decoded in registers (int8: a widening load and a convert per
-  vector; int4: a broadcast dword shifted left by 28 − 4c in lane c and right by 28, which the
-  low-nibble-first order makes two shifts). q·k: keys per channel take
-  q·k̂ = Σ_c (q_c scale_c) code_c + Σ_c q_c zero_c, q_c scale_c and the constant once per page
-  (KIVI's fused dequantize-and-multiply); keys per token in one group take
-  scale · (q·code) + zero · Σ_c q_c, applied to the page's logits as vectors; keys in several
-  groups are dequantized vector by vector (code · scale + zero, a vector never straddles two
-  groups). Two entries a step share each query load, with enough independent FMA chains to hide
-  their latency. A page's G·S dot vectors become its logits by a transpose-and-add tree and are
-  exponentiated a vector at a time (online softmax, Milakov & Gimelshein 2018). P·V runs in
-  blocks of value vectors whose G accumulators stay in registers over the page's entries; each
-  value vector is dequantized once for the G query heads. Every retained byte (codes, scales,
-  zeros, bias) comes from memory once (a value group wider than a block has its scale and zero
-  loaded again, from L1, by the entry's next block). fp32 queries on the CPU; head dim and per-token group sizes multiples
-  of 16 (`supports`); built once per (G, d, key group, value group) — compile-time constants, so
-  every loop over d unrolls — with int8 and int4 in each build. AVX2 and AVX-512 have their own
-  decode and reduction code (the AVX-512 code is compile-checked only: the development machine
-  has AVX2); other CPUs (ARM) take at::vec and plain loops, tested on x86 by building with
-  KVCOMPILE_PORTABLE, which removes the x86 ISA macro.
+- `paged_attention_quant_cpp`: the C++ flash-decoding kernel of the float pages (paged_attention.cpp,
+  kvcompile/kernels/paged_attention_cpp.py) with the codes' load: each code row read once and decoded in
+  registers, keys per channel through KIVI's fused dequantize-and-multiply, each value vector dequantized
+  once for the G query heads (the .cpp's comments say how); every retained byte (codes, scales, zeros,
+  bias) comes from memory once. fp32 queries on the CPU; head dim and per-token group sizes multiples of
+  16 (`supports`); built once per (G, d, key group, value group), int8 and int4 in each build. AVX2 and
+  AVX-512 have their own decode and reduction code (the AVX-512 code is compile-checked only: the
+  development machine has AVX2); other CPUs (ARM) take at::vec and plain loops (KVCOMPILE_PORTABLE).
 - `paged_attention_quant_triton`: the Triton paged kernel's flash-decoding
   (`paged_attention.paged_attention_triton`): one program per (sequence · KV head, chunk of
   entries) writes online-softmax partials, a second kernel combines them. Codes are loaded as a
@@ -69,19 +55,13 @@ from torch import Tensor
 from kvcompile.kernels import paged_attention_cpp as fp32_cpp
 from kvcompile.kernels.backend import KernelBackend
 from kvcompile.kernels.paged_attention_cpp import _ARGTYPES, load_cpp  # noqa: F401 (a build of one's own)
-from kvcompile.kernels import paged_attention as float_pages  # its Triton reduce is this kernel's too
-from kvcompile.kernels.paged_attention import paged_attention_torch
+from kvcompile.kernels import paged_attention as float_pages  # its Triton kernels are this kernel's too
+from kvcompile.kernels.paged_attention import _gathered, paged_attention_torch
 from kvcompile.kernels.quantize import dequantize
-
-try:  # Triton is optional: the C++ kernel and the torch reference cover machines without it.
-    import triton
-except ImportError:  # pragma: no cover - exercised only where triton is missing
-    triton = None
 
 # Threads and work items as the fp32 C++ kernel (paged_attention_cpp): one thread below
 # PARALLEL_WORK multiply-adds a call.
 PARALLEL_WORK = fp32_cpp.PARALLEL_WORK
-ITEMS_PER_THREAD = fp32_cpp.ITEMS_PER_THREAD
 PREFETCH_AHEAD = fp32_cpp.PREFETCH_AHEAD
 CPP_GROUP = 16  # the C++ kernel's head dim and group sizes are multiples of this (the widest vector)
 
@@ -173,8 +153,6 @@ def paged_attention_lse_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block
     """Decode attention over float pages (`paged_attention_torch`, with per-entry bias pages) and its
     log-sum-exp (B, Hq) (−inf for an empty head): the high tier of a tiered store (kvcompile.store.tiers),
     combined with the codes' attention by `merge_partials`."""
-    from kvcompile.kernels.paged_attention import _gathered
-
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True)
 
@@ -196,27 +174,13 @@ def dense_attention_lse(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale:
                         ) -> tuple[Tensor, Tensor]:
     """Attention of q (B, Hq, d) over a small dense float cache k, v (B, H, W, d), entry w of head h
     valid when w < lengths[b, h] (KIVI's full-precision residual page) -> (out (B, Hq, d) in q's
-    dtype, lse (B, Hq)); an empty head gives zeros and lse −inf. Eager torch."""
-    b, hq, d = q.shape
-    h, w = k.shape[1:3]
-    scale = d ** -0.5 if scale is None else scale
-    logits = torch.matmul(q.float().view(b, h, hq // h, d), k.float().transpose(-1, -2)) * scale
-    valid = torch.arange(w, device=q.device) < lengths[..., None]
-    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
-    lse = torch.logsumexp(logits, -1)
-    weights = torch.softmax(logits, -1).nan_to_num(0.0)
-    out = torch.matmul(weights, v.float().masked_fill(~valid[..., None], 0.0))
-    return out.view(b, hq, d).to(q.dtype), lse.view(b, hq)
+    dtype, lse (B, Hq)); an empty head gives zeros and lse −inf. Eager torch: each head's cache as one page."""
+    b, h, w, d = k.shape
+    table = torch.arange(b * h, device=k.device).view(b, h, 1)
+    return paged_attention_lse_torch(q, k.reshape(b * h, w, d), v.reshape(b * h, w, d), table, lengths, scale)
 
 
 # -------------------------------------------------------------------------------------- C++
-
-def cpp_source(g: int, d: int, group_k: int, group_v: int) -> str:
-    """The kernel's C++ for G query heads per KV head, head dim d, keys in groups of group_k
-    channels (0: per channel) and values in groups of group_v channels: paged_attention.cpp, the float
-    pages' kernel body with the codes' load (kvcompile.kernels.paged_attention_cpp)."""
-    return fp32_cpp.source(g, d, group_k, group_v)
-
 
 def _kernel(g: int, d: int, group_k: int, group_v: int):
     """The C++ kernel built once per (G, d, key group (0: per channel), value group): compile-time
@@ -259,11 +223,9 @@ def paged_attention_quant_cpp(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zer
 
 # ----------------------------------------------------------------------------------- triton
 
-CHUNK_TOKENS = 256  # entries per program (as paged_attention.CHUNK_TOKENS)
 # Entries per inner step: 16 keeps the fp32 tiles (codes, dequantized K and V, 16 x 128 at d = 128) in
 # registers on sm_80 / sm_90 without a spill (tests/test_kernels_quant.py compiles it); 32 spills for int4.
 BLOCK_N = 16
-MIN_BLOCK_N = 16  # tl.dot's smallest K dimension (as paged_attention.MIN_BLOCK_N)
 
 
 def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_zero: Tensor, v_codes: Tensor,
@@ -274,47 +236,16 @@ def paged_attention_quant_triton(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_
     """Flash-decoding in Triton over quantized pages: grid (B·H, chunks) of partials, then a (B·H,)
     reduce -> (B, Hq, d) in q's dtype (and the log-sum-exp (B, Hq) float32 with return_lse).
 
-    block_n: entries per inner step (rounded up to a power of two, at least MIN_BLOCK_N); chunk_tokens:
-    entries per program (default CHUNK_TOKENS, rounded up to a multiple of the block_n asked for), a runtime
-    argument, so one compiled kernel serves every cache size. Codes, scales and zeros are read
-    as contiguous tensors (made so when they are not); the block table and lengths as given."""
-    if triton is None:
-        raise RuntimeError("paged_attention_quant_triton needs triton")
+    block_n: entries per inner step (rounded up to a power of two, at least paged_attention.MIN_BLOCK_N);
+    chunk_tokens: entries per program (default paged_attention.CHUNK_TOKENS, rounded up to a multiple of the
+    block_n asked for), a runtime argument, so one compiled kernel serves every cache size. Codes, scales and
+    zeros are read as contiguous tensors (made so when they are not); the block table and lengths as given."""
     layout = check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
-    b, hq, d = q.shape
-    h, m = block_table.shape[1:]
-    s = k_codes.shape[1]
-    g = hq // h
-    scale = d ** -0.5 if scale is None else scale
-    chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
-    chunk_tokens = -(-chunk_tokens // block_n) * block_n
-    block_n = max(MIN_BLOCK_N, triton.next_power_of_2(block_n))
-    chunks = max(1, -(-(m * s) // chunk_tokens))
-    q = q.contiguous()
-    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
-        x.contiguous() for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
-    parts = b * h * chunks * g
-    work = torch.empty(parts * (d + 2), device=q.device, dtype=torch.float32)
-    acc_part, m_part, l_part = work[: parts * d], work[parts * d: parts * (d + 1)], work[parts * (d + 1):]
-    has_bias = bias_pages is not None
-    bias = bias_pages if has_bias else k_scale  # a dummy pointer when there is no bias
-    # q·Kᵀ's K dimension is d: tensor cores need at least 16 (loads are masked by D; the interpreter takes any)
-    block_g, block_d = triton.next_power_of_2(g), max(16, triton.next_power_of_2(d))
-    float_pages._partials_kernel[(b * h, chunks)](  # the float pages' kernel with the codes' load
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias,
-        m_part, l_part, acc_part, scale, h, chunk_tokens, chunks,
-        block_table.stride(0), block_table.stride(1), block_table.stride(2),
-        lengths.stride(0), lengths.stride(1), 0, 0, 0, 0,
-        bias.stride(0) if has_bias else 0, bias.stride(1) if has_bias else 0,
-        G=g, D=d, S=s, W=k_codes.shape[2], BITS=layout.bits, K_CHANNEL=layout.k_channel,
-        NGK=1 if layout.k_channel else d // layout.group_k, GROUP_K=layout.group_k,
-        NGV=d // layout.group_v, GROUP_V=layout.group_v, HAS_BIAS=has_bias, DOT_FP32=True,
-        BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, hq, device=q.device, dtype=torch.float32) if return_lse else m_part
-    float_pages._reduce_kernel[(b * h,)](m_part, l_part, acc_part, out, lse, chunks, G=g, D=d, HAS_LSE=return_lse,
-                                         BLOCK_G=block_g, BLOCK_D=block_d)
-    return (out, lse) if return_lse else out
+    pages = tuple(x.contiguous() for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero))
+    return float_pages.flash_decode_triton(  # the float pages' kernels with the codes' load
+        q, pages, (0, 0, 0, 0), block_table, lengths, bias_pages, scale, bits=layout.bits, width=k_codes.shape[2],
+        k_channel=layout.k_channel, groups=(layout.group_k, layout.group_v), block_n=block_n,
+        chunk_tokens=chunk_tokens, dot_fp32=True, return_lse=return_lse)
 
 
 # ---------------------------------------------------------------------------------- backends
@@ -409,20 +340,13 @@ class SoftcapQuantPagedAttention(QuantPagedAttention):
 
     def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
             scale, return_lse=False):
-        from kvcompile.kernels.paged_attention import SoftcapPagedAttention, _gathered
-
         layout = check(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages)
         k_pages, v_pages = _dequantized(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, layout)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if return_lse:
-            return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True,
-                             softcap=self.softcap)
-        return SoftcapPagedAttention(self.softcap, self.sinks).run(q, k_pages, v_pages, block_table, lengths,
-                                                                   bias_pages, scale)
+        return float_pages.SoftcapPagedAttention(self.softcap, self.sinks).run(
+            q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=return_lse)
 
     def describe(self) -> str:
-        return f"torch, quantized pages (eager{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
-               f"{', learned sinks' if self.sinks is not None else ''})"
+        return float_pages.SoftcapPagedAttention.describe(self).replace("torch (", "torch, quantized pages (")
 
 
 def backend(name: str) -> QuantPagedAttention:

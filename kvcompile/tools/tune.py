@@ -514,7 +514,6 @@ def write_spec(result: Result, path, samples_label: str) -> Path:
     """The best candidate as a spec YAML whose comments say how it was found."""
     import yaml
 
-    best = result.best
     lines = ["# Found by `kvcompile tune` (successive halving over the part library; the proxy: mean log p of the",
              "# gold answer after the compressed context; the finalists confirmed by greedy generation).",
              f"# budget: {result.budget.label()}; seed {result.seed}; samples: {samples_label}",
