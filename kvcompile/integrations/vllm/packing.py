@@ -22,6 +22,7 @@ tokens follow at positions N, N + 1, … in their own layer and column, as vLLM 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -123,9 +124,12 @@ def kept_entries(policy, scores: list[Tensor]) -> list[Tensor]:
     (tests/test_vllm_packing.py holds them to kvcompile.reference.compress)."""
     from kvcompile.cache import KVCompileCache
     from kvcompile.engine.prefill import compress_prompt_layer, start_prompt
+    from kvcompile.policies.storage import ModelDtype
 
     if policy.merges:
         raise ValueError(f"{policy.name} merges evicted entries: its selection needs the keys, not only scores")
+    if policy.storage.quantizes:  # how kept entries are stored decides their bytes, not which are kept: the
+        policy = dataclasses.replace(policy, storage=ModelDtype())  # placeholders are one channel wide
     batch, heads, n = scores[0].shape
     cache = KVCompileCache(policy, Dims(len(scores), heads))
     placeholder = scores[0].new_zeros(batch, heads, n, Dims.head_dim)
