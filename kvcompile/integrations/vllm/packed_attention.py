@@ -244,6 +244,7 @@ class DecodePlan:
     block_table: Tensor
     heads: int
     work: int
+    quantized: list = field(default_factory=list)  # rows whose entries are codes: (batch row, record, first, T)
 
     @classmethod
     def plan(cls, rows: list, block_table: Tensor, heads: int, groups: int, head_dim: int) -> DecodePlan:
@@ -256,8 +257,9 @@ class DecodePlan:
         requests = torch.tensor([[q0, t, r.prompt_length, first, i] for i, r, q0, t, first in rows]).view(-1, 5)
         entries = int(runs[:, 3].sum()) // max(len(records[0].layers), 1) + sum(
             t * (first + t - r.prompt_length) for _, r, _, t, first in rows) * heads
+        quantized = [(i, r, first, t) for i, r, _, t, first in rows if r.codes is not None]
         return cls(rows, requests, runs, head_runs, block_table.long().contiguous(), heads,
-                   work=2 * entries * groups * head_dim)
+                   work=2 * entries * groups * head_dim, quantized=quantized)
 
     def run(self, layer: int, query: Tensor, output: Tensor, caches: dict, addresses: Tensor | None,
             scale: float, threads: int | None = None) -> None:
@@ -269,13 +271,11 @@ class DecodePlan:
         A request whose entries are codes first has its new tokens' keys and values, as vLLM wrote them,
         replaced by what its storage keeps of them (`store_new`), and attends through the reference."""
         tokens, hq, d = query.shape
-        quantized = False
-        for i, record, _, t, first in self.rows:
-            if record.codes is not None:
-                store_new(caches[layer], self.block_table[i], max(first, record.prompt_length), first + t,
-                          record.codes)  # never a packed slot
-                quantized = True
-        kernel = not quantized and addresses is not None and query.dtype == output.dtype == caches[layer].dtype and \
+        for i, record, first, t in self.quantized:
+            store_new(caches[layer], self.block_table[i], max(first, record.prompt_length), first + t,
+                      record.codes)  # never a packed slot
+        kernel = not self.quantized and addresses is not None and \
+            query.dtype == output.dtype == caches[layer].dtype and \
             supports(query.device, query.dtype, d) and query.stride(2) == 1 and query.stride(1) == d and \
             output.stride(2) == 1 and output.stride(1) == d
         if not kernel:
