@@ -282,10 +282,11 @@ def test_chunked_prefill_compresses_as_one_pass(model_and_prompts, compressed_ru
     """Chunked prefill (128-token chunks: each prompt in 3 or 4 steps, the two prompts' chunks sharing steps
     when run together): the worker keeps each layer's last queries across chunks and compresses in the
     step that ends the prompt, so the kept entries, the greedy tokens and the blocks held equal the
-    one-pass runs', for a window scorer (snapkv), one reading every query (h2o) and LAVa's cascade."""
+    one-pass runs', for a window scorer (snapkv), one reading every query (h2o), LAVa's cascade and int8 codes."""
     _, prompts = model_and_prompts
-    specs = ("snapkv", "h2o", "lava")
-    runs = [{"spec": spec, "overrides": COMPRESSED[spec], "record": str(tmp_path / f"{spec}.jsonl")} for spec in specs]
+    specs = ("snapkv", "h2o", "lava", "snapkv_int8")
+    runs = [{"spec": spec_source(spec, tmp_path), "overrides": COMPRESSED[spec], "record": str(tmp_path / f"{spec}.jsonl")}
+            for spec in specs]
     out = run_vllm(prompts, timeout=600, spec="snapkv", per_head=64,
                    more={"runs": runs, "options": {"enable_chunked_prefill": True, "max_num_batched_tokens": 128}})
     assert max(map(len, prompts)) > 2 * 128  # every prompt is chunked
