@@ -74,8 +74,8 @@ def test_head_wise_budgets_hold_the_slots_of_a_uniform_one():
 
 
 def test_selection_is_the_reference_from_scores():
-    """kept_entries = kvcompile.reference.compress on full layer states, for a cascade, pooled heads and a
-    threshold (their selection reads only the scores), and refuses a merging policy."""
+    """kept_entries = kvcompile.reference.compress on full layer states, for a cascade, pooled heads, a
+    threshold and int4 storage (their selection reads only the scores), and refuses a merging policy."""
     import kvcompile
     from kvcompile.layer_state import LayerState
     from kvcompile.reference import compress
@@ -84,7 +84,7 @@ def test_selection_is_the_reference_from_scores():
     layers, heads, n, d = 4, 2, 160, 8
     states = [LayerState(torch.randn(1, heads, 32, d, generator=g), torch.randn(1, heads, n, d, generator=g),
                          torch.randn(1, heads, n, d, generator=g)) for _ in range(layers)]
-    for spec in ("lava", "adakv", "pyramid_pooled", "dbudgetkv", "snapkv", "snapkv_global"):
+    for spec in ("lava", "adakv", "pyramid_pooled", "dbudgetkv", "snapkv", "snapkv_global", "snapkv_int4"):
         policy = kvcompile.load_spec(spec) if spec == "dbudgetkv" else kvcompile.load_spec(spec, per_head=40)
         want = compress(policy, states)
         got = kept_entries(policy, want.scores)

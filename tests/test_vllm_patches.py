@@ -109,10 +109,10 @@ out["backend"] = AttentionBackendEnum.CPU_ATTN.get_path()
 out["drift_after_apply"] = [why for p in patches.PATCHES for why in patches.drift(p)]
 # no mutable state at module level in the plugin's modules once it ran
 import __future__, sys, types, dataclasses
-from kvcompile.integrations.vllm import backend, packed_attention, packing, settings, serve
+from kvcompile.integrations.vllm import backend, codes, packed_attention, packing, settings, serve
 import kvcompile.integrations.vllm as plugin
 state = []
-for module in (plugin, backend, packed_attention, packing, patches, settings, serve):
+for module in (plugin, backend, codes, packed_attention, packing, patches, settings, serve):
     for name, value in vars(module).items():
         if name.startswith("__") or isinstance(value, (types.ModuleType, types.FunctionType, type, str, int, float,
                                                         bool, bytes, tuple, frozenset, type(None),

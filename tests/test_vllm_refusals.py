@@ -1,6 +1,6 @@
 """What the vLLM plugin refuses, and why (kvcompile/integrations/vllm/settings.py, docs/VLLM.md "What it refuses"):
 every shipped spec is either run by the plugin or refused with the reason of each family it belongs to (merges,
-decode-time schedules, quantized storage, KVzip's reconstruction pass, rotary-reading scorers), and `register`
+decode-time schedules, tiered storage, KVzip's reconstruction pass, rotary-reading scorers), and `register`
 raises that reason before it patches anything, so vLLM never starts uncompressed. An engine's own settings
 (vLLM's additional_config) are read and checked field by field. kvcompile's environment, no vLLM."""
 from __future__ import annotations
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 import kvcompile
-from kvcompile.integrations.vllm.settings import (PluginError, Settings, check_policy, engine_settings, refusal,
-                                                  refusals)
+from kvcompile.integrations.vllm.settings import (PluginError, Settings, check_policy, check_storage, engine_settings,
+                                                  refusal, refusals)
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
 
 MERGE = "folds evicted entries into merge slots that every later attention reads with a logit bias"
 DECODE = "evicts while decoding"
-QUANTIZED = "stores kept entries quantized, as codes and scales"
+TIERED = "keeps each head's entries in two tiers"
 KVZIP = "scoring kvzip scores entries by a reconstruction pass"
 ROTARY = "needs the model's rotary frequencies"
 # every shipped spec: the reasons it is refused for (each family's phrase), or () where the plugin runs it
@@ -30,9 +30,9 @@ FAMILIES = {
     "zsmerge": ("merge residual (budget.split", MERGE, "schedule.decode online " + DECODE),
     "lava_residual": ("merge residual (budget.split", MERGE),
     "expected_zsmerge": ("merge residual (budget.split", MERGE, "scoring expected_attention " + ROTARY),
-    "kivi": ("storage kivi " + QUANTIZED,),
-    "snapkv_int4": ("storage int4 " + QUANTIZED,),
-    "lava_mixed": ("storage mixed " + QUANTIZED,),
+    "kivi": ("storage kivi " + TIERED + " (each key channel quantized over groups of tokens",),
+    "snapkv_int4": (),
+    "lava_mixed": ("storage mixed " + TIERED + " (the best-scored entries in full precision",),
     "kvzip": (KVZIP,), "kvzip_adakv": (KVZIP,), "kvzip_uniform": (KVZIP,),
     "expected_attention": ("scoring expected_attention " + ROTARY,),
     "expected_adakv": ("scoring expected_attention " + ROTARY,),
@@ -78,8 +78,8 @@ def register_without_vllm(monkeypatch):
     return register, applied
 
 
-@pytest.mark.parametrize("spec, reason", [("lava_residual", MERGE), ("zsmerge", DECODE), ("snapkv_int4", QUANTIZED),
-                                          ("lava_mixed", QUANTIZED), ("kvzip", KVZIP)])
+@pytest.mark.parametrize("spec, reason", [("lava_residual", MERGE), ("zsmerge", DECODE), ("kivi", TIERED),
+                                          ("lava_mixed", TIERED), ("kvzip", KVZIP)])
 def test_register_refuses_before_patching_vllm(register_without_vllm, monkeypatch, spec, reason):
     register, applied = register_without_vllm
     monkeypatch.setenv("KVCOMPILE_VLLM_SPEC", spec)
@@ -105,3 +105,21 @@ def test_an_engines_own_settings_come_from_its_additional_config():
         with pytest.raises(PluginError, match=message):
             engine_settings(types.SimpleNamespace(additional_config={"kvcompile": given}), env)
     check_policy(Settings.from_config(own.additional_config["kvcompile"]).policy())  # lava runs
+
+
+def test_per_entry_codes_run_where_the_cache_holds_them(tmp_path):
+    """int8 and int4 (every entry as codes) run; the model's head dim and dtype are checked before vLLM sizes
+    its cache (create_engine_config, the engine core, the metadata builder): a group that does not divide the
+    head dim, and a cache not in float32, are refused with the reason."""
+    text = (ROOT / "specs" / "snapkv_int4.yaml").read_text().replace("int4: {group: 0}", "int8: {group: 48}")
+    (tmp_path / "int8.yaml").write_text(text.replace("name: snapkv_int4", "name: snapkv_int8"))
+    int8 = kvcompile.load_spec(tmp_path / "int8.yaml")
+    assert refusals(int8) == [] and refusals(kvcompile.load_spec("snapkv_int4")) == []
+    check_storage(int8, 96, "torch.float32")
+    check_storage(kvcompile.load_spec("snapkv"), 50, "torch.bfloat16")  # the model's dtype: nothing to check
+    with pytest.raises(PluginError, match=r"cannot run snapkv_int8 \(storage int8\) on this model: group 48 does "
+                                          "not divide the head dim 64"):
+        check_storage(int8, 64, "torch.float32")
+    with pytest.raises(PluginError, match=r"snapkv_int4 \(storage int4\) on this model: the model runs in "
+                                          "torch.bfloat16"):
+        check_storage(kvcompile.load_spec("snapkv_int4"), 64, "torch.bfloat16")

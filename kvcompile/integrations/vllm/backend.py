@@ -29,9 +29,10 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from kvcompile.layer_state import LayerState
+from kvcompile.integrations.vllm.codes import Codes, slot_bytes
 from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer, Record, prepare, read_entries, read_positions
 from kvcompile.integrations.vllm.packing import kept_entries, locations, region
-from kvcompile.integrations.vllm.settings import PluginError, engine_settings
+from kvcompile.integrations.vllm.settings import PluginError, check_storage, engine_settings
 
 
 @dataclass
@@ -116,7 +117,9 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if settings is None:
             raise PluginError("kvcompile: the plugin's backend was built for an engine without kvcompile settings "
                               "(KVCOMPILE_VLLM_SPEC unset and no additional_config['kvcompile'])")
-        self.worker = Worker(settings.policy(), record_to=settings.record)
+        policy = settings.policy()
+        check_storage(policy, self.head_dim, self.dtype)
+        self.worker = Worker(policy, record_to=settings.record)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         worker = self.worker
@@ -215,17 +218,19 @@ class KVCompileCPUBackendImpl(CPUAttentionBackendImpl):
             with open(worker.record_to, "a") as f:
                 f.write(json.dumps({"request": rid, "kept": [[k[h].nonzero().flatten().tolist()
                                                                 for h in range(k.shape[0])] for k in kept]}) + "\n")
-        if bool((counts >= n).all()):
-            return  # the budget covers the prompt at every (layer, head): nothing moves
-        size = region(counts)
         caches, block_row = worker.caches, pending.block_row
+        codes = Codes.of(worker.policy.storage, caches[0].shape[-1] // 2)  # None: the model's dtype
+        if codes is None and bool((counts >= n).all()):
+            return  # the budget covers the prompt at every (layer, head): nothing moves
+        room = slot_bytes(caches[0])
+        size = region(counts, codes, room)
         block_size = caches[0].shape[2]
         entries = []  # every layer's kept keys and values (E_l, d), read before anything is written
         for j in range(num_layers):
             head, position = kept[j].nonzero(as_tuple=True)  # (head, position) order
             entries.append(read_entries(caches[j], block_row, head, position))
-        where = locations(counts, n, block_row, block_size)
-        layers = [PackedLayer(where[j], counts[j]) for j in range(num_layers)]
+        where = locations(counts, n, block_row, block_size, codes, room)
+        layers = [PackedLayer(where[j], counts[j], codes) for j in range(num_layers)]
         for layer, (keys, values) in zip(layers, entries):
             layer.write(caches, keys, values)
         worker.records[rid] = record = Record(n, size, layers)

@@ -21,6 +21,11 @@ contract, chosen when a step is planned:
   contiguous), one online-softmax step per vector (Milakov & Gimelshein 2018), and accumulates P·V with
   the G query heads of the KV head in registers. Work items are (request, KV head), on OpenMP threads
   when the step's work is large enough.
+
+A policy whose storage quantizes every entry (int8, int4) packs its entries as codes
+(kvcompile.integrations.vllm.codes: a layer's entries one byte string over its slots); its requests attend
+through the reference, which decodes them (the kernel reads the cache's dtype only), and `store_new` replaces
+their decode tokens by what kvcompile stores of them as vLLM writes them.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcompile.kernels.paged_attention_cpp import PARALLEL_WORK, load_cpp, supports
+from kvcompile.integrations.vllm.codes import Codes, as_bits, slot_bytes
 from kvcompile.integrations.vllm.packing import padded
 
 
@@ -59,33 +65,78 @@ def read_positions(kv_cache: Tensor, block_row: Tensor, begin: int, end: int):
     return read_entries(kv_cache, block_row, torch.arange(kv_cache.shape[1])[:, None], torch.arange(begin, end))
 
 
+def store_new(kv_cache: Tensor, block_row: Tensor, begin: int, end: int, codes: Codes) -> None:
+    """Replaces the keys and values vLLM wrote at logical positions [begin, end) (every KV head) by x̂, what
+    kvcompile stores of them under `codes`."""
+    block_size = kv_cache.shape[2]
+    position = torch.arange(begin, end)
+    blocks, offsets, head = block_row[position // block_size].long(), position % block_size, \
+        torch.arange(kv_cache.shape[1])[:, None]
+    keys, values = read_entries(kv_cache, block_row, head, position)
+    key_view(kv_cache)[blocks, head, :, offsets] = codes.stored(keys)
+    value_view(kv_cache)[blocks, head, offsets] = codes.stored(values)
+
+
 @dataclass
 class PackedLayer:
     """One layer's kept entries of a compressed request: where (4, E) = (layer tensor, block, column,
-    offset) of each, in (head, position) order, and counts (H,) = K_{l,h}."""
+    offset) of each, in (head, position) order, and counts (H,) = K_{l,h}. With `codes` (quantized
+    storage), `where` places the slots of the layer's entries as one byte string instead
+    (kvcompile.integrations.vllm.codes), ⌈E·B / slot⌉ of them."""
 
     where: Tensor
     counts: Tensor
+    codes: Codes | None = None
 
     def write(self, caches: dict, keys: Tensor, values: Tensor) -> None:
         """Stores the layer's kept keys and values (E, d), in (head, position) order, at their places."""
+        if self.codes is not None:
+            return self._write_codes(caches, keys, values)
         tensor, block, column, offset = self.where
         for t in tensor.unique().tolist():
             at = tensor == t
             key_view(caches[t])[block[at], column[at], :, offset[at]] = keys[at]
             value_view(caches[t])[block[at], column[at], offset[at]] = values[at]
 
-    def gather(self, caches: dict, like: Tensor):
-        """Keys and values (H, W, d), W = max_h K_{l,h}, and valid (H, W): each head's entries, padded."""
-        keys = like.new_empty(self.where.shape[1], like.shape[-1])
-        values = like.new_empty(self.where.shape[1], like.shape[-1])
+    def _write_codes(self, caches: dict, keys: Tensor, values: Tensor) -> None:
         tensor, block, column, offset = self.where
+        width = caches[0].shape[-1] // 2
+        data = self.codes.encode(keys, values).flatten()
+        size = slot_bytes(caches[0]) * len(tensor)
+        data = torch.cat([data, data.new_zeros(size - len(data))])
+        words = data.view(as_bits(caches[0]).dtype).view(len(tensor), 2 * width)  # one row per slot
         for t in tensor.unique().tolist():
             at = tensor == t
-            keys[at] = key_view(caches[t])[block[at], column[at], :, offset[at]].to(like.dtype)
-            values[at] = value_view(caches[t])[block[at], column[at], offset[at]].to(like.dtype)
+            key_view(as_bits(caches[t]))[block[at], column[at], :, offset[at]] = words[at, :width]
+            value_view(as_bits(caches[t]))[block[at], column[at], offset[at]] = words[at, width:]
+
+    def _read_codes(self, caches: dict) -> tuple[Tensor, Tensor]:
+        """x̂ of the layer's keys and values (E, d) float32, decoded from its slots."""
+        tensor, block, column, offset = self.where
+        width = caches[0].shape[-1] // 2
+        words = as_bits(caches[0]).new_empty(len(tensor), 2 * width)
+        for t in tensor.unique().tolist():
+            at = tensor == t
+            words[at, :width] = key_view(as_bits(caches[t]))[block[at], column[at], :, offset[at]]
+            words[at, width:] = value_view(as_bits(caches[t]))[block[at], column[at], offset[at]]
+        entries = int(self.counts.sum())
+        data = words.flatten().view(torch.uint8)[:entries * self.codes.entry_bytes]
+        return self.codes.decode(data.view(entries, self.codes.entry_bytes))
+
+    def gather(self, caches: dict, like: Tensor):
+        """Keys and values (H, W, d), W = max_h K_{l,h}, and valid (H, W): each head's entries, padded."""
+        if self.codes is not None:
+            keys, values = (x.to(like.dtype) for x in self._read_codes(caches))
+        else:
+            keys = like.new_empty(self.where.shape[1], like.shape[-1])
+            values = like.new_empty(self.where.shape[1], like.shape[-1])
+            tensor, block, column, offset = self.where
+            for t in tensor.unique().tolist():
+                at = tensor == t
+                keys[at] = key_view(caches[t])[block[at], column[at], :, offset[at]].to(like.dtype)
+                values[at] = value_view(caches[t])[block[at], column[at], offset[at]].to(like.dtype)
         index, valid = padded(self.counts)
-        if not self.where.shape[1]:  # nothing kept: an empty batch of the right shape
+        if not len(keys):  # nothing kept: an empty batch of the right shape
             return keys.new_empty(*index.shape, like.shape[-1]), values.new_empty(*index.shape, like.shape[-1]), valid
         return keys[index], values[index], valid
 
@@ -109,7 +160,8 @@ class PackedLayer:
 class Record:
     """A compressed request: its prompt length N, the slots S its packed entries hold ([N − S, N)), each
     layer's entries, and the same as runs for the kernel: runs (R, 4) of every layer, and head_runs (L, H, 2),
-    layer l's head h's runs being runs[head_runs[l, h, 0]:head_runs[l, h, 1]]."""
+    layer l's head h's runs being runs[head_runs[l, h, 0]:head_runs[l, h, 1]] (none for entries stored as
+    codes: the kernel does not read them)."""
 
     prompt_length: int
     region: int
@@ -117,7 +169,16 @@ class Record:
     runs: Tensor = field(init=False)
     head_runs: Tensor = field(init=False)
 
+    @property
+    def codes(self) -> Codes | None:
+        """The format of the request's packed entries where its storage quantizes them (one per request)."""
+        return self.layers[0].codes if self.layers else None
+
     def __post_init__(self):
+        if self.codes is not None:
+            self.runs = torch.zeros(0, 4, dtype=torch.long)
+            self.head_runs = torch.zeros(len(self.layers), len(self.layers[0].counts), 2, dtype=torch.long)
+            return
         per_layer = [layer.runs() for layer in self.layers]
         self.runs = torch.cat([r for r, _ in per_layer]).contiguous()
         counts = torch.stack([c for _, c in per_layer])  # (L, H)
@@ -183,6 +244,7 @@ class DecodePlan:
     block_table: Tensor
     heads: int
     work: int
+    quantized: list = field(default_factory=list)  # rows whose entries are codes: (batch row, record, first, T)
 
     @classmethod
     def plan(cls, rows: list, block_table: Tensor, heads: int, groups: int, head_dim: int) -> DecodePlan:
@@ -195,8 +257,9 @@ class DecodePlan:
         requests = torch.tensor([[q0, t, r.prompt_length, first, i] for i, r, q0, t, first in rows]).view(-1, 5)
         entries = int(runs[:, 3].sum()) // max(len(records[0].layers), 1) + sum(
             t * (first + t - r.prompt_length) for _, r, _, t, first in rows) * heads
+        quantized = [(i, r, first, t) for i, r, _, t, first in rows if r.codes is not None]
         return cls(rows, requests, runs, head_runs, block_table.long().contiguous(), heads,
-                   work=2 * entries * groups * head_dim)
+                   work=2 * entries * groups * head_dim, quantized=quantized)
 
     def run(self, layer: int, query: Tensor, output: Tensor, caches: dict, addresses: Tensor | None,
             scale: float, threads: int | None = None) -> None:
@@ -204,9 +267,15 @@ class DecodePlan:
         (a view of vLLM's output): the kernel when it runs here (fp32, head dim a multiple of 16, a
         toolchain; addresses: every layer cache's address, long, given only when every cache is one
         contiguous tensor of the same shape), else the reference. threads: the
-        kernel's OpenMP threads (default: torch's when the layer's work is at least PARALLEL_WORK, else 1)."""
+        kernel's OpenMP threads (default: torch's when the layer's work is at least PARALLEL_WORK, else 1).
+        A request whose entries are codes first has its new tokens' keys and values, as vLLM wrote them,
+        replaced by what its storage keeps of them (`store_new`), and attends through the reference."""
         tokens, hq, d = query.shape
-        kernel = addresses is not None and query.dtype == output.dtype == caches[layer].dtype and \
+        for i, record, first, t in self.quantized:
+            store_new(caches[layer], self.block_table[i], max(first, record.prompt_length), first + t,
+                      record.codes)  # never a packed slot
+        kernel = not self.quantized and addresses is not None and \
+            query.dtype == output.dtype == caches[layer].dtype and \
             supports(query.device, query.dtype, d) and query.stride(2) == 1 and query.stride(1) == d and \
             output.stride(2) == 1 and output.stride(1) == d
         if not kernel:

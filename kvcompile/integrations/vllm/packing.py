@@ -14,22 +14,33 @@ positions [N − S, N), S = ⌈E / (L·H)⌉, as one pool of L·S·H locations (
   layer order.
 
 The blocks wholly before position N − S go back to vLLM's pool: as many for a head-wise or layer-wise
-policy as for a uniform one of the same total. The attention of
+policy as for a uniform one of the same total. Under quantized storage (`codes`, a
+kvcompile.integrations.vllm.codes.Codes) a layer's entries are one byte string over its slots, so layer l
+holds ⌈E_l·B / slot⌉ locations instead of E_l (B: an entry's bytes), placed the same way. The attention of
 a compressed request gathers each head's entries from these locations (kvcompile.integrations.vllm.backend); decode
 tokens follow at positions N, N + 1, … in their own layer and column, as vLLM writes them.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 
-def region(counts: Tensor) -> int:
-    """S = ⌈Σ K_{l,h} / (L·H)⌉: the slots a compressed request keeps, counts (L, H) = K_{l,h}."""
+def layer_slots(counts: Tensor, codes=None, slot_bytes: int = 0) -> list[int]:
+    """The locations each layer's entries take, counts (L, H) = K_{l,h}: E_l = Σ_h K_{l,h}, or with `codes`
+    (quantized storage, slots of `slot_bytes`) ⌈E_l·B / slot_bytes⌉."""
+    totals = counts.sum(1).tolist()
+    return totals if codes is None else [codes.slots(e, slot_bytes) for e in totals]
+
+
+def region(counts: Tensor, codes=None, slot_bytes: int = 0) -> int:
+    """S = ⌈Σ_l (locations of layer l) / (L·H)⌉ (Σ K_{l,h} in the model's dtype): the slots a compressed
+    request keeps, counts (L, H) = K_{l,h}."""
     layers, heads = counts.shape
-    return -(-int(counts.sum()) // (layers * heads))
+    return -(-sum(layer_slots(counts, codes, slot_bytes)) // (layers * heads))
 
 
 @dataclass
@@ -42,13 +53,14 @@ class Group:
     locations: Tensor  # (n,) long
 
 
-def assign(counts: Tensor) -> list[list[Group]]:
-    """For each layer, the groups holding its E_l = Σ_h K_{l,h} entries in (head, position) order: its own
-    tensor's first min(E_l, S·H) locations, then the free locations of the layers holding fewer than S·H.
-    Every location of the L·S·H is used at most once, and every entry gets one."""
+def assign(counts: Tensor, codes=None, slot_bytes: int = 0) -> list[list[Group]]:
+    """For each layer, the groups holding its E_l = Σ_h K_{l,h} entries in (head, position) order (with
+    `codes`: its slots of bytes, `layer_slots`): its own tensor's first min(E_l, S·H) locations, then the
+    free locations of the layers holding fewer than S·H. Every location of the L·S·H is used at most once,
+    and every entry gets one."""
     layers, heads = counts.shape
-    room = region(counts) * heads
-    totals = counts.sum(1).tolist()
+    room = region(counts, codes, slot_bytes) * heads
+    totals = layer_slots(counts, codes, slot_bytes)
     free = [(t, e, room) for t, e in enumerate(totals) if e < room]  # (tensor, first free u, end)
     out = []
     for layer, total in enumerate(totals):
@@ -90,12 +102,13 @@ def slots(locations: Tensor, prompt_length: int, region_slots: int, heads: int, 
 
 
 
-def locations(counts: Tensor, prompt_length: int, block_row: Tensor, block_size: int) -> list[Tensor]:
+def locations(counts: Tensor, prompt_length: int, block_row: Tensor, block_size: int, codes=None,
+              slot_bytes: int = 0) -> list[Tensor]:
     """For each layer, where (4, E_l) = (layer tensor, block id, column, offset) of its kept entries in
-    (head, position) order: `assign`'s groups placed by `slots`."""
-    size, heads = region(counts), counts.shape[1]
+    (head, position) order (with `codes`: of its slots of bytes): `assign`'s groups placed by `slots`."""
+    size, heads = region(counts, codes, slot_bytes), counts.shape[1]
     out = []
-    for groups in assign(counts):
+    for groups in assign(counts, codes, slot_bytes):
         where = [torch.stack([torch.full_like(b, g.tensor), b, c, o]) for g in groups
                  for b, c, o in [slots(g.locations, prompt_length, size, heads, block_row, block_size)]]
         out.append(torch.cat(where, 1) if where else torch.zeros(4, 0, dtype=torch.long))
@@ -111,9 +124,12 @@ def kept_entries(policy, scores: list[Tensor]) -> list[Tensor]:
     (tests/test_vllm_packing.py holds them to kvcompile.reference.compress)."""
     from kvcompile.cache import KVCompileCache
     from kvcompile.engine.prefill import compress_prompt_layer, start_prompt
+    from kvcompile.policies.storage import ModelDtype
 
     if policy.merges:
         raise ValueError(f"{policy.name} merges evicted entries: its selection needs the keys, not only scores")
+    if policy.storage.quantizes:  # how kept entries are stored decides their bytes, not which are kept: the
+        policy = dataclasses.replace(policy, storage=ModelDtype())  # placeholders are one channel wide
     batch, heads, n = scores[0].shape
     cache = KVCompileCache(policy, Dims(len(scores), heads))
     placeholder = scores[0].new_zeros(batch, heads, n, Dims.head_dim)

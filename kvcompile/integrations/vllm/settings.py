@@ -12,8 +12,9 @@ its own policy in vLLM's `additional_config={"kvcompile": {"spec": ..., "per_hea
 configuration carries its settings to each of its processes (`engine_settings`).
 
 Every prefill-time policy that drops what it evicts runs, with any layer and head allocation (uniform,
-pyramid, LAVa's entropy cascade, AdaKV's pooled heads, DBudgetKV's threshold): its kept entries are packed
-into the request's last slots (kvcompile.integrations.vllm.packing). Everything else is refused by name,
+pyramid, LAVa's entropy cascade, AdaKV's pooled heads, DBudgetKV's threshold), in the model's dtype or as
+int8/int4 codes per entry: its kept entries are packed into the request's last slots
+(kvcompile.integrations.vllm.packing, kvcompile.integrations.vllm.codes). Everything else is refused by name,
 with the reason, before vLLM starts (`check_policy`).
 """
 from __future__ import annotations
@@ -132,12 +133,14 @@ def refusals(policy) -> list[str]:
     if schedule.prefill is not None:
         why.append("schedule.prefill: chunk evicts between a prompt's chunks; the plugin compresses once, in the "
                    "step that ends the prompt (vLLM's own chunked prefill runs)")
-    storage = type(policy.storage).name
-    if storage != "model_dtype":
-        why.append(f"storage {storage} stores kept entries quantized, as codes and scales (all of them, or a share "
-                   "beside full-precision ones); vLLM allocates one cache in the model's dtype for every request and "
-                   "the plugin's decode attention reads that dtype, so they would be neither stored nor read as "
-                   "kvcompile stores them")
+    storage = policy.storage
+    if storage.tiered:
+        kind = ("each key channel quantized over groups of tokens that decoding completes, the newest tokens in "
+                "full precision" if storage.key_axis == "channel" else "the best-scored entries in full precision, "
+                "the rest as codes")
+        why.append(f"storage {type(storage).name} keeps each head's entries in two tiers ({kind}); the plugin packs "
+                   "one format per request into its region (the model's dtype, or per-entry int8/int4 codes) and "
+                   "moves nothing between tiers while decoding")
     if getattr(policy.scoring, "reconstructs", False):
         why.append("scoring kvzip scores entries by a reconstruction pass, a second forward pass of the whole model "
                    "that repeats the prompt from its cache; a vLLM attention backend sees one layer of the "
@@ -146,3 +149,17 @@ def refusals(policy) -> list[str]:
         why.append(f"scoring {type(policy.scoring).name} needs the model's rotary frequencies, not passed from vLLM "
                    "yet")
     return why
+
+
+def check_storage(policy, head_dim: int, dtype) -> None:
+    """Refuse a storage part whose codes this model's cache cannot hold as kvcompile stores them."""
+    storage = policy.storage
+    if not storage.quantizes:
+        return
+    why = storage.check_head_dim(head_dim)
+    if why is None and str(dtype) != "torch.float32":
+        why = (f"the model runs in {dtype}, and the plugin writes decode tokens' dequantized keys and values into "
+               "the cache in its dtype: checked against kvcompile in float32 only")
+    if why is not None:
+        raise PluginError(f"kvcompile: the vLLM plugin cannot run {policy.name} (storage {type(storage).name}) on "
+                          f"this model: {why}")
