@@ -19,7 +19,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import kvcompile
 import kvcompile.engine.op
-from kvcompile.engine.batch import BatchedDecode, DecodeBatch, PerRequestDecode, TieredDecodeBatch, decode_path
+from kvcompile.engine.batch import BatchedDecode, DecodeBatch, TieredDecodeBatch, decode_path
 from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
 from kvcompile.store.codes import ChannelCodeStore, CodeStore
 from kvcompile.store.pages import Entries
@@ -31,16 +31,18 @@ from tests.test_serving import SNAP, compiled, gen_config, prompts, reference
 
 # every kept token as codes (int8, int4: one pool of codes a layer), two tiers (mixed: a float pool and a pool of
 # codes a layer), KIVI (every token kept; a float pool and a pool of pages of `tokens` codes; groups flush while
-# decoding)
+# decoding), codes beside merge slots (two tiers, new tokens into the codes; the slots' bias in the float tier), two
+# tiers by score beside merge slots
 KIVI = dict(storage={"kivi": {"bits": 4, "residual": 16, "tokens": 16}})
 KINDS = {"int8": ("snapkv", dict(SNAP, storage="int8")), "int4": ("snapkv", dict(SNAP, storage="int4")),
-         "mixed": ("snapkv", dict(SNAP, storage={"mixed": {"full": 0.5, "bits": 4}})), "kivi": ("kivi", KIVI)}
-# codes beside merge slots (two tiers, new tokens into the codes): decoded per request (the merge bias), in the pools
-SLOTS = {"slots": ("lava_residual", dict(per_head=40, storage="int8"))}
+         "mixed": ("snapkv", dict(SNAP, storage={"mixed": {"full": 0.5, "bits": 4}})), "kivi": ("kivi", KIVI),
+         "slots": ("lava_residual", dict(per_head=40, storage="int8")),
+         "mixed_slots": ("lava_residual", dict(per_head=40, storage={"mixed": {"full": 0.5, "bits": 4}}))}
+TIERED = ("mixed", "kivi", "slots", "mixed_slots")
 
 
 def kind_model(kind: str):
-    spec, overrides = {**KINDS, **SLOTS}[kind]
+    spec, overrides = KINDS[kind]
     return compiled(spec, **overrides)
 
 
@@ -71,7 +73,7 @@ def check_pools(state) -> tuple[int, int, int, int]:
     return sum(request_bytes(kv) for kv in pooled), taken + own, taken, named
 
 
-@pytest.mark.parametrize("kind", list(KINDS) + list(SLOTS))
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_every_store_kind_lives_in_the_pools_and_its_bytes_are_what_memory_reports(kind, monkeypatch):
     """After every forward: the requests' stores (each tier of a tiered store) are in the engine's pools, a pool per
     page layout; the bytes they hold are the pool pages they lease and their block tables and counters; the pages
@@ -142,17 +144,15 @@ def test_one_attention_call_per_layer_per_decode_step_over_codes_and_tiers(kind,
 
 
 def test_the_plan_batches_every_store_kind_without_a_decode_schedule():
-    """int8, int4 (one pool a layer), mixed and KIVI (two: a batch of two tiers) decode in the batch; codes beside
-    merge slots do not (the merge bias), and say so."""
+    """int8, int4 (one pool a layer), mixed, KIVI and codes or two tiers beside merge slots (two: a batch of two
+    tiers, the slots' bias in the float tier's attention) decode in the batch."""
     for kind in KINDS:
         path = decode_path(kind_model(kind).kvcompile_plan)
         assert isinstance(path, BatchedDecode) and path.pools is not None, kind
-        assert path.batch is (TieredDecodeBatch if kind in ("mixed", "kivi") else DecodeBatch), kind
-    path = decode_path(kind_model("slots").kvcompile_plan)
-    assert isinstance(path, PerRequestDecode) and "merge slots" in path.reason and path.pools is not None
+        assert path.batch is (TieredDecodeBatch if kind in TIERED else DecodeBatch), kind
 
 
-@pytest.mark.parametrize("kind", list(KINDS) + list(SLOTS))
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_cancelled_and_failed_requests_give_every_page_back(kind, monkeypatch):
     """Among requests decoding together, one is cancelled and one's sampling fails after it holds pool pages: the
     others get generate()'s tokens, the failed one its error, and every page of every pool is free at the end."""

@@ -9,7 +9,8 @@ a batch.
 
 - `decode_path(plan)`, chosen once per engine from the plan (no `decode: every` pruning, not a hybrid model's
   windows, one rank and device): `BatchedDecode` for a policy whose decode step is an append and an attention
-  over the pools (full-precision pages, codes: int8 / int4, two tiers: mixed, KIVI); `BatchedStepDecode` for one
+  over the pools (full-precision pages, codes: int8 / int4, two tiers: mixed, KIVI, and codes or a tier beside merge
+  slots, whose bias the tiers' attention adds); `BatchedStepDecode` for one
   whose step does more over full-precision pages (running scores: h2o; online eviction into merge slots: zsmerge;
   a merge bias per entry), run through the plan's own decode step; else `PerRequestDecode`, the op once per
   request, with the reason; every store kind's pages in the pools either way.
@@ -229,8 +230,8 @@ class PooledPages:
 @dataclass
 class PerRequestDecode(PooledPages):
     """Every request's decode step through its own op call (`decode: every` pruning, a hybrid model's windows,
-    layers over several ranks or devices, a step that does more than an append and an attention over pages of
-    codes or two tiers), its pages in the pools all the same."""
+    layers over several ranks or devices, running scores over pages of codes), its pages in the pools all the
+    same."""
 
     reason: str = ""
     batched = False
@@ -284,8 +285,9 @@ BATCHED_STORES = {LayerStore: DecodeBatch, CodeStore: DecodeBatch, TieredStore: 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
-    attention over the pools' pages (full precision, codes: int8 / int4, two tiers: mixed precision and KIVI,
-    `BATCHED_STORES`), or the plan's decode step where it does more over full-precision pages; else per request
+    attention over the pools' pages (full precision, codes: int8 / int4, two tiers: mixed precision and KIVI, codes
+    or a tier beside merge slots: `BATCHED_STORES`), or the plan's decode step where it does more over
+    full-precision pages; else per request
     (with the reason). Every store kind's pages live in the engine's pools either way."""
     why = None
     if plan.store not in BATCHED_STORES:
@@ -299,6 +301,8 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     pools = PagePools(plan.num_layers)
     steps = ("online eviction" if plan.online_eviction else "scores run while decoding" if plan.running_scores
              else "merge slots (a bias per entry)" if plan.policy.merges else None)  # the plan's step does more
+    if plan.store is TieredStore and not (plan.running_scores or plan.online_eviction):
+        steps = None  # merge slots beside codes or a tier: the slots' bias is TieredDecodeBatch's attention's
     if why is None and steps is not None and plan.store is not LayerStore:
         why = f"{steps} over pages of {plan.store.__name__}"
     if why is not None:
