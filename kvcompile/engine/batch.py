@@ -152,8 +152,9 @@ class TieredDecodeBatch(DecodeBatch):
     """The requests of a step that decode one token each, together, over two tiers (`TieredStore`: mixed precision,
     KIVI, codes beside merge slots) in two pools a layer: one write of every new entry into the appending tier's
     pool, the stores' flush as one op (`TieredStore.flush_all`; KIVI: a full group of the float tier into a page of
-    codes, computed for every head and applied where one is full; nothing for codes per entry), and one call of the plan's decode backend (`TieredPagedAttention`: the float
-    tier's pool and the codes' pool, one kernel call each with its log-sum-exp, merged)."""
+    codes, computed for every head and applied where one is full; nothing for codes per entry), and one call of the
+    plan's decode backend (`TieredPagedAttention`: the float tier's pool and the codes' pool, one kernel call each
+    with its log-sum-exp, merged; the merge slots' bias on the float tier)."""
 
     def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
         caches = self.caches
