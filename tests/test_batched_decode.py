@@ -21,7 +21,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import kvcompile
 import kvcompile.engine.op
 import kvcompile.integrations.batching
-from kvcompile.engine.batch import BatchedDecode, BatchedStepDecode, PerRequestDecode, decode_path
+from kvcompile.engine.batch import BatchedDecode, BatchedStepDecode, PerRequestDecode, TieredDecodeBatch, decode_path
 from kvcompile.kernels import paged_attention
 from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
 from kvcompile.store.pages import Entries, LayerStore
@@ -253,9 +253,10 @@ def test_the_plan_says_which_policies_decode_in_the_batch():
         path = decode_path(plan_of(spec))
         assert type(path) is BatchedStepDecode and path.pools is not None, spec
     assert isinstance(decode_path(plan_of("kivi")), BatchedDecode)  # two tiers: each in the pool of its page layout
-    path = decode_path(plan_of("lava_residual", storage="int8"))  # codes beside merge slots: per request, in the pools
-    assert isinstance(path, PerRequestDecode) and "over pages of TieredStore" in path.reason \
-        and path.pools is not None, path.reason
+    path = decode_path(plan_of("lava_residual", storage="int8"))  # codes beside merge slots: two tiers, the bias
+    assert isinstance(path, BatchedDecode) and path.batch is TieredDecodeBatch and path.pools is not None
+    path = decode_path(plan_of("h2o", storage="int8"))  # running scores over codes: the plan's step on the batch
+    assert type(path) is BatchedStepDecode and path.pools is not None
 
 
 def plan_of(spec: str, **overrides):

@@ -210,12 +210,27 @@ def test_chunked_prefill_equals_reference(feature, key, b, h, g, n, chunk, per_h
     if pad:
         mask = torch.ones(b, n, dtype=torch.bool)
         mask[0, :min(pad, n - 1)] = False
-    if storage == "mixed" and mask is not None and n > chunk:  # two tiers by score on padded rows: refused
-        with pytest.raises(RuntimeError, match="two tiers by score .* left-padded batch .* refused"):
-            run_both(policy, 2, b, h, g, n, d, mask, page, rand, steps, softcap=cap, sinks=learned)
-        return
     cache = run_both(policy, 2, b, h, g, n, d, mask, page, rand, steps, softcap=cap, sinks=learned)
     assert isinstance(cache.plan.chunk_attention, ExplicitChunkAttention) and not cache.plan.chunk_scores
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@settings(max_examples=6, deadline=None)
+@given(key=st.sampled_from(["snapkv", "lava"]), b=st.integers(1, 2), h=st.integers(1, 2), g=st.integers(1, 2),
+       n=st.integers(5, 20), chunk=st.integers(2, 6), per_head=st.integers(4, 8), page=st.sampled_from([2, 4]),
+       pad=st.integers(1, 9), steps=st.integers(0, 3), seed=st.integers(0, 2 ** 16))
+def test_mixed_tiers_on_a_left_padded_prompt_in_chunks_equal_the_reference(feature, key, b, h, g, n, chunk, per_head,
+                                                                           page, pad, steps, seed):
+    """Two tiers by score, a prompt compressed chunk by chunk on a left-padded batch, on a capped and/or sinked
+    model: the attention and the entries in each tier are reference.ChunkedPrefill's, then decode steps."""
+    cap, sinks = FEATURES[feature]
+    policy = kvcompile.load_spec(chunked_policy(key, per_head, chunk), storage={"mixed": {"full": 0.5, "bits": 4}})
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen) * 2  # noqa: E731
+    learned = [drawn_sinks(gen, h * g) for _ in range(2)] if sinks else None
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[0, :min(pad, n - 1)] = False
+    run_both(policy, 2, b, h, g, n, 8, mask, page, rand, steps, softcap=cap, sinks=learned)
 
 
 @pytest.mark.parametrize("pad", [0, 3])

@@ -19,28 +19,32 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import kvcompile
 import kvcompile.engine.op
-from kvcompile.engine.batch import BatchedDecode, DecodeBatch, PerRequestDecode, TieredDecodeBatch, decode_path
+from kvcompile.engine.batch import (BatchedDecode, BatchedStepDecode, DecodeBatch, TieredDecodeBatch,
+                                   decode_path)
 from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
 from kvcompile.store.codes import ChannelCodeStore, CodeStore
 from kvcompile.store.pages import Entries
-from kvcompile.store.pool import PagePools, Pooled, PooledChannelCodeStore, PooledCodeStore, tiers
+from kvcompile.store.pool import (BatchCodeStore, PagePools, Pooled, PooledChannelCodeStore, PooledCodeStore,
+                                  tiers)
 from kvcompile.store.tiers import TieredStore
-from tests.test_batched_decode import (assert_same_entries, batched_equals_generate_and_alone, requests, run_engine,
-                                       start_engine)
+from tests.test_batched_decode import (assert_same_entries, batched_equals_generate_and_alone, prefilled, requests,
+                                       run_engine, start_engine)
 from tests.test_serving import SNAP, compiled, gen_config, prompts, reference
 
 # every kept token as codes (int8, int4: one pool of codes a layer), two tiers (mixed: a float pool and a pool of
 # codes a layer), KIVI (every token kept; a float pool and a pool of pages of `tokens` codes; groups flush while
-# decoding)
+# decoding), codes beside merge slots (two tiers, new tokens into the codes; the slots' bias in the float tier), two
+# tiers by score beside merge slots
 KIVI = dict(storage={"kivi": {"bits": 4, "residual": 16, "tokens": 16}})
 KINDS = {"int8": ("snapkv", dict(SNAP, storage="int8")), "int4": ("snapkv", dict(SNAP, storage="int4")),
-         "mixed": ("snapkv", dict(SNAP, storage={"mixed": {"full": 0.5, "bits": 4}})), "kivi": ("kivi", KIVI)}
-# codes beside merge slots (two tiers, new tokens into the codes): decoded per request (the merge bias), in the pools
-SLOTS = {"slots": ("lava_residual", dict(per_head=40, storage="int8"))}
+         "mixed": ("snapkv", dict(SNAP, storage={"mixed": {"full": 0.5, "bits": 4}})), "kivi": ("kivi", KIVI),
+         "slots": ("lava_residual", dict(per_head=40, storage="int8")),
+         "mixed_slots": ("lava_residual", dict(per_head=40, storage={"mixed": {"full": 0.5, "bits": 4}}))}
+TIERED = ("mixed", "kivi", "slots", "mixed_slots")
 
 
 def kind_model(kind: str):
-    spec, overrides = {**KINDS, **SLOTS}[kind]
+    spec, overrides = KINDS[kind]
     return compiled(spec, **overrides)
 
 
@@ -71,7 +75,7 @@ def check_pools(state) -> tuple[int, int, int, int]:
     return sum(request_bytes(kv) for kv in pooled), taken + own, taken, named
 
 
-@pytest.mark.parametrize("kind", list(KINDS) + list(SLOTS))
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_every_store_kind_lives_in_the_pools_and_its_bytes_are_what_memory_reports(kind, monkeypatch):
     """After every forward: the requests' stores (each tier of a tiered store) are in the engine's pools, a pool per
     page layout; the bytes they hold are the pool pages they lease and their block tables and counters; the pages
@@ -142,17 +146,15 @@ def test_one_attention_call_per_layer_per_decode_step_over_codes_and_tiers(kind,
 
 
 def test_the_plan_batches_every_store_kind_without_a_decode_schedule():
-    """int8, int4 (one pool a layer), mixed and KIVI (two: a batch of two tiers) decode in the batch; codes beside
-    merge slots do not (the merge bias), and say so."""
+    """int8, int4 (one pool a layer), mixed, KIVI and codes or two tiers beside merge slots (two: a batch of two
+    tiers, the slots' bias in the float tier's attention) decode in the batch."""
     for kind in KINDS:
         path = decode_path(kind_model(kind).kvcompile_plan)
         assert isinstance(path, BatchedDecode) and path.pools is not None, kind
-        assert path.batch is (TieredDecodeBatch if kind in ("mixed", "kivi") else DecodeBatch), kind
-    path = decode_path(kind_model("slots").kvcompile_plan)
-    assert isinstance(path, PerRequestDecode) and "merge slots" in path.reason and path.pools is not None
+        assert path.batch is (TieredDecodeBatch if kind in TIERED else DecodeBatch), kind
 
 
-@pytest.mark.parametrize("kind", list(KINDS) + list(SLOTS))
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_cancelled_and_failed_requests_give_every_page_back(kind, monkeypatch):
     """Among requests decoding together, one is cancelled and one's sampling fails after it holds pool pages: the
     others get generate()'s tokens, the failed one its error, and every page of every pool is free at the end."""
@@ -268,6 +270,59 @@ def assert_same_tiers(a: TieredStore, b: TieredStore) -> None:
     assert_same_entries(a.low, b.low)
 
 
+# running scores over codes (H2O, int8): the plan's decode step runs on the batch as one store of codes
+H2O_CODES = dict(per_head=40, storage="int8", ranking={"by_score": {"sinks": 0, "window": 8}})
+
+
+def test_running_scores_over_codes_decode_in_the_batch_as_generate_and_the_per_request_path(monkeypatch):
+    """H2O over int8 pages: the plan's decode step on the batch (`BatchCodeStore`): requests joining once the others
+    decode get generate()'s tokens and the per-request path's log-probabilities."""
+    model = compiled("h2o", **H2O_CODES)
+    assert type(decode_path(model.kvcompile_plan)) is BatchedStepDecode
+    batched_equals_generate_and_alone(model, monkeypatch)
+
+
+def test_a_batched_step_over_codes_is_each_request_alone(monkeypatch):
+    """H2O over int8 pages: the plan's decode step, one call a layer on the batch as one store of codes
+    (`BatchCodeStore`: the append quantizes, the reads dequantize), leaves each request's pages as its own steps do
+    (requests of different lengths, one joining, one leaving): the same codes, positions and lengths, running scores
+    and outputs within float summation order (the torch step's softmax runs over the batch's padded width)."""
+    plan = compiled("h2o", **dict(H2O_CODES, per_head=16)).kvcompile_plan.with_headroom(24)
+    path = decode_path(plan)
+    assert type(path) is BatchedStepDecode
+    lengths = (40, 23, 61)
+    own = [prefilled(plan, n, seed) for seed, n in enumerate(lengths)]
+    batched = [prefilled(plan, n, seed) for seed, n in enumerate(lengths)]
+    for cache, _ in batched:
+        path.adopt(cache)
+    step_type, calls = type(plan.decode_step), []
+    call = step_type.__call__
+    monkeypatch.setattr(step_type, "__call__", lambda self, plan, store, *a: calls.append(type(store)) or call(
+        self, plan, store, *a))
+    hq, h, d = 4, plan.num_heads, plan.head_dim
+    for t in range(20):
+        live = [0, 1] if t < 6 else [0, 1, 2] if t < 14 else [0, 2]  # request 2 joins at step 6, 1 leaves at 14
+        step = path.plan([(batched[r][0], 1) for r in live])
+        assert step.alone == [] and step.batch is not None
+        for layer in range(plan.num_layers):
+            draws = [[torch.randn(1, x, 1, d, generator=own[r][1]) for x in (hq, h, h)] for r in live]
+            q, k, v = (torch.cat([x[i] for x in draws], dim=2) for i in range(3))
+            out = step.batch.run(layer, q, k, v, d ** -0.5)
+            for r, ((cache, _), (qi, ki, vi)) in enumerate(zip([own[r] for r in live], draws)):
+                alone = kvcompile.engine.op.run_layer(qi, ki, vi, None, layer, cache, d ** -0.5)
+                torch.testing.assert_close(out[r], alone[0, :, 0])
+    assert calls.count(BatchCodeStore) == 20 * plan.num_layers  # one call a layer and step for the batch
+    for (a, _), (b, _) in zip(own, batched):
+        assert a.seq_length == b.seq_length
+        for x, y in zip(a.stores, b.stores):
+            assert type(x) is CodeStore and isinstance(y, PooledCodeStore) and torch.equal(x.lengths, y.lengths)
+            (fx, sx), (fy, sy) = x.entries(), y.entries()
+            assert torch.equal(sx, sy)
+            for name in ("k_pages", "v_pages", "k_scale", "v_scale", "pos_pages"):  # the codes, bit for bit
+                assert torch.equal(getattr(x, name).flatten(0, 1)[fx[sx]], getattr(y, name).flatten(0, 1)[fy[sy]])
+            torch.testing.assert_close(x.score_pages.view(-1)[fx[sx]], y.score_pages.view(-1)[fy[sy]])
+
+
 def test_the_batched_write_of_codes_equals_each_store_append():
     """PagePools.append over a pool of codes quantizes every request's new entry as each store's own append does."""
     part = storage("int4")
@@ -296,6 +351,51 @@ def test_the_batched_write_of_codes_equals_each_store_append():
         for name in ("k_pages", "k_scale", "k_zero", "v_pages", "v_scale", "v_zero"):  # the codes themselves
             a, b = getattr(s, name), getattr(pool, name)
             assert torch.equal(a.reshape(-1, a.shape[-1])[flat[stored]], b.reshape(-1, b.shape[-1])[mine[stored]])
+
+
+def test_kivis_flush_of_a_batch_is_one_op_and_each_stores_own_flush(monkeypatch):
+    """KIVI, requests of different lengths decoding in one batch: after the batched append into the float tiers'
+    pool, `TieredStore.flush_all` moves every full group of every request with one quantization of the keys and one
+    of the values, and leaves each store's tiers (codes, scales, positions, the float tier's rotated pages and
+    lengths) as its own appends and flushes do, bit for bit, while the pool of codes grows under it."""
+    import kvcompile.kernels.quantize as quantize
+
+    part = storage({"kivi": {"bits": 4, "residual": 4, "tokens": 4}})
+    pools = PagePools(1)
+    own = [TieredStore.build([entries(n, seed)], torch.zeros(1, 2, dtype=torch.long), 4, 1, storage=part)
+           for seed, n in enumerate((9, 22, 14))]
+    pooled = [pools.adopt(0, copy.deepcopy(s)) for s in own]
+    codes = pooled[0].low.pool
+    pages = codes.pages
+    calls = []
+    into = quantize.quantize_pages_into
+    monkeypatch.setattr(quantize, "quantize_pages_into", lambda x, *a: calls.append(x.shape[0]) or into(x, *a))
+    g = torch.Generator().manual_seed(5)
+    moved = 0
+    for i in range(13):
+        k, v = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+        positions = torch.tensor([100 + i] * 3)
+        for r, s in enumerate(own):
+            s.append(k[r:r + 1], v[r:r + 1], positions[r:r + 1], step=2)
+        before = sum(int(p.low.lengths.sum()) for p in pooled)
+        for p in pooled:
+            if p.room <= 0:
+                p.make_room(2)
+        appending = [p.high for p in pooled]
+        rows = PagePools.rows(appending)
+        pools.append(0, appending, rows.block_table, rows.lengths, k, v, positions)
+        calls.clear()
+        TieredStore.flush_all(pooled, 2)
+        assert calls == [3 * 2, 3 * 2]  # keys, then values: every head of the three requests in one call each
+        moved += sum(int(p.low.lengths.sum()) for p in pooled) - before
+        for s, p in zip(own, pooled):
+            assert_same_tiers(s, p)
+            for name in ("k_scale", "k_zero"):  # a scale and zero per page and channel, bit for bit
+                mine, theirs = s.low.entries(), p.low.entries()
+                held = (mine[0] // 4)[mine[1]], (theirs[0] // 4)[theirs[1]]
+                assert torch.equal(getattr(s.low, name)[held[0]], getattr(p.low, name)[held[1]])
+    assert moved > 0  # groups were flushed
+    assert codes.pages > pages  # the pool of codes grew under the flushes' reservations
 
 
 def test_a_tiered_store_reserves_what_its_appending_tier_takes():

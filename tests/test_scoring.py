@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from kvcompile.policies.scoring import (
     Accumulated, Decayed, KeyNorm, LastToken, Lava, MeanAttention, Pooling, Recency, WindowAttention,
-    attention_rows, entropy, reduce_gqa,
+    attention_rows, entropy, pool_scores, reduce_gqa,
 )
 from kvcompile.reference import LayerState
 
@@ -245,6 +245,27 @@ def test_pooling_matches_torch_pools_on_unpadded_input(case, window, kernel, gqa
     expected_max = F.max_pool1d(raw, kernel, 1, kernel // 2)
     assert_close(avg, expected_avg.reshape(b, h, n))
     assert_close(mx, expected_max.reshape(b, h, n))
+
+
+@FEW
+@given(st.integers(1, 9), st.integers(0, 12), st.sampled_from([3, 5, 7, 9]), st.integers(0, 2 ** 16))
+def test_avg_pooling_of_a_padded_row_is_the_row_alone_bit_for_bit(n, pads, kernel, seed):
+    """A window's real tokens summed in one order: a row pools bit for bit as it would alone, wherever its pads and
+    ends put it, and windows over the same real tokens (all of them, when the kernel covers the row) give one
+    float: an exact tie stays a tie, so "ties: the later position" decides, not the rounding (a mixed tier split,
+    tests/test_storage_tiers.py). The specification (pool_scores) and the torch lowering (window_scores._pool)."""
+    from kvcompile.kernels.window_scores import _pool
+
+    gen = torch.Generator().manual_seed(seed)
+    alone = torch.softmax(torch.randn(1, 1, n, generator=gen), dim=-1)
+    row = torch.cat([torch.randn(1, 1, pads, generator=gen) * 9, alone], dim=-1)  # pads: garbage
+    real = torch.arange(pads + n)[None] >= pads
+    for pool in (lambda s, r: pool_scores(s, r, Pooling("avg", kernel)), lambda s, r: _pool(s, r, "avg", kernel)):
+        one = pool(alone, torch.ones(1, n, dtype=torch.bool))
+        padded = pool(row, real)
+        assert torch.equal(padded[..., pads:], one)
+        covering = [i for i in range(n) if i - kernel // 2 <= 0 and i + kernel // 2 >= n - 1]
+        assert len({float(one[0, 0, i]) for i in covering}) <= 1
 
 
 @FEW

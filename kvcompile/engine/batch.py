@@ -9,10 +9,11 @@ a batch.
 
 - `decode_path(plan)`, chosen once per engine from the plan (no `decode: every` pruning, not a hybrid model's
   windows, one rank and device): `BatchedDecode` for a policy whose decode step is an append and an attention
-  over the pools (full-precision pages, codes: int8 / int4, two tiers: mixed, KIVI); `BatchedStepDecode` for one
-  whose step does more over full-precision pages (running scores: h2o; online eviction into merge slots: zsmerge;
-  a merge bias per entry), run through the plan's own decode step; else `PerRequestDecode`, the op once per
-  request, with the reason; every store kind's pages in the pools either way.
+  over the pools (full-precision pages, codes: int8 / int4, two tiers: mixed, KIVI, and codes or a tier beside merge
+  slots, whose bias the tiers' attention adds); `BatchedStepDecode` for one whose step does more over
+  full-precision pages (running scores: h2o; online eviction into merge slots: zsmerge; a merge bias per entry) or
+  over codes (running scores: h2o), run through the plan's own decode step; else `PerRequestDecode`, the op once
+  per request, with the reason; every store kind's pages in the pools either way.
 - `path.plan(requests)` once per forward, requests (cache, tokens) in the order of the packed tokens: a
   `StepPlan`, which requests run alone (a prompt or a part of it, any step of a policy decoded per request) and
   the batch of the others (one token each, pages in the pools): their caches, their tokens' places in the packed
@@ -27,7 +28,7 @@ a batch.
   (`PagePools.batch`, `BatchStore`: a head's step reads and writes its own pages only), each request then taking
   its row of lengths, slots, room and settled budget back (`BatchStore.finish`). After the last layer each cache
   counts its token (`seq_length`, the decode state's length). Two tiers: `TieredDecodeBatch.run`, the append into
-  the appending tier's pool, each store's flush (KIVI), one attention call over both tiers' pools.
+  the appending tier's pool, the stores' flush as one op (KIVI), one attention call over both tiers' pools.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from kvcompile.engine.decode import begin_decoding
 from kvcompile.engine.state import Phase
 from kvcompile.store.codes import CodeStore
 from kvcompile.store.pages import LayerStore
-from kvcompile.store.pool import PagePools, TieredRows
+from kvcompile.store.pool import BATCH_STORES, PagePools, TieredRows
 from kvcompile.store.tiers import TieredStore
 
 if TYPE_CHECKING:
@@ -149,10 +150,11 @@ class StepBatch(DecodeBatch):
 @dataclass
 class TieredDecodeBatch(DecodeBatch):
     """The requests of a step that decode one token each, together, over two tiers (`TieredStore`: mixed precision,
-    KIVI) in two pools a layer: one write of every new entry into the appending tier's pool, each store's flush
-    (KIVI: a full group of the float tier into a page of codes, computed for every head and applied where one is
-    full; nothing for codes per entry), and one call of the plan's decode backend (`TieredPagedAttention`: the float
-    tier's pool and the codes' pool, one kernel call each with its log-sum-exp, merged)."""
+    KIVI, codes beside merge slots) in two pools a layer: one write of every new entry into the appending tier's
+    pool, the stores' flush as one op (`TieredStore.flush_all`; KIVI: a full group of the float tier into a page of
+    codes, computed for every head and applied where one is full; nothing for codes per entry), and one call of the
+    plan's decode backend (`TieredPagedAttention`: the float tier's pool and the codes' pool, one kernel call each
+    with its log-sum-exp, merged; the merge slots' bias on the float tier)."""
 
     def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
         caches = self.caches
@@ -168,8 +170,7 @@ class TieredDecodeBatch(DecodeBatch):
         appending = [getattr(store, store.storage.new_token_tier) for store in stores]
         rows = PagePools.rows(appending)
         self.pools.append(layer, appending, rows.block_table, rows.lengths, k, v, self.positions)
-        for store in stores:
-            store.low.flush(store.high, plan.spare_pages)  # TieredStore.append's second half, per store
+        TieredStore.flush_all(stores, plan.spare_pages)  # TieredStore.append's second half, one op for all
         high, low = PagePools.rows([s.high for s in stores]), PagePools.rows([s.low for s in stores])
         self.counts["tables_built"] += 2
         backend = plan.decode_backend(layer, q.device)
@@ -229,8 +230,7 @@ class PooledPages:
 @dataclass
 class PerRequestDecode(PooledPages):
     """Every request's decode step through its own op call (`decode: every` pruning, a hybrid model's windows,
-    layers over several ranks or devices, a step that does more than an append and an attention over pages of
-    codes or two tiers), its pages in the pools all the same."""
+    layers over several ranks or devices), its pages in the pools all the same."""
 
     reason: str = ""
     batched = False
@@ -284,8 +284,9 @@ BATCHED_STORES = {LayerStore: DecodeBatch, CodeStore: DecodeBatch, TieredStore: 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
-    attention over the pools' pages (full precision, codes: int8 / int4, two tiers: mixed precision and KIVI,
-    `BATCHED_STORES`), or the plan's decode step where it does more over full-precision pages; else per request
+    attention over the pools' pages (full precision, codes: int8 / int4, two tiers: mixed precision and KIVI, codes
+    or a tier beside merge slots: `BATCHED_STORES`), or the plan's decode step where it does more over
+    full-precision pages or codes (`store.pool.BATCH_STORES`); else per request
     (with the reason). Every store kind's pages live in the engine's pools either way."""
     why = None
     if plan.store not in BATCHED_STORES:
@@ -299,7 +300,9 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     pools = PagePools(plan.num_layers)
     steps = ("online eviction" if plan.online_eviction else "scores run while decoding" if plan.running_scores
              else "merge slots (a bias per entry)" if plan.policy.merges else None)  # the plan's step does more
-    if why is None and steps is not None and plan.store is not LayerStore:
+    if plan.store is TieredStore and not (plan.running_scores or plan.online_eviction):
+        steps = None  # merge slots beside codes or a tier: the slots' bias is TieredDecodeBatch's attention's
+    if why is None and steps is not None and plan.store not in BATCH_STORES:
         why = f"{steps} over pages of {plan.store.__name__}"
     if why is not None:
         return PerRequestDecode(pools, reason=why)

@@ -46,15 +46,6 @@ def chunked_prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask
         raise RuntimeError(f"kvcompile: {plan.policy.name} compresses its prompt every {c} tokens; a call of the "
                            f"prompt must end at a multiple of {c} tokens or at the prompt's end (this one ends at "
                            f"{end} of {length}): give the prompt in one call, or generate(prefill_chunk_size={c})")
-    storage = plan.policy.storage
-    if start == 0 and layer == 0 and length > c and mask is not None and not bool(mask.all()) \
-            and storage.tiered and storage.key_axis == "token":
-        # found by tests/test_hybrid_capped_paths.py: on a left-padded row the split by score of the held entries
-        # differs from reference.ChunkedPrefill's (unpadded rows and one-pass prompts agree); refused until found
-        raise RuntimeError(f"kvcompile: {plan.policy.name} keeps a head's entries in two tiers by score (storage: "
-                           f"{storage.name}) and compresses its prompt chunk by chunk; on a left-padded batch that "
-                           "is not yet exact, so it is refused: give each prompt in a batch of its own (no padding), "
-                           "or drop schedule.prefill: chunk")
     cuts = [start] + list(range((start // c + 1) * c, end, c)) + [end]
     if plan.cascade and len(cuts) > 2:
         raise RuntimeError(f"kvcompile: {plan.policy.name}'s layer budgets move with every layer of a chunk (a "

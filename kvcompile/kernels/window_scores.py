@@ -201,7 +201,12 @@ def _pool(scores: Tensor, real: Tensor, pooling: str, kernel: int) -> Tensor:
     if pooling == "max":
         padded = F.pad(scores.masked_fill(~real_h, NEG_INF), (half, half), value=NEG_INF)
         return padded.unfold(-1, kernel, 1).amax(-1)
-    total = F.pad(scores.masked_fill(~real_h, 0.0), (half, half)).unfold(-1, kernel, 1).sum(-1)
+    # each window's terms added left to right, as the specification's pooling (policies.scoring.window_sum) and
+    # the Triton kernel do: windows over the same real tokens give the same float (ties stay ties)
+    windows = F.pad(scores.masked_fill(~real_h, 0.0), (half, half)).unfold(-1, kernel, 1)
+    total = windows[..., 0]
+    for j in range(1, kernel):
+        total = total + windows[..., j]
     count = F.pad(real_h.float(), (half, half)).unfold(-1, kernel, 1).sum(-1)
     return total / count.clamp(min=1.0)
 

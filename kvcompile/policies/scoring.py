@@ -116,6 +116,17 @@ def reduce_gqa(a: Tensor, num_kv_heads: int, how: str) -> Tensor:
     return grouped.mean(dim=2) if how == "mean" else grouped.amax(dim=2)
 
 
+def window_sum(windows: Tensor) -> Tensor:
+    """(…, k) → (…): each window's sum, its k terms added left to right. A pad or an end adds an exact 0, so
+    windows over the same real tokens sum to the same float wherever they sit in a row (a reduction's order,
+    `.sum(-1)`, depends on the window's place in memory: it broke exact ties, which pooling makes whenever a
+    window covers all of a head's tokens, differently in a padded row and alone)."""
+    total = windows[..., 0]
+    for j in range(1, windows.shape[-1]):
+        total = total + windows[..., j]
+    return total
+
+
 def pool_scores(scores: Tensor, real: Tensor, pooling: "Pooling") -> Tensor:
     """1-D pooling over tokens, stride 1, kernel k, k//2 on each side: same length (SnapKV §4.3).
 
@@ -123,6 +134,8 @@ def pool_scores(scores: Tensor, real: Tensor, pooling: "Pooling") -> Tensor:
     by their count (what F.avg_pool1d(count_include_pad=False) does on an unpadded
     sequence), max takes the max over them. Left pads and the ends of the sequence never
     count, so a padded sequence pools exactly as it would alone. Output at pads: −inf.
+    The avg's sum adds the window's tokens left to right (`window_sum`): windows over the same real
+    tokens give the same float wherever they sit (a tie stays a tie, bit for bit, padded or not).
     scores (B, H, N), real (B, N) bool.
     """
     if pooling.kind == "none" or pooling.kernel == 1:
@@ -136,7 +149,7 @@ def pool_scores(scores: Tensor, real: Tensor, pooling: "Pooling") -> Tensor:
     if pooling.kind == "max":
         pooled = windows(scores.masked_fill(~real_h, NEG_INF), NEG_INF).amax(dim=-1)
     else:
-        total = windows(scores.masked_fill(~real_h, 0.0), 0.0).sum(dim=-1)
+        total = window_sum(windows(scores.masked_fill(~real_h, 0.0), 0.0))
         count = windows(real_h.float(), 0.0).sum(dim=-1)
         pooled = total / count.clamp(min=1.0)
     return pooled.masked_fill(~real[:, None], NEG_INF)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from kvcompile.store.codes import ChannelCodeStore, CodeStore
-from kvcompile.store.pages import PAGE_FIELDS, LayerStore
+from kvcompile.store.pages import LayerStore
 from kvcompile.store.tiers import TieredStore
 
 _FILL = {"pos_pages": -1}  # what a free page holds (the rest: 0), as a fresh store's pages
@@ -347,6 +347,16 @@ class BatchStore(LayerStore):
                 member.settle(self.budgets[i:i + 1])
 
 
+@dataclass(eq=False)
+class BatchCodeStore(BatchStore, CodeStore):
+    """`BatchStore` over a pool of codes (int8, int4): the step's append quantizes each new entry as the members'
+    own appends do, its reads dequantize (running scores over codes: H2O)."""
+
+
+# the store class of a batched step's requests as one store, by the class its members pool (`PagePools.batch`)
+BATCH_STORES = {LayerStore: BatchStore, CodeStore: BatchCodeStore}
+
+
 def _give_back(pool: PagePool, lease: list) -> None:
     if lease:
         pool.give_back(torch.cat(lease))
@@ -376,6 +386,12 @@ class PooledChannelCodeStore(Pooled, ChannelCodeStore):
     def flush(self, high: LayerStore, step: int) -> None:
         self.version += 1
         super().flush(high, step)
+
+    @classmethod
+    def flush_all(cls, lows: list, highs: list, step: int) -> None:
+        for tier in (*lows, *highs):  # the flush changes the low tiers' lengths, the float tiers' tables
+            tier.version += 1
+        super().flush_all(lows, highs, step)
 
 
 POOLED = {LayerStore: PooledStore, CodeStore: PooledCodeStore, ChannelCodeStore: PooledChannelCodeStore}
@@ -460,12 +476,14 @@ class PagePools:
 
     def batch(self, layer: int, stores: list[PooledStore], block_table: Tensor, lengths: Tensor) -> BatchStore:
         """The requests `stores` of a batched decode step (their block table (R, H, M) and lengths (R, H), made room
-        in) as one store over the layer's pool, for the plan's decode step to run on once (`BatchStore`)."""
+        in) as one store over the layer's pool, for the plan's decode step to run on once (`BatchStore`; over codes,
+        `BatchCodeStore`)."""
         pool = stores[0].pool
-        return BatchStore(**{name: getattr(pool, name) for name in PAGE_FIELDS}, block_table=block_table,
-                          lengths=lengths, slots=torch.cat([s.slots for s in stores]), next_page=pool.pages,
-                          owned=torch.cat([s.owned for s in stores]), settled=all(s.settled for s in stores),
-                          room=min(s.room for s in stores), storage=stores[0].storage, members=stores)
+        batch = BATCH_STORES[stores[0].own]
+        return batch(**{name: getattr(pool, name) for name in pool.fields}, block_table=block_table, lengths=lengths,
+                     slots=torch.cat([s.slots for s in stores]), next_page=pool.pages,
+                     owned=torch.cat([s.owned for s in stores]), settled=all(s.settled for s in stores),
+                     room=min(s.room for s in stores), storage=stores[0].storage, members=stores)
 
     def attend(self, layer: int, backend, q: Tensor, block_table: Tensor, lengths: Tensor, scale: float,
                pool: PagePool | None = None) -> Tensor:

@@ -213,6 +213,12 @@ class TieredStore:
         self._appending.append(k, v, positions, step)
         self.low.flush(self.high, step)
 
+    @staticmethod
+    def flush_all(stores: list["TieredStore"], step: int) -> None:
+        """The second half of `append` (the low tier's `flush`) for several stores after a batched append into their
+        appending tiers' pool: one op for all of them (KIVI: `ChannelCodeStore.flush_all`)."""
+        type(stores[0].low).flush_all([s.low for s in stores], [s.high for s in stores], step)
+
     def refill(self, other: "TieredStore") -> bool:
         """Not in place: a pruned tiered layer takes new tensors (a captured decode step records again)."""
         return False
