@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from kvcompile.engine.decode import begin_decoding
+from kvcompile.engine.online import TorchStep
 from kvcompile.engine.state import Phase
 from kvcompile.store.codes import CodeStore
 from kvcompile.store.pages import LayerStore
@@ -63,6 +64,12 @@ class DecodeBatch:
     counts: Counter  # the path's counters (`BatchedDecode.counts`)
     tables: list  # per layer: (stores and versions, block table, lengths) of the last batch (`BatchedDecode.tables`)
     whole: bool  # the batch is the whole forward, in order
+    step: object = None  # the decode step run on the batch (`BatchedDecode.step`, kvcompile.kernels.online_step)
+    split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
+
+    def __post_init__(self):
+        if self.caches[0].plan.online_eviction:
+            self.split = torch.cat([cache.decoding.split for cache in self.caches])
 
     def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
         """Layer `layer` of the step for every request: q (1, Hq, T, d), k, v (1, H, T, d) the packed forward's;
@@ -103,11 +110,15 @@ class DecodeBatch:
 
     def _step(self, layer: int, stores: list, table: Tensor, lengths: Tensor, q: Tensor, k: Tensor, v: Tensor,
               scale: float) -> tuple[Tensor, Tensor]:
-        """The layer's append and attention for the batch (q (R, Hq, d), k, v (R, H, d)): one write of every new
-        entry into the pool, one call of the plan's decode backend. Returns the outputs and the lengths after."""
-        lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
-        backend = self.caches[0].plan.decode_backend(layer, q.device)
-        return self.pools.attend(layer, backend, q, table, lengths, scale, stores[0].pool), lengths
+        """The layer's decode step for the batch (q (R, Hq, d), k, v (R, H, d)): one call of `step` on the requests
+        as one store over their pool (`PagePools.batch`), each request then taking its row back (`finish`).
+        Returns the outputs and the lengths after."""
+        plan = self.caches[0].plan
+        batch = self.pools.batch(layer, stores, table, lengths)
+        split = None if self.split is None else self.split[:, layer]
+        out = self.step(plan, batch, layer, q, k, v, self.positions, split, scale)
+        batch.finish()
+        return out, batch.lengths
 
     def _last_rows(self, layer: int, stores: list) -> list[int] | None:
         """Each store's row in the last step's block table and lengths of `layer`, where every store was in that
@@ -122,28 +133,6 @@ class DecodeBatch:
                 return None
             rows.append(hit[0])
         return rows
-
-
-@dataclass
-class StepBatch(DecodeBatch):
-    """A step's decode tokens in one batch through the plan's own decode step (`Plan.decode_step`): per layer one
-    call for every request, on the batch as one store over the pool (`PagePools.batch`), whatever the step does
-    (running scores, online eviction into merge slots, the merge bias); then each request takes its row back."""
-
-    split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
-
-    def __post_init__(self):
-        if self.caches[0].plan.online_eviction:
-            self.split = torch.cat([cache.decoding.split for cache in self.caches])
-
-    def _step(self, layer: int, stores: list, table: Tensor, lengths: Tensor, q: Tensor, k: Tensor, v: Tensor,
-              scale: float) -> tuple[Tensor, Tensor]:
-        plan = self.caches[0].plan
-        batch = self.pools.batch(layer, stores, table, lengths)
-        split = None if self.split is None else self.split[:, layer]
-        out = plan.decode_step(plan, batch, layer, q, k, v, self.positions, split, scale)
-        batch.finish()
-        return out, batch.lengths
 
 
 @dataclass
@@ -246,6 +235,7 @@ class BatchedDecode(PooledPages):
     batched = True
     tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
     batch: type = DecodeBatch  # what a step's batch is (TieredDecodeBatch: two tiers)
+    step: object = None  # the decode step the batch runs (`decode_path`)
 
     def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
         """The step's plan: which requests decode in the batch (one token after the compressed prompt, pages in the
@@ -267,26 +257,26 @@ class BatchedDecode(PooledPages):
         if self.tables is None:
             self.tables = [None] * len(batched[0].stores)
         return StepPlan(alone, self.batch(self.pools, batched, torch.tensor(index, device=device),
-                                          positions.to(device), self.counts, self.tables, not alone))
+                                          positions.to(device), self.counts, self.tables, not alone, self.step))
 
 
 @dataclass
 class BatchedStepDecode(BatchedDecode):
-    """A step's decode tokens in one batch through the plan's decode step (`StepBatch`): running scores, online
-    eviction, a merge bias per entry."""
-
-    batch: type = StepBatch
+    """A step's decode tokens in one batch through the plan's own decode step (`Plan.decode_step`): running
+    scores, online eviction, a merge bias per entry."""
 
 
-# the store classes whose decode step batches (an append and an attention), and the batch of each
+# the store classes whose decode step batches, and the batch of each
 BATCHED_STORES = {LayerStore: DecodeBatch, CodeStore: DecodeBatch, TieredStore: TieredDecodeBatch}
 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
-    """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
-    attention over the pools' pages (full precision, codes: int8 / int4, two tiers: mixed precision and KIVI,
-    `BATCHED_STORES`), or the plan's decode step where it does more over full-precision pages; else per request
-    (with the reason). Every store kind's pages live in the engine's pools either way."""
+    """How a serving engine runs `plan`'s decode steps, chosen once: batched over the pools' pages, one call a
+    layer for every request: where a step is an append and an attention (full precision, codes: int8 / int4,
+    `BATCHED_STORES`), `TorchStep` on the batch, the store's append and the plan's decode attention backend, one
+    kernel call (two tiers, mixed precision and KIVI: `TieredDecodeBatch`); where it does more over full-precision
+    pages, the plan's own decode step on the batch; else per request (with the reason). Every store kind's pages
+    live in the engine's pools either way."""
     why = None
     if plan.store not in BATCHED_STORES:
         why = f"pages of {plan.store.__name__}"
@@ -304,5 +294,5 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     if why is not None:
         return PerRequestDecode(pools, reason=why)
     if steps is not None:
-        return BatchedStepDecode(pools)  # the plan's decode step, on the batch
-    return BatchedDecode(pools, batch=BATCHED_STORES[plan.store])
+        return BatchedStepDecode(pools, step=plan.decode_step)  # the plan's decode step, on the batch
+    return BatchedDecode(pools, batch=BATCHED_STORES[plan.store], step=TorchStep())

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from kvcompile.store.codes import ChannelCodeStore, CodeStore
-from kvcompile.store.pages import PAGE_FIELDS, LayerStore
+from kvcompile.store.pages import LayerStore
 from kvcompile.store.tiers import TieredStore
 
 _FILL = {"pos_pages": -1}  # what a free page holds (the rest: 0), as a fresh store's pages
@@ -314,15 +314,16 @@ class Pooled:
 
 
 @dataclass(eq=False)
-class BatchStore(LayerStore):
-    """One layer of a batched decode step's requests as one store: the pool's page tensors, the step's block
-    table (R, H, M), and the members' lengths, slots and owned counts (R, H), a row a request. The plan's decode
-    step (`Plan.decode_step`: the append, the attention with the merge bias, running scores, online eviction) runs
-    on it once for all of them, through the methods every store has; a head's step reads and writes its own pages
-    only, so each row's result is what its store's own step gives. `finish()` then hands every member its row back.
-    It takes no page: the members made room before the step (`make_room`)."""
+class Batch:
+    """One layer of a batched decode step's requests as one store of their class (`BATCH`: `BatchStore`,
+    `BatchCodeStore`): the pool's page tensors, the step's block table (R, H, M), and the members' lengths, slots
+    and owned counts (R, H), a row a request. A decode step (the plan's, `Plan.decode_step`; or the append and the
+    decode attention backend, `engine.online.TorchStep`) runs on it once for all of them, through the methods every
+    store of the class has; a head's step reads and writes its own pages only, so each row's result is what its
+    store's own step gives. `finish()` then hands every member its row back. It takes no page: the members made
+    room before the step (`make_room`). Mixed in before the store class."""
 
-    members: list = field(default_factory=list)  # the requests' PooledStores, in row order
+    members: list = field(default_factory=list)  # the requests' pooled stores, in row order
     budgets: Tensor | None = None  # what the step settled the heads to (`settle`), handed to the members by finish
 
     def settle(self, budget: Tensor) -> None:
@@ -345,6 +346,16 @@ class BatchStore(LayerStore):
             member.version += 1
             if self.budgets is not None and not member.settled:
                 member.settle(self.budgets[i:i + 1])
+
+
+@dataclass(eq=False)
+class BatchStore(Batch, LayerStore):
+    """A batched step's full-precision layers (`Batch`)."""
+
+
+@dataclass(eq=False)
+class BatchCodeStore(Batch, CodeStore):
+    """A batched step's layers of codes per entry (int8, int4; `Batch`)."""
 
 
 def _give_back(pool: PagePool, lease: list) -> None:
@@ -379,6 +390,7 @@ class PooledChannelCodeStore(Pooled, ChannelCodeStore):
 
 
 POOLED = {LayerStore: PooledStore, CodeStore: PooledCodeStore, ChannelCodeStore: PooledChannelCodeStore}
+BATCH = {LayerStore: BatchStore, CodeStore: BatchCodeStore}  # a batched step's store of a pooled store's class
 
 
 def tiers(store) -> tuple:
@@ -441,31 +453,22 @@ class PagePools:
     def append(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor, k: Tensor,
                v: Tensor, positions: Tensor) -> Tensor:
         """One decode token of every request in `stores` (one sequence each, one pool) appended in one write: k, v
-        (R, H, d) into each head's next slot by the step's block table (R, H, M) and lengths (R, H) (`make_room` ran
-        first), written as the stores' class writes them (`_write_kv`: codes quantized); each store's lengths and
-        room count it. Returns the lengths after the append (R, H)."""
-        pool = stores[0].pool
-        s = pool.page_size
-        r, h = lengths.shape
-        entry = (block_table.gather(-1, (lengths // s)[..., None]).squeeze(-1) * s + lengths % s).view(-1)
-        stores[0]._write_kv(entry.view(r, h) // s, entry.view(r, h) % s, k, v)  # into the pool's tensors, shared
-        pool.score_pages.view(-1).index_fill_(0, entry, 0.0)
-        pool.pos_pages.view(-1).index_copy_(0, entry, positions[:, None].expand(r, h).reshape(-1))
-        pool.count_pages.view(-1).index_fill_(0, entry, 1.0)
-        torch._foreach_add_([store.lengths for store in stores], 1)
-        for store in stores:
-            store.room -= 1
-            store.version += 1
-        return lengths + 1
+        (R, H, d) into each head's next slot by the step's block table (R, H, M) and lengths (R, H) (`make_room`
+        ran first), by the stores' class's own `append` on the batch (`batch`: codes quantized); each store's
+        lengths and room count it. Returns the lengths after the append (R, H)."""
+        batch = self.batch(layer, stores, block_table, lengths)
+        batch.append(k, v, positions)
+        batch.finish()
+        return batch.lengths
 
-    def batch(self, layer: int, stores: list[PooledStore], block_table: Tensor, lengths: Tensor) -> BatchStore:
+    def batch(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor) -> Batch:
         """The requests `stores` of a batched decode step (their block table (R, H, M) and lengths (R, H), made room
-        in) as one store over the layer's pool, for the plan's decode step to run on once (`BatchStore`)."""
+        in) as one store of their class over the layer's pool, for a decode step to run on once (`Batch`)."""
         pool = stores[0].pool
-        return BatchStore(**{name: getattr(pool, name) for name in PAGE_FIELDS}, block_table=block_table,
-                          lengths=lengths, slots=torch.cat([s.slots for s in stores]), next_page=pool.pages,
-                          owned=torch.cat([s.owned for s in stores]), settled=all(s.settled for s in stores),
-                          room=min(s.room for s in stores), storage=stores[0].storage, members=stores)
+        return BATCH[stores[0].own](**{name: getattr(pool, name) for name in pool.fields}, block_table=block_table,
+                                    lengths=lengths, slots=torch.cat([s.slots for s in stores]), next_page=pool.pages,
+                                    owned=torch.cat([s.owned for s in stores]), settled=all(s.settled for s in stores),
+                                    room=min(s.room for s in stores), storage=stores[0].storage, members=stores)
 
     def attend(self, layer: int, backend, q: Tensor, block_table: Tensor, lengths: Tensor, scale: float,
                pool: PagePool | None = None) -> Tensor:
