@@ -8,11 +8,12 @@ kernels (kvcompile.kernels.paged_attention) and the plan's decode steps (kvcompi
 a batch.
 
 - `decode_path(plan)`, chosen once per engine from the plan (no `decode: every` pruning, not a hybrid model's
-  windows, one rank and device): `BatchedDecode` for a policy whose decode step is an append and an attention
-  over the pools (full-precision pages, codes: int8 / int4, two tiers: mixed, KIVI); `BatchedStepDecode` for one
-  whose step does more over full-precision pages (running scores: h2o; online eviction into merge slots: zsmerge;
-  a merge bias per entry), run through the plan's own decode step; else `PerRequestDecode`, the op once per
-  request, with the reason; every store kind's pages in the pools either way.
+  windows, one rank and device): `BatchedDecode` with `TorchStep` for a policy whose decode step is an append and
+  an attention over the pools (full-precision pages, codes: int8 / int4; two tiers, mixed and KIVI:
+  `TieredDecodeBatch`); `BatchedStepDecode` with the plan's own decode step (`Plan.decode_step`: a fused C++ step,
+  or the torch step) for one whose step does more over full-precision pages (running scores: h2o; online eviction
+  into merge slots: zsmerge; a merge bias per entry); else `PerRequestDecode`, the op once per request, with the
+  reason; every store kind's pages in the pools either way.
 - `path.plan(requests)` once per forward, requests (cache, tokens) in the order of the packed tokens: a
   `StepPlan`, which requests run alone (a prompt or a part of it, any step of a policy decoded per request) and
   the batch of the others (one token each, pages in the pools): their caches, their tokens' places in the packed
@@ -20,14 +21,14 @@ a batch.
   (`engine.decode.begin_decoding`: its decode state, as the op's first decode step sets it up).
 - `batch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the append's
   host read, counted as the op counts it), one block table padded over the batch (the last step's while no store
-  changed), then the step (`_step`): `DecodeBatch`, one write of every new entry into the pool
-  (`PagePools.append`: codes quantized as the store writes them) and one attention call (`PagePools.attend`, the
-  plan's decode backend: the quantized kernel over codes); `StepBatch`, one call of the plan's decode step
-  (`Plan.decode_step`: a fused C++ step, or the torch step) on the batch as one store over the pool
-  (`PagePools.batch`, `BatchStore`: a head's step reads and writes its own pages only), each request then taking
-  its row of lengths, slots, room and settled budget back (`BatchStore.finish`). After the last layer each cache
-  counts its token (`seq_length`, the decode state's length). Two tiers: `TieredDecodeBatch.run`, the append into
-  the appending tier's pool, each store's flush (KIVI), one attention call over both tiers' pools.
+  changed), then one call of the path's decode step (`DecodeBatch.step`) on the batch as one store of the
+  requests' class over the pool (`PagePools.batch`: `store.pool.BatchStore`, `BatchCodeStore`; a head's step
+  reads and writes its own pages only), each request then taking its row of lengths, slots, room and settled
+  budget back (`Batch.finish`). `TorchStep` there is the store's own append (one write of every new entry, codes
+  quantized as the store writes them) and one call of the plan's decode attention backend (the quantized kernel
+  over codes). After the last layer each cache counts its token (`seq_length`, the decode state's length). Two
+  tiers: `TieredDecodeBatch.run`, the append into the appending tier's pool, each store's flush (KIVI), one
+  attention call over both tiers' pools.
 """
 from __future__ import annotations
 
@@ -55,14 +56,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class DecodeBatch:
-    """The requests of a step that decode one token each, together."""
+    """The requests of a step that decode one token each, together: per layer one call of `step` on them."""
 
     pools: PagePools
     caches: list  # KVCompileCache of each request, in the order of `index`
     index: Tensor  # (R,) long: each request's token in the packed forward
     positions: Tensor  # (R,) long: each new token's logical position
     counts: Counter  # the path's counters (`BatchedDecode.counts`)
-    tables: list  # per layer: (stores and versions, block table, lengths) of the last batch (`BatchedDecode.tables`)
+    tables: list  # per layer: (stores and versions, (block table, lengths, slots, owned)) of the last batch
+    #               (`BatchedDecode.tables`)
     whole: bool  # the batch is the whole forward, in order
     step: object = None  # the decode step run on the batch (`BatchedDecode.step`, kvcompile.kernels.online_step)
     split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
@@ -80,48 +82,40 @@ class DecodeBatch:
             if store.make_room(cache.plan.spare_pages):  # a head's pages are full: it takes its next run
                 cache.count_host_sync("append")
         rows = self._last_rows(layer, stores)
-        if rows is not None:  # the last step's stores, unchanged since its append (some may have left)
-            last = self.tables[layer]
-            table, lengths = last[1], last[2]
-            if rows != list(range(len(last[0]))):
-                index = torch.tensor(rows, device=table.device)
-                table, lengths = table[index], lengths[index]
+        if rows is not None:  # the last step's stores, unchanged since its step (some may have left)
+            held = self.tables[layer][1]
+            if rows != list(range(len(self.tables[layer][0]))):
+                index = torch.tensor(rows, device=held[0].device)
+                held = tuple(t[index] for t in held)
                 self.counts["tables_cut"] += 1
         else:
             self.counts["tables_built"] += 1
             table = pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
-            table = table.transpose(1, 2).contiguous()
-            lengths = torch.cat([store.lengths for store in stores])
+            held = (table.transpose(1, 2).contiguous(),
+                    *(torch.cat([getattr(store, name) for store in stores]) for name in ("lengths", "slots", "owned")))
         if self.whole:
             q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         else:
             q = query[0, :, self.index].transpose(0, 1)
             k = key[0, :, self.index].transpose(0, 1)
             v = value[0, :, self.index].transpose(0, 1)
-        out, lengths = self._step(layer, stores, table, lengths, q.contiguous(), k, v, scale)
-        self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)}, table, lengths)
+        plan = caches[0].plan
+        batch = self.pools.batch(layer, stores, *held)  # the requests as one store over their pool
+        split = None if self.split is None else self.split[:, layer]
+        out = self.step(plan, batch, layer, q.contiguous(), k, v, self.positions, split, scale)
+        batch.finish(slots=split is not None)  # each request takes its row back (its slots where tokens left)
+        self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)},
+                              (batch.block_table, batch.lengths, batch.slots, batch.owned))
         self.counts["attention_calls"] += 1
-        if layer == caches[0].plan.num_layers - 1:  # the step's last layer: every cache counts its token
+        if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
                 cache.advance(1)
             self.counts["steps"] += 1
             self.counts["tokens"] += len(caches)
         return out.to(query.dtype)
 
-    def _step(self, layer: int, stores: list, table: Tensor, lengths: Tensor, q: Tensor, k: Tensor, v: Tensor,
-              scale: float) -> tuple[Tensor, Tensor]:
-        """The layer's decode step for the batch (q (R, Hq, d), k, v (R, H, d)): one call of `step` on the requests
-        as one store over their pool (`PagePools.batch`), each request then taking its row back (`finish`).
-        Returns the outputs and the lengths after."""
-        plan = self.caches[0].plan
-        batch = self.pools.batch(layer, stores, table, lengths)
-        split = None if self.split is None else self.split[:, layer]
-        out = self.step(plan, batch, layer, q, k, v, self.positions, split, scale)
-        batch.finish()
-        return out, batch.lengths
-
     def _last_rows(self, layer: int, stores: list) -> list[int] | None:
-        """Each store's row in the last step's block table and lengths of `layer`, where every store was in that
+        """Each store's row in the last step's block table and counters of `layer`, where every store was in that
         step and has not changed since (its `version`); else None."""
         last = self.tables[layer]
         if last is None:

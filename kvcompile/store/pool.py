@@ -335,12 +335,14 @@ class Batch:
     def _new_runs(self, fresh: int, step: int, heads: int) -> Tensor:
         raise RuntimeError("kvcompile: a batched decode step takes no page (its members make room before it)")
 
-    def finish(self) -> None:
-        """Every member takes its row of the step's lengths and slots, counts its append (`room`) and, where the
-        step settled it (online eviction's first step), its budget, in the order its own step does these."""
+    def finish(self, slots: bool = True) -> None:
+        """Every member takes its row of the step's lengths and (`slots`: where the step may have changed them, tokens
+        leaving online) slots, counts its append (`room`) and, where the step settled it (online eviction's first
+        step), its budget, in the order its own step does these."""
         members = self.members
         torch._foreach_copy_([m.lengths for m in members], list(self.lengths.split(1)))
-        torch._foreach_copy_([m.slots for m in members], list(self.slots.split(1)))
+        if slots:
+            torch._foreach_copy_([m.slots for m in members], list(self.slots.split(1)))
         for i, member in enumerate(members):
             member.room -= 1
             member.version += 1
@@ -458,17 +460,21 @@ class PagePools:
         lengths and room count it. Returns the lengths after the append (R, H)."""
         batch = self.batch(layer, stores, block_table, lengths)
         batch.append(k, v, positions)
-        batch.finish()
+        batch.finish(slots=False)
         return batch.lengths
 
-    def batch(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor) -> Batch:
+    def batch(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor,
+              slots: Tensor | None = None, owned: Tensor | None = None) -> Batch:
         """The requests `stores` of a batched decode step (their block table (R, H, M) and lengths (R, H), made room
-        in) as one store of their class over the layer's pool, for a decode step to run on once (`Batch`)."""
+        in; their slots and owned counts (R, H), default: the stores') as one store of their class over the layer's
+        pool, for a decode step to run on once (`Batch`)."""
         pool = stores[0].pool
+        slots = torch.cat([s.slots for s in stores]) if slots is None else slots
+        owned = torch.cat([s.owned for s in stores]) if owned is None else owned
         return BATCH[stores[0].own](**{name: getattr(pool, name) for name in pool.fields}, block_table=block_table,
-                                    lengths=lengths, slots=torch.cat([s.slots for s in stores]), next_page=pool.pages,
-                                    owned=torch.cat([s.owned for s in stores]), settled=all(s.settled for s in stores),
-                                    room=min(s.room for s in stores), storage=stores[0].storage, members=stores)
+                                    lengths=lengths, slots=slots, next_page=pool.pages, owned=owned,
+                                    settled=all(s.settled for s in stores), room=min(s.room for s in stores),
+                                    storage=stores[0].storage, members=stores)
 
     def attend(self, layer: int, backend, q: Tensor, block_table: Tensor, lengths: Tensor, scale: float,
                pool: PagePool | None = None) -> Tensor:
