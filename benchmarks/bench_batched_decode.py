@@ -12,7 +12,8 @@ different stretch each) sent at once, `--new-tokens` greedy tokens each, compile
 Measured on the decode-only forwards (every request of the forward decodes one token): their tokens over the
 time of their forwards (the model's forward: projections, MLPs, attention), and the calls per layer per step of
 the op (`engine.op.run_layer`) and of the decode kernels (the paged attention backend's `run`, the fused decode
-step). Columns: decode-only steps, tokens, tok/s, ms per decode-only forward and of it in the attention
+step). Columns: decode-only steps, tokens, tok/s, tokens per CPU second of the process (on a loaded machine, with
+`--threads 1`, the steadier measure of the work), ms per decode-only forward, CPU ms of it, ms of it in the attention
 function (every layer's), op calls/layer/step, kernel calls/layer/step, torch operators the attention function
 dispatches per layer and step (counted in the first `--aten-steps` decode-only forwards, which are not timed; a
 C++ kernel's call is not a torch operator), total s, the 1-minute load average before and after the run.
@@ -109,6 +110,7 @@ def run_one(args) -> dict:
 
     serving.batching_attention = timed_attention  # what the manager registers as the model's attention
     steps = []  # (requests, seconds) of each decode-only forward
+    cpu_s = [0.0]  # the process's CPU seconds in them (with --threads 1: the forwards' work, whatever else runs)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     forward = model.forward
 
@@ -123,10 +125,11 @@ def run_one(args) -> dict:
             counting[0] = False
             return out
         counting[0] = decode_only
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = forward(*a, **k)
         if decode_only:
             steps.append((tokens, time.perf_counter() - start))
+            cpu_s[0] += time.process_time() - cpu
         counting[0] = False
         return out
 
@@ -149,6 +152,7 @@ def run_one(args) -> dict:
     tokens = sum(n for n, _ in steps)
     seconds = sum(s for _, s in steps)
     return {"steps": len(steps), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "tok_cpu_s": tokens / cpu_s[0], "cpu_ms_step": 1000 * cpu_s[0] / len(steps),
             "requests_per_step": statistics.median(n for n, _ in steps),
             "op_per_layer_step": calls["op"] / layers / len(steps),
             "kernel_per_layer_step": calls["kernel"] / layers / len(steps), "total_s": total,
@@ -191,7 +195,8 @@ def main() -> None:
               f"--aten-steps={args.aten_steps}"]
     print(f"{args.requests} requests x {args.length}-token prompts, {args.new_tokens} new tokens, {args.spec}, "
           f"{args.threads} threads", flush=True)
-    print(f"{'run':<22} {'steps':>5} {'tokens':>6} {'tok/s':>8} {'fwd ms':>7} {'attn ms':>7} {'op/l/s':>7} "
+    print(f"{'run':<22} {'steps':>5} {'tokens':>6} {'tok/s':>8} {'tok/cpu s':>9} {'fwd ms':>7} {'cpu ms':>7} "
+          f"{'attn ms':>7} {'op/l/s':>7} "
           f"{'kern/l/s':>8} {'aten/l/s':>8} {'total s':>8} {'load':>11}", flush=True)
     rows: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
@@ -205,16 +210,16 @@ def main() -> None:
                 continue
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.setdefault(label, []).append(row)
-            print(f"{label:<22} {row['steps']:>5} {row['tokens']:>6} {row['tok_s']:>8.1f} "
-                  f"{row['forward_ms_step']:>7.1f} {row['attention_ms_step']:>7.1f} "
+            print(f"{label:<22} {row['steps']:>5} {row['tokens']:>6} {row['tok_s']:>8.1f} {row['tok_cpu_s']:>9.1f} "
+                  f"{row['forward_ms_step']:>7.1f} {row['cpu_ms_step']:>7.1f} {row['attention_ms_step']:>7.1f} "
                   f"{row['op_per_layer_step']:>7.2f} {row['kernel_per_layer_step']:>8.2f} "
                   f"{row['aten_per_layer_step']:>8.1f} {row['total_s']:>8.1f} "
                   f"{row['load_before']:>5.2f}/{row['load_after']:<5.2f}", flush=True)
     if len(rows) > 1:
         labels = list(rows)
         for label in labels:
-            med = statistics.median(r["tok_s"] for r in rows[label])
-            print(f"{label:<22} median {med:.1f} tok/s", flush=True)
+            med, cpu = (statistics.median(r[key] for r in rows[label]) for key in ("tok_s", "tok_cpu_s"))
+            print(f"{label:<22} median {med:.1f} tok/s, {cpu:.1f} tokens per CPU second", flush=True)
         answers = {label: rows[label][0]["answers"] for label in labels}
         same = all(a == answers[labels[0]] for a in answers.values())
         print(f"answers identical across runs: {same}", flush=True)

@@ -3,7 +3,8 @@ by each step a plain policy could run on the batch: `append+attend` (what the se
 append, then the paged C++ attention kernel; in a tree before 91950ec, `PagePools.append` and the kernel) and
 `fused` (the plan's C++ step for fp32 pages, `CppAppendStep`: the append and the same kernel in one call).
 Printed: the torch operators one layer dispatches (a C++ kernel's call is not one), and the median µs per layer
-over `--rounds` interleaved rounds of 20 steps each, with the load average.
+over `--rounds` interleaved rounds of 20 steps each, wall and CPU time of the thread (with one thread, the steadier
+measure on a loaded machine), with the load average.
 
     PYTHONPATH=. nice python3 benchmarks/bench_batched_step.py [--requests 16] [--entries 120] [--rounds 30]
 """
@@ -91,18 +92,21 @@ def main() -> None:
         with Operators() as ops:
             batch.run(0, q, k, v, 0.125)
         print(f"{kind}: {sum(ops.counts.values())} torch operators a layer: {dict(sorted(ops.counts.items()))}")
-    times = {kind: [] for kind in kinds}
+    times, cpu_times = {kind: [] for kind in kinds}, {kind: [] for kind in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
             batch = make(kind)
             batch.run(0, q, k, v, 0.125)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             for _ in range(20):  # within the pages the heads own (no page taken)
                 batch.run(0, q, k, v, 0.125)
             times[kind].append((time.perf_counter() - start) / 20 * 1e6)
+            cpu_times[kind].append((time.thread_time() - cpu) / 20 * 1e6)
     print(f"{'before' if before else 'after'}: {r} requests, {n} entries a head, {args.threads} thread(s): median µs "
-          f"a layer " + ", ".join(f"{kind} {statistics.median(t):.0f} [{min(t):.0f}, {max(t):.0f}]"
-                                  for kind, t in times.items())
+          "a layer [min, max], wall: " + ", ".join(f"{kind} {statistics.median(t):.0f} [{min(t):.0f}, {max(t):.0f}]"
+                                                  for kind, t in times.items())
+          + "; CPU (this thread): " + ", ".join(f"{kind} {statistics.median(t):.0f} [{min(t):.0f}, {max(t):.0f}]"
+                                                for kind, t in cpu_times.items())
           + f"; load {open('/proc/loadavg').read().split()[0]}")
 
 
