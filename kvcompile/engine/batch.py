@@ -103,7 +103,7 @@ class DecodeBatch:
         batch = self.pools.batch(layer, stores, *held)  # the requests as one store over their pool
         split = None if self.split is None else self.split[:, layer]
         out = self.step(plan, batch, layer, q.contiguous(), k, v, self.positions, split, scale)
-        batch.finish(slots=split is not None)  # each request takes its row back (its slots where tokens left)
+        batch.finish(evicted=split is not None)  # each request takes its row back
         self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)},
                               (batch.block_table, batch.lengths, batch.slots, batch.owned))
         self.counts["attention_calls"] += 1

@@ -335,14 +335,16 @@ class Batch:
     def _new_runs(self, fresh: int, step: int, heads: int) -> Tensor:
         raise RuntimeError("kvcompile: a batched decode step takes no page (its members make room before it)")
 
-    def finish(self, slots: bool = True) -> None:
-        """Every member takes its row of the step's lengths and (`slots`: where the step may have changed them, tokens
-        leaving online) slots, counts its append (`room`) and, where the step settled it (online eviction's first
-        step), its budget, in the order its own step does these."""
+    def finish(self, evicted: bool) -> None:
+        """Every member takes its row of the step: where tokens left online (`evicted`), its row of the step's
+        lengths and slots, else its one new entry a head; it counts its append (`room`) and, where the step settled
+        it (online eviction's first step), its budget, in the order its own step does these."""
         members = self.members
-        torch._foreach_copy_([m.lengths for m in members], list(self.lengths.split(1)))
-        if slots:
+        if evicted:
+            torch._foreach_copy_([m.lengths for m in members], list(self.lengths.split(1)))
             torch._foreach_copy_([m.slots for m in members], list(self.slots.split(1)))
+        else:  # every head appended one entry, and nothing left
+            torch._foreach_add_([m.lengths for m in members], 1)
         for i, member in enumerate(members):
             member.room -= 1
             member.version += 1
@@ -460,7 +462,7 @@ class PagePools:
         lengths and room count it. Returns the lengths after the append (R, H)."""
         batch = self.batch(layer, stores, block_table, lengths)
         batch.append(k, v, positions)
-        batch.finish(slots=False)
+        batch.finish(evicted=False)
         return batch.lengths
 
     def batch(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor,
