@@ -22,10 +22,11 @@ import kvcompile
 import kvcompile.engine.op
 import kvcompile.integrations.batching
 from kvcompile.engine.batch import BatchedDecode, BatchedStepDecode, PerRequestDecode, TieredDecodeBatch, decode_path
+from kvcompile.engine.online import TorchStep
 from kvcompile.kernels import paged_attention
 from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
 from kvcompile.store.pages import Entries, LayerStore
-from kvcompile.store.pool import PagePools, PooledStore
+from kvcompile.store.pool import BatchStore, PagePools, PooledStore
 from tests.test_serving import SNAP, compiled, gen_config, prompts, reference
 from tests.tiny import tiny_model
 
@@ -147,6 +148,36 @@ def test_one_attention_call_per_layer_per_decode_step(monkeypatch):
     assert counted == ([4] * (layers * steps), 0)
     assert tokens == [reference(model, ids, new) for ids, new in first]
     assert report["decode"]["steps"] == steps and report["decode"]["attention_calls"] == layers * steps
+
+
+def count_step_calls(model, monkeypatch, new: int = 10):
+    """Four requests prefilled in one forward, then decoding together: the (requests, store class) of every call of
+    the batch's decode step (`decode_path(plan).step`), the op's decode calls, and the tokens."""
+    step = type(decode_path(model.kvcompile_plan).step)
+    calls, alone = [], []
+    call = step.__call__
+    monkeypatch.setattr(step, "__call__", lambda self, plan, store, layer, q, *a: calls.append(
+        (q.shape[0], type(store))) or call(self, plan, store, layer, q, *a))
+    decode = kvcompile.engine.op.decode
+    monkeypatch.setattr(kvcompile.engine.op, "decode", lambda cache, *a, **k: alone.append(1) or decode(cache, *a, **k))
+    first = [(x, new) for x in prompts([60, 70, 80, 90])]
+    tokens, _, report = run_engine(model, first, max_batch_tokens=512)
+    counted = list(calls), len(alone), report  # before generate() runs the op alone
+    assert tokens == [reference(model, ids, new) for ids, new in first]
+    return counted
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "adakv"])
+def test_a_plain_policy_decodes_by_one_decode_step_call_per_layer_on_the_batch(spec, monkeypatch):
+    """A plain policy's batch runs a member of the decode-step family as the others do: per layer and step one call
+    of `TorchStep` (the store's append, the plan's decode attention backend) on the four requests as one store over
+    the pool (`BatchStore`), each request's first decode step included, and never the op's decode."""
+    model = compiled(spec, **SPECS[spec])
+    assert isinstance(decode_path(model.kvcompile_plan).step, TorchStep)
+    calls, alone, report = count_step_calls(model, monkeypatch)
+    steps = 10 - 1  # the first token comes from the prompt's forward
+    assert (calls, alone) == ([(4, BatchStore)] * (model.kvcompile_plan.num_layers * steps), 0)
+    assert report["decode"]["steps"] == steps
 
 
 @pytest.mark.parametrize("spec", ["adakv", "h2o", "zsmerge"])

@@ -19,16 +19,17 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import kvcompile
 import kvcompile.engine.op
-from kvcompile.engine.batch import (BatchedDecode, BatchedStepDecode, DecodeBatch, TieredDecodeBatch,
-                                   decode_path)
+from kvcompile.engine.batch import (BatchedDecode, BatchedStepDecode, DecodeBatch,
+                                   TieredDecodeBatch, decode_path)
+from kvcompile.engine.online import TorchStep
 from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
 from kvcompile.store.codes import ChannelCodeStore, CodeStore
 from kvcompile.store.pages import Entries
 from kvcompile.store.pool import (BatchCodeStore, PagePools, Pooled, PooledChannelCodeStore, PooledCodeStore,
                                   tiers)
 from kvcompile.store.tiers import TieredStore
-from tests.test_batched_decode import (assert_same_entries, batched_equals_generate_and_alone, prefilled, requests,
-                                       run_engine, start_engine)
+from tests.test_batched_decode import (assert_same_entries, batched_equals_generate_and_alone, count_step_calls,
+                                       prefilled, requests, run_engine, start_engine)
 from tests.test_serving import SNAP, compiled, gen_config, prompts, reference
 
 # every kept token as codes (int8, int4: one pool of codes a layer), two tiers (mixed: a float pool and a pool of
@@ -143,6 +144,19 @@ def test_one_attention_call_per_layer_per_decode_step_over_codes_and_tiers(kind,
     assert (list(calls), len(alone)) == ([4] * (layers * steps), 0)
     assert tokens == [reference(model, ids, new) for ids, new in first]
     assert report["decode"]["steps"] == steps and report["decode"]["attention_calls"] == layers * steps
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_codes_decode_by_one_decode_step_call_per_layer_on_the_batch(kind, monkeypatch):
+    """Pages of codes decode in the batch by the decode-step family: per layer and step one call of `TorchStep` (the
+    store of codes' own append, quantizing, and the quantized decode attention) on the four requests as one store of
+    codes over the pool (`BatchCodeStore`), and never the op's decode."""
+    model = kind_model(kind)
+    assert isinstance(decode_path(model.kvcompile_plan).step, TorchStep)
+    calls, alone, report = count_step_calls(model, monkeypatch)
+    steps = 10 - 1  # the first token comes from the prompt's forward
+    assert (calls, alone) == ([(4, BatchCodeStore)] * (model.kvcompile_plan.num_layers * steps), 0)
+    assert report["decode"]["steps"] == steps
 
 
 def test_the_plan_batches_every_store_kind_without_a_decode_schedule():

@@ -8,12 +8,13 @@ kernels (kvcompile.kernels.paged_attention) and the plan's decode steps (kvcompi
 a batch.
 
 - `decode_path(plan)`, chosen once per engine from the plan (no `decode: every` pruning, not a hybrid model's
-  windows, one rank and device): `BatchedDecode` for a policy whose decode step is an append and an attention
-  over the pools (full-precision pages, codes: int8 / int4, two tiers: mixed, KIVI, and codes or a tier beside merge
-  slots, whose bias the tiers' attention adds); `BatchedStepDecode` for one whose step does more over
-  full-precision pages (running scores: h2o; online eviction into merge slots: zsmerge; a merge bias per entry) or
-  over codes (running scores: h2o), run through the plan's own decode step; else `PerRequestDecode`, the op once
-  per request, with the reason; every store kind's pages in the pools either way.
+  windows, one rank and device): `BatchedDecode` with `TorchStep` for a policy whose decode step is an append and
+  an attention over the pools (full-precision pages, codes: int8 / int4; two tiers, mixed and KIVI, and codes or a
+  tier beside merge slots, whose bias the tiers' attention adds: `TieredDecodeBatch`); `BatchedStepDecode` with the
+  plan's own decode step (`Plan.decode_step`: a fused C++ step, or the torch step) for one whose step does more
+  over full-precision pages (running scores: h2o; online eviction into merge slots: zsmerge; a merge bias per
+  entry) or over codes (running scores: h2o); else `PerRequestDecode`, the op once per request, with the reason;
+  every store kind's pages in the pools either way.
 - `path.plan(requests)` once per forward, requests (cache, tokens) in the order of the packed tokens: a
   `StepPlan`, which requests run alone (a prompt or a part of it, any step of a policy decoded per request) and
   the batch of the others (one token each, pages in the pools): their caches, their tokens' places in the packed
@@ -21,14 +22,14 @@ a batch.
   (`engine.decode.begin_decoding`: its decode state, as the op's first decode step sets it up).
 - `batch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the append's
   host read, counted as the op counts it), one block table padded over the batch (the last step's while no store
-  changed), then the step (`_step`): `DecodeBatch`, one write of every new entry into the pool
-  (`PagePools.append`: codes quantized as the store writes them) and one attention call (`PagePools.attend`, the
-  plan's decode backend: the quantized kernel over codes); `StepBatch`, one call of the plan's decode step
-  (`Plan.decode_step`: a fused C++ step, or the torch step) on the batch as one store over the pool
-  (`PagePools.batch`, `BatchStore`: a head's step reads and writes its own pages only), each request then taking
-  its row of lengths, slots, room and settled budget back (`BatchStore.finish`). After the last layer each cache
-  counts its token (`seq_length`, the decode state's length). Two tiers: `TieredDecodeBatch.run`, the append into
-  the appending tier's pool, the stores' flush as one op (KIVI), one attention call over both tiers' pools.
+  changed), then one call of the path's decode step (`DecodeBatch.step`) on the batch as one store of the
+  requests' class over the pool (`PagePools.batch`: `store.pool.BatchStore`, `BatchCodeStore`; a head's step
+  reads and writes its own pages only), each request then taking its row of lengths, slots, room and settled
+  budget back (`Batch.finish`). `TorchStep` there is the store's own append (one write of every new entry, codes
+  quantized as the store writes them) and one call of the plan's decode attention backend (the quantized kernel
+  over codes). After the last layer each cache counts its token (`seq_length`, the decode state's length). Two
+  tiers: `TieredDecodeBatch.run`, the append into the appending tier's pool, the stores' flush as one op (KIVI),
+  one attention call over both tiers' pools.
 """
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from kvcompile.engine.decode import begin_decoding
+from kvcompile.engine.online import TorchStep
 from kvcompile.engine.state import Phase
 from kvcompile.store.codes import CodeStore
 from kvcompile.store.pages import LayerStore
-from kvcompile.store.pool import BATCH_STORES, PagePools, TieredRows
+from kvcompile.store.pool import BATCH, PagePools, TieredRows
 from kvcompile.store.tiers import TieredStore
 
 if TYPE_CHECKING:
@@ -55,15 +57,22 @@ if TYPE_CHECKING:
 
 @dataclass
 class DecodeBatch:
-    """The requests of a step that decode one token each, together."""
+    """The requests of a step that decode one token each, together: per layer one call of `step` on them."""
 
     pools: PagePools
     caches: list  # KVCompileCache of each request, in the order of `index`
     index: Tensor  # (R,) long: each request's token in the packed forward
     positions: Tensor  # (R,) long: each new token's logical position
     counts: Counter  # the path's counters (`BatchedDecode.counts`)
-    tables: list  # per layer: (stores and versions, block table, lengths) of the last batch (`BatchedDecode.tables`)
+    tables: list  # per layer: (stores and versions, (block table, lengths, slots, owned)) of the last batch
+    #               (`BatchedDecode.tables`)
     whole: bool  # the batch is the whole forward, in order
+    step: object = None  # the decode step run on the batch (`BatchedDecode.step`, kvcompile.kernels.online_step)
+    split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
+
+    def __post_init__(self):
+        if self.caches[0].plan.online_eviction:
+            self.split = torch.cat([cache.decoding.split for cache in self.caches])
 
     def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
         """Layer `layer` of the step for every request: q (1, Hq, T, d), k, v (1, H, T, d) the packed forward's;
@@ -74,44 +83,40 @@ class DecodeBatch:
             if store.make_room(cache.plan.spare_pages):  # a head's pages are full: it takes its next run
                 cache.count_host_sync("append")
         rows = self._last_rows(layer, stores)
-        if rows is not None:  # the last step's stores, unchanged since its append (some may have left)
-            last = self.tables[layer]
-            table, lengths = last[1], last[2]
-            if rows != list(range(len(last[0]))):
-                index = torch.tensor(rows, device=table.device)
-                table, lengths = table[index], lengths[index]
+        if rows is not None:  # the last step's stores, unchanged since its step (some may have left)
+            held = self.tables[layer][1]
+            if rows != list(range(len(self.tables[layer][0]))):
+                index = torch.tensor(rows, device=held[0].device)
+                held = tuple(t[index] for t in held)
                 self.counts["tables_cut"] += 1
         else:
             self.counts["tables_built"] += 1
             table = pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
-            table = table.transpose(1, 2).contiguous()
-            lengths = torch.cat([store.lengths for store in stores])
+            held = (table.transpose(1, 2).contiguous(),
+                    *(torch.cat([getattr(store, name) for store in stores]) for name in ("lengths", "slots", "owned")))
         if self.whole:
             q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         else:
             q = query[0, :, self.index].transpose(0, 1)
             k = key[0, :, self.index].transpose(0, 1)
             v = value[0, :, self.index].transpose(0, 1)
-        out, lengths = self._step(layer, stores, table, lengths, q.contiguous(), k, v, scale)
-        self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)}, table, lengths)
+        plan = caches[0].plan
+        batch = self.pools.batch(layer, stores, *held)  # the requests as one store over their pool
+        split = None if self.split is None else self.split[:, layer]
+        out = self.step(plan, batch, layer, q.contiguous(), k, v, self.positions, split, scale)
+        batch.finish(evicted=split is not None)  # each request takes its row back
+        self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)},
+                              (batch.block_table, batch.lengths, batch.slots, batch.owned))
         self.counts["attention_calls"] += 1
-        if layer == caches[0].plan.num_layers - 1:  # the step's last layer: every cache counts its token
+        if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
                 cache.advance(1)
             self.counts["steps"] += 1
             self.counts["tokens"] += len(caches)
         return out.to(query.dtype)
 
-    def _step(self, layer: int, stores: list, table: Tensor, lengths: Tensor, q: Tensor, k: Tensor, v: Tensor,
-              scale: float) -> tuple[Tensor, Tensor]:
-        """The layer's append and attention for the batch (q (R, Hq, d), k, v (R, H, d)): one write of every new
-        entry into the pool, one call of the plan's decode backend. Returns the outputs and the lengths after."""
-        lengths = self.pools.append(layer, stores, table, lengths, k, v, self.positions)
-        backend = self.caches[0].plan.decode_backend(layer, q.device)
-        return self.pools.attend(layer, backend, q, table, lengths, scale, stores[0].pool), lengths
-
     def _last_rows(self, layer: int, stores: list) -> list[int] | None:
-        """Each store's row in the last step's block table and lengths of `layer`, where every store was in that
+        """Each store's row in the last step's block table and counters of `layer`, where every store was in that
         step and has not changed since (its `version`); else None."""
         last = self.tables[layer]
         if last is None:
@@ -123,28 +128,6 @@ class DecodeBatch:
                 return None
             rows.append(hit[0])
         return rows
-
-
-@dataclass
-class StepBatch(DecodeBatch):
-    """A step's decode tokens in one batch through the plan's own decode step (`Plan.decode_step`): per layer one
-    call for every request, on the batch as one store over the pool (`PagePools.batch`), whatever the step does
-    (running scores, online eviction into merge slots, the merge bias); then each request takes its row back."""
-
-    split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
-
-    def __post_init__(self):
-        if self.caches[0].plan.online_eviction:
-            self.split = torch.cat([cache.decoding.split for cache in self.caches])
-
-    def _step(self, layer: int, stores: list, table: Tensor, lengths: Tensor, q: Tensor, k: Tensor, v: Tensor,
-              scale: float) -> tuple[Tensor, Tensor]:
-        plan = self.caches[0].plan
-        batch = self.pools.batch(layer, stores, table, lengths)
-        split = None if self.split is None else self.split[:, layer]
-        out = plan.decode_step(plan, batch, layer, q, k, v, self.positions, split, scale)
-        batch.finish()
-        return out, batch.lengths
 
 
 @dataclass
@@ -246,6 +229,7 @@ class BatchedDecode(PooledPages):
     batched = True
     tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
     batch: type = DecodeBatch  # what a step's batch is (TieredDecodeBatch: two tiers)
+    step: object = None  # the decode step the batch runs (`decode_path`)
 
     def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
         """The step's plan: which requests decode in the batch (one token after the compressed prompt, pages in the
@@ -267,27 +251,26 @@ class BatchedDecode(PooledPages):
         if self.tables is None:
             self.tables = [None] * len(batched[0].stores)
         return StepPlan(alone, self.batch(self.pools, batched, torch.tensor(index, device=device),
-                                          positions.to(device), self.counts, self.tables, not alone))
+                                          positions.to(device), self.counts, self.tables, not alone, self.step))
 
 
 @dataclass
 class BatchedStepDecode(BatchedDecode):
-    """A step's decode tokens in one batch through the plan's decode step (`StepBatch`): running scores, online
-    eviction, a merge bias per entry."""
-
-    batch: type = StepBatch
+    """A step's decode tokens in one batch through the plan's own decode step (`Plan.decode_step`): running
+    scores, online eviction, a merge bias per entry."""
 
 
-# the store classes whose decode step batches (an append and an attention), and the batch of each
+# the store classes whose decode step batches, and the batch of each
 BATCHED_STORES = {LayerStore: DecodeBatch, CodeStore: DecodeBatch, TieredStore: TieredDecodeBatch}
 
 
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
-    """How a serving engine runs `plan`'s decode steps, chosen once: batched where a step is an append and an
-    attention over the pools' pages (full precision, codes: int8 / int4, two tiers: mixed precision and KIVI, codes
-    or a tier beside merge slots: `BATCHED_STORES`), or the plan's decode step where it does more over
-    full-precision pages or codes (`store.pool.BATCH_STORES`); else per request
-    (with the reason). Every store kind's pages live in the engine's pools either way."""
+    """How a serving engine runs `plan`'s decode steps, chosen once: batched over the pools' pages, one call a
+    layer for every request: where a step is an append and an attention (full precision, codes: int8 / int4,
+    `BATCHED_STORES`), `TorchStep` on the batch, the store's append and the plan's decode attention backend, one
+    kernel call (two tiers, mixed precision and KIVI, and codes or a tier beside merge slots: `TieredDecodeBatch`);
+    where it does more over full-precision pages or codes (`store.pool.BATCH`), the plan's own decode step on the
+    batch; else per request (with the reason). Every store kind's pages live in the engine's pools either way."""
     why = None
     if plan.store not in BATCHED_STORES:
         why = f"pages of {plan.store.__name__}"
@@ -302,10 +285,10 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
              else "merge slots (a bias per entry)" if plan.policy.merges else None)  # the plan's step does more
     if plan.store is TieredStore and not (plan.running_scores or plan.online_eviction):
         steps = None  # merge slots beside codes or a tier: the slots' bias is TieredDecodeBatch's attention's
-    if why is None and steps is not None and plan.store not in BATCH_STORES:
+    if why is None and steps is not None and plan.store not in BATCH:
         why = f"{steps} over pages of {plan.store.__name__}"
     if why is not None:
         return PerRequestDecode(pools, reason=why)
     if steps is not None:
-        return BatchedStepDecode(pools)  # the plan's decode step, on the batch
-    return BatchedDecode(pools, batch=BATCHED_STORES[plan.store])
+        return BatchedStepDecode(pools, step=plan.decode_step)  # the plan's decode step, on the batch
+    return BatchedDecode(pools, batch=BATCHED_STORES[plan.store], step=TorchStep())

@@ -264,9 +264,10 @@ class LayerStore:
         page = self.block_table.gather(-1, col[..., None]).squeeze(-1)
         slot = e % s
         self._write_kv(page, slot, k, v)
-        self.score_pages[page, slot] = 0.0
-        self.pos_pages[page, slot] = positions[:, None].expand(b, h)
-        self.count_pages[page, slot] = 1.0
+        entry = (page * s + slot).view(-1)  # each head's new entry, page · S + slot
+        self.score_pages.view(-1).index_fill_(0, entry, 0.0)
+        self.pos_pages.view(-1).index_copy_(0, entry, positions[:, None].expand(b, h).reshape(-1).to(torch.long))
+        self.count_pages.view(-1).index_fill_(0, entry, 1.0)
         self.lengths += 1
         self.room -= 1
 

@@ -314,15 +314,16 @@ class Pooled:
 
 
 @dataclass(eq=False)
-class BatchStore(LayerStore):
-    """One layer of a batched decode step's requests as one store: the pool's page tensors, the step's block
-    table (R, H, M), and the members' lengths, slots and owned counts (R, H), a row a request. The plan's decode
-    step (`Plan.decode_step`: the append, the attention with the merge bias, running scores, online eviction) runs
-    on it once for all of them, through the methods every store has; a head's step reads and writes its own pages
-    only, so each row's result is what its store's own step gives. `finish()` then hands every member its row back.
-    It takes no page: the members made room before the step (`make_room`)."""
+class Batch:
+    """One layer of a batched decode step's requests as one store of their class (`BATCH`: `BatchStore`,
+    `BatchCodeStore`): the pool's page tensors, the step's block table (R, H, M), and the members' lengths, slots
+    and owned counts (R, H), a row a request. A decode step (the plan's, `Plan.decode_step`; or the append and the
+    decode attention backend, `engine.online.TorchStep`) runs on it once for all of them, through the methods every
+    store of the class has; a head's step reads and writes its own pages only, so each row's result is what its
+    store's own step gives. `finish()` then hands every member its row back. It takes no page: the members made
+    room before the step (`make_room`). Mixed in before the store class."""
 
-    members: list = field(default_factory=list)  # the requests' PooledStores, in row order
+    members: list = field(default_factory=list)  # the requests' pooled stores, in row order
     budgets: Tensor | None = None  # what the step settled the heads to (`settle`), handed to the members by finish
 
     def settle(self, budget: Tensor) -> None:
@@ -334,12 +335,16 @@ class BatchStore(LayerStore):
     def _new_runs(self, fresh: int, step: int, heads: int) -> Tensor:
         raise RuntimeError("kvcompile: a batched decode step takes no page (its members make room before it)")
 
-    def finish(self) -> None:
-        """Every member takes its row of the step's lengths and slots, counts its append (`room`) and, where the
-        step settled it (online eviction's first step), its budget, in the order its own step does these."""
+    def finish(self, evicted: bool) -> None:
+        """Every member takes its row of the step: where tokens left online (`evicted`), its row of the step's
+        lengths and slots, else its one new entry a head; it counts its append (`room`) and, where the step settled
+        it (online eviction's first step), its budget, in the order its own step does these."""
         members = self.members
-        torch._foreach_copy_([m.lengths for m in members], list(self.lengths.split(1)))
-        torch._foreach_copy_([m.slots for m in members], list(self.slots.split(1)))
+        if evicted:
+            torch._foreach_copy_([m.lengths for m in members], list(self.lengths.split(1)))
+            torch._foreach_copy_([m.slots for m in members], list(self.slots.split(1)))
+        else:  # every head appended one entry, and nothing left
+            torch._foreach_add_([m.lengths for m in members], 1)
         for i, member in enumerate(members):
             member.room -= 1
             member.version += 1
@@ -348,13 +353,13 @@ class BatchStore(LayerStore):
 
 
 @dataclass(eq=False)
-class BatchCodeStore(BatchStore, CodeStore):
-    """`BatchStore` over a pool of codes (int8, int4): the step's append quantizes each new entry as the members'
-    own appends do, its reads dequantize (running scores over codes: H2O)."""
+class BatchStore(Batch, LayerStore):
+    """A batched step's full-precision layers (`Batch`)."""
 
 
-# the store class of a batched step's requests as one store, by the class its members pool (`PagePools.batch`)
-BATCH_STORES = {LayerStore: BatchStore, CodeStore: BatchCodeStore}
+@dataclass(eq=False)
+class BatchCodeStore(Batch, CodeStore):
+    """A batched step's layers of codes per entry (int8, int4; `Batch`)."""
 
 
 def _give_back(pool: PagePool, lease: list) -> None:
@@ -395,6 +400,7 @@ class PooledChannelCodeStore(Pooled, ChannelCodeStore):
 
 
 POOLED = {LayerStore: PooledStore, CodeStore: PooledCodeStore, ChannelCodeStore: PooledChannelCodeStore}
+BATCH = {LayerStore: BatchStore, CodeStore: BatchCodeStore}  # a batched step's store of a pooled store's class
 
 
 def tiers(store) -> tuple:
@@ -457,33 +463,26 @@ class PagePools:
     def append(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor, k: Tensor,
                v: Tensor, positions: Tensor) -> Tensor:
         """One decode token of every request in `stores` (one sequence each, one pool) appended in one write: k, v
-        (R, H, d) into each head's next slot by the step's block table (R, H, M) and lengths (R, H) (`make_room` ran
-        first), written as the stores' class writes them (`_write_kv`: codes quantized); each store's lengths and
-        room count it. Returns the lengths after the append (R, H)."""
-        pool = stores[0].pool
-        s = pool.page_size
-        r, h = lengths.shape
-        entry = (block_table.gather(-1, (lengths // s)[..., None]).squeeze(-1) * s + lengths % s).view(-1)
-        stores[0]._write_kv(entry.view(r, h) // s, entry.view(r, h) % s, k, v)  # into the pool's tensors, shared
-        pool.score_pages.view(-1).index_fill_(0, entry, 0.0)
-        pool.pos_pages.view(-1).index_copy_(0, entry, positions[:, None].expand(r, h).reshape(-1))
-        pool.count_pages.view(-1).index_fill_(0, entry, 1.0)
-        torch._foreach_add_([store.lengths for store in stores], 1)
-        for store in stores:
-            store.room -= 1
-            store.version += 1
-        return lengths + 1
+        (R, H, d) into each head's next slot by the step's block table (R, H, M) and lengths (R, H) (`make_room`
+        ran first), by the stores' class's own `append` on the batch (`batch`: codes quantized); each store's
+        lengths and room count it. Returns the lengths after the append (R, H)."""
+        batch = self.batch(layer, stores, block_table, lengths)
+        batch.append(k, v, positions)
+        batch.finish(evicted=False)
+        return batch.lengths
 
-    def batch(self, layer: int, stores: list[PooledStore], block_table: Tensor, lengths: Tensor) -> BatchStore:
+    def batch(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor,
+              slots: Tensor | None = None, owned: Tensor | None = None) -> Batch:
         """The requests `stores` of a batched decode step (their block table (R, H, M) and lengths (R, H), made room
-        in) as one store over the layer's pool, for the plan's decode step to run on once (`BatchStore`; over codes,
-        `BatchCodeStore`)."""
+        in; their slots and owned counts (R, H), default: the stores') as one store of their class over the layer's
+        pool, for a decode step to run on once (`Batch`)."""
         pool = stores[0].pool
-        batch = BATCH_STORES[stores[0].own]
-        return batch(**{name: getattr(pool, name) for name in pool.fields}, block_table=block_table, lengths=lengths,
-                     slots=torch.cat([s.slots for s in stores]), next_page=pool.pages,
-                     owned=torch.cat([s.owned for s in stores]), settled=all(s.settled for s in stores),
-                     room=min(s.room for s in stores), storage=stores[0].storage, members=stores)
+        slots = torch.cat([s.slots for s in stores]) if slots is None else slots
+        owned = torch.cat([s.owned for s in stores]) if owned is None else owned
+        return BATCH[stores[0].own](**{name: getattr(pool, name) for name in pool.fields}, block_table=block_table,
+                                    lengths=lengths, slots=slots, next_page=pool.pages, owned=owned,
+                                    settled=all(s.settled for s in stores), room=min(s.room for s in stores),
+                                    storage=stores[0].storage, members=stores)
 
     def attend(self, layer: int, backend, q: Tensor, block_table: Tensor, lengths: Tensor, scale: float,
                pool: PagePool | None = None) -> Tensor:
