@@ -443,6 +443,27 @@ def prefilled(plan, n: int, seed: int):
     return cache, g
 
 
+def step_joining_and_leaving(plan, path, own, batched, exact: bool) -> None:
+    """20 decode steps of the requests `batched` (adopted by `path`) through the path's batched step, request 2
+    joining at step 6 and request 1 leaving at 14, and of their twins `own` alone through the op, on the same
+    random q, k, v: each step's batched output equals the request's own (bit for bit where `exact`)."""
+    hq, h, d = 4, plan.num_heads, plan.head_dim
+    for t in range(20):
+        live = [0, 1] if t < 6 else [0, 1, 2] if t < 14 else [0, 2]  # request 2 joins at step 6, 1 leaves at 14
+        step = path.plan([(batched[r][0], 1) for r in live])
+        assert step.alone == [] and step.batch is not None
+        for layer in range(plan.num_layers):
+            draws = [[torch.randn(1, x, 1, d, generator=own[r][1]) for x in (hq, h, h)] for r in live]
+            q, k, v = (torch.cat([x[i] for x in draws], dim=2) for i in range(3))
+            out = step.batch.run(layer, q, k, v, d ** -0.5)
+            for r, ((cache, _), (qi, ki, vi)) in enumerate(zip([own[r] for r in live], draws)):
+                alone = kvcompile.engine.op.run_layer(qi, ki, vi, None, layer, cache, d ** -0.5)
+                if exact:
+                    assert torch.equal(out[r], alone[0, :, 0])
+                else:
+                    torch.testing.assert_close(out[r], alone[0, :, 0])
+
+
 @pytest.mark.parametrize("kernels", [None, "torch"])
 @pytest.mark.parametrize("spec", list(STEP_SPECS))
 def test_a_batched_step_is_each_request_alone(spec, kernels):
@@ -461,21 +482,7 @@ def test_a_batched_step_is_each_request_alone(spec, kernels):
     for cache, _ in batched:
         path.adopt(cache)
     same = torch.equal if kernels is None else torch.testing.assert_close
-    hq, h, d = 4, plan.num_heads, plan.head_dim
-    for t in range(20):
-        live = [0, 1] if t < 6 else [0, 1, 2] if t < 14 else [0, 2]  # request 2 joins at step 6, 1 leaves at 14
-        step = path.plan([(batched[r][0], 1) for r in live])
-        assert step.alone == [] and step.batch is not None
-        for layer in range(plan.num_layers):
-            draws = [[torch.randn(1, x, 1, d, generator=own[r][1]) for x in (hq, h, h)] for r in live]
-            q, k, v = (torch.cat([x[i] for x in draws], dim=2) for i in range(3))
-            out = step.batch.run(layer, q, k, v, d ** -0.5)
-            for r, ((cache, _), (qi, ki, vi)) in enumerate(zip([own[r] for r in live], draws)):
-                alone = kvcompile.engine.op.run_layer(qi, ki, vi, None, layer, cache, d ** -0.5)
-                if kernels is None:
-                    assert torch.equal(out[r], alone[0, :, 0])
-                else:
-                    torch.testing.assert_close(out[r], alone[0, :, 0])
+    step_joining_and_leaving(plan, path, own, batched, exact=kernels is None)
     for (a, _), (b, _) in zip(own, batched):
         assert a.seq_length == b.seq_length
         for x, y in zip(a.stores, b.stores):

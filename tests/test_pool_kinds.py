@@ -29,7 +29,7 @@ from kvcompile.store.pool import (BatchCodeStore, PagePools, Pooled, PooledChann
                                   tiers)
 from kvcompile.store.tiers import TieredStore
 from tests.test_batched_decode import (assert_same_entries, batched_equals_generate_and_alone, count_step_calls,
-                                       prefilled, requests, run_engine, start_engine)
+                                       prefilled, requests, run_engine, start_engine, step_joining_and_leaving)
 from tests.test_serving import SNAP, compiled, gen_config, prompts, reference
 
 # every kept token as codes (int8, int4: one pool of codes a layer), two tiers (mixed: a float pool and a pool of
@@ -313,18 +313,7 @@ def test_a_batched_step_over_codes_is_each_request_alone(monkeypatch):
     call = step_type.__call__
     monkeypatch.setattr(step_type, "__call__", lambda self, plan, store, *a: calls.append(type(store)) or call(
         self, plan, store, *a))
-    hq, h, d = 4, plan.num_heads, plan.head_dim
-    for t in range(20):
-        live = [0, 1] if t < 6 else [0, 1, 2] if t < 14 else [0, 2]  # request 2 joins at step 6, 1 leaves at 14
-        step = path.plan([(batched[r][0], 1) for r in live])
-        assert step.alone == [] and step.batch is not None
-        for layer in range(plan.num_layers):
-            draws = [[torch.randn(1, x, 1, d, generator=own[r][1]) for x in (hq, h, h)] for r in live]
-            q, k, v = (torch.cat([x[i] for x in draws], dim=2) for i in range(3))
-            out = step.batch.run(layer, q, k, v, d ** -0.5)
-            for r, ((cache, _), (qi, ki, vi)) in enumerate(zip([own[r] for r in live], draws)):
-                alone = kvcompile.engine.op.run_layer(qi, ki, vi, None, layer, cache, d ** -0.5)
-                torch.testing.assert_close(out[r], alone[0, :, 0])
+    step_joining_and_leaving(plan, path, own, batched, exact=False)
     assert calls.count(BatchCodeStore) == 20 * plan.num_layers  # one call a layer and step for the batch
     for (a, _), (b, _) in zip(own, batched):
         assert a.seq_length == b.seq_length
