@@ -15,7 +15,7 @@ from kvcompile.integrations.vllm.codes import Codes, slot_bytes
 from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer, Record, key_view, value_view
 from kvcompile.integrations.vllm.packing import layer_slots, locations, region
 from kvcompile.reference import stored
-from test_vllm_packed_attention import reference_attention
+from test_vllm_packed_attention import kept_request, reference_attention
 
 
 def storage(bits: int, group: int):
@@ -80,12 +80,7 @@ def test_decode_attention_over_codes_equals_the_reference_over_what_is_stored(st
         seq = n + new
         block_row = torch.tensor([free.pop() for _ in range(-(-seq // bs))])
         table[i + 1, :len(block_row)] = block_row
-        keys = torch.randn(layers, heads, seq, d, generator=g)
-        values = torch.randn(layers, heads, seq, d, generator=g)
-        counts = torch.randint(0, n + 1, (layers, heads), generator=g)
-        counts[torch.rand(layers, heads, generator=g) < 0.2] = 0  # heads keeping nothing happen
-        kept = [[torch.randperm(n, generator=g)[:int(counts[j, h])].sort().values for h in range(heads)]
-                for j in range(layers)]
+        keys, values, counts, kept = kept_request(g, n, seq, layers, heads, d)
         size = region(counts, codes, room)
         where = locations(counts, n, block_row, bs, codes, room)
         assert all(w.shape[1] == s for w, s in zip(where, layer_slots(counts, codes, room)))

@@ -14,6 +14,18 @@ from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer
 from kvcompile.integrations.vllm.packing import locations, region
 
 
+def kept_request(g, n, seq, layers, heads, d):
+    """A request's random keys and values (layers, heads, seq, d) and what each (layer, head) of its n-token prompt
+    keeps: counts (layers, heads), some heads keeping nothing, and the kept positions, sorted."""
+    keys = torch.randn(layers, heads, seq, d, generator=g)
+    values = torch.randn(layers, heads, seq, d, generator=g)
+    counts = torch.randint(0, n + 1, (layers, heads), generator=g)
+    counts[torch.rand(layers, heads, generator=g) < 0.2] = 0  # heads keeping nothing happen
+    kept = [[torch.randperm(n, generator=g)[:int(counts[j, h])].sort().values for h in range(heads)]
+            for j in range(layers)]
+    return keys, values, counts, kept
+
+
 def reference_attention(q, keys, values, scale):
     """kvcompile.reference.decode_attention of one query row q (Hq, d) over each KV head's keys and values, given per
     head as lists of (n_h, d) (padded to one width, lengths masking the padding)."""
@@ -50,12 +62,7 @@ def test_packed_decode_attention_equals_the_reference_over_what_is_kept(step):
         seq = n + new
         block_row = torch.tensor([free.pop() for _ in range(-(-seq // bs))])
         table[i + 1, :len(block_row)] = block_row
-        keys = torch.randn(layers, heads, seq, d, generator=g)
-        values = torch.randn(layers, heads, seq, d, generator=g)
-        counts = torch.randint(0, n + 1, (layers, heads), generator=g)
-        counts[torch.rand(layers, heads, generator=g) < 0.2] = 0  # heads keeping nothing happen
-        kept = [[torch.randperm(n, generator=g)[:int(counts[j, h])].sort().values for h in range(heads)]
-                for j in range(layers)]
+        keys, values, counts, kept = kept_request(g, n, seq, layers, heads, d)
         where = locations(counts, n, block_row, bs)
         packed = [PackedLayer(where[j], counts[j]) for j in range(layers)]
         for j in range(layers):  # what compression writes: each layer's kept entries at their packed places
