@@ -11,7 +11,7 @@ from torch.testing import assert_close
 import kvcompile
 from kvcompile import cache_arg
 from kvcompile.passes.backend import COMPILES
-from test_runtime import SPECS, compile_options, full_budget, small_budget
+from test_runtime import SPECS, compile_options, fresh_graphs_on_one_thread, full_budget, small_budget
 from tiny import MORE_ARCHS, left_pad, prompt, tiny_model
 
 N, NEW = 40, 6
@@ -61,19 +61,12 @@ def test_every_spec_runs_at_a_budget_that_evicts(model):
 def test_compiled_entry_at_a_full_budget_equals_the_plain_model(arch):
     model = tiny_model(arch, layers=2)
     ids, mask = left_pad([prompt(30, seed=3)[0], prompt(24, seed=4)[0]])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: two threads on a shared 2-core machine spin-wait on each other
-    torch._dynamo.reset()  # graphs are shared by every model of a shape: none from an earlier test
-    COMPILES.clear()
-    try:
-        with torch.no_grad():
-            ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-            for name in ("snapkv", "h2o"):
-                with kvcompile.compiled(model, full_budget(name, 30 + NEW, 2), mode="compiled"):
-                    got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-                assert got.tolist() == ref.tolist(), name
-    finally:
-        torch.set_num_threads(threads)
+    with fresh_graphs_on_one_thread(), torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        for name in ("snapkv", "h2o"):
+            with kvcompile.compiled(model, full_budget(name, 30 + NEW, 2), mode="compiled"):
+                got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+            assert got.tolist() == ref.tolist(), name
     # Inductor compiled graphs in which kvcompile's passes found every layer's attention (prefill and decode)
     assert COMPILES and all(c["inductor"] for c in COMPILES), COMPILES
     assert sorted({layer for c in COMPILES for layer in c["layers"]}) == [0, 1], COMPILES

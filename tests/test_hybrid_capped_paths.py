@@ -410,7 +410,7 @@ def _compiled_against_plain_and_eager(model, feature: str, monkeypatch, inductor
     import kvcompile.passes
     from kvcompile.passes.backend import COMPILES, compile_forward
     from test_hybrid import NEW
-    from test_runtime import full_budget
+    from test_runtime import fresh_graphs_on_one_thread, full_budget
 
     if not inductor:
         monkeypatch.setattr(kvcompile.passes, "compile_forward", functools.partial(compile_forward, inductor=False))
@@ -421,29 +421,22 @@ def _compiled_against_plain_and_eager(model, feature: str, monkeypatch, inductor
         return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                               return_dict_in_generate=True, output_logits=True)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: two threads on a shared 2-core machine spin-wait on each other
-    torch._dynamo.reset()  # graphs are shared by every model of a shape: none from an earlier test
-    COMPILES.clear()
-    try:
-        with torch.no_grad():
-            ref, plain = run(), model(ids, attention_mask=mask, use_cache=False).logits
-            eager = []
-            for policy in evicting:
-                with kvcompile.compiled(model, policy):
-                    eager.append(run())
-            with kvcompile.compiled(model, full_budget("snapkv", ids.shape[1] + NEW, 4), mode="compiled"):
-                assert model.config._attn_implementation == "kvcompile_site"
-                full = run()
-                uncached = model(ids, attention_mask=mask, use_cache=False).logits
-            compiled = []
-            for policy in evicting:
-                with kvcompile.compiled(model, policy, mode="compiled"):
-                    compiled.append(run())
-            _remove(model, feature)()
-            without = model(ids, attention_mask=mask, use_cache=False).logits
-    finally:
-        torch.set_num_threads(threads)
+    with fresh_graphs_on_one_thread(), torch.no_grad():
+        ref, plain = run(), model(ids, attention_mask=mask, use_cache=False).logits
+        eager = []
+        for policy in evicting:
+            with kvcompile.compiled(model, policy):
+                eager.append(run())
+        with kvcompile.compiled(model, full_budget("snapkv", ids.shape[1] + NEW, 4), mode="compiled"):
+            assert model.config._attn_implementation == "kvcompile_site"
+            full = run()
+            uncached = model(ids, attention_mask=mask, use_cache=False).logits
+        compiled = []
+        for policy in evicting:
+            with kvcompile.compiled(model, policy, mode="compiled"):
+                compiled.append(run())
+        _remove(model, feature)()
+        without = model(ids, attention_mask=mask, use_cache=False).logits
     assert full.sequences.tolist() == ref.sequences.tolist()
     for got, want in zip(full.logits, ref.logits):
         assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -1,6 +1,7 @@
 """The runtime on tiny random-weight Llama / Mistral / Qwen2 models (GQA), eager entry."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,23 @@ SPECS = sorted(p.stem for p in (Path(__file__).parent.parent / "specs").glob("*.
 # kvzip scores by a reconstruction pass over the whole model, not from one layer's recorded state: its
 # kept entries against the reference are tested in tests/test_kvzip.py (reference.kvzip_scores)
 PER_LAYER_SPECS = [name for name in SPECS if not getattr(kvcompile.load_spec(name).scoring, "reconstructs", False)]
+
+
+@contextlib.contextmanager
+def fresh_graphs_on_one_thread():
+    """For a compiled-entry test on tiny shapes: one torch thread (two on a shared 2-core machine spin-wait on each
+    other), no graph of an earlier test (dynamo's graphs are shared by every model of a shape), and
+    passes.backend.COMPILES emptied, so that it records this test's compilations only; the threads restored."""
+    from kvcompile.passes.backend import COMPILES
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    COMPILES.clear()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def compile_options(policy) -> dict:
