@@ -59,9 +59,8 @@ def main(argv=None) -> None:
     from kvcompile.tools.ruler import eval_spec
     from kvcompile.tools.ruler_records import RecordsFile
 
-    RecordsFile(args.file)  # a file that cannot be read is refused before anything changes
+    rows = RecordsFile(args.file).records  # a file that cannot be read is refused before anything changes
     definition = eval_spec(args.as_spec or args.spec).definition()
-    rows = [json.loads(line) for line in args.file.read_text(encoding="utf-8").splitlines() if line.strip()]
     if args.rename:
         rows, renamed = rename(rows, args.spec, definition, args.rename)
         what = f"{renamed} record(s) of {args.spec!r} of another definition renamed {args.rename!r}"
