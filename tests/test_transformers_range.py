@@ -4,7 +4,8 @@ version, which the rest of the suite runs on; this file runs the tests below aga
 Python imports pyproject's lowest (`.transformers-lowest/`, made by `bash scripts/setup.sh test` or `all`:
 scripts/transformers_lowest.py), and checks there that it really is that version.
 
-Chosen by what they exercise of transformers: the continuous batching engine (PagedAttentionCache, the
+Chosen by what they exercise of transformers: the table of the internals kvcompile overrides or relies on
+(tests/test_transformers_patches.py: each row against the lowest release's source), the continuous batching engine (PagedAttentionCache, the
 manager and batch processor, the scheduler), `transformers serve`'s parts, every generate() path (the
 Cache interface, crop, beam reordering, assisted decoding, pipelines, accelerate's hooks), the attention
 and mask interfaces on Llama, Mistral and Qwen2, the compiled entry's capture of the models' forward,
@@ -27,7 +28,7 @@ spec = importlib.util.spec_from_file_location("transformers_lowest", ROOT / "scr
 lowest = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lowest)
 
-TESTS = ["tests/test_serving.py", "tests/test_serve_http.py", "tests/test_reuse_engine.py", "tests/test_scheduler_stall.py",
+TESTS = ["tests/test_transformers_patches.py", "tests/test_serving.py", "tests/test_serve_http.py", "tests/test_reuse_engine.py", "tests/test_scheduler_stall.py",
          "tests/test_generate_compat.py", "tests/test_runtime.py",
          "tests/test_compiled.py", "tests/test_devices.py", "tests/test_tensor_parallel.py",
          "tests/test_distributed_doc.py", "tests/test_models.py"]

@@ -38,6 +38,9 @@ token budget where the engine splits it, compressed when it ends), then every ge
 decode step of its own forward. Its cache then equals the uninterrupted run's, and so do its next
 tokens (preemption by recompute, as vLLM does it, at the cost of one forward per replayed token).
 
+Every transformers internal this module overrides, swaps or reads is declared, with the releases it was
+checked on, in kvcompile/integrations/transformers_patches.py (checked when the manager is built).
+
 The pieces, each installed on the engine's own objects:
 - `KVCompileBatchingManager` (a `ContinuousBatchingManager`): what `model.init_continuous_batching`
   returns on a compiled model (compile() installs it); refuses at start what cannot run, switches the
@@ -83,6 +86,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
+from kvcompile.integrations import transformers_patches
 from kvcompile.plan import Plan
 from kvcompile.engine.batch import PooledPages, StepPlan, decode_path
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
@@ -928,6 +932,7 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
     """`model.init_continuous_batching()` of a compiled model: the engine with kvcompile's caches."""
 
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None, *, plan: Plan):
+        transformers_patches.check("batching", BatchingError)  # the engine's internals, as checked
         cb = copy.deepcopy(continuous_batching_config)
         check_batching(model, plan, generation_config, cb)
         cb.use_async_batching = False

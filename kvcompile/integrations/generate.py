@@ -23,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvcompile import cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
+from kvcompile.integrations import transformers_patches
 from kvcompile.layer_kinds import WINDOWED
 from kvcompile.devices import DeviceError, execution_devices, has_hooks
 from kvcompile.plan import PlanError, build_plan
@@ -341,6 +342,7 @@ def compile(model, spec, *, mode: str = "eager", page_size: int = 16, progress: 
         raise ValueError(f"kvcompile: mode must be 'eager', 'compiled' or 'reduce-overhead', got {mode!r}")
     traced = mode != "eager"  # the compiled entry (reduce-overhead: with its decode steps in CUDA graphs)
     _check_transformers()
+    transformers_patches.check("generate", CompileError)  # the internals compile() touches, as checked
     if isinstance(spec, Policy) and not overrides:
         policy = spec
     else:

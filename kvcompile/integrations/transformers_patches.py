@@ -108,7 +108,7 @@ PATCHES = (
                  "kvcompile.integrations.batching:KVCompileBatchingManager.switch_to_cb_friendly_attn "
                  "AttentionMaskInterface",
                  "kvcompile.passes.site:register AttentionMaskInterface",
-                 "kvcompile.reference:_register AttentionMaskInterface")),
+                 "kvcompile.reference:_model_attention AttentionMaskInterface")),
     Patch("transformers.integrations.sdpa_attention:sdpa_attention_forward", "register", "generate",
           "the 'kvcompile' attention function in AttentionInterface (and 'kvcompile_batching', the compiled entry's "
           "call site, the reference's): a model's attention calls it as it calls this one, (module, q, k, v, "
@@ -119,7 +119,7 @@ PATCHES = (
                  "kvcompile.integrations.batching:KVCompileBatchingManager.switch_to_cb_friendly_attn "
                  "AttentionInterface",
                  "kvcompile.passes.site:register AttentionInterface",
-                 "kvcompile.reference:_register AttentionInterface")),
+                 "kvcompile.reference:_model_attention AttentionInterface")),
     Patch("transformers.generation.utils:GenerationMixin.generate", "instance", "generate",
           "compile() sets the model's generate to an Entry: a call without a cache gets a fresh KVCompileCache, "
           "passed under the installed version's name (kvcompile.cache_arg); the model's forward likewise (each "
