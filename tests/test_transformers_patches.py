@@ -228,7 +228,10 @@ def test_check_refuses_a_transformers_changed_under_a_row(monkeypatch):
 
 
 def test_check_refuses_a_version_outside_the_range(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    # by its dotted name, which resolves `sys.modules["transformers"]` now, as `check` does: under transformers
+    # 5.21.0 the first access to a model class (tests/tiny.py's imports) puts a new lazy module object there,
+    # so this module's own `transformers`, bound at its import, may no longer be the one `check` reads
+    monkeypatch.setattr("transformers.__version__", "5.25.0")
     with pytest.raises(CompileError) as refused:
         tp.check("generate", CompileError)
     assert "transformers 5.25.0 is outside >=5.21.0,<5.25" in str(refused.value)
