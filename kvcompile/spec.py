@@ -438,11 +438,15 @@ def _check_global(budget: Budget, merge, schedule: Schedule, src: _Source) -> No
     if budget.threshold is not None:
         raise src.error(where, f"layers: {layers.name} shares a preset total, and a threshold decides the "
                         "budget itself", "layers: global without a threshold", blame=(("budget", "threshold"),))
-    if heads.name != "pooled" or getattr(heads, "floor", 0) != 0:
+    sole = layers.sole_heads  # the one heads part admitted, at its declared defaults
+    changed = [] if heads.name != sole else \
+        [f.name for f in dataclasses.fields(heads) if getattr(heads, f.name) != getattr(type(heads)(), f.name)]
+    if heads.name != sole or changed:
         raise src.error(("budget", "heads"), f"layers: {layers.name} ranks every head's entries together (one "
                         f"ranking over all layers and heads), and heads is {heads.name}"
-                        f"{' with a floor' if heads.name == 'pooled' else ''}",
-                        "heads: pooled (the per-head floor is layers: {global: {floor: f}})", blame=(where,))
+                        f"{' with a ' + ', '.join(changed) if changed else ''}",
+                        f"heads: {sole} (the per-head floor is layers: {{{layers.name}: {{floor: f}}}})",
+                        blame=(where,))
     if merge.merges or budget.split is not None:
         raise src.error(where, f"layers: {layers.name} ranks prompt tokens only, without merge slots or a split",
                         "merge: drop and no budget.split", blame=(("merge",), ("budget", "split")))

@@ -31,6 +31,40 @@ def test_the_default_space_is_the_part_library():
     assert not any("not replayable" in why for why in refused), refused
 
 
+HEADS_REFUSAL = "ranks every head's entries together"
+
+
+@pytest.mark.parametrize("bytes_budget", [False, True])
+def test_the_default_space_pairs_a_global_ranking_with_the_heads_it_admits(bytes_budget):
+    """layers: global (one ranking over every layer, head and token: KVzip's allocation) is tried with the one heads
+    value it admits (pooled, no floor), once per choice of the other families, and never refused for its heads."""
+    space = tune.default_space(bytes_budget)
+    found, refused = tune.candidates(space)
+    assert not any(HEADS_REFUSAL in why for why in refused), refused
+    ranked = [c for c in found if "global" in c.mapping["budget"]["layers"]]
+    assert all(c.mapping["budget"]["heads"] == "pooled" for c in ranked)
+    # one per (scoring, schedule, storage): every scorer, kvzip's included, with both schedules
+    per_choice = len(space.parts["scoring"]) * len(space.parts["schedule"]) * len(space.parts["storage"])
+    assert len(ranked) == per_choice and len({c.key for c in ranked}) == per_choice
+    shipped = policy_to_mapping(kvcompile.load_spec("kvzip"))
+    kvzip = [c for c in ranked if "kvzip" in c.mapping["scoring"]]
+    assert len(kvzip) == len(space.parts["schedule"]) * len(space.parts["storage"])
+    for c in kvzip:  # the shipped kvzip's allocation
+        policy = kvcompile.load_spec(c.mapping)
+        assert policy.budget.layers == kvcompile.load_spec(shipped).budget.layers
+        assert policy.budget.heads == kvcompile.load_spec(shipped).budget.heads
+
+
+def test_a_global_ranking_follows_the_space_heads():
+    """Where the space's heads leave out the part a global ranking admits, its candidates are refused for their
+    heads (counted, never run), not given a heads part the space did not ask for."""
+    space = tune.load_space({"scoring": ["key_norm"], "layers": ["global", "uniform"], "heads": ["uniform"],
+                             "schedule": ["prefill"]}, bytes_budget=False)
+    found, refused = tune.candidates(space)
+    assert [c.mapping["budget"]["layers"] for c in found] == [{"uniform": {"kinds": ["full_attention"]}}]
+    assert sum(n for why, n in refused.items() if HEADS_REFUSAL in why) == 1, refused
+
+
 def test_a_space_narrows_widens_and_is_checked_against_the_declared_ranges():
     space = tune.load_space({"scoring": ["window_attention"], "layers": "uniform", "heads": ["uniform"],
                              "schedule": ["prefill"], "fields": {"scoring.window_attention.window": [8, 16]}},
@@ -89,6 +123,19 @@ def test_successive_halving_finds_a_planted_best_and_is_a_function_of_its_seed()
     assert runs[0] == runs[1]
     other = tune.tune(Planted(planted), space, seed=8, progress=False)
     assert other.best.candidate.key == planted
+
+
+def test_successive_halving_finds_a_planted_best_that_needs_a_global_ranking():
+    space = tune.load_space(dict(SMALL, layers=["uniform", "global", "pyramid"]), bytes_budget=False)
+    found, refused = tune.candidates(space)
+    assert not any(HEADS_REFUSAL in why for why in refused), refused
+    ranked = [c.key for c in found if "global" in c.mapping["budget"]["layers"]]
+    assert len(ranked) == len(SMALL["scoring"])  # one heads value each: pooled without a floor
+    planted = ranked[-1]
+    ev = Planted(planted)
+    result = tune.tune(ev, space, seed=7, progress=False)
+    assert result.best.candidate.key == planted
+    assert kvcompile.load_spec(result.best.candidate.mapping).budget.layers.name == "global"
 
 
 def test_refused_candidates_are_counted_and_never_evaluated():

@@ -85,14 +85,16 @@ def _kinds_field():
 class LayersRule(Part):
     """Base of the layer allocation parts. `needs_scores`: the shares depend on the layers'
     scores (computed as a cascade during prefill). `ranks_entries`: the layer totals are counted
-    from one ranking of every layer's entries (layers: global), not from shares. `kinds`: the kinds of
-    layer the policy applies to (default full_attention; a kind the model does not have is refused at
-    compile())."""
+    from one ranking of every layer's entries (layers: global), not from shares; such a rule ranks every
+    head's entries together, so it admits one heads value beside it, `sole_heads`: that heads part at its
+    declared defaults (None: any heads part). `kinds`: the kinds of layer the policy applies to (default
+    full_attention; a kind the model does not have is refused at compile())."""
 
     kinds: tuple[str, ...] = _kinds_field()
 
     needs_scores = False
     ranks_entries = False  # True: the layer totals are counted from one ranking over every layer's entries
+    sole_heads = None  # with ranks_entries: the one heads part admitted beside the rule, at its defaults
 
     floors = False  # True: heads keep `floor_tokens` entries beyond their protected ones
 
@@ -165,6 +167,7 @@ class GlobalLayers(LayersRule):
 
     needs_scores = True
     ranks_entries = True
+    sole_heads = "pooled"  # one pooled ranking, no floor beside it (the per-head floor is this part's)
 
     @property
     def floors(self) -> bool:

@@ -182,7 +182,10 @@ def _part_value(family: str, name: str, seeded: dict, grid: dict[str, tuple]):
 
 def candidates(space: Space) -> tuple[list[Candidate], Counter]:
     """Every candidate of the space that the spec validator accepts (at a nominal budget of 64 per head; the
-    real budget is set per sample), and the refused ones counted by reason."""
+    real budget is set per sample), and the refused ones counted by reason. A layers part that ranks every
+    head's entries together (`ranks_entries`: layers: global) admits one heads value, its `sole_heads` part at
+    its defaults: where the space's heads include that part, the layers part is paired with it once and with
+    no other heads value (the heads grid and seeded fields are the other layers parts' business)."""
     from kvcompile.spec import SpecError, load_spec
     from kvcompile.tools.sweep import not_replayable
 
@@ -201,6 +204,7 @@ def candidates(space: Space) -> tuple[list[Candidate], Counter]:
     kept, refused, seen = [], Counter(), set()
     for combo in itertools.product(*(options[f] for f in SEARCHED), rankings):
         choice = dict(zip(SEARCHED + ("ranking",), combo))
+        choice["heads"] = _admitted_heads(choice["layers"], choice["heads"], space)
         mapping = {"name": "tuned", "scoring": choice["scoring"], "ranking": choice["ranking"],
                    "budget": {"per_head": 64, "layers": choice["layers"], "heads": choice["heads"]},
                    "merge": choice["merge"], "schedule": choice["schedule"], "storage": choice["storage"]}
@@ -219,6 +223,14 @@ def candidates(space: Space) -> tuple[list[Candidate], Counter]:
             continue
         kept.append(Candidate(key, mapping))
     return kept, refused
+
+
+def _admitted_heads(layers, heads, space: Space):
+    """The heads value paired with the layers value: the layers part's sole heads part (at its defaults) where it
+    ranks every head's entries together and the space tries that part, else `heads` as the space gives it."""
+    rule = _registry()["layers"][layers if isinstance(layers, str) else next(iter(layers))]
+    sole = rule.sole_heads if rule.ranks_entries else None
+    return sole if sole is not None and sole in space.parts["heads"] else heads
 
 
 def _key(choice: dict) -> str:
