@@ -3,6 +3,7 @@ halving finds a planted best candidate and is a function of its seed, an interru
 records, and the written spec reproduces the score it was chosen for."""
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from kvcompile.tools import tune
 from kvcompile.policies import PARTS
 from kvcompile.policy import policy_to_mapping
 from tiny import prompt, tiny_model
+
+TUNE_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "tune"
 
 
 def test_the_default_space_is_the_part_library():
@@ -63,6 +66,40 @@ def test_a_global_ranking_follows_the_space_heads():
     found, refused = tune.candidates(space)
     assert [c.mapping["budget"]["layers"] for c in found] == [{"uniform": {"kinds": ["full_attention"]}}]
     assert sum(n for why, n in refused.items() if HEADS_REFUSAL in why) == 1, refused
+
+
+def test_the_kvzip_reconstruct_space_is_the_default_space_with_both_reconstructions(monkeypatch, capsys):
+    """benchmarks/tune/space_kvzip_reconstruct.yaml: every default candidate (same keys, so the committed records of
+    a default-space search are reused), and each kvzip candidate once more with reconstruct: prompt; `kvcompile tune
+    --space` takes it."""
+    from kvcompile.tools import cli
+
+    path = TUNE_DIR / "space_kvzip_reconstruct.yaml"
+    space = tune.load_space(path, bytes_budget=False)
+    default = tune.default_space(bytes_budget=False)
+    assert space.parts == default.parts and space.fields == {"scoring.kvzip.reconstruct": ("prompt", "context")}
+    found, refused = tune.candidates(space)
+    base, base_refused = tune.candidates(default)
+    assert refused == base_refused
+    kvzip = [c for c in base if "kvzip" in c.mapping["scoring"]]
+    assert all(c.mapping["scoring"]["kvzip"]["reconstruct"] == "context" for c in kvzip)  # the shipped kvzip's
+    assert {c.key for c in base} < {c.key for c in found} and len(found) == len(base) + len(kvzip)
+    added = [c for c in found if c.key not in {b.key for b in base}]
+    assert all(c.mapping["scoring"]["kvzip"]["reconstruct"] == "prompt" for c in added)
+    records = TUNE_DIR / "agnostic25_seed0_v2.jsonl"
+    keys = {json.loads(line)["candidate"] for line in records.read_text().splitlines()}
+    assert keys <= {c.key for c in found}  # a resumed search re-evaluates none of them
+
+    class Stop(Exception):
+        pass
+
+    def stop():  # the first step after the space is read: stop before any data or model is loaded
+        raise Stop
+
+    monkeypatch.setattr(cli, "haystack", stop)
+    with pytest.raises(Stop):
+        cli.main(["tune", "--kv-fraction", "0.25", "--no-plot", "--space", str(path)])
+    assert f"tune     {len(found)} candidates, {sum(refused.values())} refused" in capsys.readouterr().out
 
 
 def test_a_space_narrows_widens_and_is_checked_against_the_declared_ranges():
