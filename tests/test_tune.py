@@ -68,6 +68,28 @@ def test_a_global_ranking_follows_the_space_heads():
     assert sum(n for why, n in refused.items() if HEADS_REFUSAL in why) == 1, refused
 
 
+def test_the_heads_beside_a_ranking_of_every_entry_are_the_layers_parts_declaration():
+    """The heads value a ranks_entries layers part admits is its own `sole_heads`, which the search and the spec
+    validator both read: a registered part that admits uniform heads is paired with uniform heads only."""
+    from kvcompile.policies.budgets import GlobalLayers
+    from kvcompile.policies.registry import part
+    from kvcompile.spec import SpecError
+
+    part("layers", "ranked_uniform")(type("RankedUniform", (GlobalLayers,), {"sole_heads": "uniform"}))
+    try:
+        space = tune.load_space({"scoring": ["key_norm"], "layers": ["ranked_uniform", "global"],
+                                 "heads": ["uniform", "pooled"], "schedule": ["prefill"]}, bytes_budget=False)
+        found, refused = tune.candidates(space)
+        assert not refused
+        budgets = [kvcompile.load_spec(c.mapping).budget for c in found]
+        assert sorted((b.layers.name, b.heads) for b in budgets) == [("global", PARTS["heads"]["pooled"]()),
+                                                                    ("ranked_uniform", PARTS["heads"]["uniform"]())]
+        with pytest.raises(SpecError, match=r"heads is pooled \(allowed: heads: uniform"):
+            kvcompile.load_spec("kvzip", budget={"layers": "ranked_uniform"})
+    finally:
+        PARTS["layers"].pop("ranked_uniform")
+
+
 def test_the_kvzip_reconstruct_space_is_the_default_space_with_both_reconstructions(monkeypatch, capsys):
     """benchmarks/tune/space_kvzip_reconstruct.yaml: every default candidate (same keys, so the committed records of
     a default-space search are reused), and each kvzip candidate once more with reconstruct: prompt; `kvcompile tune

@@ -87,14 +87,15 @@ class LayersRule(Part):
     scores (computed as a cascade during prefill). `ranks_entries`: the layer totals are counted
     from one ranking of every layer's entries (layers: global), not from shares; such a rule ranks every
     head's entries together, so it admits one heads value beside it, `sole_heads`: that heads part at its
-    declared defaults (None: any heads part). `kinds`: the kinds of layer the policy applies to (default
-    full_attention; a kind the model does not have is refused at compile())."""
+    declared defaults (read only where ranks_entries; the spec validator and tune's space both read it).
+    `kinds`: the kinds of layer the policy applies to (default full_attention; a kind the model does not
+    have is refused at compile())."""
 
     kinds: tuple[str, ...] = _kinds_field()
 
     needs_scores = False
     ranks_entries = False  # True: the layer totals are counted from one ranking over every layer's entries
-    sole_heads = None  # with ranks_entries: the one heads part admitted beside the rule, at its defaults
+    sole_heads = "pooled"  # read where ranks_entries: the one heads part admitted beside it, at its defaults
 
     floors = False  # True: heads keep `floor_tokens` entries beyond their protected ones
 
