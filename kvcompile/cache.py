@@ -70,15 +70,15 @@ class KVCompileCache(Cache):
     # (kvcompile_mask), sized by get_mask_sizes for every layer alike.
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * self.plan.model_layers
+        return [False] * len(self._windows)  # one entry per model layer
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [False] * self.plan.model_layers
+        return [False] * len(self._windows)  # one entry per model layer
 
     @property
     def is_dummy(self) -> list[bool]:
-        return [False] * self.plan.model_layers
+        return [False] * len(self._windows)  # one entry per model layer
 
     def __init__(self, policy: Policy | None = None, config=None, page_size: int = 16, headroom: int = 0,
                  record: bool = False, progress=None, kernels: str | None = None, *, plan: Plan | None = None):

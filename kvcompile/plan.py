@@ -263,7 +263,8 @@ class Plan:
 
     def merge_bias(self, counts: Tensor) -> Tensor | None:
         """The logit bias of every cache entry from its merge count (None: the policy drops)."""
-        return self.policy.merge.bias(counts) if self.policy.merges else None
+        merge = self.policy.merge
+        return merge.bias(counts) if merge.merges else None
 
     @property
     def host_syncs(self) -> dict[str, tuple[str, ...]]:

@@ -21,7 +21,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import kvcompile
 import kvcompile.engine.op
 import kvcompile.integrations.batching
-from kvcompile.engine.batch import BatchedDecode, BatchedStepDecode, PerRequestDecode, TieredDecodeBatch, decode_path
+from kvcompile.engine.batch import BatchedDecode, BatchedStepDecode, PerRequestDecode, decode_path
 from kvcompile.engine.online import TorchStep
 from kvcompile.kernels import paged_attention
 from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
@@ -285,7 +285,7 @@ def test_the_plan_says_which_policies_decode_in_the_batch():
         assert type(path) is BatchedStepDecode and path.pools is not None, spec
     assert isinstance(decode_path(plan_of("kivi")), BatchedDecode)  # two tiers: each in the pool of its page layout
     path = decode_path(plan_of("lava_residual", storage="int8"))  # codes beside merge slots: two tiers, the bias
-    assert isinstance(path, BatchedDecode) and path.batch is TieredDecodeBatch and path.pools is not None
+    assert type(path) is BatchedDecode and isinstance(path.step, TorchStep) and path.pools is not None
     path = decode_path(plan_of("h2o", storage="int8"))  # running scores over codes: the plan's step on the batch
     assert type(path) is BatchedStepDecode and path.pools is not None
 
@@ -295,7 +295,8 @@ def plan_of(spec: str, **overrides):
 
 
 def test_the_batched_write_equals_each_store_append():
-    """PagePools.append (one write for every request's new entry) leaves each store as its own append does."""
+    """The batch's append (`PagePools.batch`: one write for every request's new entry) leaves each store as its own
+    append does."""
     pools = PagePools(1)
     own = [layer_store(n, seed) for seed, n in enumerate((9, 23, 16))]
     pooled = [pools.adopt(0, copy.deepcopy(s)) for s in own]
@@ -307,9 +308,10 @@ def test_the_batched_write_equals_each_store_append():
             s.append(k[j:j + 1], v[j:j + 1], positions[j:j + 1], step=1)
         for s in pooled:
             s.make_room(1)
-        table = torch.nn.utils.rnn.pad_sequence([s.block_table[0].T for s in pooled], batch_first=True)
-        lengths = pools.append(0, pooled, table.transpose(1, 2).contiguous(), torch.cat([s.lengths for s in pooled]),
-                               k, v, positions)
+        batch = PagePools.batch(pooled)
+        batch.append(k, v, positions)
+        batch.finish(evicted=False)
+        lengths = batch.lengths
         assert torch.equal(lengths, torch.cat([s.lengths for s in own]))
     for s, p in zip(own, pooled):
         assert_same_entries(s, p)
@@ -322,10 +324,7 @@ def test_kernel_takes_a_batch_over_one_pool():
     stores = [pools.adopt(0, layer_store(n, seed)) for seed, n in enumerate((9, 23, 16))]
     pool = pools.layers[0]
     q = torch.randn(3, 4, 8)
-    table = torch.nn.utils.rnn.pad_sequence([s.block_table[0].T for s in stores], batch_first=True)
-    table = table.transpose(1, 2).contiguous()
-    lengths = torch.cat([s.lengths for s in stores])
-    out = pools.attend(0, paged_attention.backend("torch"), q, table, lengths, 0.3)
+    out = PagePools.batch(stores).attend(paged_attention.backend("torch"), q, lambda counts: None, 0.3)
     for i, s in enumerate(stores):
         one = paged_attention.backend("torch")(q[i:i + 1], pool.k_pages, pool.v_pages, s.block_table, s.lengths, None,
                                                0.3)

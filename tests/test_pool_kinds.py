@@ -19,14 +19,13 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import kvcompile
 import kvcompile.engine.op
-from kvcompile.engine.batch import (BatchedDecode, BatchedStepDecode, DecodeBatch,
-                                   TieredDecodeBatch, decode_path)
+from kvcompile.engine.batch import BatchedDecode, BatchedStepDecode, decode_path
 from kvcompile.engine.online import TorchStep
 from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling, request_bytes
 from kvcompile.store.codes import ChannelCodeStore, CodeStore
 from kvcompile.store.pages import Entries
-from kvcompile.store.pool import (BatchCodeStore, PagePools, Pooled, PooledChannelCodeStore, PooledCodeStore,
-                                  tiers)
+from kvcompile.store.pool import (BatchCodeStore, BatchTieredStore, PagePools, Pooled, PooledChannelCodeStore,
+                                  PooledCodeStore, tiers)
 from kvcompile.store.tiers import TieredStore
 from tests.test_batched_decode import (assert_same_entries, batched_equals_generate_and_alone, count_step_calls,
                                        prefilled, requests, run_engine, start_engine, step_joining_and_leaving)
@@ -91,14 +90,14 @@ def test_every_store_kind_lives_in_the_pools_and_its_bytes_are_what_memory_repor
         seen.append(check_pools(self.kvcompile))
         layouts.update(len(by_layout) for by_layout in self.kvcompile.pages.pools.by_layout if by_layout)
 
-    flush = PooledChannelCodeStore.flush
+    flush = ChannelCodeStore.flush  # a request's own flush (a pooled store's), or a batch's (one op for all)
 
     def counted(self, high, step):
         flushes.append(bool((high.lengths >= self.storage.residual + self.storage.tokens).any()))
         flush(self, high, step)
 
     monkeypatch.setattr(KVCompilePagedCache, "sync_blocks", checked)
-    monkeypatch.setattr(PooledChannelCodeStore, "flush", counted)
+    monkeypatch.setattr(ChannelCodeStore, "flush", counted)
     first = requests([(150, 12), (90, 20), (190, 9), (60, 24)])
     tokens, _, report = run_engine(model, first, num_blocks=64)
     assert tokens == [reference(model, ids, new) for ids, new in first]
@@ -159,13 +158,26 @@ def test_codes_decode_by_one_decode_step_call_per_layer_on_the_batch(kind, monke
     assert report["decode"]["steps"] == steps
 
 
+@pytest.mark.parametrize("kind", ["mixed", "kivi", "slots"])
+def test_two_tiers_decode_by_one_decode_step_call_per_layer_on_the_batch(kind, monkeypatch):
+    """Two tiers decode in the batch by the decode-step family as the others do: per layer and step one call of
+    `TorchStep` (the appending tier's append into its pool, the low tier's flush, the attention over both tiers'
+    pools) on the four requests as one store of two tiers (`BatchTieredStore`), and never the op's decode."""
+    model = kind_model(kind)
+    assert isinstance(decode_path(model.kvcompile_plan).step, TorchStep)
+    calls, alone, report = count_step_calls(model, monkeypatch)
+    steps = 10 - 1  # the first token comes from the prompt's forward
+    assert (calls, alone) == ([(4, BatchTieredStore)] * (model.kvcompile_plan.num_layers * steps), 0)
+    assert report["decode"]["steps"] == steps
+
+
 def test_the_plan_batches_every_store_kind_without_a_decode_schedule():
     """int8, int4 (one pool a layer), mixed, KIVI and codes or two tiers beside merge slots (two: a batch of two
     tiers, the slots' bias in the float tier's attention) decode in the batch."""
     for kind in KINDS:
         path = decode_path(kind_model(kind).kvcompile_plan)
         assert isinstance(path, BatchedDecode) and path.pools is not None, kind
-        assert path.batch is (TieredDecodeBatch if kind in TIERED else DecodeBatch), kind
+        assert isinstance(path.step, TorchStep), kind  # the store's append and attention, on the batch
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -327,7 +339,8 @@ def test_a_batched_step_over_codes_is_each_request_alone(monkeypatch):
 
 
 def test_the_batched_write_of_codes_equals_each_store_append():
-    """PagePools.append over a pool of codes quantizes every request's new entry as each store's own append does."""
+    """The batch's append over a pool of codes (`PagePools.batch`) quantizes every request's new entry as each store's
+    own append does."""
     part = storage("int4")
     pools = PagePools(1)
     own = [CodeStore.build([entries(n, seed)], torch.zeros(1, 2, dtype=torch.long), 4, 1, storage=part)
@@ -342,9 +355,10 @@ def test_the_batched_write_of_codes_equals_each_store_append():
             s.append(k[j:j + 1], v[j:j + 1], positions[j:j + 1], step=1)
         for s in pooled:
             s.make_room(1)
-        table = torch.nn.utils.rnn.pad_sequence([s.block_table[0].T for s in pooled], batch_first=True)
-        lengths = pools.append(0, pooled, table.transpose(1, 2).contiguous(), torch.cat([s.lengths for s in pooled]),
-                               k, v, positions)
+        batch = PagePools.batch(pooled)
+        batch.append(k, v, positions)
+        batch.finish(evicted=False)
+        lengths = batch.lengths
         assert torch.equal(lengths, torch.cat([s.lengths for s in own]))
     pool = pooled[0].pool
     for s, p in zip(own, pooled):
@@ -358,7 +372,7 @@ def test_the_batched_write_of_codes_equals_each_store_append():
 
 def test_kivis_flush_of_a_batch_is_one_op_and_each_stores_own_flush(monkeypatch):
     """KIVI, requests of different lengths decoding in one batch: after the batched append into the float tiers'
-    pool, `TieredStore.flush_all` moves every full group of every request with one quantization of the keys and one
+    pool, the flush of the batch (`PagePools.batch`: their tiers as one store of two tiers) moves every full group of every request with one quantization of the keys and one
     of the values, and leaves each store's tiers (codes, scales, positions, the float tier's rotated pages and
     lengths) as its own appends and flushes do, bit for bit, while the pool of codes grows under it."""
     import kvcompile.kernels.quantize as quantize
@@ -384,11 +398,10 @@ def test_kivis_flush_of_a_batch_is_one_op_and_each_stores_own_flush(monkeypatch)
         for p in pooled:
             if p.room <= 0:
                 p.make_room(2)
-        appending = [p.high for p in pooled]
-        rows = PagePools.rows(appending)
-        pools.append(0, appending, rows.block_table, rows.lengths, k, v, positions)
+        batch = PagePools.batch(pooled)
         calls.clear()
-        TieredStore.flush_all(pooled, 2)
+        batch.append(k, v, positions, step=2)  # the float tiers' append (no quantization), then the flush
+        batch.finish(evicted=False)
         assert calls == [3 * 2, 3 * 2]  # keys, then values: every head of the three requests in one call each
         moved += sum(int(p.low.lengths.sum()) for p in pooled) - before
         for s, p in zip(own, pooled):

@@ -10,11 +10,11 @@ a batch.
 - `decode_path(plan)`, chosen once per engine from the plan (no `decode: every` pruning, not a hybrid model's
   windows, one rank and device): `BatchedDecode` with `TorchStep` for a policy whose decode step is an append and
   an attention over the pools (full-precision pages, codes: int8 / int4; two tiers, mixed and KIVI, and codes or a
-  tier beside merge slots, whose bias the tiers' attention adds: `TieredDecodeBatch`); `BatchedStepDecode` with the
-  plan's own decode step (`Plan.decode_step`: a fused C++ step, or the torch step) for one whose step does more
-  over full-precision pages (running scores: h2o; online eviction into merge slots: zsmerge; a merge bias per
-  entry) or over codes (running scores: h2o); else `PerRequestDecode`, the op once per request, with the reason;
-  every store kind's pages in the pools either way.
+  tier beside merge slots, whose bias the tiers' attention adds); `BatchedStepDecode` with the plan's own decode
+  step (`Plan.decode_step`: a fused C++ step, or the torch step) for one whose step does more over full-precision
+  pages (running scores: h2o; online eviction into merge slots: zsmerge; a merge bias per entry) or over codes
+  (running scores: h2o); else `PerRequestDecode`, the op once per request, with the reason; every store kind's
+  pages in the pools either way.
 - `path.plan(requests)` once per forward, requests (cache, tokens) in the order of the packed tokens: a
   `StepPlan`, which requests run alone (a prompt or a part of it, any step of a policy decoded per request) and
   the batch of the others (one token each, pages in the pools): their caches, their tokens' places in the packed
@@ -23,13 +23,13 @@ a batch.
 - `batch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the append's
   host read, counted as the op counts it), one block table padded over the batch (the last step's while no store
   changed), then one call of the path's decode step (`DecodeBatch.step`) on the batch as one store of the
-  requests' class over the pool (`PagePools.batch`: `store.pool.BatchStore`, `BatchCodeStore`; a head's step
-  reads and writes its own pages only), each request then taking its row of lengths, slots, room and settled
-  budget back (`Batch.finish`). `TorchStep` there is the store's own append (one write of every new entry, codes
-  quantized as the store writes them) and one call of the plan's decode attention backend (the quantized kernel
-  over codes). After the last layer each cache counts its token (`seq_length`, the decode state's length). Two
-  tiers: `TieredDecodeBatch.run`, the append into the appending tier's pool, the stores' flush as one op (KIVI),
-  one attention call over both tiers' pools.
+  requests' class over the pool (`PagePools.batch`: `store.pool.BatchStore`, `BatchCodeStore`; two tiers a
+  `BatchTieredStore`, each tier's over its pool; a head's step reads and writes its own pages only), each request
+  then taking its rows back (`finish`). `TorchStep` there is the store's own append (one write of every new entry,
+  codes quantized as the store writes them; two tiers: into the appending tier's pool, then the low tier's flush,
+  one op for all: KIVI) and one call of the plan's decode attention backend (the quantized kernel over codes; two
+  tiers: one kernel call per tier's pool, merged). After the last layer each cache counts its token (`seq_length`,
+  the decode state's length).
 """
 from __future__ import annotations
 
@@ -40,14 +40,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 from kvcompile.engine.decode import begin_decoding
 from kvcompile.engine.online import TorchStep
 from kvcompile.engine.state import Phase
-from kvcompile.store.codes import CodeStore
-from kvcompile.store.pages import LayerStore
-from kvcompile.store.pool import BATCH, PagePools, TieredRows
+from kvcompile.store.pool import BATCH, PagePools
 from kvcompile.store.tiers import TieredStore
 
 if TYPE_CHECKING:
@@ -59,12 +56,11 @@ if TYPE_CHECKING:
 class DecodeBatch:
     """The requests of a step that decode one token each, together: per layer one call of `step` on them."""
 
-    pools: PagePools
     caches: list  # KVCompileCache of each request, in the order of `index`
     index: Tensor  # (R,) long: each request's token in the packed forward
     positions: Tensor  # (R,) long: each new token's logical position
     counts: Counter  # the path's counters (`BatchedDecode.counts`)
-    tables: list  # per layer: (stores and versions, (block table, lengths, slots, owned)) of the last batch
+    tables: list  # per layer: (stores and versions, the batch's `held` tensors) of the last batch
     #               (`BatchedDecode.tables`)
     whole: bool  # the batch is the whole forward, in order
     step: object = None  # the decode step run on the batch (`BatchedDecode.step`, kvcompile.kernels.online_step)
@@ -78,35 +74,22 @@ class DecodeBatch:
         """Layer `layer` of the step for every request: q (1, Hq, T, d), k, v (1, H, T, d) the packed forward's;
         returns the outputs (R, Hq, d) of the requests' tokens."""
         caches = self.caches
+        plan = caches[0].plan
         stores = [cache.stores[layer] for cache in caches]
         for cache, store in zip(caches, stores):
-            if store.make_room(cache.plan.spare_pages):  # a head's pages are full: it takes its next run
+            if store.make_room(plan.spare_pages):  # a head's pages are full: it takes its next run
                 cache.count_host_sync("append")
-        rows = self._last_rows(layer, stores)
-        if rows is not None:  # the last step's stores, unchanged since its step (some may have left)
-            held = self.tables[layer][1]
-            if rows != list(range(len(self.tables[layer][0]))):
-                index = torch.tensor(rows, device=held[0].device)
-                held = tuple(t[index] for t in held)
-                self.counts["tables_cut"] += 1
-        else:
-            self.counts["tables_built"] += 1
-            table = pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
-            held = (table.transpose(1, 2).contiguous(),
-                    *(torch.cat([getattr(store, name) for store in stores]) for name in ("lengths", "slots", "owned")))
         if self.whole:
             q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         else:
             q = query[0, :, self.index].transpose(0, 1)
             k = key[0, :, self.index].transpose(0, 1)
             v = value[0, :, self.index].transpose(0, 1)
-        plan = caches[0].plan
-        batch = self.pools.batch(layer, stores, *held)  # the requests as one store over their pool
+        batch = PagePools.batch(stores, self._held(layer, stores))  # the requests as one store over their pool
         split = None if self.split is None else self.split[:, layer]
         out = self.step(plan, batch, layer, q.contiguous(), k, v, self.positions, split, scale)
-        batch.finish(evicted=split is not None)  # each request takes its row back
-        self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)},
-                              (batch.block_table, batch.lengths, batch.slots, batch.owned))
+        batch.finish(evicted=split is not None)  # each request takes its rows back
+        self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)}, batch.held)
         self.counts["attention_calls"] += 1
         if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
@@ -115,56 +98,22 @@ class DecodeBatch:
             self.counts["tokens"] += len(caches)
         return out.to(query.dtype)
 
-    def _last_rows(self, layer: int, stores: list) -> list[int] | None:
-        """Each store's row in the last step's block table and counters of `layer`, where every store was in that
-        step and has not changed since (its `version`); else None."""
+    def _held(self, layer: int, stores: list) -> tuple[Tensor, ...] | None:
+        """The last step's block table and counters of `layer`, cut to the rows of `stores`, where every store was
+        in that step and has not changed since (its `version`); else None (built again)."""
         last = self.tables[layer]
-        if last is None:
-            return None
         rows = []
         for store in stores:
-            hit = last[0].get(id(store))
+            hit = None if last is None else last[0].get(id(store))
             if hit is None or hit[1] is not store or hit[2] != store.version:
+                self.counts["tables_built"] += 1
                 return None
             rows.append(hit[0])
-        return rows
-
-
-@dataclass
-class TieredDecodeBatch(DecodeBatch):
-    """The requests of a step that decode one token each, together, over two tiers (`TieredStore`: mixed precision,
-    KIVI, codes beside merge slots) in two pools a layer: one write of every new entry into the appending tier's
-    pool, the stores' flush as one op (`TieredStore.flush_all`; KIVI: a full group of the float tier into a page of
-    codes, computed for every head and applied where one is full; nothing for codes per entry), and one call of the
-    plan's decode backend (`TieredPagedAttention`: the float tier's pool and the codes' pool, one kernel call each
-    with its log-sum-exp, merged; the merge slots' bias on the float tier)."""
-
-    def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
-        caches = self.caches
-        plan = caches[0].plan
-        stores = [cache.stores[layer] for cache in caches]
-        for cache, store in zip(caches, stores):
-            if store.room <= 0:  # a head's pages (or the flush's) are full: the op's host read, counted as it counts
-                cache.count_host_sync("append")
-                store.make_room(plan.spare_pages)
-        q = query[0, :, self.index].transpose(0, 1)
-        k = key[0, :, self.index].transpose(0, 1)
-        v = value[0, :, self.index].transpose(0, 1)
-        appending = [getattr(store, store.storage.new_token_tier) for store in stores]
-        rows = PagePools.rows(appending)
-        self.pools.append(layer, appending, rows.block_table, rows.lengths, k, v, self.positions)
-        TieredStore.flush_all(stores, plan.spare_pages)  # TieredStore.append's second half, one op for all
-        high, low = PagePools.rows([s.high for s in stores]), PagePools.rows([s.low for s in stores])
-        self.counts["tables_built"] += 2
-        backend = plan.decode_backend(layer, q.device)
-        out = backend(q.contiguous(), TieredRows(high, low), plan.merge_bias(high.count_pages), scale)
-        self.counts["attention_calls"] += 1
-        if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
-            for cache in caches:
-                cache.advance(1)
-            self.counts["steps"] += 1
-            self.counts["tokens"] += len(caches)
-        return out.to(query.dtype)
+        if rows == list(range(len(last[0]))):
+            return last[1]
+        self.counts["tables_cut"] += 1
+        index = torch.tensor(rows, device=last[1][0].device)
+        return tuple(t[index] for t in last[1])
 
 
 @dataclass
@@ -228,7 +177,6 @@ class BatchedDecode(PooledPages):
 
     batched = True
     tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
-    batch: type = DecodeBatch  # what a step's batch is (TieredDecodeBatch: two tiers)
     step: object = None  # the decode step the batch runs (`decode_path`)
 
     def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
@@ -250,8 +198,8 @@ class BatchedDecode(PooledPages):
         device = batched[0].stores[0].device
         if self.tables is None:
             self.tables = [None] * len(batched[0].stores)
-        return StepPlan(alone, self.batch(self.pools, batched, torch.tensor(index, device=device),
-                                          positions.to(device), self.counts, self.tables, not alone, self.step))
+        return StepPlan(alone, DecodeBatch(batched, torch.tensor(index, device=device), positions.to(device),
+                                           self.counts, self.tables, not alone, self.step))
 
 
 @dataclass
@@ -260,19 +208,16 @@ class BatchedStepDecode(BatchedDecode):
     scores, online eviction, a merge bias per entry."""
 
 
-# the store classes whose decode step batches, and the batch of each
-BATCHED_STORES = {LayerStore: DecodeBatch, CodeStore: DecodeBatch, TieredStore: TieredDecodeBatch}
-
-
 def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     """How a serving engine runs `plan`'s decode steps, chosen once: batched over the pools' pages, one call a
-    layer for every request: where a step is an append and an attention (full precision, codes: int8 / int4,
-    `BATCHED_STORES`), `TorchStep` on the batch, the store's append and the plan's decode attention backend, one
-    kernel call (two tiers, mixed precision and KIVI, and codes or a tier beside merge slots: `TieredDecodeBatch`);
-    where it does more over full-precision pages or codes (`store.pool.BATCH`), the plan's own decode step on the
-    batch; else per request (with the reason). Every store kind's pages live in the engine's pools either way."""
+    layer for every request (a store class of `store.pool.BATCH`): where a step is an append and an attention
+    (full precision, codes: int8 / int4; two tiers: mixed precision and KIVI, and codes or a tier beside merge
+    slots, whose bias the tiers' attention adds), `TorchStep` on the batch, the store's append and the plan's
+    decode attention backend, one kernel call (a tier's pool each); where it does more over full-precision pages or
+    codes (running scores, online eviction, a merge bias per entry), the plan's own decode step on the batch; else
+    per request (with the reason). Every store kind's pages live in the engine's pools either way."""
     why = None
-    if plan.store not in BATCHED_STORES:
+    if plan.store not in BATCH:
         why = f"pages of {plan.store.__name__}"
     elif plan.prune_every:
         why = f"pruning every {plan.prune_every} tokens"
@@ -281,14 +226,8 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     elif plan.shard is not None or plan.layer_devices is not None:
         why = "layers split over ranks or devices"
     pools = PagePools(plan.num_layers)
-    steps = ("online eviction" if plan.online_eviction else "scores run while decoding" if plan.running_scores
-             else "merge slots (a bias per entry)" if plan.policy.merges else None)  # the plan's step does more
-    if plan.store is TieredStore and not (plan.running_scores or plan.online_eviction):
-        steps = None  # merge slots beside codes or a tier: the slots' bias is TieredDecodeBatch's attention's
-    if why is None and steps is not None and plan.store not in BATCH:
-        why = f"{steps} over pages of {plan.store.__name__}"
     if why is not None:
         return PerRequestDecode(pools, reason=why)
-    if steps is not None:
-        return BatchedStepDecode(pools, step=plan.decode_step)  # the plan's decode step, on the batch
-    return BatchedDecode(pools, batch=BATCHED_STORES[plan.store], step=TorchStep())
+    if plan.online_eviction or plan.running_scores or (plan.policy.merges and plan.store is not TieredStore):
+        return BatchedStepDecode(pools, step=plan.decode_step)  # the plan's decode step does more, on the batch
+    return BatchedDecode(pools, step=TorchStep())

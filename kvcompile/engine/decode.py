@@ -4,6 +4,7 @@ the policy has them; kvcompile.kernels.online_step), then `decode: every` prunin
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,11 +12,36 @@ from torch import Tensor
 
 from kvcompile.allocation import decode_budgets, head_split
 from kvcompile.engine.compress import choose, over_heads
-from kvcompile.engine.state import DecodeState, Phase
+from kvcompile.engine.state import Phase
 from kvcompile.selection import decode_prune
 
 if TYPE_CHECKING:
     from kvcompile.cache import KVCompileCache
+
+
+@dataclass
+class DecodeState:
+    """What decoding reads; made by `engine.decode.start_decode` at the first generated token."""
+
+    budgets: Tensor  # (B, L, H) entries each head may hold while decoding
+    split: Tensor | None  # (B, L, H, 3) ZSMerge proximity, context, residual per head (None: no split)
+    pad: Tensor  # (B,) the prompt's left pads: all a decode step reads of the prompt's state (with its width)
+    totals: Tensor | None = None  # (B, L) Σ of the budgets over all heads, for `decode: every` pruning on a
+    #   tensor-parallel rank (its `budgets` are its own heads'); None: the sum of `budgets`
+    length: Tensor | None = None  # () int64 on the device: the cache's length (`seq_length`, pads included),
+    #   bumped in place after each call's last layer; a decode step's positions are read from it, not from the
+    #   host's count, so a replayed (captured) step writes the right ones
+
+    def advance(self, tokens: int) -> None:
+        """The cache grew by `tokens` (after a call's last layer): its length on the device too, in place (a
+        copy first where it is an inference tensor and inference_mode is off)."""
+        if self.length.is_inference() and not torch.is_inference_mode_enabled():
+            self.length = self.length.clone()
+        self.length.add_(tokens)
+
+    def cut(self, length: int) -> None:
+        """The cache was cut back to `length` tokens (KVCompileCache.crop)."""
+        self.length = self.length.new_tensor(length)
 
 
 def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float,

@@ -53,7 +53,8 @@ def run_layer(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, 
                      "shard=kvcompile.sharding.model_shard(model))")
         raise RuntimeError(f"kvcompile: layer {layer} computes {k.shape[1]} KV heads but the cache's plan holds "
                            f"{len(cache.plan.kv_heads)}: {cause}")
-    expected = cache.plan.layer_device(layer)
+    devices = cache.plan.layer_devices  # where each layer runs (Plan.layer_device), read here on every call
+    expected = cache.plan.device if devices is None else devices[layer]
     if (layer or cache.stores[0] is not None) and expected is not None and q.device != expected:
         raise RuntimeError(  # compile() (or layer 0's first prompt) fixed where each layer runs: kvcompile.devices
             f"kvcompile: layer {layer} runs on {q.device} but its pages live on {expected}: the cache's plan puts "

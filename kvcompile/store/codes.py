@@ -101,12 +101,8 @@ class CodeStore(LayerStore):
         """What this tier takes from the float tier `high` after an append there: nothing (entries are split
         between the tiers when a layer is built)."""
 
-    @classmethod
-    def flush_all(cls, lows: list, highs: list, step: int) -> None:
-        """`flush` of several stores' low tiers `lows` from their float tiers `highs` (a batched decode step's
-        requests, each tier's pages in one pool): nothing for codes per entry."""
-        for low, high in zip(lows, highs):
-            low.flush(high, step)
+    def reserve_flush(self, step: int) -> None:
+        """Before a decode step (`TieredStore.make_room`): pages for the flush after its append; none here."""
 
     def flushed(self, tokens: int) -> None:
         """The host bookkeeping of `tokens` flushes that ran as a replayed graph."""
@@ -119,12 +115,6 @@ class CodeStore(LayerStore):
         """`crop` of both tiers (this one and the float tier `high`)."""
         high.crop(cutoff)
         self.crop(cutoff)
-
-
-def _stacked(tables: list[Tensor], width: int = 0) -> Tensor:
-    """Block tables (B_i, H, M_i) of several stores as one (ΣB_i, H, max(M_i, width)), padded with page 0."""
-    table = torch.nn.utils.rnn.pad_sequence([row.T for t in tables for row in t], batch_first=True).transpose(1, 2)
-    return torch.nn.functional.pad(table, (0, max(0, width - table.shape[-1])))
 
 
 @dataclass
@@ -163,14 +153,14 @@ class ChannelCodeStore(CodeStore):
         """Every head whose float tier holds residual + tokens entries moves its oldest `tokens` (its first
         pages: the float tier is filled from a page start and flushed a page run at a time) into one new page
         here, quantized (keys per channel, values per entry); the float tier's first pages go to the end of
-        the run it owns (`rotate_out`). Computed for every head, applied where a head is full: no host read."""
+        the run it owns (`rotate_out`). Computed for every head, applied where a head is full: no host read. On
+        a batched step's requests as one store (kvcompile.store.pool.Batch), one op for all their heads."""
         from kvcompile.kernels.quantize import quantize_pages_into
 
         part = self.storage
         g, s = part.tokens, high.page_size
         cols = g // s
-        if self.flush_room <= 0:
-            self._reserve(step)
+        self.reserve_flush(step)
         self.flush_room -= 1
         full = high.lengths >= part.residual + g  # (B, H)
         b, h = full.shape
@@ -188,50 +178,6 @@ class ChannelCodeStore(CodeStore):
         self.lengths.add_(full.long() * g)
         high.rotate_out(full, cols)
 
-    @classmethod
-    def flush_all(cls, lows: list, highs: list, step: int) -> None:
-        """`flush` of several stores whose tiers share their page tensors (a batched decode step's requests in an
-        engine's pools: every low tier in one pool of codes, every float tier in one float pool), as one op for
-        all their heads: their block tables stacked, one quantization of every head's oldest `tokens` entries (keys
-        per channel, values per entry) into its next page of codes, and the float tiers' rotation (`rotate_out`)
-        on the stacked tables, each store then taking its rows back. Each store's page reservation is its own,
-        as in `flush` (a host read where its owned pages run out). The same pages, bit for bit, as each store's
-        `flush`."""
-        if len(lows) == 1:
-            lows[0].flush(highs[0], step)
-            return
-        from kvcompile.kernels.quantize import quantize_pages_into
-
-        part = lows[0].storage
-        g, s = part.tokens, highs[0].page_size
-        cols = g // s
-        for low in lows:
-            if low.flush_room <= 0:
-                low._reserve(step)  # may grow the pool: its tensors are read below
-            low.flush_room -= 1
-        rows = [low.lengths.shape[0] for low in lows]
-        high_table, low_table = _stacked([t.block_table for t in highs], cols), _stacked([t.block_table for t in lows])
-        full = torch.cat([t.lengths for t in highs]) >= part.residual + g  # (R, H)
-        b, h = full.shape
-        first = high_table[..., :cols]  # (R, H, cols): every head's oldest `tokens` entries
-        page = low_table.gather(-1, (torch.cat([t.lengths for t in lows]) // g)[..., None]).reshape(-1)  # owned
-        low, high = lows[0], highs[0]  # the pools' tensors
-        quantize_pages_into(high.k_pages[first].reshape(b * h, g, -1), low.k_pages, low.k_scale, low.k_zero, page,
-                            part.bits, "channel")
-        quantize_pages_into(high.v_pages[first].reshape(b * h, g, -1), low.v_pages, low.v_scale, low.v_zero, page,
-                            part.bits, "token")
-        for name in ("score_pages", "pos_pages", "count_pages"):
-            getattr(low, name)[page] = getattr(high, name)[first].reshape(b * h, g)
-        torch._foreach_add_([t.lengths for t in lows], list((full.long() * g).split(rows)))
-        # the float tiers' `rotate_out(full, cols)`, on the stacked tables
-        j = torch.arange(high_table.shape[-1], device=full.device)
-        owned = torch.cat([t.owned for t in highs])[..., None]
-        rotated = high_table.gather(-1, torch.where(j < owned, (j + cols) % owned.clamp(min=1), j))
-        rotated = torch.where(full[..., None], rotated, high_table).split(rows)
-        torch._foreach_copy_([t.block_table for t in highs],
-                             [r[..., :t.block_table.shape[-1]] for r, t in zip(rotated, highs)])
-        torch._foreach_sub_([t.lengths for t in highs], list((full.long() * (cols * s)).split(rows)))
-
     def _count_flush_room(self) -> None:
         """Flushes every head's owned pages take, as decode steps (one host read)."""
         spare = int((self.owned - self.lengths // self.page_size).min()) if self.owned.numel() else 0
@@ -240,9 +186,11 @@ class ChannelCodeStore(CodeStore):
         # the next (spare − 1) flushes, whenever they come, hence (spare − 1) · tokens + 1 steps
         self.flush_room = max(0, (spare - 1) * self.page_size + 1)
 
-    def _reserve(self, step: int) -> None:
-        """Give every head a run of `step` + 1 pages past its last group where it has fewer (one host read:
-        Plan.host_syncs "page allocation")."""
+    def reserve_flush(self, step: int) -> None:
+        """Where the pages this tier owns cover no more flushes (`flush_room`), give every head a run of `step` + 1
+        pages past its last group where it has fewer (one host read: Plan.host_syncs "page allocation")."""
+        if self.flush_room > 0:
+            return
         self.ensure_pages(self.lengths // self.page_size + 1, step + 1)
         self._count_flush_room()
 

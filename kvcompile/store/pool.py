@@ -19,11 +19,9 @@ float tier's, the codes'), the tiered store itself unchanged around them.
 
 `PagePools`: the pools of an engine, per layer one per page layout (made on first use from the first store
 adopted there), `adopt` (a store built by the engine moved into the pools: `LayerStore`, `CodeStore`,
-`TieredStore`), `release` and `detached` (a request's store, whatever its kind), and the batched decode step's
-one write of every request's new entry (`append`: keys and values written as the store class writes them, codes
-quantized) and one attention call (`attend`; `rows`: a batch's block table and lengths over one pool, `PoolRows`,
-`TieredRows` for two tiers' pools), and `batch`, a batched step's requests as one store over their pool
-(`BatchStore`, what the plan's decode step runs on once for all of them) (kvcompile.engine.batch).
+`TieredStore`), `release` and `detached` (a request's store, whatever its kind), and `batch`: a batched decode
+step's requests as one store of their class over their pool (`Batch`: `BatchStore`, `BatchCodeStore`; two tiers a
+`BatchTieredStore` of each tier's), what a decode step runs on once for all of them (kvcompile.engine.batch).
 """
 from __future__ import annotations
 
@@ -316,15 +314,28 @@ class Pooled:
 @dataclass(eq=False)
 class Batch:
     """One layer of a batched decode step's requests as one store of their class (`BATCH`: `BatchStore`,
-    `BatchCodeStore`): the pool's page tensors, the step's block table (R, H, M), and the members' lengths, slots
-    and owned counts (R, H), a row a request. A decode step (the plan's, `Plan.decode_step`; or the append and the
-    decode attention backend, `engine.online.TorchStep`) runs on it once for all of them, through the methods every
-    store of the class has; a head's step reads and writes its own pages only, so each row's result is what its
-    store's own step gives. `finish()` then hands every member its row back. It takes no page: the members made
-    room before the step (`make_room`). Mixed in before the store class."""
+    `BatchCodeStore`, `BatchChannelCodeStore`; two tiers: `BatchTieredStore`): the pool's page tensors, the step's
+    block table (R, H, M), and the members' lengths, slots and owned counts (R, H), a row a request (`held`). A
+    decode step (the plan's, `Plan.decode_step`; or the append and the decode attention backend,
+    `engine.online.TorchStep`) runs on it once for all of them, through the methods every store of the class has;
+    a head's step reads and writes its own pages only, so each row's result is what its store's own step gives.
+    `finish()` then hands every member its row back. It takes no page: the members made room before the step
+    (`make_room`). Mixed in before the store class."""
 
+    counters: ClassVar[tuple[str, ...]] = ("room",)  # host counters: the members' least, what the step spends of
+    #                                                   it each member spends (`finish`)
     members: list = field(default_factory=list)  # the requests' pooled stores, in row order
     budgets: Tensor | None = None  # what the step settled the heads to (`settle`), handed to the members by finish
+    rotated: bool = False  # the step rotated block table rows (KIVI's flush: `rotate_out`)
+
+    def __post_init__(self):
+        self.start = {name: getattr(self, name) for name in self.counters}
+
+    @property
+    def held(self) -> tuple[Tensor, ...]:
+        """The step's block table, lengths, slots and owned counts (what the next step takes again while no member
+        changed: kvcompile.engine.batch)."""
+        return self.block_table, self.lengths, self.slots, self.owned
 
     def settle(self, budget: Tensor) -> None:
         """The step settled the heads to budget (R, H) (online eviction's first step): the members take it at
@@ -332,21 +343,32 @@ class Batch:
         self.settled = True
         self.budgets = budget
 
+    def rotate_out(self, leaving: Tensor, pages: int) -> None:
+        super().rotate_out(leaving, pages)
+        self.rotated = True
+
     def _new_runs(self, fresh: int, step: int, heads: int) -> Tensor:
         raise RuntimeError("kvcompile: a batched decode step takes no page (its members make room before it)")
 
     def finish(self, evicted: bool) -> None:
-        """Every member takes its row of the step: where tokens left online (`evicted`), its row of the step's
-        lengths and slots, else its one new entry a head; it counts its append (`room`) and, where the step settled
-        it (online eviction's first step), its budget, in the order its own step does these."""
+        """Every member takes its row of the step: where its rows changed otherwise than by one append a head
+        (`evicted`: tokens left online; a flush; a rotation), its row of the step's lengths and slots (and block
+        table, where rotated), else its one new entry a head; what the step spent of the host counters (`room`,
+        KIVI's `flush_room`) and, where the step settled it (online eviction's first step), its budget, in the
+        order its own step does these."""
         members = self.members
-        if evicted:
+        if evicted or self.rotated:
             torch._foreach_copy_([m.lengths for m in members], list(self.lengths.split(1)))
             torch._foreach_copy_([m.slots for m in members], list(self.slots.split(1)))
         else:  # every head appended one entry, and nothing left
             torch._foreach_add_([m.lengths for m in members], 1)
+        if self.rotated:
+            rows = self.block_table.split(1)
+            torch._foreach_copy_([m.block_table for m in members],
+                                 [row[..., :m.block_table.shape[-1]] for m, row in zip(members, rows)])
         for i, member in enumerate(members):
-            member.room -= 1
+            for name, start in self.start.items():
+                setattr(member, name, getattr(member, name) - (start - getattr(self, name)))
             member.version += 1
             if self.budgets is not None and not member.settled:
                 member.settle(self.budgets[i:i + 1])
@@ -360,6 +382,26 @@ class BatchStore(Batch, LayerStore):
 @dataclass(eq=False)
 class BatchCodeStore(Batch, CodeStore):
     """A batched step's layers of codes per entry (int8, int4; `Batch`)."""
+
+
+@dataclass(eq=False)
+class BatchChannelCodeStore(Batch, ChannelCodeStore):
+    """A batched step's tiers of KIVI's codes (`Batch`): their flush is one op for all their heads."""
+
+    counters: ClassVar[tuple[str, ...]] = ("room", "flush_room")
+
+
+@dataclass(eq=False)
+class BatchTieredStore(TieredStore):
+    """A batched step's layers of two tiers: each tier the batch of the members' tier (`Batch`), so the step's
+    append (into the appending tier's pool), the low tier's flush (one op) and the attention over both pools run
+    on it as on one TieredStore."""
+
+    held = property(lambda self: self.high.held + self.low.held)
+
+    def finish(self, evicted: bool) -> None:
+        for tier in (self.high, self.low):  # each member's rows of both tiers (an append, a flush)
+            tier.finish(evicted=True)
 
 
 def _give_back(pool: PagePool, lease: list) -> None:
@@ -392,15 +434,11 @@ class PooledChannelCodeStore(Pooled, ChannelCodeStore):
         self.version += 1
         super().flush(high, step)
 
-    @classmethod
-    def flush_all(cls, lows: list, highs: list, step: int) -> None:
-        for tier in (*lows, *highs):  # the flush changes the low tiers' lengths, the float tiers' tables
-            tier.version += 1
-        super().flush_all(lows, highs, step)
-
 
 POOLED = {LayerStore: PooledStore, CodeStore: PooledCodeStore, ChannelCodeStore: PooledChannelCodeStore}
-BATCH = {LayerStore: BatchStore, CodeStore: BatchCodeStore}  # a batched step's store of a pooled store's class
+# a batched step's store of a store class
+BATCH = {LayerStore: BatchStore, CodeStore: BatchCodeStore, ChannelCodeStore: BatchChannelCodeStore,
+         TieredStore: BatchTieredStore}
 
 
 def tiers(store) -> tuple:
@@ -460,73 +498,28 @@ class PagePools:
         """Every tier of `store` lives in a pool."""
         return all(isinstance(tier, Pooled) for tier in tiers(store))
 
-    def append(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor, k: Tensor,
-               v: Tensor, positions: Tensor) -> Tensor:
-        """One decode token of every request in `stores` (one sequence each, one pool) appended in one write: k, v
-        (R, H, d) into each head's next slot by the step's block table (R, H, M) and lengths (R, H) (`make_room`
-        ran first), by the stores' class's own `append` on the batch (`batch`: codes quantized); each store's
-        lengths and room count it. Returns the lengths after the append (R, H)."""
-        batch = self.batch(layer, stores, block_table, lengths)
-        batch.append(k, v, positions)
-        batch.finish(evicted=False)
-        return batch.lengths
-
-    def batch(self, layer: int, stores: list[Pooled], block_table: Tensor, lengths: Tensor,
-              slots: Tensor | None = None, owned: Tensor | None = None) -> Batch:
-        """The requests `stores` of a batched decode step (their block table (R, H, M) and lengths (R, H), made room
-        in; their slots and owned counts (R, H), default: the stores') as one store of their class over the layer's
-        pool, for a decode step to run on once (`Batch`)."""
-        pool = stores[0].pool
-        slots = torch.cat([s.slots for s in stores]) if slots is None else slots
-        owned = torch.cat([s.owned for s in stores]) if owned is None else owned
-        return BATCH[stores[0].own](**{name: getattr(pool, name) for name in pool.fields}, block_table=block_table,
-                                    lengths=lengths, slots=slots, next_page=pool.pages, owned=owned,
-                                    settled=all(s.settled for s in stores), room=min(s.room for s in stores),
-                                    storage=stores[0].storage, members=stores)
-
-    def attend(self, layer: int, backend, q: Tensor, block_table: Tensor, lengths: Tensor, scale: float,
-               pool: PagePool | None = None) -> Tensor:
-        """Decode attention of the batch's queries q (R, Hq, d) over their heads' pages in the layer's pool (block
-        table (R, H, M), lengths (R, H)) by a decode attention backend (kvcompile.kernels.paged_attention, or
-        paged_attention_quant for codes): one call. `pool`: the stores' pool (default: the layer's first)."""
-        pool = self.layers[layer] if pool is None else pool
-        return backend(q, *pool.kv(), block_table, lengths, None, scale)
-
     @staticmethod
-    def rows(stores: list[Pooled]) -> "PoolRows":
-        """The batch's rows of the stores' pool: one block table padded over the stores (R, H, M) and their
-        lengths (R, H) (one sequence each)."""
-        table = torch.nn.utils.rnn.pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
-        return PoolRows(stores[0].pool, table.transpose(1, 2).contiguous(), torch.cat([s.lengths for s in stores]))
+    def batch(stores: list, held: tuple[Tensor, ...] | None = None) -> Batch | BatchTieredStore:
+        """The requests' layers `stores` (made room in) of a batched decode step as one store of their class over
+        their pool, for a decode step to run on once (`Batch`; two tiers: each tier's). `held`: the step's block
+        table (R, H, M), lengths, slots and owned counts (R, H) (a tier's after the other: `Batch.held`); default:
+        the stores' own, block tables padded over the batch."""
+        if isinstance(stores[0], TieredStore):
+            high, low = (None, None) if held is None else (held[:4], held[4:])
+            return BatchTieredStore(PagePools.batch([s.high for s in stores], high),
+                                    PagePools.batch([s.low for s in stores], low), stores[0].storage)
+        if held is None:
+            table = torch.nn.utils.rnn.pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
+            held = (table.transpose(1, 2).contiguous(),
+                    *(torch.cat([getattr(store, name) for store in stores]) for name in ("lengths", "slots", "owned")))
+        pool, cls = stores[0].pool, BATCH[stores[0].own]
+        return cls(**{name: getattr(pool, name) for name in pool.fields}, **dict(zip(("block_table", "lengths",
+                   "slots", "owned"), held)), next_page=pool.pages, settled=all(s.settled for s in stores),
+                   storage=stores[0].storage, members=stores,
+                   **{name: min(getattr(s, name) for s in stores) for name in cls.counters})
 
     def report(self) -> dict:
         """Pages and bytes of every pool: all, free, and taken."""
         pools = [p for layer in self.by_layout for p in layer.values()]
         return {"pages": sum(p.pages for p in pools), "free_pages": sum(p.free_pages for p in pools),
                 "bytes": sum(p.nbytes for p in pools), "bytes_taken": sum(p.bytes_taken for p in pools)}
-
-
-@dataclass
-class PoolRows:
-    """A batch's rows over one pool, read as a decode attention backend reads a store: the pool's page tensors
-    (`kv()`, `k_pages`, ...), the batch's block table and lengths (a TieredPagedAttention takes two, `high` and
-    `low`: `TieredRows`)."""
-
-    pool: PagePool
-    block_table: Tensor  # (R, H, M)
-    lengths: Tensor  # (R, H)
-
-    k_pages = property(lambda self: self.pool.k_pages)
-    v_pages = property(lambda self: self.pool.v_pages)
-    count_pages = property(lambda self: self.pool.count_pages)
-
-    def kv(self) -> tuple[Tensor, ...]:
-        return self.pool.kv()
-
-
-@dataclass
-class TieredRows:
-    """A batch's rows of both tiers' pools (what `TieredPagedAttention` reads of a TieredStore)."""
-
-    high: PoolRows
-    low: PoolRows

@@ -178,8 +178,15 @@ class TieredStore:
     step = LayerStore.step  # a fused step over both tiers' tensors (kernels.tiered_step)
 
     def make_room(self, step: int) -> bool:
-        """`LayerStore.make_room` of the appending tier (the low tier's flushes reserve their own pages)."""
-        return self._appending.make_room(step)
+        """Before a decode step, where `room` is spent: `LayerStore.make_room` of the appending tier and the pages
+        of the low tier's flush (`reserve_flush`). True where it ran (the host read of `append`)."""
+        if self.room > 0:
+            return False
+        self._appending.make_room(step)
+        self.low.reserve_flush(step)
+        return True
+
+    version = property(lambda self: (self.high.version, self.low.version))  # its pooled tiers' (store.pool)
 
     def pages_per_head(self) -> Tensor:
         return self.high.pages_per_head() + self.low.pages_per_head()
@@ -212,12 +219,6 @@ class TieredStore:
         low tier), as codes for a part that stores every token so (its merge slots alone are floats)."""
         self._appending.append(k, v, positions, step)
         self.low.flush(self.high, step)
-
-    @staticmethod
-    def flush_all(stores: list["TieredStore"], step: int) -> None:
-        """The second half of `append` (the low tier's `flush`) for several stores after a batched append into their
-        appending tiers' pool: one op for all of them (KIVI: `ChannelCodeStore.flush_all`)."""
-        type(stores[0].low).flush_all([s.low for s in stores], [s.high for s in stores], step)
 
     def refill(self, other: "TieredStore") -> bool:
         """Not in place: a pruned tiered layer takes new tensors (a captured decode step records again)."""
