@@ -19,6 +19,7 @@ later torch drops it, `available()` says so, registering nothing, and the tests 
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -173,12 +174,17 @@ class HostReads:
         self.shapes.append([])
 
     def read(self, kind: str, t=None) -> None:
-        import traceback
-
-        frames = [f for f in traceback.extract_stack()[:-2] if "kvcompile" in f.filename
-                  and "sim_devices" not in f.filename]
-        at = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
-        self.reads[-1].append((kind, at, self.inside, frozenset(f.name for f in frames)))
+        # kvcompile's frames on the stack above the caller, innermost first (the frames themselves: what
+        # traceback.extract_stack gives, without reading each file's source lines)
+        frames = []
+        frame = sys._getframe(2)
+        while frame is not None:
+            file = frame.f_code.co_filename
+            if "kvcompile" in file and "sim_devices" not in file:
+                frames.append((file, frame.f_lineno, frame.f_code.co_name))
+            frame = frame.f_back
+        at = f"{frames[0][0].rsplit('/', 1)[-1]}:{frames[0][1]} {frames[0][2]}" if frames else "?"
+        self.reads[-1].append((kind, at, self.inside, frozenset(name for _, _, name in frames)))
 
     def op(self, func, args, kwargs) -> None:
         name = str(func)
