@@ -19,6 +19,7 @@ later torch drops it, `available()` says so, registering nothing, and the tests 
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -55,9 +56,39 @@ class SimTensor(torch.Tensor):
         return run_op(func, args, kwargs or {})
 
 
-def _devices(args, kwargs) -> set[torch.device]:
-    """The devices of an op's tensors, without the 0-dim CPU tensors every accelerator accepts."""
-    flat, _ = tree_flatten((args, kwargs))
+def _leaves(tree, out: list) -> list:
+    """`tree`'s leaves appended to `out`: torch's tree_flatten for the plain tuples, lists and dicts an aten op
+    takes and returns, without its cost per node (several times the op's own on these small tensors); any other
+    container goes to tree_flatten."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for x in tree:
+            _leaves(x, out)
+    elif kind is dict:
+        for x in tree.values():
+            _leaves(x, out)
+    elif isinstance(tree, (tuple, list, dict)):
+        out.extend(tree_flatten(tree)[0])
+    else:
+        out.append(tree)
+    return out
+
+
+def _map(fn, tree):
+    """torch's tree_map(fn, tree), fast for plain tuples, lists and dicts (as `_leaves`)."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return kind(_map(fn, x) for x in tree)
+    if kind is dict:
+        return {k: _map(fn, x) for k, x in tree.items()}
+    if isinstance(tree, (tuple, list, dict)):
+        return tree_map(fn, tree)
+    return fn(tree)
+
+
+def _devices(flat) -> set[torch.device]:
+    """The devices of an op's tensors (`flat`: its arguments' leaves), without the 0-dim CPU tensors every
+    accelerator accepts."""
     return {t.device for t in flat if isinstance(t, torch.Tensor)
             and (isinstance(t, SimTensor) or t.device.type != "cpu" or t.dim() > 0)}
 
@@ -81,20 +112,20 @@ def run_op(func, args, kwargs):
         unwrap(args[0]).copy_(unwrap(args[1]))
         return args[0]
     target = kwargs.get("device")
+    flat = _leaves((args, kwargs), [])
     if func is torch.ops.aten._to_copy.default and target is not None:
         devices = set()
     else:
-        devices = _devices(args, kwargs)
+        devices = _devices(flat)
     if len(devices) > 1:
         raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                            f"{', '.join(sorted(map(str, devices)))}! (when running {func} on {_describe(args)})")
     target = torch.device(target) if target is not None else next(iter(devices), torch.device("cpu"))
-    given = (args, kwargs)
-    kwargs = tree_map(unwrap, kwargs)
+    kwargs = _map(unwrap, kwargs)
     if "device" in kwargs:
         kwargs["device"] = torch.device("cpu")
-    out = func(*tree_map(unwrap, args), **kwargs)
-    written = [t for t in tree_flatten(given)[0] if isinstance(t, SimTensor) and t.shape != t.elem.shape]
+    out = func(*_map(unwrap, args), **kwargs)
+    written = [t for t in flat if isinstance(t, SimTensor) and t.shape != t.elem.shape]
     if written:  # an out= tensor resized by the op: its wrapper cannot follow
         raise NotImplementedError(f"simulated devices: {func} resized its out= tensor; register its factory "
                                   "with the sim backend (sim_devices._register)")
@@ -105,7 +136,7 @@ def run_op(func, args, kwargs):
             and args and isinstance(args[0], SimTensor):
         return args[0]  # an in-place op returns its input
     wrap = lambda t: SimTensor(t, target) if type(t) is torch.Tensor else t  # noqa: E731
-    return tree_map(wrap, out)
+    return _map(wrap, out)
 
 
 # --- what a decode step reads back to the host, and the shapes it runs on --------------------------------
@@ -143,23 +174,28 @@ class HostReads:
         self.shapes.append([])
 
     def read(self, kind: str, t=None) -> None:
-        import traceback
-
-        frames = [f for f in traceback.extract_stack()[:-2] if "kvcompile" in f.filename
-                  and "sim_devices" not in f.filename]
-        at = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
-        self.reads[-1].append((kind, at, self.inside, frozenset(f.name for f in frames)))
+        # kvcompile's frames on the stack above the caller, innermost first (the frames themselves: what
+        # traceback.extract_stack gives, without reading each file's source lines)
+        frames = []
+        frame = sys._getframe(2)
+        while frame is not None:
+            file = frame.f_code.co_filename
+            if "kvcompile" in file and "sim_devices" not in file:
+                frames.append((file, frame.f_lineno, frame.f_code.co_name))
+            frame = frame.f_back
+        at = f"{frames[0][0].rsplit('/', 1)[-1]}:{frames[0][1]} {frames[0][2]}" if frames else "?"
+        self.reads[-1].append((kind, at, self.inside, frozenset(name for _, _, name in frames)))
 
     def op(self, func, args, kwargs) -> None:
         name = str(func)
         if self.inside:
-            flat = tree_flatten((args, kwargs))[0]
+            flat = _leaves((args, kwargs), [])
             self.shapes[-1].append((name, tuple(tuple(t.shape) for t in flat if isinstance(t, SimTensor))))
         kind = HOST_READS.get(name, "")
         if kind:
             self.read(kind)
         elif name in ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default", "aten._index_put_impl_.default"):
-            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_flatten(args[1])[0]):
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in _leaves(args[1], [])):
                 self.read("boolean mask index")
         elif name in ("aten.copy_.default", "aten._copy_from.default"):
             if isinstance(args[1], SimTensor) and not isinstance(args[0], SimTensor):

@@ -27,8 +27,9 @@ accelerate = pytest.importorskip("accelerate", reason="accelerate is a test depe
 SPECS = ["snapkv", "adakv", "zsmerge", "lava"]
 LAYERS = 4
 
-# Only stops a simulation that hangs: each runs every spec in a process of its own, about 130 s on a quiet
-# machine and over 20 on one loaded 10-fold (1,237 s failed a fixed 1,200); no speed is checked here.
+# Only stops a simulation that hangs: each runs every spec in a process of its own, about 50 s of one core
+# (sim_pipeline.py; 80 s sim_decode_sync.py) on a loaded machine, many times that on one loaded 10-fold (once
+# 1,237 s, failing a fixed 1,200); no speed is checked here.
 HANG_GUARD_S = 3600
 
 
@@ -234,7 +235,7 @@ def simulations(request, tmp_path_factory):
     """The simulations this session selects, started together, each in a process of its own (its simulated
     devices register torch's PrivateUse1 backend for the whole process, after which torch.get_device_module()
     names it, and transformers' continuous batching reads that) with one torch thread: they share the machine's
-    cores while this process waits on the first (on two quiet cores about two minutes less than one after the
+    cores while this process waits on the first (on two cores about a minute less than one after the
     other). Output goes to files, not pipes, so a process that prints much never blocks on the one not read."""
     import sim_devices  # available() registers nothing
 

@@ -37,19 +37,51 @@ def load(path):
     return model
 
 
+# the specs whose collectives test_what_each_collective_exchanges reads (on llama-2kv)
+EXCHANGED = ("snapkv", "zsmerge", "h2o", "adakv", "lava", "pyramid_pooled", "dbudgetkv", "dbudget_lava")
+
+
+def selected(request) -> tuple[dict[str, list[str]], bool, bool]:
+    """What the tests of this module that the session selected need: the specs each config runs, whether the
+    compiled job and the refusal job run. The suite's own run selects every test (every config runs every
+    spec); tests/test_transformers_range.py selects fewer on the lowest transformers."""
+    names, compiled, refuse = {key: set() for key in CONFIGS}, False, False
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        test = getattr(item, "originalname", item.name)
+        if test == "test_ranks_keep_what_one_process_keeps":
+            names[item.callspec.params["config"]].add(item.callspec.params["name"])
+        elif test == "test_what_each_collective_exchanges":
+            names["llama-2kv"].update(EXCHANGED)
+        compiled |= test == "test_compiled_entry_keeps_what_one_process_keeps"
+        refuse |= test == "test_heads_that_do_not_divide_are_refused"
+    return {key: [n for n in NAMES if n in chosen] for key, chosen in names.items() if chosen}, compiled, refuse
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One spawn of WORLD ranks running every job; the one-process runs of the same saved weights."""
+def runs(request, tmp_path_factory):
+    """One spawn of WORLD ranks running every job the selected tests need (`selected`); the one-process runs of
+    the same saved weights."""
     tmp = tmp_path_factory.mktemp("tp")
+    names, compiled, refuse = selected(request)
+    one_process = {key: list(chosen) for key, chosen in names.items()}
+    if compiled:
+        one_process.setdefault(COMPILED[0], [])
+        one_process[COMPILED[0]] += [n for n in COMPILED[1] if n not in one_process[COMPILED[0]]]
     jobs = []
-    for key, (arch, kv_heads) in CONFIGS.items():
+    for key in one_process:
+        arch, kv_heads = CONFIGS[key]
         tiny_model(arch, heads=8, kv_heads=kv_heads).save_pretrained(tmp / key)
-        jobs.append((key, str(tmp / key), NAMES))
-    jobs.append(("compiled:" + COMPILED[0], str(tmp / COMPILED[0]), COMPILED[1]))
-    tiny_model("llama", heads=6, kv_heads=3).save_pretrained(tmp / "kv3")  # 3 KV heads over 2 ranks
-    jobs.append(("refuse:kv3", str(tmp / "kv3"), "snapkv"))
+        if key in names:
+            jobs.append((key, str(tmp / key), names[key]))
+    if compiled:
+        jobs.append(("compiled:" + COMPILED[0], str(tmp / COMPILED[0]), COMPILED[1]))
+    if refuse:
+        tiny_model("llama", heads=6, kv_heads=3).save_pretrained(tmp / "kv3")  # 3 KV heads over 2 ranks
+        jobs.append(("refuse:kv3", str(tmp / "kv3"), "snapkv"))
     ranks = spawn(WORLD, jobs, tmp, TIMEOUT)
-    one = {key: run_specs(load(tmp / key), NAMES) for key in CONFIGS}
+    one = {key: run_specs(load(tmp / key), chosen) for key, chosen in one_process.items()}
     return one, ranks
 
 
@@ -98,7 +130,7 @@ def test_what_each_collective_exchanges(runs):
     """Selections that read only their own head gather counts, pooled and entropy ones scores,
     the per-head threshold nothing."""
     _, ranks = runs
-    exchange = {name: ranks[0]["llama-2kv"][name]["exchange"] for name in NAMES}
+    exchange = {name: ranks[0]["llama-2kv"][name]["exchange"] for name in EXCHANGED}
     assert exchange["snapkv"] == exchange["zsmerge"] == exchange["h2o"] == "counts"
     assert exchange["adakv"] == exchange["lava"] == exchange["pyramid_pooled"] == "scores"
     assert exchange["dbudgetkv"] == exchange["dbudget_lava"] == "none"

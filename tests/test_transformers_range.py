@@ -4,12 +4,30 @@ version, which the rest of the suite runs on; this file runs the tests below aga
 Python imports pyproject's lowest (`.transformers-lowest/`, made by `bash scripts/setup.sh test` or `all`:
 scripts/transformers_lowest.py), and checks there that it really is that version.
 
-Chosen by what they exercise of transformers: the table of the internals kvcompile overrides or relies on
-(tests/test_transformers_patches.py: each row against the lowest release's source), the continuous batching engine (PagedAttentionCache, the
-manager and batch processor, the scheduler), `transformers serve`'s parts, every generate() path (the
-Cache interface, crop, beam reordering, assisted decoding, pipelines, accelerate's hooks), the attention
-and mask interfaces on Llama, Mistral and Qwen2, the compiled entry's capture of the models' forward,
-tp_plan="auto" sharding, accelerate's offloading, and loading the embedded GGUF model.
+Chosen by what they exercise of transformers (TESTS), file by file:
+- test_transformers_patches: the table of every internal kvcompile overrides, swaps, registers or reads, each row
+  against the lowest release's source.
+- test_serving, test_reuse_engine, test_scheduler_stall: the continuous batching engine kvcompile subclasses and
+  swaps (PagedAttentionCache, the manager and batch processor, the model runner, the scheduler: the table's
+  "batching" rows).
+- test_serve_http: `kvcompile serve` over that engine, and the per-request sampling through generate()'s logits
+  processors and generation config (`_get_logits_processor`, `_prepare_generation_config`).
+- test_generate_compat: every generate() path over kvcompile's Cache (crop, beam reordering, assisted decoding,
+  prefix deepcopy, cache_implementation, pipelines, accelerate's hooks), eager and compiled.
+- test_runtime: the attention and mask registrations and the attention kwargs of Llama, Mistral and Qwen2.
+- test_compiled: the compiled entry's capture of the models' forward (not its Inductor cache across processes:
+  torch's, DESELECT).
+- test_tensor_parallel, test_distributed_doc: `tp_plan="auto"` sharding and the model's tp_plan (5.20 did not shard
+  the embedding over the vocabulary). Every config (Llama and Qwen2, 2 and 4 KV heads), the compiled and refused jobs and the
+  collectives test run; of the every-spec test, one spec per kind of collective and state (TP_SPECS): which
+  heads a rank holds and what transformers sums over ranks do not depend on the policy, whose collectives are
+  kvcompile's own.
+- test_devices: accelerate's hooks on a model loaded with a device_map or offloaded. Not its simulations
+  (DESELECT): the pipeline over simulated devices and the decode steps' host reads check kvcompile's placement of
+  pages per layer and its decode step, on the same device_map loading the offload tests run here.
+Not here: test_models (the embedded model's GGUF, read by transformers' public from_pretrained(gguf_file=...)
+and compared with the folder the newest transformers converted at set-up; the needle prompts and haystack use
+no transformers internal).
 """
 from __future__ import annotations
 
@@ -28,17 +46,32 @@ spec = importlib.util.spec_from_file_location("transformers_lowest", ROOT / "scr
 lowest = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lowest)
 
-TESTS = ["tests/test_transformers_patches.py", "tests/test_serving.py", "tests/test_serve_http.py", "tests/test_reuse_engine.py", "tests/test_scheduler_stall.py",
-         "tests/test_generate_compat.py", "tests/test_runtime.py",
+TESTS = ["tests/test_transformers_patches.py", "tests/test_serving.py", "tests/test_serve_http.py", "tests/test_reuse_engine.py",
+         "tests/test_scheduler_stall.py", "tests/test_generate_compat.py", "tests/test_runtime.py",
          "tests/test_compiled.py", "tests/test_devices.py", "tests/test_tensor_parallel.py",
-         "tests/test_distributed_doc.py", "tests/test_models.py"]
-# Not transformers: torch's Inductor cache across processes (~40 s); the engine's decode steps on a simulated
-# device reading nothing back (~130 s; the pipeline simulation, through accelerate and device maps, stays).
+         "tests/test_distributed_doc.py"]
+# Not transformers: torch's Inductor cache across processes; the simulated devices (see the docstring).
 DESELECT = ["tests/test_compiled.py::test_a_second_process_reuses_the_inductor_cache",
+            "tests/test_devices.py::test_pipelines_on_simulated_devices",
             "tests/test_devices.py::test_decode_steps_on_a_simulated_device_read_nothing_back"]
+# test_tensor_parallel's every-spec test, on the lowest: a selection gathering counts, one gathering scores, the
+# per-head threshold (no exchange), a merge (residual slots) and decode-time pruning with a cascade
+TP_SPECS = ("snapkv", "adakv", "dbudgetkv", "zsmerge", "lava_every")
+
+
+def deselected() -> list[str]:
+    """DESELECT, and test_tensor_parallel's every-spec test for the specs not in TP_SPECS (its fixture runs only
+    what the selected tests need)."""
+    from test_tensor_parallel import CONFIGS, NAMES
+
+    assert set(TP_SPECS) <= set(NAMES), set(TP_SPECS) - set(NAMES)
+    return DESELECT + [f"tests/test_tensor_parallel.py::test_ranks_keep_what_one_process_keeps[{config}-{name}]"
+                       for config in CONFIGS for name in NAMES if name not in TP_SPECS]
+
+
 # Skips that do not depend on the transformers version (the same tests skip in this run).
 ALLOWED_SKIPS = re.compile(r"CUDA|GPU|setup\.sh|C\+\+ toolchain")
-TIMEOUT = 3600  # seconds for the whole subprocess: only stops a run that hangs (about 400 s on a quiet machine)
+TIMEOUT = 3600  # seconds for the whole subprocess: only stops a run that hangs (about 4 minutes on a loaded one)
 
 # Runs in the subprocess, before pytest: the tests must import the lowest transformers from the environment.
 CHECK = """
@@ -87,7 +120,7 @@ class LowestRun:
         self.want = lowest.lowest_version()
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        args = ["-q", "-p", "no:cacheprovider", "-rs", *TESTS, *[f"--deselect={d}" for d in DESELECT]]
+        args = ["-q", "-p", "no:cacheprovider", "-rs", *TESTS, *[f"--deselect={d}" for d in deselected()]]
         self.out, self.err = open(folder / "stdout", "w+"), open(folder / "stderr", "w+")
         self.process = subprocess.Popen([str(lowest.python()), "-c", CHECK, self.want, str(lowest.FOLDER), *args],
                                         cwd=ROOT, env=env, stdout=self.out, stderr=self.err, text=True)

@@ -1,12 +1,11 @@
 """vLLM beside kvcompile (docs/VLLM.md): the environment `bash scripts/setup.sh vllm` makes
 (.venv-vllm, part of `setup.sh all`) imports both; there vLLM's transformers stays, kvcompile's policies,
-plans and kernels run, and compile() refuses that transformers by name; vLLM's greedy tokens on the
-embedded SmolLM2 equal transformers' generate() in kvcompile's own environment (the baseline a
-compressing plugin must keep when its budget covers the prompt). Each check runs in a subprocess of
-that environment, bounded in time."""
+plans and kernels run, and compile() refuses that transformers by name. (vLLM's greedy tokens on the
+embedded SmolLM2 equal transformers' generate() in kvcompile's own environment: tests/test_vllm_plugin.py,
+test_budget_covering_the_prompt_equals_plain_vllm.) Each check runs in a subprocess of that environment,
+bounded in time."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from vllm_venv import ROOT, in_vllm_env, needs_vllm
@@ -52,31 +51,3 @@ print("RESULT" + json.dumps({"vllm": vllm.__version__, "torch": torch.__version_
     assert out["absent"] == ["torchvision", "torchaudio", "torchcodec"]
     assert out["kept"] == {name: here["kept"](name) for name in ("snapkv", "lava")}
     assert out["refusal"] is not None and f"this environment has transformers {out['transformers']}" in out["refusal"]
-
-
-@pytest.mark.slow
-def test_vllm_greedy_tokens_equal_transformers_generate():
-    """vLLM 0.32 (fp32, eager, its CPU attention) and transformers' generate() give SmolLM2 the same greedy
-    tokens on two prompts: the baseline a kvcompile policy inside vLLM must keep when it evicts nothing."""
-    from kvcompile.tools.models import load_model
-
-    model, tokenizer = load_model()
-    prompts = ["The capital of France is", "One, two, three,"]
-    ids = [tokenizer(p).input_ids for p in prompts]
-    with torch.no_grad():
-        want = [model.generate(torch.tensor([x]), max_new_tokens=16, do_sample=False)[0, len(x):].tolist()
-                for x in ids]
-    path = model.config._name_or_path
-    out = in_vllm_env(f"""
-import json
-def main():
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    llm = LLM(model={path!r}, dtype="float32", enforce_eager=True, max_model_len=512, seed=0)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in {ids!r}],
-                        SamplingParams(max_tokens=16, temperature=0))
-    print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-if __name__ == "__main__":
-    main()
-""", timeout=400)
-    assert out == want
