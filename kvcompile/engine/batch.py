@@ -77,7 +77,9 @@ class DecodeBatch:
         plan = caches[0].plan
         stores = [cache.stores[layer] for cache in caches]
         for cache, store in zip(caches, stores):
-            if store.make_room(plan.spare_pages):  # a head's pages are full: it takes its next run
+            # a head's pages are full: it takes its next run, of its own plan's size (a continued request's plan
+            # reserves another headroom than the fresh requests' beside it)
+            if store.make_room(cache.plan.spare_pages):
                 cache.count_host_sync("append")
         if self.whole:
             q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
