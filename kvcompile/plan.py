@@ -97,7 +97,8 @@ class Plan:
     online_eviction: bool  # one token per head and step leaves through the split (ZSMerge Alg. 1)
     prune_every: int  # re-score and prune every n generated tokens (0: never)
     ring_rows: int  # latest queries kept per layer for that re-scoring (0: none)
-    spare_pages: int  # pages each head gets beyond its prompt pages, for its decode appends
+    spare_pages: int  # the most pages a head gets beyond its prompt pages for its decode appends (it gets the
+    #   pages of `spare_entries` more entries), and the run a head past them takes
     # prefill
     cascade: bool  # layer budgets move with the scores of later layers (LAVa Alg. 2)
     lazy_cascade: bool  # the cascade's re-selections may wait: the heads rule is nested (see HeadsRule)
