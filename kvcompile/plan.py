@@ -97,7 +97,8 @@ class Plan:
     online_eviction: bool  # one token per head and step leaves through the split (ZSMerge Alg. 1)
     prune_every: int  # re-score and prune every n generated tokens (0: never)
     ring_rows: int  # latest queries kept per layer for that re-scoring (0: none)
-    spare_pages: int  # pages each head gets beyond its prompt pages, for its decode appends
+    spare_pages: int  # the most pages a head gets beyond its prompt pages for its decode appends (it gets the
+    #   pages of `spare_entries` more entries), and the run a head past them takes
     # prefill
     cascade: bool  # layer budgets move with the scores of later layers (LAVa Alg. 2)
     lazy_cascade: bool  # the cascade's re-selections may wait: the heads rule is nested (see HeadsRule)
@@ -161,6 +162,14 @@ class Plan:
     def model_layers(self) -> int:
         """The model's layers (num_layers counts those the policy compresses: fewer in a hybrid model)."""
         return self.num_layers if self.layer_kinds is None else self.layer_kinds.num_layers
+
+    @property
+    def spare_entries(self) -> int:
+        """Entries each head's pages keep free after its prompt (or a pruning) for its decode appends: what the
+        decode schedule lets it grow by in a generation of `headroom` tokens, at most SPARE_RUN pages' worth;
+        a whole page where nothing is known. A head's pages hold its entries and these, its partly filled last
+        page counted (`LayerStore.build`'s `reserve`): at most `spare_pages` pages beyond its own."""
+        return spare_entries(self.policy, self.headroom, self.page_size)
 
     def with_headroom(self, headroom: int) -> "Plan":
         """The same plan for a generation of `headroom` new tokens (its spare pages)."""
@@ -356,9 +365,16 @@ def spare_pages(policy: Policy, headroom: int, page_size: int) -> int:
     than the decode schedule lets a head grow between compactions, and at most SPARE_RUN
     (generate()'s max_new_tokens can be 1024 where a head keeps 128: its spares would
     outweigh what it keeps); one page when nothing is known."""
+    return math.ceil(spare_entries(policy, headroom, page_size) / page_size)
+
+
+def spare_entries(policy: Policy, headroom: int, page_size: int) -> int:
+    """Free entries a head keeps after its prompt for the tokens it stores while decoding (Plan.spare_entries):
+    what the decode schedule lets it grow by, at most SPARE_RUN pages' worth; a page's worth when nothing is
+    known (no headroom, nor a schedule's bound). `spare_pages` is ceil of this over the page size."""
     decode = policy.schedule.decode
     growth = headroom if decode is None else decode.spare_growth(headroom)
-    return max(1, min(math.ceil(growth / page_size), SPARE_RUN))
+    return min(growth, SPARE_RUN * page_size) if growth > 0 else page_size
 
 
 # Prompt merges with a batched kernel (kernels.merge.residual_merge: the sequential rule, bit for bit);

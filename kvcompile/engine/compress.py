@@ -102,7 +102,7 @@ def store_layer(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
                                   counts.float(), occupied))
     return cache.plan.store.build(sources, slots, cache.page_size, cache.plan.spare_pages,
                                   gather=cache.plan.selection.gather_pages, storage=cache.policy.storage,
-                                  dtype=cache.plan.dtype)
+                                  dtype=cache.plan.dtype, reserve=cache.plan.spare_entries)
 
 
 def over_heads(plan, x: Tensor) -> Tensor:

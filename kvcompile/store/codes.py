@@ -38,14 +38,15 @@ class CodeStore(LayerStore):
 
     @classmethod
     def build(cls, sources, slots: Tensor, page_size: int, spare_pages: int, gather=None, storage=None,
-              dtype: torch.dtype | None = None) -> "CodeStore":
-        """The float store's `build` (the plain row write), then every page quantized with the part's bits:
+              dtype: torch.dtype | None = None, reserve: int | None = None) -> "CodeStore":
+        """The float store's `build` (the plain row write; its layout, `spare_pages` and `reserve`), then every
+        page quantized with the part's bits:
         values per entry, keys per entry or, for `key_axis` "channel", each channel over the page's entries
         (KIVI: the caller fills every page it quantizes so; an empty slot of a per-entry page is quantized
         alone and never read). `gather` and `dtype` do not apply: the codes are written by the quantizer."""
         from kvcompile.kernels.quantize import quantize
 
-        floats = LayerStore.build(sources, slots, page_size, spare_pages)
+        floats = LayerStore.build(sources, slots, page_size, spare_pages, reserve=reserve)
         k = quantize(floats.k_pages, storage.bits, cls._key_group(storage, floats.k_pages.shape[-1]), cls.key_axis)
         v = quantize(floats.v_pages, storage.bits, storage.group_size(floats.v_pages.shape[-1]))
         fields = {f.name: getattr(floats, f.name) for f in dataclasses.fields(LayerStore)}

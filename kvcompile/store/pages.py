@@ -7,7 +7,8 @@ value `v_pages[p, i]`, score, logical position (−1 − r for residual slot r, 
 stored) and merge count (1 for a plain token, 0 for an empty slot). Each (sequence, KV head) owns
 pages through its block table row: entry e of head (b, h) is slot e % S of page
 `block_table[b, h, e // S]`. A head's residual slots come first, then its prompt tokens in position
-order, then its generated tokens. A new store gives each head ceil(n/S) + spare consecutive pages,
+order, then its generated tokens. A new store gives each head ceil(n/S) + spare consecutive pages, or the
+pages of n + reserve entries where the engine names the reserve (its partly filled last page counted),
 heads in row-major order; a head's decode appends then stay in order in the pool, which the decode
 kernel reads at streaming speed.
 
@@ -49,11 +50,17 @@ class Entries:
     take: Tensor  # (B, H, E) bool
 
 
-def page_table(counts: Tensor, page_size: int, spare_pages: int = 0) -> tuple[Tensor, Tensor]:
+def page_table(counts: Tensor, page_size: int, spare_pages: int = 0,
+               reserve: int | None = None) -> tuple[Tensor, Tensor]:
     """The layout of a new store for heads of `counts` (B, H) entries: block table (B, H, max(1, most
     pages)) long, head (b, h) owning ceil(n/S) + spare_pages consecutive pages in row-major head order
-    (unused columns 0), and the pages each head owns (B, H)."""
-    owned = (counts + page_size - 1) // page_size + spare_pages
+    (unused columns 0), and the pages each head owns (B, H). With `reserve` (entries), a head owns the pages
+    of its n entries and `reserve` more, ceil((n + reserve)/S), and never more than ceil(n/S) + spare_pages:
+    the free slots of its partly filled last page count toward the reserve."""
+    used = (counts + page_size - 1) // page_size
+    owned = used + spare_pages
+    if reserve is not None:
+        owned = torch.minimum((counts + reserve + page_size - 1) // page_size, owned)
     base = owned.flatten().cumsum(0).reshape(counts.shape) - owned
     cols = torch.arange(max(int(owned.max()), 1) if owned.numel() else 1, device=counts.device)
     return torch.where(cols < owned[..., None], base[..., None] + cols, 0), owned
@@ -113,10 +120,12 @@ class LayerStore:
 
     @classmethod
     def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int,
-              gather: Callable = gather_rows, storage=None, dtype: torch.dtype | None = None) -> "LayerStore":
+              gather: Callable = gather_rows, storage=None, dtype: torch.dtype | None = None,
+              reserve: int | None = None) -> "LayerStore":
         """A store holding the taken rows of `sources`, one source after the other per head (merge slots
-        first), in fresh pages laid out by `page_table` with `spare_pages` per head; `slots` (B, H) the
-        occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or the plain
+        first), in fresh pages laid out by `page_table` with `spare_pages` per head, or, with `reserve`
+        (entries: Plan.spare_entries), the pages of `reserve` more entries than the head holds (at most
+        `spare_pages` beyond its own); `slots` (B, H) the occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or the plain
         `gather_rows`). Only the taken rows are copied (no dense copy of the layer). `storage`: the policy's
         storage part. `dtype`: the pages' dtype (the model's; default: the rows'): re-selected rows read from
         codes are float32."""
@@ -127,7 +136,7 @@ class LayerStore:
         d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
         taken = [src.take.sum(-1) for src in sources]  # each (B, H)
         lengths = torch.stack(taken).sum(0)
-        block_table, owned = page_table(lengths, page_size, spare_pages)
+        block_table, owned = page_table(lengths, page_size, spare_pages, reserve)
         cap, room = torch.stack([owned.sum(), (owned * page_size - lengths).min()]).tolist() if owned.numel() \
             else (0, 0)
         store = LayerStore(k_pages=first.keys.new_zeros(cap, page_size, d),
@@ -148,8 +157,9 @@ class LayerStore:
 
     @classmethod
     def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int,
-                   storage=None, dtype: torch.dtype | None = None) -> "LayerStore":
-        """A store holding every head's entries in order (the inverse of `to_heads`)."""
+                   storage=None, dtype: torch.dtype | None = None, reserve: int | None = None) -> "LayerStore":
+        """A store holding every head's entries in order (the inverse of `to_heads`); `spare_pages`,
+        `reserve` as `build`'s."""
         b, h = len(heads), len(heads[0])
         width = max(1, max(len(x.positions) for row in heads for x in row))
         first = heads[0][0]
@@ -166,7 +176,7 @@ class LayerStore:
                 keys[i, j, :n], values[i, j, :n], scores[i, j, :n] = x.keys, x.values, x.scores
                 pos[i, j, :n], counts[i, j, :n], take[i, j, :n] = x.positions, x.counts, True
         return cls.build([Entries(keys, values, scores, pos, counts, take)], (take & (pos < 0)).sum(-1), page_size,
-                         spare_pages, storage=storage, dtype=dtype)
+                         spare_pages, storage=storage, dtype=dtype, reserve=reserve)
 
     def rows(self, index: Tensor, spare_pages: int) -> "LayerStore":
         """A new store whose row i is a copy of row index[i] of this one (entries in the same order,

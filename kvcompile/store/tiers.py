@@ -90,11 +90,12 @@ class TieredStore:
 
     @classmethod
     def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int, gather=None,
-              storage=None, dtype: torch.dtype | None = None) -> "TieredStore":
+              storage=None, dtype: torch.dtype | None = None, reserve: int | None = None) -> "TieredStore":
         """The taken rows of `sources` split by `high_tier`, each tier in a store of its own (the low one
         in pages of `storage.tokens` entries for KIVI). `slots` (B, H): the occupied merge slots, the high
         tier's first entries. `dtype`: the high tier's (the model's; re-selected rows read from codes are
-        float32)."""
+        float32). Each tier gets `spare_pages` whole spare pages a head (`reserve` does not apply: KIVI's
+        flush moves the high tier's pages a run at a time, and `bound` counts whole spares)."""
         src = _cat(sources)
         # one order for every head: slots, then tokens by position (KIVI's groups: consecutive tokens)
         order = _entry_order(src.positions, src.take)
@@ -125,8 +126,9 @@ class TieredStore:
 
     @classmethod
     def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int, storage=None,
-                   dtype: torch.dtype | None = None) -> "TieredStore":
-        """A store holding every head's entries, split again into tiers (`decode: every`)."""
+                   dtype: torch.dtype | None = None, reserve: int | None = None) -> "TieredStore":
+        """A store holding every head's entries, split again into tiers (`decode: every`); whole spare pages,
+        as `build`."""
         flat = LayerStore.from_heads(heads, page_size, spare_pages)
         k, v, scores, pos, counts, stored = flat.gather()
         return cls.build([Entries(k, v, scores, pos, counts, stored)], flat.slots, page_size, spare_pages,
