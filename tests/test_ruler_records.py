@@ -149,6 +149,33 @@ def test_a_bad_line_in_the_middle_is_an_error(tmp_path):
         RecordsFile(path, model="mine")
 
 
+def test_records_of_an_embedded_model_resume_in_any_checkout_and_two_models_are_not_pooled(tmp_path):
+    """A record names its model by the checkpoint folder it was made with; an embedded model's converted folder
+    (`models/<name>`) is that model in any checkout, so a file made in one checkout resumes in another; records of
+    two models are refused by the report (naming a line of each), which would pool them into one table."""
+    good = {"task": "vt", "index": 0, "sample": 0, "seed": 0, "length": 700, "spec": "full", "mode": "agnostic",
+            "fraction": None, "per_head": None, "score": 1.0, "prediction": "x", "source": "kvcompile"}
+    gemma = tmp_path / "gemma.jsonl"
+    gemma.write_text(json.dumps({**good, "model": "/work/wt/a/models/gemma3-270m"}) + "\n")
+    assert len(RecordsFile(gemma, model="/work/main/models/gemma3-270m").records) == 1
+    with pytest.raises(RecordsError, match="model '/work/wt/a/models/gemma3-270m'"):
+        RecordsFile(gemma, model="/work/main/models/smollm2-135m")
+    mine = tmp_path / "mine.jsonl"  # any other folder is itself: the same name elsewhere is another model
+    mine.write_text(json.dumps({**good, "model": "/a/models/checkpoint"}) + "\n")
+    with pytest.raises(RecordsError, match="model '/a/models/checkpoint'"):
+        RecordsFile(mine, model="/b/models/checkpoint")
+    smol = tmp_path / "smol.jsonl"
+    smol.write_text(json.dumps({**good, "sample": 1, "model": "/work/main/models/smollm2-135m"}) + "\n")
+    old = tmp_path / "old.jsonl"  # written before records named their model: pooled with either
+    old.write_text(json.dumps({**good, "sample": 2}) + "\n")
+    with pytest.raises(RecordsError, match=f"'gemma3-270m' \\({re.escape(str(gemma))}, line 1\\) and "
+                                           f"'smollm2-135m' \\({re.escape(str(smol))}, line 1\\)"):
+        read_records([gemma, old, smol])
+    again = tmp_path / "again.jsonl"
+    again.write_text(json.dumps({**good, "sample": 3, "model": "/work/main/models/gemma3-270m"}) + "\n")
+    assert len(read_records([gemma, old, again])) == 3
+
+
 def rec(method, task, index, score, budget=None, mode="agnostic"):
     return {"task": task, "index": index, "sample": index, "seed": 0, "length": 4096, "mode": mode, "spec": method,
             "fraction": budget, "per_head": None, "score": score, "source": "kvcompile" if method != "p" else "x"}

@@ -8,7 +8,8 @@ Each record of a policy carries its `definition` (Policy.definition: a digest of
 A spec name alone does not say what was run: a shipped spec or a part's default can change between
 sessions. A run refuses to add records of a spec to a file whose records of that name were made under
 another definition, or under an unrecorded one (records written before they carried it), and the report
-refuses to pool them, so a row never mixes two definitions.
+refuses to pool them, so a row never mixes two definitions. Likewise a run refuses to add records to a file of
+another model, and the report to pool two models' files (model_identity).
 """
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ def unnumbered(path, number: int, row: dict) -> RecordsError | None:
                             "(written before records named their sample within its task); number them first: "
                             f"python3 scripts/ruler_records_sample.py {path}")
     return None
+
+
+def model_identity(model: str | None) -> str | None:
+    """What a record's `model` (the checkpoint folder it was made with) names: an embedded model's converted folder
+    (`.../models/<name>`, whatever checkout or $KVCOMPILE_HOME holds it) is that model's name, so that records made
+    in one checkout resume and pool with another's; any other folder is itself."""
+    from kvcompile.tools.models import EMBEDDED
+
+    if model is None:
+        return None
+    path = Path(model)
+    return path.name if path.parent.name == "models" and path.name in EMBEDDED else str(model)
 
 
 def _json_key(key: tuple) -> str:
@@ -84,7 +97,7 @@ class RecordsFile:
                 raise RecordsError(f"{self.path}, line {number}: missing field(s) {', '.join(missing)}")
             if (error := unnumbered(self.path, number, row)) is not None:
                 raise error
-            if model is not None and row.get("model") not in (None, model):
+            if model is not None and model_identity(row.get("model")) not in (None, model_identity(model)):
                 raise RecordsError(f"{self.path}, line {number}: a record of model {row.get('model')!r}; this run is "
                                    f"{model!r}: resume into another file")
             self.records.append(row)
@@ -124,8 +137,10 @@ class RecordsFile:
 
 
 def read_records(paths) -> list[dict]:
-    """Every record of these JSONL files (a cut-off last line is skipped, not repaired: read-only)."""
+    """Every record of these JSONL files (a cut-off last line is skipped, not repaired: read-only); RecordsError
+    for records of two models (model_identity), which one table would pool."""
     out = []
+    models: dict = {}  # each model's first record
     for path in paths:
         path = Path(path)
         if not path.is_file():
@@ -145,6 +160,12 @@ def read_records(paths) -> list[dict]:
             if (error := unnumbered(path, number, row)) is not None:
                 raise error
             out.append(row)
+            models.setdefault(model_identity(row.get("model")), f"{path}, line {number}")
+    models.pop(None, None)  # records written before records named their model
+    if len(models) > 1:
+        (a, where_a), (b, where_b) = list(models.items())[:2]
+        raise RecordsError(f"records of {len(models)} models: {a!r} ({where_a}) and {b!r} ({where_b}); a table "
+                           "pools the records it is given, so report one model's files at a time")
     check_one_definition(out)
     return out
 
