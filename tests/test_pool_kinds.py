@@ -145,29 +145,20 @@ def test_one_attention_call_per_layer_per_decode_step_over_codes_and_tiers(kind,
     assert report["decode"]["steps"] == steps and report["decode"]["attention_calls"] == layers * steps
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_codes_decode_by_one_decode_step_call_per_layer_on_the_batch(kind, monkeypatch):
-    """Pages of codes decode in the batch by the decode-step family: per layer and step one call of `TorchStep` (the
-    store of codes' own append, quantizing, and the quantized decode attention) on the four requests as one store of
-    codes over the pool (`BatchCodeStore`), and never the op's decode."""
+@pytest.mark.parametrize("kind, batch", [("int8", BatchCodeStore), ("int4", BatchCodeStore),
+                                         ("mixed", BatchTieredStore), ("kivi", BatchTieredStore),
+                                         ("slots", BatchTieredStore)])
+def test_codes_and_two_tiers_decode_by_one_decode_step_call_per_layer_on_the_batch(kind, batch, monkeypatch):
+    """Pages of codes and two tiers decode in the batch by the decode-step family: per layer and step one call of
+    `TorchStep` on the four requests as one store of their class over the pools, and never the op's decode. Codes
+    (`BatchCodeStore`): the store's own append, quantizing, and the quantized decode attention; two tiers
+    (`BatchTieredStore`): the appending tier's append into its pool, the low tier's flush, the attention over both
+    tiers' pools."""
     model = kind_model(kind)
     assert isinstance(decode_path(model.kvcompile_plan).step, TorchStep)
     calls, alone, report = count_step_calls(model, monkeypatch)
     steps = 10 - 1  # the first token comes from the prompt's forward
-    assert (calls, alone) == ([(4, BatchCodeStore)] * (model.kvcompile_plan.num_layers * steps), 0)
-    assert report["decode"]["steps"] == steps
-
-
-@pytest.mark.parametrize("kind", ["mixed", "kivi", "slots"])
-def test_two_tiers_decode_by_one_decode_step_call_per_layer_on_the_batch(kind, monkeypatch):
-    """Two tiers decode in the batch by the decode-step family as the others do: per layer and step one call of
-    `TorchStep` (the appending tier's append into its pool, the low tier's flush, the attention over both tiers'
-    pools) on the four requests as one store of two tiers (`BatchTieredStore`), and never the op's decode."""
-    model = kind_model(kind)
-    assert isinstance(decode_path(model.kvcompile_plan).step, TorchStep)
-    calls, alone, report = count_step_calls(model, monkeypatch)
-    steps = 10 - 1  # the first token comes from the prompt's forward
-    assert (calls, alone) == ([(4, BatchTieredStore)] * (model.kvcompile_plan.num_layers * steps), 0)
+    assert (calls, alone) == ([(4, batch)] * (model.kvcompile_plan.num_layers * steps), 0)
     assert report["decode"]["steps"] == steps
 
 
