@@ -16,8 +16,9 @@ What a request gets (docs/GENERATE.md, "Serving"):
 - its own sampling: temperature, top_p and seed as `generate()` takes them, its own random generator
   (`kvcompile.integrations.batching.RequestSampling`); `stop` strings, `logprobs`, `stream_options.include_usage`.
 - a failure inside the engine fails the requests of that step with a 500 in the same shape; the engine
-  goes on (`KVCompileBatchingManager._generation_loop_body`); a request whose own sampling cannot pick a token
-  fails alone (`KVCompileBatchProcessor._fail_picks`).
+  goes on (`KVCompileBatchingManager._generation_loop_body`); a request whose own work raises in the engine (its
+  cache's compression or append, its copy of a kept cache, its sampling) fails alone
+  (`KVCompileBatchProcessor._fail_alone`), and so does one whose decoding or stop check raises here (`Job`).
 
 The model name requests carry is `--served-model-name`, by default the checkpoint folder's name (`smollm2-135m` for
 `--model models/smollm2-135m`: `default_model_name`); `GET /v1/models` lists it. Without `--served-model-name`
