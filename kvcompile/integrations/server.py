@@ -785,6 +785,14 @@ class KVCompileServer:
             error = APIError(500, f"the engine failed this request: {exc}", code="engine_error")
             yield f"data: {json.dumps(error.body())}\n\n"
             yield "data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - this layer's failure for this request (its decoding, its stop
+            #   check): its stream ends with the error, as a failure of the engine's would (the engine request is
+            #   cancelled below)
+            log.exception(f"{path}: unexpected error in {job.request_id}'s stream")
+            status, outcome, note = 500, "failed", f"{type(exc).__name__}: {exc}"
+            error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+            yield f"data: {json.dumps(error.body())}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             job.cancel()
             if self.kept is not None:  # in the background: the client may be gone
