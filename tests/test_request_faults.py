@@ -211,3 +211,29 @@ def test_a_batched_kernel_failure_fails_the_requests_of_its_forward_and_the_engi
         assert manager.batch_processor.cache.kvcompile.failed_forwards == 1
         assert run(manager, model, [("later", later, NEW, None)])["later"] == reference(model, later)
         assert_all_given_back(manager)
+
+
+def test_a_request_whose_sampling_fails_streams_no_stand_in_token():
+    """A request whose own sampling raises on its third token (the forward gives its row a stand-in token so the
+    others keep their places): none of its outputs carries the stand-in, its error comes with the two tokens it
+    picked, and a request beside it gets generate()'s tokens."""
+    model = compiled()
+    a, bad = prompts([60, 50])
+    with engine(model) as manager:
+        sampling = RequestSampling.for_config(model, gen_config(NEW))
+        raise_on_call(sampling, "pick", after=2)
+        manager.submit(bad, "bad", NEW, sampling, streaming=True)
+        manager.submit(a, "a", NEW, RequestSampling.for_config(model, gen_config(NEW)))
+        seen, deadline = [], time.monotonic() + 60
+        while not any(s.request_id == "bad" and s.error is not None for s in seen) or \
+                not any(s.request_id == "a" for s in seen):
+            assert time.monotonic() < deadline, seen
+            result = manager.get_result(timeout=1)
+            if result is not None:
+                seen.append(result)
+        mine = [s for s in seen if s.request_id == "bad"]
+        assert mine[-1].error is not None and "injected failure" in mine[-1].error
+        assert all(len(s.generated_tokens) <= 2 for s in mine), [s.generated_tokens for s in mine]
+        assert mine[-1].generated_tokens == reference(model, bad)[:2]
+        assert next(s for s in seen if s.request_id == "a").generated_tokens == reference(model, a)
+        assert_all_given_back(manager)
