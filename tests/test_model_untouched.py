@@ -72,9 +72,12 @@ def _diff(a, b):
 
 
 def user_model(compiled_with: str | None):
-    """A tiny model as a user holds it: plain, or compiled with a policy of their own."""
+    """A tiny model as a user holds it: plain (with SDPA, or "eager": transformers' eager attention), or compiled
+    with a policy of their own."""
     model = tiny_model("llama", layers=2)
-    if compiled_with is not None:
+    if compiled_with == "eager":
+        model.set_attn_implementation("eager")
+    elif compiled_with is not None:
         kvcompile.compile(model, compiled_with, per_head=20)  # (knorm, snapkv with SPEC's windows)
     return model
 
@@ -157,7 +160,7 @@ HELPERS = {"compiled() block": _compiled_block, "compiled() block that raises": 
            "reference captured_states": _reference}
 
 
-@pytest.mark.parametrize("user", [None, "knorm"], ids=["plain", "compiled"])
+@pytest.mark.parametrize("user", [None, "eager", "knorm"], ids=["plain", "eager", "compiled"])
 @pytest.mark.parametrize("helper", list(HELPERS))
 def test_a_helper_leaves_the_users_model_as_it_was(helper, user):
     model = user_model(user)
@@ -192,8 +195,9 @@ COMPILE_CHANGES = {"forward", "generate", "init_continuous_batching", "kvcompile
                    "_kvcompile"}
 
 
-def test_compile_changes_only_what_it_documents_and_uncompile_gives_everything_back():
-    model = user_model(None)
+@pytest.mark.parametrize("user", [None, "eager"], ids=["sdpa", "eager"])
+def test_compile_changes_only_what_it_documents_and_uncompile_gives_everything_back(user):
+    model = user_model(user)
     before = snapshot(model)
     kvcompile.compile(model, "snapkv", **SPEC)
     during = snapshot(model)
@@ -283,3 +287,19 @@ def test_a_helper_that_fails_midway_leaves_the_users_model_as_it_was(helper, use
     with pytest.raises((IndexError, RuntimeError)):
         FAILING[helper](model)
     assert_same(before, snapshot(model), f"{helper} failing")
+
+
+@pytest.mark.filterwarnings("ignore:.*cache_implementation")
+def test_a_compiled_block_on_a_model_with_a_cache_implementation_leaves_it_as_it_was():
+    """A checkpoint's generation_config.cache_implementation (compile() sets it aside, uncompile() puts it back): a
+    compiled() block on the model its user compiled leaves it as compile() left it, and uncompile() then gives
+    the checkpoint's value back."""
+    model = tiny_model("llama", layers=2)
+    model.generation_config.cache_implementation = "static"
+    plain = snapshot(model)
+    kvcompile.compile(model, "knorm", per_head=20)
+    before = snapshot(model)
+    _compiled_block(model)
+    assert_same(before, snapshot(model), "compiled() block")
+    kvcompile.uncompile(model)
+    assert_same(plain, snapshot(model), "uncompile()")

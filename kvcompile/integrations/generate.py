@@ -693,7 +693,7 @@ def compiled(model, spec, **kwargs):
     before = None
     if hasattr(model, _STATE):  # compiled by its user: what uncompile() takes off, put back after the block
         before = ({name: model.__dict__[name] for name in _COMPILED if name in model.__dict__},
-                  model.config._attn_implementation)
+                  model.config._attn_implementation, getattr(model.generation_config, "cache_implementation", None))
     compile(model, spec, **kwargs)
     try:
         yield model
@@ -702,3 +702,4 @@ def compiled(model, spec, **kwargs):
         if before is not None:
             model.__dict__.update(before[0])
             model.set_attn_implementation(before[1])
+            model.generation_config.cache_implementation = before[2]
