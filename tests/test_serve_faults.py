@@ -226,3 +226,31 @@ def test_a_continuations_engine_failure_fails_it_alone_and_the_kept_sequence_ser
     again = requests.post(url(server), json=body(server, TURN1 + answer1 + TURN2), timeout=TIMEOUT).json()
     assert again["choices"][0]["text"] == answer2 and server.metrics()["requests_reused"] == reused + 2
     accounted(server, [])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_cache_that_cannot_be_kept_gives_its_blocks_back_and_the_answer_stands(setup, monkeypatch, stream):
+    """Keeping a finished request's compressed cache for a continuation raises (injected on the server's kept
+    sequences): its answer is delivered as it is, its blocks go back to the pool, and the server goes on."""
+    server, model, tokenizer = setup
+    text = "Keep me if you can."
+
+    def failing(entry):
+        raise Injected("injected failure in keeping a cache")
+
+    monkeypatch.setattr(server.kept, "put", failing)
+    kept = server.metrics()["kept_sequences"]
+    if stream:
+        events = streamed(server, body(server, text))
+        assert text_of(events) == fresh(model, tokenizer, text)
+        rid = events[0]["id"]
+    else:
+        reply = requests.post(url(server), json=body(server, text), timeout=TIMEOUT)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == fresh(model, tokenizer, text)
+        rid = reply.json()["id"]
+    accounted(server, [rid])
+    assert server.metrics()["kept_sequences"] == kept
+    monkeypatch.undo()
+    reply = requests.post(url(server), json=body(server, "And later?"), timeout=TIMEOUT)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == fresh(model, tokenizer, "And later?")

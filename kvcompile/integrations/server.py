@@ -670,9 +670,15 @@ class KVCompileServer:
         if cache is None or outcome is None or job.cut or cache.seq_length != len(ids) - 1:
             self.cache.release_outside(key)
             return
-        nbytes = request_bytes(RequestKV(cache, 0))
-        for dropped in self.kept.put(KeptSequence(tuple(ids), cache, nbytes, key)):
-            self.cache.release_outside(dropped.key)
+        try:
+            dropped = self.kept.put(KeptSequence(tuple(ids), cache, request_bytes(RequestKV(cache, 0)), key))
+        except Exception:  # noqa: BLE001 - keeping it failed: the answer stands, its blocks go back
+            log.exception(f"{job.request_id}: its compressed cache could not be kept for a continuation; its blocks "
+                          "go back to the pool")
+            self.cache.release_outside(key)
+            return
+        for entry in dropped:
+            self.cache.release_outside(entry.key)
 
     def _give_back(self, entry) -> None:
         """A continuation is done with the kept sequence `entry`: release its blocks if it was dropped meanwhile."""
