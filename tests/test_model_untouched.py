@@ -303,3 +303,21 @@ def test_a_compiled_block_on_a_model_with_a_cache_implementation_leaves_it_as_it
     assert_same(before, snapshot(model), "compiled() block")
     kvcompile.uncompile(model)
     assert_same(plain, snapshot(model), "uncompile()")
+
+
+@pytest.mark.parametrize("user", [None, "knorm"], ids=["plain", "compiled"])
+def test_the_ruler_harness_leaves_the_users_model_as_it_was(user):
+    """`kvcompile eval --suite ruler`'s run (run_ruler: the full cache, replayed specs, kvzip's reconstruction over
+    the captured context, a chunked prefill through the compiled model) on the user's model."""
+    from kvcompile.tools import ruler
+    from tests.test_ruler import TOK, sample, tiny_for
+
+    model = tiny_for(TOK, seed=1)
+    if user is not None:
+        kvcompile.compile(model, user, per_head=20)
+    before = snapshot(model)
+    s = {**sample("niah_single_1", length=600), "max_new_tokens": 3}
+    chunked = kvcompile.load_spec("expected_attention", name="ea_chunked", schedule={"prefill": {"chunk": 128}})
+    ruler.run_ruler(model, TOK, [s], ["snapkv", "kvzip", chunked], modes=("agnostic", "aware"), fractions=[0.5],
+                    quiet=True)
+    assert_same(before, snapshot(model), "run_ruler")
