@@ -83,10 +83,11 @@ def on_cache_of(manager, name: str, inject) -> None:
     cache.begin_batch = begin_and_inject
 
 
-def raise_on_call(obj, method: str, after: int = 0):
-    """`obj.method` (on that instance only) raising Injected from its call number `after` + 1 on."""
+def raise_on_call(obj, method: str, after: int = 0, calls: list | None = None):
+    """`obj.method` (on that instance only) raising Injected from its call number `after` + 1 on (`calls`: the count,
+    shared with earlier injections)."""
     original = getattr(obj, method)
-    calls = []
+    calls = [] if calls is None else calls
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -119,17 +120,21 @@ FAULTS = {
     # its third decode step, in the batched step: its cache counting the token
     "advance": lambda cache: raise_on_call(cache, "advance", after=3),
     # a decode step in the batched step: its layer-1 store making room for the token (before that layer's kernel)
-    "make_room": lambda cache: after_adoption(cache, lambda: raise_on_call(cache.stores[1], "make_room", after=2)),
+    "make_room": lambda cache: on_layer_store(cache, 1, "make_room", after=2),
 }
 
 
-def after_adoption(cache, inject) -> None:
-    """`inject()` once the cache's pages have moved into the engine's pools (its stores replaced by pooled ones)."""
-    hold = cache.hold_stores
+def on_layer_store(cache, layer: int, method: str, after: int) -> None:
+    """`raise_on_call` on the cache's layer-`layer` store once its pages are in the engine's pools, and on every store
+    object that replaces it there (a store of two tiers is a new object after each forward), one count for all."""
+    hold, calls, done = cache.hold_stores, [], set()
 
     def hold_and_inject(stores):
         hold(stores)
-        inject()
+        store = cache.stores[layer]
+        if id(store) not in done:
+            done.add(id(store))
+            raise_on_call(store, method, after, calls)
 
     cache.hold_stores = hold_and_inject
 
@@ -237,3 +242,24 @@ def test_a_request_whose_sampling_fails_streams_no_stand_in_token():
         assert mine[-1].generated_tokens == reference(model, bad)[:2]
         assert next(s for s in seen if s.request_id == "a").generated_tokens == reference(model, a)
         assert_all_given_back(manager)
+
+
+# other batched decode steps: the plan's own step on the batch (h2o: running scores; zsmerge: online eviction and
+# its split per request), and a store of two tiers (kivi: full-precision recent entries, int codes beside them)
+OTHER_PATHS = {"h2o": dict(per_head=40, ranking={"by_score": {"sinks": 0, "window": 8}}), "zsmerge": dict(per_head=40),
+               "kivi": dict(per_head=40)}
+
+
+@pytest.mark.parametrize("where", ["advance", "make_room"])
+@pytest.mark.parametrize("spec", list(OTHER_PATHS))
+def test_one_requests_failure_in_other_batched_steps_fails_it_alone(spec, where):
+    model = compiled(spec, **OTHER_PATHS[spec])
+    assert isinstance(decode_path(model.kvcompile_plan), BatchedDecode)
+    a, bad, c = prompts([60, 50, 70])
+    with engine(model) as manager:
+        on_cache_of(manager, "bad", FAULTS[where])
+        outcomes = run(manager, model, [("a", a, NEW, None), ("bad", bad, NEW, None), ("c", c, NEW, None)])
+        assert isinstance(outcomes["bad"], str) and "injected failure" in outcomes["bad"], outcomes["bad"]
+        assert outcomes["a"] == reference(model, a) and outcomes["c"] == reference(model, c)
+        assert_all_given_back(manager)
+        assert manager.batch_processor.cache.kvcompile.failed_forwards == 0
