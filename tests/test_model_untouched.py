@@ -321,3 +321,17 @@ def test_the_ruler_harness_leaves_the_users_model_as_it_was(user):
     ruler.run_ruler(model, TOK, [s], ["snapkv", "kvzip", chunked], modes=("agnostic", "aware"), fractions=[0.5],
                     quiet=True)
     assert_same(before, snapshot(model), "run_ruler")
+
+
+def test_an_engine_refused_on_a_compiled_model_changes_nothing():
+    """init_continuous_batching (generate_batch, the server's engine) refuses a policy the engine cannot run before
+    anything changes: the model keeps its attention and its generation config (an unset eos_token_id included)."""
+    from kvcompile.integrations.batching import BatchingError
+
+    model = tiny_model("llama", layers=2)
+    model.generation_config.eos_token_id = None
+    kvcompile.compile(model, "snapkv", **SPEC, schedule={"cascade": False, "decode": {"every": {"n": 4}}})
+    before = snapshot(model)
+    with pytest.raises(BatchingError, match="prunes every 4"):
+        model.init_continuous_batching()
+    assert_same(before, snapshot(model), "init_continuous_batching refused")

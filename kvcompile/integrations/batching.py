@@ -1105,7 +1105,9 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
 
 def init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None):
     """`ContinuousMixin.init_continuous_batching` for a compiled model (compile() installs it on the
-    instance): the same arguments and cached-manager rule, returning a KVCompileBatchingManager."""
+    instance): the same arguments and cached-manager rule, returning a KVCompileBatchingManager. A generation config
+    without an eos_token_id runs as a copy with -1 (no end token), as transformers runs it; unlike transformers, the
+    model's (or the caller's) config is left as it is, also when the engine refuses the model."""
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, ContinuousBatchingManager):
         cached.switch_to_cb_friendly_attn(model, cached.continuous_batching_config.auto_switch_to_flash)
@@ -1114,6 +1116,7 @@ def init_continuous_batching(model, generation_config=None, continuous_batching_
     if gen is None:
         raise ValueError("A GenerationConfig must be provided or set in the model.")
     if gen.eos_token_id is None:
+        gen = copy.deepcopy(gen)
         gen.eos_token_id = -1
     if continuous_batching_config is None:
         continuous_batching_config = getattr(gen, "continuous_batching_config", None)
