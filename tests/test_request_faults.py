@@ -117,6 +117,8 @@ FAULTS = {
     "compression": lambda cache: raise_on_call(cache, "hold_store", after=1),
     # after the forward that compressed it: its pages' move into the engine's pools
     "adoption": lambda cache: raise_on_call(cache, "hold_stores"),
+    # after a later forward, its pages in the pools already (a store of two tiers is bound to a new object then)
+    "later adoption": lambda cache: raise_on_call(cache, "hold_stores", after=2),
     # its third decode step, in the batched step: its cache counting the token
     "advance": lambda cache: raise_on_call(cache, "advance", after=3),
     # a decode step in the batched step: its layer-1 store making room for the token (before that layer's kernel)
@@ -250,7 +252,7 @@ OTHER_PATHS = {"h2o": dict(per_head=40, ranking={"by_score": {"sinks": 0, "windo
                "kivi": dict(per_head=40)}
 
 
-@pytest.mark.parametrize("where", ["advance", "make_room"])
+@pytest.mark.parametrize("where", ["advance", "make_room", "later adoption"])
 @pytest.mark.parametrize("spec", list(OTHER_PATHS))
 def test_one_requests_failure_in_other_batched_steps_fails_it_alone(spec, where):
     model = compiled(spec, **OTHER_PATHS[spec])

@@ -44,7 +44,7 @@ from torch import Tensor
 from kvcompile.engine.decode import begin_decoding
 from kvcompile.engine.online import TorchStep
 from kvcompile.engine.state import Phase
-from kvcompile.store.pool import BATCH, PagePools
+from kvcompile.store.pool import BATCH, PagePools, tiers
 from kvcompile.store.tiers import TieredStore
 
 if TYPE_CHECKING:
@@ -176,8 +176,7 @@ class PooledPages:
                 cache.hold_stores(pooled)
             except BaseException:  # the pools' pages back: the cache keeps its own, and the request fails
                 for store, own in zip(pooled, cache.stores):
-                    if store is not own:
-                        PagePools.release(store)
+                    _release_new(store, own)
                 raise
 
     def release(self, cache: KVCompileCache) -> None:
@@ -200,12 +199,19 @@ class PooledPages:
             return copy.deepcopy(cache, {id(store): copied for store, copied in adopted})
         except BaseException:  # the copy's pages back to the pools: the request fails without them
             for store, copied in adopted:
-                if copied is not store:
-                    PagePools.release(copied)
+                _release_new(copied, store)
             raise
 
     def report(self) -> dict:
         return {**self.counts, "pool": None if self.pools is None else self.pools.report()}
+
+
+def _release_new(adopted, original) -> None:
+    """The pool pages `PagePools.adopt` took for `adopted` (the tiers not already `original`'s) given back."""
+    mine = {id(tier) for tier in tiers(original)}
+    for tier in tiers(adopted):
+        if id(tier) not in mine:
+            PagePools.release(tier)
 
 
 @dataclass
