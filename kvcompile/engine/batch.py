@@ -44,7 +44,7 @@ from torch import Tensor
 from kvcompile.engine.decode import begin_decoding
 from kvcompile.engine.online import TorchStep
 from kvcompile.engine.state import Phase
-from kvcompile.store.pool import BATCH, PagePools
+from kvcompile.store.pool import BATCH, PagePools, tiers
 from kvcompile.store.tiers import TieredStore
 
 if TYPE_CHECKING:
@@ -52,9 +52,24 @@ if TYPE_CHECKING:
     from kvcompile.plan import Plan
 
 
+class RequestFault(Exception):
+    """One request's own work in a batched step raised (its store making room for its token, before the layer's
+    kernel ran): `cache` is that request's, `error` what it raised. The serving engine drops the request from the
+    batch (`DecodeBatch.without`) and fails it alone; the kernel's own failure covers every request of the batch
+    and is raised as it is."""
+
+    def __init__(self, cache, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.cache, self.error = cache, error
+
+
 @dataclass
 class DecodeBatch:
-    """The requests of a step that decode one token each, together: per layer one call of `step` on them."""
+    """The requests of a step that decode one token each, together: per layer one call of `step` on them.
+
+    A request's own work (its store making room, its cache counting the token) is attributed to it: making room
+    raises `RequestFault` before the layer's kernel, counting the token is recorded in `faults` while the others
+    count theirs; the kernel call, which covers every request of the batch, is not anyone's alone."""
 
     caches: list  # KVCompileCache of each request, in the order of `index`
     index: Tensor  # (R,) long: each request's token in the packed forward
@@ -65,6 +80,7 @@ class DecodeBatch:
     whole: bool  # the batch is the whole forward, in order
     step: object = None  # the decode step run on the batch (`BatchedDecode.step`, kvcompile.kernels.online_step)
     split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
+    faults: list = field(default_factory=list)  # (cache, error) of the requests whose count of the token raised
 
     def __post_init__(self):
         if self.caches[0].plan.online_eviction:
@@ -79,8 +95,11 @@ class DecodeBatch:
         for cache, store in zip(caches, stores):
             # a head's pages are full: it takes its next run, of its own plan's size (a continued request's plan
             # reserves another headroom than the fresh requests' beside it)
-            if store.make_room(cache.plan.spare_pages):
-                cache.count_host_sync("append")
+            try:
+                if store.make_room(cache.plan.spare_pages):
+                    cache.count_host_sync("append")
+            except Exception as error:  # noqa: BLE001 - this request's own: nothing of the layer ran yet
+                raise RequestFault(cache, error) from error
         if self.whole:
             q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         else:
@@ -95,10 +114,23 @@ class DecodeBatch:
         self.counts["attention_calls"] += 1
         if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
-                cache.advance(1)
+                try:
+                    cache.advance(1)
+                except Exception as error:  # noqa: BLE001 - this request's own: the others count theirs
+                    self.faults.append((cache, error))
             self.counts["steps"] += 1
             self.counts["tokens"] += len(caches)
         return out.to(query.dtype)
+
+    def without(self, dropped: list) -> "DecodeBatch | None":
+        """This batch without the requests whose caches are in `dropped` (they failed alone): the next layers run
+        on the others (None: no request left)."""
+        rows = [i for i, cache in enumerate(self.caches) if not any(cache is d for d in dropped)]
+        if not rows:
+            return None
+        keep = torch.tensor(rows, device=self.index.device)
+        return DecodeBatch([self.caches[i] for i in rows], self.index[keep], self.positions[keep], self.counts,
+                           self.tables, False, self.step)  # (its split: the caches', __post_init__)
 
     def _held(self, layer: int, stores: list) -> tuple[Tensor, ...] | None:
         """The last step's block table and counters of `layer`, cut to the rows of `stores`, where every store was
@@ -137,7 +169,15 @@ class PooledPages:
     def adopt(self, cache: KVCompileCache) -> None:
         """Move a request's compressed layers into the pools (once, after the forward that compressed them)."""
         if self.pools is not None:
-            cache.hold_stores([self.pools.adopt(layer, store) for layer, store in enumerate(cache.stores)])
+            pooled = []
+            try:
+                for layer, store in enumerate(cache.stores):
+                    pooled.append(self.pools.adopt(layer, store))
+                cache.hold_stores(pooled)
+            except BaseException:  # the pools' pages back: the cache keeps its own, and the request fails
+                for store, own in zip(pooled, cache.stores):
+                    _release_new(store, own)
+                raise
 
     def release(self, cache: KVCompileCache) -> None:
         """A request ended: its pages go back to the pools."""
@@ -152,13 +192,26 @@ class PooledPages:
     def copy_in(self, cache: KVCompileCache) -> KVCompileCache:
         """A copy of `cache` (kept outside the engine, left as it is) with its pages copied into the pools: a request
         that continues a kept sequence (kvcompile serve --reuse-context)."""
-        memo = {}
-        if self.pools is not None:
-            memo = {id(store): self.pools.adopt(layer, store) for layer, store in enumerate(cache.stores)}
-        return copy.deepcopy(cache, memo)
+        adopted = []
+        try:
+            for layer, store in enumerate(cache.stores if self.pools is not None else ()):
+                adopted.append((store, self.pools.adopt(layer, store)))
+            return copy.deepcopy(cache, {id(store): copied for store, copied in adopted})
+        except BaseException:  # the copy's pages back to the pools: the request fails without them
+            for store, copied in adopted:
+                _release_new(copied, store)
+            raise
 
     def report(self) -> dict:
         return {**self.counts, "pool": None if self.pools is None else self.pools.report()}
+
+
+def _release_new(adopted, original) -> None:
+    """The pool pages `PagePools.adopt` took for `adopted` (the tiers not already `original`'s) given back."""
+    mine = {id(tier) for tier in tiers(original)}
+    for tier in tiers(adopted):
+        if id(tier) not in mine:
+            PagePools.release(tier)
 
 
 @dataclass
@@ -181,12 +234,13 @@ class BatchedDecode(PooledPages):
     tables: list = None  # per layer, the last batch's block table and lengths (reused while its stores are unchanged)
     step: object = None  # the decode step the batch runs (`decode_path`)
 
-    def plan(self, requests: list[tuple[KVCompileCache, int]]) -> StepPlan:
+    def plan(self, requests: list[tuple[KVCompileCache | None, int]]) -> StepPlan:
         """The step's plan: which requests decode in the batch (one token after the compressed prompt, pages in the
-        pools; a first decode step enters decoding here), in the order of the packed tokens."""
+        pools; a first decode step enters decoding here), in the order of the packed tokens (a cache None: a request
+        that failed before the forward, alone)."""
         alone, batched, index, offset = [], [], [], 0
         for i, (cache, tokens) in enumerate(requests):
-            if tokens == 1 and cache.phase in (Phase.COMPRESSED, Phase.DECODING) \
+            if cache is not None and tokens == 1 and cache.phase in (Phase.COMPRESSED, Phase.DECODING) \
                     and all(PagePools.pooled(s) for s in cache.stores):
                 begin_decoding(cache)  # a first decode step: the request enters decoding here, its attention batched
                 batched.append(cache)

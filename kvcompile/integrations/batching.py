@@ -61,6 +61,7 @@ pool's budget (carving them out of the pool's memory is future work, see INTERNA
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -88,7 +89,7 @@ from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
 from kvcompile.integrations import transformers_patches
 from kvcompile.plan import Plan
-from kvcompile.engine.batch import PooledPages, StepPlan, decode_path
+from kvcompile.engine.batch import PooledPages, RequestFault, StepPlan, decode_path
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 from kvcompile.store.tiers import TieredStore
 
@@ -242,6 +243,9 @@ class BatchingState:
     #   a request continues (`submit(continues=...)`; never written: the request works on a copy in the pools),
     #   until the request ends
     pages: PooledPages = None  # where requests keep their pages and how a step decodes (engine.batch.decode_path)
+    faults: dict[str, Exception] = field(default_factory=dict)  # by request id: requests of the step under way whose
+    #   own work raised (their cache made or copied, its compression or append, its pages' move into the pools): the
+    #   rest of the step leaves them out and `update_batch` fails each alone
     step: StepPlan | None = None  # the next forward's plan (`pages.plan`)
 
     def __post_init__(self):
@@ -447,6 +451,7 @@ class KVCompilePagedCache(PagedAttentionCache):
         self.kvcompile.continued.clear()
         self.kvcompile.batch = []
         self.kvcompile.rows = []
+        self.kvcompile.faults = {}
 
     def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
         raise BatchingError("kvcompile: forking a request (num_return_sequences > 1) is not supported")
@@ -588,61 +593,81 @@ class KVCompilePagedCache(PagedAttentionCache):
         seen for the first time gets its cache, sized for its max_new_tokens as generate() sizes it, or, continuing
         a kept cache, a copy of that cache in the pools."""
         state = self.kvcompile
+        state.faults = {}
         batch = []
         for future in scheduled:
             request = future.state
-            kv = state.requests.get(request.request_id)
-            if kv is None:
-                prompt = self.prompt_length(request)
-                continues = state.continued.get(request.request_id)
-                first = 0 if continues is None else continues.seq_length
-                if request.position_offset - future.query_length != first:
-                    raise BatchingError(f"kvcompile: request {request.request_id} starts at token "
-                                        f"{request.position_offset - future.query_length}, not {first} (prefix sharing "
-                                        "or an offloaded request, which kvcompile does not restore)")
-                if continues is not None:
-                    kv = RequestKV(state.pages.copy_in(continues), prompt)
-                else:
-                    kv = RequestKV(KVCompileCache.from_plan(state.plan.with_headroom(self.headroom(request))), prompt)
-                    if future.query_length < prompt:  # the engine splits the prompt: compressed when it ends
-                        kv.cache.expect_prompt(prompt)
-                state.requests[request.request_id] = kv
-            start = request.position_offset - future.query_length
-            if start < kv.prompt_length < request.position_offset or (start >= kv.prompt_length
-                                                                     and future.query_length > 1):
-                raise BatchingError(f"kvcompile: request {request.request_id} brings tokens {start}.."
-                                    f"{request.position_offset - 1} in one forward, past its {kv.prompt_length}-token "
-                                    "prompt: each token after the prompt must be a decode step of its own")
+            try:
+                kv = self._request_kv(future)
+            except Exception as error:  # noqa: BLE001 - this request's own: the forward runs without its cache
+                state.faults[request.request_id] = error
+                kv = None
             batch.append(Segment(request.request_id, kv, future.query_length))
         state.batch = batch
-        state.step = state.pages.plan([(seg.kv.cache, seg.length) for seg in batch])
+        state.step = state.pages.plan([(None if seg.kv is None else seg.kv.cache, seg.length) for seg in batch])
         state.rows = [future.state for future in scheduled if future.has_new_token]
         state.peak_requests = max(state.peak_requests, len(state.requests))
+
+    def _request_kv(self, future) -> RequestKV:
+        """The cache a scheduled request's forward runs on: its own, or, seen for the first time, a new one sized for
+        its max_new_tokens as generate() sizes it, or, continuing a kept cache, a copy of that cache in the pools."""
+        state, request = self.kvcompile, future.state
+        kv = state.requests.get(request.request_id)
+        if kv is None:
+            prompt = self.prompt_length(request)
+            continues = state.continued.get(request.request_id)
+            first = 0 if continues is None else continues.seq_length
+            if request.position_offset - future.query_length != first:
+                raise BatchingError(f"kvcompile: request {request.request_id} starts at token "
+                                    f"{request.position_offset - future.query_length}, not {first} (prefix sharing "
+                                    "or an offloaded request, which kvcompile does not restore)")
+            if continues is not None:
+                kv = RequestKV(state.pages.copy_in(continues), prompt)
+            else:
+                kv = RequestKV(KVCompileCache.from_plan(state.plan.with_headroom(self.headroom(request))), prompt)
+                if future.query_length < prompt:  # the engine splits the prompt: compressed when it ends
+                    kv.cache.expect_prompt(prompt)
+            state.requests[request.request_id] = kv
+        start = request.position_offset - future.query_length
+        if start < kv.prompt_length < request.position_offset or (start >= kv.prompt_length
+                                                                 and future.query_length > 1):
+            raise BatchingError(f"kvcompile: request {request.request_id} brings tokens {start}.."
+                                f"{request.position_offset - 1} in one forward, past its {kv.prompt_length}-token "
+                                "prompt: each token after the prompt must be a decode step of its own")
+        return kv
 
     def sync_blocks(self) -> None:
         """After a forward: every request of the batch keeps the blocks that cover what its cache holds;
         the others go back to the pool (after a prompt's compression, most of them)."""
         state = self.kvcompile
-        allocator = self.allocator
         for segment in state.batch:
-            kv = state.requests.get(segment.request_id)
-            table = allocator.block_table.get(segment.request_id)
-            if kv is None or table is None:
+            if segment.request_id in state.faults:  # failed in the forward: its blocks go back as it fails
                 continue
-            if not kv.compressed:  # a prompt in chunks keeps its reservation until it is compressed
-                continue
-            state.pages.adopt(kv.cache)  # its pages in the engine's pools (once)
-            held = request_bytes(kv)
-            blocks = math.ceil(held / state.bytes_per_block)
-            if blocks > len(table):
-                raise RuntimeError(f"kvcompile: request {segment.request_id} holds {held} bytes, more than its "
-                                   f"{len(table)} reserved blocks ({len(table) * state.bytes_per_block} bytes)")
-            if blocks < len(table):
-                freed = table[blocks:]
-                del table[blocks:]
-                self.pool.free_blocks(allocator.index, freed)
-                state.blocks_released += len(freed)
+            try:
+                self._sync_request(segment.request_id)
+            except Exception as error:  # noqa: BLE001 - this request's own: the others keep their blocks
+                state.faults[segment.request_id] = error
         state.batch = []
+
+    def _sync_request(self, request_id: str) -> None:
+        state, allocator = self.kvcompile, self.allocator
+        kv = state.requests.get(request_id)
+        table = allocator.block_table.get(request_id)
+        if kv is None or table is None:
+            return
+        if not kv.compressed:  # a prompt in chunks keeps its reservation until it is compressed
+            return
+        state.pages.adopt(kv.cache)  # its pages in the engine's pools (once)
+        held = request_bytes(kv)
+        blocks = math.ceil(held / state.bytes_per_block)
+        if blocks > len(table):
+            raise RuntimeError(f"kvcompile: request {request_id} holds {held} bytes, more than its "
+                               f"{len(table)} reserved blocks ({len(table) * state.bytes_per_block} bytes)")
+        if blocks < len(table):
+            freed = table[blocks:]
+            del table[blocks:]
+            self.pool.free_blocks(allocator.index, freed)
+            state.blocks_released += len(freed)
 
     def memory_report(self) -> dict:
         """The pool and what each live request holds, in bytes and blocks."""
@@ -678,24 +703,70 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
         return ready
 
     def update_batch(self) -> None:
+        """After a forward: every request's blocks synced to what its cache holds, then the engine's update of the
+        forward's requests but those that failed alone (`_failing`), then each of those failed with its own error."""
         with self.cache.kvcompile.pool_lock:
             self.cache.sync_blocks()
-            super().update_batch()
-            self._fail_picks()
+            failing = self._failing()
+            if failing:
+                with self._updating_without(failing):
+                    super().update_batch()
+            else:
+                super().update_batch()
+            self._fail_alone(failing)
         self.forward = []
 
-    def _fail_picks(self) -> None:
-        """Fail, alone, each request of this forward whose own sampling could not pick its token
-        (`RequestSampling.error`: the forward gave it a stand-in token, which no caller may read as its answer):
-        its error is delivered and its blocks go back; the forward's other requests go on."""
-        scheduler, sampling = self.scheduler, self.cache.kvcompile.sampling
+    def _failing(self) -> dict:
+        """The requests of this forward that fail alone, with their errors: their own work raised
+        (`BatchingState.faults`), or their own sampling could not pick their token (`RequestSampling.error`: the
+        forward gave it a stand-in token, which no caller may read as its answer)."""
+        state = self.cache.kvcompile
+        failing = {}
+        for request in self.forward:
+            picked = state.sampling.get(request.request_id)
+            error = state.faults.get(request.request_id)
+            if error is None and picked is not None:
+                error = picked.error
+            if error is not None:
+                failing[request.request_id] = error
+        state.faults = {}
+        return failing
+
+    @contextlib.contextmanager
+    def _updating_without(self, failing: dict):
+        """The engine's update (`ContinuousBatchProcessor.update_batch`) reads the forward's requests and their
+        tokens from `inputs_and_outputs.prepare_batch_update()`: for it, they are those without `failing` (their
+        rows dropped), so that none of their tokens is recorded or delivered."""
+        io = self.inputs_and_outputs
+        requests, tokens, logprobs = io.prepare_batch_update()
+        kept, kept_tokens, kept_logprobs, row = [], [], [] if logprobs is not None else None, 0
+        for future in requests:
+            keep = future.state.request_id not in failing
+            if keep:
+                kept.append(future)
+            if future.has_new_token:
+                if keep:
+                    kept_tokens.append(tokens[row])
+                    if logprobs is not None:
+                        kept_logprobs.append(logprobs[row])
+                row += 1
+        io.prepare_batch_update = lambda: (kept, kept_tokens, kept_logprobs)
+        try:
+            yield
+        finally:
+            del io.prepare_batch_update
+
+    def _fail_alone(self, failing: dict) -> None:
+        """Fail each request of `failing` alone: its error is delivered and its blocks and pages go back; the
+        forward's other requests go on."""
+        scheduler = self.scheduler
         for state in self.forward:
-            picked = sampling.get(state.request_id)
-            if picked is None or picked.error is None or state.request_id not in scheduler.active_requests:
+            error = failing.get(state.request_id)
+            if error is None or state.request_id not in scheduler.active_requests:
                 continue
-            logger.error(f"kvcompile: request {state.request_id} failed to pick its token "
-                         f"({type(picked.error).__name__}: {picked.error}); the others of its forward go on")
-            self._handle_request_error(picked.error, state)
+            logger.error(f"kvcompile: request {state.request_id} failed ({type(error).__name__}: {error}); the "
+                         "others of its forward go on")
+            self._handle_request_error(error, state)
             scheduler.finish_request(state.request_id)
 
     def fail_forward(self, error: Exception) -> list[str]:
@@ -724,6 +795,7 @@ class KVCompileBatchProcessor(ContinuousBatchProcessor):
         self.forward = []
         self.cache.kvcompile.batch = []
         self.cache.kvcompile.rows = []
+        self.cache.kvcompile.faults = {}
         self.cache.kvcompile.failed_forwards += 1
         return failed
 
@@ -754,7 +826,7 @@ class KVCompileModelRunner(ModelRunner):
         for i, request in enumerate(rows):
             raw = scores[i:i + 1]
             sampling = state.sampling.get(request.request_id)
-            if sampling is None:
+            if sampling is None or request.request_id in state.faults:  # (a failed request's token: never read)
                 tokens.append(raw.argmax(-1))
                 continue
             history = torch.tensor([request.initial_tokens + request.generated_tokens], device=raw.device)
@@ -841,43 +913,69 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
                        dropout: float = 0.0, cache=None, **kwargs):
     """The attention of a packed batch (1, H, T, d): each request's run of tokens through
     `torch.ops.kvcompile.attend` on its own cache, as generate() runs it (prefill + compression, a
-    prompt chunk, or decode steps). A call from outside the engine while it runs (generate() on the same
-    model) takes kvcompile's ordinary attention."""
+    prompt chunk, or decode steps), the step's decode tokens as one batch where the policy allows. A call from
+    outside the engine while it runs (generate() on the same model) takes kvcompile's ordinary attention.
+
+    A request's own work that raises (its op call; in the batch, its store making room or its cache counting the
+    token: `engine.batch.RequestFault`, `DecodeBatch.faults`) is that request's fault (`BatchingState.faults`): its
+    tokens' outputs are zeros from then on, the batch goes on without it, and no other token reads them (each
+    request attends over its own cache only; the projections and MLPs are per token), so the other requests'
+    outputs are those of the forward without it. The batched kernel call covers every request of the batch: its
+    failure is no one request's and fails the forward (the engine fails every request it packed)."""
     if not isinstance(cache, KVCompilePagedCache):
         return kvcompile_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                    **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    batch = cache.kvcompile.batch
+    state = cache.kvcompile
+    batch, faults = state.batch, state.faults
     total = sum(seg.length for seg in batch)
     if total != query.shape[2]:
         raise RuntimeError(f"kvcompile: the forward packs {query.shape[2]} tokens, the scheduled requests {total}")
-    outs, start = [], 0
-    layer, kinds = module.layer_idx, cache.kvcompile.plan.layer_kinds
+    layer, kinds = module.layer_idx, state.plan.layer_kinds
     local = kinds is not None and kinds.windows[layer] is not None  # a hybrid model's local layer: its window
     if kinds is not None and not local:
         layer = kinds.engine[layer]  # its number among the layers the policy compresses
-    step = cache.kvcompile.step
-    if len(step.alone) == len(batch):  # every request alone (the op per request)
-        for seg in batch:
-            end = start + seg.length
-            outs.append(_alone(seg, layer, local, query[:, :, start:end], key[:, :, start:end],
-                               value[:, :, start:end], scale))
-            start = end
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out.transpose(1, 2).contiguous(), None
-    batched = step.batch.run(layer, query, key, value, scale)  # a batch of decode tokens (engine.batch)
-    if not step.alone:  # the whole forward, in order
-        return batched.unsqueeze(0), None
-    out = query.new_empty(query.shape)  # and the others alone
-    out[0, :, step.batch.index] = batched.transpose(0, 1)
+    step = state.step
+    batched = ran = None
+    while step.batch is not None:  # a batch of decode tokens (engine.batch)
+        ran = step.batch
+        try:
+            batched = ran.run(layer, query, key, value, scale)
+        except RequestFault as fault:  # one request's store could not make room: the batch goes on without it
+            faults[_request_of(batch, fault.cache)] = fault.error
+            step.batch = ran.without([fault.cache])
+            continue
+        if ran.faults:  # a request's count of its token raised (the step's last layer): its own
+            for failed, error in ran.faults:
+                faults[_request_of(batch, failed)] = error
+            step.batch = ran.without([failed for failed, _ in ran.faults])
+        break
+    if batched is not None and not step.alone and ran.whole and not faults:
+        return batched.unsqueeze(0), None  # the whole forward, in order
+    out = query.new_zeros(query.shape)
+    if batched is not None:
+        out[0, :, ran.index] = batched.transpose(0, 1)
     starts = [0]
     for seg in batch:
         starts.append(starts[-1] + seg.length)
     for i in step.alone:
         seg, start, end = batch[i], starts[i], starts[i + 1]
-        out[:, :, start:end] = _alone(seg, layer, local, query[:, :, start:end], key[:, :, start:end],
-                                      value[:, :, start:end], scale)
+        if seg.request_id in faults:
+            continue
+        try:
+            out[:, :, start:end] = _alone(seg, layer, local, query[:, :, start:end], key[:, :, start:end],
+                                          value[:, :, start:end], scale)
+        except Exception as error:  # noqa: BLE001 - this request's own: the others of the forward go on
+            faults[seg.request_id] = error
+            out[:, :, start:end] = 0
+    for seg, start, end in zip(batch, starts, starts[1:]):  # a request that failed in an earlier layer or the batch
+        if seg.request_id in faults:
+            out[:, :, start:end] = 0
     return out.transpose(1, 2).contiguous(), None
+
+
+def _request_of(batch: list, cache) -> str:
+    return next(seg.request_id for seg in batch if seg.kv is not None and seg.kv.cache is cache)
 
 
 def _alone(seg: Segment, layer: int, local: bool, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -1007,7 +1105,9 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
 
 def init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None):
     """`ContinuousMixin.init_continuous_batching` for a compiled model (compile() installs it on the
-    instance): the same arguments and cached-manager rule, returning a KVCompileBatchingManager."""
+    instance): the same arguments and cached-manager rule, returning a KVCompileBatchingManager. A generation config
+    without an eos_token_id runs as a copy with -1 (no end token), as transformers runs it; unlike transformers, the
+    model's (or the caller's) config is left as it is, also when the engine refuses the model."""
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, ContinuousBatchingManager):
         cached.switch_to_cb_friendly_attn(model, cached.continuous_batching_config.auto_switch_to_flash)
@@ -1016,6 +1116,7 @@ def init_continuous_batching(model, generation_config=None, continuous_batching_
     if gen is None:
         raise ValueError("A GenerationConfig must be provided or set in the model.")
     if gen.eos_token_id is None:
+        gen = copy.deepcopy(gen)
         gen.eos_token_id = -1
     if continuous_batching_config is None:
         continuous_batching_config = getattr(gen, "continuous_batching_config", None)

@@ -682,11 +682,24 @@ def uncompile(model):
     return model
 
 
+_COMPILED = ("forward", "generate", "init_continuous_batching", "kvcompile_policy", "kvcompile_plan", _STATE)
+
+
 @contextmanager
 def compiled(model, spec, **kwargs):
-    """`with kvcompile.compiled(model, "lava"): ...` compiles for the block only."""
+    """`with kvcompile.compiled(model, "lava"): ...` compiles for the block only. After it the model is as it was
+    before: plain, or compiled with its own policy (its very entries, plan and attention come back; a
+    continuous-batching engine cached on it is stopped, as compile() stops it)."""
+    before = None
+    if hasattr(model, _STATE):  # compiled by its user: what uncompile() takes off, put back after the block
+        before = ({name: model.__dict__[name] for name in _COMPILED if name in model.__dict__},
+                  model.config._attn_implementation, getattr(model.generation_config, "cache_implementation", None))
     compile(model, spec, **kwargs)
     try:
         yield model
     finally:
         uncompile(model)
+        if before is not None:
+            model.__dict__.update(before[0])
+            model.set_attn_implementation(before[1])
+            model.generation_config.cache_implementation = before[2]

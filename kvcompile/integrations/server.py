@@ -16,8 +16,9 @@ What a request gets (docs/GENERATE.md, "Serving"):
 - its own sampling: temperature, top_p and seed as `generate()` takes them, its own random generator
   (`kvcompile.integrations.batching.RequestSampling`); `stop` strings, `logprobs`, `stream_options.include_usage`.
 - a failure inside the engine fails the requests of that step with a 500 in the same shape; the engine
-  goes on (`KVCompileBatchingManager._generation_loop_body`); a request whose own sampling cannot pick a token
-  fails alone (`KVCompileBatchProcessor._fail_picks`).
+  goes on (`KVCompileBatchingManager._generation_loop_body`); a request whose own work raises in the engine (its
+  cache's compression or append, its copy of a kept cache, its sampling) fails alone
+  (`KVCompileBatchProcessor._fail_alone`), and so does one whose decoding or stop check raises here (`Job`).
 
 The model name requests carry is `--served-model-name`, by default the checkpoint folder's name (`smollm2-135m` for
 `--model models/smollm2-135m`: `default_model_name`); `GET /v1/models` lists it. Without `--served-model-name`
@@ -669,9 +670,15 @@ class KVCompileServer:
         if cache is None or outcome is None or job.cut or cache.seq_length != len(ids) - 1:
             self.cache.release_outside(key)
             return
-        nbytes = request_bytes(RequestKV(cache, 0))
-        for dropped in self.kept.put(KeptSequence(tuple(ids), cache, nbytes, key)):
-            self.cache.release_outside(dropped.key)
+        try:
+            dropped = self.kept.put(KeptSequence(tuple(ids), cache, request_bytes(RequestKV(cache, 0)), key))
+        except Exception:  # noqa: BLE001 - keeping it failed: the answer stands, its blocks go back
+            log.exception(f"{job.request_id}: its compressed cache could not be kept for a continuation; its blocks "
+                          "go back to the pool")
+            self.cache.release_outside(key)
+            return
+        for entry in dropped:
+            self.cache.release_outside(entry.key)
 
     def _give_back(self, entry) -> None:
         """A continuation is done with the kept sequence `entry`: release its blocks if it was dropped meanwhile."""
@@ -782,6 +789,14 @@ class KVCompileServer:
         except EngineFailure as exc:
             status, outcome, note = 500, "failed", str(exc)
             error = APIError(500, f"the engine failed this request: {exc}", code="engine_error")
+            yield f"data: {json.dumps(error.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - this layer's failure for this request (its decoding, its stop
+            #   check): its stream ends with the error, as a failure of the engine's would (the engine request is
+            #   cancelled below)
+            log.exception(f"{path}: unexpected error in {job.request_id}'s stream")
+            status, outcome, note = 500, "failed", f"{type(exc).__name__}: {exc}"
+            error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
             yield f"data: {json.dumps(error.body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:

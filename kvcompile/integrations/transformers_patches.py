@@ -196,10 +196,13 @@ PATCHES = (
           relies_on=((f"{_CB}.input_outputs:ContinuousBatchingIOs.prepare_batch_tensors", {'2d979073bbd4f215': ALL}),
                      (f"{_CB}.requests:FutureRequestState.__init__", {'667b0995b8b8f1fa': ALL}))),
     Patch(f"{_API}:ContinuousBatchProcessor.update_batch", "override", "batching",
-          "syncs each request's blocks to what its cache holds, then the engine's; fails a request whose own "
-          "sampling could not pick its token", {'cbad955852af2e67': ALL}),
+          "syncs each request's blocks to what its cache holds, then the engine's, over the forward's requests but "
+          "those that fail alone (their own work raised, or their own sampling could not pick their token: "
+          "_updating_without hands the engine's update the others' rows of prepare_batch_update, on the IO object "
+          "for that one call), then fails those", {'cbad955852af2e67': ALL},
+          relies_on=((f"{_CB}.input_outputs:ContinuousBatchingIOs.prepare_batch_update", {'f2e488c1cea7563f': ALL}),)),
     Patch(f"{_API}:ContinuousBatchProcessor._handle_request_error", "reads", "batching",
-          "called to deliver a failed request's error (fail_forward, _fail_picks)", {'61bcda761e41b91e': ALL}),
+          "called to deliver a failed request's error (fail_forward, _fail_alone)", {'61bcda761e41b91e': ALL}),
     Patch(f"{_CB}.model_runner:ModelRunner.__init__", "swap", "batching",
           "KVCompileModelRunner: reads do_sample, logit_processor, return_logprobs, inputs_and_outputs, cache",
           {'a9d4b9ef2f008b40': ALL},

@@ -176,20 +176,21 @@ def refused(exc) -> str:
 
 
 def run_policy(model, tokenizer, ids, policy, max_new_tokens: int, progress: bool = False):
-    """Compile `policy` into `model`, generate, restore the model; the Generation."""
+    """Compile `policy` into `model`, generate, restore the model as it was (plain, or compiled with its own
+    policy); the Generation."""
+    import contextlib
+
     import kvcompile
 
     from kvcompile.errors import CompileError
     from kvcompile.tools.models import generate
 
-    try:
-        kvcompile.compile(model, policy, progress=progress)
-    except CompileError as exc:
-        fail(refused(exc))
-    try:
+    with contextlib.ExitStack() as block:
+        try:
+            block.enter_context(kvcompile.compiled(model, policy, progress=progress))
+        except CompileError as exc:
+            fail(refused(exc))
         return generate(model, tokenizer, ids, max_new_tokens)
-    finally:
-        kvcompile.uncompile(model)
 
 
 def needle_kept(cache, span: tuple[int, int]) -> float | None:
