@@ -168,7 +168,8 @@ class Plan:
         """Entries each head's pages keep free after its prompt (or a pruning) for its decode appends: what the
         decode schedule lets it grow by in a generation of `headroom` tokens, at most SPARE_RUN pages' worth;
         a whole page where nothing is known. A head's pages hold its entries and these, its partly filled last
-        page counted (`LayerStore.build`'s `reserve`): at most `spare_pages` pages beyond its own."""
+        page counted (`LayerStore.build`'s `reserve`), ceil(reserve / S) = `spare_pages` pages beyond its own at
+        most; two tiers get `spare_pages` whole pages each (`TieredStore.build`)."""
         return spare_entries(self.policy, self.headroom, self.page_size)
 
     def with_headroom(self, headroom: int) -> "Plan":

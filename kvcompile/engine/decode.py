@@ -120,8 +120,7 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
                  total=None if totals is None else totals[:, layer], choose=ranks, softcap=cache.plan.softcap,
                  sinks=cache.plan.layer_sinks(layer, cache.rings[layer].device))
-    store = cache.plan.store.from_heads(heads, cache.page_size, cache.plan.spare_pages,
-                                        storage=cache.policy.storage, dtype=cache.plan.dtype,
+    store = cache.plan.store.from_heads(heads, cache.page_size, storage=cache.policy.storage, dtype=cache.plan.dtype,
                                         reserve=cache.plan.spare_entries)
     if not cache.stores[layer].refill(store):  # into the layer's own tensors where it fits (a captured step's)
         cache.hold_store(layer, store)

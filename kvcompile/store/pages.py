@@ -50,17 +50,12 @@ class Entries:
     take: Tensor  # (B, H, E) bool
 
 
-def page_table(counts: Tensor, page_size: int, spare_pages: int = 0,
-               reserve: int | None = None) -> tuple[Tensor, Tensor]:
-    """The layout of a new store for heads of `counts` (B, H) entries: block table (B, H, max(1, most
-    pages)) long, head (b, h) owning ceil(n/S) + spare_pages consecutive pages in row-major head order
-    (unused columns 0), and the pages each head owns (B, H). With `reserve` (entries), a head owns the pages
-    of its n entries and `reserve` more, ceil((n + reserve)/S), and never more than ceil(n/S) + spare_pages:
-    the free slots of its partly filled last page count toward the reserve."""
-    used = (counts + page_size - 1) // page_size
-    owned = used + spare_pages
-    if reserve is not None:
-        owned = torch.minimum((counts + reserve + page_size - 1) // page_size, owned)
+def page_table(counts: Tensor, page_size: int, reserve: int = 0) -> tuple[Tensor, Tensor]:
+    """The layout of a new store for heads of `counts` (B, H) entries: block table (B, H, max(1, most pages)) long,
+    head (b, h) owning the pages of its n entries and `reserve` more, ceil((n + reserve)/S), consecutive in
+    row-major head order (unused columns 0), and the pages each head owns (B, H). The free slots of a head's
+    partly filled last page count toward the reserve; a reserve of k·S entries is k whole spare pages."""
+    owned = (counts + reserve + page_size - 1) // page_size
     base = owned.flatten().cumsum(0).reshape(counts.shape) - owned
     cols = torch.arange(max(int(owned.max()), 1) if owned.numel() else 1, device=counts.device)
     return torch.where(cols < owned[..., None], base[..., None] + cols, 0), owned
@@ -119,16 +114,16 @@ class LayerStore:
     # --- building --------------------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int,
+    def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int = 0,
               gather: Callable = gather_rows, storage=None, dtype: torch.dtype | None = None,
               reserve: int | None = None) -> "LayerStore":
         """A store holding the taken rows of `sources`, one source after the other per head (merge slots
-        first), in fresh pages laid out by `page_table` with `spare_pages` per head, or, with `reserve`
-        (entries: Plan.spare_entries), the pages of `reserve` more entries than the head holds (at most
-        `spare_pages` beyond its own); `slots` (B, H) the occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or the plain
-        `gather_rows`). Only the taken rows are copied (no dense copy of the layer). `storage`: the policy's
-        storage part. `dtype`: the pages' dtype (the model's; default: the rows'): re-selected rows read from
-        codes are float32."""
+        first), in fresh pages laid out by `page_table`: each head with the pages of `reserve` more entries
+        than it holds (Plan.spare_entries), or, without `reserve`, `spare_pages` whole spare pages; `slots`
+        (B, H) the occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or
+        the plain `gather_rows`). Only the taken rows are copied (no dense copy of the layer). `storage`: the
+        policy's storage part. `dtype`: the pages' dtype (the model's; default: the rows'): re-selected rows
+        read from codes are float32."""
         if dtype is not None:
             sources = [dataclasses.replace(src, keys=src.keys.to(dtype), values=src.values.to(dtype))
                        for src in sources]
@@ -136,7 +131,7 @@ class LayerStore:
         d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
         taken = [src.take.sum(-1) for src in sources]  # each (B, H)
         lengths = torch.stack(taken).sum(0)
-        block_table, owned = page_table(lengths, page_size, spare_pages, reserve)
+        block_table, owned = page_table(lengths, page_size, spare_pages * page_size if reserve is None else reserve)
         cap, room = torch.stack([owned.sum(), (owned * page_size - lengths).min()]).tolist() if owned.numel() \
             else (0, 0)
         store = LayerStore(k_pages=first.keys.new_zeros(cap, page_size, d),
@@ -156,7 +151,7 @@ class LayerStore:
         return store
 
     @classmethod
-    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int,
+    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int = 0,
                    storage=None, dtype: torch.dtype | None = None, reserve: int | None = None) -> "LayerStore":
         """A store holding every head's entries in order (the inverse of `to_heads`); `spare_pages`,
         `reserve` as `build`'s."""
