@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -31,6 +32,32 @@ from kvcompile.plan import Plan, build_plan
 from kvcompile.policy import Policy
 
 
+
+
+@dataclass
+class DecodeState:
+    """What decoding reads (the op's `decode`): the cache's `decoding` state, made by `engine.decode.start_decode`
+    at the first generated token (its owner); the cache advances and cuts its length."""
+
+    budgets: Tensor  # (B, L, H) entries each head may hold while decoding
+    split: Tensor | None  # (B, L, H, 3) ZSMerge proximity, context, residual per head (None: no split)
+    pad: Tensor  # (B,) the prompt's left pads: all a decode step reads of the prompt's state (with its width)
+    totals: Tensor | None = None  # (B, L) Σ of the budgets over all heads, for `decode: every` pruning on a
+    #   tensor-parallel rank (its `budgets` are its own heads'); None: the sum of `budgets`
+    length: Tensor | None = None  # () int64 on the device: the cache's length (`seq_length`, pads included),
+    #   bumped in place after each call's last layer; a decode step's positions are read from it, not from the
+    #   host's count, so a replayed (captured) step writes the right ones
+
+    def advance(self, tokens: int) -> None:
+        """The cache grew by `tokens` (after a call's last layer): its length on the device too, in place (a
+        copy first where it is an inference tensor and inference_mode is off)."""
+        if self.length.is_inference() and not torch.is_inference_mode_enabled():
+            self.length = self.length.clone()
+        self.length.add_(tokens)
+
+    def cut(self, length: int) -> None:
+        """The cache was cut back to `length` tokens (KVCompileCache.crop)."""
+        self.length = self.length.new_tensor(length)
 
 
 class KVCompileCache(Cache):
