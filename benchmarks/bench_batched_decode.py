@@ -44,7 +44,8 @@ def run_one(args) -> dict:
     import kvcompile.engine.op as op
     import kvcompile.integrations.batching as serving
     from kvcompile.tools.data import load_haystack
-    from kvcompile.kernels import append_step, online_step, paged_attention, paged_attention_quant, tiered_step
+    from kvcompile.kernels import paged_attention, paged_attention_quant, tiered_step
+    from kvcompile.store import pages
     from kvcompile.tools.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -87,7 +88,7 @@ def run_one(args) -> dict:
     for cls in (paged_attention.CppPagedAttention, paged_attention.TorchPagedAttention,
                 paged_attention_quant.CppQuantPagedAttention, paged_attention_quant.TorchQuantPagedAttention):
         cls.run = counted("kernel", cls.run)  # (over two tiers: the codes' call; the float tier's is beside it)
-    for cls in (online_step.CppOnlineStep, append_step.CppAppendStep, tiered_step.CppTieredStep):
+    for cls in (pages.CppOnlineStep, pages.CppAppendStep, tiered_step.CppTieredStep):
         cls.__call__ = counted("kernel", cls.__call__)
     attention = [0.0]  # seconds in the attention function during decode-only forwards
     batching_attention = serving.batching_attention

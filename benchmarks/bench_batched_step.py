@@ -20,8 +20,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcompile.engine import batch as engine_batch
-from kvcompile.kernels import append_step, paged_attention
-from kvcompile.store.pages import Entries, LayerStore
+from kvcompile.kernels import paged_attention
+from kvcompile.kernels.append_step import FLOAT
+from kvcompile.store.pages import CppAppendStep, Entries, LayerStore
 from kvcompile.store.pool import PagePools
 
 
@@ -66,7 +67,7 @@ def main() -> None:
                                  decode_attention=attention, decode_backend=lambda layer, device: attention)
     gen = torch.Generator().manual_seed(0)
     prompts = [(torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen)) for _ in range(r)]
-    fused = append_step.backend(append_step.FLOAT, 0)
+    fused = CppAppendStep(FLOAT, 0)
     before = not hasattr(engine_batch.DecodeBatch, "step")  # a tree with StepBatch beside DecodeBatch
 
     def make(kind):

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import Tensor
 from transformers.cache_utils import Cache
 
@@ -29,6 +32,32 @@ from kvcompile.plan import Plan, build_plan
 from kvcompile.policy import Policy
 
 
+
+
+@dataclass
+class DecodeState:
+    """What decoding reads (the op's `decode`): the cache's `decoding` state, made by `engine.decode.start_decode`
+    at the first generated token (its owner); the cache advances and cuts its length."""
+
+    budgets: Tensor  # (B, L, H) entries each head may hold while decoding
+    split: Tensor | None  # (B, L, H, 3) ZSMerge proximity, context, residual per head (None: no split)
+    pad: Tensor  # (B,) the prompt's left pads: all a decode step reads of the prompt's state (with its width)
+    totals: Tensor | None = None  # (B, L) Σ of the budgets over all heads, for `decode: every` pruning on a
+    #   tensor-parallel rank (its `budgets` are its own heads'); None: the sum of `budgets`
+    length: Tensor | None = None  # () int64 on the device: the cache's length (`seq_length`, pads included),
+    #   bumped in place after each call's last layer; a decode step's positions are read from it, not from the
+    #   host's count, so a replayed (captured) step writes the right ones
+
+    def advance(self, tokens: int) -> None:
+        """The cache grew by `tokens` (after a call's last layer): its length on the device too, in place (a
+        copy first where it is an inference tensor and inference_mode is off)."""
+        if self.length.is_inference() and not torch.is_inference_mode_enabled():
+            self.length = self.length.clone()
+        self.length.add_(tokens)
+
+    def cut(self, length: int) -> None:
+        """The cache was cut back to `length` tokens (KVCompileCache.crop)."""
+        self.length = self.length.new_tensor(length)
 
 
 class KVCompileCache(Cache):
@@ -544,3 +573,47 @@ class KVCompileCache(Cache):
                 "bytes_full_by_kind": {k: int(by_kind[i, 1]) for i, k in enumerate(kinds)},
                 "page_size": self.page_size, "kv_heads": tuple(range(self.num_heads)),
                 "per_rank": [dict(zip(names, row)) for row in per_rank.tolist()]}
+
+
+# --- the name under which transformers passes a model's cache -------------------------------------------------
+# transformers 5.24 renamed the cache argument of `generate()`, of every model's `forward()` and of the mask
+# functions from `past_key_values` to `cache` (the old name is deprecated, renamed by a decorator, and dropped when
+# both are given), and model outputs carry it as `cache` (`past_key_values` stays readable). kvcompile's entries
+# wrap `forward()` and `generate()`, so they take the cache under either name and hand it on under the name the
+# installed version reads; otherwise generate()'s own `cache` and kvcompile's `past_key_values` arrive together and
+# the compressed cache is ignored. (Callers import this module as `cache_arg`: `cache_arg.given(cache)`.)
+
+# what the installed transformers' generate() and forward() read
+NAME = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+
+
+def take(kwargs: dict):
+    """Remove and return the cache a caller gave in `kwargs` under either name (None if none). Given under
+    both names, they must be the same object (transformers would keep one and drop the other silently)."""
+    new = kwargs.pop("cache", None) if NAME == "cache" else None
+    old = kwargs.pop("past_key_values", None)
+    if new is not None and old is not None and new is not old:
+        raise ValueError("kvcompile: two caches given, as `cache` and as `past_key_values` (the name transformers "
+                         "used before 5.24): give one")
+    return new if new is not None else old
+
+
+def given(cache) -> dict:
+    """Keyword arguments that hand `cache` on to the installed transformers."""
+    return {NAME: cache}
+
+
+def of(output):
+    """The cache a model's or generate()'s output carries (`output.cache` from 5.24, `past_key_values` before)."""
+    return getattr(output, NAME)
+
+
+def is_engine_cache(cache) -> bool:
+    """Whether `cache` is continuous batching's paged cache. The engine passes it as `cache`, which up to 5.23 went
+    through the model's keyword arguments to the attention function, and from 5.24 is the model's cache argument:
+    kvcompile.integrations.batching's attention reads the requests' own caches from it, so it goes on unchanged."""
+    if cache is None or NAME != "cache":
+        return False
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    return isinstance(cache, PagedAttentionCache)

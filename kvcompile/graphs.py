@@ -30,7 +30,7 @@ from collections import Counter
 
 import torch
 
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 
 # forward() arguments a recorded step takes: the token, its position and cache position (static buffers), and
 # these, fixed for a decode step; any other argument given (inputs_embeds, output_hidden_states, ...) runs the

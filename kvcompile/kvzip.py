@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 from kvcompile.engine.state import Phase
 from kvcompile.errors import CompileError
 

@@ -89,7 +89,7 @@ class Plan:
     decode_attention: object  # paged decode attention (a kernels.paged_attention backend)
     decode_step: object  # the decode step backend, called once a layer and step and never declining one
     #   (kvcompile.kernels.online_step: append, attention; running scores, online eviction where the policy has
-    #   them): a fused C++ step (CppOnlineStep, append_step.CppAppendStep, tiered_step.CppTieredStep) where one
+    #   them): a fused C++ step (store.pages' CppOnlineStep and CppAppendStep, tiered_step.CppTieredStep) where one
     #   computes the policy on the plan's store, dtype and device, else engine.online.TorchStep (complete)
     step_rule: StepRule | None  # what a fused step computes (None: the torch step's parts compute it)
     # decoding
@@ -168,7 +168,8 @@ class Plan:
         """Entries each head's pages keep free after its prompt (or a pruning) for its decode appends: what the
         decode schedule lets it grow by in a generation of `headroom` tokens, at most SPARE_RUN pages' worth;
         a whole page where nothing is known. A head's pages hold its entries and these, its partly filled last
-        page counted (`LayerStore.build`'s `reserve`): at most `spare_pages` pages beyond its own."""
+        page counted (`LayerStore.build`'s `reserve`), ceil(reserve / S) = `spare_pages` pages beyond its own at
+        most; two tiers get `spare_pages` whole pages each (`TieredStore.build`)."""
         return spare_entries(self.policy, self.headroom, self.page_size)
 
     def with_headroom(self, headroom: int) -> "Plan":
@@ -449,30 +450,27 @@ def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_di
 
 def _decode_step(policy: Policy, impl: str, rule: StepRule | None, decode_impl: str, head_dim: int):
     """The decode step backend (kvcompile.kernels.online_step's family) of `impl` for this policy: the torch step
-    (engine.online.TorchStep); for "cpp" the fused step of its store: kernels.append_step.CppAppendStep for fp32
+    (engine.online.TorchStep); for "cpp" the fused step of its store: store.pages.CppAppendStep for fp32
     pages of a plain step (where the paged C++ kernel runs, decode_impl "cpp") and for one store of codes,
-    kernels.online_step.CppOnlineStep for fp32 pages whose scores run or that evict (or a plain step at a head
+    store.pages.CppOnlineStep for fp32 pages whose scores run or that evict (or a plain step at a head
     dim the paged kernel does not take), kernels.tiered_step.CppTieredStep for two tiers (the appending one: the
     codes where every token is codes)."""
     if impl == "torch":
         from kvcompile.engine.online import TorchStep
 
         return TorchStep()
-    from kvcompile.kernels import append_step
+    from kvcompile.kernels.append_step import FLOAT
+    from kvcompile.kernels.tiered_step import CppTieredStep
+    from kvcompile.store.pages import CppAppendStep, CppOnlineStep
 
     if not policy.storage.quantizes:
         if rule.decay is None and not rule.evict and decode_impl == "cpp":
-            return append_step.backend(append_step.FLOAT, 0, rule.alpha)
-        from kvcompile.kernels.online_step import CppOnlineStep
-
+            return CppAppendStep(FLOAT, 0, alpha=rule.alpha)
         return CppOnlineStep(rule)
     codes = policy.storage.low()
     if not policy.tiered:
-        return append_step.backend(codes.bits, codes.group_size(head_dim))
-    from kvcompile.kernels import tiered_step
-
-    return tiered_step.backend(codes.bits, codes.group_size(head_dim), rule.alpha,
-                               append_low=not policy.storage.tiered)
+        return CppAppendStep(codes.bits, codes.group_size(head_dim))
+    return CppTieredStep(codes.bits, codes.group_size(head_dim), rule.alpha, append_low=not policy.storage.tiered)
 
 
 def _tiered_refusal(policy: Policy, page_size: int) -> str | None:

@@ -281,7 +281,7 @@ def test_memory_report_says_when_whole_pages_exceed_the_full_cache():
 def test_the_cache_is_taken_under_either_name_and_handed_on_under_the_installed_ones(monkeypatch):
     """transformers 5.24 renamed generate()/forward()'s `past_key_values` to `cache` (kvcompile.cache_arg): the
     entries take either name; two different caches at once are refused (transformers would drop one silently)."""
-    from kvcompile import cache_arg
+    from kvcompile import cache as cache_arg
 
     a, b = object(), object()
     for installed in ("cache", "past_key_values"):

@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 import kvcompile
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 from kvcompile.passes.backend import COMPILES
 from test_runtime import SPECS, compile_options, fresh_graphs_on_one_thread, full_budget, small_budget
 from tiny import MORE_ARCHS, left_pad, prompt, tiny_model

@@ -21,6 +21,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import kvcompile
 import kvcompile.engine.op
 import kvcompile.integrations.batching
+import kvcompile.store.pages
 from kvcompile.engine.batch import BatchedDecode, BatchedStepDecode, PerRequestDecode, decode_path
 from kvcompile.engine.online import TorchStep
 from kvcompile.kernels import paged_attention
@@ -414,8 +415,8 @@ def test_one_decode_step_call_per_layer_per_step(spec, monkeypatch):
         self, plan, store, layer, q, *a))
     decode = kvcompile.engine.op.decode
     monkeypatch.setattr(kvcompile.engine.op, "decode", lambda cache, *a, **k: alone.append(1) or decode(cache, *a, **k))
-    counted = kvcompile.kernels.online_step.online_step_cpp
-    monkeypatch.setattr(kvcompile.kernels.online_step, "online_step_cpp",
+    counted = kvcompile.store.pages.online_step_cpp
+    monkeypatch.setattr(kvcompile.store.pages, "online_step_cpp",
                         lambda pages, q, *a: kernel.append(q.shape[0]) or counted(pages, q, *a))
     new = 10
     first = [(x, new) for x in prompts([60, 70, 80, 90])]
@@ -423,7 +424,7 @@ def test_one_decode_step_call_per_layer_per_step(spec, monkeypatch):
     got = list(calls), len(alone), list(kernel)
     layers = plan.num_layers
     steps = new - 1  # the first token comes from the prompt's forward
-    uses_kernel = isinstance(plan.decode_step, kvcompile.kernels.online_step.CppOnlineStep)
+    uses_kernel = isinstance(plan.decode_step, kvcompile.store.pages.CppOnlineStep)
     assert got == ([4] * (layers * steps), 0, [4] * (layers * steps) if uses_kernel else [])
     assert tokens == [reference(model, ids, new) for ids, new in first]
     assert report["decode"]["steps"] == steps and report["decode"]["attention_calls"] == layers * steps

@@ -503,7 +503,7 @@ def snapshot(cache):
 
 
 def test_decode_before_a_prompt_is_refused():
-    from kvcompile.engine.decode import decode
+    from kvcompile.engine.op import decode
 
     cache = one_layer()
     q, k = torch.zeros(1, 4, 1, 16), torch.zeros(1, 2, 1, 16)

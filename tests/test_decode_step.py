@@ -17,9 +17,10 @@ from torch.testing import assert_close
 import kvcompile
 import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
 from kvcompile.engine.online import TorchStep
-from kvcompile.kernels import online_step, paged_attention_cpp, paged_attention_quant as pq
-from kvcompile.kernels.append_step import CppAppendStep, CppQuantStep
-from kvcompile.kernels.online_step import CppOnlineStep, DecodeStep
+from kvcompile.kernels import paged_attention_cpp, paged_attention_quant as pq
+from kvcompile.store import pages as online_step  # the fused steps are the store's
+from kvcompile.kernels.online_step import DecodeStep
+from kvcompile.store.pages import CppAppendStep, CppOnlineStep, CppQuantStep
 from kvcompile.plan import PlanError, build_plan
 from kvcompile.store import CodeStore, LayerStore
 from test_online_step import assert_same_store, one_layer, policy, prompt_and_steps, with_impl

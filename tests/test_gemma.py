@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig, MistralConfig
 
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 from kvcompile.tools import cli
 from kvcompile.tools.data import haystack_path
 from kvcompile.tools.models import (EMBEDDED, GEMMA3, SMOLLM2, ChunkedGguf, embedded_model, full_kv_bytes, is_converted,

@@ -19,7 +19,7 @@ from torch.testing import assert_close
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 import kvcompile
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 from kvcompile.cache import KVCompileCache
 from test_runtime import full_budget
 from tiny import left_pad, peaked, prompt

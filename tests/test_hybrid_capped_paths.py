@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 import kvcompile
 import kvcompile.engine.op  # noqa: F401  registers torch.ops.kvcompile.attend
-from kvcompile import cache_arg, reference
+from kvcompile import cache as cache_arg, reference
 from kvcompile.kernels.chunk_attention import ExplicitChunkAttention
 from kvcompile.kernels.paged_attention import SoftcapPagedAttention
 from kvcompile.kernels.paged_attention_quant import SoftcapQuantPagedAttention, _dequantized, check

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import kvcompile
-from kvcompile import reference
+from kvcompile import cache as cache_arg, reference
 from kvcompile.cache import KVCompileCache
 from kvcompile.layer_state import LayerState
 from kvcompile.policies.scoring import (Accumulated, Decayed, ExpectedAttention, LastToken, Pooling, WindowAttention,
@@ -117,8 +117,8 @@ def _model_scores(model, policy, ids, mask, steps: int = 0):
     with torch.no_grad(), kvcompile.compiled(model, policy):
         cache = KVCompileCache.from_plan(model.kvcompile_plan)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=steps + 1, do_sample=False,
-                             **kvcompile.cache_arg.given(cache)) if steps else model(ids, attention_mask=mask,
-                                                                                   **kvcompile.cache_arg.given(cache))
+                             **cache_arg.given(cache)) if steps else model(ids, attention_mask=mask,
+                                                                                   **cache_arg.given(cache))
     pad = (mask == 0).sum(-1)
     width = ids.shape[1] + steps
     scores = []
@@ -185,7 +185,7 @@ def test_an_evicting_budget_keeps_the_best_by_the_models_attention(build):
         "budget": {"per_head": 10}})
     with torch.no_grad(), kvcompile.compiled(model, policy):
         cache = KVCompileCache.from_plan(model.kvcompile_plan)
-        model(ids, attention_mask=mask, **kvcompile.cache_arg.given(cache))
+        model(ids, attention_mask=mask, **cache_arg.given(cache))
     pad = (mask == 0).sum(-1)
     for store, i in zip(cache.stores, full):
         want = group_mean(attentions[i][:, :, -6:].mean(2), 2).masked_fill(~real[:, None], float("-inf"))
@@ -235,7 +235,7 @@ def test_prefill_once_compress_many_keeps_the_sinks():
         tokens = greedy(model, cache, logits, NEW)
         with kvcompile.compiled(model, policy):
             own_cache = KVCompileCache.from_plan(model.kvcompile_plan)
-            model(ids, **kvcompile.cache_arg.given(own_cache))
+            model(ids, **cache_arg.given(own_cache))
             own = model.generate(ids, max_new_tokens=NEW, do_sample=False)[:, ids.shape[1]:]
     assert states.sinks is not None and cache.plan.sinks == states.sinks
     for ours, theirs in zip(kept, [store.to_heads() for store in own_cache.stores]):

@@ -12,7 +12,8 @@ from torch.testing import assert_close
 import kvcompile
 import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
 from kvcompile.cache import KVCompileCache
-from kvcompile.kernels import choice, merge, online_step, paged_attention, select, window_scores
+from kvcompile.kernels import choice, merge, paged_attention, select, window_scores
+from kvcompile.store import pages as online_step  # the fused steps are the store's
 from kvcompile.kernels.paged_attention_cpp import PARALLEL_WORK as CPP_PARALLEL_WORK
 from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports
 from kvcompile.plan import PartScores, build_plan

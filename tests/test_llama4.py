@@ -17,7 +17,7 @@ from torch.testing import assert_close
 from transformers import DynamicCache, Llama4ForCausalLM, Llama4TextConfig
 
 import kvcompile
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.engine.window import WindowLayer
 from test_runtime import full_budget

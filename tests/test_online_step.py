@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import kvcompile
-import kvcompile.kernels.online_step as online_step_module
+import kvcompile.store.pages as online_step_module
 from kvcompile.engine.online import TorchStep
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels.paged_attention_cpp import supports as cpp_supports

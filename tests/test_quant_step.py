@@ -18,12 +18,12 @@ from torch.testing import assert_close
 
 import kvcompile
 import kvcompile.engine.op  # noqa: F401  (registers torch.ops.kvcompile.attend)
-import kvcompile.kernels.append_step as quant_step_module
+import kvcompile.store.pages as quant_step_module
 from kvcompile import reference
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels import paged_attention_quant as pq
 from kvcompile.engine.online import TorchStep
-from kvcompile.kernels.append_step import CppQuantStep
+from kvcompile.store.pages import CppQuantStep
 from kvcompile.kernels.tiered_step import CppTieredStep
 import kvcompile.kernels.tiered_step as tiered_step_module
 from kvcompile.kernels.quantize import dequantize, quantize

@@ -78,7 +78,7 @@ def test_spare_pages_cover_the_reserved_entries(headroom):
     assert plan.spare_entries == reserve == (min(headroom, SPARE_RUN * PAGE) if headroom else PAGE)
     assert plan.spare_pages == spare_pages(policy, headroom, PAGE) == -(-reserve // PAGE)
     counts = torch.arange(0, 3 * PAGE + 1).reshape(1, -1)
-    table, owned = page_table(counts, PAGE, plan.spare_pages, reserve)
+    table, owned = page_table(counts, PAGE, reserve)
     assert torch.equal(owned, (counts + reserve + PAGE - 1) // PAGE)
     assert bool((owned <= (counts + PAGE - 1) // PAGE + plan.spare_pages).all())
     assert bool((owned * PAGE - counts >= reserve).all())

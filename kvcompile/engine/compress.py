@@ -100,9 +100,9 @@ def store_layer(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
         sources.insert(0, Entries(merged.keys, merged.values, torch.zeros_like(counts, dtype=torch.float32),
                                   -1 - torch.arange(counts.shape[-1], device=counts.device).expand_as(counts),  # slot r at -1 - r
                                   counts.float(), occupied))
-    return cache.plan.store.build(sources, slots, cache.page_size, cache.plan.spare_pages,
-                                  gather=cache.plan.selection.gather_pages, storage=cache.policy.storage,
-                                  dtype=cache.plan.dtype, reserve=cache.plan.spare_entries)
+    return cache.plan.store.build(sources, slots, cache.page_size, gather=cache.plan.selection.gather_pages,
+                                  storage=cache.policy.storage, dtype=cache.plan.dtype,
+                                  reserve=cache.plan.spare_entries)
 
 
 def over_heads(plan, x: Tensor) -> Tensor:

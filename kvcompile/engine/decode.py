@@ -1,16 +1,17 @@
-"""A decode step: the plan's decode step backend (`Plan.decode_step`, chosen once: append the new entries to
-their heads' pages, attention with the merge rule's per-entry bias, running scores and online eviction where
-the policy has them; kvcompile.kernels.online_step), then `decode: every` pruning."""
+"""Entering decoding and the decode schedule's pruning: the decode state a generation reads (`start_decode`: the
+per-head budgets, ZSMerge's split, the pads; `cache.DecodeState`), made at the first generated token, and `decode:
+every` (the ring of latest queries, re-scoring and pruning back to the budget). A decode step itself is the op's
+(kvcompile.engine.op `decode`: the plan's decode step backend, `Plan.decode_step`, chosen once)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from kvcompile.allocation import decode_budgets, head_split
+from kvcompile.cache import DecodeState
 from kvcompile.engine.compress import choose, over_heads
 from kvcompile.engine.state import Phase
 from kvcompile.selection import decode_prune
@@ -19,69 +20,16 @@ if TYPE_CHECKING:
     from kvcompile.cache import KVCompileCache
 
 
-@dataclass
-class DecodeState:
-    """What decoding reads; made by `engine.decode.start_decode` at the first generated token."""
-
-    budgets: Tensor  # (B, L, H) entries each head may hold while decoding
-    split: Tensor | None  # (B, L, H, 3) ZSMerge proximity, context, residual per head (None: no split)
-    pad: Tensor  # (B,) the prompt's left pads: all a decode step reads of the prompt's state (with its width)
-    totals: Tensor | None = None  # (B, L) Σ of the budgets over all heads, for `decode: every` pruning on a
-    #   tensor-parallel rank (its `budgets` are its own heads'); None: the sum of `budgets`
-    length: Tensor | None = None  # () int64 on the device: the cache's length (`seq_length`, pads included),
-    #   bumped in place after each call's last layer; a decode step's positions are read from it, not from the
-    #   host's count, so a replayed (captured) step writes the right ones
-
-    def advance(self, tokens: int) -> None:
-        """The cache grew by `tokens` (after a call's last layer): its length on the device too, in place (a
-        copy first where it is an inference tensor and inference_mode is off)."""
-        if self.length.is_inference() and not torch.is_inference_mode_enabled():
-            self.length = self.length.clone()
-        self.length.add_(tokens)
-
-    def cut(self, length: int) -> None:
-        """The cache was cut back to `length` tokens (KVCompileCache.crop)."""
-        self.length = self.length.new_tensor(length)
-
-
-def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float,
-           start: int | None = None) -> Tensor:
-    """Append T new tokens and attend over the pages (new token t sees entries up to itself);
-    then the decode schedule: running scores, ZSMerge online eviction, periodic pruning.
-    `start`: the sequence index of the first new token (default: what the cache holds)."""
-    plan = cache.plan
-    given, start = start is not None, cache.seq_length if start is None else start
-    store = cache.stores[layer]
-    online, every = plan.online_eviction, plan.prune_every
-    if cache.phase is Phase.COMPRESSED:
-        begin_decoding(cache)
-    elif cache.phase is Phase.EMPTY:
-        raise RuntimeError("kvcompile: a decode step on an empty cache: its prompt runs first")
-    elif cache.phase is Phase.PROMPT and (online or every):  # tokens after a prompt that ends inside this call
-        raise RuntimeError("kvcompile: the decode schedule needs every layer compressed before tokens follow "
-                           "the prompt in the same call")
-    pad, width = cache.prompt.pad if cache.decoding is None else cache.decoding.pad, cache.prompt.width
-    # the first new token's logical position among real tokens (B,): from the device's count of the cache's
-    # length once decoding (a step replayed from a captured graph reads it), else from the host's
-    first = (start if given or cache.decoding is None else cache.decoding.length) - pad
-    split = cache.decoding.split[:, layer] if online else None
-    outs = []
-    for i in range(q.shape[2]):
-        position = first + i
-        if store.room <= 0:  # a head's pages are full: it takes its next run (Plan.host_syncs), counted
-            cache.count_host_sync("append")
-            store.make_room(plan.spare_pages)
-        outs.append(plan.decode_step(plan, store, layer, q[:, :, i], k[:, :, i], v[:, :, i], position, split,
-                                     scale).to(q.dtype))
-        if every:
-            if plan.ring_rows:  # the ring keeps the latest `ring_rows` queries
-                cache.push_query(layer, q[:, :, i, None])
-            generated = start - width + i + 1  # the host's count: pruning is a named exception (Plan.host_syncs)
-            if generated % every == 0:
-                cache.count_host_sync("_prune")
-                _prune(cache, layer, position + 1, scale)
-                store = cache.stores[layer]
-    return torch.stack(outs, dim=2)
+def after_token(cache: KVCompileCache, layer: int, q: Tensor, i: int, generated: int, lengths: Tensor,
+                scale: float) -> None:
+    """`decode: every n` after new token i of a decode call (q (B, Hq, T, d) the call's queries; `generated`: the
+    host's count of generated tokens, a named exception, Plan.host_syncs): the ring keeps the latest `ring_rows`
+    queries, and every n tokens the layer is re-scored and pruned (`_prune`, its entries up to `lengths`)."""
+    if cache.plan.ring_rows:
+        cache.push_query(layer, q[:, :, i, None])
+    if generated % cache.plan.prune_every == 0:
+        cache.count_host_sync("_prune")
+        _prune(cache, layer, lengths, scale)
 
 
 def begin_decoding(cache: KVCompileCache) -> None:
@@ -120,8 +68,7 @@ def _prune(cache: KVCompileCache, layer: int, lengths: Tensor, scale: float) -> 
     decode_prune(cache.policy, heads, cache.rings[layer], lengths, cache.decoding.budgets[:, layer], layer, scale,
                  total=None if totals is None else totals[:, layer], choose=ranks, softcap=cache.plan.softcap,
                  sinks=cache.plan.layer_sinks(layer, cache.rings[layer].device))
-    store = cache.plan.store.from_heads(heads, cache.page_size, cache.plan.spare_pages,
-                                        storage=cache.policy.storage, dtype=cache.plan.dtype,
+    store = cache.plan.store.from_heads(heads, cache.page_size, storage=cache.policy.storage, dtype=cache.plan.dtype,
                                         reserve=cache.plan.spare_entries)
     if not cache.stores[layer].refill(store):  # into the layer's own tensors where it fits (a captured step's)
         cache.hold_store(layer, store)

@@ -2,8 +2,9 @@
 and mask interfaces that call it.
 
 The op runs one layer's step on its cache: the prompt (engine.prefill: in one call, or in calls the cache
-was told to expect; engine.chunked: in chunks the policy compresses after each), a decode step
-(engine.decode), or a reconstruction scorer's forwards (engine.reconstruction). Every choice (which scorer,
+was told to expect; engine.chunked: in chunks the policy compresses after each), a decode step (`decode`,
+here: the plan's decode step backend on the layer's store; entering decoding and its pruning: engine.decode),
+or a reconstruction scorer's forwards (engine.reconstruction). Every choice (which scorer,
 selection, merge and decode kernels, what decoding does, spare pages) was made by the plan
 (kvcompile.plan) the cache carries: the engine reads it.
 
@@ -20,9 +21,10 @@ from torch import Tensor
 from kvcompile.cache import KVCompileCache
 from kvcompile.cache_ref import CacheRef
 from kvcompile.engine.chunked import chunked_prefill
-from kvcompile.engine.decode import decode
+from kvcompile.engine.decode import after_token, begin_decoding
 from kvcompile.engine.prefill import prefill, prompt_attention, prompt_chunk
 from kvcompile.engine.reconstruction import reconstruction_step
+from kvcompile.engine.state import Phase
 from kvcompile.engine.window import chunked_span, left_pads, window_attention
 
 
@@ -111,6 +113,40 @@ def _attend(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
             cache.stores[layer].writable()  # a cache made under inference_mode, used outside it
         out = decode(cache, q, k, v, layer, scale)
     return out
+
+
+def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float,
+           start: int | None = None) -> Tensor:
+    """Append T new tokens and attend over the pages (new token t sees entries up to itself): per token, room where
+    a head's pages are full (the append's named host read), one call of the plan's decode step backend (append,
+    attention, running scores, online eviction: kvcompile.kernels.online_step), then `decode: every` pruning
+    (engine.decode.after_token). `start`: the sequence index of the first new token (default: the cache's length)."""
+    plan = cache.plan
+    given, start = start is not None, cache.seq_length if start is None else start
+    online, every = plan.online_eviction, plan.prune_every
+    if cache.phase is Phase.COMPRESSED:
+        begin_decoding(cache)
+    elif cache.phase is Phase.EMPTY:
+        raise RuntimeError("kvcompile: a decode step on an empty cache: its prompt runs first")
+    elif cache.phase is Phase.PROMPT and (online or every):  # tokens after a prompt that ends inside this call
+        raise RuntimeError("kvcompile: the decode schedule needs every layer compressed before tokens follow "
+                           "the prompt in the same call")
+    pad = cache.prompt.pad if cache.decoding is None else cache.decoding.pad
+    # the first new token's logical position among real tokens (B,): from the device's count of the cache's
+    # length once decoding (a step replayed from a captured graph reads it), else from the host's
+    first = (start if given or cache.decoding is None else cache.decoding.length) - pad
+    split = cache.decoding.split[:, layer] if online else None
+    outs = []
+    for i in range(q.shape[2]):
+        store, position = cache.stores[layer], first + i
+        if store.room <= 0:  # a head's pages are full: it takes its next run (Plan.host_syncs), counted
+            cache.count_host_sync("append")
+            store.make_room(plan.spare_pages)
+        outs.append(plan.decode_step(plan, store, layer, q[:, :, i], k[:, :, i], v[:, :, i], position, split,
+                                     scale).to(q.dtype))
+        if every:  # the host's count of generated tokens: pruning is a named exception (Plan.host_syncs)
+            after_token(cache, layer, q, i, start - cache.prompt.width + i + 1, position + 1, scale)
+    return torch.stack(outs, dim=2)
 
 
 @attend.register_fake

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.integrations.generate import compile as compile_model
 from kvcompile.policy import Policy

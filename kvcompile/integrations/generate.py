@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
 from kvcompile.integrations import transformers_patches

@@ -122,7 +122,7 @@ PATCHES = (
                  "kvcompile.reference:_model_attention AttentionInterface")),
     Patch("transformers.generation.utils:GenerationMixin.generate", "instance", "generate",
           "compile() sets the model's generate to an Entry: a call without a cache gets a fresh KVCompileCache, "
-          "passed under the installed version's name (kvcompile.cache_arg); the model's forward likewise (each "
+          "passed under the installed version's name (kvcompile.cache's NAME); the model's forward likewise (each "
           "architecture's own, run by the tests of each)",
           {'a469558165533afe': '5.21.0 5.22.0 5.23.0', 'bb6628b88fc66ed8': '5.24.0'}),
     Patch("transformers.configuration_utils:PreTrainedConfig._attn_implementation", "reads", "generate",

@@ -8,7 +8,8 @@
   the gather of the kept rows into pages.
 - `online_step`: the decode step's backend family (the plan's `online_step`) and its fused C++ step of
   running scores and online eviction; `append_step`, `tiered_step`: the fused decode step of fp32 pages or a
-  store of int8 / int4 codes, and of a two-tier store (C++, over the paged kernel);
+  store of int8 / int4 codes, and of a two-tier store (C++, over the paged kernel); the first two are called
+  on a store's tensors by the store (kvcompile.store.pages `CppOnlineStep`, `CppAppendStep`);
   `attention_column_sums`: the prompt's attention
   with its weighted column sums (C++); `chunk_attention`: a chunk's attention over the held
   entries and itself (a chunked prompt).

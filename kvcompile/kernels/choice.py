@@ -71,7 +71,7 @@ def resolve(op: str, requested: str | None, device: torch.device | str, dtype: t
     if op in ("paged_attention", "column_sums") and requested in (None, "cpp") and head_dim is None:
         raise ValueError("paged_attention: resolving impl None or 'cpp' needs head_dim")
     if op == "online_step":
-        return _resolve_online_step(requested, device, dtype)
+        return _resolve_any_dim_cpp(op, requested, device, dtype)  # no Triton kernel: cpp where it runs
     if op == "merge" and requested in (None, "cpp") and not (device.type == "cuda" and _triton_imports()):
         return _resolve_any_dim_cpp(op, requested, device, dtype)
     if requested is None:
@@ -91,11 +91,6 @@ def resolve(op: str, requested: str | None, device: torch.device | str, dtype: t
                          f"and a C++ compiler; here {device.type}, {dtype}, head dim {head_dim}. "
                          f"Impls: {' | '.join(names)}")
     return requested
-
-
-def _resolve_online_step(requested: str | None, device: torch.device, dtype: torch.dtype | None) -> str:
-    """online_step has no Triton kernel: cpp where it runs (fp32 on the CPU with a compiler), else torch."""
-    return _resolve_any_dim_cpp("online_step", requested, device, dtype)
 
 
 def _resolve_any_dim_cpp(op: str, requested: str | None, device: torch.device, dtype: torch.dtype | None) -> str:

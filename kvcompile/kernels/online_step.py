@@ -14,9 +14,9 @@ not cover its store, dtype or device: `refuses`):
 - `kvcompile.engine.online.TorchStep`: the step in torch ops (`LayerStore.append`, then the plan's decode
   attention backend: torch, compiled, C++ or Triton; running scores and online eviction in torch). Complete:
   every store, dtype, device and policy; the plan's choice wherever no fused kernel computes the policy.
-- `CppOnlineStep` (here): the fused C++ step of a float store whose scores run (H2O, ZSMerge) or that evicts
+- `CppOnlineStep` (kvcompile.store.pages, the store's: the C++ here): the fused C++ step of a float store whose scores run (H2O, ZSMerge) or that evicts
   online (ZSMerge Alg. 1), or of a plain step where the paged C++ kernel does not take the head dim; one thread.
-- `kvcompile.kernels.append_step.CppAppendStep`: append, then the paged C++ kernel, one call (fp32 pages or
+- `kvcompile.store.pages.CppAppendStep` (its C++: kernels.append_step): append, then the paged C++ kernel, one call (fp32 pages or
   int8 / int4 codes per token).
 - `kvcompile.kernels.tiered_step.CppTieredStep`: a two-tier store (codes and floats), one call.
 
@@ -43,7 +43,6 @@ scores and outputs up to float summation order (the softmax, the GQA mean).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -59,6 +58,7 @@ _ARGTYPES = ["const float*", "const float*", "const float*", "const int64_t*", "
              "int64_t*"]
 
 
+@functools.cache
 def _kernel(g: int, d: int):
     return load_cpp(tuple(_ARGTYPES), "online_step.cpp", G=g, D=d)
 
@@ -67,49 +67,6 @@ def _kernel(g: int, d: int):
 def _alpha(alpha: float) -> Tensor:
     """α as a float64 scalar tensor: the bias is computed in double, as MergeRule.bias does."""
     return torch.tensor([alpha], dtype=torch.float64)
-
-
-_NO_SPLIT = torch.zeros(1, 3, dtype=torch.long)
-
-
-def _writable_layout(pages) -> bool:
-    """The page tensors have the layout the C++ kernel writes into in place."""
-    return (pages.k_pages.dtype == torch.float32 and pages.v_pages.dtype == torch.float32
-            and pages.lengths.dtype == torch.long and pages.slots.dtype == torch.long
-            and pages.block_table.dtype == torch.long and pages.owned.dtype == torch.long
-            and pages.k_pages.is_contiguous() and pages.v_pages.is_contiguous()
-            and pages.lengths.is_contiguous() and pages.slots.is_contiguous()
-            and pages.block_table.is_contiguous() and pages.owned.is_contiguous())
-
-
-def online_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
-                    rule, scale: float) -> Tensor:
-    """The C++ kernel: the output (B, Hq, d) (RuntimeError where a head has no page for its next entry, or holds
-    more residual slots than its split allows)."""
-    b, hq, d = q.shape
-    h = k.shape[1]
-    if not _writable_layout(pages) or q.dtype != torch.float32 or k.dtype != torch.float32 \
-            or v.dtype != torch.float32 or position.dtype != torch.long:
-        raise RuntimeError(f"kvcompile: the fused decode step (C++, fp32) got tensors of another layout: q {q.dtype}, "
-                           f"pages {pages.k_pages.dtype}")
-    out = torch.empty(b, hq, d)
-    status = torch.empty(1, dtype=torch.long)
-    if split is not None and not split.is_contiguous():
-        split = split.contiguous()
-    _kernel(hq // h, d)(
-        q if q.is_contiguous() else q.contiguous(), k if k.is_contiguous() else k.contiguous(),
-        v if v.is_contiguous() else v.contiguous(), position, pages.k_pages, pages.v_pages, pages.score_pages,
-        pages.pos_pages, pages.count_pages, pages.block_table, pages.lengths, pages.slots, pages.owned,
-        _NO_SPLIT if split is None else split, out, b, h, pages.block_table.shape[-1], pages.k_pages.shape[1],
-        float(scale), int(rule.decay is not None), float(rule.decay or 0.0), int(rule.gqa_max),
-        int(rule.alpha is not None), _alpha(float(rule.alpha or 0.0)), int(rule.evict and split is not None),
-        status)
-    if int(status[0]) == 1:
-        raise RuntimeError("kvcompile: the fused decode step met a head without a page for its next entry (the "
-                           "engine makes room before every step: LayerStore.make_room)")
-    if int(status[0]) == 2:
-        raise RuntimeError("kvcompile: a head holds more residual slots than its ZSMerge split allows")
-    return out
 
 
 class DecodeStep(KernelBackend):
@@ -130,29 +87,3 @@ class DecodeStep(KernelBackend):
     def __call__(self, plan, store, layer: int, q: Tensor, k: Tensor, v: Tensor, position: Tensor,
                  split: Tensor | None, scale: float) -> Tensor:
         raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class CppOnlineStep(DecodeStep):
-    """The fused C++ step (`online_step_cpp`) computing `rule` on one thread: every step of a float store whose
-    scores run or that evicts online, or a plain step (append + attention) where the paged C++ kernel does not
-    take the head dim (kernels.append_step otherwise)."""
-
-    name: ClassVar[str] = "cpp"
-    stores: ClassVar[tuple[str, ...]] = ("LayerStore",)
-    rule: object = None  # kvcompile.plan.StepRule
-
-    def __call__(self, plan, store, layer, q, k, v, position, split, scale):
-        out = store.step(self._step, q, k, v, position, split, scale)
-        if split is not None and self.rule.evict and not store.settled:  # the first step after the prompt:
-            store.settle(split.sum(-1))  # every head within its budget from now on (as engine.online's)
-        return out
-
-    def _step(self, pages, q, k, v, position, split, scale):
-        return online_step_cpp(pages, q, k, v, position, split, self.rule, scale)
-
-    def build(self, group: int, head_dim: int) -> None:
-        _kernel(group, head_dim)
-
-    def describe(self) -> str:
-        return f"cpp (one thread; {self.rule})"

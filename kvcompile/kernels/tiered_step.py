@@ -34,9 +34,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvcompile.store import PageTensors, QuantPageTensors
 from kvcompile.kernels import paged_attention_cpp as paged
-from kvcompile.kernels.append_step import check_call
+from kvcompile.store import PageTensors, QuantPageTensors
+from kvcompile.store.pages import check_call
 from kvcompile.kernels.online_step import DecodeStep, _alpha
 
 _ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*",
@@ -133,7 +133,3 @@ class CppTieredStep(DecodeStep):
         return (f"cpp, two tiers (model dtype and int{self.bits}, {self.group} channels a scale{bias}): the new entry "
                 f"into the {'codes' if self.append_low else 'float tier'}, both tiers' attention and their "
                 f"log-sum-exp merge, one call (codes on one thread below {self.parallel_work} multiply-adds)")
-
-
-def backend(bits: int, group: int, alpha: float | None, append_low: bool) -> CppTieredStep:
-    return CppTieredStep(bits, group, alpha, append_low, paged.PARALLEL_WORK)

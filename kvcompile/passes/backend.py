@@ -96,7 +96,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import is_symbolic
 from transformers.cache_utils import Cache
 
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.cache_ref import NotTraced
 from kvcompile.passes.dead import remove_dead

@@ -37,7 +37,7 @@ class CodeStore(LayerStore):
     v_zero: Tensor = None
 
     @classmethod
-    def build(cls, sources, slots: Tensor, page_size: int, spare_pages: int, gather=None, storage=None,
+    def build(cls, sources, slots: Tensor, page_size: int, spare_pages: int = 0, gather=None, storage=None,
               dtype: torch.dtype | None = None, reserve: int | None = None) -> "CodeStore":
         """The float store's `build` (the plain row write; its layout, `spare_pages` and `reserve`), then every
         page quantized with the part's bits:

@@ -7,14 +7,16 @@ value `v_pages[p, i]`, score, logical position (−1 − r for residual slot r, 
 stored) and merge count (1 for a plain token, 0 for an empty slot). Each (sequence, KV head) owns
 pages through its block table row: entry e of head (b, h) is slot e % S of page
 `block_table[b, h, e // S]`. A head's residual slots come first, then its prompt tokens in position
-order, then its generated tokens. A new store gives each head ceil(n/S) + spare consecutive pages, or the
-pages of n + reserve entries where the engine names the reserve (its partly filled last page counted),
-heads in row-major order; a head's decode appends then stay in order in the pool, which the decode
+order, then its generated tokens. A new store gives each head the pages of its n entries and a reserve (its
+partly filled last page counted; whole spare pages where the reserve is k·S), heads in row-major order; a head's decode appends then stay in order in the pool, which the decode
 kernel reads at streaming speed.
 
 Kernels take and return tensors (the gather kernel `kvcompile.kernels.select.gather_pages_*` writes
 the taken rows into pages the store allocated; the decode kernels read `k_pages`, `v_pages`,
-`block_table`, `lengths`); serving asks the store for its bytes.
+`block_table`, `lengths`); serving asks the store for its bytes. The fused decode steps that write a store's
+tensors in place are the store's own (`CppAppendStep`, `CppOnlineStep`, end of this module: their C++ and its
+semantics are kvcompile.kernels.append_step and kernels.online_step), so a decode step of fp32 pages or of codes
+runs its Python here alone: the plan's step, `LayerStore.step` (the tensors and the append's count), the call.
 
 Decode-time state is updated in place where it can be (`lengths`, `slots`, the pages): a decode step
 that needs no new page keeps every tensor's storage, what a captured CUDA graph replays into.
@@ -28,6 +30,9 @@ from typing import Callable, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
+from kvcompile.kernels import append_step as append_kernel, online_step as online_kernel
+from kvcompile.kernels import paged_attention_cpp as paged
+from kvcompile.kernels.online_step import DecodeStep, _alpha
 from kvcompile.selection import HeadEntries
 
 # The bytes every stored entry carries besides its key and value: score float32, position int64, count float32.
@@ -50,17 +55,12 @@ class Entries:
     take: Tensor  # (B, H, E) bool
 
 
-def page_table(counts: Tensor, page_size: int, spare_pages: int = 0,
-               reserve: int | None = None) -> tuple[Tensor, Tensor]:
-    """The layout of a new store for heads of `counts` (B, H) entries: block table (B, H, max(1, most
-    pages)) long, head (b, h) owning ceil(n/S) + spare_pages consecutive pages in row-major head order
-    (unused columns 0), and the pages each head owns (B, H). With `reserve` (entries), a head owns the pages
-    of its n entries and `reserve` more, ceil((n + reserve)/S), and never more than ceil(n/S) + spare_pages:
-    the free slots of its partly filled last page count toward the reserve."""
-    used = (counts + page_size - 1) // page_size
-    owned = used + spare_pages
-    if reserve is not None:
-        owned = torch.minimum((counts + reserve + page_size - 1) // page_size, owned)
+def page_table(counts: Tensor, page_size: int, reserve: int = 0) -> tuple[Tensor, Tensor]:
+    """The layout of a new store for heads of `counts` (B, H) entries: block table (B, H, max(1, most pages)) long,
+    head (b, h) owning the pages of its n entries and `reserve` more, ceil((n + reserve)/S), consecutive in
+    row-major head order (unused columns 0), and the pages each head owns (B, H). The free slots of a head's
+    partly filled last page count toward the reserve; a reserve of k·S entries is k whole spare pages."""
+    owned = (counts + reserve + page_size - 1) // page_size
     base = owned.flatten().cumsum(0).reshape(counts.shape) - owned
     cols = torch.arange(max(int(owned.max()), 1) if owned.numel() else 1, device=counts.device)
     return torch.where(cols < owned[..., None], base[..., None] + cols, 0), owned
@@ -119,16 +119,16 @@ class LayerStore:
     # --- building --------------------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int,
+    def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int = 0,
               gather: Callable = gather_rows, storage=None, dtype: torch.dtype | None = None,
               reserve: int | None = None) -> "LayerStore":
         """A store holding the taken rows of `sources`, one source after the other per head (merge slots
-        first), in fresh pages laid out by `page_table` with `spare_pages` per head, or, with `reserve`
-        (entries: Plan.spare_entries), the pages of `reserve` more entries than the head holds (at most
-        `spare_pages` beyond its own); `slots` (B, H) the occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or the plain
-        `gather_rows`). Only the taken rows are copied (no dense copy of the layer). `storage`: the policy's
-        storage part. `dtype`: the pages' dtype (the model's; default: the rows'): re-selected rows read from
-        codes are float32."""
+        first), in fresh pages laid out by `page_table`: each head with the pages of `reserve` more entries
+        than it holds (Plan.spare_entries), or, without `reserve`, `spare_pages` whole spare pages; `slots`
+        (B, H) the occupied residual slots. `gather` writes the rows (a kernel backend's `gather_pages`, or
+        the plain `gather_rows`). Only the taken rows are copied (no dense copy of the layer). `storage`: the
+        policy's storage part. `dtype`: the pages' dtype (the model's; default: the rows'): re-selected rows
+        read from codes are float32."""
         if dtype is not None:
             sources = [dataclasses.replace(src, keys=src.keys.to(dtype), values=src.values.to(dtype))
                        for src in sources]
@@ -136,7 +136,7 @@ class LayerStore:
         d, dv, dev = first.keys.shape[-1], first.values.shape[-1], first.keys.device
         taken = [src.take.sum(-1) for src in sources]  # each (B, H)
         lengths = torch.stack(taken).sum(0)
-        block_table, owned = page_table(lengths, page_size, spare_pages, reserve)
+        block_table, owned = page_table(lengths, page_size, spare_pages * page_size if reserve is None else reserve)
         cap, room = torch.stack([owned.sum(), (owned * page_size - lengths).min()]).tolist() if owned.numel() \
             else (0, 0)
         store = LayerStore(k_pages=first.keys.new_zeros(cap, page_size, d),
@@ -156,7 +156,7 @@ class LayerStore:
         return store
 
     @classmethod
-    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int,
+    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int = 0,
                    storage=None, dtype: torch.dtype | None = None, reserve: int | None = None) -> "LayerStore":
         """A store holding every head's entries in order (the inverse of `to_heads`); `spare_pages`,
         `reserve` as `build`'s."""
@@ -371,8 +371,9 @@ class LayerStore:
 
     def step(self, kernel, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
              scale: float) -> Tensor:
-        """One decode step of the layer by a fused kernel (a C++ decode step of the plan's, kvcompile.kernels.
-        online_step: append, attention and, where the policy has them, running scores and online eviction),
+        """One decode step of the layer by a fused kernel (a C++ decode step of the plan's: `CppAppendStep`,
+        `CppOnlineStep`, kernels.tiered_step: append, attention and, where the policy has them, running scores
+        and online eviction),
         `kernel(tensors, q, k, v, position, split, scale)`, on this store's tensors, in place: its output
         (B, Hq, d). Every head's next entry has a page (`make_room` ran before)."""
         out = kernel(self.tensors(), q, k, v, position, split, scale)
@@ -562,3 +563,163 @@ class LayerStore:
         b, h = e.shape
         width = int(col.max()) + step
         return fresh, max(0, width - self.block_table.shape[-1]) * b * h * self.block_table.element_size()
+
+
+# --- the fused decode steps (Plan.decode_step, of kvcompile.kernels.online_step's family) ----------------------
+
+def _layout(pages, d: int, bits: int, group: int) -> bool:
+    """The pages have the layout the fused steps (`append_step_cpp`, `online_step_cpp`, kernels.tiered_step) write
+    into in place: fp32 (P, S, d), or codes uint8 (P, S, d · bits / 8) with scales and zero points float32
+    (P, S, d / group); the block table and counters int64, scores and counts float32, every tensor contiguous."""
+    if not (pages.lengths.dtype == torch.long and pages.block_table.dtype == torch.long
+            and pages.owned.dtype == torch.long and pages.pos_pages.dtype == torch.long
+            and pages.score_pages.dtype == torch.float32 and pages.count_pages.dtype == torch.float32
+            and all(t.is_contiguous() for t in pages)):
+        return False
+    if bits == append_kernel.FLOAT:
+        return pages.k_pages.dtype == torch.float32 and pages.v_pages.dtype == torch.float32 \
+            and pages.k_pages.shape[-1] == d and pages.v_pages.shape[-1] == d
+    kc, vc, ks, kz, vs, vz = pages.k_pages, pages.v_pages, pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero
+    width, groups = d * bits // 8, d // group
+    return (kc.dtype == torch.uint8 and vc.dtype == torch.uint8 and kc.shape[-1] == width
+            and vc.shape[-1] == width and ks.dtype == torch.float32 and kz.dtype == torch.float32
+            and vs.dtype == torch.float32 and vz.dtype == torch.float32 and ks.dim() == 3
+            and ks.shape[-1] == groups and kz.shape == ks.shape and vs.shape == ks.shape and vz.shape == ks.shape)
+
+
+def check_call(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, d: int, bits: int, group: int) -> None:
+    """RuntimeError where the call is not of the layout a fused step writes into in place (the plan chose the
+    step for the store's layout and the model's fp32 CPU tensors: a mismatch is a bug, not a case to skip)."""
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 \
+            or position.dtype != torch.long or q.device.type != "cpu" or not _layout(pages, d, bits, group):
+        raise RuntimeError(f"kvcompile: a fused decode step (C++, fp32 CPU) got tensors of another layout: q "
+                           f"{q.dtype} on {q.device}, pages {pages.k_pages.dtype} {tuple(pages.k_pages.shape)}")
+
+
+def _contiguous(*xs: Tensor) -> tuple[Tensor, ...]:
+    return tuple(x if x.is_contiguous() else x.contiguous() for x in xs)
+
+
+def append_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, scale: float, bits: int, group: int,
+                    parallel_work: int = paged.PARALLEL_WORK, threads: int | None = None,
+                    alpha: float | None = None) -> Tensor:
+    """kernels.append_step's C++ step on a store's tensors (`PageTensors`, `QuantPageTensors` for codes): the output
+    (B, Hq, d). bits: 32 (fp32 pages) or the codes' width, group: their channels per scale (the storage part's);
+    alpha: the merge rule's bias α·log w of every entry in the attention (ZSMerge Eq. 8, −inf for an empty slot;
+    None: no bias); parallel_work, threads: as `paged_attention_cpp.paged_attention_cpp` (one thread below
+    parallel_work multiply-adds a call, else `threads`, default torch's)."""
+    b, hq, d = q.shape
+    h = k.shape[1]
+    check_call(pages, q, k, v, position, d, bits, group)
+    max_threads = torch.get_num_threads() if threads is None else threads
+    runs = max(1, -(-paged.ITEMS_PER_THREAD * max_threads // (b * h)))  # bounds the runs the C++ side chooses
+    work = torch.empty(b * h * runs * (hq // h) * (d + 2))
+    out = torch.empty(b, hq, d)
+    status = torch.empty(1, dtype=torch.long)
+    bias = out if alpha is None else torch.empty(pages.count_pages.shape)
+    fp32 = bits == append_kernel.FLOAT
+    scales = (out, out, out, out) if fp32 else (pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero)
+    append_kernel._kernel(hq // h, d, None if fp32 else group)(
+        *_contiguous(q, k, v, position), pages.k_pages, scales[0], scales[1], pages.v_pages, scales[2], scales[3],
+        pages.score_pages, pages.pos_pages, pages.count_pages, pages.block_table, pages.lengths, pages.owned, work,
+        out, b, h, pages.block_table.shape[-1], pages.k_pages.shape[1], float(scale), max_threads,
+        paged.ITEMS_PER_THREAD, parallel_work if threads is None else 0, bits, int(alpha is not None),
+        _alpha(float(alpha or 0.0)), bias, pages.count_pages.shape[0], status)
+    if status.item():
+        raise RuntimeError("kvcompile: the fused decode step met a head without a page for its next entry (the "
+                           "engine makes room before every step: LayerStore.make_room)")
+    return out
+
+
+@dataclass(frozen=True)
+class CppAppendStep(DecodeStep):
+    """The fused C++ step of a layer whose step is an append and an attention (`append_step_cpp`; its C++:
+    kvcompile.kernels.append_step): the new entry written into its slot (fp32, or quantized), then the paged
+    kernel, one call a layer and step. bits: 32 for fp32 pages, else the storage part's code width; group: its
+    channels per scale; parallel_work: the paged kernel's one-thread bound; alpha: the merge bias α of α·log w
+    (slots beside fp32 pages; None: no bias)."""
+
+    name: ClassVar[str] = "cpp"
+    bits: int = 8
+    group: int = 0
+    parallel_work: int = paged.PARALLEL_WORK
+    alpha: float | None = None
+
+    @property
+    def stores(self) -> tuple[str, ...]:
+        return ("LayerStore",) if self.bits == append_kernel.FLOAT else ("CodeStore",)
+
+    def __call__(self, plan, store, layer, q, k, v, position, split, scale):
+        return store.step(self.run, q, k, v, position, split, scale)
+
+    def run(self, pages, q, k, v, position, split, scale):
+        """The kernel on a store's page tensors (`PageTensors`, `QuantPageTensors`; `__call__` hands them)."""
+        return append_step_cpp(pages, q, k, v, position, scale, self.bits, self.group, self.parallel_work,
+                               alpha=self.alpha)
+
+    def build(self, group: int, head_dim: int) -> None:
+        append_kernel._kernel(group, head_dim, None if self.bits == append_kernel.FLOAT else self.group)
+
+    def describe(self) -> str:
+        fp32 = self.bits == append_kernel.FLOAT
+        pages = "fp32 pages" if fp32 else f"quantized pages (int{self.bits}, {self.group} channels a scale)"
+        if self.alpha is not None:
+            pages += f", merge bias {self.alpha}·log w"
+        return (f"cpp, {pages}: the new entry {'copied' if fp32 else 'quantized'} into its slot, then the paged "
+                f"kernel, one call (one thread below {self.parallel_work} multiply-adds, else torch's threads)")
+
+
+CppQuantStep = CppAppendStep  # the step of a store of codes (bits 8 or 4)
+
+
+_NO_SPLIT = torch.zeros(1, 3, dtype=torch.long)
+
+
+def online_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, split: Tensor | None,
+                    rule, scale: float) -> Tensor:
+    """kernels.online_step's C++ step on a store's tensors: the output (B, Hq, d) (RuntimeError where a head has
+    no page for its next entry, or holds more residual slots than its split allows)."""
+    b, hq, d = q.shape
+    h = k.shape[1]
+    check_call(pages, q, k, v, position, d, append_kernel.FLOAT, 0)
+    out = torch.empty(b, hq, d)
+    status = torch.empty(1, dtype=torch.long)
+    online_kernel._kernel(hq // h, d)(
+        *_contiguous(q, k, v), position, pages.k_pages, pages.v_pages, pages.score_pages, pages.pos_pages,
+        pages.count_pages, pages.block_table, pages.lengths, pages.slots, pages.owned,
+        _NO_SPLIT if split is None else _contiguous(split)[0], out, b, h, pages.block_table.shape[-1],
+        pages.k_pages.shape[1], float(scale), int(rule.decay is not None), float(rule.decay or 0.0),
+        int(rule.gqa_max), int(rule.alpha is not None), _alpha(float(rule.alpha or 0.0)),
+        int(rule.evict and split is not None), status)
+    if int(status[0]) == 1:
+        raise RuntimeError("kvcompile: the fused decode step met a head without a page for its next entry (the "
+                           "engine makes room before every step: LayerStore.make_room)")
+    if int(status[0]) == 2:
+        raise RuntimeError("kvcompile: a head holds more residual slots than its ZSMerge split allows")
+    return out
+
+
+@dataclass(frozen=True)
+class CppOnlineStep(DecodeStep):
+    """The fused C++ step (`online_step_cpp`; its C++ and semantics: kvcompile.kernels.online_step) computing
+    `rule` on one thread: every step of a float store whose scores run or that evicts online, or a plain step
+    (append + attention) where the paged C++ kernel does not take the head dim (`CppAppendStep` otherwise)."""
+
+    name: ClassVar[str] = "cpp"
+    stores: ClassVar[tuple[str, ...]] = ("LayerStore",)
+    rule: object = None  # kvcompile.plan.StepRule
+
+    def __call__(self, plan, store, layer, q, k, v, position, split, scale):
+        out = store.step(self._step, q, k, v, position, split, scale)
+        if split is not None and self.rule.evict and not store.settled:  # the first step after the prompt:
+            store.settle(split.sum(-1))  # every head within its budget from now on (as engine.online's)
+        return out
+
+    def _step(self, pages, q, k, v, position, split, scale):
+        return online_step_cpp(pages, q, k, v, position, split, self.rule, scale)
+
+    def build(self, group: int, head_dim: int) -> None:
+        online_kernel._kernel(group, head_dim)
+
+    def describe(self) -> str:
+        return f"cpp (one thread; {self.rule})"

@@ -89,13 +89,16 @@ class TieredStore:
     storage: object  # the part: tiered (policies.storage.MixedByScore, Kivi), or codes beside merge slots
 
     @classmethod
-    def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int, gather=None,
+    def build(cls, sources: list[Entries], slots: Tensor, page_size: int, spare_pages: int = 0, gather=None,
               storage=None, dtype: torch.dtype | None = None, reserve: int | None = None) -> "TieredStore":
         """The taken rows of `sources` split by `high_tier`, each tier in a store of its own (the low one
         in pages of `storage.tokens` entries for KIVI). `slots` (B, H): the occupied merge slots, the high
         tier's first entries. `dtype`: the high tier's (the model's; re-selected rows read from codes are
-        float32). Each tier gets `spare_pages` whole spare pages a head (`reserve` does not apply: KIVI's
-        flush moves the high tier's pages a run at a time, and `bound` counts whole spares)."""
+        float32). Each tier gets whole spare pages a head: `spare_pages`, or the pages of `reserve` entries,
+        ceil(reserve / S) (KIVI's flush moves the high tier's pages a run at a time, and `bound` counts whole
+        spares)."""
+        if reserve is not None:
+            spare_pages = -(-reserve // page_size)
         src = _cat(sources)
         # one order for every head: slots, then tokens by position (KIVI's groups: consecutive tokens)
         order = _entry_order(src.positions, src.take)
@@ -125,14 +128,14 @@ class TieredStore:
         return LayerStore.bound_bytes(pages, page_size, entry, 2 * heads, table_width)
 
     @classmethod
-    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int, storage=None,
+    def from_heads(cls, heads: list[list[HeadEntries]], page_size: int, spare_pages: int = 0, storage=None,
                    dtype: torch.dtype | None = None, reserve: int | None = None) -> "TieredStore":
         """A store holding every head's entries, split again into tiers (`decode: every`); whole spare pages,
         as `build`."""
-        flat = LayerStore.from_heads(heads, page_size, spare_pages)
+        flat = LayerStore.from_heads(heads, page_size)
         k, v, scores, pos, counts, stored = flat.gather()
         return cls.build([Entries(k, v, scores, pos, counts, stored)], flat.slots, page_size, spare_pages,
-                         storage=storage, dtype=dtype)
+                         storage=storage, dtype=dtype, reserve=reserve)
 
     def rows(self, index: Tensor, spare_pages: int) -> "TieredStore":
         """Row i a copy of row index[i] (beam search), each tier kept as it is."""

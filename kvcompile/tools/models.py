@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from transformers.generation.streamers import BaseStreamer
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 
 
 def home() -> Path:

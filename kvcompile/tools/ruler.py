@@ -675,7 +675,7 @@ def plain_answers_timed(model, context_ids: list[int], questions: list[list[int]
     import torch
     from transformers import DynamicCache
 
-    from kvcompile import cache_arg
+    from kvcompile import cache as cache_arg
 
     stop = eos_ids(model)
     n = len(context_ids)

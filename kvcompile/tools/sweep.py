@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvcompile import cache_arg
+from kvcompile import cache as cache_arg
 from kvcompile.cache import KVCompileCache
 from kvcompile.integrations.generate import compiled, model_sinks
 from kvcompile.plan import build_plan
