@@ -373,13 +373,15 @@ def test_serve_engine_vllm_answers_as_kvcompile(model_and_prompts):
 
 @pytest.mark.slow
 def test_preempting_a_compressed_request_is_refused(model_and_prompts):
-    """A pool too small for two compressed requests to finish (33 blocks of 32 tokens, the least vLLM accepts
-    for max_model_len 1024; 600 new tokens each): vLLM preempts one after its prompt was compressed, and the
+    """A pool too small for two compressed requests to finish (26 blocks of 32 tokens, the least vLLM accepts
+    for max_model_len 800; one is vLLM's null block, and the other 25 hold exactly the two prompts' 12 + 13 blocks,
+    so both are admitted; 600 new tokens each): vLLM preempts one after its prompt was compressed, and the
     plugin raises instead of recomputing it over its whole prompt. 320 entries per head (below both prompts'
-    lengths, so both are compressed) leave the two requests 11 blocks to grow into: vLLM preempts after about
-    180 decode steps (at 64 per head: about 430)."""
+    lengths, so both are compressed) free 1 + 2 blocks for the two requests to grow into: vLLM preempts after
+    about 70 decode steps (with max_model_len 1024 and 33 blocks: about 180; at 64 per head: about 330)."""
     _, prompts = model_and_prompts
-    args = {"model": str(MODEL), "prompts": prompts, "max_tokens": 600, "options": {"num_gpu_blocks_override": 33}}
+    args = {"model": str(MODEL), "prompts": prompts, "max_tokens": 600, "max_model_len": 800,
+            "options": {"num_gpu_blocks_override": 26}}
     proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm_run.py"), json.dumps(args)], cwd=ROOT,
                           env=vllm_env(spec="snapkv", per_head=320), capture_output=True, text=True, timeout=420)
     assert all(320 < len(p) for p in prompts)
