@@ -32,7 +32,12 @@ def vllm_env(**plugin) -> dict:
 
 def run(args: list[str], env: dict, timeout: int) -> dict:
     """The vLLM environment's Python on `args` (in the checkout); it prints one JSON line after RESULT."""
-    proc = subprocess.run([str(PYTHON), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return result(subprocess.run([str(PYTHON), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=timeout))
+
+
+def result(proc: subprocess.CompletedProcess) -> dict:
+    """The JSON line a successful run printed after RESULT."""
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])
 
