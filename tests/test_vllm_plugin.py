@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lane import Job, Lane
-from vllm_venv import MODEL, PYTHON, ROOT, needs_vllm, result, run, vllm_env
+from vllm_venv import MODEL, PYTHON, ROOT, in_vllm_env_job, needs_vllm, result, vllm_env
 
 pytestmark = needs_vllm
 MAX_TOKENS = 8
@@ -107,12 +107,16 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_plugin_off_by_default_refuses_what_it_cannot_run():
+def refusals_job() -> Job:
+    return in_vllm_env_job(f"MODEL = {str(MODEL)!r}\n" + REFUSALS)
+
+
+def test_plugin_off_by_default_refuses_what_it_cannot_run(lane):
     """Unset, the plugin changes nothing; set, it loads through vLLM's entry point and replaces the CPU
     backend; decode-time, merging, tiered-storage, reconstruction and rotary-reading policies are refused with the
     reason (head-wise, layer-dynamic and threshold budgets and int4 codes load); so are prefix caching, an fp8 cache,
     speculative decoding and another vLLM version (chunked prefill is accepted)."""
-    out = run(["-c", f"MODEL = {str(MODEL)!r}\n" + REFUSALS], vllm_env(), timeout=240)
+    out = result(lane.result("refusals", refusals_job()))
     assert out["off_path"].startswith("vllm.") and out["off_after_refusals"] == out["off_path"]
     assert out["entry_points"] == ["kvcompile.integrations.vllm:register"]
     assert out["on_path"] == "kvcompile.integrations.vllm.backend.KVCompileCPUBackend"
@@ -457,7 +461,8 @@ def test_two_engines_in_one_process_keep_their_own_state(model_and_prompts, comp
 
 
 # the runs of the tests that read them, in the order the background lane runs them (tests/lane.py)
-RUNS = {"compressed": ({"test_budget_covering_the_prompt_equals_plain_vllm", "test_compressed_vllm_equals_kvcompile",
+RUNS = {"refusals": ({"test_plugin_off_by_default_refuses_what_it_cannot_run"}, lambda prompts, lane: refusals_job()),
+        "compressed": ({"test_budget_covering_the_prompt_equals_plain_vllm", "test_compressed_vllm_equals_kvcompile",
                         "test_int4_codes_keep_kvcompiles_entries_and_free_their_blocks",
                         "test_worker_process_reports_what_it_freed", "test_chunked_prefill_compresses_as_one_pass",
                         "test_two_engines_in_one_process_keep_their_own_state"},

@@ -45,3 +45,10 @@ def result(proc: subprocess.CompletedProcess) -> dict:
 def in_vllm_env(code: str, timeout: int = 240, **plugin) -> dict:
     """`code` run by the vLLM environment's Python (`plugin`: its KVCOMPILE_VLLM_* settings, as vllm_env's)."""
     return run(["-c", code], vllm_env(**plugin), timeout)
+
+
+def in_vllm_env_job(code: str, timeout: int = 240, **plugin):
+    """in_vllm_env's run as a job of the suite's background lane (tests/lane.py); `result` reads what it printed."""
+    from lane import Job
+
+    return Job([str(PYTHON), "-c", code], vllm_env(**plugin), str(ROOT), timeout)
