@@ -48,8 +48,9 @@ def lane(request) -> Lane:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The runs end with the session (killed if the session stopped before waiting for them: -x, ^C)."""
-    for run in STARTED:
-        run.stop()
+    """The runs end with the session (killed if the session stopped before waiting for them: -x, ^C); the lane
+first, so that it starts nothing once the lowest transformers' run it waits for is killed."""
     if LANE in session.config.stash:
         session.config.stash[LANE].stop()
+    for run in STARTED:
+        run.stop()

@@ -91,7 +91,8 @@ class Lane:
         return run.result
 
     def stop(self) -> None:
-        self.stopped = True
+        with self.lock:  # no run starts after this
+            self.stopped = True
         for process in list(self.processes):
             if process.poll() is None:
                 process.kill()
@@ -111,18 +112,17 @@ class Lane:
                 if run.started:
                     continue
                 run.started = True
-            if self.stopped:
-                run.error = RuntimeError("the session ended before this run")
-                run.done.set()
-                continue
-            self._execute(run)
+            self._execute(run)  # (raises nothing: a run after stop() records why it did not run)
 
     def _execute(self, run: Run) -> None:
         job = run.job
         try:
-            process = subprocess.Popen(job.argv, cwd=job.cwd, env=job.env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
-            self.processes.append(process)
+            with self.lock:
+                if self.stopped:
+                    raise RuntimeError("the session ended before this run")
+                process = subprocess.Popen(job.argv, cwd=job.cwd, env=job.env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+                self.processes.append(process)
             try:
                 stdout, stderr = process.communicate(timeout=job.timeout)
             except subprocess.TimeoutExpired:

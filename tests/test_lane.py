@@ -73,3 +73,19 @@ def test_a_run_past_its_timeout_raises_and_stop_kills_what_runs():
     finally:
         lane.stop()
     assert process.poll() is not None
+
+
+def test_nothing_starts_once_the_lane_is_stopped():
+    """The session's end stops the lane before it kills the process the lane waits for (tests/conftest.py): the
+    queued runs then never start."""
+    blocker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    lane = Lane(after=[blocker])
+    lane.queue("a", job("print(1)"))
+    lane.start()
+    lane.stop()
+    blocker.kill()
+    blocker.wait()
+    lane.thread.join(timeout=10)
+    assert lane.processes == [] and not lane.runs["a"].started
+    with pytest.raises(RuntimeError, match="the session ended before this run"):
+        lane.result("a", job("print(1)"))
