@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig, MistralConfig
 
+from gguf_once import parsed_once
 from kvcompile import cache as cache_arg
 from kvcompile.tools import cli
 from kvcompile.tools.data import haystack_path
@@ -120,7 +121,8 @@ def test_converted_gemma_matches_gguf():
         ours = converted(ids).logits
         our_tokens = converted.generate(ids, max_new_tokens=8, do_sample=False)
     del converted
-    original, gguf_tok = GEMMA3.load_gguf()
+    with parsed_once():  # the file's metadata parsed once, not once per transformers call (tests/gguf_once.py)
+        original, gguf_tok = GEMMA3.load_gguf()
     assert gguf_tok(text)["input_ids"] == ids[0].tolist()
     with torch.inference_mode():
         theirs = original(ids).logits

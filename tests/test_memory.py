@@ -8,14 +8,14 @@ tensors leave the resident set at once and the peak follows the live tensors.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from lane import Job, Lane
 
 CHILD = r"""
 import json, sys
@@ -44,18 +44,33 @@ print(json.dumps({{"peak_kb": peak, "held": held}}))
 """
 
 
-@functools.lru_cache(maxsize=None)
-def peak(mode: str) -> dict:
+SPECS = ["snapkv", "lava"]
+
+
+def job(mode: str) -> Job:
+    """The child process of one mode: "full", "nocache" or a spec's name."""
     code = CHILD.format(tests=str(Path(__file__).parent))
-    run = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    return Job([sys.executable, "-c", code, mode], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+               str(Path(__file__).resolve().parent.parent), 600)
+
+
+def queue_runs(lane: Lane, selected: set[str]) -> None:
+    """The child processes, into the suite's background lane (tests/conftest.py, tests/lane.py): each measures
+    its own peak, whatever runs beside it."""
+    if "test_prefill_peak_memory_below_full_cache" in selected:
+        for mode in ["full", "nocache", *SPECS]:
+            lane.queue(f"memory:{mode}", job(mode))
+
+
+def peak(lane: Lane, mode: str) -> dict:
+    run = lane.result(f"memory:{mode}", job(mode))  # once per session: the lane keeps the result
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("spec", ["snapkv", "lava"])
-def test_prefill_peak_memory_below_full_cache(spec):
-    full, compressed, nocache = peak("full"), peak(spec), peak("nocache")
+@pytest.mark.parametrize("spec", SPECS)
+def test_prefill_peak_memory_below_full_cache(spec, lane):
+    full, compressed, nocache = peak(lane, "full"), peak(lane, spec), peak(lane, "nocache")
     evicted = full["held"] - compressed["held"]
     assert evicted > 100e6  # 8 layers x 8 heads x 4096 tokens x 64 x 2 x 4 bytes = 134 MB, minus what is kept
     saved = (full["peak_kb"] - compressed["peak_kb"]) * 1024

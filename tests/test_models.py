@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from gguf_once import parsed_once
 from kvcompile.tools import data
 from kvcompile.tools.models import SETUP_COMMAND, default_model_dir, find_gguf, is_converted, load_gguf, load_model
 
@@ -174,7 +175,8 @@ def test_converted_model_matches_gguf():
     with torch.inference_mode():
         ours = converted(ids).logits
     del converted
-    original, _ = load_gguf()
+    with parsed_once():  # the file's metadata parsed once, not once per transformers call (tests/gguf_once.py)
+        original, _ = load_gguf()
     with torch.inference_mode():
         theirs = original(ids).logits
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

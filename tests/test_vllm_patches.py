@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_venv import MODEL, ROOT, in_vllm_env, needs_vllm
+from lane import Lane
+from vllm_venv import MODEL, PYTHON, ROOT, in_vllm_env_job, needs_vllm, result
 
 pytestmark = needs_vllm
 
@@ -22,9 +23,9 @@ print("RESULT" + json.dumps({p.target: drift(p) for p in PATCHES}))
 
 
 @pytest.fixture(scope="module")
-def installed_drift() -> dict:
+def installed_drift(lane) -> dict:
     """Each declared patch's differences from the installed vLLM ([] where none), read in one subprocess."""
-    return in_vllm_env(DRIFT)
+    return result(lane.result("patches:drift", in_vllm_env_job(DRIFT)))
 
 
 def _targets() -> list[str]:
@@ -141,9 +142,13 @@ print("RESULT" + json.dumps(out))
 """
 
 
+def applied_job():
+    return in_vllm_env_job(f"MODEL = {str(MODEL)!r}\n" + APPLY, spec="snapkv", per_head=64)
+
+
 @pytest.fixture(scope="module")
-def applied() -> dict:
-    return in_vllm_env(f"MODEL = {str(MODEL)!r}\n" + APPLY, spec="snapkv", per_head=64)
+def applied(lane) -> dict:
+    return result(lane.result("patches:applied", applied_job()))
 
 
 def test_apply_refuses_a_vllm_that_changed_under_a_patch_and_patches_nothing(applied):
@@ -173,3 +178,15 @@ def test_each_engine_carries_its_own_settings_and_a_refused_one_stops_before_it_
     assert "cannot run kvzip" in engine["kvzip"] and "reconstruction pass" in engine["kvzip"]
     assert "unknown field(s) ['per_heads']" in engine["typo"]
     assert 'must be a mapping with "spec"' in engine["no_spec"]
+
+
+def queue_runs(lane: Lane, selected: set[str]) -> None:
+    """The two subprocess runs, into the suite's background lane (tests/conftest.py, tests/lane.py)."""
+    if not PYTHON.exists():
+        return
+    if "test_patch_matches_the_installed_vllm" in selected:
+        lane.queue("patches:drift", in_vllm_env_job(DRIFT))
+    if selected & {"test_apply_refuses_a_vllm_that_changed_under_a_patch_and_patches_nothing",
+                   "test_apply_patches_exactly_the_declared_targets_once", "test_the_plugin_modules_hold_no_mutable_state",
+                   "test_each_engine_carries_its_own_settings_and_a_refused_one_stops_before_it_starts"}:
+        lane.queue("patches:applied", applied_job())

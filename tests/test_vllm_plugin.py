@@ -3,7 +3,9 @@ budget covering the prompt vLLM's greedy tokens are plain vLLM's; with compressi
 own generate() under the same spec (kvcompile's environment), the kept (layer, head, position) entries are
 kvcompile's reference selection on the same prompt, requests run together equal their runs alone, the
 freed blocks are those the policy's counts say, and every block is back in the pool at the end.
-Each vLLM run is a subprocess of the vLLM environment (tests/vllm_run.py), bounded in time."""
+Each vLLM run is a subprocess of the vLLM environment (tests/vllm_run.py), bounded in time; the long ones are
+queued into the suite's background lane when the suite is collected (queue_runs, tests/lane.py), so that they run
+beside the tests before these (a test whose run has not started runs it itself)."""
 from __future__ import annotations
 
 import json
@@ -13,31 +15,40 @@ import subprocess
 import pytest
 import torch
 
-from vllm_venv import MODEL, PYTHON, ROOT, needs_vllm, run, vllm_env
+from lane import Job, Lane
+from vllm_venv import MODEL, PYTHON, ROOT, in_vllm_env_job, needs_vllm, result, vllm_env
 
 pytestmark = needs_vllm
 MAX_TOKENS = 8
 
 
-def run_vllm(prompts: list[list[int]], timeout: int = 420, more: dict | None = None, **plugin) -> dict:
+def vllm_job(prompts: list[list[int]], timeout: int = 420, more: dict | None = None, **plugin) -> Job:
     """tests/vllm_run.py on `prompts` (`more`: its other arguments, "runs" or "options"); `plugin`: the
     KVCOMPILE_VLLM_* settings."""
     args = {"model": str(MODEL), "prompts": prompts, "max_tokens": MAX_TOKENS, **(more or {})}
-    return run([str(ROOT / "tests" / "vllm_run.py"), json.dumps(args)], vllm_env(**plugin), timeout)
+    return Job([str(PYTHON), str(ROOT / "tests" / "vllm_run.py"), json.dumps(args)], vllm_env(**plugin), str(ROOT),
+               timeout)
 
 
-@pytest.fixture(scope="module")
-def model_and_prompts():
-    """SmolLM2 in kvcompile's environment and two chat prompts of a few hundred tokens over the haystack."""
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """Two chat prompts of a few hundred tokens over the haystack."""
     from kvcompile.tools.data import load_haystack, split_sentences, user_turn
-    from kvcompile.tools.models import load_model
 
-    model, tokenizer = load_model(MODEL)
     sentences = split_sentences(load_haystack())
     prompts = []
     for start, count in ((0, 14), (40, 11)):
         text = " ".join(sentences[start:start + count])
         prompts.append(tokenizer(user_turn(tokenizer, f"{text}\n\nSummarise the text in one sentence.")).input_ids)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts():
+    """SmolLM2 in kvcompile's environment and the two chat prompts."""
+    from kvcompile.tools.models import load_model
+
+    model, tokenizer = load_model(MODEL)
+    prompts = chat_prompts(tokenizer)
     assert all(200 <= len(p) <= 600 for p in prompts), [len(p) for p in prompts]
     return model, prompts
 
@@ -96,12 +107,16 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_plugin_off_by_default_refuses_what_it_cannot_run():
+def refusals_job() -> Job:
+    return in_vllm_env_job(f"MODEL = {str(MODEL)!r}\n" + REFUSALS)
+
+
+def test_plugin_off_by_default_refuses_what_it_cannot_run(lane):
     """Unset, the plugin changes nothing; set, it loads through vLLM's entry point and replaces the CPU
     backend; decode-time, merging, tiered-storage, reconstruction and rotary-reading policies are refused with the
     reason (head-wise, layer-dynamic and threshold budgets and int4 codes load); so are prefix caching, an fp8 cache,
     speculative decoding and another vLLM version (chunked prefill is accepted)."""
-    out = run(["-c", f"MODEL = {str(MODEL)!r}\n" + REFUSALS], vllm_env(), timeout=240)
+    out = result(lane.result("refusals", refusals_job()))
     assert out["off_path"].startswith("vllm.") and out["off_after_refusals"] == out["off_path"]
     assert out["entry_points"] == ["kvcompile.integrations.vllm:register"]
     assert out["on_path"] == "kvcompile.integrations.vllm.backend.KVCompileCPUBackend"
@@ -125,13 +140,13 @@ def blocks_held(n: int, block_size: int, first_kept: int) -> int:
 
 
 @pytest.mark.slow
-def test_budget_covering_the_prompt_equals_plain_vllm(model_and_prompts, compressed_runs):
+def test_budget_covering_the_prompt_equals_plain_vllm(model_and_prompts, compressed_runs, lane):
     """per_head above the prompt length (snapkv at 2048, run by the plugin's engine): nothing evicted, vLLM's
     greedy tokens and blocks as without the plugin. Plain vLLM 0.32 (fp32, eager, its CPU attention) gives
     SmolLM2 transformers' generate() greedy tokens in kvcompile's own environment: the baseline a kvcompile policy
     inside vLLM must keep when it evicts nothing."""
     model, prompts = model_and_prompts
-    plain = run_vllm(prompts)
+    plain = result(lane.result("plain", vllm_job(prompts)))
     with torch.no_grad():
         want = [model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids):].tolist()
                 for ids in prompts]
@@ -172,18 +187,23 @@ def spec_source(spec: str, folder) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def compressed_runs(model_and_prompts, tmp_path_factory):
+def compressed_job(prompts: list[list[int]], folder) -> Job:
     """One vLLM engine (the plugin on) runs the prompts under each policy of COMPRESSED in turn
-    (tests/vllm_run.py "runs"), recording each request's kept entries."""
-    _, prompts = model_and_prompts
-    folder = tmp_path_factory.mktemp("kept")
+    (tests/vllm_run.py "runs"), recording each request's kept entries in `folder`."""
     runs = [{"spec": spec_source(spec, folder), "overrides": overrides, "record": str(folder / f"{spec}.jsonl")}
             for spec, overrides in {**COMPRESSED, **CODES_ONLY}.items()]
     runs.append({"spec": "snapkv", "overrides": {"per_head": 2048}})  # covers the prompts: nothing evicted
-    out = run_vllm(prompts, timeout=900, more={"runs": runs}, spec="snapkv", per_head=64)
+    return vllm_job(prompts, timeout=900, more={"runs": runs}, spec="snapkv", per_head=64)
+
+
+@pytest.fixture(scope="module")
+def compressed_runs(model_and_prompts, lane):
+    """compressed_job's run: each policy's result and the file of its kept entries."""
+    _, prompts = model_and_prompts
+    folder = lane.folder("compressed")
+    out = result(lane.result("compressed", compressed_job(prompts, folder)))
     names = [*COMPRESSED, *CODES_ONLY, "covered"]
-    return {name: (result, folder / f"{name}.jsonl") for name, result in zip(names, out["runs"])}
+    return {name: (got, folder / f"{name}.jsonl") for name, got in zip(names, out["runs"])}
 
 
 @pytest.mark.slow
@@ -273,38 +293,52 @@ def test_int4_codes_keep_kvcompiles_entries_and_free_their_blocks(model_and_prom
     assert blocks["end"] == blocks["total"]
 
 
+def worker_job(prompts: list[list[int]]) -> Job:
+    """lava with the worker in a process of its own."""
+    return vllm_job(prompts, more={"options": {"distributed_executor_backend": "mp"}}, spec="lava", per_head=64)
+
+
 @pytest.mark.slow
-def test_worker_process_reports_what_it_freed(model_and_prompts, compressed_runs):
+def test_worker_process_reports_what_it_freed(model_and_prompts, compressed_runs, lane):
     """The executor `vllm serve` uses on CPU runs the worker in a process of its own
     (distributed_executor_backend "mp"): N − S reaches the scheduler with the step's output. lava (its
     budgets depend on the scores) gives the same tokens and frees the same blocks as with the worker
     in-process."""
     _, prompts = model_and_prompts
-    out = run_vllm(prompts, more={"options": {"distributed_executor_backend": "mp"}}, spec="lava", per_head=64)
+    out = result(lane.result("worker_mp", worker_job(prompts)))
     want, _ = compressed_runs["lava"]
     assert out["together"] == want["together"] and out["alone"] == want["alone"]
     assert out["blocks"] == want["blocks"] and out["blocks"]["after_decode"] > want["blocks"]["after_prefill"]
 
 
+CHUNKED = ("snapkv_int8", "h2o", "lava")
+
+
+def chunked_job(prompts: list[list[int]], folder) -> Job:
+    """CHUNKED's policies in one engine with chunked prefill of 128-token chunks, kept entries recorded in
+    `folder`."""
+    runs = [{"spec": spec_source(spec, folder), "overrides": COMPRESSED[spec], "record": str(folder / f"{spec}.jsonl")}
+            for spec in CHUNKED]
+    return vllm_job(prompts, timeout=600, spec="snapkv", per_head=64,
+                    more={"runs": runs, "options": {"enable_chunked_prefill": True, "max_num_batched_tokens": 128}})
+
+
 @pytest.mark.slow
-def test_chunked_prefill_compresses_as_one_pass(model_and_prompts, compressed_runs, tmp_path):
+def test_chunked_prefill_compresses_as_one_pass(model_and_prompts, compressed_runs, lane):
     """Chunked prefill (128-token chunks: each prompt in 3 or 4 steps, the two prompts' chunks sharing steps
     when run together): the worker keeps each layer's last queries across chunks and compresses in the
     step that ends the prompt, so the kept entries, the greedy tokens and the blocks held equal the
     one-pass runs', for a window scorer stored as int8 codes (snapkv_int8: snapkv's selection), one reading every
     query (h2o) and LAVa's cascade."""
     _, prompts = model_and_prompts
-    specs = ("snapkv_int8", "h2o", "lava")
-    runs = [{"spec": spec_source(spec, tmp_path), "overrides": COMPRESSED[spec], "record": str(tmp_path / f"{spec}.jsonl")}
-            for spec in specs]
-    out = run_vllm(prompts, timeout=600, spec="snapkv", per_head=64,
-                   more={"runs": runs, "options": {"enable_chunked_prefill": True, "max_num_batched_tokens": 128}})
+    folder = lane.folder("chunked")
+    out = result(lane.result("chunked", chunked_job(prompts, folder)))
     assert max(map(len, prompts)) > 2 * 128  # every prompt is chunked
-    for spec, got in zip(specs, out["runs"]):
+    for spec, got in zip(CHUNKED, out["runs"]):
         want, record = compressed_runs[spec]
         assert got["together"] == want["together"] and got["alone"] == want["alone"], spec
         assert got["blocks"] == want["blocks"], spec
-        kept = {line["request"]: line["kept"] for line in map(json.loads, (tmp_path / f"{spec}.jsonl").read_text().splitlines())}
+        kept = {line["request"]: line["kept"] for line in map(json.loads, (folder / f"{spec}.jsonl").read_text().splitlines())}
         kept_one_pass = {line["request"]: line["kept"] for line in map(json.loads, record.read_text().splitlines())}
         assert sorted(map(json.dumps, kept.values())) == sorted(map(json.dumps, kept_one_pass.values())), spec
 
@@ -371,41 +405,88 @@ def test_serve_engine_vllm_answers_as_kvcompile(model_and_prompts):
     assert text == AutoTokenizer.from_pretrained(MODEL).decode(want, skip_special_tokens=True)
 
 
+def preempt_job(prompts: list[list[int]]) -> Job:
+    """Two requests of 600 new tokens in a pool too small for both (test_preempting_a_compressed_request_is_refused)."""
+    args = {"model": str(MODEL), "prompts": prompts, "max_tokens": 600, "max_model_len": 800,
+            "options": {"num_gpu_blocks_override": 26}}
+    return Job([str(PYTHON), str(ROOT / "tests" / "vllm_run.py"), json.dumps(args)],
+               vllm_env(spec="snapkv", per_head=320), str(ROOT), 420)
+
+
 @pytest.mark.slow
-def test_preempting_a_compressed_request_is_refused(model_and_prompts):
-    """A pool too small for two compressed requests to finish (33 blocks of 32 tokens, the least vLLM accepts
-    for max_model_len 1024; 600 new tokens each): vLLM preempts one after its prompt was compressed, and the
+def test_preempting_a_compressed_request_is_refused(model_and_prompts, lane):
+    """A pool too small for two compressed requests to finish (26 blocks of 32 tokens, the least vLLM accepts
+    for max_model_len 800; one is vLLM's null block, and the other 25 hold exactly the two prompts' 12 + 13 blocks,
+    so both are admitted; 600 new tokens each): vLLM preempts one after its prompt was compressed, and the
     plugin raises instead of recomputing it over its whole prompt. 320 entries per head (below both prompts'
-    lengths, so both are compressed) leave the two requests 11 blocks to grow into: vLLM preempts after about
-    180 decode steps (at 64 per head: about 430)."""
+    lengths, so both are compressed) free 1 + 2 blocks for the two requests to grow into: vLLM preempts after
+    about 70 decode steps (with max_model_len 1024 and 33 blocks: about 180; at 64 per head: about 330)."""
     _, prompts = model_and_prompts
-    args = {"model": str(MODEL), "prompts": prompts, "max_tokens": 600, "options": {"num_gpu_blocks_override": 33}}
-    proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "vllm_run.py"), json.dumps(args)], cwd=ROOT,
-                          env=vllm_env(spec="snapkv", per_head=320), capture_output=True, text=True, timeout=420)
+    proc = lane.result("preempt", preempt_job(prompts))
     assert all(320 < len(p) for p in prompts)
     assert proc.returncode != 0 and "RESULT" not in proc.stdout
     assert "preempted request" in proc.stderr and "after its prompt was compressed" in proc.stderr, proc.stderr[-3000:]
 
 
+ENGINES = ("snapkv", "lava")
+
+
+def engines_job(prompts: list[list[int]], folder) -> Job:
+    """Two engines in one process, each naming one of ENGINES in its additional_config, recording in `folder`."""
+    settings = [{"spec": spec, "overrides": COMPRESSED[spec], "record": str(folder / f"{spec}.jsonl")}
+                for spec in ENGINES]
+    return vllm_job(prompts, timeout=600, more={"engines": settings}, spec="h2o", per_head=128)
+
+
 @pytest.mark.slow
-def test_two_engines_in_one_process_keep_their_own_state(model_and_prompts, compressed_runs, tmp_path):
+def test_two_engines_in_one_process_keep_their_own_state(model_and_prompts, compressed_runs, lane):
     """Two engines alive together in one process (engine cores in-process), each naming its own policy in
     vLLM's additional_config (snapkv and lava, the environment naming neither), stepped in turn with both
     engines' requests in flight: each engine's tokens, kept entries and freed blocks are those of its policy
     run alone in an engine of its own (compressed_runs); each has its own worker state, and records only its
     own requests."""
     _, prompts = model_and_prompts
-    specs = ("snapkv", "lava")
-    settings = [{"spec": spec, "overrides": COMPRESSED[spec], "record": str(tmp_path / f"{spec}.jsonl")}
-                for spec in specs]
-    out = run_vllm(prompts, timeout=600, more={"engines": settings}, spec="h2o", per_head=128)
+    folder = lane.folder("engines")
+    out = result(lane.result("engines", engines_job(prompts, folder)))
     assert len({engine["worker"] for engine in out["engines"]}) == 2
-    for i, (spec, got) in enumerate(zip(specs, out["engines"])):
+    for i, (spec, got) in enumerate(zip(ENGINES, out["engines"])):
         want, record = compressed_runs[spec]
         assert got["together"] == want["together"] and got["alone"] == want["alone"], spec
         assert got["blocks_end"] == got["blocks_total"] == want["blocks"]["total"], spec
-        lines = [json.loads(line) for line in (tmp_path / f"{spec}.jsonl").read_text().splitlines()]
+        lines = [json.loads(line) for line in (folder / f"{spec}.jsonl").read_text().splitlines()]
         assert len(lines) == 2 * len(prompts)  # together, alone: this engine's requests only
         assert all(line["request"].startswith(f"e{i}p") for line in lines[:len(prompts)]), spec
         kept_alone = {json.dumps(line["kept"]) for line in map(json.loads, record.read_text().splitlines())}
         assert {json.dumps(line["kept"]) for line in lines} == kept_alone, spec
+
+
+# the runs of the tests that read them, in the order the background lane runs them (tests/lane.py)
+RUNS = {"refusals": ({"test_plugin_off_by_default_refuses_what_it_cannot_run"}, lambda prompts, lane: refusals_job()),
+        "compressed": ({"test_budget_covering_the_prompt_equals_plain_vllm", "test_compressed_vllm_equals_kvcompile",
+                        "test_int4_codes_keep_kvcompiles_entries_and_free_their_blocks",
+                        "test_worker_process_reports_what_it_freed", "test_chunked_prefill_compresses_as_one_pass",
+                        "test_two_engines_in_one_process_keep_their_own_state"},
+                       lambda prompts, lane: compressed_job(prompts, lane.folder("compressed"))),
+        "plain": ({"test_budget_covering_the_prompt_equals_plain_vllm"}, lambda prompts, lane: vllm_job(prompts)),
+        "worker_mp": ({"test_worker_process_reports_what_it_freed"}, lambda prompts, lane: worker_job(prompts)),
+        "chunked": ({"test_chunked_prefill_compresses_as_one_pass"},
+                    lambda prompts, lane: chunked_job(prompts, lane.folder("chunked"))),
+        "preempt": ({"test_preempting_a_compressed_request_is_refused"}, lambda prompts, lane: preempt_job(prompts)),
+        "engines": ({"test_two_engines_in_one_process_keep_their_own_state"},
+                    lambda prompts, lane: engines_job(prompts, lane.folder("engines")))}
+
+
+def queue_runs(lane: Lane, selected: set[str]) -> None:
+    """The vLLM runs the selected tests read, into the suite's background lane (tests/conftest.py), where the
+    vLLM environment, the model and the haystack are there (else the tests skip or fail as they would)."""
+    if not PYTHON.exists() or not (MODEL / "config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        prompts = chat_prompts(AutoTokenizer.from_pretrained(MODEL))
+    except FileNotFoundError:  # no haystack
+        return
+    for key, (tests, job) in RUNS.items():
+        if tests & selected:
+            lane.queue(key, job(prompts, lane))

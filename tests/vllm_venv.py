@@ -32,7 +32,12 @@ def vllm_env(**plugin) -> dict:
 
 def run(args: list[str], env: dict, timeout: int) -> dict:
     """The vLLM environment's Python on `args` (in the checkout); it prints one JSON line after RESULT."""
-    proc = subprocess.run([str(PYTHON), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return result(subprocess.run([str(PYTHON), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=timeout))
+
+
+def result(proc: subprocess.CompletedProcess) -> dict:
+    """The JSON line a successful run printed after RESULT."""
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1].splitlines()[0])
 
@@ -40,3 +45,10 @@ def run(args: list[str], env: dict, timeout: int) -> dict:
 def in_vllm_env(code: str, timeout: int = 240, **plugin) -> dict:
     """`code` run by the vLLM environment's Python (`plugin`: its KVCOMPILE_VLLM_* settings, as vllm_env's)."""
     return run(["-c", code], vllm_env(**plugin), timeout)
+
+
+def in_vllm_env_job(code: str, timeout: int = 240, **plugin):
+    """in_vllm_env's run as a job of the suite's background lane (tests/lane.py); `result` reads what it printed."""
+    from lane import Job
+
+    return Job([str(PYTHON), "-c", code], vllm_env(**plugin), str(ROOT), timeout)
