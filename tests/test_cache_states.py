@@ -285,7 +285,7 @@ PLANTED = [
     ("engine/chunked.py", "cache.hold_store(layer, ", "cache.stores[layer] = (", "contents stores"),
     ("engine/cascade.py", "cache.hold_store(layer, ", "cache.stores[layer] = (", "contents stores"),
     ("engine/batch.py", "cache.hold_stores(stores)", "cache.stores = stores", "contents stores"),
-    ("engine/batch.py", "cache.hold_stores([", "cache.stores = ([", "contents stores"),
+    ("engine/batch.py", "cache.hold_stores(pooled)", "cache.stores = pooled", "contents stores"),
     ("tools/sweep.py", "cache.hold_windows(windows)", "cache.windows = list(windows)", "contents windows"),
 ]
 
