@@ -8,16 +8,14 @@ error, with every block and page given back, and the engine goes on.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
-import torch
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import kvcompile
 from kvcompile.engine.batch import BatchedDecode, decode_path
-from kvcompile.integrations.batching import KVCompilePagedCache, RequestSampling
+from kvcompile.integrations.batching import RequestSampling
+from tests.test_reuse_engine import engine
 from tests.test_serving import SNAP, gen_config, prompts, reference
 from tests.tiny import prompt as tiny_prompt
 from tests.tiny import tiny_model
@@ -31,21 +29,6 @@ class Injected(RuntimeError):
 
 def compiled(spec: str = "snapkv", **overrides):
     return kvcompile.compile(tiny_model(), spec, **(overrides or SNAP))
-
-
-@contextlib.contextmanager
-def engine(model, **cb):
-    config = ContinuousBatchingConfig(**{"num_blocks": 128, "max_batch_tokens": 512, "page_size": 16, **cb})
-    manager = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=config)
-    manager.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not isinstance(getattr(manager.batch_processor, "cache", None), KVCompilePagedCache):
-            assert time.monotonic() < deadline, "the engine did not start"
-            time.sleep(0.01)
-        yield manager
-    finally:
-        manager.stop(block=True, timeout=10)
 
 
 def run(manager, model, requests) -> dict:
