@@ -124,17 +124,23 @@ def on_layer_store(cache, layer: int, method: str, after: int) -> None:
     cache.hold_stores = hold_and_inject
 
 
+def assert_fails_alone(manager, model, fault, a, bad, c) -> None:
+    """Requests a, bad and c at once, `fault` injected into bad's cache: bad fails with the injected error, a and c
+    get generate()'s tokens, and every block and pool page comes back."""
+    on_cache_of(manager, "bad", fault)
+    outcomes = run(manager, model, [("a", a, NEW, None), ("bad", bad, NEW, None), ("c", c, NEW, None)])
+    assert isinstance(outcomes["bad"], str) and "injected failure" in outcomes["bad"], outcomes["bad"]
+    assert outcomes["a"] == reference(model, a) and outcomes["c"] == reference(model, c)
+    assert_all_given_back(manager)
+
+
 @pytest.mark.parametrize("where", list(FAULTS))
 def test_one_requests_failure_inside_a_step_fails_it_alone(where):
     model = compiled()
     assert isinstance(decode_path(model.kvcompile_plan), BatchedDecode)
     a, bad, c, later = prompts([60, 50, 70, 40])
     with engine(model) as manager:
-        on_cache_of(manager, "bad", FAULTS[where])
-        outcomes = run(manager, model, [("a", a, NEW, None), ("bad", bad, NEW, None), ("c", c, NEW, None)])
-        assert isinstance(outcomes["bad"], str) and "injected failure" in outcomes["bad"], outcomes["bad"]
-        assert outcomes["a"] == reference(model, a) and outcomes["c"] == reference(model, c)
-        assert_all_given_back(manager)
+        assert_fails_alone(manager, model, FAULTS[where], a, bad, c)
         assert run(manager, model, [("later", later, NEW, None)])["later"] == reference(model, later)
         assert_all_given_back(manager)
         assert manager.batch_processor.cache.kvcompile.failed_forwards == 0  # no forward failed as a whole
@@ -242,9 +248,5 @@ def test_one_requests_failure_in_other_batched_steps_fails_it_alone(spec, where)
     assert isinstance(decode_path(model.kvcompile_plan), BatchedDecode)
     a, bad, c = prompts([60, 50, 70])
     with engine(model) as manager:
-        on_cache_of(manager, "bad", FAULTS[where])
-        outcomes = run(manager, model, [("a", a, NEW, None), ("bad", bad, NEW, None), ("c", c, NEW, None)])
-        assert isinstance(outcomes["bad"], str) and "injected failure" in outcomes["bad"], outcomes["bad"]
-        assert outcomes["a"] == reference(model, a) and outcomes["c"] == reference(model, c)
-        assert_all_given_back(manager)
+        assert_fails_alone(manager, model, FAULTS[where], a, bad, c)
         assert manager.batch_processor.cache.kvcompile.failed_forwards == 0
