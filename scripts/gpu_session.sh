@@ -106,9 +106,11 @@ case "$stage" in
     echo "== 1/4 pytest -m gpu (limit 150 s)"
     timeout -k 10 150 python3 -m pytest -m gpu -v -p no:cacheprovider -rfEs -o faulthandler_timeout=120 \
       tests/test_gpu.py "$@" || status=$?
-    echo "== 2/4 the kernel tests with real Triton (limit 110 s)"
+    # only their Triton cases (71 s on an H200): the C++ and compiled cases are the CPU's, which CI runs, and
+    # all of them overran 110 s there (2026-11-28)
+    echo "== 2/4 the kernel tests' Triton cases with real Triton (limit 110 s)"
     timeout -k 10 110 python3 -m pytest -m "not gpu" -v -p no:cacheprovider -rfEs -o faulthandler_timeout=100 \
-      tests/test_kernels_*.py "$@" || status=$?
+      tests/test_kernels_*.py -k triton "$@" || status=$?
     echo "== 3/4 bench_gpu.py kernels at 8k and 32k tokens per head (limit 100 s)"
     timeout -k 10 100 python3 benchmarks/bench_gpu.py kernels --max-seconds 60 --tokens 8192 32768 || status=$?
     limit=$(( ${STAGE_SECONDS:-560} - (SECONDS - started) ))

@@ -1,6 +1,7 @@
 """Tiny random-weight transformers models for tests (no downloads)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -91,9 +92,12 @@ def triton_device() -> torch.device:
 
 
 def to_device(x, device: torch.device):
-    """Tensors, also inside tuples, lists and NamedTuples, moved to `device`; anything else as is."""
+    """Tensors, also inside tuples, lists, NamedTuples and dataclasses, moved to `device`; anything else as is."""
     if isinstance(x, torch.Tensor):
         return x.to(device)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: to_device(getattr(x, f.name), device)
+                                         for f in dataclasses.fields(x) if f.init})
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return type(x)(*(to_device(item, device) for item in x))
     if isinstance(x, (tuple, list)):
