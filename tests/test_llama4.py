@@ -483,13 +483,13 @@ def module_qkv(model, layer: int, x, past: int, positions, monkeypatch):
     return seen["q"].float(), seen["k"].float(), seen["v"].float()
 
 
-def moved_by_module(model, layer: int, x, ahead, position, monkeypatch):
-    """The query (B, Hq, L, d) the module computes from each input of x (B, L, hidden) at the padded sequence's
-    position `ahead` (the same for every input), its rotary at `position` (B,) of its row."""
+def moved_by_module(model, layer: int, x, at: int, position, monkeypatch):
+    """The query (B, Hq, L, d) the module computes from each input of x (B, L, hidden) at position `at` of the
+    padded sequence (the same for every input), its rotary at `position` (B,) of its row."""
     b, length, hidden = x.shape
-    q, _, _ = module_qkv(model, layer, x.reshape(b * length, 1, hidden), ahead,
+    q, _, _ = module_qkv(model, layer, x.reshape(b * length, 1, hidden), at,
                          position[:, None].expand(b, length).reshape(b * length, 1), monkeypatch)
-    return q.view(b, length, *q.shape[1:2], -1).transpose(1, 2)
+    return q.view(b, length, q.shape[1], q.shape[-1]).transpose(1, 2)
 
 
 def test_expected_attention_plans_each_layers_map_to_positions():
