@@ -112,6 +112,11 @@ class Plan:
     #   biased prefix, or SdpaChunkAttention, SDPA with a mask)
     rope: tuple[float, ...] | None = None  # the model's rotary inverse frequencies, for a scorer that reads them
     #   (Scorer.needs_rope: expected_attention moves queries to future positions); None: the scorer reads none
+    nope: tuple[bool, ...] | None = None  # with `rope`, on Llama 4 (no_rope_layers): per compressed layer, whether
+    #   it is a NoPE layer (no rotary; `temperature` scales its queries), else it rotates interleaved pairs;
+    #   None: every layer rotates by `rope` in transformers' rotate-half layout
+    temperature: tuple[float, float] | None = None  # with `nope`: Llama 4's attn_temperature_tuning
+    #   (attn_scale, floor_scale), the scale by position of its NoPE layers' queries; None: off
     softcap: float | None = None  # the model's attention logit soft-cap (Gemma 2's attn_logit_softcapping:
     #   cap·tanh(s/cap) before the softmax), applied by every attention the plan runs; None: none
     sinks: tuple[tuple[float, ...] | None, ...] | None = None  # per model layer, its learned sinks (gpt-oss's
@@ -204,7 +209,7 @@ class Plan:
             build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
                        page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
                        shard=self.shard, layer_devices=self.layer_devices, rope=self.rope),
-            layer_kinds=self.layer_kinds)
+            layer_kinds=self.layer_kinds, nope=self.nope, temperature=self.temperature)
 
     def with_dtype(self, dtype: torch.dtype) -> "Plan":
         """The same plan for tensors of `dtype` (compile()'s entry under torch.autocast): the backends chosen
@@ -215,7 +220,7 @@ class Plan:
             build_plan(self.policy, _Dims(self), device=self.device, dtype=dtype, kernels=self.kernels,
                        page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
                        shard=self.shard, layer_devices=self.layer_devices, rope=self.rope),
-            layer_kinds=self.layer_kinds)
+            layer_kinds=self.layer_kinds, nope=self.nope, temperature=self.temperature)
 
     @property
     def backends(self) -> tuple:
@@ -232,13 +237,18 @@ class Plan:
     chunk_impl = property(lambda self: None if self.chunk_attention is None else self.chunk_attention.name)
 
     def state(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None,
-              layer: int | None = None) -> LayerState:
-        """A layer's LayerState for the scorer, with the model's rotary frequencies where it reads them, and the
-        model's soft-cap and the engine's layer `layer`'s learned sinks where the model has them (the scorer's
-        attention weights are then the model's: scoring.attention_rows)."""
+              layer: int | None = None, seen: int | None = None) -> LayerState:
+        """A layer's LayerState for the scorer, with the model's rotary frequencies where it reads them (on Llama 4
+        the engine's layer `layer`'s: zeros and its temperature on a NoPE layer, else interleaved pairs), the
+        model's soft-cap and the layer's learned sinks where the model has them (the scorer's attention weights are
+        then the model's: scoring.attention_rows). `seen`: the positions up to the last query row (a chunk's end;
+        None: the keys' count)."""
         rope = None if self.rope is None else torch.tensor(self.rope, dtype=torch.float32, device=k.device)
         sinks = None if layer is None else self.layer_sinks(layer, k.device)
-        return LayerState(q, k, v, mask, scale, rope, self.softcap, sinks)
+        nope = self.nope is not None and self.nope[layer]
+        return LayerState(q, k, v, mask, scale, torch.zeros_like(rope) if nope else rope, self.softcap, sinks,
+                          interleaved=self.nope is not None and not nope,
+                          temperature=self.temperature if nope else None, seen=seen)
 
     @property
     def storage(self):
@@ -711,9 +721,11 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         raise PlanError(f"kvcompile: {policy.name}: layers: {policy.budget.layers.name} ranks every layer's entries "
                         "of the whole prompt, which a prompt compressed chunk by chunk (schedule.prefill) does not "
                         "have; drop schedule.prefill")
+    nope = temperature = None
     if scoring.needs_rope and rope is None:
-        rope = rope_frequencies(config, scoring.name,
-                                None if kinds is None else [i for i, e in enumerate(kinds.engine) if e is not None])
+        compressed = range(num_layers) if kinds is None else [i for i, e in enumerate(kinds.engine) if e is not None]
+        rope = rope_frequencies(config, scoring.name, compressed)
+        nope, temperature = llama4_positions(config, compressed)
     # a chunked prompt re-selects every layer after each chunk: the lazy cascade's counting does not apply
     lazy = cascade and not chunk and policy.budget.heads.nested and not policy.merges and policy.budget.split is None
     return Plan(
@@ -728,7 +740,8 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
         prune_every=prune_every, ring_rows=ring_rows, spare_pages=spare_pages(policy, headroom, page_size),
         cascade=cascade, lazy_cascade=lazy, static_totals=policy.budget.threshold is None and not cascade,
         prefill_chunk=chunk, layer_devices=layer_devices,
-        rope=tuple(rope) if scoring.needs_rope else None, layer_kinds=kinds, softcap=softcap, sinks=sinks,
+        rope=tuple(rope) if scoring.needs_rope else None, nope=nope, temperature=temperature, layer_kinds=kinds,
+        softcap=softcap, sinks=sinks,
         store=store_class(policy))
 
 
@@ -755,36 +768,17 @@ def _softcap_refusal(policy: Policy, softcap: bool) -> str | None:
     return None
 
 
-def rope_frequencies(config, scorer: str, layers: list[int] | None = None) -> tuple[float, ...]:
-    """The model's rotary inverse frequencies (d/2 of them, transformers' rotate-half layout), from its
-    config as transformers computes them (`rope_parameters`: the default rope, or one of its
-    ROPE_INIT_FUNCTIONS); PlanError where they are not fixed or not over the whole head. `layers`: the model
-    layers the policy compresses (default: all), whose queries the scorer moves.
+def rope_frequencies(config, scorer: str, layers) -> tuple[float, ...]:
+    """The model's rotary inverse frequencies (d/2 of them), from its config as transformers computes them
+    (`rope_parameters`: the default rope, or one of its ROPE_INIT_FUNCTIONS); PlanError where they are not fixed or
+    not over the whole head. `layers`: the model layers the policy compresses, whose queries the scorer moves.
 
-    A model whose compressed layers use no rotary (Llama 4's NoPE layers, no_rope_layers[i] = 0: its
-    full_attention layers by default) gets d/2 zero frequencies: the layer's map from a query to its position is
-    the identity, so R(t) = I for every t, and the scorer's moved queries and mean rotation (R̄ = I) are exactly
-    those of a model without rotary (no approximation). Refused there: compressed layers with Llama 4's rotary
-    (complex, on interleaved pairs), and temperature tuning (attn_temperature_tuning: the NoPE layers scale a
-    query at position p by 1 + attn_scale·log(1 + ⌊(p + 1)/floor_scale⌋), so the next queries are the prompt's
-    scaled by their own positions, a map the scorer's statistics do not model)."""
+    Where every compressed layer uses no rotary (Llama 4's NoPE layers, no_rope_layers[i] = 0: its full_attention
+    layers by default) they are d/2 zeros: the layer's map from a query to its position has no rotation,
+    R(t) = I for every t (Plan.nope marks those layers where others rotate; llama4_positions)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     no_rope = getattr(config, "no_rope_layers", None)
-    if no_rope:  # Llama 4: NoPE layers, rotary on interleaved pairs elsewhere
-        layers = range(config.num_hidden_layers) if layers is None else layers
-        roped = [i for i in layers if no_rope[i]]
-        if roped:
-            raise PlanError(f"kvcompile: scoring: {scorer} rotates queries to future positions with the rotary of "
-                            f"transformers' rotate-half layout; this model's compressed layers {roped} rotate "
-                            "interleaved pairs (no_rope_layers), which it does not build; it runs where the compressed "
-                            "layers are NoPE layers (transformers' default layer_types make the full_attention "
-                            "layers so)")
-        if getattr(config, "attn_temperature_tuning", False):
-            raise PlanError(f"kvcompile: scoring: {scorer} models the next queries as the prompt's queries moved to "
-                            "their positions; this model's NoPE layers scale each query by its position "
-                            "(attn_temperature_tuning: 1 + attn_scale·log(1 + ⌊(p + 1)/floor_scale⌋)), a map the "
-                            "scorer's statistics do not model; load the model with attn_temperature_tuning=False, "
-                            "with which its compressed NoPE layers are scored exactly (no rotation)")
+    if no_rope and not any(no_rope[i] for i in layers):
         return (0.0,) * (head_dim // 2)
     params = getattr(config, "rope_parameters", None) or {}
     if not params and getattr(config, "rope_theta", None) is not None:
@@ -807,3 +801,18 @@ def rope_frequencies(config, scorer: str, layers: list[int] | None = None) -> tu
 
         inv = ROPE_INIT_FUNCTIONS[kind](config, "cpu", **({"layer_type": "full_attention"} if per_kind else {}))[0]
     return tuple(float(x) for x in inv)
+
+
+def llama4_positions(config, layers) -> tuple[tuple[bool, ...] | None, tuple[float, float] | None]:
+    """Llama 4's map from a query to its position on the compressed model layers `layers` (Plan.nope,
+    Plan.temperature): whether each is a NoPE layer (no_rope_layers[i] = 0), and the NoPE layers' temperature
+    tuning (attn_scale, floor_scale) where attn_temperature_tuning is on, under which transformers scales the
+    query at position p by 1 + attn_scale·log(1 + ⌊(p + 1)/floor_scale⌋) (scoring.temperature_scales); its other
+    layers rotate interleaved pairs (complex multiplication, scoring.rotate_pairs). (None, None) for another
+    model."""
+    no_rope = getattr(config, "no_rope_layers", None)
+    if not no_rope:
+        return None, None
+    nope = tuple(not no_rope[i] for i in layers)
+    tuned = getattr(config, "attn_temperature_tuning", False) and any(nope)
+    return nope, (float(config.attn_scale), float(config.floor_scale)) if tuned else None

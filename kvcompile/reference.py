@@ -9,6 +9,7 @@ positions 0 … n_b − 1 (n_b = its real length) and pad tokens are never kept.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -252,6 +253,8 @@ class ChunkedPrefill:
     entropy: list = field(default_factory=list)  # dynamic budgets: this chunk's (B,) entropy per layer so far
     chunks: int = 0  # chunks started (at layer 0)
     rope: Tensor | None = None  # the model's rotary inverse frequencies, for a scorer that reads them (LayerState.rope)
+    temperature: tuple[float, float] | None = None  # every layer's query scale by position (LayerState.temperature:
+    #   Llama 4's NoPE layers under attn_temperature_tuning), for a scorer that reads it
     softcap: float | None = None  # the model's logit soft-cap (Gemma 2), in the attention and the scores
     sinks: list | None = None  # per layer, its learned sinks (Hq,) or None (gpt-oss), in the attention and the scores
 
@@ -286,7 +289,8 @@ class ChunkedPrefill:
         def score(b: int, h: int, keys: Tensor, values: Tensor, valid: Tensor, carried: Tensor) -> Tensor:
             state = LayerState(q[b:b + 1, h * g:(h + 1) * g, t_ - rows:], keys[None, None], values[None, None],
                                valid[None], scale, self.rope, self.softcap,
-                               None if sinks is None else sinks[h * g:(h + 1) * g])
+                               None if sinks is None else sinks[h * g:(h + 1) * g],
+                               temperature=self.temperature, seen=self.real.shape[1])
             return policy.scoring.score_chunk(state, None if first else carried[None, None])[0, 0]
 
         # 3. selection back to the budget of the tokens seen (4. inside the chunk's cascade)
@@ -675,10 +679,17 @@ def decode_step(policy, heads: list[list[HeadEntries]], q: Tensor, k: Tensor, v:
 
 # --- query-agnostic scoring: Expected Attention written out as the paper states it ----------------
 
-def rope_matrix(rope: Tensor, position: int) -> Tensor:
+def rope_matrix(rope: Tensor, position: int, interleaved: bool = False) -> Tensor:
     """RoPE's (d, d) rotation at `position` (transformers' rotate-half layout: q·cos + rotate_half(q)·sin),
-    built as kvpress builds it: cos·I + sin·P, float64."""
+    built as kvpress builds it: cos·I + sin·P, float64. `interleaved`: Llama 4's, each pair (2f, 2f + 1) turned as
+    the complex number x₂f + i·x₂f₊₁ times e^{iθ}: the 2×2 block [[cos, −sin], [sin, cos]] on those channels."""
     half = rope.shape[0]
+    if interleaved:
+        angle = rope.double() * position
+        m = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
+        m[0::2, 0::2], m[0::2, 1::2] = torch.diag(angle.cos()), -torch.diag(angle.sin())
+        m[1::2, 0::2], m[1::2, 1::2] = torch.diag(angle.sin()), torch.diag(angle.cos())
+        return m
     angle = torch.cat([rope, rope]).double() * position
     p = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
     p[half:, :half], p[:half, half:] = torch.eye(half), -torch.eye(half)
@@ -688,8 +699,11 @@ def rope_matrix(rope: Tensor, position: int) -> Tensor:
 def expected_attention(part, state: LayerState) -> Tensor:
     """`scoring: expected_attention`, literally (arXiv:2510.00636 Eq. 7–11, kvpress's press): per
     sequence and query head, un-rotate the real queries at positions p ≥ sinks (p = index among the
-    real tokens) to pre-RoPE q̃ = R(p)ᵀ q, take their mean and biased covariance, rotate them by the
-    mean rotation R̄ over the next `future` positions n … n + T − 1, score each real key at position
+    real tokens) to pre-RoPE q̃ = R(p)ᵀ q (Llama 4's interleaved pairs where state.interleaved), divided by the
+    temperature s(i) = 1 + attn_scale·log(1 + ⌊(i + 1)/floor_scale⌋) of its index i in the padded sequence where
+    state.temperature is set (Llama 4's NoPE layers), take their mean and biased covariance, map them by the
+    mean map M = (1/T) Σ_t s(e + t)·R(n + t) over the next `future` positions (n the real length, e the padded one:
+    state.end), μ = M μ̃, Σ = M Σ̃ Mᵀ, score each real key at position
     ≥ sinks by softmax(c μᵀk + c² kᵀΣk / 2) (the model's learned sinks, state.sinks, one more logit of the
     query head's in the sum), mean over the group, (s + ε)·‖v‖₂; the sinks score the
     head's max + 1. Float64, loops; (B, H, N), −inf at pads."""
@@ -699,17 +713,25 @@ def expected_attention(part, state: LayerState) -> Tensor:
     scale = d ** -0.5 if state.scale is None else state.scale
     mask = torch.ones(b_, n, dtype=torch.bool) if state.mask is None else state.mask.bool()
     out = torch.full((b_, h, n), float("-inf"), dtype=torch.float64)
+
+    def temperature(i: int) -> float:  # the scale of the query at index i of the padded sequence
+        if state.temperature is None:
+            return 1.0
+        attn_scale, floor_scale = state.temperature
+        return 1.0 + attn_scale * math.log1p(math.floor((i + 1) / floor_scale))
+
     for b in range(b_):
         real = mask[b].nonzero().squeeze(1).tolist()  # indices of the real tokens, position = their rank
         length = len(real)
         sinks = part.sinks if length > part.sinks else 0
-        rbar = sum(rope_matrix(state.rope, length + t) for t in range(part.future)) / part.future
+        rbar = sum(temperature(state.end + t) * rope_matrix(state.rope, length + t, state.interleaved)
+                   for t in range(part.future)) / part.future
         row_of = {i: i - (n - r) for i in real if i >= n - r}  # key index -> query row
         for kv in range(h):
             probs = torch.zeros(n, dtype=torch.float64)
             for head in range(kv * g, (kv + 1) * g):
-                pre = [rope_matrix(state.rope, p).T @ state.queries[b, head, row_of[i]].double()
-                       for p, i in enumerate(real) if p >= sinks and i in row_of]
+                pre = [rope_matrix(state.rope, p, state.interleaved).T @ state.queries[b, head, row_of[i]].double()
+                       / temperature(state.end - n + i) for p, i in enumerate(real) if p >= sinks and i in row_of]
                 pre = torch.stack(pre)
                 mu_pre = pre.mean(0)
                 cov_pre = (pre - mu_pre).T @ (pre - mu_pre) / len(pre)

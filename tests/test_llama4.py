@@ -439,20 +439,239 @@ def test_a_policy_for_chunked_layers_is_refused(model):
     assert "forward" not in model.__dict__
 
 
-def test_expected_attention_is_refused_under_temperature_tuning_and_on_rotary_compressed_layers(model):
-    """Temperature tuning scales each NoPE query by its position (the next queries are not the prompt's moved by
-    a rotation), and a compressed layer with Llama 4's rotary rotates interleaved pairs: both refused, named."""
-    with pytest.raises(kvcompile.CompileError, match="expected_attention models the next queries .*"
-                                                     "attn_temperature_tuning.* load the model with "
-                                                     "attn_temperature_tuning=False"):
-        kvcompile.compile(model, "expected_attention")
-    assert "forward" not in model.__dict__
-    roped = tiny_llama4(attn_temperature_tuning=False, no_rope_layers=[1, 1, 1, 0],
-                        layer_types=["chunked_attention", "full_attention", "chunked_attention", "full_attention"])
-    with pytest.raises(kvcompile.CompileError, match=r"expected_attention rotates .* compressed layers \[1\] rotate "
-                                                     "interleaved pairs"):
-        kvcompile.compile(roped, "expected_attention")
-    assert "forward" not in roped.__dict__
+# --- expected attention: the scorer's moved queries are the model's --------------------------------------------------
+
+# a RoPE full_attention layer (1: rotary on interleaved pairs, qk norm) and a NoPE one (3: temperature tuning), both
+# compressed
+MIXED = dict(no_rope_layers=[1, 1, 1, 0],
+             layer_types=["chunked_attention", "full_attention", "chunked_attention", "full_attention"])
+EA_MODELS = {"nope_tuned": {}, "rope_and_nope": MIXED}
+
+
+class _Past:
+    """A stand-in cache that reports `length` positions before the call and holds nothing: what Llama 4's attention
+    reads for its temperature tuning (get_seq_length), its keys and values handed through (update)."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        return key, value
+
+
+def module_qkv(model, layer: int, x, past: int, positions, monkeypatch):
+    """The queries, keys and values (B, heads, L, d) model layer `layer`'s attention module computes for hidden
+    states x (B, L, hidden) after `past` positions of the padded sequence, its rotary at `positions` (B, L):
+    transformers' own rotary, qk norm and temperature tuning, captured where it calls its attention function."""
+    seen = {}
+
+    def capture(module, query, key, value, *args, **kwargs):
+        seen.update(q=query, k=key, v=value)
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+
+    class Capture:
+        def get_interface(self, name, default):
+            return capture
+
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr("transformers.models.llama4.modeling_llama4.ALL_ATTENTION_FUNCTIONS", Capture())
+        model.model.layers[layer].self_attn(x, position_embeddings=model.model.rotary_emb(x, positions),
+                                            attention_mask=None, **cache_arg.given(_Past(past)))
+    return seen["q"].float(), seen["k"].float(), seen["v"].float()
+
+
+def moved_by_module(model, layer: int, x, at: int, position, monkeypatch):
+    """The query (B, Hq, L, d) the module computes from each input of x (B, L, hidden) at position `at` of the
+    padded sequence (the same for every input), its rotary at `position` (B,) of its row."""
+    b, length, hidden = x.shape
+    q, _, _ = module_qkv(model, layer, x.reshape(b * length, 1, hidden), at,
+                         position[:, None].expand(b, length).reshape(b * length, 1), monkeypatch)
+    return q.view(b, length, q.shape[1], q.shape[-1]).transpose(1, 2)
+
+
+def test_expected_attention_plans_each_layers_map_to_positions():
+    """The plan gives each compressed layer its map from a query to its position: a NoPE layer zero frequencies and,
+    under temperature tuning, its scale (attn_scale, floor_scale); a RoPE layer the model's frequencies on
+    interleaved pairs, no scale. (These two were refused before: the scorer had neither.)"""
+    from kvcompile.plan import build_plan
+
+    policy = kvcompile.load_spec("expected_attention")
+    nope = build_plan(policy, tiny_llama4().config)
+    assert nope.rope == (0.0,) * 8 and nope.nope == (True, True) and nope.temperature == (0.5, 8.0)
+    model = tiny_llama4(**MIXED)
+    mixed = build_plan(policy, model.config)
+    assert mixed.nope == (False, True) and mixed.temperature == (0.5, 8.0)
+    assert_close(torch.tensor(mixed.rope), model.model.rotary_emb.inv_freq)
+    q = torch.randn(1, 4, 5, 16)
+    roped, plain = mixed.state(q, q[:, :2], q[:, :2], None, None, 0), mixed.state(q, q[:, :2], q[:, :2], None, None, 1)
+    assert roped.interleaved and roped.temperature is None and bool(roped.rope.ne(0).all())
+    assert not plain.interleaved and plain.temperature == (0.5, 8.0) and bool(plain.rope.eq(0).all())
+    off = build_plan(policy, tiny_llama4(attn_temperature_tuning=False, **MIXED).config)
+    assert off.nope == (False, True) and off.temperature is None
+
+
+@pytest.mark.parametrize("config", EA_MODELS.values(), ids=EA_MODELS.keys())
+def test_expected_attention_moves_queries_as_the_model_computes_them(config, monkeypatch):
+    """The scorer's queries moved to the next positions are the model's: s(n + t)·R(t)·ẑ_p, with ẑ_p =
+    R(n − p)·q_p / s(p) (scoring.moved_queries), equals the query transformers' attention module computes from the
+    same input at position n + t, on a padded row too: the interleaved rotary and qk norm of a RoPE layer, the
+    temperature tuning of a NoPE one (its scale changes every 8 positions), t inside and across those steps. A
+    rotate-half rotation, or a query left unscaled, would not be."""
+    from kvcompile.plan import build_plan
+    from kvcompile.policies.scoring import moved_queries, rotate_pairs, temperature_scales
+
+    model = tiny_llama4(**config)
+    plan = build_plan(kvcompile.load_spec("expected_attention"), model.config)
+    n, pads = 21, torch.tensor([0, 6])
+    mask = torch.arange(n)[None, :] >= pads[:, None]
+    positions = (torch.arange(n)[None, :] - pads[:, None]).clamp(min=0)  # generate()'s position ids
+    x = torch.randn(2, n, 64, generator=torch.Generator().manual_seed(5))
+    for engine, layer in enumerate(i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"):
+        q, k, v = module_qkv(model, layer, x, 0, positions, monkeypatch)
+        state = plan.state(q, k, v, mask, None, engine)
+        z = moved_queries(state)
+        for t in (0, 3, 11, 30):
+            want = moved_by_module(model, layer, x, n + t, n - pads + t, monkeypatch)
+            angle = t * state.rope
+            got = temperature_scales(state.temperature, torch.tensor(n + t)) * rotate_pairs(
+                z, angle.cos(), angle.sin(), state.interleaved)
+            assert_close(got.transpose(1, 2)[mask], want.transpose(1, 2)[mask], rtol=1e-5, atol=1e-5,
+                         msg=f"layer {layer}, t {t}")
+            if state.interleaved and t:
+                half = rotate_pairs(z, angle.cos(), angle.sin())
+                assert not torch.allclose(half.transpose(1, 2)[mask], want.transpose(1, 2)[mask], atol=1e-3)
+            if state.temperature is not None:
+                assert not torch.allclose(q.transpose(1, 2)[mask], want.transpose(1, 2)[mask], atol=1e-3)
+
+
+@pytest.mark.parametrize("config", EA_MODELS.values(), ids=EA_MODELS.keys())
+def test_expected_attention_at_a_full_budget_equals_the_plain_model(config):
+    """Under temperature tuning and on a RoPE compressed layer (both refused before), expected_attention compiles,
+    and at a budget that keeps everything generate() is the plain model: tokens and logits, a padded batch."""
+    model = tiny_llama4(**config)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        with kvcompile.compiled(model, full_budget("expected_attention", 50 + NEW, LAYERS)):
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+    assert got.sequences.tolist() == ref.sequences.tolist()
+    assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=1e-5, atol=1e-5)
+
+
+def _expected_attention_plainly(model, layer, x, positions, mask, part, monkeypatch):
+    """expected_attention's scores (B, H, N) of model layer `layer`, written out from the model's own attention
+    module: each prompt input's mean query over the next T = part.future positions, Q̄_p = (1/T) Σ_t q(x_p at
+    n + t) (the module's rotary, norm and temperature there: M q̃_p), their mean μ and biased covariance Σ over
+    the real inputs past the first part.sinks (M μ̃ and M Σ̃ Mᵀ), softmax(c μᵀk + c² kᵀΣk / 2) over those keys,
+    the group's mean, (s + ε)·‖v‖₂; the sinks score the head's max + 1; 0 at pads."""
+    n = x.shape[1]
+    q, k, v = module_qkv(model, layer, x, 0, positions, monkeypatch)
+    future = sum(moved_by_module(model, layer, x, n + t, positions[:, -1] + 1 + t, monkeypatch)
+                 for t in range(part.future)).double() / part.future
+    hq, h = q.shape[1], k.shape[1]
+    g, c = hq // h, q.shape[-1] ** -0.5
+    out = torch.zeros(x.shape[0], h, n, dtype=torch.float64)
+    for b in range(x.shape[0]):
+        real = mask[b].nonzero().squeeze(1)
+        sinks, counted = real[:part.sinks], real[part.sinks:]
+        for kv in range(h):
+            keys = k[b, kv, counted].double()
+            for head in range(kv * g, (kv + 1) * g):
+                rows = future[b, head, counted]
+                mu = rows.mean(0)
+                sigma = (rows - mu).T @ (rows - mu) / len(rows)
+                logits = c * keys @ mu + c * c * ((keys @ sigma) * keys).sum(-1) / 2
+                out[b, kv, counted] += torch.softmax(logits, 0) / g
+            out[b, kv, counted] = (out[b, kv, counted] + part.epsilon) * v[b, kv, counted].double().norm(dim=-1)
+            out[b, kv, sinks] = out[b, kv, counted].max() + 1
+    return out
+
+
+@pytest.mark.parametrize("config", EA_MODELS.values(), ids=EA_MODELS.keys())
+def test_expected_attention_scores_equal_the_model_written_out(config, monkeypatch):
+    """The scores the compiled model keeps for each compressed layer (a padded batch) equal expected attention
+    written out from the model's own attention module at the next positions (_expected_attention_plainly)."""
+    from test_query_agnostic import EA
+
+    model = tiny_llama4(**config)
+    ids, mask = padded_batch()
+    policy = kvcompile.load_spec({"name": "ea_llama4", "scoring": EA, "budget": {"per_head": 64},
+                                  "storage": "model_dtype"})
+    inputs, positions = {}, {}  # each layer's attention input and the rotary's positions, in the prompt's forward
+
+    def attention_input(module, args, kwargs):
+        inputs[module.layer_idx] = kwargs["hidden_states"]
+
+    def rotary_positions(module, args, out):
+        positions["ids"] = args[1]
+
+    handles = [layer.self_attn.register_forward_pre_hook(attention_input, with_kwargs=True)
+               for layer in model.model.layers]
+    handles.append(model.model.rotary_emb.register_forward_hook(rotary_positions))
+    try:
+        got, _ = _kept_scores(model, policy, ids, mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    real = mask.bool()
+    full = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
+    assert len(got) == len(full) == 2
+    for scores, layer in zip(got, full):
+        want = _expected_attention_plainly(model, layer, inputs[layer], positions["ids"].expand(2, -1), real,
+                                           policy.scoring, monkeypatch)
+        assert_close(scores.transpose(1, 2)[real], want.float().transpose(1, 2)[real], rtol=1e-4, atol=1e-5,
+                     msg=f"layer {layer}")
+
+
+@pytest.mark.parametrize("config", EA_MODELS.values(), ids=EA_MODELS.keys())
+def test_expected_attention_evicts_as_the_reference(config):
+    """At a budget that evicts, the kept entries of each compressed layer are reference.compress's over the plain
+    model's own states, each with its layer's map read off the config: a RoPE layer the model's frequencies on
+    interleaved pairs, a NoPE layer none and its temperature (attn_scale, floor_scale)."""
+    import dataclasses
+
+    from kvcompile import reference
+    from test_query_agnostic import EA
+
+    model = tiny_llama4(**config)
+    ids = prompt(40, batch=2, seed=11)
+    policy = kvcompile.load_spec({"name": "ea_llama4", "scoring": EA, "budget": {"per_head": 10}})
+    with torch.no_grad(), kvcompile.compiled(model, policy):
+        cache = cache_arg.of(model(ids, use_cache=True))
+    c = model.config
+    full = [i for i, kind in enumerate(c.layer_types) if kind == "full_attention"]
+    states = [dataclasses.replace(s, rope=model.model.rotary_emb.inv_freq, interleaved=True) if c.no_rope_layers[i]
+              else dataclasses.replace(s, rope=torch.zeros(8), temperature=(c.attn_scale, c.floor_scale))
+              for s, i in zip(reference.captured_states(model, ids), full)]
+    expected = reference.compress(policy, states)
+    for layer in range(cache.plan.num_layers):
+        assert torch.equal(cache.kept_positions(layer), expected.kept[layer]), f"layer {layer}"
+        assert int(expected.kept[layer].sum()) < expected.kept[layer].numel()  # evicted
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_expected_attention_in_chunks_scales_by_the_tokens_seen(pad):
+    """A prompt compressed chunk by chunk (schedule.prefill) under temperature tuning: each chunk's queries are
+    un-scaled at their positions in the padded sequence and the next ones scaled from the chunk's end (the tokens
+    seen, not the entries held): the engine's outputs and kept entries equal reference.ChunkedPrefill's."""
+    from types import SimpleNamespace
+
+    from kvcompile import reference
+    from test_query_agnostic import CHUNKED_EA, chunks_equal_the_reference
+
+    policy = kvcompile.load_spec(CHUNKED_EA)
+    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=4, head_dim=8,
+                             hidden_size=32, no_rope_layers=[0, 0], attn_temperature_tuning=True, attn_scale=0.5,
+                             floor_scale=4)
+    cache = KVCompileCache(policy, config, page_size=4)
+    assert cache.plan.nope == (True, True) and cache.plan.temperature == (0.5, 4.0)
+    chunks_equal_the_reference(cache, reference.ChunkedPrefill(policy, 2, rope=torch.zeros(4), temperature=(0.5, 4.0)),
+                               pad)
 
 
 def test_expected_attention_scores_the_nope_layers_as_the_reference():

@@ -136,17 +136,15 @@ def test_generate_keeps_what_the_reference_keeps(key):
     assert evicted > 0
 
 
-@pytest.mark.parametrize("pad", [0, 3])
-def test_chunked_prefill_equals_the_reference_chunk_by_chunk(pad):
-    """schedule.prefill: chunk: each chunk's queries give the statistics; held entries and the chunk are scored."""
-    policy = kvcompile.load_spec({"name": "ea_chunked", "scoring": EA, "budget": {"per_head": 6},
-                                  "schedule": {"prefill": {"chunk": 5}}})
+CHUNKED_EA = {"name": "ea_chunked", "scoring": EA, "budget": {"per_head": 6}, "schedule": {"prefill": {"chunk": 5}}}
+
+
+def chunks_equal_the_reference(cache: KVCompileCache, ref, pad: int) -> None:
+    """A prompt of 17 random positions (2 rows, the first with `pad` left pads; 2 layers of 2 KV heads with groups of
+    2, head dim 8) given chunk by chunk (5) to the op over `cache` and to reference.ChunkedPrefill `ref`: each
+    chunk's outputs equal, and then every layer's kept entries."""
     b, h, g, n, d, layers = 2, 2, 2, 17, 8, 2
-    config = SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
-                             hidden_size=h * g * d, rope_theta=10000.0)
-    cache = KVCompileCache(policy, config, page_size=4)
     cache.expect_prompt(n)
-    ref = reference.ChunkedPrefill(policy, layers, rope=rope_of(d))
     mask = torch.ones(b, n, dtype=torch.bool)
     mask[0, :pad] = False
     gen = torch.Generator().manual_seed(5)
@@ -159,6 +157,17 @@ def test_chunked_prefill_equals_the_reference_chunk_by_chunk(pad):
             assert_close(got, want, rtol=1e-4, atol=1e-5)
     for layer in range(layers):
         assert_same_cache(cache.stores[layer].to_heads(), ref.heads[layer])
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_chunked_prefill_equals_the_reference_chunk_by_chunk(pad):
+    """schedule.prefill: chunk: each chunk's queries give the statistics; held entries and the chunk are scored."""
+    policy = kvcompile.load_spec(CHUNKED_EA)
+    h, g, d, layers = 2, 2, 8, 2
+    config = SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=h, num_attention_heads=h * g, head_dim=d,
+                             hidden_size=h * g * d, rope_theta=10000.0)
+    chunks_equal_the_reference(KVCompileCache(policy, config, page_size=4),
+                               reference.ChunkedPrefill(policy, layers, rope=rope_of(d)), pad)
 
 
 def test_tensor_parallel_ranks_gather_only_what_the_allocator_needs():

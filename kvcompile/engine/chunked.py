@@ -82,7 +82,7 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     width = cand.keys.shape[2]
     state = plan.state(q[:, :, t - rows:].reshape(b * h, g, rows, d), cand.keys.reshape(b * h, 1, width, d),
                        cand.values.reshape(b * h, 1, width, cand.values.shape[-1]), cand.valid.reshape(b * h, width),
-                       scale, layer)
+                       scale, layer, seen=end)
     if state.sinks is not None:  # the learned sinks of each single-head state's G query heads: (B·H, G)
         state.sinks = state.sinks.view(1, h, g).expand(b, h, g).reshape(b * h, g)
     carried = None if held.first else cand.scores.reshape(b * h, 1, width)

@@ -5,6 +5,7 @@ whole prompt's KV for all layers. Layer-dynamic budgets (LAVa) re-compress the l
 (engine.cascade)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +18,6 @@ from kvcompile.engine.compress import over_heads, select_and_merge_kernels, stor
 from kvcompile.store import Entries
 from kvcompile.engine.explicit import explicit_attention
 from kvcompile.engine.state import Phase, PromptState
-from kvcompile.layer_state import LayerState
 from kvcompile.policies.scoring import entropy
 
 if TYPE_CHECKING:
@@ -119,8 +119,8 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
     rows = r if cache.record else policy.scoring.query_rows(n)
     state = plan.state(q[:, :, r - rows:], k, v, None if bool(valid.all()) else valid, scale, layer)
     if cache.record:  # copies: a compiled graph reuses the memory of its intermediate tensors
-        cache.record_state(layer, LayerState(state.queries.clone(), k.clone(), v.clone(), state.mask, scale,
-                                             state.rope, state.softcap, state.sinks))
+        cache.record_state(layer, dataclasses.replace(state, queries=state.queries.clone(), keys=k.clone(),
+                                                      values=v.clone(), scale=scale))
     scores = plan.score(state) if scores is None else scores
     positions = (torch.arange(n, device=q.device)[None, :] - prompt.pad[:, None])[:, None, :].expand(b, h, n)
     valid_h = valid[:, None, :].expand(b, h, n)

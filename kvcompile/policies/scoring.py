@@ -645,21 +645,54 @@ def entropy(scores: Tensor, valid: Tensor) -> Tensor:
 # Query-agnostic scoring: scores that do not depend on a question following the prompt
 
 
-def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE's rotation in transformers' rotate-half layout: dims f and f + d/2 form the pair of
-    frequency f, x' = (x₁ cos − x₂ sin, x₂ cos + x₁ sin). cos, sin (..., d/2) broadcast over x (..., d)."""
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """RoPE's rotation of each channel pair (x₁, x₂) by its angle: x' = (x₁ cos − x₂ sin, x₂ cos + x₁ sin). Pair f
+    is channels (f, f + d/2) in transformers' rotate-half layout, (2f, 2f + 1) where `interleaved` (Llama 4's
+    rotary: (x₁ + i·x₂)·e^{iθ}). cos, sin (..., d/2) broadcast over x (..., d)."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def future_rotation(rope: Tensor, future: int) -> tuple[Tensor, Tensor]:
-    """The mean of RoPE's rotation R(t) over t = 0 … future − 1, as (cos̄, sin̄) (d/2,) float32:
-    per frequency ω the mean of the 2-D rotations by tω, which is cos̄·I + sin̄·J (rotate_pairs).
-    Computed in float64 (angles up to future·ω)."""
+def temperature_scales(temperature: tuple[float, float] | None, positions: Tensor) -> Tensor:
+    """s(p) = 1 + attn_scale·log(1 + ⌊(p + 1)/floor_scale⌋) at each position (float32, as transformers computes
+    Llama 4's temperature tuning of its NoPE queries; `temperature` = (attn_scale, floor_scale)); 1 where None."""
+    if temperature is None:
+        return torch.ones(positions.shape, device=positions.device)
+    attn_scale, floor_scale = temperature
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def future_rotation(rope: Tensor, future: int, scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The mean of RoPE's rotation R(t) over t = 0 … future − 1, each weighed by scales[t] where given (the
+    temperature s(n + t) of the position it moves to), as (cos̄, sin̄) (d/2,) float32: per frequency ω the mean of
+    the 2-D maps s_t·R(tω), which is cos̄·I + sin̄·J (rotate_pairs). Computed in float64 (angles up to future·ω)."""
     t = torch.arange(future, dtype=torch.float64, device=rope.device)[:, None]
     angle = t * rope.double()[None, :]
-    return angle.cos().mean(0).float(), angle.sin().mean(0).float()
+    if scales is None:
+        return angle.cos().mean(0).float(), angle.sin().mean(0).float()
+    s = scales.double()[:, None]
+    return (s * angle.cos()).mean(0).float(), (s * angle.sin()).mean(0).float()
+
+
+def moved_queries(state: LayerState) -> Tensor:
+    """The state's query rows moved to position n = state.end with their temperature undone (float32 (B, Hq, R, d)):
+    ẑ_p = R(n − p)·q_p / s(p) for the row at position p = n − R … n − 1 (R the layer's rotary, s its temperature,
+    temperature_scales). The model's query at position n + t from the same input is s(n + t)·R(t)·ẑ_p, exactly:
+    rotations compose (R(n + t − p)R(p) = R(n + t)), a norm after the rotary (Llama 4's qk_norm) commutes with it,
+    and the scale is a number."""
+    queries = state.queries.float()
+    r = queries.shape[2]
+    rope = state.rope.to(queries.device)
+    offset = torch.arange(r, 0, -1, device=queries.device, dtype=torch.float64)[:, None] * rope.double()
+    z = rotate_pairs(queries, offset.cos().float(), offset.sin().float(), state.interleaved)
+    if state.temperature is None:
+        return z
+    positions = torch.arange(state.end - r, state.end, device=queries.device)
+    return z / temperature_scales(state.temperature, positions)[:, None]
 
 
 @part("scoring", "expected_attention")
@@ -670,15 +703,26 @@ class ExpectedAttention(Scorer):
     prompt's own queries; no question needed (query-agnostic).
 
     Per query head, from the prompt's real queries at positions p ≥ `sinks` (every query row of the
-    prompt but the first `sinks`: R = query_rows(N) = N), in the model's post-RoPE form q_p:
-      1. Pre-RoPE statistics moved to the future: the next queries q_{n+t}, t = 0 … T−1 (T = `future`,
-         n the prompt's real length), are modelled as R(n+t) q̃ with q̃ ~ N(μ̃, Σ̃) the pre-RoPE queries'
-         mean and (biased) covariance, and R(n+t) is replaced by its average R̄ = (1/T) Σ_t R(n+t):
-         μ = R̄ μ̃, Σ = R̄ Σ̃ R̄ᵀ (paper Eq. 7–9). RoPE rotations compose, R̄ R(−p) = R̄₀ R(n−p) with
-         R̄₀ = (1/T) Σ_t R(t), so with z_p = R(n−p) q_p (the query moved to position n) this is exactly
-         μ = R̄₀ mean(z), Σ = R̄₀ cov(z) R̄₀ᵀ: computed from the post-RoPE queries the op receives, exact
-         for any attention scaling of the rotary (it multiplies q_p and cancels), with the model's
-         rotary inverse frequencies `state.rope` (transformers' rotate-half layout).
+    prompt but the first `sinks`: R = query_rows(N) = N), in the model's form q_p = s(p)·R(p)·q̃_p: q̃_p the
+    pre-positional query (what the layer's projections and norm give), R(p) the rotary (transformers'
+    rotate-half pairs, Llama 4's interleaved ones where `state.interleaved`, the identity on a layer without
+    one: zero `state.rope`) and s(p) = 1 + attn_scale·log(1 + ⌊(p + 1)/floor_scale⌋) Llama 4's temperature
+    tuning of its NoPE layers (`state.temperature`, p counted in the padded sequence as transformers counts it;
+    s = 1 elsewhere):
+      1. Pre-positional statistics moved to the future: the next queries q_{n+t} = s(n+t)·R(n+t)·q̃, t = 0 …
+         T−1 (T = `future`, n = state.end), are modelled with q̃ ~ N(μ̃, Σ̃), the mean and (biased) covariance
+         of the prompt's q̃_p = R(p)ᵀ q_p / s(p), and the map replaced by its average over the window
+         M = (1/T) Σ_t s(n+t)·R(n+t):
+             μ = M μ̃,   Σ = M Σ̃ Mᵀ        (paper Eq. 7–9, where s = 1 and M = R̄).
+         Rotations compose, M R(p)ᵀ = M₀ R(n−p) with M₀ = (1/T) Σ_t s(n+t)·R(t), so with
+         ẑ_p = R(n−p) q_p / s(p) (the query moved to position n, its scale undone: moved_queries) this is
+         μ = M₀ mean(ẑ), Σ = M₀ cov(ẑ) M₀ᵀ, computed from the queries the op receives. On a NoPE layer
+         M₀ = s̄·I with s̄ = (1/T) Σ_t s(n+t): μ = s̄ μ̃, Σ = s̄² Σ̃ (the covariance takes the scale squared).
+         Exact: ẑ_p, and s(n+t)·R(t)·ẑ_p as the model's query at n + t from the prompt's input at p (a norm after
+         the rotary commutes with it; an attention scaling of the rotary multiplies every query alike). The
+         scorer's approximations, the paper's and kvpress's: the next pre-positional queries are Gaussian with
+         the prompt's statistics, and the map s(n+t)·R(n+t) is its mean M over the window (so Σ takes s̄², not
+         the mean of s(n+t)², and not the spread of the mixture over t).
       2. Expected unnormalised attention of key k under q ~ N(μ, Σ) with the model's scale c (d^−½):
          E[exp(c qᵀk)] = exp(c μᵀk + c² kᵀΣk / 2) (Eq. 10; `covariance: false` drops the second term).
       3. Softmax of those logits over the real keys at positions ≥ `sinks` (Eq. 11; a model's learned sinks,
@@ -691,8 +735,8 @@ class ExpectedAttention(Scorer):
 
     Query-agnostic: the scores depend only on the prompt's own queries, keys and values (no window
     at its end stands in for a question). Chunked prefill (`score_chunk`, the default): the chunk's
-    queries give the statistics (positions relative to the tokens seen: the chunk's last query is at
-    n − 1), scored over the held entries and the chunk; "the first `sinks`" are then the first
+    queries give the statistics (the chunk's last query is at n − 1, n = state.seen the tokens seen
+    so far), scored over the held entries and the chunk; "the first `sinks`" are then the first
     `sinks` real entries of that state (the prompt's first tokens while they are held).
     Tensor parallelism: per-head local (a KV head reads its own keys, values and its group's queries;
     no gather). All scores are ≥ 0 (entropy layers and DBudgetKV's threshold apply).
@@ -715,8 +759,8 @@ class ExpectedAttention(Scorer):
         _check(state.rope is not None, "expected_attention needs the model's rotary frequencies (LayerState.rope)")
         _check(not state.softcap, "expected_attention has no closed form for soft-capped logits (E[exp(cap·tanh(s/"
                                   "cap))] over a Gaussian query); a soft-capped model's state cannot be scored by it")
-        queries, keys, values = state.queries.float(), state.keys.float(), state.values.float()
-        b, hq, r, d = queries.shape
+        keys, values = state.keys.float(), state.values.float()
+        b, hq, r, d = state.queries.shape
         h, n = keys.shape[1], keys.shape[2]
         _check(hq % h == 0, f"{hq} query heads do not split into groups over {h} KV heads")
         _check(d % 2 == 0 and state.rope.shape[-1] == d // 2,
@@ -727,18 +771,19 @@ class ExpectedAttention(Scorer):
         many = (real.sum(-1) > self.sinks)[:, None]  # (B, 1): more real tokens than sinks
         counted = real & ((rank >= self.sinks) | ~many)  # (B, N): keys in the softmax, rows in the statistics
 
-        # 1. statistics of the queries moved to position n (z = R(n − p) q_p: offset R − j for row j)
-        rope = state.rope.to(keys.device)
-        offset = torch.arange(r, 0, -1, device=keys.device, dtype=torch.float64)[:, None] * rope.double()
-        z = rotate_pairs(queries, offset.cos().float(), offset.sin().float())  # (B, Hq, R, d)
+        # 1. statistics of the queries moved to position n (ẑ = R(n − p) q_p / s(p)), then M₀ over the window
+        z = moved_queries(state)  # (B, Hq, R, d)
         rows = counted[:, n - r:].float()[:, None, :, None]  # (B, 1, R, 1)
         count = rows.sum(2).clamp(min=1)  # (B, 1, 1)
         mean_z = (z * rows).sum(2) / count  # (B, Hq, d)
-        cos, sin = future_rotation(rope, self.future)
-        mu = rotate_pairs(mean_z, cos, sin)  # R̄₀ mean(z)
+        future = None if state.temperature is None else temperature_scales(
+            state.temperature, torch.arange(state.end, state.end + self.future, device=keys.device))
+        cos, sin = future_rotation(state.rope.to(keys.device), self.future, future)
+        pairs = state.interleaved
+        mu = rotate_pairs(mean_z, cos, sin, pairs)  # M₀ mean(ẑ)
         logits = torch.einsum("bhd,bhnd->bhn", mu, keys.repeat_interleave(hq // h, dim=1)) * scale
         if self.covariance:
-            centred = rotate_pairs((z - mean_z[:, :, None]) * rows, cos, sin)  # R̄₀ (z − z̄), 0 on unused rows
+            centred = rotate_pairs((z - mean_z[:, :, None]) * rows, cos, sin, pairs)  # M₀ (ẑ − ẑ̄), 0 on unused rows
             sigma = torch.einsum("bhri,bhrj->bhij", centred, centred) / count[..., None]  # (B, Hq, d, d)
             k = keys.repeat_interleave(hq // h, dim=1)  # (B, Hq, N, d)
             logits = logits + torch.einsum("bhni,bhij,bhnj->bhn", k, sigma, k) * (scale * scale / 2)  # c² kᵀΣk / 2
