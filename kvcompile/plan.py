@@ -431,11 +431,12 @@ def _explicit_decode(softcap: float | None, storage, tiered: bool):
 
     if not storage.quantizes:
         return paged_attention.SoftcapPagedAttention(softcap or 0.0)
+    codes = paged_attention_quant.SoftcapQuantPagedAttention(softcap or 0.0)
     if tiered:
         from kvcompile.store import SoftcapTieredPagedAttention
 
-        return SoftcapTieredPagedAttention(softcap or 0.0)
-    return paged_attention_quant.SoftcapQuantPagedAttention(softcap or 0.0)
+        return SoftcapTieredPagedAttention(codes, softcap=codes.softcap)
+    return codes
 
 
 def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_dim: int) -> bool:

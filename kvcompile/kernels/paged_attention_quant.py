@@ -153,7 +153,6 @@ def paged_attention_lse_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block
     """Decode attention over float pages (`paged_attention_torch`, with per-entry bias pages) and its
     log-sum-exp (B, Hq) (−inf for an empty head): the high tier of a tiered store (kvcompile.store.tiers),
     combined with the codes' attention by `merge_partials`."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True)
 
 
