@@ -97,17 +97,7 @@ class KVCompileCache(Cache):
     # linear", and the whole prompt would be fed again on top of the cache. A hybrid model's local layers are not
     # "sliding" to transformers either: their window is kvcompile's (`windows`), and the masks are kvcompile's
     # (kvcompile_mask), sized by get_mask_sizes for every layer alike.
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * len(self._windows)  # one entry per model layer
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * len(self._windows)  # one entry per model layer
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * len(self._windows)  # one entry per model layer
+    is_linear = is_sliding = is_dummy = property(lambda self: [False] * len(self._windows))  # one per model layer
 
     def __init__(self, policy: Policy | None = None, config=None, page_size: int = 16, headroom: int = 0,
                  record: bool = False, progress=None, kernels: str | None = None, *, plan: Plan | None = None):
