@@ -97,17 +97,7 @@ class KVCompileCache(Cache):
     # linear", and the whole prompt would be fed again on top of the cache. A hybrid model's local layers are not
     # "sliding" to transformers either: their window is kvcompile's (`windows`), and the masks are kvcompile's
     # (kvcompile_mask), sized by get_mask_sizes for every layer alike.
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * len(self._windows)  # one entry per model layer
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * len(self._windows)  # one entry per model layer
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * len(self._windows)  # one entry per model layer
+    is_linear = is_sliding = is_dummy = property(lambda self: [False] * len(self._windows))  # one per model layer
 
     def __init__(self, policy: Policy | None = None, config=None, page_size: int = 16, headroom: int = 0,
                  record: bool = False, progress=None, kernels: str | None = None, *, plan: Plan | None = None):
@@ -493,18 +483,17 @@ class KVCompileCache(Cache):
         b = kept.shape[0]
         meta = sum(s.metadata_bytes for s in self.stores)
         held = sum(s.kv_bytes_held() for s in self.stores)
-        by_precision: dict[str, int] = {}
+        by_precision: Counter[str] = Counter()
         for s in self.stores:
-            for name, n in s.bytes_by_precision().items():
-                by_precision[name] = by_precision.get(name, 0) + n
+            by_precision.update(s.bytes_by_precision())
         entries = sum(s.kv_bytes_entries() for s in self.stores)
         windows = sum(w.nbytes for w in self.windows if w is not None)  # a hybrid model's local layers
         if windows:
-            by_precision["model_dtype"] = by_precision.get("model_dtype", 0) + windows
+            by_precision["model_dtype"] += windows
         by_kind, full_by_kind = self._bytes_by_kind(b)
         report = {
             "bytes_held": held + windows,
-            "bytes_by_precision": by_precision,
+            "bytes_by_precision": dict(by_precision),
             "bytes_by_kind": by_kind,
             "bytes_full_by_kind": full_by_kind,
             "bytes_entries": entries + windows,

@@ -152,16 +152,15 @@ class Plan:
     def decode_backend(self, layer: int, device):
         """The decode attention backend of the engine's layer `layer`: decode_attention, with the layer's sinks
         where the model has them."""
-        if self.sinks is None:
-            return self.decode_attention
-        return self.decode_attention.with_sinks(self.layer_sinks(layer, device))
+        return self._with_layer_sinks(self.decode_attention, layer, device)
 
     def chunk_backend(self, layer: int, device):
         """The chunk attention backend of the engine's layer `layer` (schedule.prefill: chunk): chunk_attention,
         with the layer's sinks where the model has them."""
-        if self.sinks is None:
-            return self.chunk_attention
-        return self.chunk_attention.with_sinks(self.layer_sinks(layer, device))
+        return self._with_layer_sinks(self.chunk_attention, layer, device)
+
+    def _with_layer_sinks(self, backend, layer: int, device):
+        return backend if self.sinks is None else backend.with_sinks(self.layer_sinks(layer, device))
 
     @property
     def model_layers(self) -> int:
@@ -205,19 +204,17 @@ class Plan:
                 "caches compile()'s forward and generate() make are planned for the autocast dtype): compile the "
                 "model again after moving or casting it, or give a cache built for these tensors "
                 "(KVCompileCache(policy, config) is bound to its first prompt's)")
-        return dataclasses.replace(
-            build_plan(self.policy, _Dims(self), device=like.device, dtype=like.dtype, kernels=self.kernels,
-                       page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
-                       shard=self.shard, layer_devices=self.layer_devices, rope=self.rope),
-            layer_kinds=self.layer_kinds, nope=self.nope, temperature=self.temperature)
+        return self._rebuilt(like.device, like.dtype)
 
     def with_dtype(self, dtype: torch.dtype) -> "Plan":
         """The same plan for tensors of `dtype` (compile()'s entry under torch.autocast): the backends chosen
         for it."""
-        if dtype == self.dtype:
-            return self
+        return self if dtype == self.dtype else self._rebuilt(self.device, dtype)
+
+    def _rebuilt(self, device, dtype: torch.dtype) -> "Plan":
+        """This plan built again (build_plan) for `device` and `dtype`: its backends chosen for them."""
         return dataclasses.replace(
-            build_plan(self.policy, _Dims(self), device=self.device, dtype=dtype, kernels=self.kernels,
+            build_plan(self.policy, _Dims(self), device=device, dtype=dtype, kernels=self.kernels,
                        page_size=self.page_size, headroom=self.headroom, compiled_entry=self.compiled_entry,
                        shard=self.shard, layer_devices=self.layer_devices, rope=self.rope),
             layer_kinds=self.layer_kinds, nope=self.nope, temperature=self.temperature)
@@ -434,11 +431,12 @@ def _explicit_decode(softcap: float | None, storage, tiered: bool):
 
     if not storage.quantizes:
         return paged_attention.SoftcapPagedAttention(softcap or 0.0)
+    codes = paged_attention_quant.SoftcapQuantPagedAttention(softcap or 0.0)
     if tiered:
         from kvcompile.store import SoftcapTieredPagedAttention
 
-        return SoftcapTieredPagedAttention(softcap or 0.0)
-    return paged_attention_quant.SoftcapQuantPagedAttention(softcap or 0.0)
+        return SoftcapTieredPagedAttention(codes, softcap=codes.softcap)
+    return codes
 
 
 def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_dim: int) -> bool:
@@ -602,18 +600,11 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
     scoring, decode = policy.scoring, policy.schedule.decode
     softcap = float(getattr(config, "attn_logit_softcapping", None) or 0) or None
     sinks = sinks if sinks is not None else getattr(config, "sinks", None)  # (_Dims: a plan's own)
-    kind = getattr(config, "model_type", None)
-    if softcap is not None or sinks is not None:
-        why = _softcap_refusal(policy, softcap is not None)
-        if why is not None and softcap is not None:
-            raise PlanError(f"kvcompile: model type {kind!r} soft-caps its attention "
-                            f"logits (attn_logit_softcapping={softcap}: "
-                            f"cap·tanh(s/cap) before the softmax), and {why}; it is refused rather than run with "
-                            "other logits")
-        if why is not None:
-            raise PlanError(f"kvcompile: model type {kind!r} has learned attention sinks (self_attn.sinks: one logit "
-                            f"per head added to the softmax's denominator), and {why.replace('the cap', 'the sinks')};"
-                            " it is refused rather than run with another softmax")
+    why = None if softcap is None else _softcap_refusal(policy)  # (learned sinks: every scorer runs with them)
+    if why is not None:
+        raise PlanError(f"kvcompile: model type {getattr(config, 'model_type', None)!r} soft-caps its attention "
+                        f"logits (attn_logit_softcapping={softcap}: cap·tanh(s/cap) before the softmax), and {why}; "
+                        "it is refused rather than run with other logits")
     explicit = softcap is not None or sinks is not None  # attention written out (engine.explicit)
     cuda = device is not None and device.type == "cuda"
     decode_kernels = kernels
@@ -751,9 +742,9 @@ def build_plan(policy: Policy, config, *, device: torch.device | str | None = No
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def _softcap_refusal(policy: Policy, softcap: bool) -> str | None:
-    """Why `policy` cannot run exactly on a model that soft-caps its attention logits (`softcap`) or has learned
-    sinks, or None. Every attention the plan runs applies the cap and the sinks, in eager torch where a kernel
+def _softcap_refusal(policy: Policy) -> str | None:
+    """Why `policy` cannot run exactly on a model that soft-caps its attention logits, or None (learned sinks
+    refuse no policy). Every attention the plan runs applies the cap and the sinks, in eager torch where a kernel
     does not (build_plan chooses those backends once): the prompt's attention, a local layer's window and a
     chunk's attention over the held entries (engine.explicit, kernels.chunk_attention.ExplicitChunkAttention),
     the decode attention over float pages, codes or two tiers (kernels.paged_attention.SoftcapPagedAttention,
@@ -762,7 +753,7 @@ def _softcap_refusal(policy: Policy, softcap: bool) -> str | None:
     scorers' attention weights (LayerState.softcap / .sinks) and a reconstruction scorer's forwards and softmax
     (engine.reconstruction, KVzip.score_keys). Only expected attention's closed form has none under a cap."""
     scoring = policy.scoring
-    if softcap and not scoring.softcaps:
+    if not scoring.softcaps:
         return (f"scoring: {scoring.name} scores entries by the expected attention of future queries, whose closed "
                 "form (E[exp(c·qᵀk)] over a Gaussian query) has none under the cap (E[exp(cap·tanh(c·qᵀk/cap))])")
     return None

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kvcompile.engine.compress import choose, over_heads, store_layer
+from kvcompile.engine.compress import choose, merge_slots, over_heads, store_layer
 from kvcompile.store import Entries
-from kvcompile.selection import Merged, select_and_merge
+from kvcompile.selection import select_and_merge
 
 if TYPE_CHECKING:
     from kvcompile.cache import KVCompileCache
@@ -58,14 +58,8 @@ def recompress(cache: KVCompileCache, layer: int, total: Tensor) -> None:
     if cache.plan.shard is None and bool((total >= store.lengths.sum(-1)).all()):
         return
     k, v, scores, pos, counts, stored = store.gather()
-    e = torch.arange(k.shape[2], device=k.device)
-    is_slot = stored & (e < store.slots[..., None])
-    is_token = stored & ~is_slot
-    slots = None
-    if policy.merges:
-        width = int(store.slots.max())
-        slots = Merged(k[:, :, :width], v[:, :, :width],
-                       torch.where(is_slot[:, :, :width], counts[:, :, :width], 0).long())
+    is_token = stored & (torch.arange(k.shape[2], device=k.device) >= store.slots[..., None])
+    slots = merge_slots(k, v, counts, stored, store.slots) if policy.merges else None
     ranks = None if cache.plan.shard is None else functools.partial(choose, cache, kernels=False)
     kept, merged = select_and_merge(policy, k, v, scores.masked_fill(~is_token, float("-inf")),
                                     pos, is_token, cache.prompt.lengths.to(k.device), total, layer, slots, ranks)

@@ -11,12 +11,12 @@ from torch import Tensor
 
 from kvcompile.allocation import layer_totals
 from kvcompile.engine.cascade import cascade
-from kvcompile.engine.compress import store_layer
+from kvcompile.engine.compress import merge_slots, store_layer
 from kvcompile.store import Entries
 from kvcompile.engine.prefill import prefill
 from kvcompile.engine.state import ChunkedPrompt, Phase, PromptState
 from kvcompile.policies.scoring import entropy
-from kvcompile.selection import Merged, select_and_merge
+from kvcompile.selection import select_and_merge
 
 if TYPE_CHECKING:
     from kvcompile.cache import KVCompileCache
@@ -66,8 +66,7 @@ def compress_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask:
     held entries and the chunk, scores of the held tokens and the chunk (per head: a batch of B·H
     single-head states, the held tokens right-aligned before the chunk), selection back to the budget of
     the tokens seen and merging, written into fresh pages; the cascade over the layers below."""
-    plan = cache.plan
-    policy = plan.policy
+    policy = cache.policy
     b, hq, t, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -217,11 +216,7 @@ def select_chunk(cache: KVCompileCache, layer: int, held: Held, cand: Candidates
     b, h = valid.shape[:2]
     slots = None
     if policy.merges and not held.first:
-        size = int(held.slot_count.max())
-        e = torch.arange(held.keys.shape[2], device=valid.device)
-        is_slot = held.stored & (e < held.slot_count[..., None])
-        slots = Merged(held.keys[:, :, :size], held.values[:, :, :size],
-                       torch.where(is_slot[:, :, :size], held.counts[:, :, :size], 0).long())
+        slots = merge_slots(held.keys, held.values, held.counts, held.stored, held.slot_count)
     prompt = cache.prompt
     if plan.cascade:  # LAVa Alg. 2 inside the chunk (reference.ChunkedPrefill, step 4)
         prompt.entropy.append(entropy(scores, valid))

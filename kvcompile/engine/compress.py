@@ -33,28 +33,24 @@ def choose(cache: KVCompileCache, scores: Tensor, positions: Tensor, valid: Tens
     keeps its heads' part."""
     plan = cache.plan
     with plan.selection.serial() if kernels else contextlib.nullcontext():
-        return _choose(plan, scores, positions, valid, lengths, total, layer, used, kernels, every, same_heads)
-
-
-def _choose(plan, scores, positions, valid, lengths, total, layer, used, kernels, every, same_heads):
-    policy, shard = plan.policy, plan.shard
-    run = functools.partial(select_with, plan.selection) if kernels else select
-    if used is None:
-        used = torch.zeros(valid.shape[:2], dtype=torch.long, device=valid.device)
-    if plan.heads_exchange != "scores":
-        budgets = None
-        if total is not None:
-            counts = torch.stack([valid.sum(-1), used], dim=-1)
-            if same_heads:
-                counts = counts[:, :1].expand(-1, plan.num_heads, -1)
-            elif shard is not None:  # (B, H/P, 2) candidates and used slots of each head → (B, H, 2)
-                counts = shard.gather_heads(counts)
-            budgets = head_budgets_of(policy, counts[..., 0], total, counts[..., 1]).heads(plan.heads)
-        return run(policy, scores, positions, valid, lengths, total, layer, used, budgets=budgets), budgets
-    s, p, v, u = shard.gather_entries(scores, positions, valid, used) if every is None else every
-    budgets = None if total is None else head_budgets(policy, v, total, u)
-    kept = shard.local(run(policy, s, p, v, lengths, total, layer, u, budgets=budgets))[..., :valid.shape[-1]]
-    return kept, None if budgets is None else budgets.heads(plan.heads)
+        policy, shard = plan.policy, plan.shard
+        run = functools.partial(select_with, plan.selection) if kernels else select
+        if used is None:
+            used = torch.zeros(valid.shape[:2], dtype=torch.long, device=valid.device)
+        if plan.heads_exchange != "scores":
+            budgets = None
+            if total is not None:
+                counts = torch.stack([valid.sum(-1), used], dim=-1)
+                if same_heads:
+                    counts = counts[:, :1].expand(-1, plan.num_heads, -1)
+                elif shard is not None:  # (B, H/P, 2) candidates and used slots of each head → (B, H, 2)
+                    counts = shard.gather_heads(counts)
+                budgets = head_budgets_of(policy, counts[..., 0], total, counts[..., 1]).heads(plan.heads)
+            return run(policy, scores, positions, valid, lengths, total, layer, used, budgets=budgets), budgets
+        s, p, v, u = shard.gather_entries(scores, positions, valid, used) if every is None else every
+        budgets = None if total is None else head_budgets(policy, v, total, u)
+        kept = shard.local(run(policy, s, p, v, lengths, total, layer, u, budgets=budgets))[..., :valid.shape[-1]]
+        return kept, None if budgets is None else budgets.heads(plan.heads)
 
 
 def select_and_merge_kernels(cache: KVCompileCache, k, v, scores, positions, valid, total, layer, every=None):
@@ -103,6 +99,14 @@ def store_layer(cache: KVCompileCache, tokens: Entries, merged: Merged | None):
     return cache.plan.store.build(sources, slots, cache.page_size, gather=cache.plan.selection.gather_pages,
                                   storage=cache.policy.storage, dtype=cache.plan.dtype,
                                   reserve=cache.plan.spare_entries)
+
+
+def merge_slots(keys: Tensor, values: Tensor, counts: Tensor, stored: Tensor, slot_count: Tensor) -> Merged:
+    """The merge slots each head holds, the first `slot_count` (B, H) of a store's gathered entries (B, H, E, ·)
+    (the cascade's re-selection, a chunk's), as `Merged`: counts 0 past a head's own slots."""
+    size = int(slot_count.max())
+    own = stored[:, :, :size] & (torch.arange(size, device=stored.device) < slot_count[..., None])
+    return Merged(keys[:, :, :size], values[:, :, :size], torch.where(own, counts[:, :, :size], 0).long())
 
 
 def over_heads(plan, x: Tensor) -> Tensor:

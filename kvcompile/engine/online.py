@@ -29,8 +29,8 @@ class TorchStep(DecodeStep):
     def __call__(self, plan, store, layer: int, q: Tensor, k: Tensor, v: Tensor, position: Tensor,
                  split: Tensor | None, scale: float) -> Tensor:
         store.append(k, v, position, step=plan.spare_pages)
-        if not (plan.running_scores or plan.online_eviction):
-            return paged_attention(plan, store, q, scale, layer)
+        if not (plan.running_scores or plan.online_eviction):  # the plan's decode attention (the layer's sinks)
+            return store.attend(plan.decode_backend(layer, q.device), q, plan.merge_bias, scale)
         out, probs = _attend_with_probs(plan, store, q, scale, layer)
         if plan.running_scores:
             _update_scores(plan, store, probs)
@@ -40,13 +40,6 @@ class TorchStep(DecodeStep):
 
     def describe(self) -> str:
         return "torch (the store's append, then decode_impl; running scores and online eviction in torch)"
-
-
-def paged_attention(plan, store, q: Tensor, scale: float, layer: int | None = None) -> Tensor:
-    """Attention of one query per head over that head's pages, with the merge rule's bias, by the
-    plan's decode attention backend (a model with learned sinks: the layer's, `Plan.decode_backend`)."""
-    backend = plan.decode_attention if layer is None else plan.decode_backend(layer, q.device)
-    return store.attend(backend, q, plan.merge_bias, scale)
 
 
 def _attend_with_probs(plan, store, q: Tensor, scale: float, layer: int):

@@ -66,18 +66,22 @@ def run_layer(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, 
             "generate() makes, or KVCompileCache.from_plan(model.kvcompile_plan)")
     if cache.plan.layer_devices is not None:  # layers on several devices: the state every layer reads, here
         cache.state_to(q.device)
-    dtype = q.dtype
-    autocast = torch.is_autocast_enabled(q.device.type)
-    if autocast:  # as the model's SDPA under autocast: q, k, v in the autocast dtype (module doc of _attend)
-        low = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(low), k.to(low), v.to(low)
     # Triton launches on the current CUDA device: the layer's (a pipeline's layers run on several GPUs)
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext(), \
-            torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        out = _attend(cache, q, k, v, mask, layer, scale)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        out = _in_autocast_dtype(lambda q, k, v: _attend(cache, q, k, v, mask, layer, scale), q, k, v)
     if layer == cache.num_layers - 1 and not (cache.reconstruction is not None and cache.reconstruction.scoring):
         cache.advance(q.shape[2])  # (a reconstruction forward adds nothing to the cache)
-    return out.to(dtype).contiguous()
+    return out.to(q.dtype).contiguous()
+
+
+def _in_autocast_dtype(step, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """`step(q, k, v)` as the model's SDPA runs under torch.autocast: q, k, v in the autocast dtype, autocast off,
+    the output back in q's dtype (see _attend); as it is where autocast is off."""
+    if not torch.is_autocast_enabled(q.device.type):
+        return step(q, k, v)
+    low = torch.get_autocast_dtype(q.device.type)
+    with torch.autocast(q.device.type, enabled=False):
+        return step(q.to(low), k.to(low), v.to(low)).to(q.dtype)
 
 
 def _attend(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,
@@ -286,12 +290,7 @@ def _local(cache: KVCompileCache, layer: int, q: Tensor, k: Tensor, v: Tensor, m
            scale: float) -> Tensor:
     """A hybrid model's local layer left to its window (KVCompileCache.attend_window), in the autocast dtype
     where autocast is on, as the model's SDPA runs it (see _attend)."""
-    dtype = q.dtype
-    if not torch.is_autocast_enabled(q.device.type):
-        return cache.attend_window(layer, q, k, v, mask, scale)
-    low = torch.get_autocast_dtype(q.device.type)
-    with torch.autocast(q.device.type, enabled=False):
-        return cache.attend_window(layer, q.to(low), k.to(low), v.to(low), mask, scale).to(dtype)
+    return _in_autocast_dtype(lambda q, k, v: cache.attend_window(layer, q, k, v, mask, scale), q, k, v)
 
 
 def kvcompile_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,

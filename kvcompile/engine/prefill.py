@@ -43,28 +43,23 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
     b, hq, t, d = q.shape
     n = k.shape[2]
     gqa = hq != k.shape[1]
-    if softcap or sinks is not None:
-        rows = torch.arange(t, device=q.device)[:, None] + offset
-        cols = torch.arange(n, device=q.device)[None, :]
-        allowed = (cols <= rows)[None]
-        if mask is not None:
-            allowed = (allowed & mask[:, None, :n]) | (cols == rows)[None]
-        return explicit_attention(q, k, v, allowed[:, None], scale, softcap, sinks)
-    if q.is_cuda and mask is None and offset == 0 and t == n and q.dtype in (torch.float16, torch.bfloat16):
+    explicit = softcap or sinks is not None  # attention written out (engine.explicit)
+    if not explicit and q.is_cuda and mask is None and offset == 0 and t == n \
+            and q.dtype in (torch.float16, torch.bfloat16):
         flash = _flash_attn()
         if flash is not None:  # flash-attn takes (B, T, H, d) and handles GQA itself
             out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=True)
             return out.transpose(1, 2)
-    if mask is None and offset == 0 and t == n:
+    if not explicit and mask is None and offset == 0 and t == n:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     rows = torch.arange(t, device=q.device)[:, None] + offset
     cols = torch.arange(n, device=q.device)[None, :]
     allowed = (cols <= rows)[None]  # (1, T, N)
     if mask is not None:
-        allowed = allowed & mask[:, None, :n]
-        allowed = allowed | (cols == rows)[None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale,
-                                          enable_gqa=gqa)
+        allowed = (allowed & mask[:, None, :n]) | (cols == rows)[None]
+    if explicit:
+        return explicit_attention(q, k, v, allowed[:, None], scale, softcap, sinks)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa)
 
 
 def start_prompt(cache: KVCompileCache, mask: Tensor | None, b: int, n: int, like: Tensor) -> PromptState:

@@ -146,7 +146,6 @@ class SoftcapPagedAttention(PagedAttention):
         return SoftcapPagedAttention(self.softcap, sinks)
 
     def run(self, q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=False):
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.sinks is None and not return_lse:
             return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, softcap=self.softcap)
         out, lse = _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True,
@@ -251,8 +250,9 @@ def _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, retu
               softcap: float | None = None):
     """Eager path: gather each head's pages, then grouped attention by matmul (return_lse: also the
     log-sum-exp of each query head's logits (B, Hq), −inf for an empty head, from the same logits;
-    softcap: the logits soft-capped, cap·tanh(s/cap), before the bias)."""
+    softcap: the logits soft-capped, cap·tanh(s/cap), before the bias; scale None: d^-1/2)."""
     b, hq, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
     h, m = block_table.shape[1:]
     s = k_pages.shape[1]
     table = _live_pages(block_table, lengths, s)

@@ -153,7 +153,6 @@ def paged_attention_lse_torch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block
     """Decode attention over float pages (`paged_attention_torch`, with per-entry bias pages) and its
     log-sum-exp (B, Hq) (−inf for an empty head): the high tier of a tiered store (kvcompile.store.tiers),
     combined with the codes' attention by `merge_partials`."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _gathered(q, k_pages, v_pages, block_table, lengths, bias_pages, scale, return_lse=True)
 
 
@@ -264,7 +263,7 @@ class QuantPagedAttention(KernelBackend):
                  return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         # every implementation's function checks the call (`check`) once
         return self.run(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths,
-                        bias_pages, scale, return_lse)
+                        bias_pages, scale, return_lse=return_lse)
 
     def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
             scale, return_lse=False) -> Tensor | tuple[Tensor, Tensor]:
@@ -302,11 +301,7 @@ class TorchQuantPagedAttention(QuantPagedAttention):
     """The eager reference: dequantize the pages, then `paged_attention_torch`."""
 
     name: ClassVar[str] = "torch"
-
-    def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
-            scale, return_lse=False):
-        return paged_attention_quant_torch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                           lengths, bias_pages, scale, return_lse=return_lse)
+    run = staticmethod(paged_attention_quant_torch)
 
 
 @dataclass(frozen=True)
@@ -314,11 +309,7 @@ class TritonQuantPagedAttention(QuantPagedAttention):
     """Flash-decoding in Triton over quantized pages: CUDA tensors, or any under TRITON_INTERPRET=1."""
 
     name: ClassVar[str] = "triton"
-
-    def run(self, q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, lengths, bias_pages,
-            scale, return_lse=False):
-        return paged_attention_quant_triton(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                                            lengths, bias_pages, scale, return_lse=return_lse)
+    run = staticmethod(paged_attention_quant_triton)
 
 
 @dataclass(frozen=True, eq=False)

@@ -47,18 +47,15 @@ class CodeStore(LayerStore):
         from kvcompile.kernels.quantize import quantize
 
         floats = LayerStore.build(sources, slots, page_size, spare_pages, reserve=reserve)
-        k = quantize(floats.k_pages, storage.bits, cls._key_group(storage, floats.k_pages.shape[-1]), cls.key_axis)
+        # channels per key scale (None: one scale per channel over a page)
+        key_group = None if cls.key_axis == "channel" else storage.group_size(floats.k_pages.shape[-1])
+        k = quantize(floats.k_pages, storage.bits, key_group, cls.key_axis)
         v = quantize(floats.v_pages, storage.bits, storage.group_size(floats.v_pages.shape[-1]))
         fields = {f.name: getattr(floats, f.name) for f in dataclasses.fields(LayerStore)}
         store = cls(**{**fields, "storage": storage, "k_pages": k.codes, "k_scale": k.scale, "k_zero": k.zero,
                        "v_pages": v.codes, "v_scale": v.scale, "v_zero": v.zero})
         store._count_flush_room()
         return store
-
-    @classmethod
-    def _key_group(cls, storage, head_dim: int) -> int | None:
-        """Channels per key scale (None: one scale per channel over a page)."""
-        return storage.group_size(head_dim)
 
     @property
     def precision(self) -> str:
@@ -132,10 +129,6 @@ class ChannelCodeStore(CodeStore):
     @classmethod
     def tier_page_size(cls, storage, page_size: int) -> int:
         return storage.tokens
-
-    @classmethod
-    def _key_group(cls, storage, head_dim: int) -> None:
-        return None
 
     def _write_kv(self, page: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> None:
         raise RuntimeError("kvcompile: pages of keys per channel take whole pages (store.tiers), not single entries")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -255,10 +256,9 @@ class TieredStore:
         return self.high.kv_bytes_entries() + self.low.kv_bytes_entries()
 
     def bytes_by_precision(self) -> dict[str, int]:
-        out = dict(self.high.bytes_by_precision())
-        for name, n in self.low.bytes_by_precision().items():
-            out[name] = out.get(name, 0) + n
-        return out
+        out = Counter(self.high.bytes_by_precision())
+        out.update(self.low.bytes_by_precision())
+        return dict(out)
 
     def growth_bytes(self, step: int) -> int:
         """Bytes one append can add: the appending tier's (the codes' where every token is codes, beside merge
@@ -270,17 +270,21 @@ class TieredStore:
 class TieredPagedAttention(KernelBackend):
     """Decode attention over a TieredStore: the high tier by the eager float kernel with its log-sum-exp,
     the low tier by a quantized-pages backend (kvcompile.kernels.paged_attention_quant) with its own,
-    combined by `merge_partials` (the attention over the union of the two sets of entries)."""
+    combined by `merge_partials` (the attention over the union of the two sets of entries); with a model's
+    soft-cap and learned sinks, `SoftcapTieredPagedAttention`."""
 
     low: KernelBackend  # a QuantPagedAttention backend
     high_cpp: bool = False  # the float tier by the paged C++ kernel (with its log-sum-exp), else the eager torch
+    softcap: float = 0.0  # the model's logit soft-cap, in the eager float tier (and in `low`'s); 0: none
+    sinks: Tensor | None = None  # (Hq,) one layer's learned sinks, once over both tiers, else None
     name: ClassVar[str] = "tiered"
 
     def build(self, group: int, head_dim: int) -> None:
         self.low.build(group, head_dim)
 
     def __call__(self, q: Tensor, store: TieredStore, bias: Tensor | None, scale: float) -> Tensor:
-        from kvcompile.kernels.paged_attention_quant import merge_partials, paged_attention_lse_torch
+        from kvcompile.kernels.paged_attention import _gathered, with_sinks
+        from kvcompile.kernels.paged_attention_quant import merge_partials
 
         hi, lo = store.high, store.low
         if self.high_cpp:
@@ -288,46 +292,30 @@ class TieredPagedAttention(KernelBackend):
 
             out_h, lse_h = paged_attention_cpp(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, bias, scale,
                                                return_lse=True)
-        else:
-            out_h, lse_h = paged_attention_lse_torch(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, scale,
-                                                     bias)
+        else:  # the logits soft-capped before the merge bias of the slots
+            out_h, lse_h = _gathered(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, bias, scale,
+                                     return_lse=True, softcap=self.softcap)
         out_l, lse_l = self.low(q, *lo.kv(), lo.block_table, lo.lengths, None, scale, return_lse=True)
-        return merge_partials(out_h, lse_h, out_l, lse_l).to(q.dtype)
-
-    def describe(self) -> str:
-        return f"model dtype: {'cpp' if self.high_cpp else 'torch'} (with log-sum-exp); codes: {self.low.describe()}"
-
-
-@dataclass(frozen=True, eq=False)
-class SoftcapTieredPagedAttention(KernelBackend):
-    """Decode attention over a TieredStore for a model that soft-caps its logits (Gemma 2) or has learned sinks
-    (gpt-oss), in eager torch: each tier's attention with the cap (the merge bias of the high tier's slots added
-    after it) and its log-sum-exp, combined by `merge_partials`, then the sinks once over the union (the output
-    scaled by sigmoid(lse − sink), lse the log-sum-exp over both tiers). `with_sinks` gives a layer's."""
-
-    softcap: float = 0.0
-    sinks: Tensor | None = None  # (Hq,) one layer's sinks, else None
-    name: ClassVar[str] = "tiered"
-
-    def with_sinks(self, sinks: Tensor | None) -> "SoftcapTieredPagedAttention":
-        return SoftcapTieredPagedAttention(self.softcap, sinks)
-
-    def __call__(self, q: Tensor, store: TieredStore, bias: Tensor | None, scale: float) -> Tensor:
-        from kvcompile.kernels.paged_attention import _gathered, with_sinks
-        from kvcompile.kernels.paged_attention_quant import SoftcapQuantPagedAttention, merge_partials
-
-        hi, lo = store.high, store.low
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        out_h, lse_h = _gathered(q, hi.k_pages, hi.v_pages, hi.block_table, hi.lengths, bias, scale,
-                                 return_lse=True, softcap=self.softcap)
-        out_l, lse_l = SoftcapQuantPagedAttention(self.softcap)(q, *lo.kv(), lo.block_table, lo.lengths, None, scale,
-                                                                return_lse=True)
         out = merge_partials(out_h, lse_h, out_l, lse_l)
         if self.sinks is not None:
             out = with_sinks(out, torch.logaddexp(lse_h, lse_l), self.sinks)
         return out.to(q.dtype)
 
     def describe(self) -> str:
+        return f"model dtype: {'cpp' if self.high_cpp else 'torch'} (with log-sum-exp); codes: {self.low.describe()}"
+
+
+@dataclass(frozen=True, eq=False)
+class SoftcapTieredPagedAttention(TieredPagedAttention):
+    """Decode attention over a TieredStore for a model that soft-caps its logits (Gemma 2) or has learned sinks
+    (gpt-oss), in eager torch: each tier's attention with the cap (the merge bias of the high tier's slots added
+    after it; `low` a kernels.paged_attention_quant.SoftcapQuantPagedAttention of the same cap) and its
+    log-sum-exp, combined by `merge_partials`, then the sinks once over the union (the output scaled by
+    sigmoid(lse − sink), lse the log-sum-exp over both tiers). `with_sinks` gives a layer's."""
+
+    def with_sinks(self, sinks: Tensor | None) -> "SoftcapTieredPagedAttention":
+        return dataclasses.replace(self, sinks=sinks)
+
+    def describe(self) -> str:
         return f"torch, both tiers (eager{f', logits soft-capped at {self.softcap:g}' if self.softcap else ''}" \
                f"{', learned sinks' if self.sinks is not None else ''})"
-
