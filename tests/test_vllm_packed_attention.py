@@ -1,7 +1,6 @@
 """kvcompile.integrations.vllm.packed_attention (no vLLM needed): the decode attention of compressed requests over their
-packed entries in vLLM's CPU cache layout. Both implementations, the torch reference and the C++ kernel
-(one call per layer for all requests), equal kvcompile.reference.decode_attention over what each head keeps plus
-its decode entries, for random budgets, block sizes, GQA groups and block tables; everything the cache
+packed entries in vLLM's CPU cache layout. The C++ kernel (one call per layer for all requests) equals
+kvcompile.reference.decode_attention over what each head keeps plus its decode entries, for random budgets, block sizes, GQA groups and block tables; everything the cache
 holds that no request keeps is NaN, so reading a wrong slot cannot go unnoticed."""
 from __future__ import annotations
 
@@ -90,9 +89,6 @@ def test_packed_decode_attention_equals_the_reference_over_what_is_kept(step):
                 ks = [torch.cat([keys[layer, h, kept[layer][h]], keys[layer, h, n:p + 1]]) for h in range(heads)]
                 vs = [torch.cat([values[layer, h, kept[layer][h]], values[layer, h, n:p + 1]]) for h in range(heads)]
                 want[q0 + r] = reference_attention(query[q0 + r], ks, vs, scale)
-        reference = torch.full_like(want, -7.0)
-        plan.run(layer, query, reference, caches, None, scale)  # no addresses: the torch reference
         kernel = torch.full_like(want, -7.0)
         plan.run(layer, query, kernel, caches, addresses, scale, threads=step["threads"])
-        torch.testing.assert_close(reference, want)
-        torch.testing.assert_close(kernel, want)  # row 0 (another request) untouched by both
+        torch.testing.assert_close(kernel, want)  # row 0 (another request) untouched

@@ -214,9 +214,8 @@ def test_compressed_vllm_equals_kvcompile(model_and_prompts, compressed_runs, sp
     cascade and DBudgetKV's threshold included); together = alone; after the prompt the request holds the
     blocks from N − S on, S = ⌈Σ K_{l,h} / (L·H)⌉ (its entries packed across heads and layers; under int8/int4
     storage S = ⌈Σ_l ⌈E_l·B / slot⌉ / (L·H)⌉, its entries packed as codes of B bytes), and every block is back in
-    the pool at the end. Decode attention ran in the C++ kernel (fp32, head dim 64: the kernel's case;
-    tests/test_vllm_packed_attention.py holds it to the torch reference), or for codes in the torch reference
-    (tests/test_vllm_codes.py)."""
+    the pool at the end. Decode attention ran in the C++ kernel, over float32 entries or codes (head dim 64;
+    tests/test_vllm_packed_attention.py and tests/test_vllm_codes.py hold it to kvcompile.reference)."""
     import kvcompile
     from kvcompile.reference import compress
     from kvcompile.tools.sweep import capture

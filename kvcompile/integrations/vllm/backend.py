@@ -32,7 +32,7 @@ from kvcompile.layer_state import LayerState
 from kvcompile.integrations.vllm.codes import Codes, slot_bytes
 from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer, Record, prepare, read_entries, read_positions
 from kvcompile.integrations.vllm.packing import kept_entries, locations, region
-from kvcompile.integrations.vllm.settings import PluginError, check_storage, engine_settings
+from kvcompile.integrations.vllm.settings import PluginError, check_decode, check_storage, engine_settings
 
 
 @dataclass
@@ -73,10 +73,12 @@ class Worker:
             self.addresses = None
         if self.addresses is None and len(self.caches) == num_layers:
             caches = [self.caches[j] for j in range(num_layers)]
-            # the kernel finds a cell of any layer from one shape: contiguous caches of one shape, else the
-            # reference (no addresses)
-            if all(c.is_contiguous() and c.shape == caches[0].shape for c in caches):
-                self.addresses = torch.tensor([c.data_ptr() for c in caches])
+            # the kernel finds a cell of any layer from one shape: contiguous caches of one shape
+            if not all(c.is_contiguous() and c.shape == caches[0].shape for c in caches):
+                raise PluginError("kvcompile: the decode kernel reads every layer's KV cache as one contiguous "
+                                  f"tensor of one shape; vLLM gave {[tuple(c.shape) for c in caches]} (contiguous: "
+                                  f"{[c.is_contiguous() for c in caches]})")
+            self.addresses = torch.tensor([c.data_ptr() for c in caches])
 
 
 def worker_of(runner) -> Worker | None:
@@ -112,13 +114,14 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         self.kv_heads = config.model_config.get_num_kv_heads(config.parallel_config)
         self.groups = config.model_config.get_num_attention_heads(config.parallel_config) // self.kv_heads
-        prepare(self.groups, self.head_dim, self.dtype)
         settings = engine_settings(config)
         if settings is None:
             raise PluginError("kvcompile: the plugin's backend was built for an engine without kvcompile settings "
                               "(KVCOMPILE_VLLM_SPEC unset and no additional_config['kvcompile'])")
         policy = settings.policy()
         check_storage(policy, self.head_dim, self.dtype)
+        check_decode(policy, self.head_dim, self.dtype)
+        prepare(self.groups, self.head_dim, self.dtype, Codes.of(policy.storage, self.head_dim))
         self.worker = Worker(policy, record_to=settings.record)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
