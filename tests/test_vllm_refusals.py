@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import kvcompile
-from kvcompile.integrations.vllm.settings import (PluginError, Settings, check_decode, check_policy, check_storage,
-                                                  engine_settings, refusal, refusals)
+from kvcompile.integrations.vllm.settings import (PluginError, Settings, check_policy, check_storage, engine_settings,
+                                                  refusal, refusals)
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
@@ -123,26 +123,3 @@ def test_per_entry_codes_run_where_the_cache_holds_them(tmp_path):
     with pytest.raises(PluginError, match=r"snapkv_int4 \(storage int4\) on this model: the model runs in "
                                           "torch.bfloat16"):
         check_storage(kvcompile.load_spec("snapkv_int4"), 64, "torch.bfloat16")
-
-
-def test_a_model_the_decode_kernel_cannot_read_is_refused(tmp_path):
-    """Compressed requests decode in the C++ kernel only (no fallback): a cache not in float32, a head dim that is not
-    a multiple of 16, and codes in groups that are not, are refused with the reason before vLLM starts
-    (create_engine_config, the engine core, the metadata builder)."""
-    snapkv, int4 = kvcompile.load_spec("snapkv"), kvcompile.load_spec("snapkv_int4")
-    text = (ROOT / "specs" / "snapkv_int4.yaml").read_text().replace("int4: {group: 0}", "int8: {group: 8}")
-    (tmp_path / "int8.yaml").write_text(text.replace("name: snapkv_int4", "name: snapkv_int8"))
-    int8 = kvcompile.load_spec(tmp_path / "int8.yaml")
-    check_decode(snapkv, 64, "torch.float32")
-    check_decode(int4, 64, "torch.float32")
-    check_storage(int8, 64, "torch.float32")  # kvcompile stores these codes; the kernel cannot read them
-    with pytest.raises(PluginError, match=r"cannot run snapkv on this model: the model runs in torch.bfloat16, and the "
-                                          "plugin's decode kernel reads float32 caches"):
-        check_decode(snapkv, 64, "torch.bfloat16")
-    with pytest.raises(PluginError, match=r"cannot run snapkv on this model: the decode kernel takes head dims that are "
-                                          "multiples of 16, not 40"):
-        check_decode(snapkv, 40, "torch.float32")
-    with pytest.raises(PluginError, match=r"cannot run snapkv_int8 on this model: the decode kernel dequantizes 16 "
-                                          "channels with one scale: groups of codes must be multiples of 16 channels, "
-                                          "not 8"):
-        check_decode(int8, 64, "torch.float32")

@@ -9,22 +9,30 @@ backend checks the layout against what vLLM wrote on every prompt.
 
 A compressed request's (layer l, KV head h) attends its K_{l,h} packed entries (wherever packing put them:
 any layer's tensor, block and column) and its decode entries (positions N, N + 1, … in layer l's own
-tensor, column h, as vLLM writes them), causally for the decode part. One C++ kernel (packed_attention.cpp,
-float32 caches) computes it: a step's `DecodePlan` is built once (FlashInfer's plan/run split), then each
-layer is one call for every compressed request in the step. Packing puts a head's entries at consecutive
-offsets of one or two cells, so a head is a few *runs* (tensor, cell, first offset, length); the kernel reads
-a run's keys a vector of slots at a time (each dimension's keys are contiguous), one online-softmax step per
-vector (Milakov & Gimelshein 2018), and accumulates P·V with the G query heads of the KV head in registers.
-Work items are (request, KV head), on OpenMP threads when the step's work is large enough.
+tensor, column h, as vLLM writes them), causally for the decode part. Two backends compute it, one chosen
+per model when vLLM sets up its attention (`choose`: the metadata builder), and a step's `DecodePlan` (built
+once, FlashInfer's plan/run split) runs each layer with it:
+
+- `PackedCpp`, the C++ kernel (packed_attention.cpp), where it runs: float32 caches, head dim and codes'
+  group multiples of 16, a C++ compiler (`cpp_refusal`). Each layer is one call for every compressed
+  request in the step. Packing puts a head's entries at consecutive offsets of one or two cells, so a head
+  is a few *runs* (tensor, cell, first offset, length); the kernel reads a run's keys a vector of slots at a
+  time (each dimension's keys are contiguous), one online-softmax step per vector (Milakov & Gimelshein
+  2018), and accumulates P·V with the G query heads of the KV head in registers. Work items are (request,
+  KV head), on OpenMP threads when the step's work is large enough.
+- `PackedTorch` everywhere else (bfloat16 and float16 caches, other head dims and groups, no compiler):
+  per request, each head's entries gathered into a padded batch (codes decoded), then a masked softmax
+  attention in float32, cast to the output's dtype.
 
 A policy whose storage quantizes every entry (int8, int4) packs its entries as codes
 (kvcompile.integrations.vllm.codes: a layer's entries one byte string over its slots); the runs are then
 the slots of each layer's string, and a head's entries a range of it. The kernel gathers a head's codes,
 scales and zero points from its slots and attends them with kvcompile's paged kernel's work item over codes
 (kvcompile/kernels/paged_attention.cpp, `partial<BITS>`: the codes dequantized in registers), its softmax state
-then carried over the decode entries. Before that, the same call replaces the key and value of each of the step's
-new tokens, as vLLM wrote them, by what kvcompile stores of them (x̂ = code·scale + zero, kvcompile's quantizer
-bit for bit, in the cache's float32), so every later attention reads what kvcompile stores.
+then carried over the decode entries; the torch backend decodes them (Codes.decode). Before that, both replace
+the key and value of each of the step's new tokens, as vLLM wrote them, by what kvcompile stores of them
+(x̂ = code·scale + zero, kvcompile's quantizer bit for bit, in the cache's float32: settings.check_storage
+refuses codes in other dtypes), so every later attention reads what kvcompile stores.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ from torch import Tensor
 from kvcompile.kernels import paged_attention_cpp as paged
 from kvcompile.kernels.paged_attention_quant import CPP_GROUP
 from kvcompile.integrations.vllm.codes import Codes, as_bits, slot_bytes
+from kvcompile.integrations.vllm.packing import padded
 
 
 def key_view(kv_cache: Tensor) -> Tensor:
@@ -63,6 +72,18 @@ def read_entries(kv_cache: Tensor, block_row: Tensor, head: Tensor, position: Te
 def read_positions(kv_cache: Tensor, block_row: Tensor, begin: int, end: int):
     """Keys and values (H, end − begin, d) of every KV head at logical positions [begin, end)."""
     return read_entries(kv_cache, block_row, torch.arange(kv_cache.shape[1])[:, None], torch.arange(begin, end))
+
+
+def store_new(kv_cache: Tensor, block_row: Tensor, begin: int, end: int, codes: Codes) -> None:
+    """Replaces the keys and values vLLM wrote at logical positions [begin, end) (every KV head) by x̂, what
+    kvcompile stores of them under `codes`."""
+    block_size = kv_cache.shape[2]
+    position = torch.arange(begin, end)
+    blocks, offsets, head = block_row[position // block_size].long(), position % block_size, \
+        torch.arange(kv_cache.shape[1])[:, None]
+    keys, values = read_entries(kv_cache, block_row, head, position)
+    key_view(kv_cache)[blocks, head, :, offsets] = codes.stored(keys)
+    value_view(kv_cache)[blocks, head, offsets] = codes.stored(values)
 
 
 @dataclass
@@ -97,6 +118,36 @@ class PackedLayer:
             at = tensor == t
             key_view(as_bits(caches[t]))[block[at], column[at], :, offset[at]] = words[at, :width]
             value_view(as_bits(caches[t]))[block[at], column[at], offset[at]] = words[at, width:]
+
+    def _read_codes(self, caches: dict) -> tuple[Tensor, Tensor]:
+        """x̂ of the layer's keys and values (E, d) float32, decoded from its slots."""
+        tensor, block, column, offset = self.where
+        width = caches[0].shape[-1] // 2
+        words = as_bits(caches[0]).new_empty(len(tensor), 2 * width)
+        for t in tensor.unique().tolist():
+            at = tensor == t
+            words[at, :width] = key_view(as_bits(caches[t]))[block[at], column[at], :, offset[at]]
+            words[at, width:] = value_view(as_bits(caches[t]))[block[at], column[at], offset[at]]
+        entries = int(self.counts.sum())
+        data = words.flatten().view(torch.uint8)[:entries * self.codes.entry_bytes]
+        return self.codes.decode(data.view(entries, self.codes.entry_bytes))
+
+    def gather(self, caches: dict) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys and values (H, W, d) float32, W = max_h K_{l,h}, and valid (H, W): each head's entries, padded."""
+        if self.codes is not None:
+            keys, values = self._read_codes(caches)
+        else:
+            d = caches[0].shape[-1] // 2
+            keys, values = torch.empty(self.where.shape[1], d), torch.empty(self.where.shape[1], d)
+            tensor, block, column, offset = self.where
+            for t in tensor.unique().tolist():
+                at = tensor == t
+                keys[at] = key_view(caches[t])[block[at], column[at], :, offset[at]].float()
+                values[at] = value_view(caches[t])[block[at], column[at], offset[at]].float()
+        index, valid = padded(self.counts)
+        if not len(keys):  # nothing kept: an empty batch of the right shape
+            return keys.new_empty(*index.shape, keys.shape[-1]), values.new_empty(*index.shape, keys.shape[-1]), valid
+        return keys[index], values[index], valid
 
     def runs(self) -> tuple[Tensor, Tensor]:
         """The kernel's view of the layer: runs (R, 4) = (tensor, cell = block·H + column, first offset, length) of
@@ -179,12 +230,12 @@ def _kernel(groups: int, head_dim: int, group: int | None):
     return CppPythonBindingsCodeCache.load_pybinding(list(_ARGTYPES), source(groups, head_dim, group))
 
 
-def refusal(head_dim: int, dtype: torch.dtype, codes: Codes | None) -> str | None:
-    """Why the kernel cannot attend this model's compressed requests (None: it can): a cache not in float32, a
+def cpp_refusal(head_dim: int, dtype: torch.dtype, codes: Codes | None) -> str | None:
+    """Why the C++ kernel cannot attend this model's compressed requests (None: it can): a cache not in float32, a
     head dim or a group of codes not a multiple of 16 (the widest vector; the codes' loads take one scale per
-    vector), no C++ toolchain."""
+    vector), no C++ toolchain. The torch backend attends them instead (`choose`)."""
     if str(dtype) != "torch.float32":
-        return f"the model runs in {dtype}, and the plugin's decode kernel reads float32 caches"
+        return f"the model runs in {dtype}, and the decode kernel reads float32 caches"
     if head_dim % CPP_GROUP:
         return f"the decode kernel takes head dims that are multiples of {CPP_GROUP}, not {head_dim}"
     if codes is not None and codes.group % CPP_GROUP:
@@ -195,19 +246,83 @@ def refusal(head_dim: int, dtype: torch.dtype, codes: Codes | None) -> str | Non
     return None
 
 
-def prepare(groups: int, head_dim: int, dtype: torch.dtype, codes: Codes | None) -> None:
-    """Builds the kernel for this model and format now (at engine start: not in a request's first decode step,
-    which would otherwise wait for the C++ compiler when Inductor's disk cache is cold); ValueError with
-    `refusal`'s reason where it cannot run."""
-    why = refusal(head_dim, dtype, codes)
-    if why is not None:
-        raise ValueError(why)
-    _kernel(groups, head_dim, codes.group if codes is not None else None)
+class PackedCpp:
+    """The C++ kernel (packed_attention.cpp) for G query heads per KV head, head dim d and one format of packed
+    entries (codes, or None: float32): built when chosen (at engine start: not in a request's first decode step,
+    which would otherwise wait for the C++ compiler when Inductor's disk cache is cold). It finds a cell of any
+    layer from every layer cache's address (contiguous caches of one shape)."""
+
+    needs_addresses = True
+
+    def __init__(self, groups: int, head_dim: int, codes: Codes | None):
+        self.kernel = _kernel(groups, head_dim, codes.group if codes is not None else None)
+
+    def run(self, plan: DecodePlan, layer: int, query: Tensor, output: Tensor, caches: dict, addresses: Tensor,
+            scale: float, threads: int | None) -> None:
+        tokens, hq, d = query.shape
+        cache = caches[layer]
+        if not (query.dtype == output.dtype == cache.dtype == torch.float32 and query.stride(2) == 1
+                and query.stride(1) == d and output.stride(2) == 1 and output.stride(1) == d):
+            raise ValueError(f"packed decode attention: float32 query, output and cache, each row's heads contiguous; "
+                             f"got {query.dtype} {tuple(query.stride())}, {output.dtype} {tuple(output.stride())}, "
+                             f"cache {cache.dtype}")
+        if addresses is None or len(addresses) != len(plan.heads):
+            raise ValueError("packed decode attention: the address of every layer's cache is needed (contiguous "
+                             "caches of one shape)")
+        if threads is None:
+            threads = torch.get_num_threads() if plan.work >= paged.PARALLEL_WORK else 1
+        bits = plan.codes.bits if plan.codes is not None else FLOAT
+        self.kernel(query, query.stride(0), output, output.stride(0), addresses, layer, plan.runs, plan.heads[layer],
+                    plan.requests, plan.block_table, plan.block_table.stride(0), len(plan.rows), plan.kv_heads,
+                    cache.shape[2], float(scale), threads, bits)
+
+
+class PackedTorch:
+    """Torch ops, for any cache dtype, head dim and group of codes: per request, each head's packed entries gathered
+    into a padded batch (codes decoded) with its decode entries, and one masked softmax attention in float32."""
+
+    needs_addresses = False
+
+    def run(self, plan: DecodePlan, layer: int, query: Tensor, output: Tensor, caches: dict, addresses: Tensor | None,
+            scale: float, threads: int | None) -> None:
+        for i, record, q0, t, first in plan.rows:
+            block_row = plan.block_table[i]
+            if record.codes is not None:  # the step's new tokens (never a packed slot) as kvcompile stores them
+                store_new(caches[layer], block_row, max(first, record.prompt_length), first + t, record.codes)
+            output[q0:q0 + t] = self.attend(query[q0:q0 + t], caches, block_row, record, layer, first,
+                                            scale).to(output.dtype)
+
+    @staticmethod
+    def attend(query: Tensor, caches: dict, block_row: Tensor, record: Record, layer: int, first: int,
+               scale: float) -> Tensor:
+        """Attention (T, Hq, d) float32 of T query rows (T, Hq, d) at positions [first, first + T) of a compressed
+        request at `layer`: head h over its packed entries and the decode entries at positions [N, position] (zeros
+        where it sees none, as kvcompile.reference.decode_attention)."""
+        seq = first + len(query)
+        new_keys, new_values = read_positions(caches[layer], block_row, record.prompt_length, seq)
+        keys, values, valid = record.layers[layer].gather(caches)
+        keys, values = torch.cat([keys, new_keys.float()], 1), torch.cat([values, new_values.float()], 1)
+        qpos, kpos = torch.arange(first, seq), torch.arange(record.prompt_length, seq)
+        mask = torch.cat([valid[:, None, :].expand(-1, len(qpos), -1),
+                          (kpos[None, None, :] <= qpos[None, :, None]).expand(len(valid), -1, -1)], -1)  # (H, T, S)
+        heads = keys.shape[0]
+        q = query.float().transpose(0, 1).unflatten(0, (heads, -1))  # (H, G, T, d)
+        logits = torch.einsum("hgtd,hsd->hgts", q, keys) * scale
+        weights = logits.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+        weights = weights.masked_fill(~mask.any(-1)[:, None, :, None], 0.0)  # a row seeing no entry: zeros
+        return torch.einsum("hgts,hsd->hgtd", weights, values).flatten(0, 1).transpose(0, 1)
+
+
+def choose(groups: int, head_dim: int, dtype: torch.dtype, codes: Codes | None) -> PackedCpp | PackedTorch:
+    """The backend that attends this model's compressed requests, chosen once: the C++ kernel where it runs
+    (`cpp_refusal`), else torch."""
+    return PackedCpp(groups, head_dim, codes) if cpp_refusal(head_dim, dtype, codes) is None else PackedTorch()
 
 
 @dataclass
 class DecodePlan:
-    """One step's compressed requests, planned once (in the metadata builder) and run per layer.
+    """One step's compressed requests, planned once (in the metadata builder) and run per layer by the model's
+    backend (`choose`).
 
     rows: (batch row, record, first query row, query rows T, position of the first); requests (B, 5),
     runs (R, 4) and heads (L, B·H, 4) (the runs of every record, heads indexing into them): the same for the
@@ -221,10 +336,12 @@ class DecodePlan:
     block_table: Tensor
     kv_heads: int
     work: int
+    backend: PackedCpp | PackedTorch
     codes: Codes | None = None
 
     @classmethod
-    def plan(cls, rows: list, block_table: Tensor, heads: int, groups: int, head_dim: int) -> DecodePlan:
+    def plan(cls, rows: list, block_table: Tensor, heads: int, groups: int, head_dim: int,
+             backend: PackedCpp | PackedTorch) -> DecodePlan:
         records = [row[1] for row in rows]
         formats = {r.codes for r in records}
         if len(formats) > 1:
@@ -238,30 +355,15 @@ class DecodePlan:
         requests = torch.tensor([[q0, t, r.prompt_length, first, i] for i, r, q0, t, first in rows]).view(-1, 5)
         entries = int(per_head[..., 3].sum()) // max(len(records[0].layers), 1) + sum(
             t * (first + t - r.prompt_length) for _, r, _, t, first in rows) * heads
-        return cls(rows, requests, runs, per_head, block_table.long().contiguous(), heads, work=2 * entries * groups * head_dim, codes=codes)
+        return cls(rows, requests, runs, per_head, block_table.long().contiguous(), heads,
+                   work=2 * entries * groups * head_dim, backend=backend, codes=codes)
 
-    def run(self, layer: int, query: Tensor, output: Tensor, caches: dict, addresses: Tensor,
+    def run(self, layer: int, query: Tensor, output: Tensor, caches: dict, addresses: Tensor | None,
             scale: float, threads: int | None = None) -> None:
         """Writes the attention of every planned request at `layer` into its rows of output (tokens, Hq, d)
-        (a view of vLLM's output), float32 with rows of Hq·d contiguous values; addresses: every layer cache's
-        address (long: every cache one contiguous tensor of one shape). threads: the kernel's OpenMP threads
-        (default: torch's when the layer's work is at least PARALLEL_WORK, else 1). With codes, the step's new
-        tokens' keys and values, as vLLM wrote them, are first replaced by what the storage keeps of them."""
-        tokens, hq, d = query.shape
-        cache = caches[layer]
-        if not (query.dtype == output.dtype == cache.dtype == torch.float32 and query.stride(2) == 1
-                and query.stride(1) == d and output.stride(2) == 1 and output.stride(1) == d):
-            raise ValueError(f"packed decode attention: float32 query, output and cache, each row's heads contiguous; "
-                             f"got {query.dtype} {tuple(query.stride())}, {output.dtype} {tuple(output.stride())}, "
-                             f"cache {cache.dtype}")
-        if addresses is None or len(addresses) != len(self.heads):
-            raise ValueError("packed decode attention: the address of every layer's cache is needed (contiguous "
-                             "caches of one shape)")
-        if threads is None:
-            threads = torch.get_num_threads() if self.work >= paged.PARALLEL_WORK else 1
-        group = self.codes.group if self.codes is not None else None
-        bits = self.codes.bits if self.codes is not None else FLOAT
-        _kernel(hq // self.kv_heads, d, group)(
-            query, query.stride(0), output, output.stride(0), addresses, layer, self.runs, self.heads[layer],
-            self.requests, self.block_table, self.block_table.stride(0), len(self.rows), self.kv_heads,
-            cache.shape[2], float(scale), threads, bits)
+        (a view of vLLM's output). The C++ backend takes float32 with rows of Hq·d contiguous values and
+        addresses, every layer cache's address (long: every cache one contiguous tensor of one shape), and
+        threads, its OpenMP threads (default: torch's when the layer's work is at least PARALLEL_WORK, else 1);
+        the torch backend needs neither. With codes, the step's new tokens' keys and values, as vLLM wrote them,
+        are first replaced by what the storage keeps of them."""
+        self.backend.run(self, layer, query, output, caches, addresses, scale, threads)

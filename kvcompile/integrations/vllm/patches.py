@@ -22,8 +22,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvcompile.integrations.vllm.settings import (CONFIG_KEY, PluginError, check_decode, check_policy, check_storage,
-                                                  engine_settings)
+from kvcompile.integrations.vllm.settings import CONFIG_KEY, PluginError, check_policy, check_storage, engine_settings
 
 TESTED_VLLM = "0.32.0"  # the vLLM every fingerprint below was taken from
 VLLM_RANGE = ">=0.32.0,<0.33"  # 0.32.x: accepted only where every fingerprint matches 0.32.0's
@@ -70,7 +69,6 @@ def check_config(config, policy) -> None:
     if model.get_sliding_window() is not None:
         no("a sliding-window model")
     check_storage(policy, model.get_head_size(), model.dtype)  # before vLLM sizes or allocates its cache
-    check_decode(policy, model.get_head_size(), model.dtype)
 
 
 def _check_kv_cache_config(kv_cache_config, policy) -> None:

@@ -163,15 +163,3 @@ def check_storage(policy, head_dim: int, dtype) -> None:
     if why is not None:
         raise PluginError(f"kvcompile: the vLLM plugin cannot run {policy.name} (storage {type(storage).name}) on "
                           f"this model: {why}")
-
-
-def check_decode(policy, head_dim: int, dtype) -> None:
-    """Refuse a model whose compressed requests the plugin's decode kernel cannot attend (kvcompile.integrations.vllm.
-    packed_attention.refusal: a cache not in float32, a head dim or a group of codes not a multiple of 16, no
-    C++ compiler)."""
-    from kvcompile.integrations.vllm.codes import Codes
-    from kvcompile.integrations.vllm.packed_attention import refusal as kernel_refusal
-
-    why = kernel_refusal(head_dim, dtype, Codes.of(policy.storage, head_dim))
-    if why is not None:
-        raise PluginError(f"kvcompile: the vLLM plugin cannot run {policy.name} on this model: {why}")
