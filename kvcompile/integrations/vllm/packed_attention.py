@@ -247,15 +247,16 @@ def cpp_refusal(head_dim: int, dtype: torch.dtype, codes: Codes | None) -> str |
 
 
 class PackedCpp:
-    """The C++ kernel (packed_attention.cpp) for G query heads per KV head, head dim d and one format of packed
-    entries (codes, or None: float32): built when chosen (at engine start: not in a request's first decode step,
-    which would otherwise wait for the C++ compiler when Inductor's disk cache is cold). It finds a cell of any
-    layer from every layer cache's address (contiguous caches of one shape)."""
+    """The C++ kernel (packed_attention.cpp) for G query heads per KV head and head dim d, built for the engine's
+    format of packed entries (codes, or None: float32) when chosen (at engine start: not in a request's first
+    decode step, which would otherwise wait for the C++ compiler when Inductor's disk cache is cold); a step's
+    records name their format (another policy's, where the worker's policy is swapped: built on first use). It
+    finds a cell of any layer from every layer cache's address (contiguous caches of one shape)."""
 
     needs_addresses = True
 
     def __init__(self, groups: int, head_dim: int, codes: Codes | None):
-        self.kernel = _kernel(groups, head_dim, codes.group if codes is not None else None)
+        _kernel(groups, head_dim, codes.group if codes is not None else None)
 
     def run(self, plan: DecodePlan, layer: int, query: Tensor, output: Tensor, caches: dict, addresses: Tensor,
             scale: float, threads: int | None) -> None:
@@ -269,12 +270,16 @@ class PackedCpp:
         if addresses is None or len(addresses) != len(plan.heads):
             raise ValueError("packed decode attention: the address of every layer's cache is needed (contiguous "
                              "caches of one shape)")
+        if plan.codes is not None and plan.codes.group % CPP_GROUP:  # another format than the engine's
+            raise ValueError(f"packed decode attention: the kernel loads codes in groups of multiples of {CPP_GROUP} "
+                             f"channels, not {plan.codes.group}")
         if threads is None:
             threads = torch.get_num_threads() if plan.work >= paged.PARALLEL_WORK else 1
-        bits = plan.codes.bits if plan.codes is not None else FLOAT
-        self.kernel(query, query.stride(0), output, output.stride(0), addresses, layer, plan.runs, plan.heads[layer],
-                    plan.requests, plan.block_table, plan.block_table.stride(0), len(plan.rows), plan.kv_heads,
-                    cache.shape[2], float(scale), threads, bits)
+        group, bits = (plan.codes.group, plan.codes.bits) if plan.codes is not None else (None, FLOAT)
+        _kernel(hq // plan.kv_heads, d, group)(
+            query, query.stride(0), output, output.stride(0), addresses, layer, plan.runs, plan.heads[layer],
+            plan.requests, plan.block_table, plan.block_table.stride(0), len(plan.rows), plan.kv_heads,
+            cache.shape[2], float(scale), threads, bits)
 
 
 class PackedTorch:
