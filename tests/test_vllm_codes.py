@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 import kvcompile
 from kvcompile.integrations.vllm.codes import Codes, slot_bytes
-from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer, Record, key_view, value_view
+from kvcompile.integrations.vllm.packed_attention import (DecodePlan, PackedCpp, PackedLayer, PackedTorch, Record,
+                                                         choose, key_view, read_positions, value_view)
 from kvcompile.integrations.vllm.packing import layer_slots, locations, region
 from kvcompile.reference import stored
 from test_vllm_packed_attention import kept_request, reference_attention
@@ -57,19 +58,38 @@ def test_codes_take_fewer_slots():
 def steps(draw):
     return dict(layers=draw(st.integers(1, 3)), heads=draw(st.integers(1, 3)), groups=draw(st.sampled_from([1, 3])),
                 head_dim=draw(st.sampled_from([16, 64])), block_size=draw(st.sampled_from([8, 16, 32])),
-                bits=draw(st.sampled_from([8, 4])), group=draw(st.sampled_from([0, 8])),
+                bits=draw(st.sampled_from([8, 4])), group=draw(st.sampled_from([0, 8, 16])),
+                torch_backend=draw(st.booleans()),  # False: the chosen one (torch for groups of 8)
                 requests=[(draw(st.integers(1, 70)), draw(st.integers(1, 6)), draw(st.integers(1, 2)))
                           for _ in range(draw(st.integers(1, 3)))],  # (prompt N, decode entries, query rows T)
-                seed=draw(st.integers(0, 2 ** 16)))
+                seed=draw(st.integers(0, 2 ** 16)), threads=draw(st.sampled_from([1, 2])))
 
 
 @settings(max_examples=40, deadline=None)
 @given(steps())
 def test_decode_attention_over_codes_equals_the_reference_over_what_is_stored(step):
+    assert_attends_what_is_stored(step)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [0, 16])
+def test_the_kernel_attends_codes_of_ragged_requests_and_gqa_groups(bits, group):
+    """The kernel over int8 and int4 codes, one scale an entry or per 16 channels: three requests of ragged prompts
+    and budgets (random per head, some heads keeping nothing), two and one query rows, 3 query heads per KV head,
+    two threads."""
+    assert_attends_what_is_stored(dict(layers=3, heads=2, groups=3, head_dim=64, block_size=16, bits=bits,
+                                       group=group, requests=[(70, 3, 2), (23, 1, 1), (41, 6, 1)], seed=bits + group,
+                                       threads=2, torch_backend=False))
+
+
+def assert_attends_what_is_stored(step):
     g = torch.Generator().manual_seed(step["seed"])
     layers, heads, groups, d, bs = (step[k] for k in ("layers", "heads", "groups", "head_dim", "block_size"))
     part = storage(step["bits"], step["group"])
     codes = Codes.of(part, d)
+    backend = PackedTorch() if step["torch_backend"] else choose(groups, d, torch.float32, codes)
+    if not step["torch_backend"]:  # the kernel loads 16 channels per scale
+        assert isinstance(backend, PackedCpp if codes.group % 16 == 0 else PackedTorch)
     pool = sum(-(-(n + new) // bs) for n, new, _ in step["requests"]) + 3
     caches = {j: torch.full((pool, heads, bs, 2 * d), float("nan")) for j in range(layers)}
     room = slot_bytes(caches[0])
@@ -102,7 +122,7 @@ def test_decode_attention_over_codes_equals_the_reference_over_what_is_stored(st
     qkv = torch.randn(tokens, (heads * groups + 2 * heads) * d, generator=g)
     query = qkv[:, :heads * groups * d].view(tokens, heads * groups, d)
     scale = d ** -0.5
-    plan = DecodePlan.plan(rows, table, heads, groups, d)
+    plan = DecodePlan.plan(rows, table, heads, groups, d, backend)
     addresses = torch.tensor([caches[j].data_ptr() for j in range(layers)])
     for layer in range(layers):
         want = torch.full((tokens, heads * groups, d), -7.0)
@@ -115,5 +135,10 @@ def test_decode_attention_over_codes_equals_the_reference_over_what_is_stored(st
                       for h in range(heads)]
                 want[q0 + r] = reference_attention(query[q0 + r], ks, vs, scale)
         got = torch.full_like(want, -7.0)
-        plan.run(layer, query, got, caches, addresses, scale)  # addresses given: codes still take the reference
+        plan.run(layer, query, got, caches, addresses, scale, threads=step["threads"])
         torch.testing.assert_close(got, want)  # row 0 (another request) untouched
+        for (keys, values, _, n, first, t, _), (i, *_) in zip(truth, rows):  # the step's new tokens: now x̂, exactly
+            new = slice(max(first, n), first + t)
+            new_keys, new_values = read_positions(caches[layer], table[i].long(), new.start, new.stop)
+            assert torch.equal(new_keys, stored(part, keys[layer, :, new]))
+            assert torch.equal(new_values, stored(part, values[layer, :, new]))

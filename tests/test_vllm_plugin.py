@@ -161,6 +161,31 @@ def test_budget_covering_the_prompt_equals_plain_vllm(model_and_prompts, compres
     assert plain["blocks"]["total"] - plain["blocks"]["after_decode"] == blocks_held(len(prompts[0]), bs, 0)
 
 
+
+BFLOAT16 = {"options": {"dtype": "bfloat16"}}  # vLLM's usual dtype on CPU
+
+
+def bfloat16_job(prompts: list[list[int]]) -> Job:
+    """One bfloat16 engine (the plugin on) under snapkv at 2048 per head (covering the prompts), then at 64."""
+    runs = [{"spec": "snapkv", "overrides": {"per_head": 2048}}, {"spec": "snapkv", "overrides": {"per_head": 64}}]
+    return vllm_job(prompts, more=BFLOAT16 | {"runs": runs}, spec="snapkv")
+
+
+@pytest.mark.slow
+def test_a_bfloat16_model_decodes_in_the_torch_backend(model_and_prompts, lane):
+    """SmolLM2 in bfloat16: the C++ decode kernel reads float32 only, so the plugin chose its torch backend (no cache
+    addresses) and runs instead of refusing. At a budget covering the prompts its greedy tokens are plain vLLM's in
+    bfloat16; at 64 per head together = alone, the first request holds fewer blocks than plain vLLM's after its
+    first decode step, and every block is back in the pool at the end."""
+    _, prompts = model_and_prompts
+    plain = result(lane.result("plain_bfloat16", vllm_job(prompts, more=BFLOAT16)))
+    covered, kept = result(lane.result("bfloat16", bfloat16_job(prompts)))["runs"]
+    assert not covered["decode_kernel"] and not kept["decode_kernel"]
+    assert covered["together"] == plain["together"] and covered["alone"] == plain["alone"]
+    assert kept["together"] == kept["alone"]
+    assert kept["blocks"]["after_decode"] > plain["blocks"]["after_decode"]  # free blocks: the prompt's returned
+    assert kept["blocks"]["end"] == kept["blocks"]["total"] == plain["blocks"]["total"]
+
 # 64 entries per head (dbudgetkv: its threshold); knorm is left out: key norms are RoPE-invariant, so repeated
 # tokens tie to within 1e-7 at the cut, and vLLM's and transformers' forwards round differently: its kept entries
 # differ on ties (docs/VLLM.md)
@@ -214,9 +239,8 @@ def test_compressed_vllm_equals_kvcompile(model_and_prompts, compressed_runs, sp
     cascade and DBudgetKV's threshold included); together = alone; after the prompt the request holds the
     blocks from N − S on, S = ⌈Σ K_{l,h} / (L·H)⌉ (its entries packed across heads and layers; under int8/int4
     storage S = ⌈Σ_l ⌈E_l·B / slot⌉ / (L·H)⌉, its entries packed as codes of B bytes), and every block is back in
-    the pool at the end. Decode attention ran in the C++ kernel (fp32, head dim 64: the kernel's case;
-    tests/test_vllm_packed_attention.py holds it to the torch reference), or for codes in the torch reference
-    (tests/test_vllm_codes.py)."""
+    the pool at the end. Decode attention ran in the C++ kernel, over float32 entries or codes (head dim 64;
+    tests/test_vllm_packed_attention.py and tests/test_vllm_codes.py hold it to kvcompile.reference)."""
     import kvcompile
     from kvcompile.reference import compress
     from kvcompile.tools.sweep import capture
@@ -226,7 +250,7 @@ def test_compressed_vllm_equals_kvcompile(model_and_prompts, compressed_runs, sp
     model, prompts = model_and_prompts
     policy = kvcompile.load_spec(spec_source(spec, tmp_path), **COMPRESSED[spec])
     out, record = compressed_runs[spec]
-    assert out["decode_kernel"], "the worker's decode attention fell back to the torch reference"
+    assert out["decode_kernel"], "the worker's decode attention ran in the torch backend, not the C++ kernel"
     codes = Codes.of(policy.storage, 64)
 
     want_tokens, want_kept = [], []
@@ -468,6 +492,9 @@ RUNS = {"refusals": ({"test_plugin_off_by_default_refuses_what_it_cannot_run"}, 
                         "test_two_engines_in_one_process_keep_their_own_state"},
                        lambda prompts, lane: compressed_job(prompts, lane.folder("compressed"))),
         "plain": ({"test_budget_covering_the_prompt_equals_plain_vllm"}, lambda prompts, lane: vllm_job(prompts)),
+        "plain_bfloat16": ({"test_a_bfloat16_model_decodes_in_the_torch_backend"},
+                           lambda prompts, lane: vllm_job(prompts, more=BFLOAT16)),
+        "bfloat16": ({"test_a_bfloat16_model_decodes_in_the_torch_backend"}, lambda prompts, lane: bfloat16_job(prompts)),
         "worker_mp": ({"test_worker_process_reports_what_it_freed"}, lambda prompts, lane: worker_job(prompts)),
         "chunked": ({"test_chunked_prefill_compresses_as_one_pass"},
                     lambda prompts, lane: chunked_job(prompts, lane.folder("chunked"))),

@@ -12,9 +12,10 @@ the blocks wholly before it to vLLM's pool (kvcompile.integrations.vllm.patches)
 
 Decode tokens are written by vLLM at N, N + 1, … (slot mapping and RoPE positions unchanged). Any later
 attention of a compressed request at layer l attends head h over its K_{l,h} packed entries and its decode
-entries (kvcompile.integrations.vllm.packed_attention: planned once per step by the metadata builder, one C++ call per
-layer for every compressed request), in place of vLLM's kernel, which is given only the new tokens of such
-requests (their seq_len cut to their query length) so it does not attend over freed blocks for nothing.
+entries (kvcompile.integrations.vllm.packed_attention: planned once per step by the metadata builder and run per
+layer by the backend chosen for the model, the C++ kernel where it runs, else torch), in place of vLLM's kernel,
+which is given only the new tokens of such requests (their seq_len cut to their query length) so it does not
+attend over freed blocks for nothing.
 Keys carry their RoPE, so where a kept key sits does not change its logits.
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 
 from kvcompile.layer_state import LayerState
 from kvcompile.integrations.vllm.codes import Codes, slot_bytes
-from kvcompile.integrations.vllm.packed_attention import DecodePlan, PackedLayer, Record, prepare, read_entries, read_positions
+from kvcompile.integrations.vllm.packed_attention import (DecodePlan, PackedLayer, Record, choose, read_entries,
+                                                          read_positions)
 from kvcompile.integrations.vllm.packing import kept_entries, locations, region
 from kvcompile.integrations.vllm.settings import PluginError, check_storage, engine_settings
 
@@ -54,7 +56,8 @@ class Worker:
     by the patched model runner before it builds the step's metadata), the prompts being compressed, the
     compressed requests' records, what this step compressed (N − S, read by the patched sample_tokens into
     the step's output), and every layer's cache tensor (vLLM allocates them once) with their addresses (for
-    the decode kernel, once all are known). Each step's plan (StepPlan) carries it to the attention layers."""
+    the C++ decode kernel, once all are known, where it runs). Each step's plan (StepPlan) carries it to the
+    attention layers."""
 
     policy: object
     requests: list | None = None
@@ -64,6 +67,7 @@ class Worker:
     caches: dict = field(default_factory=dict)  # layer index -> its kv cache tensor
     addresses: torch.Tensor | None = None  # every layer's cache address, in layer order
     record_to: str | None = None  # settings.RECORD_ENV
+    needs_addresses: bool = True  # the decode backend's (PackedCpp: yes, PackedTorch: no)
 
     def cache(self, index: int, kv_cache: torch.Tensor, num_layers: int) -> None:
         """Layer `index`'s cache, as vLLM passes it to this step."""
@@ -71,12 +75,14 @@ class Worker:
         if known is None or known.data_ptr() != kv_cache.data_ptr() or known.shape != kv_cache.shape:
             self.caches[index] = kv_cache
             self.addresses = None
-        if self.addresses is None and len(self.caches) == num_layers:
+        if self.needs_addresses and self.addresses is None and len(self.caches) == num_layers:
             caches = [self.caches[j] for j in range(num_layers)]
-            # the kernel finds a cell of any layer from one shape: contiguous caches of one shape, else the
-            # reference (no addresses)
-            if all(c.is_contiguous() and c.shape == caches[0].shape for c in caches):
-                self.addresses = torch.tensor([c.data_ptr() for c in caches])
+            # the kernel finds a cell of any layer from one shape: contiguous caches of one shape
+            if not all(c.is_contiguous() and c.shape == caches[0].shape for c in caches):
+                raise PluginError("kvcompile: the decode kernel reads every layer's KV cache as one contiguous "
+                                  f"tensor of one shape; vLLM gave {[tuple(c.shape) for c in caches]} (contiguous: "
+                                  f"{[c.is_contiguous() for c in caches]})")
+            self.addresses = torch.tensor([c.data_ptr() for c in caches])
 
 
 def worker_of(runner) -> Worker | None:
@@ -112,14 +118,15 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         self.kv_heads = config.model_config.get_num_kv_heads(config.parallel_config)
         self.groups = config.model_config.get_num_attention_heads(config.parallel_config) // self.kv_heads
-        prepare(self.groups, self.head_dim, self.dtype)
         settings = engine_settings(config)
         if settings is None:
             raise PluginError("kvcompile: the plugin's backend was built for an engine without kvcompile settings "
                               "(KVCOMPILE_VLLM_SPEC unset and no additional_config['kvcompile'])")
         policy = settings.policy()
         check_storage(policy, self.head_dim, self.dtype)
-        self.worker = Worker(policy, record_to=settings.record)
+        # the decode backend, once for the model: the C++ kernel where it runs (built now), else torch
+        self.attention = choose(self.groups, self.head_dim, self.dtype, Codes.of(policy.storage, self.head_dim))
+        self.worker = Worker(policy, record_to=settings.record, needs_addresses=self.attention.needs_addresses)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         worker = self.worker
@@ -152,7 +159,7 @@ class KVCompileCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 common_attn_metadata, seq_lens=cut.to(common_attn_metadata.seq_lens.device))
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         decode = DecodePlan.plan(decoding, common_attn_metadata.block_table_tensor.cpu(), self.kv_heads,
-                                 self.groups, self.head_dim) if decoding else None
+                                 self.groups, self.head_dim, self.attention) if decoding else None
         meta.kvcompile = StepPlan(decode, prompts, self.num_layers, worker) if decoding or prompts else None
         return meta
 
