@@ -69,12 +69,13 @@ class DecodeBatch:
     index: Tensor  # (R,) long: each request's token in the packed forward
     positions: Tensor  # (R,) long: each new token's logical position
     counts: Counter  # the path's counters (`BatchedDecode.counts`)
-    tables: list  # per layer: (stores and versions, the batch's `held` tensors) of the last batch
+    tables: list  # per layer: (stores, their versions, the batch's `held` tensors) of the last batch
     #               (`BatchedDecode.tables`)
     whole: bool  # the batch is the whole forward, in order
     step: object = None  # the decode step run on the batch (`BatchedDecode.step`, kvcompile.kernels.online_step)
     split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
     faults: list = field(default_factory=list)  # (cache, error) of the requests whose count of the token raised
+    stores: list = field(default_factory=list)  # per layer: the requests' stores, in row order
     batches: list = field(default_factory=list)  # per layer: the requests' stores as one (`PagePools.batch`)
 
     @classmethod
@@ -106,6 +107,7 @@ class DecodeBatch:
                     tables, not alone and not dropped, step)
         for layer in range(len(caches[0].stores)):
             stores = [cache.stores[layer] for cache in caches]
+            batch.stores.append(stores)
             batch.batches.append(PagePools.batch(stores, batch._held(layer, stores)))
         return batch, dropped
 
@@ -128,8 +130,8 @@ class DecodeBatch:
         split = None if self.split is None else self.split[:, layer]
         out = self.step(plan, batch, layer, q.contiguous(), k, v, self.positions, split, scale)
         batch.finish(evicted=split is not None)  # each request takes its rows back
-        self.tables[layer] = ({id(cache.stores[layer]): (i, cache.stores[layer], cache.stores[layer].version)
-                               for i, cache in enumerate(caches)}, batch.held)
+        stores = self.stores[layer]
+        self.tables[layer] = (stores, [store.version for store in stores], batch.held)
         self.counts["attention_calls"] += 1
         if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
@@ -144,19 +146,21 @@ class DecodeBatch:
     def _held(self, layer: int, stores: list) -> tuple[Tensor, ...] | None:
         """The last step's block table and counters of `layer`, cut to the rows of `stores`, where every store was
         in that step and has not changed since (its `version`); else None (built again)."""
-        last = self.tables[layer]
-        rows = []
-        for store in stores:
-            hit = None if last is None else last[0].get(id(store))
-            if hit is None or hit[1] is not store or hit[2] != store.version:
-                self.counts["tables_built"] += 1
-                return None
-            rows.append(hit[0])
-        if rows == list(range(len(last[0]))):
-            return last[1]
+        if self.tables[layer] is None:
+            self.counts["tables_built"] += 1
+            return None
+        last, versions, held = self.tables[layer]
+        if len(last) == len(stores) and all(a is b for a, b in zip(last, stores)) \
+                and versions == [store.version for store in stores]:
+            return held
+        row = {id(store): i for i, store in enumerate(last)}
+        rows = [row.get(id(store)) for store in stores]
+        if any(i is None or last[i] is not store or versions[i] != store.version for i, store in zip(rows, stores)):
+            self.counts["tables_built"] += 1
+            return None
         self.counts["tables_cut"] += 1
-        index = torch.tensor(rows, device=last[1][0].device)
-        return tuple(t[index] for t in last[1])
+        index = torch.tensor(rows, device=held[0].device)
+        return tuple(t[index] for t in held)
 
 
 @dataclass
