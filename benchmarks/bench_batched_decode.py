@@ -42,11 +42,11 @@ def run_one(args) -> dict:
 
     import kvcompile
     import kvcompile.engine.op as op
-    import kvcompile.integrations.batching as serving
-    from kvcompile.tools.data import load_haystack
-    from kvcompile.kernels import paged_attention, paged_attention_quant, tiered_step
-    from kvcompile.store import pages
-    from kvcompile.tools.models import load_model
+    from kvcompile.kernels import paged_attention, paged_attention_quant
+
+    serving = _module("kvcompile.integrations.batching", "kvcompile.serving")
+    load_haystack = _module("kvcompile.tools.data", "kvcompile.data").load_haystack
+    load_model = _module("kvcompile.tools.models", "kvcompile.models").load_model
 
     torch.set_num_threads(args.threads)
     if args.per_request_run:  # the batched path off: every request through its own op, pages of its own
@@ -88,7 +88,10 @@ def run_one(args) -> dict:
     for cls in (paged_attention.CppPagedAttention, paged_attention.TorchPagedAttention,
                 paged_attention_quant.CppQuantPagedAttention, paged_attention_quant.TorchQuantPagedAttention):
         cls.run = counted("kernel", cls.run)  # (over two tiers: the codes' call; the float tier's is beside it)
-    for cls in (pages.CppOnlineStep, pages.CppAppendStep, tiered_step.CppTieredStep):
+    for cls in _classes(("kvcompile.store.pages", "CppOnlineStep"), ("kvcompile.store.pages", "CppAppendStep"),
+                        ("kvcompile.kernels.tiered_step", "CppTieredStep"),  # this tree's fused steps
+                        ("kvcompile.kernels.online_step", "CppOnlineStep"),  # (an older tree's)
+                        ("kvcompile.kernels.quant_step", "CppQuantStep")):
         cls.__call__ = counted("kernel", cls.__call__)
     attention = [0.0]  # seconds in the attention function during decode-only forwards
     batching_attention = serving.batching_attention
@@ -162,6 +165,33 @@ def run_one(args) -> dict:
             "load_before": load_before, "load_after": os.getloadavg()[0],
             "decode": str(report.get("decode", "per request (before the pool)"))[:200],
             "step_s": [round(s, 4) for _, s in steps], "answers": [results[r].generated_tokens for r in request_ids]}
+
+
+def _module(*names: str):
+    """The first of `names` this tree has (a module another tree, such as the `--code before` one, names otherwise)."""
+    import importlib
+
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"none of {names} in this tree")
+
+
+def _classes(*where: tuple[str, str]) -> list:
+    """The classes (module, name) this tree has, each once."""
+    import importlib
+
+    found = []
+    for module, name in where:
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ModuleNotFoundError:
+            cls = None
+        if cls is not None and cls not in found:
+            found.append(cls)
+    return found
 
 
 def main() -> None:

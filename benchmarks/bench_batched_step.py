@@ -1,10 +1,11 @@
-"""One layer of the batched decode step (kvcompile.engine.batch.DecodeBatch.run) for R requests over one page pool,
-by each step a plain policy could run on the batch: `append+attend` (what the serving engine runs: the store's
-append, then the paged C++ attention kernel; in a tree before 91950ec, `PagePools.append` and the kernel) and
-`fused` (the plan's C++ step for fp32 pages, `CppAppendStep`: the append and the same kernel in one call).
-Printed: the torch operators one layer dispatches (a C++ kernel's call is not one), and the median µs per layer
-over `--rounds` interleaved rounds of 20 steps each, wall and CPU time of the thread (with one thread, the steadier
-measure on a loaded machine), with the load average.
+"""One layer of the batched decode step (kvcompile.engine.batch: `DecodeBatch.make`, then `run`) for R requests over one
+page pool, by each step a plain policy could run on the batch: `append+attend` (what the serving engine runs: the
+store's append as one C++ call, `store.pages.CppAppend`, then the paged C++ attention kernel), `torch append+attend`
+(the store's append in torch ops, then the same kernel) and `fused` (the plan's C++ step for fp32 pages,
+`CppAppendStep`: the append and the same kernel in one call).
+Printed: the torch operators one layer dispatches (a C++ kernel's call is not one), and the median µs per layer and
+step (its batch made, then run) over `--rounds` interleaved rounds of 20 steps each, wall and CPU time of the thread
+(with one thread, the steadier measure on a loaded machine), with the load average.
 
     PYTHONPATH=. nice python3 benchmarks/bench_batched_step.py [--requests 16] [--entries 120] [--rounds 30]
 """
@@ -22,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvcompile.engine import batch as engine_batch
 from kvcompile.kernels import paged_attention
 from kvcompile.kernels.append_step import FLOAT
-from kvcompile.store.pages import CppAppendStep, Entries, LayerStore
+from kvcompile.engine.online import TorchStep
+from kvcompile.store.pages import CppAppend, CppAppendStep, Entries, LayerStore
 from kvcompile.store.pool import PagePools
 
 
@@ -37,10 +39,11 @@ class Operators(TorchDispatchMode):
 
 
 class Cache:
-    """What DecodeBatch.run reads of a request's cache."""
+    """What DecodeBatch.make and run read of a request's cache."""
 
-    def __init__(self, store, plan):
-        self.stores, self.plan = [store], plan
+    def __init__(self, store, plan, length):
+        self.stores, self.plan, self.seq_length = [store], plan, length
+        self.decoding = types.SimpleNamespace(pad=torch.zeros(1, dtype=torch.long))
 
     def count_host_sync(self, name):
         pass
@@ -67,43 +70,45 @@ def main() -> None:
                                  decode_attention=attention, decode_backend=lambda layer, device: attention)
     gen = torch.Generator().manual_seed(0)
     prompts = [(torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen)) for _ in range(r)]
-    fused = CppAppendStep(FLOAT, 0)
-    before = not hasattr(engine_batch.DecodeBatch, "step")  # a tree with StepBatch beside DecodeBatch
+    steps = {"append+attend": TorchStep(append=CppAppend()), "torch append+attend": TorchStep(),
+             "fused": CppAppendStep(FLOAT, 0)}
 
     def make(kind):
+        """Fresh requests in a fresh pool, and a function that runs one step of them (made, then run)."""
         pools = PagePools(1)
         caches = []
-        for k, v in prompts:
-            entries = Entries(k, v, torch.zeros(1, h, n), torch.arange(n).expand(1, h, n).clone(), torch.ones(1, h, n),
+        for keys, values in prompts:
+            entries = Entries(keys, values, torch.zeros(1, h, n), torch.arange(n).expand(1, h, n).clone(), torch.ones(1, h, n),
                               torch.ones(1, h, n, dtype=torch.bool))
             store = LayerStore.build([entries], torch.zeros(1, h, dtype=torch.long), 16, 1)
-            caches.append(Cache(pools.adopt(0, store), plan))
-        common = (pools, caches, torch.arange(r), torch.full((r,), n + 5), Counter(), [None], True)
-        if before:
-            plan.decode_step = fused
-            return engine_batch.DecodeBatch(*common) if kind == "append+attend" else engine_batch.StepBatch(*common)
-        from kvcompile.engine.online import TorchStep
-        return engine_batch.DecodeBatch(*common, step=TorchStep() if kind == "append+attend" else fused)
+            caches.append(Cache(pools.adopt(0, store), plan, n + 5))
+        tables = [None]
 
-    q, k, v = torch.randn(1, h * g, r, d), torch.randn(1, h, r, d), torch.randn(1, h, r, d)
-    kinds = ["append+attend", "fused"]
+        def step():
+            batch, _ = engine_batch.DecodeBatch.make(caches, list(range(r)), Counter(), tables, False, steps[kind])
+            return batch.run(0, q, k, v, 0.125)
+        return step
+
+    # (1, heads, R, d) views of (1, R, heads, d), as a model's projections hand them to its attention
+    q, k, v = (torch.randn(1, r, x, d).transpose(1, 2) for x in (h * g, h, h))
+    kinds = list(steps)
     for kind in kinds:
-        batch = make(kind)
-        batch.run(0, q, k, v, 0.125)  # builds the block table
+        step = make(kind)
+        step()  # builds the block table
         with Operators() as ops:
-            batch.run(0, q, k, v, 0.125)
+            step()
         print(f"{kind}: {sum(ops.counts.values())} torch operators a layer: {dict(sorted(ops.counts.items()))}")
     times, cpu_times = {kind: [] for kind in kinds}, {kind: [] for kind in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
-            batch = make(kind)
-            batch.run(0, q, k, v, 0.125)
+            step = make(kind)
+            step()
             start, cpu = time.perf_counter(), time.thread_time()
             for _ in range(20):  # within the pages the heads own (no page taken)
-                batch.run(0, q, k, v, 0.125)
+                step()
             times[kind].append((time.perf_counter() - start) / 20 * 1e6)
             cpu_times[kind].append((time.thread_time() - cpu) / 20 * 1e6)
-    print(f"{'before' if before else 'after'}: {r} requests, {n} entries a head, {args.threads} thread(s): median µs "
+    print(f"{r} requests, {n} entries a head, {args.threads} thread(s): median µs "
           "a layer [min, max], wall: " + ", ".join(f"{kind} {statistics.median(t):.0f} [{min(t):.0f}, {max(t):.0f}]"
                                                   for kind, t in times.items())
           + "; CPU (this thread): " + ", ".join(f"{kind} {statistics.median(t):.0f} [{min(t):.0f}, {max(t):.0f}]"

@@ -19,17 +19,20 @@ a batch.
   `StepPlan`, which requests run alone (a prompt or a part of it, any step of a policy decoded per request) and
   the batch of the others (one token each, pages in the pools): their caches, their tokens' places in the packed
   forward, their positions. A request's first decode step is in the batch: its cache enters decoding here
-  (`engine.decode.begin_decoding`: its decode state, as the op's first decode step sets it up).
-- `batch.run(layer, q, k, v, scale)` per layer: the stores make room where a head's pages are full (the append's
-  host read, counted as the op counts it), one block table padded over the batch (the last step's while no store
-  changed), then one call of the path's decode step (`DecodeBatch.step`) on the batch as one store of the
-  requests' class over the pool (`PagePools.batch`: `store.pool.BatchStore`, `BatchCodeStore`; two tiers a
-  `BatchTieredStore`, each tier's over its pool; a head's step reads and writes its own pages only), each request
-  then taking its rows back (`finish`). `TorchStep` there is the store's own append (one write of every new entry,
-  codes quantized as the store writes them; two tiers: into the appending tier's pool, then the low tier's flush,
-  one op for all: KIVI) and one call of the plan's decode attention backend (the quantized kernel over codes; two
-  tiers: one kernel call per tier's pool, merged). After the last layer each cache counts its token (`seq_length`,
-  the decode state's length).
+  (`engine.decode.begin_decoding`: its decode state, as the op's first decode step sets it up). The batch is made
+  once for every layer (`DecodeBatch.make`): each request's stores make room where a head's pages are full (the
+  append's host read, counted as the op counts it; a request whose stores cannot fails alone, `StepPlan.failed`,
+  and the batch runs without it), then per layer one block table padded over the batch (the last step's while no
+  store changed) and the requests as one store of their class over the pool (`PagePools.batch`:
+  `store.pool.BatchStore`, `BatchCodeStore`; two tiers a `BatchTieredStore`, each tier's over its pool).
+- `batch.run(layer, q, k, v, scale)` per layer: one call of the path's decode step (`DecodeBatch.step`) on that
+  layer's batch store (a head's step reads and writes its own pages only), each request then taking its rows back
+  (`finish`). `TorchStep` there is the store's own append (one write of every new entry: one C++ call where the
+  plan's fused step is `CppAppendStep`, `store.pages.CppAppend`, else torch ops; codes quantized as the store
+  writes them; two tiers: into the appending tier's pool, then the low tier's flush, one op for all: KIVI) and
+  one call of the plan's decode attention backend (the quantized kernel over codes; two tiers: one kernel call per
+  tier's pool, merged). After the last layer each cache counts its token (`seq_length`, the decode state's
+  length).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from torch import Tensor
 from kvcompile.engine.decode import begin_decoding
 from kvcompile.engine.online import TorchStep
 from kvcompile.engine.state import Phase
+from kvcompile.store.pages import CppAppend
 from kvcompile.store.pool import BATCH, PagePools, tiers
 from kvcompile.store.tiers import TieredStore
 
@@ -52,35 +56,60 @@ if TYPE_CHECKING:
     from kvcompile.plan import Plan
 
 
-class RequestFault(Exception):
-    """One request's own work in a batched step raised (its store making room for its token, before the layer's
-    kernel ran): `cache` is that request's, `error` what it raised. The serving engine drops the request from the
-    batch (`DecodeBatch.without`) and fails it alone; the kernel's own failure covers every request of the batch
-    and is raised as it is."""
-
-    def __init__(self, cache, error: Exception):
-        super().__init__(f"{type(error).__name__}: {error}")
-        self.cache, self.error = cache, error
-
-
 @dataclass
 class DecodeBatch:
     """The requests of a step that decode one token each, together: per layer one call of `step` on them.
 
-    A request's own work (its store making room, its cache counting the token) is attributed to it: making room
-    raises `RequestFault` before the layer's kernel, counting the token is recorded in `faults` while the others
-    count theirs; the kernel call, which covers every request of the batch, is not anyone's alone."""
+    A request's own work (its stores making room, its cache counting the token) is attributed to it: making room
+    runs for every layer before the forward (`make`), and a request whose stores cannot leaves the batch there;
+    counting the token is recorded in `faults` while the others count theirs; the kernel call, which covers every
+    request of the batch, is not anyone's alone."""
 
     caches: list  # KVCompileCache of each request, in the order of `index`
     index: Tensor  # (R,) long: each request's token in the packed forward
     positions: Tensor  # (R,) long: each new token's logical position
     counts: Counter  # the path's counters (`BatchedDecode.counts`)
-    tables: list  # per layer: (stores and versions, the batch's `held` tensors) of the last batch
+    tables: list  # per layer: (stores, their versions, the batch's `held` tensors) of the last batch
     #               (`BatchedDecode.tables`)
     whole: bool  # the batch is the whole forward, in order
     step: object = None  # the decode step run on the batch (`BatchedDecode.step`, kvcompile.kernels.online_step)
     split: Tensor | None = None  # (R, L, H, 3) every request's ZSMerge split, where tokens leave online
     faults: list = field(default_factory=list)  # (cache, error) of the requests whose count of the token raised
+    stores: list = field(default_factory=list)  # per layer: the requests' stores, in row order
+    batches: list = field(default_factory=list)  # per layer: the requests' stores as one (`PagePools.batch`)
+
+    @classmethod
+    def make(cls, caches: list, index: list[int], counts: Counter, tables: list, alone: bool,
+             step) -> "tuple[DecodeBatch | None, list[tuple]]":
+        """The batch of `caches` (their tokens at `index` in the packed forward; `alone`: other requests run in the
+        forward too), made once per step for every layer: each request's stores make room where a head's pages
+        are full (the append's host read, counted as the op counts it; a request whose stores cannot leaves the
+        batch: its (cache, error) returned), then per layer the requests' stores as one store over their pool
+        with its block table and counters (the last step's while no store changed: `_held`)."""
+        kept, dropped = [], []
+        for cache, at in zip(caches, index):
+            try:
+                for store in cache.stores:
+                    # a head's pages are full: it takes its next run, of its own plan's size (a continued
+                    # request's plan reserves another headroom than the fresh requests' beside it)
+                    if store.make_room(cache.plan.spare_pages):
+                        cache.count_host_sync("append")
+            except Exception as error:  # noqa: BLE001 - this request's own: the others decode without it
+                dropped.append((cache, error))
+                continue
+            kept.append((cache, at))
+        if not kept:
+            return None, dropped
+        caches = [cache for cache, _ in kept]
+        positions = torch.tensor([c.seq_length for c in caches]) - torch.cat([c.decoding.pad.cpu() for c in caches])
+        device = caches[0].stores[0].device
+        batch = cls(caches, torch.tensor([at for _, at in kept], device=device), positions.to(device), counts,
+                    tables, not alone and not dropped, step)
+        for layer in range(len(caches[0].stores)):
+            stores = [cache.stores[layer] for cache in caches]
+            batch.stores.append(stores)
+            batch.batches.append(PagePools.batch(stores, batch._held(layer, stores)))
+        return batch, dropped
 
     def __post_init__(self):
         if self.caches[0].plan.online_eviction:
@@ -91,26 +120,18 @@ class DecodeBatch:
         returns the outputs (R, Hq, d) of the requests' tokens."""
         caches = self.caches
         plan = caches[0].plan
-        stores = [cache.stores[layer] for cache in caches]
-        for cache, store in zip(caches, stores):
-            # a head's pages are full: it takes its next run, of its own plan's size (a continued request's plan
-            # reserves another headroom than the fresh requests' beside it)
-            try:
-                if store.make_room(cache.plan.spare_pages):
-                    cache.count_host_sync("append")
-            except Exception as error:  # noqa: BLE001 - this request's own: nothing of the layer ran yet
-                raise RequestFault(cache, error) from error
         if self.whole:
             q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         else:
             q = query[0, :, self.index].transpose(0, 1)
             k = key[0, :, self.index].transpose(0, 1)
             v = value[0, :, self.index].transpose(0, 1)
-        batch = PagePools.batch(stores, self._held(layer, stores))  # the requests as one store over their pool
+        batch = self.batches[layer]  # the requests as one store over their pool
         split = None if self.split is None else self.split[:, layer]
         out = self.step(plan, batch, layer, q.contiguous(), k, v, self.positions, split, scale)
         batch.finish(evicted=split is not None)  # each request takes its rows back
-        self.tables[layer] = ({id(store): (i, store, store.version) for i, store in enumerate(stores)}, batch.held)
+        stores = self.stores[layer]
+        self.tables[layer] = (stores, [store.version for store in stores], batch.held)
         self.counts["attention_calls"] += 1
         if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
             for cache in caches:
@@ -122,40 +143,34 @@ class DecodeBatch:
             self.counts["tokens"] += len(caches)
         return out.to(query.dtype)
 
-    def without(self, dropped: list) -> "DecodeBatch | None":
-        """This batch without the requests whose caches are in `dropped` (they failed alone): the next layers run
-        on the others (None: no request left)."""
-        rows = [i for i, cache in enumerate(self.caches) if not any(cache is d for d in dropped)]
-        if not rows:
-            return None
-        keep = torch.tensor(rows, device=self.index.device)
-        return DecodeBatch([self.caches[i] for i in rows], self.index[keep], self.positions[keep], self.counts,
-                           self.tables, False, self.step)  # (its split: the caches', __post_init__)
-
     def _held(self, layer: int, stores: list) -> tuple[Tensor, ...] | None:
         """The last step's block table and counters of `layer`, cut to the rows of `stores`, where every store was
         in that step and has not changed since (its `version`); else None (built again)."""
-        last = self.tables[layer]
-        rows = []
-        for store in stores:
-            hit = None if last is None else last[0].get(id(store))
-            if hit is None or hit[1] is not store or hit[2] != store.version:
-                self.counts["tables_built"] += 1
-                return None
-            rows.append(hit[0])
-        if rows == list(range(len(last[0]))):
-            return last[1]
+        if self.tables[layer] is None:
+            self.counts["tables_built"] += 1
+            return None
+        last, versions, held = self.tables[layer]
+        if len(last) == len(stores) and all(a is b for a, b in zip(last, stores)) \
+                and versions == [store.version for store in stores]:
+            return held
+        row = {id(store): i for i, store in enumerate(last)}
+        rows = [row.get(id(store)) for store in stores]
+        if any(i is None or last[i] is not store or versions[i] != store.version for i, store in zip(rows, stores)):
+            self.counts["tables_built"] += 1
+            return None
         self.counts["tables_cut"] += 1
-        index = torch.tensor(rows, device=last[1][0].device)
-        return tuple(t[index] for t in last[1])
+        index = torch.tensor(rows, device=held[0].device)
+        return tuple(t[index] for t in held)
 
 
 @dataclass
 class StepPlan:
-    """One forward's plan: the requests that run alone (their index among the step's requests) and the batch."""
+    """One forward's plan: the requests that run alone (their index among the step's requests), the batch, and the
+    requests that failed alone while it was made (their index: their error; `DecodeBatch.make`)."""
 
     alone: list[int]
     batch: DecodeBatch | None  # None: no request of this step decodes in the batch
+    failed: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -250,12 +265,11 @@ class BatchedDecode(PooledPages):
             offset += tokens
         if not batched:
             return StepPlan(alone, None)
-        positions = torch.tensor([c.seq_length for c in batched]) - torch.cat([c.decoding.pad.cpu() for c in batched])
-        device = batched[0].stores[0].device
         if self.tables is None:
             self.tables = [None] * len(batched[0].stores)
-        return StepPlan(alone, DecodeBatch(batched, torch.tensor(index, device=device), positions.to(device),
-                                           self.counts, self.tables, not alone, self.step))
+        batch, dropped = DecodeBatch.make(batched, index, self.counts, self.tables, bool(alone), self.step)
+        where = {id(cache): i for i, (cache, _) in enumerate(requests) if cache is not None}
+        return StepPlan(alone, batch, {where[id(cache)]: error for cache, error in dropped})
 
 
 @dataclass
@@ -286,4 +300,7 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
         return PerRequestDecode(pools, reason=why)
     if plan.online_eviction or plan.running_scores or (plan.policy.merges and plan.store is not TieredStore):
         return BatchedStepDecode(pools, step=plan.decode_step)  # the plan's decode step does more, on the batch
-    return BatchedDecode(pools, step=TorchStep())
+    append = CppAppend.of(plan.decode_step)  # the plan's fused step's append alone (C++), where it has one
+    if append is not None:
+        append.build(plan.head_dim)  # (built now: a cold build would land inside the first batched step)
+    return BatchedDecode(pools, step=TorchStep(append=append))

@@ -25,10 +25,12 @@ class TorchStep(DecodeStep):
 
     name: ClassVar[str] = "torch"
     stores: ClassVar[tuple[str, ...]] = ("LayerStore", "CodeStore", "TieredStore")
+    append: object = None  # the store's append as one kernel call (store.pages.CppAppend: a batched step's), or
+    #                        None: its torch ops
 
     def __call__(self, plan, store, layer: int, q: Tensor, k: Tensor, v: Tensor, position: Tensor,
                  split: Tensor | None, scale: float) -> Tensor:
-        store.append(k, v, position, step=plan.spare_pages)
+        store.append(k, v, position, step=plan.spare_pages, kernel=self.append)
         if not (plan.running_scores or plan.online_eviction):  # the plan's decode attention (the layer's sinks)
             return store.attend(plan.decode_backend(layer, q.device), q, plan.merge_bias, scale)
         out, probs = _attend_with_probs(plan, store, q, scale, layer)

@@ -89,7 +89,7 @@ from kvcompile.cache import KVCompileCache
 from kvcompile.errors import CompileError
 from kvcompile.integrations import transformers_patches
 from kvcompile.plan import Plan
-from kvcompile.engine.batch import PooledPages, RequestFault, StepPlan, decode_path
+from kvcompile.engine.batch import PooledPages, StepPlan, decode_path
 from kvcompile.engine.op import kvcompile_attention, kvcompile_mask
 from kvcompile.store.tiers import TieredStore
 
@@ -605,6 +605,8 @@ class KVCompilePagedCache(PagedAttentionCache):
             batch.append(Segment(request.request_id, kv, future.query_length))
         state.batch = batch
         state.step = state.pages.plan([(None if seg.kv is None else seg.kv.cache, seg.length) for seg in batch])
+        for i, error in state.step.failed.items():  # its stores could not make room: the batch runs without it
+            state.faults[batch[i].request_id] = error
         state.rows = [future.state for future in scheduled if future.has_new_token]
         state.peak_requests = max(state.peak_requests, len(state.requests))
 
@@ -916,9 +918,9 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     prompt chunk, or decode steps), the step's decode tokens as one batch where the policy allows. A call from
     outside the engine while it runs (generate() on the same model) takes kvcompile's ordinary attention.
 
-    A request's own work that raises (its op call; in the batch, its store making room or its cache counting the
-    token: `engine.batch.RequestFault`, `DecodeBatch.faults`) is that request's fault (`BatchingState.faults`): its
-    tokens' outputs are zeros from then on, the batch goes on without it, and no other token reads them (each
+    A request's own work that raises (its op call; in the batch, its stores making room before the forward,
+    `StepPlan.failed`, or its cache counting the token, `DecodeBatch.faults`) is that request's fault
+    (`BatchingState.faults`): its tokens' outputs are zeros from then on, the batch goes on without it, and no other token reads them (each
     request attends over its own cache only; the projections and MLPs are per token), so the other requests'
     outputs are those of the forward without it. The batched kernel call covers every request of the batch: its
     failure is no one request's and fails the forward (the engine fails every request it packed)."""
@@ -936,20 +938,11 @@ def batching_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     if kinds is not None and not local:
         layer = kinds.engine[layer]  # its number among the layers the policy compresses
     step = state.step
-    batched = ran = None
-    while step.batch is not None:  # a batch of decode tokens (engine.batch)
-        ran = step.batch
-        try:
-            batched = ran.run(layer, query, key, value, scale)
-        except RequestFault as fault:  # one request's store could not make room: the batch goes on without it
-            faults[_request_of(batch, fault.cache)] = fault.error
-            step.batch = ran.without([fault.cache])
-            continue
-        if ran.faults:  # a request's count of its token raised (the step's last layer): its own
-            for failed, error in ran.faults:
-                faults[_request_of(batch, failed)] = error
-            step.batch = ran.without([failed for failed, _ in ran.faults])
-        break
+    ran, batched = step.batch, None
+    if ran is not None:  # a batch of decode tokens (engine.batch)
+        batched = ran.run(layer, query, key, value, scale)
+        for failed, error in ran.faults:  # a request's count of its token raised (the step's last layer): its own
+            faults[_request_of(batch, failed)] = error
     if batched is not None and not step.alone and ran.whole and not faults:
         return batched.unsqueeze(0), None  # the whole forward, in order
     out = query.new_zeros(query.shape)

@@ -3,7 +3,8 @@
 // token: quantized by kvcompile/kernels/quantize.py's formula, bit for bit), then the pages' flash-decoding
 // attention (paged_attention.cpp, whose text comes right before this one with its entry renamed
 // `kvcompile_paged_attention_quant`). Built by kvcompile/kernels/append_step.py, where the contract is; the
-// loader defines KVCOMPILE_G, _D, _FLOAT, _GK, _GV.
+// loader defines KVCOMPILE_G, _D, _FLOAT, _GK, _GV, and KVCOMPILE_APPEND_ONLY 1 for the build whose entry is the
+// append alone (a batched decode step's, before its attention backend's call: kvcompile.store.pages.CppAppend).
 static_assert(!KCH, "the fused step appends entries one at a time: keys per token only (KIVI's per-channel "
                     "pages take whole pages, kvcompile.store.tiers)");
 
@@ -62,6 +63,36 @@ static void append_all(const float* k, const float* v, const int64_t* position, 
     }
 }
 
+// status[0]: 0 = every head's entry appended; 1 = some head's next entry has no page it owns (nothing changed).
+static bool append_checked(const float* k, const float* v, const int64_t* position, uint8_t* kc, float* ks, float* kz,
+                           uint8_t* vc, float* vs, float* vz, float* sp, int64_t* pp, float* cp, const int64_t* table,
+                           int64_t* lengths, const int64_t* owned, int64_t B, int64_t H, int64_t M, int64_t S,
+                           int64_t bits, int64_t* status) {
+    status[0] = 0;
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+        const int64_t col = lengths[bh] / S;
+        if (col >= owned[bh] || col >= M) { status[0] = 1; return false; }
+    }
+#if KVCOMPILE_FLOAT
+    append_all<32>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
+#else
+    if (bits == 8)
+        append_all<8>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
+    else
+        append_all<4>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
+#endif
+    return true;
+}
+
+#if KVCOMPILE_APPEND_ONLY
+// The append alone: every head's new entry into its next slot (step 1 above), status as append_checked's.
+extern "C" void kernel(const float* k, const float* v, const int64_t* position, uint8_t* kc, float* ks, float* kz,
+                       uint8_t* vc, float* vs, float* vz, float* sp, int64_t* pp, float* cp, const int64_t* table,
+                       int64_t* lengths, const int64_t* owned, const int64_t B, const int64_t H, const int64_t M,
+                       const int64_t S, const int64_t bits, int64_t* status) {
+    append_checked(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, owned, B, H, M, S, bits, status);
+}
+#else
 // has_bias: the attention adds the merge rule's bias alpha * log w (alpha_p[0]) of each entry, written into
 // `bias` (P * S floats) first (slots beside fp32 pages; the prompt's residual merge).
 // status[0]: 0 = done; 1 = some head's next entry has no page it owns (nothing was changed: the engine makes
@@ -74,19 +105,9 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
                        const int64_t max_threads, const int64_t items_per_thread, const int64_t parallel_work,
                        const int64_t bits, const int64_t has_bias, const double* alpha_p, float* bias, const int64_t P,
                        int64_t* status) {
-    status[0] = 0;
-    for (int64_t bh = 0; bh < B * H; ++bh) {
-        const int64_t col = lengths[bh] / S;
-        if (col >= owned[bh] || col >= M) { status[0] = 1; return; }
-    }
-#if KVCOMPILE_FLOAT
-    append_all<32>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
-#else
-    if (bits == 8)
-        append_all<8>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
-    else
-        append_all<4>(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, B, H, M, S);
-#endif
+    if (!append_checked(k, v, position, kc, ks, kz, vc, vs, vz, sp, pp, cp, table, lengths, owned, B, H, M, S, bits,
+                        status))
+        return;
     if (has_bias) {  // the merge rule's bias alpha * log w of every entry (-inf for w = 0), as MergeRule.bias
         const double alpha = alpha_p[0];
         for (int64_t i = 0; i < P * S; ++i)
@@ -95,3 +116,4 @@ extern "C" void kernel(const float* q, const float* k, const float* v, const int
     kvcompile_paged_attention_quant(q, kc, ks, kz, vc, vs, vz, table, lengths, bias, work, out, out, B * H, M, S,
                                     has_bias, 0, scale, max_threads, items_per_thread, parallel_work, 0, bits);
 }
+#endif

@@ -30,6 +30,12 @@ The C++ is append_step.cpp beside this module, compiled after paged_attention.cp
 by Inductor's C++ toolchain, once per (G, d, fp32 or codes, group): compile-time constants, as the paged
 kernel.
 
+The append alone (step 1, every head of every row: a batched decode step's write before its attention backend's
+one call, kvcompile.store.pages `CppAppend`) is the same C++ built with KVCOMPILE_APPEND_ONLY (`_append_kernel`,
+once per (d, fp32 or codes, group)):
+
+    append_cpp(pages, k, v, position, bits, group)   # kvcompile.store.pages: status 1 where a head has no page
+
 Backend (`Plan.decode_step`, the decode-step family of kernels.online_step): kvcompile.store.pages
 `CppAppendStep(bits, group, parallel_work)`, bits 32 for fp32 pages (group unused), chosen by the plan for a policy of that store with
 neither running scores nor online eviction nor merge slots beside codes, on the CPU for fp32 where the paged
@@ -47,6 +53,9 @@ _ARGTYPES = ("const float*", "const float*", "const float*", "const int64_t*", "
              "const int64_t*", "float*", "float*", "const int64_t", "const int64_t", "const int64_t",
              "const int64_t", "const float", "const int64_t", "const int64_t", "const int64_t", "const int64_t",
              "const int64_t", "const double*", "float*", "const int64_t", "int64_t*")
+_APPEND_ARGTYPES = ("const float*", "const float*", "const int64_t*", "uint8_t*", "float*", "float*", "uint8_t*",
+                    "float*", "float*", "float*", "int64_t*", "float*", "const int64_t*", "int64_t*", "const int64_t*",
+                    "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t", "int64_t*")
 FLOAT = 32  # `bits` of fp32 pages
 
 # The paged kernel's text is compiled first with its entry renamed; cpp_prefix.h is included before the
@@ -67,3 +76,13 @@ def _kernel(g: int, d: int, group: int | None):
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     return CppPythonBindingsCodeCache.load_pybinding(list(_ARGTYPES), source(g, d, group))
+
+
+@functools.cache
+def _append_kernel(d: int, group: int | None):
+    """The append alone (append_step.cpp's entry with KVCOMPILE_APPEND_ONLY), for head dim d and fp32 pages (group
+    None) or codes of `group` channels per scale."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding(list(_APPEND_ARGTYPES),
+                                                     "#define KVCOMPILE_APPEND_ONLY 1\n" + source(1, d, group))

@@ -254,9 +254,10 @@ class LayerStore:
 
     # --- changing --------------------------------------------------------------------------------------
 
-    def append(self, k: Tensor, v: Tensor, positions: Tensor, step: int = 1) -> None:
-        """Append one entry per head: k, v (B, H, d), positions (B,) long. O(1) amortised:
-        a head whose last page is full moves on to its next spare page; one without spares
+    def append(self, k: Tensor, v: Tensor, positions: Tensor, step: int = 1, kernel=None) -> None:
+        """Append one entry per head: k, v (B, H, d), positions (B,) long; `kernel`: where given, one call of it on
+        the store's tensors writes them (`CppAppend`: every head's entry in one C++ call), else torch ops. O(1)
+        amortised: a head whose last page is full moves on to its next spare page; one without spares
         takes a run of `step` fresh consecutive pages from the pool (its next spares, so its
         pages stay in runs the decode kernel streams), which grows (rarely) when none is left.
 
@@ -268,17 +269,19 @@ class LayerStore:
         b, h, d = k.shape
         s = self.page_size
         e = self.lengths  # (B, H)
-        col = e // s
         if self.room <= 0:
-            self._allocate(col, e, step)
-        page = self.block_table.gather(-1, col[..., None]).squeeze(-1)
-        slot = e % s
-        self._write_kv(page, slot, k, v)
-        entry = (page * s + slot).view(-1)  # each head's new entry, page · S + slot
-        self.score_pages.view(-1).index_fill_(0, entry, 0.0)
-        self.pos_pages.view(-1).index_copy_(0, entry, positions[:, None].expand(b, h).reshape(-1).to(torch.long))
-        self.count_pages.view(-1).index_fill_(0, entry, 1.0)
-        self.lengths += 1
+            self._allocate(e // s, e, step)
+        if kernel is not None:
+            kernel(self.tensors(), k, v, positions)
+        else:
+            page = self.block_table.gather(-1, (e // s)[..., None]).squeeze(-1)
+            slot = e % s
+            self._write_kv(page, slot, k, v)
+            entry = (page * s + slot).view(-1)  # each head's new entry, page · S + slot
+            self.score_pages.view(-1).index_fill_(0, entry, 0.0)
+            self.pos_pages.view(-1).index_copy_(0, entry, positions[:, None].expand(b, h).reshape(-1).to(torch.long))
+            self.count_pages.view(-1).index_fill_(0, entry, 1.0)
+            self.lengths += 1
         self.room -= 1
 
     def _write_kv(self, page: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> None:
@@ -629,6 +632,52 @@ def append_step_cpp(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, sc
         raise RuntimeError("kvcompile: the fused decode step met a head without a page for its next entry (the "
                            "engine makes room before every step: LayerStore.make_room)")
     return out
+
+
+def append_cpp(pages, k: Tensor, v: Tensor, position: Tensor, bits: int, group: int) -> None:
+    """kernels.append_step's append alone on a store's tensors (`PageTensors`, `QuantPageTensors` for codes), in
+    place: every head's new key and value (B, H, d) into its next slot (copied, or quantized as `append_step_cpp`
+    quantizes), its position (B,) long, score 0, count 1, its length + 1. bits, group: as `append_step_cpp`'s."""
+    b, h, d = k.shape
+    if k.dtype != torch.float32 or v.dtype != torch.float32 or position.dtype != torch.long \
+            or k.device.type != "cpu" or not _layout(pages, d, bits, group):
+        raise RuntimeError(f"kvcompile: the C++ append (fp32 CPU) got tensors of another layout: k {k.dtype} on "
+                           f"{k.device}, pages {pages.k_pages.dtype} {tuple(pages.k_pages.shape)}")
+    status = torch.empty(1, dtype=torch.long)
+    fp32 = bits == append_kernel.FLOAT
+    scales = (k, k, k, k) if fp32 else (pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero)
+    append_kernel._append_kernel(d, None if fp32 else group)(
+        *_contiguous(k, v, position), pages.k_pages, scales[0], scales[1], pages.v_pages, scales[2], scales[3],
+        pages.score_pages, pages.pos_pages, pages.count_pages, pages.block_table, pages.lengths, pages.owned, b, h,
+        pages.block_table.shape[-1], pages.k_pages.shape[1], bits, status)
+    if status.item():
+        raise RuntimeError("kvcompile: the C++ append met a head without a page for its next entry (the engine "
+                           "makes room before every step: LayerStore.make_room)")
+
+
+@dataclass(frozen=True)
+class CppAppend:
+    """The store's append as one C++ call (`append_cpp`), what `LayerStore.append(..., kernel=)` runs: a batched
+    decode step's write of every request's entry before its attention backend's one call (kvcompile.engine.batch;
+    the plan's `CppAppendStep` fuses the two for a request alone). bits: 32 for fp32 pages, else the codes' width;
+    group: their channels per scale."""
+
+    bits: int = append_kernel.FLOAT
+    group: int = 0
+
+    @classmethod
+    def of(cls, step) -> "CppAppend | None":
+        """The append of the plan's decode step where it is a `CppAppendStep` with no merge bias (its store's layout,
+        which the plan checked the C++ writes), else None."""
+        if isinstance(step, CppAppendStep) and step.alpha is None:
+            return cls(step.bits, step.group)
+        return None
+
+    def __call__(self, pages, k: Tensor, v: Tensor, position: Tensor) -> None:
+        append_cpp(pages, k, v, position, self.bits, self.group)
+
+    def build(self, head_dim: int) -> None:
+        append_kernel._append_kernel(head_dim, None if self.bits == append_kernel.FLOAT else self.group)
 
 
 @dataclass(frozen=True)

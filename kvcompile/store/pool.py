@@ -351,17 +351,14 @@ class Batch:
         raise RuntimeError("kvcompile: a batched decode step takes no page (its members make room before it)")
 
     def finish(self, evicted: bool) -> None:
-        """Every member takes its row of the step: where its rows changed otherwise than by one append a head
-        (`evicted`: tokens left online; a flush; a rotation), its row of the step's lengths and slots (and block
-        table, where rotated), else its one new entry a head; what the step spent of the host counters (`room`,
+        """Every member takes its row of the step (its lengths are that row already, `PagePools.batch`): where its
+        rows changed otherwise than by one append a head (`evicted`: tokens left online; a flush; a rotation), its
+        row of the step's slots (and block table, where rotated); what the step spent of the host counters (`room`,
         KIVI's `flush_room`) and, where the step settled it (online eviction's first step), its budget, in the
         order its own step does these."""
-        members = self.members
+        members = self.members  # (their lengths are rows of the step's: `PagePools.batch`)
         if evicted or self.rotated:
-            torch._foreach_copy_([m.lengths for m in members], list(self.lengths.split(1)))
             torch._foreach_copy_([m.slots for m in members], list(self.slots.split(1)))
-        else:  # every head appended one entry, and nothing left
-            torch._foreach_add_([m.lengths for m in members], 1)
         if self.rotated:
             rows = self.block_table.split(1)
             torch._foreach_copy_([m.block_table for m in members],
@@ -503,7 +500,8 @@ class PagePools:
         """The requests' layers `stores` (made room in) of a batched decode step as one store of their class over
         their pool, for a decode step to run on once (`Batch`; two tiers: each tier's). `held`: the step's block
         table (R, H, M), lengths, slots and owned counts (R, H) (a tier's after the other: `Batch.held`); default:
-        the stores' own, block tables padded over the batch."""
+        the stores' own, block tables padded over the batch. Each store's lengths become its row of the step's (a
+        view), so the step's count of every head's entries is each store's with no copy back (`Batch.finish`)."""
         if isinstance(stores[0], TieredStore):
             high, low = (None, None) if held is None else (held[:4], held[4:])
             return BatchTieredStore(PagePools.batch([s.high for s in stores], high),
@@ -512,6 +510,10 @@ class PagePools:
             table = torch.nn.utils.rnn.pad_sequence([store.block_table[0].T for store in stores], batch_first=True)
             held = (table.transpose(1, 2).contiguous(),
                     *(torch.cat([getattr(store, name) for store in stores]) for name in ("lengths", "slots", "owned")))
+        lengths = held[1]
+        for i, store in enumerate(stores):  # each member's lengths the step's row: the step counts them in place
+            if store.lengths._base is not lengths:
+                store.lengths = lengths[i:i + 1]
         pool, cls = stores[0].pool, BATCH[stores[0].own]
         return cls(**{name: getattr(pool, name) for name in pool.fields}, **dict(zip(("block_table", "lengths",
                    "slots", "owned"), held)), next_page=pool.pages, settled=all(s.settled for s in stores),

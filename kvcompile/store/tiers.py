@@ -220,10 +220,11 @@ class TieredStore:
 
     # --- changing --------------------------------------------------------------------------------------
 
-    def append(self, k: Tensor, v: Tensor, positions: Tensor, step: int = 1) -> None:
+    def append(self, k: Tensor, v: Tensor, positions: Tensor, step: int = 1, kernel=None) -> None:
         """Append one entry per head: to the high tier for a tiered part (KIVI then moves a full group to the
-        low tier), as codes for a part that stores every token so (its merge slots alone are floats)."""
-        self._appending.append(k, v, positions, step)
+        low tier), as codes for a part that stores every token so (its merge slots alone are floats); `kernel`:
+        the appending tier's (`LayerStore.append`)."""
+        self._appending.append(k, v, positions, step, kernel)
         self.low.flush(self.high, step)
 
     def refill(self, other: "TieredStore") -> bool:
