@@ -52,12 +52,15 @@ class Policy:
 
     def definition(self) -> str:
         """What the policy computes, as a 12-hex digest of its explicit full form (policy_to_mapping) without
-        its name and its tokens per head (a RULER record's key holds both). Records of one spec name with
-        two digests were made under two definitions (a field or a part's default changed between them) and
-        are never pooled (kvcompile.tools.ruler_records)."""
+        its name and its size (tokens per head, or ratio: a RULER record's key holds both). Records of one spec
+        name with two digests were made under two definitions (a field or a part's default changed between
+        them) and are never pooled (kvcompile.tools.ruler_records)."""
         mapping = policy_to_mapping(self)
         del mapping["name"]
         del mapping["budget"]["per_head"]
+        # the budget's size as a ratio is a size too (an eval runs a ratio spec at a count per head, ratio None):
+        # None, not deleted, so the digests of records made with ratio None stay as they were
+        mapping["budget"]["ratio"] = None
         text = json.dumps(mapping, sort_keys=True, default=repr)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

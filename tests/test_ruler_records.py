@@ -282,6 +282,8 @@ def test_a_policy_definition_names_what_it_computes_not_its_name_or_size():
 
     snapkv = kvcompile.load_spec("snapkv")
     assert kvcompile.load_spec(snapkv, per_head=700).definition() == snapkv.definition()
+    # a spec whose budget is a ratio (tune writes them so) runs at a count per head: one definition for both
+    assert kvcompile.load_spec(snapkv, ratio=0.3).definition() == snapkv.definition()
     assert ruler.eval_spec("snapkv").definition() == snapkv.definition()
     renamed = kvcompile.load_spec({**yaml_of(snapkv), "name": "other"})
     assert renamed.name == "other" and renamed.definition() == snapkv.definition()
