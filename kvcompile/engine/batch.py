@@ -118,8 +118,7 @@ class DecodeBatch:
     def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
         """Layer `layer` of the step for every request: q (1, Hq, T, d), k, v (1, H, T, d) the packed forward's;
         returns the outputs (R, Hq, d) of the requests' tokens."""
-        caches = self.caches
-        plan = caches[0].plan
+        plan = self.caches[0].plan
         if self.whole:
             q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         else:
@@ -132,16 +131,14 @@ class DecodeBatch:
         batch.finish(evicted=split is not None)  # each request takes its rows back
         stores = self.stores[layer]
         self.tables[layer] = (stores, [store.version for store in stores], batch.held)
-        self.counts["attention_calls"] += 1
         if layer == plan.num_layers - 1:  # the step's last layer: every cache counts its token
-            for cache in caches:
+            for cache in self.caches:
                 try:
                     cache.advance(1)
                 except Exception as error:  # noqa: BLE001 - this request's own: the others count theirs
                     self.faults.append((cache, error))
-            self.counts["steps"] += 1
-            self.counts["tokens"] += len(caches)
-        return out.to(query.dtype)
+            self.counts.update(steps=1, tokens=len(self.caches), attention_calls=plan.num_layers)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def _held(self, layer: int, stores: list) -> tuple[Tensor, ...] | None:
         """The last step's block table and counters of `layer`, cut to the rows of `stores`, where every store was

@@ -71,7 +71,7 @@ def run_layer(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, 
         out = _in_autocast_dtype(lambda q, k, v: _attend(cache, q, k, v, mask, layer, scale), q, k, v)
     if layer == cache.num_layers - 1 and not (cache.reconstruction is not None and cache.reconstruction.scoring):
         cache.advance(q.shape[2])  # (a reconstruction forward adds nothing to the cache)
-    return out.to(q.dtype).contiguous()
+    return (out if out.dtype == q.dtype else out.to(q.dtype)).contiguous()
 
 
 def _in_autocast_dtype(step, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -142,15 +142,15 @@ def decode(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, s
     split = cache.decoding.split[:, layer] if online else None
     outs = []
     for i in range(q.shape[2]):
-        store, position = cache.stores[layer], first + i
+        store, position = cache.stores[layer], first + i if i else first
         if store.room <= 0:  # a head's pages are full: it takes its next run (Plan.host_syncs), counted
             cache.count_host_sync("append")
             store.make_room(plan.spare_pages)
-        outs.append(plan.decode_step(plan, store, layer, q[:, :, i], k[:, :, i], v[:, :, i], position, split,
-                                     scale).to(q.dtype))
+        outs.append(plan.decode_step(plan, store, layer, q[:, :, i], k[:, :, i], v[:, :, i], position, split, scale))
         if every:  # the host's count of generated tokens: pruning is a named exception (Plan.host_syncs)
             after_token(cache, layer, q, i, start - cache.prompt.width + i + 1, position + 1, scale)
-    return torch.stack(outs, dim=2)
+    out = outs[0].unsqueeze(2) if len(outs) == 1 else torch.stack(outs, dim=2)  # (one token: no copy)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 @attend.register_fake

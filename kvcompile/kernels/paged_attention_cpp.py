@@ -85,6 +85,7 @@ def load_cpp(argtypes: tuple[str, ...], name: str, **constants: int):
     return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), cpp_source(name, **constants))
 
 
+@functools.cache
 def _kernel(g: int, d: int, group_k: int | None = None, group_v: int | None = None):
     """The kernel built once per (G, d, pages' kind and groups): int8 and int4 codes in one build."""
     return load_cpp(_ARGTYPES, "paged_attention.cpp", **_constants(g, d, group_k, group_v))
@@ -109,7 +110,8 @@ def _toolchain() -> bool:
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """The kernel runs here: fp32 on the CPU, head dim a multiple of 16 (the widest vector),
     and a toolchain."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and _toolchain()
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return kind == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and _toolchain()
 
 
 def supported(q: Tensor, k_pages: Tensor) -> bool:

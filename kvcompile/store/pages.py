@@ -266,14 +266,13 @@ class LayerStore:
         slot of each head is computed on the device and `lengths` is bumped in place. Only when it runs
         out does the append read the heads that need pages (one host read, Plan.host_syncs "page
         allocation": the generation outgrew the pages reserved for it)."""
-        b, h, d = k.shape
-        s = self.page_size
-        e = self.lengths  # (B, H)
+        s, e = self.page_size, self.lengths  # (B, H)
         if self.room <= 0:
             self._allocate(e // s, e, step)
         if kernel is not None:
             kernel(self.tensors(), k, v, positions)
         else:
+            b, h, _ = k.shape
             page = self.block_table.gather(-1, (e // s)[..., None]).squeeze(-1)
             slot = e % s
             self._write_kv(page, slot, k, v)

@@ -363,9 +363,10 @@ class Batch:
             rows = self.block_table.split(1)
             torch._foreach_copy_([m.block_table for m in members],
                                  [row[..., :m.block_table.shape[-1]] for m, row in zip(members, rows)])
+        spent = [(name, start - getattr(self, name)) for name, start in self.start.items()]
         for i, member in enumerate(members):
-            for name, start in self.start.items():
-                setattr(member, name, getattr(member, name) - (start - getattr(self, name)))
+            for name, count in spent:
+                setattr(member, name, getattr(member, name) - count)
             member.version += 1
             if self.budgets is not None and not member.settled:
                 member.settle(self.budgets[i:i + 1])
