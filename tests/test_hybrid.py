@@ -338,16 +338,18 @@ def test_continuous_batching_equals_the_plain_engine_and_generate(model):
     """generate_batch (transformers' continuous batching, kvcompile's per-request caches): at a full budget the
     plain engine's tokens; at a budget that evicts, each request's generate() tokens with the same spec. The
     requests' caches hold their windows, counted in what the pool reserves for them."""
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=1, pad_token_id=0)
+    # a pool of a fixed size: left unset, transformers sizes it from the machine's free memory (gigabytes)
+    pool = dict(continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, page_size=16))
     inputs = [prompt(30, seed=3)[0].tolist(), prompt(22, seed=4)[0].tolist(), prompt(50, seed=5)[0].tolist()]
     with torch.no_grad():
-        ref = model.generate_batch(inputs=inputs, generation_config=config)
+        ref = model.generate_batch(inputs=inputs, generation_config=config, **pool)
         with kvcompile.compiled(model, full_budget("snapkv", 50 + NEW, len(KINDS))):
-            full = model.generate_batch(inputs=inputs, generation_config=config)
+            full = model.generate_batch(inputs=inputs, generation_config=config, **pool)
         with kvcompile.compiled(model, kvcompile.load_spec("snapkv", per_head=40)):
-            evicting = model.generate_batch(inputs=inputs, generation_config=config)
+            evicting = model.generate_batch(inputs=inputs, generation_config=config, **pool)
             alone = [model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
                      for ids in inputs]
     assert [r.generated_tokens for r in full.values()] == [r.generated_tokens for r in ref.values()]
