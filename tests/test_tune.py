@@ -225,6 +225,30 @@ def test_an_interrupted_search_resumes_from_its_records(tmp_path):
     assert second.best.candidate.key == first.best.candidate.key
 
 
+def test_a_search_reports_what_its_evaluations_cost_across_a_resume(tmp_path):
+    space = tune.load_space(SMALL, bytes_budget=False)
+    found, _ = tune.candidates(space)
+    path = tmp_path / "tune.jsonl"
+    first = tune.tune(Planted(found[1].key), space, seed=3, confirm=2, records=path, progress=False)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(r["seconds"] >= 0 and r["cpu"] >= 0 for r in rows)
+    proxy, confirm = first.cost["proxy"], first.cost["confirm"]
+    assert proxy.evaluations == sum(r["kind"] == "proxy" for r in rows) == proxy.timed
+    assert confirm.evaluations == sum(r["kind"] == "confirm" for r in rows) == confirm.timed
+    assert proxy.wall == pytest.approx(sum(r["seconds"] for r in rows if r["kind"] == "proxy"), abs=1e-3 * len(rows))
+    # a resumed search reads the recorded times; a record written before times were kept counts as untimed
+    rows[0].pop("seconds"), rows[0].pop("cpu")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = Planted(found[1].key)
+    second = tune.tune(again, space, seed=3, confirm=2, records=path, progress=False)
+    assert not again.calls and not again.confirms
+    assert second.cost["proxy"].evaluations == proxy.evaluations
+    assert second.cost["proxy"].timed == proxy.evaluations - (rows[0]["kind"] == "proxy")
+    assert "recorded without a time" in second.cost[rows[0]["kind"]].describe()
+    text = tune.write_spec(second, tmp_path / "tuned.yaml", "planted").read_text()
+    assert f"# cost of the proxy: {proxy.evaluations} evaluations" in text
+
+
 def test_tune_on_a_model_writes_a_spec_that_reproduces_its_score(tmp_path):
     model = tiny_model(layers=2)
     samples = [tune.Sample(i, prompt(96, seed=10 + i)[0].tolist(), prompt(4, seed=20 + i)[0].tolist(),

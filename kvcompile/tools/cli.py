@@ -1075,6 +1075,8 @@ def cmd_tune(args) -> None:
         print(f"| {t.mean('confirmed'):.1f} | {t.mean():.4f} | {t.candidate.key} |")
     if result.agreement is not None:
         print(f"proxy and confirmation agree on {result.agreement:.0%} of the finalists' pairs")
+    for kind, cost in result.cost.items():
+        print(f"cost     {kind}: {cost.describe()}")
     print(f"best     {result.best.candidate.key}\nwritten  {path}")
     if not args.no_plot:  # score against KV bytes, beside the shipped specs and kvpress's reproduced presses
         references, skipped = tune.reference_candidates(evaluator)

@@ -31,6 +31,7 @@ import itertools
 import json
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -411,30 +412,70 @@ class Result:
     budget: Budget
     space: Space
     geometry: tuple[int, int]  # (head dim, bytes per element) of the model tuned for
+    cost: dict[str, Cost] = field(default_factory=dict)  # "proxy" / "confirm" -> what those evaluations cost
+
+
+@dataclass
+class Cost:
+    """What a search's evaluations cost: wall and process CPU seconds (all threads), summed over the evaluations
+    that carry a time. A sample's captured prefill and its reconstruction scores are paid inside the first
+    evaluation that needs them, so the sum is the search's whole compute but for loading the model and samples."""
+
+    evaluations: int = 0
+    timed: int = 0  # evaluations with a time (records written before times were kept have none)
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    def add(self, wall: float | None, cpu: float | None) -> None:
+        self.evaluations += 1
+        if wall is not None and cpu is not None:
+            self.timed, self.wall, self.cpu = self.timed + 1, self.wall + wall, self.cpu + cpu
+
+    def describe(self) -> str:
+        untimed = self.evaluations - self.timed
+        return (f"{self.evaluations} evaluations, {self.wall:,.0f} s wall, {self.cpu:,.0f} CPU-s"
+                + (f" ({untimed} recorded without a time)" if untimed else ""))
 
 
 class Records:
-    """--resume: one JSON line per (candidate, sample, kind) evaluation, appended and flushed as it is made."""
+    """--resume: one JSON line per (candidate, sample, kind) evaluation, appended and flushed as it is made, with
+    the evaluation's wall and CPU seconds; `cost(kind)` sums them over the evaluations this search used."""
 
     def __init__(self, path=None):
         self.path = None if path is None else Path(path)
         self.seen: dict[tuple[str, int, str], float] = {}
+        self.spent: dict[tuple[str, int, str], tuple[float | None, float | None]] = {}
+        self.used: dict[tuple[str, int, str], None] = {}  # the evaluations this search read or made, each once
         if self.path is not None and self.path.exists():
             for line in self.path.read_text().splitlines():
                 try:
                     r = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by an interruption: evaluated again
                     continue
-                self.seen[(r["candidate"], r["sample"], r["kind"])] = r["value"]
+                key = (r["candidate"], r["sample"], r["kind"])
+                self.seen[key], self.spent[key] = r["value"], (r.get("seconds"), r.get("cpu"))
 
     def get(self, trial: Trial, i: int, kind: str, compute) -> float:
         key = (trial.candidate.key, i, kind)
         if key not in self.seen:
-            self.seen[key] = compute()
+            wall, cpu = time.perf_counter(), time.process_time()
+            value = compute()
+            self.seen[key] = value
+            self.spent[key] = time.perf_counter() - wall, time.process_time() - cpu
             if self.path is not None:
                 with self.path.open("a") as f:
-                    f.write(json.dumps({"candidate": key[0], "sample": i, "kind": kind, "value": self.seen[key]}) + "\n")
+                    f.write(json.dumps({"candidate": key[0], "sample": i, "kind": kind, "value": value,
+                                        "seconds": round(self.spent[key][0], 3),
+                                        "cpu": round(self.spent[key][1], 3)}) + "\n")
+        self.used[key] = None
         return self.seen[key]
+
+    def cost(self, kind: str | None = None) -> Cost:
+        total = Cost()
+        for key in self.used:
+            if kind is None or key[2] == kind:
+                total.add(*self.spent.get(key, (None, None)))
+        return total
 
 
 def successive_halving(trials: list[Trial], order: list[int], evaluate, eta: int = 3, first: int = 1,
@@ -496,7 +537,8 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
     from kvcompile.tools.models import model_summary
 
     geometry = (model_summary(evaluator.model)["head_dim"], next(evaluator.model.parameters()).element_size())
-    return Result(best, trials, refused, rungs, _agreement(finalists), seed, evaluator.budget, space, geometry)
+    cost = {kind: records.cost(kind) for kind in ("proxy", "confirm")}
+    return Result(best, trials, refused, rungs, _agreement(finalists), seed, evaluator.budget, space, geometry, cost)
 
 
 def _planned(n: int, samples: int, eta: int) -> int:
@@ -538,6 +580,7 @@ def write_spec(result: Result, path, samples_label: str) -> Path:
         lines.append(f"#   {t.mean('confirmed'):6.1f}  {t.mean():8.4f}  {t.candidate.key}")
     if result.agreement is not None:
         lines.append(f"# proxy and confirmation agree on {result.agreement:.0%} of the finalists' pairs")
+    lines += [f"# cost of the {kind}: {c.describe()}" for kind, c in result.cost.items()]
     Path(path).write_text("\n".join(lines) + "\n" + yaml.safe_dump(spec_mapping(result, Path(path).stem),
                                                                       sort_keys=False))
     return Path(path)
