@@ -470,10 +470,10 @@ class Records:
         self.used[key] = None
         return self.seen[key]
 
-    def cost(self, kind: str | None = None) -> Cost:
+    def cost(self, kind: str) -> Cost:
         total = Cost()
         for key in self.used:
-            if kind is None or key[2] == kind:
+            if key[2] == kind:
                 total.add(*self.spent.get(key, (None, None)))
         return total
 
