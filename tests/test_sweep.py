@@ -83,3 +83,53 @@ def test_replay_refuses_a_chunked_prefill_and_prefilled_runs_it():
     # the chunked prefill keeps other entries than one pass at this budget (what a replay would have shown)
     assert any(not torch.equal(one.kept_positions(layer), cache.kept_positions(layer))
                for layer in range(model.config.num_hidden_layers))
+
+
+def _fresh(states):
+    """The same captured layers with no scores kept yet."""
+    from kvcompile.tools.sweep import Captured
+
+    return Captured(list(states), states.windows, states.sinks, states.ids)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_a_replay_from_kept_prompt_scores_equals_one_that_scores(captured, name, monkeypatch):
+    """replay keeps each scorer's prompt scores with the captured states: a second replay (and any policy with
+    the same scorer) selects from them without scoring again, and keeps and answers what scoring again gives."""
+    from kvcompile.plan import Plan
+
+    model, ids, mask, states, logits = captured
+    policy = kvcompile.load_spec(name) if kvcompile.load_spec(name).budget.threshold else \
+        kvcompile.load_spec(name, per_head=max(48, kvcompile.load_spec(name).ranking.window + 16))
+    plain = replay(policy, model.config, list(states))  # a plain list keeps nothing: every layer scored
+    fresh = _fresh(states)
+    replay(policy, model.config, fresh)
+    assert len(fresh.scores) == 1
+    calls = []
+    monkeypatch.setattr(Plan, "score", lambda self, state: calls.append(1) or pytest.fail("scored again"))
+    again = replay(policy, model.config, fresh)
+    assert not calls
+    assert torch.equal(again.kept(), plain.kept())
+    monkeypatch.undo()
+    assert greedy(model, again, logits, max_new_tokens=6).tolist() == \
+        greedy(model, plain, logits, max_new_tokens=6).tolist()
+
+
+def test_policies_that_share_a_scorer_share_its_prompt_scores(captured):
+    """Another allocation, schedule and storage over the same scorer reuse its kept scores and keep what scoring
+    again keeps; another scorer's fields are another entry."""
+    model, ids, mask, states, logits = captured
+    first = kvcompile.load_spec("snapkv", per_head=48)
+    other = kvcompile.load_spec("snapkv", per_head=40, budget={"heads": "pooled", "layers": "pyramid"},
+                                storage="int8", schedule="cascade")
+    fresh = _fresh(states)
+    replay(first, model.config, fresh)
+    shared = replay(other, model.config, fresh)
+    assert len(fresh.scores) == 1
+    plain = replay(other, model.config, list(states))
+    assert torch.equal(shared.kept(), plain.kept())
+    assert greedy(model, shared, logits, max_new_tokens=6).tolist() == \
+        greedy(model, plain, logits, max_new_tokens=6).tolist()
+    wider = kvcompile.load_spec("snapkv", per_head=48, scoring={"window_attention": {"window": 16}})
+    replay(wider, model.config, fresh)
+    assert len(fresh.scores) == 2

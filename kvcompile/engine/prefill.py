@@ -102,10 +102,11 @@ def prefill(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor
 
 
 def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float,
-                          scores: Tensor | None = None) -> None:
+                          scores: Tensor | None = None) -> Tensor:
     """Scoring, selection and merging of one layer's prompt entries, written into pages
     (and the cascade over the layers below). q holds the last R ≥ query_rows prompt queries;
-    `scores` (B, H, N): the layer's scores when the prompt's attention computed them already."""
+    `scores` (B, H, N): the layer's scores when the prompt's attention computed them already.
+    Returns the scores the layer was selected by."""
     b, hq, r, d = q.shape
     h, n = k.shape[1], k.shape[2]
     plan, prompt = cache.plan, cache.prompt
@@ -159,6 +160,7 @@ def compress_prompt_layer(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor
             prompt.progress.close()
     if layer == plan.num_layers - 1:  # the whole prompt is compressed
         cache.enter(Phase.COMPRESSED)
+    return scores
 
 
 def prompt_chunk(cache: KVCompileCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int,

@@ -7,7 +7,9 @@ every spec and budget is applied to them; then each policy decodes its own answe
         cache = replay(kvcompile.load_spec(spec, per_head=64), model.config, states)
         tokens = greedy(model, cache, logits, max_new_tokens=16)
 
-A reconstruction scorer (kvzip) replays too: its scores are the model's reconstruction forwards over the
+Each scorer's prompt scores depend on the scorer and the captured layers only, so `replay` computes them
+once per scorer configuration and keeps them with the states: a second policy with the same scorer (another
+allocation, ranking, schedule or storage) costs only its selection. A reconstruction scorer (kvzip) replays too: its scores are the model's reconstruction forwards over the
 prompt's full keys and values, which the capture holds, and they do not depend on the policy's other parts; they
 are computed once per scorer configuration (`reconstruction_scores`, kept with the states), so every allocation,
 ranking, merge and storage over them costs a replay (`replay(..., model=model, tokenizer=tokenizer)`).
@@ -33,9 +35,10 @@ class Captured(list):
     model's local layers as the prompt left them (`windows`, by model layer: kvcompile.engine.window; what every
     policy leaves there, since a policy does not touch a local layer's window), the model's learned attention
     sinks (`sinks`, Plan.sinks: gpt-oss's, which a config does not hold; None where it has none), the prompt's
-    token ids (`ids`, what a reconstruction scorer reads again) and the reconstruction scores computed so far
-    (`scores`: `reconstruction_scores`, one entry per scorer configuration; a caller may give a dict of its own
-    that outlives the states, as tune's Evaluator does)."""
+    token ids (`ids`, what a reconstruction scorer reads again) and the scores computed so far (`scores`: a
+    reconstruction scorer's, `reconstruction_scores`, and every other scorer's prompt scores, `replay`; one entry
+    per scorer configuration; a caller may give a dict of its own that outlives the states, as tune's Evaluator
+    does)."""
 
     def __init__(self, states, windows=None, sinks=None, ids=None, scores=None):
         super().__init__(states)
@@ -153,12 +156,22 @@ def replay(policy: Policy, config, states: list[LayerState], page_size: int = 16
     first = states[0]
     b, _, n, _ = first.keys.shape
     start_prompt(cache, first.mask, b, n, first.keys)
+    # a scorer's prompt scores depend on the scorer, its backend and the captured layer only, not on the
+    # allocation, ranking, merge, schedule or storage: computed once per scorer and kept with the states (copies
+    # both ways: a selection may keep what it is given), so the next policy with that scorer replays without them
+    kept = None
+    if scores is None and isinstance(getattr(states, "scores", None), dict):
+        key = ("prompt", policy.scoring, cache.plan.score_impl, policy.budget.layers.kinds)
+        kept = states.scores.setdefault(key, [None] * len(states))
     for layer, state in enumerate(states):
-        if scores is None:
-            compress_prompt_layer(cache, state.queries, state.keys, state.values, layer, state.scale)
-        else:  # the scores are given: no query rows, as the model's own prefill passes them (kvzip.prefill)
+        if scores is not None:  # reconstruction scores: no query rows, as the model's own prefill passes them
             compress_prompt_layer(cache, state.queries[:, :, :0], state.keys, state.values, layer, state.scale,
                                   scores=scores[layer])
+            continue
+        given = None if kept is None or kept[layer] is None else kept[layer].clone()
+        used = compress_prompt_layer(cache, state.queries, state.keys, state.values, layer, state.scale, given)
+        if kept is not None and given is None:
+            kept[layer] = used.clone()
     cache.advance(n)
     return cache
 

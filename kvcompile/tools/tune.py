@@ -314,9 +314,10 @@ class Budget:
 
 
 class Evaluator:
-    """The proxy and the confirmation of candidates on samples, one captured prefill per sample. A reconstruction
-    scorer's (kvzip's) scores are computed once per sample and scorer configuration (sweep.reconstruction_scores)
-    and kept for the whole search, so each of its candidates costs a replay like any other. tokenizer /
+    """The proxy and the confirmation of candidates on samples, one captured prefill per sample. Every scorer's
+    scores (a reconstruction scorer's, kvzip's, included: sweep.reconstruction_scores) are computed once per
+    sample and scorer configuration and kept for the whole search (sweep.replay), so a candidate costs its
+    selection and the proxy's forwards. tokenizer /
     repeat_prompt: compile()'s, for kvzip's repeat prompt (default: the tokenizer saved with the model)."""
 
     def __init__(self, model, samples: list[Sample], budget: Budget, max_new_tokens: int = 32, decode=None,
@@ -325,7 +326,7 @@ class Evaluator:
         self.decode = decode  # token ids -> text, for the confirmation's task score
         self.tokenizer, self.repeat_prompt = tokenizer, repeat_prompt
         self._states: dict[int, tuple] = {}
-        self._scores: dict[int, dict] = {}  # sample -> its reconstruction scores (Captured.scores), kept throughout
+        self._scores: dict[int, dict] = {}  # sample -> its scores by scorer (Captured.scores), kept throughout
 
     def _captured(self, i: int):
         from kvcompile.tools.sweep import capture
