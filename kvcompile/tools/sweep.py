@@ -9,9 +9,10 @@ every spec and budget is applied to them; then each policy decodes its own answe
 
 Each scorer's prompt scores depend on the scorer and the captured layers only, so `replay` computes them
 once per scorer configuration and keeps them with the states: a second policy with the same scorer (another
-allocation, ranking, schedule or storage) costs only its selection. A reconstruction scorer (kvzip) replays too: its scores are the model's reconstruction forwards over the
-prompt's full keys and values, which the capture holds, and they do not depend on the policy's other parts; they
-are computed once per scorer configuration (`reconstruction_scores`, kept with the states), so every allocation,
+allocation, ranking, schedule or storage) costs only its selection. A reconstruction scorer (kvzip) replays
+too: its scores are the model's reconstruction forwards over the prompt's full keys and values, which the
+capture holds, and they do not depend on the policy's other parts; they are computed once per scorer
+configuration (`reconstruction_scores`, kept with the states), so every allocation,
 ranking, merge and storage over them costs a replay (`replay(..., model=model, tokenizer=tokenizer)`).
 """
 from __future__ import annotations
