@@ -36,6 +36,14 @@ class Policy:
         """Layer budgets depend on the scores of other layers (cascade during prefill)."""
         return self.budget.layers.needs_scores or self.schedule.cascade
 
+    def acting(self) -> "Policy":
+        """The policy with every setting that cannot change what it computes in one form, so two policies that
+        compute the same thing compare equal: `schedule.cascade` acts only through `layer_dynamic` (the plan
+        cascades exactly when it is true), so where the layers rule moves budgets by scores (needs_scores) the
+        schedule's cascade is set, as it runs anyway. The name and description are dropped."""
+        schedule = dataclasses.replace(self.schedule, cascade=self.layer_dynamic)
+        return dataclasses.replace(self, name="", description="", source=None, schedule=schedule)
+
     @property
     def merges(self) -> bool:
         """Evicted tokens are kept in merge slots (the merge rule says)."""

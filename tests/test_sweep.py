@@ -133,3 +133,19 @@ def test_policies_that_share_a_scorer_share_its_prompt_scores(captured):
     wider = kvcompile.load_spec("snapkv", per_head=48, scoring={"window_attention": {"window": 16}})
     replay(wider, model.config, fresh)
     assert len(fresh.scores) == 2
+
+
+@pytest.mark.parametrize("layers", ["global", "entropy"])
+def test_policies_that_act_alike_keep_the_same_entries(captured, layers):
+    """Policy.acting: a layers rule that moves budgets by scores cascades whatever the schedule says, so
+    `schedule: prefill` and `schedule: cascade` beside it are one policy (tune searches it once): equal under
+    acting() and keeping the same entries; beside a static layers rule the two stay distinct."""
+    model, ids, mask, states, logits = captured
+    scoring = "window_attention" if layers == "entropy" else "key_norm"
+    base = {"name": "a", "scoring": scoring, "budget": {"per_head": 40, "layers": layers, "heads": "pooled"}}
+    one, two = (kvcompile.load_spec(dict(base, schedule=s)) for s in ("prefill", "cascade"))
+    assert one != two and one.acting() == two.acting()
+    assert torch.equal(replay(one, model.config, states).kept(), replay(two, model.config, states).kept())
+    static = {"name": "a", "scoring": scoring, "budget": {"per_head": 40, "layers": "uniform"}}
+    assert kvcompile.load_spec(dict(static, schedule="prefill")).acting() != \
+        kvcompile.load_spec(dict(static, schedule="cascade")).acting()

@@ -29,6 +29,10 @@ def test_the_default_space_is_the_part_library():
     # every candidate is a spec the validator accepts
     for c in found[:20]:
         kvcompile.load_spec(c.mapping)
+    # no two candidates compute the same policy; the points a candidate stands for are that policy
+    acting = [kvcompile.load_spec(c.mapping).acting() for c in found]
+    assert len(set(acting)) == len(found)
+    assert sum(len(c.same) for c in found) > 0
     # kvzip replays (its reconstruction scores computed once per sample): in the space, nothing refused as unreplayable
     assert any(c.mapping["scoring"] == "kvzip" or "kvzip" in c.mapping["scoring"] for c in found)
     assert not any("not replayable" in why for why in refused), refused
@@ -46,12 +50,16 @@ def test_the_default_space_pairs_a_global_ranking_with_the_heads_it_admits(bytes
     assert not any(HEADS_REFUSAL in why for why in refused), refused
     ranked = [c for c in found if "global" in c.mapping["budget"]["layers"]]
     assert all(c.mapping["budget"]["heads"] == "pooled" for c in ranked)
-    # one per (scoring, schedule, storage): every scorer, kvzip's included, with both schedules
-    per_choice = len(space.parts["scoring"]) * len(space.parts["schedule"]) * len(space.parts["storage"])
+    # one per (scoring, storage), every scorer, kvzip's included: a global ranking cascades whatever the schedule,
+    # so `schedule: cascade` beside it is the same policy as `prefill`, searched once and named in `same`
+    per_choice = len(space.parts["scoring"]) * len(space.parts["storage"])
     assert len(ranked) == per_choice and len({c.key for c in ranked}) == per_choice
+    for c in ranked:
+        assert c.mapping["schedule"] == "prefill"
+        assert c.same == (c.key.replace("schedule=prefill", "schedule=cascade"),)
     shipped = policy_to_mapping(kvcompile.load_spec("kvzip"))
     kvzip = [c for c in ranked if "kvzip" in c.mapping["scoring"]]
-    assert len(kvzip) == len(space.parts["schedule"]) * len(space.parts["storage"])
+    assert len(kvzip) == len(space.parts["storage"])
     for c in kvzip:  # the shipped kvzip's allocation
         policy = kvcompile.load_spec(c.mapping)
         assert policy.budget.layers == kvcompile.load_spec(shipped).budget.layers
@@ -110,7 +118,8 @@ def test_the_kvzip_reconstruct_space_is_the_default_space_with_both_reconstructi
     assert all(c.mapping["scoring"]["kvzip"]["reconstruct"] == "prompt" for c in added)
     records = TUNE_DIR / "agnostic25_seed0_v2.jsonl"
     keys = {json.loads(line)["candidate"] for line in records.read_text().splitlines()}
-    assert keys <= {c.key for c in found}  # a resumed search re-evaluates none of them
+    # a resumed search re-evaluates none of them (a record under a point a candidate stands for is the candidate's)
+    assert keys <= {key for c in found for key in (c.key,) + c.same}
 
     class Stop(Exception):
         pass
@@ -121,7 +130,9 @@ def test_the_kvzip_reconstruct_space_is_the_default_space_with_both_reconstructi
     monkeypatch.setattr(cli, "haystack", stop)
     with pytest.raises(Stop):
         cli.main(["tune", "--kv-fraction", "0.25", "--no-plot", "--space", str(path)])
-    assert f"tune     {len(found)} candidates, {sum(refused.values())} refused" in capsys.readouterr().out
+    same = sum(len(c.same) for c in found)
+    assert (f"tune     {len(found)} candidates ({same} more points of the space are the same policy as one of them), "
+            f"{sum(refused.values())} refused") in capsys.readouterr().out
 
 
 def test_a_space_narrows_widens_and_is_checked_against_the_declared_ranges():

@@ -1057,7 +1057,8 @@ def cmd_tune(args) -> None:
         found, refused = tune.candidates(space)
     except (ValueError, OSError) as exc:
         fail(str(exc))
-    print(f"tune     {len(found)} candidates, {sum(refused.values())} refused by the spec validator", flush=True)
+    print(f"tune     {len(found)} candidates ({sum(len(c.same) for c in found)} more points of the space are the same "
+          f"policy as one of them), {sum(refused.values())} refused by the spec validator", flush=True)
     if args.dataset is None:
         haystack()
     model, tokenizer = load(args)

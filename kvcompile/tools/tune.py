@@ -166,6 +166,7 @@ def _valid_default(f: dataclasses.Field):
 class Candidate:
     key: str  # a stable name: the chosen parts and field values
     mapping: dict  # a spec mapping without its budget total (set per sample: per_head)
+    same: tuple[str, ...] = ()  # the keys of the space's other points that are this policy (Policy.acting)
 
 
 def _part_value(family: str, name: str, seeded: dict, grid: dict[str, tuple]):
@@ -183,7 +184,9 @@ def _part_value(family: str, name: str, seeded: dict, grid: dict[str, tuple]):
 
 def candidates(space: Space) -> tuple[list[Candidate], Counter]:
     """Every candidate of the space that the spec validator accepts (at a nominal budget of 64 per head; the
-    real budget is set per sample), and the refused ones counted by reason. A layers part that ranks every
+    real budget is set per sample), and the refused ones counted by reason. Points of the space that compute the
+    same policy (Policy.acting: a schedule's cascade beside a layers rule that cascades anyway) are one
+    candidate, the first in the space's order, which names the others in `same`. A layers part that ranks every
     head's entries together (`ranks_entries`: layers: global) admits one heads value, its `sole_heads` part at
     its defaults: where the space's heads include that part, the layers part is paired with it once and with
     no other heads value (the heads grid and seeded fields are the other layers parts' business)."""
@@ -202,7 +205,7 @@ def candidates(space: Space) -> tuple[list[Candidate], Counter]:
         axes = [(p.split(".")[2], v) for p, v in ranking_grid.items() if p.split(".")[1] == rname]
         rankings = [{rname: dict(rfields, **dict(zip([a for a, _ in axes], combo)))}
                     for combo in itertools.product(*(v for _, v in axes))]
-    kept, refused, seen = [], Counter(), set()
+    kept, refused, seen, acting = [], Counter(), set(), {}
     for combo in itertools.product(*(options[f] for f in SEARCHED), rankings):
         choice = dict(zip(SEARCHED + ("ranking",), combo))
         choice["heads"] = _admitted_heads(choice["layers"], choice["heads"], space)
@@ -221,6 +224,10 @@ def candidates(space: Space) -> tuple[list[Candidate], Counter]:
         why = not_replayable(policy)
         if why is not None:
             refused[f"not replayable from one captured prefill: {why.split(':')[0]}"] += 1
+            continue
+        first = acting.setdefault(policy.acting(), len(kept))
+        if first < len(kept):
+            kept[first] = dataclasses.replace(kept[first], same=kept[first].same + (key,))
             continue
         kept.append(Candidate(key, mapping))
     return kept, refused
@@ -458,6 +465,9 @@ class Records:
 
     def get(self, trial: Trial, i: int, kind: str, compute) -> float:
         key = (trial.candidate.key, i, kind)
+        for same in trial.candidate.same:  # recorded under a point of the space that is the same policy
+            if key not in self.seen and (same, i, kind) in self.seen:
+                self.seen[key], self.spent[key] = self.seen[(same, i, kind)], self.spent[(same, i, kind)]
         if key not in self.seen:
             wall, cpu = time.perf_counter(), time.process_time()
             value = compute()
@@ -575,6 +585,8 @@ def write_spec(result: Result, path, samples_label: str) -> Path:
              f"# rungs (candidates x samples): {', '.join(f'{c} x {s}' for c, s in result.rungs)}",
              f"# refused: {sum(result.refused.values())} candidates"
              + "".join(f"\n#   {n} x {why}" for why, n in result.refused.most_common()),
+             f"# the same policy as another candidate (searched once, Policy.acting): "
+             f"{sum(len(t.candidate.same) for t in result.trials)} points of the space",
              "# space:"] + [f"#   {line}" for line in result.space.describe()]
     lines.append("# finalists (confirmed score, proxy):")
     for t in result.trials[:len([t for t in result.trials if t.confirmed])]:
