@@ -189,10 +189,28 @@ def test_successive_halving_finds_a_planted_best_and_is_a_function_of_its_seed()
         assert result.best.candidate.key == planted
         assert result.rungs[0] == (len(found), 1) and result.rungs[-1][1] == len(ev.samples)
         assert len(ev.calls) < len(found) * len(ev.samples)  # not every candidate on every sample
-        assert len(ev.calls) == tune._planned(len(found), len(ev.samples), 3)  # what the progress bar counts
+        # what the progress bar counts: the proxies, and the finalists' confirmations on every sample
+        proxies, finalists = tune._planned(len(found), len(ev.samples), 3, 3)
+        assert len(ev.calls) == proxies and len(ev.confirms) == finalists * len(ev.samples)
+        assert finalists >= 3 and len({key for key, _ in ev.confirms}) == finalists
     assert runs[0] == runs[1]
     other = tune.tune(Planted(planted), space, seed=8, progress=False)
     assert other.best.candidate.key == planted
+
+
+def test_workers_in_other_processes_find_what_one_process_finds(tmp_path):
+    """Workers(2): each sample's candidates evaluated by two forked processes give the values, the order and
+    the choice that one process gives, and the records resume either way."""
+    space = tune.load_space(SMALL, bytes_budget=False)
+    found, _ = tune.candidates(space)
+    one = tune.tune(Planted(found[3].key), space, seed=5, progress=False)
+    two = tune.tune(Planted(found[3].key), space, seed=5, progress=False, workers=2, records=tmp_path / "r.jsonl")
+    assert [(t.candidate.key, t.proxy, t.confirmed) for t in two.trials] == \
+        [(t.candidate.key, t.proxy, t.confirmed) for t in one.trials]
+    assert two.best.candidate.key == found[3].key and two.rungs == one.rungs
+    again = Planted(found[3].key)
+    resumed = tune.tune(again, space, seed=5, progress=False, workers=2, records=tmp_path / "r.jsonl")
+    assert not again.calls and resumed.best.candidate.key == found[3].key
 
 
 def test_successive_halving_finds_a_planted_best_that_needs_a_global_ranking():
@@ -426,3 +444,37 @@ def test_tune_searches_kvzip_with_one_reconstruction_per_sample(tmp_path, monkey
     scores = [ev.proxy(again, i) for i in range(len(samples))]
     assert sum(scores) / len(scores) == pytest.approx(result.best.mean(), abs=0, rel=1e-6)
     assert forwards == [3] * len(samples)  # the written spec scored over the kept scores
+
+
+def test_workers_on_a_model_score_as_one_process_and_send_their_scores_back():
+    """On a model: two worker processes give one process's proxies and confirmations (one torch thread each,
+    as one process with one thread), and the prompt scores they compute (kvzip's reconstruction scores among
+    them) come back to the parent, kept for the sample's later candidates."""
+    model = tiny_model(layers=2)
+    samples = [tune.Sample(i, prompt(80, seed=50 + i)[0].tolist(), prompt(4, seed=60 + i)[0].tolist(),
+                           prompt(3, seed=70 + i)[0].tolist()) for i in range(3)]
+    space = tune.load_space({"scoring": ["kvzip", "window_attention", "key_norm"], "layers": ["uniform", "global"],
+                             "heads": ["uniform", "pooled"], "schedule": ["prefill"],
+                             "fields": {"scoring.kvzip.chunk": [32]},
+                             "ranking": {"by_score": {"sinks": 0, "window": 4}}}, bytes_budget=False)
+    runs = {}
+    threads = torch.get_num_threads()
+    try:
+        for workers in (1, 2):
+            torch.set_num_threads(1)
+            ev = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.25), max_new_tokens=3,
+                                repeat_prompt=REPEAT)
+            runs[workers] = ev, tune.tune(ev, space, seed=0, confirm=2, progress=False, workers=workers)
+    finally:
+        torch.set_num_threads(threads)
+    (ev1, one), (ev2, two) = runs[1], runs[2]
+    assert [t.candidate.key for t in two.trials] == [t.candidate.key for t in one.trials]
+    for a, b in zip(one.trials, two.trials):
+        assert a.proxy.keys() == b.proxy.keys() and a.confirmed == b.confirmed
+        torch.testing.assert_close(torch.tensor(list(b.proxy.values())), torch.tensor(list(a.proxy.values())))
+    assert two.best.candidate.key == one.best.candidate.key
+    for i in range(len(samples)):  # every scorer's scores, computed in a child, kept by the parent
+        assert len(ev2._scores[i]) == len(ev1._scores[i])
+        for key, value in ev1._scores[i].items():
+            torch.testing.assert_close(ev2._scores[i][key], value)
+    assert max(len(kept) for kept in ev2._scores.values()) == 3  # the first sample: every scorer's

@@ -1067,7 +1067,7 @@ def cmd_tune(args) -> None:
     evaluator = tune.Evaluator(model, samples, budget, max(r["max_new_tokens"] for r in rows),
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer=tokenizer)
     result = tune.tune(evaluator, space, seed=args.seed, eta=args.eta, confirm=args.confirm, records=args.records,
-                       progress=not args.quiet)
+                       progress=not args.quiet, workers=args.workers)
     label = (f"{args.dataset}" if args.dataset else
              f"RULER {','.join(args.tasks or ruler.TASKS)} x {args.samples}, seed {args.seed}") + f", {args.query}"
     path = tune.write_spec(result, args.out, label)
@@ -1391,7 +1391,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compress the context without the question (default, kvpress's) or with it")
     tn.add_argument("--space", default=None, metavar="YAML", help="the search space (default: every registered part)")
     tn.add_argument("--eta", type=positive, default=3, help="successive halving keeps 1/eta per rung (default 3)")
-    tn.add_argument("--confirm", type=positive, default=3, help="finalists confirmed by generation (default 3)")
+    tn.add_argument("--confirm", type=positive, default=3,
+                    help="at least this many finalists confirmed by generation (default 3)")
+    tn.add_argument("--workers", type=positive, default=len(os.sched_getaffinity(0)), metavar="N",
+                    help="processes evaluating candidates, one torch thread each (default: one per available core; "
+                         "1: in this process with --threads)")
     tn.add_argument("--records", default=None, metavar="JSONL",
                     help="append every evaluation here and skip those already there (resume an interrupted search)")
     tn.add_argument("--out", default="tuned.yaml", help="the spec written (default tuned.yaml)")

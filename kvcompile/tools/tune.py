@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 import json
 import math
+import pickle
 import random
 import time
 from collections import Counter
@@ -346,6 +347,10 @@ class Evaluator:
             self._states[i] = states, logits
         return self._states[i]
 
+    def prepare(self, i: int) -> dict:
+        """Capture sample i now (before Workers fork, so every child reads it); its kept scores by scorer."""
+        return self._captured(i)[0].scores
+
     def options(self, policy) -> dict:
         """compile()'s keywords for `policy`: a reconstruction scorer's repeat prompt (found once), else none."""
         if not getattr(policy.scoring, "reconstructs", False):
@@ -463,23 +468,35 @@ class Records:
                 key = (r["candidate"], r["sample"], r["kind"])
                 self.seen[key], self.spent[key] = r["value"], (r.get("seconds"), r.get("cpu"))
 
-    def get(self, trial: Trial, i: int, kind: str, compute) -> float:
+    def find(self, trial: Trial, i: int, kind: str) -> float | None:
+        """The recorded value (under the candidate's key or a point it stands for: Candidate.same), else None."""
         key = (trial.candidate.key, i, kind)
-        for same in trial.candidate.same:  # recorded under a point of the space that is the same policy
+        for same in trial.candidate.same:
             if key not in self.seen and (same, i, kind) in self.seen:
                 self.seen[key], self.spent[key] = self.seen[(same, i, kind)], self.spent[(same, i, kind)]
         if key not in self.seen:
-            wall, cpu = time.perf_counter(), time.process_time()
-            value = compute()
-            self.seen[key] = value
-            self.spent[key] = time.perf_counter() - wall, time.process_time() - cpu
-            if self.path is not None:
-                with self.path.open("a") as f:
-                    f.write(json.dumps({"candidate": key[0], "sample": i, "kind": kind, "value": value,
-                                        "seconds": round(self.spent[key][0], 3),
-                                        "cpu": round(self.spent[key][1], 3)}) + "\n")
+            return None
         self.used[key] = None
         return self.seen[key]
+
+    def put(self, trial: Trial, i: int, kind: str, value: float, wall: float, cpu: float) -> float:
+        """Keep (and append to the file) an evaluation just made, with its wall and CPU seconds."""
+        key = (trial.candidate.key, i, kind)
+        self.seen[key], self.spent[key], self.used[key] = value, (wall, cpu), None
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"candidate": key[0], "sample": i, "kind": kind, "value": value,
+                                    "seconds": round(wall, 3), "cpu": round(cpu, 3)}) + "\n")
+        return value
+
+    def get(self, trial: Trial, i: int, kind: str, compute) -> float:
+        """The recorded value, else compute() kept (a refusal, ValueError or RuntimeError, propagates)."""
+        value = self.find(trial, i, kind)
+        if value is None:
+            wall, cpu = time.perf_counter(), time.process_time()
+            value = compute()
+            value = self.put(trial, i, kind, value, time.perf_counter() - wall, time.process_time() - cpu)
+        return value
 
     def cost(self, kind: str) -> Cost:
         total = Cost()
@@ -490,33 +507,136 @@ class Records:
 
 
 def successive_halving(trials: list[Trial], order: list[int], evaluate, eta: int = 3, first: int = 1,
-                       progress=None) -> list[tuple[int, int]]:
-    """Every trial on the first `first` samples of `order`, then the best 1/eta (at least one) on eta times as
-    many, until the survivors have every sample; `evaluate(trial, i)` fills trial.proxy[i] (or trial.error).
-    Ties go to the earlier trial. Returns (trials, samples) per rung; the survivors are `trials` sorted best
-    first by the mean over the last rung's samples."""
+                       confirm: int = 0) -> list[tuple[int, int]]:
+    """Every trial on the first `first` samples of `order`, then the best 1/eta (at least one, and at least
+    `confirm` while more remain) on eta times as many, until a rung covers every sample: that last rung (or the
+    one reached with `confirm` trials or fewer alive) takes every sample, and its trials, the finalists, are
+    confirmed there too. `evaluate(i, trials, final)` fills trial.proxy[i] for the trials given (or sets
+    trial.error) and, where `final`, trial.confirmed[i]: one sample's captured prefill serves every trial in turn
+    (samples outside, trials inside), so a sample is captured once per search. Ties go to the earlier trial.
+    Returns (trials, samples) per rung; `trials` is reordered: the finalists best first by proxy, then the rest."""
     alive, count, rungs = list(trials), max(1, first), []
     while True:
-        count = min(count, len(order))
+        final = count >= len(order) or len(alive) <= max(1, confirm)
+        count = len(order) if final else count
         rungs.append((len(alive), count))
-        for i in order[:count]:  # samples outside: one sample's captured prefill serves every trial in turn
-            for trial in alive:
-                if trial.error is None and i not in trial.proxy:
-                    evaluate(trial, i)
-                    if progress is not None:
-                        progress()
+        for i in order[:count]:
+            todo = [t for t in alive if t.error is None and (i not in t.proxy or final and i not in t.confirmed)]
+            if todo:
+                evaluate(i, todo, final)
         alive = [t for t in alive if t.error is None]
         alive.sort(key=lambda t: -t.mean())  # stable: ties keep the space's order
-        if count == len(order) or len(alive) <= 1:
+        if final:
             trials[:] = alive + [t for t in trials if t not in alive]
             return rungs
-        alive = alive[:max(1, math.ceil(len(alive) / eta))]
+        alive = alive[:max(1, math.ceil(len(alive) / eta), min(confirm, len(alive)))]
         count *= eta
 
 
+@dataclass
+class Workers:
+    """Evaluations spread over `count` forked processes, one torch thread each (a one-token forward gains little
+    from a second thread; a second process doubles the throughput of a two-core machine). Per sample, in the
+    parent: the sample's prefill is captured (Evaluator.prepare), so every child reads it without copying; then,
+    first, one job per scorer whose prompt scores are not kept yet (each child computes the scores it needs and
+    sends them back with the value, kept for the rest of the sample: Captured.scores), then the other jobs;
+    children take jobs from one queue as they finish. Values are the same wherever a job runs. `count` 1: every
+    job in this process, with its torch threads."""
+
+    count: int = 1
+    scored: set = field(default_factory=set)  # (sample, scorer) whose prompt scores a job has computed
+
+    def run(self, evaluator, i: int, jobs: list[tuple], done) -> None:
+        """jobs: (trial, kind, compute) with compute() -> value; done(job, value, error, wall, cpu) as each ends."""
+        if self.count <= 1 or len(jobs) <= 1:
+            for job in jobs:
+                done(job, *_timed(job[2]))
+            return
+        prepare = getattr(evaluator, "prepare", None)
+        kept = prepare(i) if prepare is not None else None  # the sample's captured prefill and its kept scores
+        groups: dict = {}
+        for job in jobs:
+            groups.setdefault(_scorer_key(job[0].candidate), []).append(job)
+        firsts = [g[0] for key, g in groups.items() if (i, key) not in self.scored]
+        self.scored.update((i, key) for key in groups)
+        rest = [job for job in jobs if all(job is not f for f in firsts)]
+        for batch in (firsts, rest):
+            if batch:
+                self._forked(batch, kept, done)
+
+    def _forked(self, jobs: list[tuple], kept, done) -> None:
+        import multiprocessing as mp
+        import queue as queues
+
+        ctx = mp.get_context("fork")
+        tasks, results = ctx.Queue(), ctx.Queue()
+        for n in range(len(jobs)):
+            tasks.put(n)
+        children = [ctx.Process(target=_child, args=(jobs, tasks, results, kept), daemon=True)
+                    for _ in range(min(self.count, len(jobs)))]
+        for _ in children:
+            tasks.put(None)
+        for child in children:
+            child.start()
+        try:
+            left = len(jobs)
+            while left:
+                try:
+                    n, value, error, wall, cpu, scores = results.get(timeout=5)
+                except queues.Empty:
+                    if not any(c.is_alive() for c in children):
+                        raise RuntimeError("tune: a worker process died before finishing its evaluations") from None
+                    continue
+                if n < 0:  # a child's own failure (not a plan's refusal): raised here, with its traceback
+                    raise RuntimeError(f"tune: a worker failed:\n{error}")
+                if scores and kept is not None:
+                    for key, value_ in pickle.loads(scores).items():
+                        kept.setdefault(key, value_)
+                done(jobs[n], value, error, wall, cpu)
+                left -= 1
+        finally:
+            for child in children:
+                child.join(timeout=5)
+                if child.is_alive():
+                    child.kill()
+
+
+def _child(jobs, tasks, results, kept) -> None:
+    import traceback
+
+    torch.set_num_threads(1)
+    before = set(kept) if kept is not None else set()
+    try:
+        while (n := tasks.get()) is not None:
+            value, error, wall, cpu = _timed(jobs[n][2])
+            new = {k: v for k, v in kept.items() if k not in before} if kept is not None else {}
+            before |= set(new)
+            # plain pickle: the tensors' bytes travel in the message (torch's queue reductions would pass shared
+            # memory that lives with this process)
+            results.put((n, value, error, wall, cpu, pickle.dumps(new) if new else None))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((-1, None, traceback.format_exc(), 0.0, 0.0, None))
+
+
+def _timed(compute):
+    """(value, refusal, wall, cpu): a plan's refusal of the model or budget (ValueError, RuntimeError) is a
+    result, the candidate never scored, not a failure of the search."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        value, error = compute(), None
+    except (ValueError, RuntimeError) as exc:
+        value, error = None, _reason(str(exc))
+    return value, error, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _scorer_key(candidate: Candidate) -> str:
+    return json.dumps(candidate.mapping.get("scoring"), sort_keys=True, default=str)
+
+
 def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confirm: int = 3, records=None,
-         progress: bool = True) -> Result:
-    """Search `space` for the best policy on the evaluator's samples (module doc)."""
+         progress: bool = True, workers: int = 1) -> Result:
+    """Search `space` for the best policy on the evaluator's samples (module doc); `workers` processes
+    (Workers) evaluate each sample's candidates."""
     from tqdm.auto import tqdm
 
     found, refused = candidates(space)
@@ -527,23 +647,39 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
     order = list(range(len(evaluator.samples)))
     random.Random(seed).shuffle(order)
     records = records if isinstance(records, Records) else Records(records)
-    total = _planned(len(trials), len(order), eta)
-    bar = tqdm(total=total, desc="tune: proxy", unit="eval", disable=not progress)
+    proxies, finalists = _planned(len(trials), len(order), eta, confirm)
+    bar = tqdm(total=proxies + finalists * len(order), desc="tune", unit="eval", disable=not progress)
+    pool = Workers(workers)
 
-    def evaluate(trial, i):
-        try:
-            trial.proxy[i] = records.get(trial, i, "proxy", lambda: evaluator.proxy(trial.candidate, i))
-        except (ValueError, RuntimeError) as exc:  # a plan that refuses this model or budget: never scored
-            trial.error = _reason(str(exc))
-            refused[trial.error] += 1
+    def evaluate(i, todo, final):
+        jobs = []
+        for trial in todo:
+            for kind, held, compute in (("proxy", trial.proxy, evaluator.proxy),
+                                        ("confirm", trial.confirmed, evaluator.confirm)):
+                if kind == "confirm" and not final or i in held:
+                    continue
+                value = records.find(trial, i, kind)
+                if value is not None:
+                    held[i] = value
+                    bar.update()
+                else:
+                    jobs.append((trial, kind, lambda c=compute, t=trial: c(t.candidate, i)))
 
-    rungs = successive_halving(trials, order, evaluate, eta, progress=bar.update)
+        def done(job, value, error, wall, cpu):
+            trial, kind, _ = job
+            bar.update()
+            if error is not None:  # a plan that refuses this model or budget: never scored
+                if trial.error is None:
+                    trial.error = error
+                    refused[error] += 1
+                return
+            (trial.proxy if kind == "proxy" else trial.confirmed)[i] = records.put(trial, i, kind, value, wall, cpu)
+
+        pool.run(evaluator, i, jobs, done)
+
+    rungs = successive_halving(trials, order, evaluate, eta, confirm=confirm)
     bar.close()
-    scored = [t for t in trials if t.error is None]
-    finalists = scored[:max(1, confirm)]
-    for i in tqdm(order, desc="tune: confirm", disable=not progress):
-        for trial in finalists:
-            trial.confirmed[i] = records.get(trial, i, "confirm", lambda: evaluator.confirm(trial.candidate, i))
+    finalists = [t for t in trials if t.error is None and len(t.confirmed) == len(order)]
     best = max(finalists, key=lambda t: (t.mean("confirmed"), t.mean()))  # max keeps the first on a tie
     from kvcompile.tools.models import model_summary
 
@@ -552,15 +688,16 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
     return Result(best, trials, refused, rungs, _agreement(finalists), seed, evaluator.budget, space, geometry, cost)
 
 
-def _planned(n: int, samples: int, eta: int) -> int:
-    """The evaluations successive halving makes (each rung's survivors on the samples they lack)."""
+def _planned(n: int, samples: int, eta: int, confirm: int = 0) -> tuple[int, int]:
+    """(proxy evaluations, finalists) of successive_halving: each rung's survivors on the samples they lack."""
     total, count, done = 0, 1, 0
     while True:
-        count = min(count, samples)
+        final = count >= samples or n <= max(1, confirm)
+        count = samples if final else count
         total += n * (count - done)
-        if count == samples or n <= 1:
-            return total
-        n, done, count = max(1, math.ceil(n / eta)), count, count * eta
+        if final:
+            return total, n
+        n, done, count = max(1, math.ceil(n / eta), min(confirm, n)), count, count * eta
 
 
 def _agreement(finalists: list[Trial]) -> float | None:
