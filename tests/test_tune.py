@@ -286,7 +286,7 @@ def test_tune_on_a_model_writes_a_spec_that_reproduces_its_score(tmp_path):
     space = tune.load_space({"scoring": ["window_attention", "key_norm"], "layers": ["uniform"],
                              "heads": ["uniform", "pooled"], "schedule": ["prefill"],
                              "ranking": {"by_score": {"sinks": 0, "window": 8}}}, bytes_budget=False)
-    result = tune.tune(ev, space, seed=0, confirm=2, progress=False)
+    result = tune.tune(ev, space, seed=0, confirm=2, progress=False, answered_only=False)  # random weights
     assert all(t.error is None for t in result.trials)
     path = tune.write_spec(result, tmp_path / "tuned.yaml", "3 random prompts")
     text = path.read_text()
@@ -296,18 +296,31 @@ def test_tune_on_a_model_writes_a_spec_that_reproduces_its_score(tmp_path):
     again = tune.Candidate("written", policy_to_mapping(policy))
     scores = [ev.proxy(again, i) for i in range(len(samples))]
     assert sum(scores) / len(scores) == pytest.approx(result.best.mean(), abs=0, rel=1e-6)
-    # the proxy is the mean log-likelihood of the gold tokens: a full cache gives the plain model's
+    # GoldLikelihood: the mean log-likelihood of the gold tokens: a full cache gives the plain model's; the
+    # default proxy, FullCacheKL: minus the KL from the plain model's distributions along the gold, 0 for a full
+    # cache and below 0 for the search's best
     with torch.no_grad():
         s = samples[0]
         ids = torch.tensor([s.context + s.question + s.gold])
         logp = torch.log_softmax(model(ids).logits[0].float(), -1)
         n = len(s.context) + len(s.question)
-        plain = float(logp[n - 1:n - 1 + len(s.gold)].gather(-1, torch.tensor(s.gold)[:, None]).mean())
-    full = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.5), max_new_tokens=3)
-    full.budget.kv_fraction = 1.0  # a budget a search never takes (validated to (0, 1)): every entry kept
+        along = logp[n - 1:n - 1 + len(s.gold)]
+        plain = float(along.gather(-1, torch.tensor(s.gold)[:, None]).mean())
     keep_all = tune.Candidate("all", {"name": "all", "scoring": "key_norm", "ranking": {"by_score": {"window": 0}},
                                       "budget": {"per_head": 64}})
-    assert full.proxy(keep_all, 0) == pytest.approx(plain, abs=1e-4)
+    for proxy, expected in ((tune.GoldLikelihood(), plain), (tune.FullCacheKL(), 0.0)):
+        full = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.5), max_new_tokens=3, proxy=proxy)
+        full.budget.kv_fraction = 1.0  # a budget a search never takes (validated to (0, 1)): every entry kept
+        assert full.proxy(keep_all, 0) == pytest.approx(expected, abs=1e-4)
+    torch.testing.assert_close(ev.reference(0), along, atol=1e-4, rtol=1e-4)
+    compressed = torch.log_softmax(torch.zeros_like(along), -1)  # the measure itself, by its definition
+    kl = float((along.exp() * (along - compressed)).sum(-1).mean())
+    assert tune.FullCacheKL()(compressed, torch.tensor(s.gold), along) == pytest.approx(-kl)
+    assert isinstance(ev.measure, tune.FullCacheKL) and result.best.mean() < 0
+    assert "# the proxy: minus the mean KL" in text
+    from kvcompile.tools import cli
+
+    assert set(cli.TUNE_PROXIES) == set(tune.PROXIES)  # what --proxy offers
 
 
 def test_at_a_byte_budget_a_lower_precision_keeps_more_entries_in_the_same_bytes():
@@ -362,7 +375,7 @@ def test_tune_writes_its_plot_with_the_references(tmp_path):
     space = tune.load_space({"scoring": ["window_attention", "key_norm"], "layers": ["uniform"],
                              "heads": ["uniform"], "schedule": ["prefill"],
                              "ranking": {"by_score": {"sinks": 0, "window": 8}}}, bytes_budget=False)
-    result = tune.tune(ev, space, seed=0, confirm=1, progress=False)
+    result = tune.tune(ev, space, seed=0, confirm=1, progress=False, answered_only=False)  # random weights
     refs, skipped = tune.reference_candidates(ev)
     names = {c.key for _, c in refs}
     assert {"snapkv", "kivi", "kvpress snapkv", "tova = kvpress tova"} <= names  # tova reproduces TOVAPress as is
@@ -432,7 +445,7 @@ def test_tune_searches_kvzip_with_one_reconstruction_per_sample(tmp_path, monkey
     forwards = []
     real = kvzip._reconstruct
     monkeypatch.setattr(kvzip, "_reconstruct", lambda *a, **k: (forwards.append(len(a[4])), real(*a, **k))[1])
-    result = tune.tune(ev, space, seed=0, confirm=2, progress=False)
+    result = tune.tune(ev, space, seed=0, confirm=2, progress=False, answered_only=False)  # random weights
     assert len(result.trials) == len(found) and all(t.error is None for t in result.trials)
     assert result.refused == refused  # the spec validator's refusals only (layers: global needs pooled heads)
     assert len(result.trials[0].proxy) == len(samples) and len(result.trials[0].confirmed) == len(samples)
@@ -464,7 +477,8 @@ def test_workers_on_a_model_score_as_one_process_and_send_their_scores_back():
             torch.set_num_threads(1)
             ev = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.25), max_new_tokens=3,
                                 repeat_prompt=REPEAT)
-            runs[workers] = ev, tune.tune(ev, space, seed=0, confirm=2, progress=False, workers=workers)
+            runs[workers] = ev, tune.tune(ev, space, seed=0, confirm=2, progress=False, workers=workers,
+                                          answered_only=False)
     finally:
         torch.set_num_threads(threads)
     (ev1, one), (ev2, two) = runs[1], runs[2]
@@ -478,3 +492,33 @@ def test_workers_on_a_model_score_as_one_process_and_send_their_scores_back():
         for key, value in ev1._scores[i].items():
             torch.testing.assert_close(ev2._scores[i][key], value)
     assert max(len(kept) for kept in ev2._scores.values()) == 3  # the first sample: every scorer's
+
+
+def test_a_search_calibrates_on_the_samples_the_full_cache_answers(tmp_path):
+    """answered_only (the default): a sample whose gold answer the full cache does not give is left out of every
+    rung (no candidate evaluated on it) and the rungs count the others; the full cache's answers are recorded."""
+    model = tiny_model(layers=2)
+    samples = []
+    for i in range(6):
+        context, question = prompt(64, seed=80 + i)[0].tolist(), prompt(3, seed=90 + i)[0].tolist()
+        with torch.no_grad():
+            ids = torch.tensor([context + question])
+            greedy = model.generate(ids, max_new_tokens=2, do_sample=False)[0, ids.shape[1]:].tolist()
+        gold = greedy if i % 2 == 0 else [(t + 1) % model.config.vocab_size for t in greedy]  # odd: not answered
+        samples.append(tune.Sample(i, context, question, gold))
+    ev = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.25), max_new_tokens=2)
+    assert [ev.full_score(i) for i in range(6)] == [100.0, 0.0] * 3
+    space = tune.load_space({"scoring": ["window_attention", "key_norm"], "layers": ["uniform"],
+                             "heads": ["uniform", "pooled"], "schedule": ["prefill"],
+                             "ranking": {"by_score": {"sinks": 0, "window": 4}}}, bytes_budget=False)
+    path = tmp_path / "r.jsonl"
+    result = tune.tune(ev, space, seed=0, confirm=2, progress=False, records=path)
+    assert result.calibration == (3, 6) and result.rungs[-1][1] == 3
+    for t in result.trials:
+        assert set(t.proxy) <= {0, 2, 4} and set(t.confirmed) <= {0, 2, 4}
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(r["sample"] for r in rows if r["candidate"] == tune.FULL_CACHE) == list(range(6))
+    text = tune.write_spec(result, tmp_path / "tuned.yaml", "6 prompts").read_text()
+    assert "# calibration samples: 3 of 6 (those the full cache answers)" in text
+    every = tune.tune(ev, space, seed=0, confirm=2, progress=False, answered_only=False)
+    assert every.calibration == (6, 6)

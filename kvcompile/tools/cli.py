@@ -1038,6 +1038,9 @@ def plot_quality(records, path) -> None:
     plt.close(fig)
 
 
+TUNE_PROXIES = ("kl", "logp")  # tune.PROXIES' names, without importing torch to build the parser
+
+
 def cmd_tune(args) -> None:
     """Search the part library for the best policy at a KV budget on calibration samples (kvcompile.tools.tune);
     write it as a spec YAML with its provenance and print the finalists."""
@@ -1065,9 +1068,12 @@ def cmd_tune(args) -> None:
     rows = ruler_samples_for(args, tokenizer, args.tasks, args.quiet)
     samples = tune.samples_from_ruler(tokenizer, rows, args.query)
     evaluator = tune.Evaluator(model, samples, budget, max(r["max_new_tokens"] for r in rows),
-                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer=tokenizer)
+                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer=tokenizer,
+                               proxy=tune.PROXIES[args.proxy]())
     result = tune.tune(evaluator, space, seed=args.seed, eta=args.eta, confirm=args.confirm, records=args.records,
-                       progress=not args.quiet, workers=args.workers)
+                       progress=not args.quiet, workers=args.workers, answered_only=not args.all_samples)
+    used, given = result.calibration
+    print(f"tune     calibrated on {used} of {given} samples" + (" (those the full cache answers)" if used < given else ""))
     label = (f"{args.dataset}" if args.dataset else
              f"RULER {','.join(args.tasks or ruler.TASKS)} x {args.samples}, seed {args.seed}") + f", {args.query}"
     path = tune.write_spec(result, args.out, label)
@@ -1393,6 +1399,13 @@ def build_parser() -> argparse.ArgumentParser:
     tn.add_argument("--eta", type=positive, default=3, help="successive halving keeps 1/eta per rung (default 3)")
     tn.add_argument("--confirm", type=positive, default=3,
                     help="at least this many finalists confirmed by generation (default 3)")
+    tn.add_argument("--proxy", choices=TUNE_PROXIES, default="kl",
+                    help="how a candidate is ranked before generation: kl, minus the mean KL from the full cache's "
+                         "next-token distributions along the gold answer (default); logp, the gold answer's mean "
+                         "log-likelihood")
+    tn.add_argument("--all-samples", action="store_true",
+                    help="calibrate on every sample (default: only those the full cache answers; on the others every "
+                         "policy fails alike and the proxies differ in what the answer does not need)")
     tn.add_argument("--workers", type=positive, default=len(os.sched_getaffinity(0)), metavar="N",
                     help="processes evaluating candidates, one torch thread each (default: one per available core; "
                          "1: in this process with --threads)")

@@ -321,6 +321,36 @@ class Budget:
         return load_spec(base, per_head=per_head_for_bytes(base, n, self.kv_bytes, *geometry))
 
 
+@dataclass(frozen=True)
+class GoldLikelihood:
+    """The proxy as the mean log-probability of the gold answer's tokens, teacher-forced after the compressed
+    context: log p(gold_t | context, question, gold_<t), averaged over t."""
+
+    reference = False  # reads no full-cache distribution
+    label = "the mean log p of the gold answer after the compressed context"
+
+    def __call__(self, logp: torch.Tensor, gold: torch.Tensor, full: torch.Tensor | None) -> float:
+        return float(logp.gather(-1, gold[:, None]).mean())
+
+
+@dataclass(frozen=True)
+class FullCacheKL:
+    """The proxy as minus the mean KL divergence of the compressed cache's next-token distribution from the full
+    cache's, along the gold answer (teacher-forced, so both read the same prefixes): -mean_t KL(p_full(. | gold_<t)
+    || p(. | gold_<t)); 0 is the full cache's own. It measures how much of the full cache's answer a policy
+    keeps, where a sample's gold log-likelihood also measures what the model would get wrong with every entry
+    (a long list answer the model cannot produce moves the mean log-likelihood by more than a retrieved needle)."""
+
+    reference = True  # reads the full cache's distribution, computed once per sample (Evaluator.reference)
+    label = "minus the mean KL from the full cache's next-token distributions along the gold answer"
+
+    def __call__(self, logp: torch.Tensor, gold: torch.Tensor, full: torch.Tensor | None) -> float:
+        return -float((full.exp() * (full - logp)).sum(-1).mean())
+
+
+PROXIES = {"kl": FullCacheKL, "logp": GoldLikelihood}  # kvcompile tune --proxy
+
+
 class Evaluator:
     """The proxy and the confirmation of candidates on samples, one captured prefill per sample. Every scorer's
     scores (a reconstruction scorer's, kvzip's, included: sweep.reconstruction_scores) are computed once per
@@ -329,12 +359,14 @@ class Evaluator:
     repeat_prompt: compile()'s, for kvzip's repeat prompt (default: the tokenizer saved with the model)."""
 
     def __init__(self, model, samples: list[Sample], budget: Budget, max_new_tokens: int = 32, decode=None,
-                 tokenizer=None, repeat_prompt=None):
+                 tokenizer=None, repeat_prompt=None, proxy=None):
         self.model, self.samples, self.budget, self.max_new_tokens = model, samples, budget, max_new_tokens
         self.decode = decode  # token ids -> text, for the confirmation's task score
         self.tokenizer, self.repeat_prompt = tokenizer, repeat_prompt
+        self.measure = FullCacheKL() if proxy is None else proxy  # the proxy: FullCacheKL or GoldLikelihood
         self._states: dict[int, tuple] = {}
         self._scores: dict[int, dict] = {}  # sample -> its scores by scorer (Captured.scores), kept throughout
+        self._references: dict[int, torch.Tensor] = {}  # sample -> the full cache's log-probs along the gold
 
     def _captured(self, i: int):
         from kvcompile.tools.sweep import capture
@@ -348,8 +380,35 @@ class Evaluator:
         return self._states[i]
 
     def prepare(self, i: int) -> dict:
-        """Capture sample i now (before Workers fork, so every child reads it); its kept scores by scorer."""
+        """Capture sample i now, and its full-cache reference where the proxy reads one (before Workers fork, so
+        every child reads them); its kept scores by scorer."""
+        if self.measure.reference:
+            self.reference(i)
         return self._captured(i)[0].scores
+
+    @torch.no_grad()
+    def reference(self, i: int) -> torch.Tensor:
+        """The full cache's log-probabilities (T, V) along sample i's gold answer (teacher-forced), computed once
+        and kept for the search (T·V floats a sample: 6 MiB for a 32-token answer over SmolLM2's vocabulary)."""
+        from kvcompile.spec import load_spec
+        from kvcompile.tools.sweep import KEEP_ALL, Captured, replay
+
+        if i not in self._references:
+            s = self.samples[i]
+            states, logits = self._captured(i)
+            policy = load_spec(KEEP_ALL, per_head=len(s.context))
+            every = Captured(list(states), states.windows, states.sinks, states.ids)  # its scores: not the search's
+            cache = replay(policy, self.model.config, every, headroom=len(s.question) + len(s.gold))
+            self._references[i] = self._along_gold(cache, logits, s, {})
+        return self._references[i]
+
+    def _along_gold(self, cache, logits, s: Sample, options: dict) -> torch.Tensor:
+        from kvcompile.tools.sweep import feed, teacher_forced
+
+        if s.question:
+            logits = feed(self.model, cache, torch.tensor([s.question]), **options)
+        rows = teacher_forced(self.model, cache, logits, torch.tensor([s.gold]), **options)
+        return torch.log_softmax(rows[0].float(), -1)
 
     def options(self, policy) -> dict:
         """compile()'s keywords for `policy`: a reconstruction scorer's repeat prompt (found once), else none."""
@@ -371,27 +430,38 @@ class Evaluator:
 
     @torch.no_grad()
     def proxy(self, candidate: Candidate, i: int) -> float:
-        """Mean log p of the gold answer's tokens after the compressed context (and the question)."""
-        from kvcompile.tools.sweep import feed, teacher_forced
+        """The proxy (`measure`) of the next-token distributions along the gold answer, teacher-forced after the
+        compressed context (and the question)."""
+        s = self.samples[i]
+        full = self.reference(i) if self.measure.reference else None
+        cache, logits = self._cache(candidate, i, len(s.question) + len(s.gold))
+        logp = self._along_gold(cache, logits, s, self.options(cache.policy))
+        return self.measure(logp, torch.tensor(s.gold), full)
+
+    @torch.no_grad()
+    def full_score(self, i: int) -> float:
+        """The task's score of the full cache's greedy answer on sample i (every entry kept)."""
+        from kvcompile.spec import load_spec
+        from kvcompile.tools.sweep import KEEP_ALL, Captured, replay
 
         s = self.samples[i]
-        cache, logits = self._cache(candidate, i, len(s.question) + len(s.gold))
-        options = self.options(cache.policy)
-        if s.question:
-            logits = feed(self.model, cache, torch.tensor([s.question]), **options)
-        gold = torch.tensor([s.gold])
-        rows = teacher_forced(self.model, cache, logits, gold, **options)
-        return float(torch.log_softmax(rows.float(), -1)[0].gather(-1, gold[0][:, None]).mean())
+        states, logits = self._captured(i)
+        every = Captured(list(states), states.windows, states.sinks, states.ids)  # its scores: not the search's
+        cache = replay(load_spec(KEEP_ALL, per_head=len(s.context)), self.model.config, every,
+                       headroom=len(s.question) + self.max_new_tokens)
+        return self._answer(cache, logits, s, {})
 
     @torch.no_grad()
     def confirm(self, candidate: Candidate, i: int) -> float:
         """The task's score of the greedy answer (100 where the decoded text holds every gold answer)."""
+        s = self.samples[i]
+        cache, logits = self._cache(candidate, i, len(s.question) + self.max_new_tokens)
+        return self._answer(cache, logits, s, self.options(cache.policy))
+
+    def _answer(self, cache, logits, s: Sample, options: dict) -> float:
         from kvcompile.tools.ruler import eos_ids, score
         from kvcompile.tools.sweep import feed, greedy
 
-        s = self.samples[i]
-        cache, logits = self._cache(candidate, i, len(s.question) + self.max_new_tokens)
-        options = self.options(cache.policy)
         if s.question:
             logits = feed(self.model, cache, torch.tensor([s.question]), **options)
         tokens = greedy(self.model, cache, logits, self.max_new_tokens, eos_ids(self.model), **options)[0].tolist()
@@ -426,6 +496,8 @@ class Result:
     space: Space
     geometry: tuple[int, int]  # (head dim, bytes per element) of the model tuned for
     cost: dict[str, Cost] = field(default_factory=dict)  # "proxy" / "confirm" -> what those evaluations cost
+    proxy: str = GoldLikelihood.label  # what the proxy measured (its `label`)
+    calibration: tuple[int, int] = (0, 0)  # (samples calibrated on, samples given): the full cache answers the first
 
 
 @dataclass
@@ -507,28 +579,44 @@ class Records:
 
 
 def successive_halving(trials: list[Trial], order: list[int], evaluate, eta: int = 3, first: int = 1,
-                       confirm: int = 0) -> list[tuple[int, int]]:
+                       confirm: int = 0, usable=None) -> list[tuple[int, int]]:
     """Every trial on the first `first` samples of `order`, then the best 1/eta (at least one, and at least
     `confirm` while more remain) on eta times as many, until a rung covers every sample: that last rung (or the
     one reached with `confirm` trials or fewer alive) takes every sample, and its trials, the finalists, are
     confirmed there too. `evaluate(i, trials, final)` fills trial.proxy[i] for the trials given (or sets
     trial.error) and, where `final`, trial.confirmed[i]: one sample's captured prefill serves every trial in turn
-    (samples outside, trials inside), so a sample is captured once per search. Ties go to the earlier trial.
-    Returns (trials, samples) per rung; `trials` is reordered: the finalists best first by proxy, then the rest."""
-    alive, count, rungs = list(trials), max(1, first), []
+    (samples outside, trials inside). `usable(i)`, asked once per sample as the rungs reach it: False leaves the
+    sample out (the rungs count the usable samples only). Ties go to the earlier trial. Returns (trials,
+    samples) per rung; `trials` is reordered: the finalists best first by proxy, then the rest."""
+    verdicts: dict[int, bool] = {}
+
+    def judged(i: int) -> bool:  # asked when a rung reaches the sample, before its evaluations
+        if i not in verdicts:
+            verdicts[i] = True if usable is None else bool(usable(i))
+        return verdicts[i]
+
+    alive, count, rungs, exhausted = list(trials), max(1, first), [], False
     while True:
-        final = count >= len(order) or len(alive) <= max(1, confirm)
-        count = len(order) if final else count
-        rungs.append((len(alive), count))
-        for i in order[:count]:
+        final = exhausted or count >= len(order) or len(alive) <= max(1, confirm)
+        used = []
+        for i in order:
+            if not final and len(used) == count:
+                break
+            if not judged(i):
+                continue
+            used.append(i)
             todo = [t for t in alive if t.error is None and (i not in t.proxy or final and i not in t.confirmed)]
             if todo:
                 evaluate(i, todo, final)
+        if not used:
+            raise ValueError("tune: no calibration sample is usable (the full cache answers none of them)")
+        rungs.append((len(alive), len(used)))
         alive = [t for t in alive if t.error is None]
         alive.sort(key=lambda t: -t.mean())  # stable: ties keep the space's order
         if final:
             trials[:] = alive + [t for t in trials if t not in alive]
             return rungs
+        exhausted = len(used) < count  # every usable sample seen: the next rung confirms
         alive = alive[:max(1, math.ceil(len(alive) / eta), min(confirm, len(alive)))]
         count *= eta
 
@@ -633,10 +721,15 @@ def _scorer_key(candidate: Candidate) -> str:
     return json.dumps(candidate.mapping.get("scoring"), sort_keys=True, default=str)
 
 
+FULL_CACHE = "(the full cache)"  # the records' name for the full cache's own answers
+
+
 def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confirm: int = 3, records=None,
-         progress: bool = True, workers: int = 1) -> Result:
+         progress: bool = True, workers: int = 1, answered_only: bool = True) -> Result:
     """Search `space` for the best policy on the evaluator's samples (module doc); `workers` processes
-    (Workers) evaluate each sample's candidates."""
+    (Workers) evaluate each sample's candidates. `answered_only`: calibrate on the samples the full cache
+    answers (Evaluator.full_score > 0) only: on a sample every policy fails with every entry kept, the
+    candidates' answers do not differ, and their proxies differ in what the answer does not need."""
     from tqdm.auto import tqdm
 
     found, refused = candidates(space)
@@ -677,15 +770,24 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
 
         pool.run(evaluator, i, jobs, done)
 
-    rungs = successive_halving(trials, order, evaluate, eta, confirm=confirm)
+    full = Trial(Candidate(FULL_CACHE, {}))
+    answers = getattr(evaluator, "full_score", None)
+
+    def usable(i):  # the full cache's own answer, recorded like any confirmation
+        return records.get(full, i, "confirm", lambda: answers(i)) > 0
+
+    rungs = successive_halving(trials, order, evaluate, eta, confirm=confirm,
+                               usable=usable if answered_only and answers is not None else None)
     bar.close()
-    finalists = [t for t in trials if t.error is None and len(t.confirmed) == len(order)]
+    finalists = [t for t in trials if t.error is None and t.confirmed]
     best = max(finalists, key=lambda t: (t.mean("confirmed"), t.mean()))  # max keeps the first on a tie
     from kvcompile.tools.models import model_summary
 
     geometry = (model_summary(evaluator.model)["head_dim"], next(evaluator.model.parameters()).element_size())
     cost = {kind: records.cost(kind) for kind in ("proxy", "confirm")}
-    return Result(best, trials, refused, rungs, _agreement(finalists), seed, evaluator.budget, space, geometry, cost)
+    return Result(best, trials, refused, rungs, _agreement(finalists), seed, evaluator.budget, space, geometry, cost,
+                  getattr(getattr(evaluator, "measure", None), "label", GoldLikelihood.label),
+                  (rungs[-1][1], len(order)))
 
 
 def _planned(n: int, samples: int, eta: int, confirm: int = 0) -> tuple[int, int]:
@@ -716,9 +818,12 @@ def write_spec(result: Result, path, samples_label: str) -> Path:
     """The best candidate as a spec YAML whose comments say how it was found."""
     import yaml
 
-    lines = ["# Found by `kvcompile tune` (successive halving over the part library; the proxy: mean log p of the",
-             "# gold answer after the compressed context; the finalists confirmed by greedy generation).",
+    lines = ["# Found by `kvcompile tune` (successive halving over the part library; the finalists confirmed by",
+             "# greedy generation and the task's score).",
+             f"# the proxy: {result.proxy}",
              f"# budget: {result.budget.label()}; seed {result.seed}; samples: {samples_label}",
+             f"# calibration samples: {result.calibration[0]} of {result.calibration[1]}"
+             + (" (those the full cache answers)" if result.calibration[0] < result.calibration[1] else ""),
              f"# rungs (candidates x samples): {', '.join(f'{c} x {s}' for c, s in result.rungs)}",
              f"# refused: {sum(result.refused.values())} candidates"
              + "".join(f"\n#   {n} x {why}" for why, n in result.refused.most_common()),
