@@ -522,3 +522,27 @@ def test_a_search_calibrates_on_the_samples_the_full_cache_answers(tmp_path):
     assert "# calibration samples: 3 of 6 (those the full cache answers)" in text
     every = tune.tune(ev, space, seed=0, confirm=2, progress=False, answered_only=False)
     assert every.calibration == (6, 6)
+
+
+def test_records_of_another_proxy_are_not_read_as_this_ones(tmp_path):
+    """A records file resumed under another --proxy: its proxy lines (of the other measure, or without a name:
+    the log-likelihood's) are evaluated again, never mixed in; confirmations are the same under both and kept."""
+    space = tune.load_space(SMALL, bytes_budget=False)
+    found, _ = tune.candidates(space)
+    path = tmp_path / "tune.jsonl"
+    tune.tune(Planted(found[2].key), space, seed=3, records=path, progress=False)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r.get("proxy") for r in rows if r["kind"] == "proxy"} == {"logp"}
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "proxy"}) + "\n" for r in rows))
+
+    class KL(Planted):
+        measure = tune.FullCacheKL()
+
+    again = KL(found[2].key)
+    tune.tune(again, space, seed=3, records=path, progress=False)
+    assert len(again.calls) == sum(r["kind"] == "proxy" for r in rows) and not again.confirms
+    added = [json.loads(line) for line in path.read_text().splitlines()][len(rows):]
+    assert added and all(r["proxy"] == "kl" for r in added)
+    once_more = KL(found[2].key)
+    tune.tune(once_more, space, seed=3, records=path, progress=False)
+    assert not once_more.calls

@@ -326,6 +326,7 @@ class GoldLikelihood:
     """The proxy as the mean log-probability of the gold answer's tokens, teacher-forced after the compressed
     context: log p(gold_t | context, question, gold_<t), averaged over t."""
 
+    name = "logp"  # kvcompile tune --proxy
     reference = False  # reads no full-cache distribution
     label = "the mean log p of the gold answer after the compressed context"
 
@@ -341,6 +342,7 @@ class FullCacheKL:
     keeps, where a sample's gold log-likelihood also measures what the model would get wrong with every entry
     (a long list answer the model cannot produce moves the mean log-likelihood by more than a retrieved needle)."""
 
+    name = "kl"  # kvcompile tune --proxy
     reference = True  # reads the full cache's distribution, computed once per sample (Evaluator.reference)
     label = "minus the mean KL from the full cache's next-token distributions along the gold answer"
 
@@ -348,7 +350,7 @@ class FullCacheKL:
         return -float((full.exp() * (full - logp)).sum(-1).mean())
 
 
-PROXIES = {"kl": FullCacheKL, "logp": GoldLikelihood}  # kvcompile tune --proxy
+PROXIES = {measure.name: measure for measure in (FullCacheKL, GoldLikelihood)}  # kvcompile tune --proxy
 
 
 class Evaluator:
@@ -524,10 +526,14 @@ class Cost:
 
 class Records:
     """--resume: one JSON line per (candidate, sample, kind) evaluation, appended and flushed as it is made, with
-    the evaluation's wall and CPU seconds; `cost(kind)` sums them over the evaluations this search used."""
+    the evaluation's wall and CPU seconds; `cost(kind)` sums them over the evaluations this search used. A proxy's
+    line names its measure (`proxy`: a PROXIES name; lines without one were written by GoldLikelihood, "logp"):
+    a search reads the proxy lines of its own measure only, so a file resumed under another proxy never mixes
+    the two (its lines are evaluated again and appended beside the others)."""
 
-    def __init__(self, path=None):
+    def __init__(self, path=None, proxy: str = "logp"):
         self.path = None if path is None else Path(path)
+        self.proxy = proxy
         self.seen: dict[tuple[str, int, str], float] = {}
         self.spent: dict[tuple[str, int, str], tuple[float | None, float | None]] = {}
         self.used: dict[tuple[str, int, str], None] = {}  # the evaluations this search read or made, each once
@@ -536,6 +542,8 @@ class Records:
                 try:
                     r = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by an interruption: evaluated again
+                    continue
+                if r["kind"] == "proxy" and r.get("proxy", "logp") != proxy:
                     continue
                 key = (r["candidate"], r["sample"], r["kind"])
                 self.seen[key], self.spent[key] = r["value"], (r.get("seconds"), r.get("cpu"))
@@ -558,7 +566,8 @@ class Records:
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps({"candidate": key[0], "sample": i, "kind": kind, "value": value,
-                                    "seconds": round(wall, 3), "cpu": round(cpu, 3)}) + "\n")
+                                    "seconds": round(wall, 3), "cpu": round(cpu, 3)}
+                                   | ({"proxy": self.proxy} if kind == "proxy" else {})) + "\n")
         return value
 
     def get(self, trial: Trial, i: int, kind: str, compute) -> float:
@@ -721,6 +730,10 @@ def _scorer_key(candidate: Candidate) -> str:
     return json.dumps(candidate.mapping.get("scoring"), sort_keys=True, default=str)
 
 
+def _proxy_name(evaluator) -> str:
+    return getattr(getattr(evaluator, "measure", None), "name", GoldLikelihood.name)
+
+
 FULL_CACHE = "(the full cache)"  # the records' name for the full cache's own answers
 
 
@@ -739,7 +752,7 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
     trials = [Trial(c) for c in found]
     order = list(range(len(evaluator.samples)))
     random.Random(seed).shuffle(order)
-    records = records if isinstance(records, Records) else Records(records)
+    records = records if isinstance(records, Records) else Records(records, _proxy_name(evaluator))
     proxies, finalists = _planned(len(trials), len(order), eta, confirm)
     bar = tqdm(total=proxies + finalists * len(order), desc="tune", unit="eval", disable=not progress)
     pool = Workers(workers)
@@ -926,7 +939,7 @@ def score_references(evaluator: Evaluator, references, records=None, progress: b
     a reference the plan or the budget refuses keeps its reason in Trial.error."""
     from tqdm.auto import tqdm
 
-    records = records if isinstance(records, Records) else Records(records)
+    records = records if isinstance(records, Records) else Records(records, _proxy_name(evaluator))
     trials = [(kind, Trial(c)) for kind, c in references]
     for i in tqdm(range(len(evaluator.samples)), desc="tune: references", disable=not progress):
         for _, trial in trials:
