@@ -546,3 +546,21 @@ def test_records_of_another_proxy_are_not_read_as_this_ones(tmp_path):
     once_more = KL(found[2].key)
     tune.tune(once_more, space, seed=3, records=path, progress=False)
     assert not once_more.calls
+
+
+def test_a_candidate_that_scores_as_a_better_one_on_every_sample_goes_no_further():
+    """Candidates whose proxies equal a better one's on every sample (the same entries kept) are not carried to
+    the next rung, so the finalists are distinct policies in effect."""
+    space = tune.load_space(SMALL, bytes_budget=False)
+    found, _ = tune.candidates(space)
+
+    class ByScorer(Planted):  # every candidate with one scorer scores alike: one policy in effect per scorer
+        def proxy(self, candidate, i):
+            self.calls.append((candidate.key, i))
+            return self._h(candidate.key.split(" | ")[0], i)
+
+    ev = ByScorer(found[0].key)
+    result = tune.tune(ev, space, seed=1, confirm=3, progress=False)
+    finalists = [t for t in result.trials if t.confirmed]
+    scorers = [t.candidate.key.split(" | ")[0] for t in finalists]
+    assert len(finalists) == 3 and len(set(scorers)) == 3

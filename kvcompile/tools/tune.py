@@ -595,7 +595,8 @@ def successive_halving(trials: list[Trial], order: list[int], evaluate, eta: int
     confirmed there too. `evaluate(i, trials, final)` fills trial.proxy[i] for the trials given (or sets
     trial.error) and, where `final`, trial.confirmed[i]: one sample's captured prefill serves every trial in turn
     (samples outside, trials inside). `usable(i)`, asked once per sample as the rungs reach it: False leaves the
-    sample out (the rungs count the usable samples only). Ties go to the earlier trial. Returns (trials,
+    sample out (the rungs count the usable samples only). A trial whose proxies equal an earlier survivor's on
+    every sample goes no further. Ties go to the earlier trial. Returns (trials,
     samples) per rung; `trials` is reordered: the finalists best first by proxy, then the rest."""
     verdicts: dict[int, bool] = {}
 
@@ -626,7 +627,15 @@ def successive_halving(trials: list[Trial], order: list[int], evaluate, eta: int
             trials[:] = alive + [t for t in trials if t not in alive]
             return rungs
         exhausted = len(used) < count  # every usable sample seen: the next rung confirms
-        alive = alive[:max(1, math.ceil(len(alive) / eta), min(confirm, len(alive)))]
+        # a trial whose proxies equal a better one's on every sample is that trial in effect (it kept the same
+        # entries: two schedules of a static allocation, say): not carried further, so it takes no finalist's place
+        seen, distinct = set(), []
+        for t in alive:
+            values = tuple(sorted(t.proxy.items()))
+            if values not in seen:
+                seen.add(values)
+                distinct.append(t)
+        alive = distinct[:max(1, math.ceil(len(distinct) / eta), min(confirm, len(distinct)))]
         count *= eta
 
 
