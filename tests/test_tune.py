@@ -187,10 +187,10 @@ def test_successive_halving_finds_a_planted_best_and_is_a_function_of_its_seed()
         result = tune.tune(ev, space, seed=7, progress=False)
         runs.append(([t.candidate.key for t in result.trials], result.rungs, ev.calls))
         assert result.best.candidate.key == planted
-        assert result.rungs[0] == (len(found), 1) and result.rungs[-1][1] == len(ev.samples)
+        assert result.rungs[0] == (len(found), 3) and result.rungs[-1][1] == len(ev.samples)
         assert len(ev.calls) < len(found) * len(ev.samples)  # not every candidate on every sample
         # what the progress bar counts: the proxies, and the finalists' confirmations on every sample
-        proxies, finalists = tune._planned(len(found), len(ev.samples), 3, 3)
+        proxies, finalists = tune._planned(len(found), len(ev.samples), 3, 3, 3)
         assert len(ev.calls) == proxies and len(ev.confirms) == finalists * len(ev.samples)
         assert finalists >= 3 and len({key for key, _ in ev.confirms}) == finalists
     assert runs[0] == runs[1]
@@ -564,3 +564,15 @@ def test_a_candidate_that_scores_as_a_better_one_on_every_sample_goes_no_further
     finalists = [t for t in result.trials if t.confirmed]
     scorers = [t.candidate.key.split(" | ")[0] for t in finalists]
     assert len(finalists) == 3 and len(set(scorers)) == 3
+
+
+def test_the_first_rungs_see_one_sample_of_each_task_in_turn():
+    """calibration_order: each task's samples shuffled, the tasks shuffled, then one of each task in turn, a
+    function of the seed; so a first rung of 3 samples covers 3 tasks."""
+    tasks = ["a"] * 4 + ["b"] * 2 + ["c"] * 3
+    samples = [tune.Sample(i, [], [], [], task) for i, task in enumerate(tasks)]
+    order = tune.calibration_order(samples, seed=4)
+    assert sorted(order) == list(range(9)) and order == tune.calibration_order(samples, seed=4)
+    assert len({tasks[i] for i in order[:3]}) == 3 and len({tasks[i] for i in order[3:6]}) == 3
+    assert tasks[order[-1]] == "a"  # the largest task's last sample comes last
+    assert any(tune.calibration_order(samples, seed) != order for seed in range(5, 10))

@@ -1071,7 +1071,8 @@ def cmd_tune(args) -> None:
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer=tokenizer,
                                proxy=tune.PROXIES[args.proxy]())
     result = tune.tune(evaluator, space, seed=args.seed, eta=args.eta, confirm=args.confirm, records=args.records,
-                       progress=not args.quiet, workers=args.workers, answered_only=not args.all_samples)
+                       progress=not args.quiet, workers=args.workers, answered_only=not args.all_samples,
+                       first=args.first)
     used, given = result.calibration
     print(f"tune     calibrated on {used} of {given} samples" + (" (those the full cache answers)" if used < given else ""))
     label = (f"{args.dataset}" if args.dataset else
@@ -1397,6 +1398,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compress the context without the question (default, kvpress's) or with it")
     tn.add_argument("--space", default=None, metavar="YAML", help="the search space (default: every registered part)")
     tn.add_argument("--eta", type=positive, default=3, help="successive halving keeps 1/eta per rung (default 3)")
+    tn.add_argument("--first", type=positive, default=3, metavar="N",
+                    help="samples every candidate is scored on in the first rung, one task after another (default 3)")
     tn.add_argument("--confirm", type=positive, default=3,
                     help="at least this many finalists confirmed by generation (default 3)")
     tn.add_argument("--proxy", choices=TUNE_PROXIES, default="kl",

@@ -10,12 +10,14 @@ counted and never evaluated).
 
 Evaluation is cheap because a prompt's forward pass does not depend on a prefill-time policy: each
 calibration sample is prefilled once (`sweep.capture`, nothing evicted) and every candidate is replayed over
-the captured layers (`sweep.replay`). A candidate is scored first by a proxy, the mean log-likelihood of the
-gold answer's tokens teacher-forced after the compressed context (query-agnostic mode: after the question is
-fed through it, as a question after a compressed context is), then the best few are confirmed by greedy
-generation and the task's own score. Which candidates get how many samples is successive halving (Jamieson
-and Talwalkar, 2016): every candidate on a few samples, the best 1/eta on eta times as many, until the
-survivors have every sample. Halving rather than a model-based search (Optuna's TPE) because the space is
+the captured layers (`sweep.replay`). A candidate is scored first by a proxy of the next-token distributions
+along the gold answer, teacher-forced after the compressed context (query-agnostic mode: after the question is
+fed through it, as a question after a compressed context is): FullCacheKL, minus their KL from the full
+cache's (default), or GoldLikelihood, the gold tokens' mean log-probability; then the best few are confirmed by
+greedy generation and the task's own score. Only the samples the full cache answers calibrate (on the others
+every policy fails alike). Which candidates get how many samples is successive halving (Jamieson and
+Talwalkar, 2016): every candidate on a few samples of different tasks (calibration_order), the best 1/eta on
+eta times as many, until the survivors have every sample, where they are confirmed. Halving rather than a model-based search (Optuna's TPE) because the space is
 categorical and small, a candidate's cost is nearly the same for all, and halving's result is a plain
 function of the seed (the samples' order), with no surrogate to explain.
 
@@ -746,10 +748,27 @@ def _proxy_name(evaluator) -> str:
 FULL_CACHE = "(the full cache)"  # the records' name for the full cache's own answers
 
 
+def calibration_order(samples: list[Sample], seed: int) -> list[int]:
+    """The order successive halving takes the samples in: each task's samples shuffled, the tasks shuffled, then
+    one sample of each task in turn, so the first rungs see as many tasks as they have samples (a rung of one
+    task's samples ranks candidates by what that task needs: a retrieval task and a word-frequency task prefer
+    other scorers). A function of the seed."""
+    rng = random.Random(seed)
+    tasks: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        tasks.setdefault(s.task, []).append(i)
+    groups = list(tasks.values())
+    for group in groups:
+        rng.shuffle(group)
+    rng.shuffle(groups)
+    return [group[k] for k in range(max(map(len, groups), default=0)) for group in groups if k < len(group)]
+
+
 def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confirm: int = 3, records=None,
-         progress: bool = True, workers: int = 1, answered_only: bool = True) -> Result:
+         progress: bool = True, workers: int = 1, answered_only: bool = True, first: int = 3) -> Result:
     """Search `space` for the best policy on the evaluator's samples (module doc); `workers` processes
-    (Workers) evaluate each sample's candidates. `answered_only`: calibrate on the samples the full cache
+    (Workers) evaluate each sample's candidates; `first`: the samples of the first rung, in
+    calibration_order (several tasks: one sample's task decides too much). `answered_only`: calibrate on the samples the full cache
     answers (Evaluator.full_score > 0) only: on a sample every policy fails with every entry kept, the
     candidates' answers do not differ, and their proxies differ in what the answer does not need."""
     from tqdm.auto import tqdm
@@ -759,10 +778,9 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
         raise SpaceError("tune: the space has no candidate the spec validator accepts; refused: "
                          + "; ".join(f"{n} × {why}" for why, n in refused.most_common()))
     trials = [Trial(c) for c in found]
-    order = list(range(len(evaluator.samples)))
-    random.Random(seed).shuffle(order)
+    order = calibration_order(evaluator.samples, seed)
     records = records if isinstance(records, Records) else Records(records, _proxy_name(evaluator))
-    proxies, finalists = _planned(len(trials), len(order), eta, confirm)
+    proxies, finalists = _planned(len(trials), len(order), eta, confirm, first)
     bar = tqdm(total=proxies + finalists * len(order), desc="tune", unit="eval", disable=not progress)
     pool = Workers(workers)
 
@@ -798,7 +816,7 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
     def usable(i):  # the full cache's own answer, recorded like any confirmation
         return records.get(full, i, "confirm", lambda: answers(i)) > 0
 
-    rungs = successive_halving(trials, order, evaluate, eta, confirm=confirm,
+    rungs = successive_halving(trials, order, evaluate, eta, first, confirm=confirm,
                                usable=usable if answered_only and answers is not None else None)
     bar.close()
     finalists = [t for t in trials if t.error is None and t.confirmed]
@@ -812,9 +830,9 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
                   (rungs[-1][1], len(order)))
 
 
-def _planned(n: int, samples: int, eta: int, confirm: int = 0) -> tuple[int, int]:
+def _planned(n: int, samples: int, eta: int, confirm: int = 0, first: int = 1) -> tuple[int, int]:
     """(proxy evaluations, finalists) of successive_halving: each rung's survivors on the samples they lack."""
-    total, count, done = 0, 1, 0
+    total, count, done = 0, max(1, first), 0
     while True:
         final = count >= samples or n <= max(1, confirm)
         count = samples if final else count
