@@ -1409,7 +1409,8 @@ def build_parser() -> argparse.ArgumentParser:
     tn.add_argument("--all-samples", action="store_true",
                     help="calibrate on every sample (default: only those the full cache answers; on the others every "
                          "policy fails alike and the proxies differ in what the answer does not need)")
-    tn.add_argument("--workers", type=positive, default=len(os.sched_getaffinity(0)), metavar="N",
+    tn.add_argument("--workers", type=positive, metavar="N",
+                    default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
                     help="processes evaluating candidates, one torch thread each (default: one per available core; "
                          "1: in this process with --threads)")
     tn.add_argument("--records", default=None, metavar="JSONL",
