@@ -656,12 +656,22 @@ class Workers:
 
     def run(self, evaluator, i: int, jobs: list[tuple], done) -> None:
         """jobs: (trial, kind, compute) with compute() -> value; done(job, value, error, wall, cpu) as each ends."""
-        if self.count <= 1 or len(jobs) <= 1:
+        if not jobs:  # every evaluation recorded: nothing to capture
+            return
+        if self.count <= 1:
             for job in jobs:
                 done(job, *_timed(job[2]))
             return
         prepare = getattr(evaluator, "prepare", None)
         kept = prepare(i) if prepare is not None else None  # the sample's captured prefill and its kept scores
+        if len(jobs) == 1:  # not worth a fork; one thread, as in a child, so a value never depends on where it ran
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                done(jobs[0], *_timed(jobs[0][2]))
+            finally:
+                torch.set_num_threads(threads)
+            return
         groups: dict = {}
         for job in jobs:
             groups.setdefault(_scorer_key(job[0].candidate), []).append(job)
