@@ -823,8 +823,16 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
     full = Trial(Candidate(FULL_CACHE, {}))
     answers = getattr(evaluator, "full_score", None)
 
+    left_out = []
+
     def usable(i):  # the full cache's own answer, recorded like any confirmation
-        return records.get(full, i, "confirm", lambda: answers(i)) > 0
+        answered = records.get(full, i, "confirm", lambda: answers(i)) > 0
+        if not answered:  # the plan shrinks with the samples left out: the bar's estimate of time left follows
+            left_out.append(i)
+            p, f = _planned(len(trials), len(order) - len(left_out), eta, confirm, first)
+            bar.total = max(bar.n, p + f * (len(order) - len(left_out)))
+            bar.refresh()
+        return answered
 
     rungs = successive_halving(trials, order, evaluate, eta, first, confirm=confirm,
                                usable=usable if answered_only and answers is not None else None)
