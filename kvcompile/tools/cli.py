@@ -1074,7 +1074,8 @@ def cmd_tune(args) -> None:
                        progress=not args.quiet, workers=args.workers, answered_only=not args.all_samples,
                        first=args.first)
     used, given = result.calibration
-    print(f"tune     calibrated on {used} of {given} samples" + (" (those the full cache answers)" if used < given else ""))
+    print(f"tune     calibrated on {used} of {given} samples"
+          + (" (those the full cache answers)" if used < given else ""))
     label = (f"{args.dataset}" if args.dataset else
              f"RULER {','.join(args.tasks or ruler.TASKS)} x {args.samples}, seed {args.seed}") + f", {args.query}"
     path = tune.write_spec(result, args.out, label)

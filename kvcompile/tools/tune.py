@@ -17,9 +17,10 @@ cache's (default), or GoldLikelihood, the gold tokens' mean log-probability; the
 greedy generation and the task's own score. Only the samples the full cache answers calibrate (on the others
 every policy fails alike). Which candidates get how many samples is successive halving (Jamieson and
 Talwalkar, 2016): every candidate on a few samples of different tasks (calibration_order), the best 1/eta on
-eta times as many, until the survivors have every sample, where they are confirmed. Halving rather than a model-based search (Optuna's TPE) because the space is
-categorical and small, a candidate's cost is nearly the same for all, and halving's result is a plain
-function of the seed (the samples' order), with no surrogate to explain.
+eta times as many, until the survivors have every sample, where they are confirmed. Halving rather than a
+model-based search (Optuna's TPE) because the space is categorical and small, a candidate's cost is nearly the
+same for all, and halving's result is a plain function of the seed (the samples' order), with no surrogate to
+explain.
 
 Budgets are equal in bytes where precision is searched: at `kv_bytes` = F (a fraction of the full cache's
 key and value bytes), a candidate keeps per_head_for_bytes(F) entries per KV head, so an int4 candidate keeps
@@ -394,17 +395,21 @@ class Evaluator:
     def reference(self, i: int) -> torch.Tensor:
         """The full cache's log-probabilities (T, V) along sample i's gold answer (teacher-forced), computed once
         and kept for the search (T·V floats a sample: 6 MiB for a 32-token answer over SmolLM2's vocabulary)."""
+        if i not in self._references:
+            s = self.samples[i]
+            cache, logits = self._full_cache(i, len(s.question) + len(s.gold))
+            self._references[i] = self._along_gold(cache, logits, s, {})
+        return self._references[i]
+
+    def _full_cache(self, i: int, headroom: int):
+        """Sample i's captured prompt with every entry kept (its prompt scores not added to the search's)."""
         from kvcompile.spec import load_spec
         from kvcompile.tools.sweep import KEEP_ALL, Captured, replay
 
-        if i not in self._references:
-            s = self.samples[i]
-            states, logits = self._captured(i)
-            policy = load_spec(KEEP_ALL, per_head=len(s.context))
-            every = Captured(list(states), states.windows, states.sinks, states.ids)  # its scores: not the search's
-            cache = replay(policy, self.model.config, every, headroom=len(s.question) + len(s.gold))
-            self._references[i] = self._along_gold(cache, logits, s, {})
-        return self._references[i]
+        states, logits = self._captured(i)
+        every = Captured(list(states), states.windows, states.sinks, states.ids)
+        policy = load_spec(KEEP_ALL, per_head=len(self.samples[i].context))
+        return replay(policy, self.model.config, every, headroom=headroom), logits
 
     def _along_gold(self, cache, logits, s: Sample, options: dict) -> torch.Tensor:
         from kvcompile.tools.sweep import feed, teacher_forced
@@ -445,14 +450,8 @@ class Evaluator:
     @torch.no_grad()
     def full_score(self, i: int) -> float:
         """The task's score of the full cache's greedy answer on sample i (every entry kept)."""
-        from kvcompile.spec import load_spec
-        from kvcompile.tools.sweep import KEEP_ALL, Captured, replay
-
         s = self.samples[i]
-        states, logits = self._captured(i)
-        every = Captured(list(states), states.windows, states.sinks, states.ids)  # its scores: not the search's
-        cache = replay(load_spec(KEEP_ALL, per_head=len(s.context)), self.model.config, every,
-                       headroom=len(s.question) + self.max_new_tokens)
+        cache, logits = self._full_cache(i, len(s.question) + self.max_new_tokens)
         return self._answer(cache, logits, s, {})
 
     @torch.no_grad()
@@ -777,9 +776,9 @@ def calibration_order(samples: list[Sample], seed: int) -> list[int]:
 def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confirm: int = 3, records=None,
          progress: bool = True, workers: int = 1, answered_only: bool = True, first: int = 3) -> Result:
     """Search `space` for the best policy on the evaluator's samples (module doc); `workers` processes
-    (Workers) evaluate each sample's candidates; `first`: the samples of the first rung, in
-    calibration_order (several tasks: one sample's task decides too much). `answered_only`: calibrate on the samples the full cache
-    answers (Evaluator.full_score > 0) only: on a sample every policy fails with every entry kept, the
+    (Workers) evaluate each sample's candidates; `first`: the samples of the first rung, in calibration_order
+    (several tasks: one sample's task decides too much). `answered_only`: calibrate on the samples the full
+    cache answers (Evaluator.full_score > 0) only: on a sample every policy fails with every entry kept, the
     candidates' answers do not differ, and their proxies differ in what the answer does not need."""
     from tqdm.auto import tqdm
 
