@@ -789,8 +789,12 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
     trials = [Trial(c) for c in found]
     order = calibration_order(evaluator.samples, seed)
     records = records if isinstance(records, Records) else Records(records, _proxy_name(evaluator))
-    proxies, finalists = _planned(len(trials), len(order), eta, confirm, first)
-    bar = tqdm(total=proxies + finalists * len(order), desc="tune", unit="eval", disable=not progress)
+
+    def planned(samples):  # the evaluations the search plans over this many samples: the bar's total
+        proxies, finalists = _planned(len(trials), samples, eta, confirm, first)
+        return proxies + finalists * samples
+
+    bar = tqdm(total=planned(len(order)), desc="tune", unit="eval", disable=not progress)
     pool = Workers(workers)
 
     def evaluate(i, todo, final):
@@ -828,8 +832,7 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
         answered = records.get(full, i, "confirm", lambda: answers(i)) > 0
         if not answered:  # the plan shrinks with the samples left out: the bar's estimate of time left follows
             left_out.append(i)
-            p, f = _planned(len(trials), len(order) - len(left_out), eta, confirm, first)
-            bar.total = max(bar.n, p + f * (len(order) - len(left_out)))
+            bar.total = max(bar.n, planned(len(order) - len(left_out)))
             bar.refresh()
         return answered
 
