@@ -362,3 +362,47 @@ def test_kept_summarize_only_writes_the_summary_of_the_rows_without_a_model(tmp_
     kk.cmd_kept(args)
     data = json.loads(out.read_text())
     assert data["prompts"] == [[4, "aware"]] and data["lines"][0]["mean"] == 0.75
+
+
+# kvpress press (kvpress_kept's name) -> the kept table's row that reproduces it entry for entry, by fraction
+EXACT_ROWS = {"snapkv": "snapkv window 64", "adakv_snapkv": "adakv window 64 avg 5", "streaming_llm": "streamingllm",
+              "tova": "tova", "knorm": "knorm", "observed_attention": "observed_attention",
+              "expected_attention_uniform": "expected_attention", "expected_attention": "expected_adakv",
+              "kvzip_global": "kvzip", "kvzip": "kvzip_adakv floor 0"}
+EVAL_NAME = {"kvzip_global": "kvzip", "kvzip": "kvzip_layerwise"}  # the eval follows KVzipPress()'s default
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5])
+def test_an_eval_spec_kvpress_press_runs_the_kept_tables_exact_row(fraction):
+    """`kvcompile eval --specs kvpress:PRESS` runs the spec and overrides whose kept positions the kept table
+    measured equal to kvpress's (RESULTS), at the eval's budget, named after the press; PyramidKVPress's fallback
+    to uniform layers below kvpress's window follows the fraction; an unknown press is refused with the list."""
+    import kvcompile
+    from kvcompile.tools import ruler
+
+    n = 3923
+    exact = dict(EXACT_ROWS, pyramidkv="pyramidkv window 64 avg 5" + (" layers uniform" if fraction < 0.32 else ""))
+    assert set(exact) == set(kk.KEPT_PRESSES) | {kk.KVZIP_GLOBAL}
+    assert {EVAL_NAME.get(p, p) for p in exact} == set(ruler.KVPRESS_REPRODUCTIONS)
+    for press, label in exact.items():
+        spec, overrides = next((s, o) for lab, s, o in kk.KEPT_SPECS[press] if lab == label)
+        want = kk.spec_policy(spec, overrides, n, fraction)
+        name = EVAL_NAME.get(press, press)
+        ((f, got),) = ruler.policies_for(f"kvpress:{name}", n, [fraction], None)
+        assert f == fraction and got.name == f"kvpress {name}", press
+        assert got.definition() == want.definition() and got.budget.per_head == want.budget.per_head, press
+    assert ruler.eval_spec("kvpress:snapkv@int4").storage.bits == 4
+    with pytest.raises(kvcompile.SpecError, match=r"kvpress has no press 'snap'.*kvpress:snapkv"):
+        ruler.eval_spec("kvpress:snap")
+
+
+def test_commands_without_a_share_of_the_context_refuse_a_kvpress_press(capsys):
+    """A command whose budget is tokens per head (needle eval, bench, serve) refuses `kvpress:PRESS` and names the
+    spec that reproduces it (PyramidKVPress's layers depend on the share of each context kept)."""
+    from kvcompile.tools.cli import policy_for
+
+    with pytest.raises(SystemExit) as exit_:
+        policy_for("kvpress:snapkv", 128)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvcompile eval --suite ruler" in err and "snapkv with {'scoring': {'window_attention': {'window': 64}}" in err

@@ -385,7 +385,7 @@ def test_tune_writes_its_plot_with_the_references(tmp_path):
                                         sort_keys=True) for _, c in refs})  # each policy scored once
     # KVzip replays from the capture (sweep.reconstruction_scores): the shipped specs and KVzipPress's reproductions;
     # the shipped kvzip reproduces KVzipPress's default (layerwise=False) as it is
-    assert {"kvzip = kvpress kvzip_global", "kvzip_adakv", "kvzip_uniform", "kvpress kvzip"} <= names and not skipped
+    assert {"kvzip = kvpress kvzip", "kvzip_adakv", "kvzip_uniform", "kvpress kvzip_layerwise"} <= names and not skipped
     scored = tune.score_references(ev, [r for r in refs if r[1].key in ("knorm = kvpress knorm", "snapkv_int4", "tova = kvpress tova", "kvpress snapkv")],
                                    progress=False)
     errors = {t.candidate.key: t.error for _, t in scored}

@@ -132,7 +132,13 @@ def policy_for(spec: str, per_head: int | None, *, own_budget_wins: bool = False
     `load_spec(spec, per_head=n)` does; `own_budget_wins` is for commands that run a list
     of specs at one budget (eval, bench), where such a spec runs at its own budget instead."""
     import kvcompile
+    from kvcompile.tools.ruler import KVPRESS, KVPRESS_REPRODUCTIONS
 
+    if isinstance(spec, str) and spec.startswith(KVPRESS):
+        press = KVPRESS_REPRODUCTIONS.get(spec[len(KVPRESS):].partition("@")[0])
+        fail(f"{spec}: a kvpress press runs in `kvcompile eval --suite ruler`, whose budgets are shares of each "
+             "context as kvpress states them (PyramidKVPress's layers depend on that share)"
+             + ("" if press is None else f"; here run the spec that reproduces it: {press[0]} with {press[1]}"))
     try:
         policy = kvcompile.load_spec(spec)
     except (kvcompile.SpecError, TypeError) as exc:
@@ -1248,7 +1254,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="needle: needle in a haystack (default); ruler: RULER's tasks in both query modes")
     ev.add_argument("--specs", type=names, default=names(EVAL_SPECS),
                     help=f"comma-separated (default {EVAL_SPECS}); the full cache runs beside them, `full` alone "
-                         "runs it only")
+                         "runs it only; ruler also takes kvpress:PRESS, a kvpress press as kvcompile reproduces it "
+                         "entry for entry (kvpress:snapkv, kvpress:adakv_snapkv, …; docs/EVAL.md)")
     ev.add_argument("--budgets", type=ints, default=None,
                     help="tokens per KV head, comma-separated (default: needle 64,128; ruler uses --kv-fraction "
                          "unless this is given)")

@@ -779,20 +779,69 @@ MIXED_FORM = re.compile(r"^mixed(\d+)(?:int(4|8))?(?:g(\d+))?$")  # mixed25int4g
 KIVI_FORM = re.compile(r"^kivi(4|8)?$")
 
 
+# kvpress's presses as kvcompile reproduces them entry for entry (benchmarks/RESULTS.md, "Quality: kvpress's
+# presses reproduced entry for entry"): press -> (shipped spec, the overrides that set kvpress's settings). An eval
+# spec `kvpress:PRESS` runs one (eval_spec), named `kvpress PRESS` in tables and records.
+# PyramidKVPress falls back to uniform layers where its smallest layer budget is under its window (below about
+# 32 % kept of a 4k prompt); its reproduction follows it (reproduction()). KVzipPress reconstructs the context after
+# the chat template's prefix (reconstruct: context, the default): with its default layerwise=False one ranking of
+# every layer and head (`kvzip` as shipped), with layerwise=True (kvzip_layerwise) a count per layer without AdaKV's
+# floor. ObservedAttentionPress is `observed_attention` (the mean attention a key receives; H2O's own rule is `h2o`).
+_SNAP64 = {"scoring": {"window_attention": {"window": 64, "pooling": {"kind": "avg", "kernel": 5}}},
+           "ranking": {"by_score": {"window": 64}}}
+KVPRESS_REPRODUCTIONS = {
+    "snapkv": ("snapkv", {"scoring": {"window_attention": {"window": 64}}, "ranking": {"by_score": {"window": 64}}}),
+    "pyramidkv": ("pyramidkv", _SNAP64),
+    "adakv_snapkv": ("adakv", _SNAP64),
+    "streaming_llm": ("streamingllm", {}),
+    "tova": ("tova", {}),
+    "knorm": ("knorm", {}),
+    "observed_attention": ("observed_attention", {}),
+    "expected_attention_uniform": ("expected_attention", {}),
+    "expected_attention": ("expected_adakv", {}),
+    "kvzip": ("kvzip", {}),
+    "kvzip_layerwise": ("kvzip_adakv", {"budget": {"heads": {"pooled": {"floor": 0.0}}}}),
+}
+
+
+def reproduction(press: str, kept_share: float, n: int) -> dict:
+    """The spec mapping that reproduces kvpress's `press` keeping `kept_share` of an n-token context's entries."""
+    from kvcompile.spec import load_spec, policy_to_mapping
+
+    spec, overrides = KVPRESS_REPRODUCTIONS[press]
+    mapping = policy_to_mapping(load_spec(load_spec(spec, **overrides), name=f"kvpress {press}"))
+    if press == "pyramidkv" and n is not None and kept_share * n / 20 < 64:  # kvpress: min budget B/beta (beta
+        # 20) under its window
+        mapping["budget"] = dict(mapping["budget"], layers="uniform")
+    return mapping
+
+
 class BytesError(ValueError):
     """A byte fraction a spec cannot hold (the message says why and what would)."""
 
 
-def eval_spec(text: str):
-    """The policy of an eval spec: a shipped name or YAML file, optionally with `@STORAGE` to store
-    its kept entries in another precision: `@int8`, `@int4`, `@int4g32` (32 channels per scale and
-    zero point; without `gG` one per entry's head dim). Named as written (`snapkv@int4g32`)."""
+KVPRESS = "kvpress:"  # the eval spec of a kvpress press as kvcompile reproduces it: kvpress:snapkv
+
+
+def eval_spec(text: str, kept_share: float = 1.0, n: int | None = None):
+    """The policy of an eval spec: a shipped name or YAML file, or `kvpress:PRESS` (a kvpress press as kvcompile
+    reproduces it entry for entry, KVPRESS_REPRODUCTIONS; `kept_share` of an n-token context decides where
+    PyramidKVPress falls back to uniform layers), optionally with `@STORAGE` to store its kept entries in another
+    precision: `@int8`, `@int4`, `@int4g32` (32 channels per scale and zero point; without `gG` one per entry's
+    head dim). Named as written (`snapkv@int4g32`; `kvpress snapkv`)."""
     import kvcompile
 
     if not isinstance(text, str):  # a Policy, a mapping or a Path: as load_spec takes it
         return kvcompile.load_spec(text)
     base, sep, form = text.partition("@")
-    policy = kvcompile.load_spec(base)
+    if base.startswith(KVPRESS):
+        press = base[len(KVPRESS):]
+        if press not in KVPRESS_REPRODUCTIONS:
+            raise kvcompile.SpecError("override", None, "spec", f"{text!r}: kvpress has no press {press!r} that "
+                                      "kvcompile reproduces", ", ".join(KVPRESS + p for p in KVPRESS_REPRODUCTIONS))
+        policy = kvcompile.load_spec(reproduction(press, kept_share, n))
+    else:
+        policy = kvcompile.load_spec(base)
     if not sep:
         return policy
     match, mixed, kivi = STORAGE_FORMS.match(form), MIXED_FORM.match(form), KIVI_FORM.match(form)
@@ -903,13 +952,13 @@ def policies_for(spec: str, n: int, fractions, budgets, kv_bytes=None,
     with per_head_for_bytes (BytesError where the spec cannot hold it)."""
     import kvcompile
 
-    base = eval_spec(spec)
+    base = eval_spec(spec, 1.0, n)
     if kv_bytes:
         out = []
         for f in kv_bytes:
             per_head = per_head_for_bytes(base, n, f, *geometry)
             try:
-                out.append((f, kvcompile.load_spec(base, per_head=per_head)))
+                out.append((f, kvcompile.load_spec(eval_spec(spec, per_head / n, n), per_head=per_head)))
             except kvcompile.SpecError as exc:
                 raise BytesError(f"{base.name} at {byte_label(f)} of the bytes keeps {per_head} entries per head of "
                                  f"{n}, which it refuses: {exc}") from None
@@ -917,7 +966,8 @@ def policies_for(spec: str, n: int, fractions, budgets, kv_bytes=None,
     if base.budget.threshold is not None:
         return [(None, base)]
     if fractions:
-        return [(f, kvcompile.load_spec(base, per_head=max(1, math.floor(f * n + 1e-9)))) for f in fractions]
+        return [(f, kvcompile.load_spec(eval_spec(spec, f, n), per_head=max(1, math.floor(f * n + 1e-9))))
+                for f in fractions]
     return [(None, kvcompile.load_spec(base, per_head=b)) for b in budgets]
 
 

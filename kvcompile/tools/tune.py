@@ -919,45 +919,11 @@ def spec_mapping(result: Result, name: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ the plot
 
-# kvpress's presses as kvcompile reproduces them entry for entry (benchmarks/RESULTS.md, "Quality: kvpress's
-# presses reproduced entry for entry"): press -> (shipped spec, the overrides that set kvpress's settings).
-# PyramidKVPress falls back to uniform layers where its smallest layer budget is under its window (below about
-# 32 % kept of a 4k prompt); its reproduction follows it (reproduction()). KVzipPress reconstructs the context after
-# the chat template's prefix (reconstruct: context, the default): with its default layerwise=False one ranking of
-# every layer and head (`kvzip` as shipped), with layerwise=True a count per layer without AdaKV's floor. ObservedAttentionPress is
-# `observed_attention` (the mean attention a key receives; H2O's own rule is `h2o`).
-_SNAP64 = {"scoring": {"window_attention": {"window": 64, "pooling": {"kind": "avg", "kernel": 5}}},
-           "ranking": {"by_score": {"window": 64}}}
-KVPRESS_REPRODUCTIONS = {
-    "snapkv": ("snapkv", {"scoring": {"window_attention": {"window": 64}}, "ranking": {"by_score": {"window": 64}}}),
-    "pyramidkv": ("pyramidkv", _SNAP64),
-    "adakv_snapkv": ("adakv", _SNAP64),
-    "streaming_llm": ("streamingllm", {}),
-    "tova": ("tova", {}),
-    "knorm": ("knorm", {}),
-    "observed_attention": ("observed_attention", {}),
-    "expected_attention_uniform": ("expected_attention", {}),
-    "expected_attention": ("expected_adakv", {}),
-    "kvzip_global": ("kvzip", {}),
-    "kvzip": ("kvzip_adakv", {"budget": {"heads": {"pooled": {"floor": 0.0}}}}),
-}
-
-
-def reproduction(press: str, kept_share: float, n: int) -> dict:
-    """The spec mapping that reproduces kvpress's `press` keeping `kept_share` of an n-token context's entries."""
-    from kvcompile.spec import load_spec, policy_to_mapping
-
-    spec, overrides = KVPRESS_REPRODUCTIONS[press]
-    mapping = policy_to_mapping(load_spec(load_spec(spec, **overrides), name=f"kvpress {press}"))
-    if press == "pyramidkv" and kept_share * n / 20 < 64:  # kvpress: min budget B/beta (beta 20) under its window
-        mapping["budget"] = dict(mapping["budget"], layers="uniform")
-    return mapping
-
-
 def reference_candidates(evaluator: Evaluator) -> tuple[list[tuple[str, Candidate]], Counter]:
     """The shipped specs and kvpress's reproduced presses as (kind, Candidate) at the evaluator's budget, and
     those a captured prefill cannot replay (a chunked prefill), counted by reason."""
     from kvcompile.spec import available_specs, load_spec, policy_to_mapping
+    from kvcompile.tools.ruler import KVPRESS_REPRODUCTIONS, reproduction
     from kvcompile.tools.sweep import not_replayable
 
     out, skipped = [], Counter()
