@@ -121,7 +121,7 @@ def test_cli_refuses_an_unreachable_fraction_before_any_sample(tmp_path, capsys)
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "snapkv@int8 cannot hold 1/2 of the full cache's bytes" in err and "at most 3/8" in err
-    for argv, message in ((["--kv-bytes", "1/16", "--kv-fraction", "0.1"], "not both --kv-fraction and --kv-bytes"),
+    for argv, message in ((["--budgets", "8", "--kv-fraction", "0.1"], "--kv-fraction .* or --budgets .*, not both"),
                           (["--kv-bytes", "1/0"], "byte fraction"),
                           (["--specs", "snapkv@fp8"], "unknown storage 'fp8'")):
         with pytest.raises(SystemExit):
@@ -285,3 +285,33 @@ def test_kvpress_over_quantized_cache_holds_the_bytes_it_says(tmp_path):
     (p,) = [r for r in ruler.load_predictions(out, [{**s, "length": 700} for s in samples], set())
             if r["spec"] == "kvpress:snapkv@quanto4g16"]
     assert ruler.budget_key(p) == ("bytes", 0.125) and p["kv_bytes_target"] == records[0]["kv_bytes_target"]
+
+
+def test_one_run_with_fractions_and_bytes_captures_each_context_once_and_equals_two_runs(tmp_path, monkeypatch):
+    """--kv-fraction and --kv-bytes together: every spec at both kinds of budget from one capture of each context
+    (a KVzip-like scorer would score it once too), and the records are those of a run with each kind alone
+    (predictions, budgets, bytes held; the seconds aside)."""
+    from kvcompile.tools import sweep
+
+    folder = tmp_path / "tiny"
+    tiny_for(TOK).save_pretrained(folder)
+    TOK.save_pretrained(folder)
+    data = tmp_path / "ds.jsonl"
+    ruler.dump_dataset(ruler.ruler_samples(TOK, ["niah_single_1", "niah_single_2"], [700], 1, 0, FILLER), data)
+    captures = []
+    real = sweep.capture
+    monkeypatch.setattr(sweep, "capture", lambda *a, **k: captures.append(1) or real(*a, **k))
+
+    def run(*budget):
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        cli.main(["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--query", "agnostic",
+                  "--specs", "snapkv,knorm@int4", *budget, "--max-new-tokens", "3", "--no-full", "--out", str(out),
+                  "--quiet"])
+        return {(r["task"], r["spec"], ruler.budget_key(r)): {k: v for k, v in r.items() if k not in ruler.MEASURED}
+                for r in json.loads(out.read_text())["ruler"]}
+
+    both = run("--kv-fraction", "0.5", "--kv-bytes", "1/4")
+    assert len(captures) == 2  # two contexts, one capture each for four budgets a spec
+    apart = {**run("--kv-fraction", "0.5"), **run("--kv-bytes", "1/4")}
+    assert len(both) == 2 * 2 * 2 and both == apart
+    assert {key[2] for key in both} == {("fraction", 0.5), ("bytes", 0.25)}

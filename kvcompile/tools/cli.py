@@ -713,11 +713,9 @@ def ruler_settings(args):
     """(tasks, fractions, budgets) of a ruler eval from its arguments, or a clear exit."""
     from kvcompile.tools import ruler
 
-    given = [flag for flag, value in (("--kv-fraction", args.kv_fraction), ("--kv-bytes", args.kv_bytes),
-                                      ("--budgets", args.budgets)) if value is not None]
-    if len(given) > 1:
-        fail(f"give one of --kv-fraction (share of the KV kept), --kv-bytes (share of the full cache's bytes) or "
-             f"--budgets (tokens per head), not both {' and '.join(given)}")
+    if args.kv_fraction is not None and args.budgets is not None:
+        fail("give --kv-fraction (share of the KV kept) or --budgets (tokens per head), not both; --kv-bytes (share "
+             "of the full cache's bytes) may join either")
     if args.depths != [0.1, 0.5, 0.9] or args.continuation:
         fail("--depths and --continuation apply to --suite needle")
     tasks = args.tasks
@@ -728,8 +726,8 @@ def ruler_settings(args):
                      "file with --dataset PATH (docs/EVAL.md)")
             if task not in ruler.TASKS and args.dataset is None:
                 fail(f"unknown RULER task {task!r}: one of {', '.join(ruler.TASKS)}")
-    fractions = None if args.budgets is not None or args.kv_bytes is not None else \
-        (args.kv_fraction or list(RULER_FRACTIONS))
+    fractions = args.kv_fraction if args.budgets is not None or args.kv_bytes is not None else \
+        (args.kv_fraction or list(RULER_FRACTIONS))  # the default fractions where no other budget is given
     return tasks, fractions, args.budgets
 
 
@@ -1279,7 +1277,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "sample, n its compressed tokens (agnostic: the context's, chat template included; "
                             "aware: context + question)")
     ruler.add_argument("--kv-bytes", type=byte_fractions, default=None, metavar="F,F",
-                       help="budgets at equal bytes instead: each spec keeps the share of entries whose keys and "
+                       help="budgets at equal bytes (beside --kv-fraction or --budgets, from the same capture of each context, or "
+                            "instead of them): each spec keeps the share of entries whose keys and "
                             "values (codes, scales and zero points, as its storage part stores them) take F of the "
                             "full cache's bytes in the model's dtype, e.g. 1/16,1/32: per_head = floor(F x n x E / e), "
                             "E and e an entry's bytes in the model's dtype and in the spec's storage. A spec NAME@int4, "

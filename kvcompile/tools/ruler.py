@@ -19,6 +19,7 @@ A sample is a dict in kvpress's evaluation columns: `index`, `task`, `length`, `
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import numbers
@@ -979,6 +980,14 @@ def context_groups(samples: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
+def budget_kinds(fractions=None, budgets=None, kv_bytes=None) -> list[tuple]:
+    """The (fractions, budgets, kv_bytes) arguments of policies_for, one kind of budget each, that a run gives every
+    spec: shares of the KV kept (or tokens per head), then shares of the full cache's bytes. One run with both kinds
+    captures and scores each context once for all of them."""
+    kinds = [(fractions, budgets, None)] if fractions or budgets else []
+    return kinds + ([(None, None, kv_bytes)] if kv_bytes else [])
+
+
 def check_budgets(tokenizer, samples: list[dict], specs, modes, fractions=None, budgets=None, kv_bytes=None,
                   geometry=None, source: str = "the samples") -> None:
     """Size every budget the run will compress before any model work: DatasetError naming the shortest row
@@ -990,12 +999,11 @@ def check_budgets(tokenizer, samples: list[dict], specs, modes, fractions=None, 
 
     if not specs:
         return
-    if kv_bytes:
-        choices = [(f"{byte_label(b)} of the bytes", (None, None, [b])) for b in kv_bytes]
-    elif fractions:
-        choices = [(f"fraction {f}", ([f], None, None)) for f in fractions]
+    choices = [(f"{byte_label(b)} of the bytes", (None, None, [b])) for b in kv_bytes or ()]
+    if fractions:
+        choices += [(f"fraction {f}", ([f], None, None)) for f in fractions]
     else:
-        choices = [(f"{b} tokens per head", (None, [b], None)) for b in budgets]
+        choices += [(f"{b} tokens per head", (None, [b], None)) for b in budgets or ()]
     for mode in modes:
         lengths = []  # (prompt tokens, sample) of every prompt this mode compresses
         for group in context_groups(samples):
@@ -1060,8 +1068,8 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     """Records of one context group in one mode: the full cache, then each spec and budget.
     agnostic: the context is captured once and compressed once per policy; every question
     continues from its own copy. aware: each sample's context + question is captured once and
-    compressed once per policy. `kv_bytes`: byte fractions instead of fractions / budgets (each
-    record then has the target and the bytes the compressed cache holds, before the question).
+    compressed once per policy. `kv_bytes`: byte fractions, beside or instead of fractions / budgets (each of
+    their records has the target and the bytes the compressed cache holds, before the question).
     `seed`: the samples' seed (None for a dataset file), in each record. `done(key)`: True for the
     records (variant_key) already made, which are skipped (a variant none of
     whose records is wanted runs nothing, not even the capture); `emit(record)`: called with each
@@ -1089,6 +1097,7 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     records = []
     shape = model_summary(model)
     geometry = (shape["head_dim"], next(model.parameters()).element_size())
+    kinds = budget_kinds(fractions, budgets, kv_bytes)
 
     owed = Phases()  # the seconds the next record carries
 
@@ -1142,17 +1151,17 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
             with owed.timing("compress"):  # (kvzip: its reconstruction, once per context and scorer)
                 return replay(policy, model.config, states, headroom=headroom, model=model, tokenizer=tokenizer)
 
-        for spec in specs:
-            for fraction, policy in policies_for(spec, n, fractions, budgets, kv_bytes, geometry):
+        for spec, (fractions_, budgets_, kv_bytes_) in itertools.product(specs, kinds):
+            for fraction, policy in policies_for(spec, n, fractions_, budgets_, kv_bytes_, geometry):
                 per_head = policy.budget.per_head if policy.budget.threshold is None else None
-                budget = variant_budget(fraction, policy, fractions, budgets, kv_bytes)
+                budget = variant_budget(fraction, policy, fractions_, budgets_, kv_bytes_)
                 todo = [j for j, s in enumerate(members) if wanted(s, policy.name, budget)]
                 if not todo:
                     continue
                 say(f"{policy.name} " + (f"{per_head}/head" if per_head is not None else "(its threshold)"))
                 base = compressed(policy)
                 held = None
-                if kv_bytes:  # the compressed context's bytes, before any question or answer is appended
+                if kv_bytes_:  # the compressed context's bytes, before any question or answer is appended
                     report = base.memory_report()
                     kept = int(report["kept"].sum())
                     held = {"byte_fraction": float(fraction), "storage": policy.storage.name,
