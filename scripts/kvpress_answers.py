@@ -12,8 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 
-SPEC = {"full": "full", "streaming_llm": "streamingllm", "knorm": "knorm", "snapkv": "snapkv", "tova": "tova",
-        "kvzip": "kvzip", "expected_attention": "expected_attention"}  # kvpress press -> kvcompile spec
+
+
+def specs_of(press: str) -> list[str]:
+    """The names kvcompile's records of kvpress's `press` (kvpress_compare.py's registry name) carry: `kvpress PRESS`
+    (`kvcompile eval --specs kvpress:PRESS`), and the shipped spec's own name where it reproduces the press as it is
+    (kvcompile.tools.ruler.KVPRESS_REPRODUCTIONS)."""
+    from kvcompile.tools.ruler import KVPRESS_REPRODUCTIONS
+
+    if press == "full":
+        return ["full"]
+    spec, overrides = KVPRESS_REPRODUCTIONS[press]
+    return [f"kvpress {press}"] + ([] if overrides else [spec])
 
 
 def main() -> None:
@@ -31,8 +41,11 @@ def main() -> None:
                 ours[(r["mode"], r["task"], r["sample"], r["spec"], r.get("fraction"))] = r
     agree = differ = missing = 0
     for k in map(json.loads, open(args.kvpress)):
-        row, spec = rows[k["index"]], SPEC[k["method"].split(":", 1)[1]]
-        mine = ours.get((k["mode"], row["task"], row["sample"], spec, None if spec == "full" else k["fraction"]))
+        row = rows[k["index"]]
+        fraction = None if k["method"] == "kvpress:full" else k["fraction"]
+        found = [(spec, ours.get((k["mode"], row["task"], row["sample"], spec, fraction)))
+                 for spec in specs_of(k["method"].split(":", 1)[1])]
+        spec, mine = next(((s, r) for s, r in found if r is not None), found[0])
         if mine is None:
             missing += 1
             continue
