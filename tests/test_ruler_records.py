@@ -352,3 +352,18 @@ def test_a_spec_whose_definition_changed_is_not_pooled_with_its_old_records(setu
     stamping.main([str(other), "--spec", "mine", "--rename", "mine_before", "--as", str(spec)])
     assert {r["spec"] for r in read_records([other]) if r["spec"] != "full"} == {"mine_before"}
     assert {r["spec"] for r in read_records([path, other])} == {"full", "mine", "mine_before"}
+
+
+def test_a_shipped_spec_that_is_a_press_as_it_is_is_labelled_with_the_press():
+    """A row whose records' definition is a kvpress press's reproduction says so (`tova = kvpress tova`); a row of
+    the same name under another definition (the spec changed) or a spec that needs overrides to be the press
+    (snapkv: kvpress's window is 64) is not; `kvpress PRESS` rows keep their name."""
+    snapkv, tova = ruler.eval_spec("snapkv"), ruler.eval_spec("tova")
+    records = [dict(rec("tova", "a", 0, 1), definition=tova.definition()),
+               dict(rec("snapkv", "a", 0, 0), definition=snapkv.definition()),
+               dict(rec("kvpress snapkv", "a", 0, 0), definition=ruler.eval_spec("kvpress:snapkv").definition()),
+               dict(rec("knorm", "a", 0, 0), definition="0123456789ab")]
+    assert ruler_report.press_labels(records) == {"tova": "tova = kvpress tova"}
+    text = report(records)
+    assert "| tova = kvpress tova | - |" in text and "| snapkv | - |" in text and "| kvpress snapkv | - |" in text
+    assert "| knorm | - |" in text

@@ -88,20 +88,34 @@ def paired(a: dict, b: dict) -> dict:
     return {t: {i: a[t][i] - b[t][i] for i in a[t].keys() & b[t].keys()} for t in a.keys() & b.keys()}
 
 
-def _row_label(key) -> tuple[str, str]:
+def press_labels(records: list[dict]) -> dict[str, str]:
+    """{spec: its label} for the specs of these records that are a kvpress press as kvcompile reproduces it under
+    their shipped name (their records' definition is the reproduction's, ruler.KVPRESS_REPRODUCTIONS):
+    `kvzip = kvpress kvzip`. Rows run as `kvpress:PRESS` are named `kvpress PRESS` already."""
+    from kvcompile.tools.ruler import KVPRESS_REPRODUCTIONS, eval_spec
+
+    presses: dict = {}
+    for press in KVPRESS_REPRODUCTIONS:
+        presses.setdefault(eval_spec(f"kvpress:{press}").definition(), []).append(f"kvpress {press}")
+    return {r["spec"]: " = ".join([r["spec"], *presses[r["definition"]]]) for r in records
+            if r.get("definition") in presses and not r["spec"].startswith("kvpress ")}
+
+
+def _row_label(key, labels: dict | None = None) -> tuple[str, str]:
     method, budget = key
-    return method, budget_text(budget)
+    return (labels or {}).get(method, method), budget_text(budget)
 
 
 def _order(rows) -> list:
     return sorted(rows, key=lambda k: (k[0] != FULL, k[1][0], -(k[1][1] or 0), k[0]))
 
 
-def _markdown(title: str, tasks: list[str], rows: list[tuple[tuple, dict]], signed: bool) -> list[str]:
+def _markdown(title: str, tasks: list[str], rows: list[tuple[tuple, dict]], signed: bool,
+              labels: dict | None = None) -> list[str]:
     lines = [f"\n{title}\n", "| method | budget | " + " | ".join(tasks + ["average"]) + " |",
              "|---|---|" + "---|" * (len(tasks) + 1)]
     for key, est in rows:
-        method, budget = _row_label(key)
+        method, budget = _row_label(key, labels)
         cells = [est[t].text(signed) if t in est else "-" for t in tasks + ["average"]]
         lines.append(f"| {method} | {budget} | " + " | ".join(cells) + " |")
     return lines
@@ -113,6 +127,7 @@ def report(records: list[dict], baseline: str | None = None, resamples: int = RE
     lines = [f"RULER score (%), mean [95 % paired bootstrap interval, {resamples} resamples, seed {seed}] "
              "(samples; for the average: the fewest of any task)"]
     data = table(records)
+    labels = press_labels(records)
     for mode in ("aware", "agnostic"):
         if mode not in data:
             continue
@@ -120,12 +135,12 @@ def report(records: list[dict], baseline: str | None = None, resamples: int = RE
         tasks = list(dict.fromkeys(t for key in _order(rows) for t in rows[key]))
         order = _order(rows)
         lines += _markdown(f"### query-{mode}: score", tasks,
-                           [(k, estimate(rows[k], resamples, seed)) for k in order], False)
+                           [(k, estimate(rows[k], resamples, seed)) for k in order], False, labels)
         full = [k for k in rows if k[0] == FULL]
         if full:
             diffs = [(k, estimate(paired(rows[k], rows[full[0]]), resamples, seed)) for k in order if k[0] != FULL]
             lines += _markdown(f"### query-{mode}: difference against the full cache (same samples)", tasks,
-                               diffs, True)
+                               diffs, True, labels)
         if baseline is not None:
             diffs = []
             for k in order:
@@ -133,7 +148,7 @@ def report(records: list[dict], baseline: str | None = None, resamples: int = RE
                 if k[0] not in (baseline, FULL) and ref in rows:
                     diffs.append((k, estimate(paired(rows[k], rows[ref]), resamples, seed)))
             lines += _markdown(f"### query-{mode}: difference against {baseline} at the same budget (same samples)",
-                               tasks, diffs, True)
+                               tasks, diffs, True, labels)
     lines += time_table(records)
     return "\n".join(lines)
 
@@ -168,6 +183,8 @@ def time_table(records: list[dict]) -> list[str]:
         cpu += sum(acc["cpu"])
         phases = " | ".join(f"{w / n:.2f} ({c / n:.2f})" for w, c in zip(acc["wall"], acc["cpu"]))
         lines.append(f"| {mode} | {method} | {budget_text(budget)} | {n} | {phases} | {acc['tokens'] / n:.1f} |")
+    units = {(r["mode"], r["task"], sample_id(r)) for r in records if r.get("seconds")}
     lines.append(f"\ntotal {wall / 3600:.2f} hours wall, {cpu / 3600:.2f} CPU-hours, over "
-                 f"{sum(v['n'] for v in sums.values())} records")
+                 f"{sum(v['n'] for v in sums.values())} records of {len(units)} samples and modes: "
+                 f"{cpu / len(units):.0f} CPU-s a sample and mode for the rows it holds")
     return lines
