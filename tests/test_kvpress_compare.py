@@ -389,7 +389,8 @@ def test_an_eval_spec_kvpress_press_runs_the_kept_tables_exact_row(fraction):
         want = kk.spec_policy(spec, overrides, n, fraction)
         name = EVAL_NAME.get(press, press)
         ((f, got),) = ruler.policies_for(f"kvpress:{name}", n, [fraction], None)
-        assert f == fraction and got.name == f"kvpress {name}", press
+        fallback = " (uniform layers)" if press == "pyramidkv" and fraction < 0.32 else ""  # another policy
+        assert f == fraction and got.name == f"kvpress {name}{fallback}", press
         assert got.definition() == want.definition() and got.budget.per_head == want.budget.per_head, press
     assert ruler.eval_spec("kvpress:snapkv@int4").storage.bits == 4
     with pytest.raises(kvcompile.SpecError, match=r"kvpress has no press 'snap'.*kvpress:snapkv"):

@@ -812,8 +812,9 @@ def reproduction(press: str, kept_share: float, n: int) -> dict:
     spec, overrides = KVPRESS_REPRODUCTIONS[press]
     mapping = policy_to_mapping(load_spec(load_spec(spec, **overrides), name=f"kvpress {press}"))
     if press == "pyramidkv" and n is not None and kept_share * n / 20 < 64:  # kvpress: min budget B/beta (beta
-        # 20) under its window
+        # 20) under its window; another policy, so another name (one name, one definition: RULER records)
         mapping["budget"] = dict(mapping["budget"], layers="uniform")
+        mapping["name"] = f"kvpress {press} (uniform layers)"
     return mapping
 
 
