@@ -151,6 +151,31 @@ def test_a_space_narrows_widens_and_is_checked_against_the_declared_ranges():
         tune.load_space({"fields": {"scoring.window_attention.width": [3]}}, bytes_budget=False)
 
 
+def test_a_space_widened_to_a_merge_rule_gives_it_the_shipped_split_and_runs_it():
+    """merge: [drop, residual]: a residual candidate takes the split of the first shipped spec with that rule
+    (ZSMerge's parts) and a ranking window of 0 (the split's proximity part is the recent window; the validator
+    refuses both), global allocation refuses the slots (counted, never run), and a merge candidate is
+    replayed and scored on a model like any other."""
+    space = tune.load_space({"scoring": ["key_norm"], "layers": ["uniform", "global"], "heads": ["uniform", "pooled"],
+                             "merge": ["drop", "residual"], "schedule": ["prefill"]}, bytes_budget=False)
+    found, refused = tune.candidates(space)
+    merged = [c for c in found if c.mapping["merge"] != "drop"]
+    assert len(merged) == 2 and len(found) == 5  # residual × (uniform, pooled); drop × (uniform, pooled, global)
+    split = kvcompile.load_spec("expected_zsmerge").budget.split
+    for c in merged:
+        policy = kvcompile.load_spec(c.mapping)
+        assert policy.budget.split == split and policy.ranking.window == 0 and policy.merge.alpha == 0.6
+        assert "merge=residual(alpha=0.6)" in c.key and "window=0" in c.key
+    assert all(c.mapping["ranking"]["by_score"]["window"] == 32 for c in found if c.mapping["merge"] == "drop")
+    assert refused == {"budget.layers: layers: global ranks prompt tokens only, without merge slots or a split": 1}
+    model = tiny_model(layers=2)
+    samples = [tune.Sample(0, prompt(96, seed=10)[0].tolist(), prompt(4, seed=20)[0].tolist(),
+                           prompt(3, seed=30)[0].tolist())]
+    ev = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.25), max_new_tokens=3)
+    values = [ev.proxy(c, 0) for c in merged]
+    assert all(v < 0 for v in values)  # replayed with its slots: a KL above 0 from the full cache
+
+
 class Planted:
     """A stand-in evaluator: the proxy of a candidate is a fixed function of its key (the planted key best)
     plus a per-sample wobble; calls are counted."""

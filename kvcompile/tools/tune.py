@@ -85,13 +85,16 @@ def seeded_fields() -> dict[tuple[str, str], dict]:
             if isinstance(value, dict):
                 (name, fields), = value.items()
                 found.setdefault((family, name), dict(fields or {}))
+        split = mapping.get("budget", {}).get("split")
+        if isinstance(mapping.get("merge"), dict) and split:  # the split a merge rule's residual slots come from
+            found.setdefault(("split", next(iter(mapping["merge"]))), dict(split))
     return found
 
 
 def default_space(bytes_budget: bool) -> Space:
     """Every registered part of each searched family at its seeded fields; storage only where the budget is in
     bytes (at an entry budget a lower precision only saves bytes, which the score does not see); merge `drop`
-    only (a merge rule needs a split budget, which the other families do not give)."""
+    only (a space may widen it: `candidates` gives a merge rule its split)."""
     parts = _registry()
     chosen = {"scoring": tuple(sorted(parts["scoring"])), "layers": tuple(sorted(parts["layers"])),
               "heads": tuple(sorted(parts["heads"])), "schedule": SCHEDULES,
@@ -213,8 +216,12 @@ def candidates(space: Space) -> tuple[list[Candidate], Counter]:
     for combo in itertools.product(*(options[f] for f in SEARCHED), rankings):
         choice = dict(zip(SEARCHED + ("ranking",), combo))
         choice["heads"] = _admitted_heads(choice["layers"], choice["heads"], space)
-        mapping = {"name": "tuned", "scoring": choice["scoring"], "ranking": choice["ranking"],
-                   "budget": {"per_head": 64, "layers": choice["layers"], "heads": choice["heads"]},
+        budget = {"per_head": 64, "layers": choice["layers"], "heads": choice["heads"]}
+        split = seeded.get(("split", _part_name(choice["merge"])))
+        if split is not None:  # a merge rule's slots: the split of the first shipped spec with the rule (ZSMerge's
+            budget["split"] = split  # Eq. 3 parts), whose proximity part is the recent window: the ranking's is 0
+            choice["ranking"] = {name: dict(fields, window=0) for name, fields in choice["ranking"].items()}
+        mapping = {"name": "tuned", "scoring": choice["scoring"], "ranking": choice["ranking"], "budget": budget,
                    "merge": choice["merge"], "schedule": choice["schedule"], "storage": choice["storage"]}
         key = _key(choice)
         if key in seen:
@@ -243,6 +250,11 @@ def _admitted_heads(layers, heads, space: Space):
     rule = _registry()["layers"][layers if isinstance(layers, str) else next(iter(layers))]
     sole = rule.sole_heads if rule.ranks_entries else None
     return sole if sole is not None and sole in space.parts["heads"] else heads
+
+
+def _part_name(value) -> str:
+    """A part's name from its spec value (`drop`, or `{residual: {alpha: 0.6}}`)."""
+    return value if isinstance(value, str) else next(iter(value))
 
 
 def _key(choice: dict) -> str:
