@@ -367,3 +367,28 @@ def test_a_shipped_spec_that_is_a_press_as_it_is_is_labelled_with_the_press():
     text = report(records)
     assert "| tova = kvpress tova | - |" in text and "| snapkv | - |" in text and "| kvpress snapkv | - |" in text
     assert "| knorm | - |" in text
+
+
+def test_an_eval_of_kvpress_presses_records_them_under_their_names(setup, tmp_path, capsys):
+    """`--specs kvpress:PRESS` through the command: records named `kvpress PRESS` with the reproduction's
+    definition, resumed like any spec, and the report's rows under those names."""
+    model, samples = setup
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    TOK.save_pretrained(folder)
+    data = tmp_path / "ds.jsonl"
+    ruler.dump_dataset(samples[:1], data)
+    path = tmp_path / "r.jsonl"
+    argv = ["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--specs",
+            "kvpress:snapkv,kvpress:tova", "--kv-fraction", "0.5", "--query", "agnostic", "--no-full",
+            "--max-new-tokens", "3", "--resume", str(path), "--quiet"]
+    cli.main(argv)
+    records = read_records([path])
+    assert sorted(r["spec"] for r in records) == ["kvpress snapkv", "kvpress tova"]
+    for r in records:
+        assert r["definition"] == ruler.eval_spec(f"kvpress:{r['spec'].split()[1]}").definition()
+    cli.main(argv)
+    assert "0 records made now, 2 there before" in capsys.readouterr().out
+    cli.main(["report", str(path)])
+    out = capsys.readouterr().out
+    assert "| kvpress snapkv | 50% KV |" in out and "| kvpress tova | 50% KV |" in out
