@@ -223,6 +223,29 @@ def test_successive_halving_finds_a_planted_best_and_is_a_function_of_its_seed()
     assert other.best.candidate.key == planted
 
 
+def test_an_entered_press_is_searched_beside_the_space_and_can_be_the_answer(tmp_path):
+    """Candidates entered beside the space (kvpress's presses): one that is best is found and written as the
+    answer, saying so; one that acts as a candidate of the space is that candidate (named in its `same`), never
+    searched twice; the CLI enters the reproduced presses at the evaluator's budget."""
+    space = tune.load_space(SMALL, bytes_budget=False)
+    found, _ = tune.candidates(space)
+    press = tune.Candidate("kvpress knorm", policy_to_mapping(kvcompile.load_spec("knorm")))
+    twin = tune.Candidate("kvpress twin", dict(found[2].mapping, name="twin"))
+    ev = Planted("kvpress knorm")
+    result = tune.tune(ev, space, seed=7, progress=False, entered=[press, twin])
+    assert len(result.trials) == len(found) + 1 and result.best.candidate.key == "kvpress knorm"
+    (held,) = [t for t in result.trials if t.candidate.key == found[2].key]
+    assert "kvpress twin" in held.candidate.same and "kvpress twin" not in {k for k, _ in ev.calls}
+    text = tune.write_spec(result, tmp_path / "t.yaml", "planted").read_text()
+    assert "# the best is an entered candidate, kvpress knorm: no candidate of the space beat it" in text
+    assert kvcompile.load_spec(tmp_path / "t.yaml").scoring == kvcompile.load_spec("knorm").scoring
+    model = tiny_model(layers=2)
+    samples = [tune.Sample(0, prompt(200, seed=10)[0].tolist(), [], [1])]
+    presses = tune.press_candidates(tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.25)))
+    keys = {c.key for c in presses}
+    assert "kvpress snapkv" in keys and "kvzip = kvpress kvzip" in keys and "tova = kvpress tova" in keys
+
+
 def test_workers_in_other_processes_find_what_one_process_finds(tmp_path):
     """Workers(2): each sample's candidates evaluated by two forked processes give the values, the order and
     the choice that one process gives, and the records resume either way."""

@@ -1074,9 +1074,10 @@ def cmd_tune(args) -> None:
     evaluator = tune.Evaluator(model, samples, budget, max(r["max_new_tokens"] for r in rows),
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer=tokenizer,
                                proxy=tune.PROXIES[args.proxy]())
+    entered = [] if args.no_presses else tune.press_candidates(evaluator)
     result = tune.tune(evaluator, space, seed=args.seed, eta=args.eta, confirm=args.confirm, records=args.records,
                        progress=not args.quiet, workers=args.workers, answered_only=not args.all_samples,
-                       first=args.first)
+                       first=args.first, entered=entered)
     used, given = result.calibration
     print(f"tune     calibrated on {used} of {given} samples"
           + (" (those the full cache answers)" if used < given else ""))
@@ -1413,6 +1414,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how a candidate is ranked before generation: kl, minus the mean KL from the full cache's "
                          "next-token distributions along the gold answer (default); logp, the gold answer's mean "
                          "log-likelihood")
+    tn.add_argument("--no-presses", action="store_true",
+                    help="search the space alone (default: kvpress's presses as kvcompile reproduces them are searched "
+                         "beside it, so the answer can be that a press is the best policy the search knows)")
     tn.add_argument("--all-samples", action="store_true",
                     help="calibrate on every sample (default: only those the full cache answers; on the others every "
                          "policy fails alike and the proxies differ in what the answer does not need)")

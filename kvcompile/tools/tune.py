@@ -786,18 +786,23 @@ def calibration_order(samples: list[Sample], seed: int) -> list[int]:
 
 
 def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confirm: int = 3, records=None,
-         progress: bool = True, workers: int = 1, answered_only: bool = True, first: int = 3) -> Result:
+         progress: bool = True, workers: int = 1, answered_only: bool = True, first: int = 3,
+         entered: list[Candidate] | tuple = ()) -> Result:
     """Search `space` for the best policy on the evaluator's samples (module doc); `workers` processes
     (Workers) evaluate each sample's candidates; `first`: the samples of the first rung, in calibration_order
     (several tasks: one sample's task decides too much). `answered_only`: calibrate on the samples the full
     cache answers (Evaluator.full_score > 0) only: on a sample every policy fails with every entry kept, the
-    candidates' answers do not differ, and their proxies differ in what the answer does not need."""
+    candidates' answers do not differ, and their proxies differ in what the answer does not need. `entered`:
+    candidates searched beside the space's (Optuna's enqueued trials), such as kvpress's presses as reproduced
+    (`press_candidates`), so that the search can answer that a press is the best it knows; one that is a
+    candidate of the space as it acts (Policy.acting) is that candidate, named in its `same`."""
     from tqdm.auto import tqdm
 
     found, refused = candidates(space)
     if not found:
         raise SpaceError("tune: the space has no candidate the spec validator accepts; refused: "
                          + "; ".join(f"{n} × {why}" for why, n in refused.most_common()))
+    found = _enter(found, entered)
     trials = [Trial(c) for c in found]
     order = calibration_order(evaluator.samples, seed)
     records = records if isinstance(records, Records) else Records(records, _proxy_name(evaluator))
@@ -862,6 +867,28 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
                   (rungs[-1][1], len(order)))
 
 
+def _enter(found: list[Candidate], entered) -> list[Candidate]:
+    """The space's candidates and then each entered one that acts as none of them (Policy.acting); one that does
+    is named in that candidate's `same`."""
+    from kvcompile.spec import load_spec
+
+    out = list(found)
+    acting = {load_spec(c.mapping).acting(): i for i, c in enumerate(out)}
+    for c in entered:
+        i = acting.setdefault(load_spec(c.mapping).acting(), len(out))
+        if i < len(out):
+            out[i] = dataclasses.replace(out[i], same=out[i].same + (c.key,))
+        else:
+            out.append(c)
+    return out
+
+
+def press_candidates(evaluator: "Evaluator") -> list[Candidate]:
+    """kvpress's presses as kvcompile reproduces them (reference_candidates' kvpress ones), at the evaluator's
+    budget, as candidates to enter in a search."""
+    return [c for kind, c in reference_candidates(evaluator)[0] if kind == "kvpress"]
+
+
 def _planned(n: int, samples: int, eta: int, confirm: int = 0, first: int = 1) -> tuple[int, int]:
     """(proxy evaluations, finalists) of successive_halving: each rung's survivors on the samples they lack."""
     total, count, done = 0, max(1, first), 0
@@ -902,6 +929,9 @@ def write_spec(result: Result, path, samples_label: str) -> Path:
              f"# the same policy as another candidate (searched once, Policy.acting): "
              f"{sum(len(t.candidate.same) for t in result.trials)} points of the space",
              "# space:"] + [f"#   {line}" for line in result.space.describe()]
+    if result.best.candidate.key.startswith("kvpress ") or " = kvpress " in result.best.candidate.key:
+        lines.append(f"# the best is an entered candidate, {result.best.candidate.key}: no candidate of the space beat "
+                     "it on the calibration samples")
     lines.append("# finalists (confirmed score, proxy):")
     for t in result.trials[:len([t for t in result.trials if t.confirmed])]:
         lines.append(f"#   {t.mean('confirmed'):6.1f}  {t.mean():8.4f}  {t.candidate.key}")
