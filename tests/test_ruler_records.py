@@ -228,13 +228,20 @@ def test_rows_with_the_same_samples_are_resampled_with_the_same_draws():
     assert estimate(a, seed=1) != estimate(a, seed=2)
 
 
-def test_report_command(setup, tmp_path, capsys):
+def saved(setup, tmp_path, rows=None):
+    """The tiny model and tokenizer saved as a checkpoint folder, and the samples (or the first `rows`) as a
+    dataset file: what the eval command reads."""
     model, samples = setup
     folder = tmp_path / "tiny"
     model.save_pretrained(folder)
     TOK.save_pretrained(folder)
     data = tmp_path / "ds.jsonl"
-    ruler.dump_dataset(samples, data)
+    ruler.dump_dataset(samples[:rows], data)
+    return folder, data
+
+
+def test_report_command(setup, tmp_path, capsys):
+    folder, data = saved(setup, tmp_path)
     path = tmp_path / "r.jsonl"
     argv = ["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--specs", "snapkv,adakv",
             "--kv-fraction", "0.5", "--query", "agnostic", "--max-new-tokens", "3", "--resume", str(path), "--quiet"]
@@ -302,12 +309,7 @@ def yaml_of(policy) -> dict:
 def test_a_spec_whose_definition_changed_is_not_pooled_with_its_old_records(setup, tmp_path, capsys):
     """Records carry their spec's definition; a file with records of a spec name made under another definition
     (or an unrecorded one) is refused before any record is added, and the report refuses to pool them."""
-    model, samples = setup
-    folder = tmp_path / "tiny"
-    model.save_pretrained(folder)
-    TOK.save_pretrained(folder)
-    data = tmp_path / "ds.jsonl"
-    ruler.dump_dataset(samples[:1], data)
+    folder, data = saved(setup, tmp_path, 1)
     spec = tmp_path / "mine.yaml"
     spec.write_text("name: mine\nscoring: {window_attention: {window: 8}}\nranking: {by_score: {window: 8}}\n"
                     "budget: {per_head: 16}\n")
@@ -372,12 +374,7 @@ def test_a_shipped_spec_that_is_a_press_as_it_is_is_labelled_with_the_press():
 def test_an_eval_of_kvpress_presses_records_them_under_their_names(setup, tmp_path, capsys):
     """`--specs kvpress:PRESS` through the command: records named `kvpress PRESS` with the reproduction's
     definition, resumed like any spec, and the report's rows under those names."""
-    model, samples = setup
-    folder = tmp_path / "tiny"
-    model.save_pretrained(folder)
-    TOK.save_pretrained(folder)
-    data = tmp_path / "ds.jsonl"
-    ruler.dump_dataset(samples[:1], data)
+    folder, data = saved(setup, tmp_path, 1)
     path = tmp_path / "r.jsonl"
     argv = ["eval", "--suite", "ruler", "--model", str(folder), "--dataset", str(data), "--specs",
             "kvpress:snapkv,kvpress:tova", "--kv-fraction", "0.5", "--query", "agnostic", "--no-full",
