@@ -260,6 +260,12 @@ def test_report_command(setup, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["report", str(path), "--baseline", "nope"])
     assert "no such method" in capsys.readouterr().err
+    cli.main(["report", str(path), "--tasks", "fwe"])  # one task's table: its rows' averages are fwe's scores
+    out = capsys.readouterr().out
+    assert "niah_single_1" not in out and "| method | budget | fwe | average |" in out
+    with pytest.raises(SystemExit):
+        cli.main(["report", str(path), "--tasks", "vt"])
+    assert "--tasks: no records of vt" in capsys.readouterr().err
     assert report(first).count("| full |") == 2  # the score table and the time table
 
 

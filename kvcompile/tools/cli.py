@@ -880,6 +880,11 @@ def cmd_report(args) -> None:
         fail(str(exc))
     if not records:
         fail(f"no records in {', '.join(args.files)}")
+    if args.tasks is not None:  # a table over these tasks alone: every row's average over the same tasks
+        missing = [t for t in args.tasks if t not in {r["task"] for r in records}]
+        if missing:
+            fail(f"--tasks: no records of {', '.join(missing)} (tasks: {', '.join(sorted({r['task'] for r in records}))})")
+        records = [r for r in records if r["task"] in args.tasks]
     if args.baseline is not None and args.baseline not in {r["spec"] for r in records}:
         fail(f"--baseline {args.baseline}: no such method in the records (methods: "
              f"{', '.join(sorted({r['spec'] for r in records}))})")
@@ -1445,6 +1450,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "budget")
     rep.add_argument("--resamples", type=positive, default=1000, metavar="B", help="bootstrap resamples (default 1000)")
     rep.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default 0)")
+    rep.add_argument("--tasks", type=names, default=None, metavar="T,T",
+                     help="only these tasks' records, so that every row's average is over the same tasks (default: "
+                          "every task of the records; a row's average is over the tasks it has)")
     rep.set_defaults(func=cmd_report)
 
     specs = sub.add_parser("specs", help="list the shipped policies",
