@@ -238,6 +238,7 @@ def test_an_entered_press_is_searched_beside_the_space_and_can_be_the_answer(tmp
     assert "kvpress twin" in held.candidate.same and "kvpress twin" not in {k for k, _ in ev.calls}
     text = tune.write_spec(result, tmp_path / "t.yaml", "planted").read_text()
     assert "# the best is an entered candidate, kvpress knorm: no candidate of the space beat it" in text
+    assert "# entered beside the space: kvpress knorm, kvpress twin" in text
     assert kvcompile.load_spec(tmp_path / "t.yaml").scoring == kvcompile.load_spec("knorm").scoring
     model = tiny_model(layers=2)
     samples = [tune.Sample(0, prompt(200, seed=10)[0].tolist(), [], [1])]

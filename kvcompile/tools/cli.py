@@ -1080,6 +1080,9 @@ def cmd_tune(args) -> None:
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer=tokenizer,
                                proxy=tune.PROXIES[args.proxy]())
     entered = [] if args.no_presses else tune.press_candidates(evaluator)
+    if entered:
+        print(f"tune     {len(entered)} of kvpress's presses as reproduced entered beside them "
+              f"({', '.join(c.key for c in entered)})", flush=True)
     result = tune.tune(evaluator, space, seed=args.seed, eta=args.eta, confirm=args.confirm, records=args.records,
                        progress=not args.quiet, workers=args.workers, answered_only=not args.all_samples,
                        first=args.first, entered=entered)

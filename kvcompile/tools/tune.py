@@ -513,6 +513,7 @@ class Result:
     cost: dict[str, Cost] = field(default_factory=dict)  # "proxy" / "confirm" -> what those evaluations cost
     proxy: str = GoldLikelihood.label  # what the proxy measured (its `label`)
     calibration: tuple[int, int] = (0, 0)  # (samples calibrated on, samples given): the full cache answers the first
+    entered: tuple[str, ...] = ()  # the keys of the candidates entered beside the space (tune's `entered`)
 
 
 @dataclass
@@ -864,7 +865,7 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
     cost = {kind: records.cost(kind) for kind in ("proxy", "confirm")}
     return Result(best, trials, refused, rungs, _agreement(finalists), seed, evaluator.budget, space, geometry, cost,
                   getattr(getattr(evaluator, "measure", None), "label", GoldLikelihood.label),
-                  (rungs[-1][1], len(order)))
+                  (rungs[-1][1], len(order)), tuple(c.key for c in entered))
 
 
 def _enter(found: list[Candidate], entered) -> list[Candidate]:
@@ -929,6 +930,8 @@ def write_spec(result: Result, path, samples_label: str) -> Path:
              f"# the same policy as another candidate (searched once, Policy.acting): "
              f"{sum(len(t.candidate.same) for t in result.trials)} points of the space",
              "# space:"] + [f"#   {line}" for line in result.space.describe()]
+    if result.entered:
+        lines.append(f"# entered beside the space: {', '.join(result.entered)}")
     if result.best.candidate.key.startswith("kvpress ") or " = kvpress " in result.best.candidate.key:
         lines.append(f"# the best is an entered candidate, {result.best.candidate.key}: no candidate of the space beat "
                      "it on the calibration samples")
