@@ -932,7 +932,7 @@ def write_spec(result: Result, path, samples_label: str) -> Path:
              "# space:"] + [f"#   {line}" for line in result.space.describe()]
     if result.entered:
         lines.append(f"# entered beside the space: {', '.join(result.entered)}")
-    if result.best.candidate.key.startswith("kvpress ") or " = kvpress " in result.best.candidate.key:
+    if result.best.candidate.key in result.entered:
         lines.append(f"# the best is an entered candidate, {result.best.candidate.key}: no candidate of the space beat "
                      "it on the calibration samples")
     lines.append("# finalists (confirmed score, proxy):")
