@@ -326,7 +326,7 @@ def test_agnostic_path_equals_generate_with_a_budget_covering_everything():
 
 def test_each_phase_of_a_sample_is_announced_as_it_starts(capsys):
     """A RULER sample takes minutes on a real model: the progress says which phase runs (the full cache, then each
-    spec at each budget) as it starts, before any of its forwards; `eval --suite ruler` shows it on its bar."""
+    spec at each budget, then their answers' decoding) as it starts, before any of its forwards; `eval --suite ruler` shows it on its bar."""
     model = tiny_for(TOK, seed=1)
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))
@@ -336,7 +336,7 @@ def test_each_phase_of_a_sample_is_announced_as_it_starts(capsys):
                     note=lambda text: notes.append((text, len(forwards))))
     n = int(notes[0][0].split(", ")[1].split("-token")[0])  # the context's tokens
     assert [text.split(": ", 1)[1] for text, _ in notes] == ["full cache", f"snapkv {n // 2}/head",
-                                                             f"lava {n // 2}/head"]
+                                                             f"lava {n // 2}/head", "2 answers decoding together"]
     assert notes[0][0].startswith("aware, ") and "1 question(s)" in notes[0][0]
     counts = [count for _, count in notes] + [len(forwards)]
     assert counts[0] == 0 and all(a < b for a, b in zip(counts, counts[1:]))  # each note before its phase's work
@@ -442,3 +442,42 @@ def test_the_summary_says_what_its_short_column_names_are():
     header = next(line for line in text.splitlines() if line.startswith("method"))
     assert header.split()[2:5] == ["s1", "mkey_2", "vt"]
     assert "columns: s1 = niah_single_1, mkey_2 = niah_multikey_2 (" in text and "vt =" not in text
+
+
+def test_the_full_cache_answers_from_the_specs_capture_as_from_its_own_prefill():
+    """With specs to run, the context is prefilled once: the full cache's answer decodes from the capture's keys and
+    values (the model's own forward), and is the answer of the plain model's own prefill."""
+    model = tiny_for(TOK, seed=1)
+    s = {**sample("niah_single_1", length=700), "max_new_tokens": 8}
+    prompts = []
+    model.model.register_forward_hook(lambda module, args, kwargs, out: prompts.append(1)
+                                      if kwargs.get("input_ids", args[0] if args else None) is not None and
+                                      kwargs.get("input_ids", args[0] if args else None).shape[1] > 100 else None,
+                                      with_kwargs=True)
+    alone = ruler.run_group(model, TOK, [s], "aware", [], full=True)
+    assert len(prompts) == 1  # the plain model's prefill
+    both = ruler.run_group(model, TOK, [s], "aware", ["snapkv"], fractions=[0.5])
+    assert len(prompts) == 2  # one forward over the context more: the capture, for the full cache and snapkv
+    full = [r for r in both if r["spec"] == "full"]
+    assert [r["prediction"] for r in full] == [r["prediction"] for r in alone] and alone[0]["new_tokens"] == 8
+    assert full[0]["kv_bytes"] == alone[0]["kv_bytes"]
+
+
+def test_every_answer_of_a_context_decodes_together_as_each_alone():
+    """run_group decodes every (spec, budget) answer of a context as one batch (sweep.greedy_together): each
+    answer is the one its cache gives decoded alone (sweep.greedy), and holds the same bytes after."""
+    model = tiny_for(TOK, seed=1)
+    s = {**sample("niah_multikey_1", length=800), "max_new_tokens": 10}
+    specs = ["snapkv", "tova", "expected_zsmerge", "h2o", "kivi"]
+    records = ruler.run_group(model, TOK, [s], "agnostic", specs, fractions=[0.25, 0.5], full=False)
+    ids, (q,) = ruler.prompt_ids(TOK, s["context"], [s["question"]], s["answer_prefix"])
+    states, _ = capture(model, torch.tensor([ids]))
+    assert len(records) == 10
+    for r in records:
+        policy = dict(ruler.policies_for(r["spec"], len(ids), [r["fraction"]], None))[r["fraction"]]
+        cache = replay(policy, model.config, states, headroom=len(q) + 10, model=model, tokenizer=TOK)
+        logits = feed(model, cache, torch.tensor([q]), tokenizer=TOK)
+        tokens = greedy(model, cache, logits, 10,
+                        ruler.eos_ids(model), tokenizer=TOK)[0].tolist()
+        assert r["prediction"] == TOK.decode(tokens, skip_special_tokens=True), r["spec"]
+        assert r["kv_bytes"] == cache.memory_report()["bytes_held"], r["spec"]

@@ -149,3 +149,39 @@ def test_policies_that_act_alike_keep_the_same_entries(captured, layers):
     static = {"name": "a", "scoring": scoring, "budget": {"per_head": 40, "layers": "uniform"}}
     assert kvcompile.load_spec(dict(static, schedule="prefill")).acting() != \
         kvcompile.load_spec(dict(static, schedule="cascade")).acting()
+
+
+def test_every_spec_decoded_together_gives_each_cache_its_own_answer():
+    """greedy_together: the caches of every replayable spec at two budgets, after one question, decode as batches
+    of the engine's batched step (plans whose steps differ in separate batches, `batch_key`): each cache's tokens
+    are greedy()'s on a copy of it alone, and it holds the same entries and bytes after."""
+    import copy
+
+    from kvcompile.engine.batch import batch_key
+    from kvcompile.tools.sweep import feed, greedy_together
+
+    model = tiny_model("llama")
+    ids, question = prompt(140, seed=21), prompt(9, seed=5)
+    states, _ = capture(model, ids)
+    caches, lasts, alone = [], [], []
+    for name in SPECS:
+        spec = kvcompile.load_spec(name)
+        if spec.schedule.prefill is not None:  # chunked prefill: not replayable (test above)
+            continue
+        for per_head in (48, 80):
+            policy = spec if spec.budget.threshold else \
+                kvcompile.load_spec(name, per_head=max(per_head, spec.ranking.window + 16))
+            cache = replay(policy, model.config, states, headroom=40)
+            last = feed(model, cache, question)
+            own = copy.deepcopy(cache)
+            alone.append((name, greedy(model, own, last, 20)[0].tolist(), own.memory_report()))
+            caches.append(cache)
+            lasts.append(last)
+    keys = {batch_key(cache.plan) for cache in caches}
+    assert len(caches) >= 30 and len(keys) >= 4 and None not in keys  # several batches, each of several caches
+    tokens, seconds = greedy_together(model, caches, lasts, 20)
+    for (name, expected, report), got, cache, (wall, cpu) in zip(alone, tokens, caches, seconds):
+        assert got == expected, name
+        after = cache.memory_report()
+        assert after["bytes_held"] == report["bytes_held"] and torch.equal(after["kept"], report["kept"]), name
+        assert wall > 0 and cpu > 0

@@ -283,21 +283,48 @@ def decode_path(plan: Plan) -> BatchedDecode | PerRequestDecode:
     decode attention backend, one kernel call (a tier's pool each); where it does more over full-precision pages or
     codes (running scores, online eviction, a merge bias per entry), the plan's own decode step on the batch; else
     per request (with the reason). Every store kind's pages live in the engine's pools either way."""
-    why = None
-    if plan.store not in BATCH:
-        why = f"pages of {plan.store.__name__}"
-    elif plan.prune_every:
-        why = f"pruning every {plan.prune_every} tokens"
-    elif plan.layer_kinds is not None:
-        why = "a hybrid model's window layers"
-    elif plan.shard is not None or plan.layer_devices is not None:
-        why = "layers split over ranks or devices"
+    why = _per_request(plan)
     pools = PagePools(plan.num_layers)
     if why is not None:
         return PerRequestDecode(pools, reason=why)
-    if plan.online_eviction or plan.running_scores or (plan.policy.merges and plan.store is not TieredStore):
+    if _steps_more(plan):
         return BatchedStepDecode(pools, step=plan.decode_step)  # the plan's decode step does more, on the batch
     append = CppAppend.of(plan.decode_step)  # the plan's fused step's append alone (C++), where it has one
     if append is not None:
         append.build(plan.head_dim)  # (built now: a cold build would land inside the first batched step)
     return BatchedDecode(pools, step=TorchStep(append=append))
+
+
+def _per_request(plan: Plan) -> str | None:
+    """Why `plan`'s decode steps run per request (decode_path), or None: they batch."""
+    if plan.store not in BATCH:
+        return f"pages of {plan.store.__name__}"
+    if plan.prune_every:
+        return f"pruning every {plan.prune_every} tokens"
+    if plan.layer_kinds is not None:
+        return "a hybrid model's window layers"
+    if plan.shard is not None or plan.layer_devices is not None:
+        return "layers split over ranks or devices"
+    return None
+
+
+def _steps_more(plan: Plan) -> bool:
+    """The plan's decode step does more than an append and an attention (BatchedStepDecode)."""
+    return plan.online_eviction or plan.running_scores or (plan.policy.merges and plan.store is not TieredStore)
+
+
+def batch_key(plan: Plan) -> tuple | None:
+    """What a batched step reads of a plan, or None where `plan` decodes per request (decode_path). A batch runs
+    every request's step with its first request's plan (`DecodeBatch.run`), so requests of different plans
+    (policies, budgets) decode in one batch exactly as each alone where their keys are equal: the same store
+    kind and storage (one pool per page layout), the same decode attention and step backends, the model's
+    soft-cap and sinks, and, where the step does more, the parts it runs (the scorer's running update, the merge
+    rule; each request's own ZSMerge split travels with it). A head's budgets, kept entries and spare pages are
+    its own request's."""
+    if _per_request(plan) is not None:
+        return None
+    policy = plan.policy
+    more = _steps_more(plan)
+    return (plan.store, policy.storage, plan.decode_impl, plan.online_impl, plan.page_size, plan.head_dim,
+            plan.softcap, plan.sinks, plan.device, plan.dtype, more, plan.running_scores, plan.online_eviction,
+            policy.merge if policy.merges else None, policy.scoring if more else None)

@@ -669,10 +669,11 @@ def plain_answers(model, context_ids: list[int], questions: list[list[int]], max
 
 
 def plain_answers_timed(model, context_ids: list[int], questions: list[list[int]], max_new_tokens: int,
-                        until=None):
+                        until=None, prefilled=None):
     """plain_answers, with the Phases of the context's prefill and of each question's decode (its
     forward through the cache and the greedy steps). `until(j, tokens)`: question j's answer is complete
-    (its decoding stops there, as at EOS)."""
+    (its decoding stops there, as at EOS). `prefilled`: the context's DynamicCache, where it is made already
+    (sweep.dynamic_cache of a capture), not prefilled again."""
     import torch
     from transformers import DynamicCache
 
@@ -684,9 +685,11 @@ def plain_answers_timed(model, context_ids: list[int], questions: list[list[int]
     out, decode = [], []
     prefill = Phases()
     with torch.no_grad():
-        with prefill.timing("prefill"):
-            base = DynamicCache()
-            model.model(input_ids=torch.tensor([context_ids], device=device), **cache_arg.given(base))
+        base = prefilled
+        if base is None:
+            with prefill.timing("prefill"):
+                base = DynamicCache()
+                model.model(input_ids=torch.tensor([context_ids], device=device), **cache_arg.given(base))
         for j, q in enumerate(questions):
             clock = Phases()
             clock.start("decode")
@@ -754,6 +757,13 @@ class Phases:
         for name in self.NAMES:
             self.wall[name] += other.wall[name]
             self.cpu[name] += other.cpu[name]
+
+    def moved(self) -> "Phases":
+        """A Phases holding these seconds; this one back to 0."""
+        out = Phases()
+        out.add(self)
+        self.__init__()
+        return out
 
     def take(self) -> dict:
         """{"seconds": wall by phase, "cpu_seconds": CPU by phase}, rounded to ms; then all back to 0."""
@@ -1084,7 +1094,8 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
     import torch
 
     from kvcompile.tools.models import full_kv_bytes, model_summary
-    from kvcompile.tools.sweep import capture, feed, greedy, not_replayable, prefilled, replay
+    from kvcompile.tools.sweep import capture, dynamic_cache, feed, greedy_together, not_replayable, prefilled, \
+        replay
 
     wanted = (lambda s, spec, budget: True) if done is None else \
         (lambda s, spec, budget: not done(variant_key(s, seed, spec, budget, mode)))
@@ -1123,13 +1134,22 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
         n = len(ids)
         say = (lambda what: note(f"{mode}, {n}-token context, {len(questions)} question(s): {what}")) if note \
             else (lambda what: None)
+        context = torch.tensor([ids], device=model.device)
+        headroom = max(map(len, questions)) + max_new
+        states = None
+        pending = []  # (sample, question, policy, fraction, per_head, held, cache, logits, Phases) to decode
         if full:
             todo = [j for j, s in enumerate(members) if wanted(s, "full", ("own", None))]
             if todo:
                 say("full cache")
+                prompt = None
+                if specs:  # the specs' capture is the plain model's prefill, keys and values bit for bit: one forward
+                    with owed.timing("prefill"):
+                        states, _ = capture(model, context)
+                    prompt = dynamic_cache(states)  # (None for a hybrid model: its own prefill)
                 answers, prefill, decode = plain_answers_timed(
                     model, ids, [questions[j] for j in todo], max_new,
-                    answered(tokenizer, [members[j] for j in todo]) if answer_stop else None)
+                    answered(tokenizer, [members[j] for j in todo]) if answer_stop else None, prefilled=prompt)
                 owed.add(prefill)
                 for j, tokens, seconds in zip(todo, answers, decode):
                     held = full_kv_bytes(model, n + len(questions[j]) + len(tokens) - 1)
@@ -1137,9 +1157,6 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
                                           decode=seconds))
         if not specs:
             continue
-        context = torch.tensor([ids], device=model.device)
-        headroom = max(map(len, questions)) + max_new
-        states = None
 
         def compressed(policy):
             nonlocal states
@@ -1172,20 +1189,31 @@ def run_group(model, tokenizer, group: list[dict], mode: str, specs, fractions=N
                             "kv_bytes_pages": report["bytes_held"], "kv_entry_bytes": report["bytes_entries"] // kept,
                             "kept_share": kept / (n * shape["layers"] * len(report["kv_heads"]))}
                     fraction = None
-                for j in todo:
-                    s, q = members[j], questions[j]
-                    decode = Phases()
-                    decode.start("decode")
-                    cache = base if j == todo[-1] else copy.deepcopy(base)
-                    logits = feed(model, cache, torch.tensor([q], device=model.device), tokenizer=tokenizer)
-                    tokens = greedy(model, cache, logits, max_new, stop, tokenizer=tokenizer,
-                                    until=answered(tokenizer, [s]) if answer_stop else None)[0].tolist()
-                    decode.stop()
-                    report = cache.memory_report()
-                    records.append(record(s, policy.name, fraction, per_head, n, q, tokens,
-                                          report["bytes_held"], report["bytes_full"], held, decode=decode,
-                                          definition=policy.definition()))
+                spent = owed.moved()  # this variant's capture and compression: its first record's
+                for j in todo:  # each question from its own copy of the compressed context
+                    decode, spent = spent, Phases()
+                    with decode.timing("decode"):
+                        cache = base if j == todo[-1] else copy.deepcopy(base)
+                        logits = feed(model, cache, torch.tensor([questions[j]], device=model.device),
+                                      tokenizer=tokenizer)
+                    pending.append((members[j], questions[j], policy, fraction, per_head, held, cache, logits,
+                                    decode))
         states = None  # this context's captured states go before the next context is captured
+        if pending:  # every answer of the context decodes together (sweep.greedy_together: as each alone)
+            say(f"{len(pending)} answers decoding together")
+            until = None
+            if answer_stop:
+                until = (lambda i, tokens: answered(tokenizer, [pending[i][0]])(0, tokens))
+            answers, seconds = greedy_together(model, [p[6] for p in pending], [p[7] for p in pending], max_new,
+                                               stop, until=until, tokenizer=tokenizer)
+            for (s, q, policy, fraction, per_head, held, cache, _, decode), tokens, (wall, cpu) \
+                    in zip(pending, answers, seconds):
+                decode.wall["decode"] += wall
+                decode.cpu["decode"] += cpu
+                report = cache.memory_report()
+                records.append(record(s, policy.name, fraction, per_head, n, q, tokens, report["bytes_held"],
+                                      report["bytes_full"], held, decode=decode, definition=policy.definition()))
+            pending = []
     return records
 
 

@@ -66,6 +66,20 @@ def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> t
             out.logits[:, -1])
 
 
+def dynamic_cache(states: Captured):
+    """The plain model's DynamicCache after the captured prompt: `capture`'s forward is the model's own, so its
+    keys and values are the ones the model's prefill puts there (tests/test_ruler.py compares the answers). None
+    for a hybrid model (its local layers' windows are not all of a layer's entries) or a padded batch."""
+    from transformers import DynamicCache
+
+    if states.windows is not None or any(s.mask is not None and not bool(s.mask.all()) for s in states):
+        return None
+    cache = DynamicCache()
+    for layer, state in enumerate(states):
+        cache.update(state.keys, state.values, layer)
+    return cache
+
+
 def not_replayable(policy: Policy) -> str | None:
     """Why `replay` cannot give what a compiled model's own prefill of the prompt keeps, or None.
     Replay applies a policy to one captured one-pass prefill, layer by layer; a policy whose prefill
@@ -231,3 +245,144 @@ def teacher_forced(model, cache: KVCompileCache, last_logits: Tensor, continuati
             out = model(continuation[:, t:t + 1], position_ids=position, **cache_arg.given(cache))
             rows.append(out.logits[:, -1])
     return torch.stack(rows, dim=1)
+
+
+# --- many compressed contexts decoded as one batch --------------------------------------------------------------
+#
+# An eval decodes one answer per (policy, budget, question) of a context, each from its own compressed cache. On a
+# CPU a decode step of a small model is the read of its weights (SmolLM2-135M: about 46 of 63 ms a token in the
+# projections), so the answers of a sample decode together: one forward of R tokens a step, one token per cache,
+# each layer's attention one call of the engine's batched decode step over every cache's pages
+# (kvcompile.engine.batch: the caches' pages in one page pool, `DecodeBatch.run`). Caches whose plans' batched
+# steps differ (`batch_key`) decode in separate batches; a plan whose steps do not batch decodes alone (greedy).
+
+BATCH_ATTENTION = "kvcompile_decode_batch"
+
+
+def _batch_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvcompile_batch=None,
+                     **kwargs):
+    """transformers AttentionInterface entry of `greedy_together`'s forwards: the packed tokens (1, H, R, d), one
+    per cache, through the step's DecodeBatch."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return kvcompile_batch.run(module.layer_idx, query, key, value, scale).unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # each packed token attends over its own cache only: the batch's step knows which
+
+
+def _groups(caches: list[KVCompileCache]) -> list[list[int]]:
+    """The caches' indices by batch (`batch_key`), in first-seen order; a cache whose plan's steps do not batch is
+    a group of its own, marked by a negative first index (-1 - i)."""
+    from kvcompile.engine.batch import batch_key
+
+    groups: dict = {}
+    for i, cache in enumerate(caches):
+        if cache.seq_length is None or cache.pad.shape[0] != 1:
+            raise ValueError("kvcompile: a batched decode takes caches of one sequence each")
+        key = batch_key(cache.plan)
+        groups.setdefault(("alone", i) if key is None else key, []).append(i if key is not None else -1 - i)
+    return list(groups.values())
+
+
+def _stepped(model, caches: list[KVCompileCache], members: list[int], next_token, take, seconds: list) -> None:
+    """Steps of the caches `members` (plans of one batch_key) as one batch each: `next_token(i)` is the token cache
+    i is fed next, or None once it is done; `take(i, logits)` its logits (V,). A step's (wall, CPU) seconds are
+    shared equally by the caches it fed (`seconds[i]`). Each cache holds its own pages again after."""
+    import time
+
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    from kvcompile.engine.batch import decode_path
+
+    AttentionInterface.register(BATCH_ATTENTION, _batch_attention)
+    AttentionMaskInterface.register(BATCH_ATTENTION, _no_mask)
+    pages = decode_path(caches[members[0]].plan)
+    before = model.config._attn_implementation
+    try:
+        for i in members:
+            pages.adopt(caches[i])
+        model.set_attn_implementation(BATCH_ATTENTION)
+        while True:
+            wall, cpu = time.perf_counter(), time.process_time()
+            fed = [(i, token) for i in members if (token := next_token(i)) is not None]
+            if not fed:
+                return
+            step = pages.plan([(caches[i], 1) for i, _ in fed])
+            if step.alone or step.failed:  # every cache here decodes in the batch, or the step is refused
+                raise RuntimeError(f"kvcompile: a cache left the batched decode: {step.failed or step.alone}")
+            batch = step.batch
+            ids = torch.tensor([[token for _, token in fed]], device=batch.positions.device)
+            logits = model(ids, position_ids=batch.positions[None], use_cache=False, kvcompile_batch=batch).logits[0]
+            if batch.faults:
+                raise RuntimeError(f"kvcompile: a cache could not count its token: {batch.faults[0][1]}")
+            for (i, _), row in zip(fed, logits):
+                take(i, row)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            for i, _ in fed:
+                seconds[i][0] += wall / len(fed)
+                seconds[i][1] += cpu / len(fed)
+    finally:
+        model.set_attn_implementation(before)
+        for i in members:
+            pages.detach(caches[i])
+
+
+def _alone(seconds: list, i: int, compute):
+    import time
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = compute()
+    seconds[i] = [time.perf_counter() - wall, time.process_time() - cpu]
+    return out
+
+
+@torch.no_grad()
+def greedy_together(model, caches: list[KVCompileCache], last_logits: list[Tensor], max_new_tokens: int,
+                    eos_token_id=None, until=None, **options) -> tuple[list[list[int]], list[tuple[float, float]]]:
+    """`greedy` of many one-sequence caches (each after its prompt, or its question fed), as one batch a step
+    where their plans allow (`batch_key`): the same tokens each would give alone. last_logits: each cache's
+    prompt logits (1, V) or (V,); `until(i, tokens)`: cache i's answer is complete. Returns each cache's tokens
+    and its (wall, CPU) seconds (a batched step's shared equally by the caches it decoded). Each cache holds its
+    own pages again after (options: compile()'s keywords, for a cache decoded alone)."""
+    stop = set() if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
+    tokens = [[int(logits.reshape(-1, logits.shape[-1])[0].argmax())] for logits in last_logits]
+    seconds = [[0.0, 0.0] for _ in caches]
+
+    def next_token(i: int) -> int | None:
+        done = len(tokens[i]) >= max_new_tokens or tokens[i][-1] in stop or bool(until and until(i, tokens[i]))
+        return None if done else tokens[i][-1]
+
+    for members in _groups(caches):
+        if members[0] < 0:
+            i = -1 - members[0]
+            tokens[i] = _alone(seconds, i, lambda: greedy(
+                model, caches[i], last_logits[i].reshape(1, -1), max_new_tokens, eos_token_id,
+                until=None if until is None else (lambda b, ids: until(i, ids)), **options)[0].tolist())
+        else:
+            _stepped(model, caches, members, next_token, lambda i, row: tokens[i].append(int(row.argmax())), seconds)
+    return tokens, [tuple(s) for s in seconds]
+
+
+@torch.no_grad()
+def teacher_forced_together(model, caches: list[KVCompileCache], last_logits: list[Tensor],
+                            continuations: list[list[int]], **options) -> tuple[list[Tensor], list[tuple]]:
+    """`teacher_forced` of many one-sequence caches, as one batch a step where their plans allow (`batch_key`):
+    each cache's logits (T_i, V) predicting each token of its continuation (the first row its prompt's last
+    logits), and its (wall, CPU) seconds as greedy_together shares them. options: compile()'s keywords, for a
+    cache fed alone."""
+    rows = [[logits.reshape(-1, logits.shape[-1])[0]] for logits in last_logits]
+    seconds = [[0.0, 0.0] for _ in caches]
+
+    def next_token(i: int) -> int | None:
+        t = len(rows[i]) - 1
+        return continuations[i][t] if t < len(continuations[i]) - 1 else None
+
+    for members in _groups(caches):
+        if members[0] < 0:
+            i = -1 - members[0]
+            rows[i] = list(_alone(seconds, i, lambda: teacher_forced(
+                model, caches[i], last_logits[i].reshape(1, -1), torch.tensor([continuations[i]]), **options)[0]))
+        else:
+            _stepped(model, caches, members, next_token, lambda i, row: rows[i].append(row), seconds)
+    return [torch.stack(r) for r in rows], [tuple(s) for s in seconds]
