@@ -625,3 +625,37 @@ def test_the_first_rungs_see_one_sample_of_each_task_in_turn():
     assert len({tasks[i] for i in order[:3]}) == 3 and len({tasks[i] for i in order[3:6]}) == 3
     assert tasks[order[-1]] == "a"  # the largest task's last sample comes last
     assert any(tune.calibration_order(samples, seed) != order for seed in range(5, 10))
+
+
+def test_confirmations_batched_are_each_candidates_own():
+    """Evaluator.confirms decodes the candidates' greedy answers of a sample as one batch (sweep.greedy_together):
+    each value is Evaluator.confirm's of that candidate alone, and a candidate its plan refuses gets its reason
+    without stopping the others."""
+    model = tiny_model(layers=2)
+    samples = []
+    for i in range(3):  # the gold: the plain model's own first tokens, which some candidates keep and others lose
+        context, question = prompt(96, seed=10 + i)[0].tolist(), prompt(4, seed=20 + i)[0].tolist()
+        with torch.no_grad():
+            plain = model.generate(torch.tensor([context + question]), max_new_tokens=3, do_sample=False)
+        samples.append(tune.Sample(i, context, question, plain[0, -3:].tolist()))
+    ev = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.1), max_new_tokens=6)
+    values = set()
+    space = tune.load_space({"scoring": ["window_attention", "key_norm", "recency"], "layers": ["uniform", "entropy"],
+                             "heads": ["uniform", "pooled"], "schedule": ["prefill"],
+                             "ranking": {"by_score": {"sinks": 0, "window": 8}}}, bytes_budget=False)
+    found, _ = tune.candidates(space)
+    for i in range(len(samples)):
+        together = ev.confirms(found, i)
+        assert len(together) == len(found)
+        refused = 0
+        for candidate, (value, error, wall, cpu) in zip(found, together):
+            try:
+                alone = ev.confirm(candidate, i)
+            except (ValueError, RuntimeError) as exc:
+                assert value is None and error == tune._reason(str(exc)), candidate.key
+                refused += 1
+                continue
+            assert error is None and value == alone and wall >= 0 and cpu >= 0, candidate.key
+            values.add(value)
+        assert refused < len(found)
+    assert values == {0.0, 100.0}  # answers that differ: some candidates keep the answer, others lose it

@@ -339,12 +339,13 @@ def _alone(seconds: list, i: int, compute):
 
 @torch.no_grad()
 def greedy_together(model, caches: list[KVCompileCache], last_logits: list[Tensor], max_new_tokens: int,
-                    eos_token_id=None, until=None, **options) -> tuple[list[list[int]], list[tuple[float, float]]]:
+                    eos_token_id=None, until=None, options_of=None,
+                    **options) -> tuple[list[list[int]], list[tuple[float, float]]]:
     """`greedy` of many one-sequence caches (each after its prompt, or its question fed), as one batch a step
     where their plans allow (`batch_key`): the same tokens each would give alone. last_logits: each cache's
     prompt logits (1, V) or (V,); `until(i, tokens)`: cache i's answer is complete. Returns each cache's tokens
     and its (wall, CPU) seconds (a batched step's shared equally by the caches it decoded). Each cache holds its
-    own pages again after (options: compile()'s keywords, for a cache decoded alone)."""
+    own pages again after (options, or `options_of(cache)`: compile()'s keywords, for a cache decoded alone)."""
     stop = set() if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
     tokens = [[int(logits.reshape(-1, logits.shape[-1])[0].argmax())] for logits in last_logits]
     seconds = [[0.0, 0.0] for _ in caches]
@@ -358,31 +359,8 @@ def greedy_together(model, caches: list[KVCompileCache], last_logits: list[Tenso
             i = -1 - members[0]
             tokens[i] = _alone(seconds, i, lambda: greedy(
                 model, caches[i], last_logits[i].reshape(1, -1), max_new_tokens, eos_token_id,
-                until=None if until is None else (lambda b, ids: until(i, ids)), **options)[0].tolist())
+                until=None if until is None else (lambda b, ids: until(i, ids)),
+                **(options if options_of is None else options_of(caches[i])))[0].tolist())
         else:
             _stepped(model, caches, members, next_token, lambda i, row: tokens[i].append(int(row.argmax())), seconds)
     return tokens, [tuple(s) for s in seconds]
-
-
-@torch.no_grad()
-def teacher_forced_together(model, caches: list[KVCompileCache], last_logits: list[Tensor],
-                            continuations: list[list[int]], **options) -> tuple[list[Tensor], list[tuple]]:
-    """`teacher_forced` of many one-sequence caches, as one batch a step where their plans allow (`batch_key`):
-    each cache's logits (T_i, V) predicting each token of its continuation (the first row its prompt's last
-    logits), and its (wall, CPU) seconds as greedy_together shares them. options: compile()'s keywords, for a
-    cache fed alone."""
-    rows = [[logits.reshape(-1, logits.shape[-1])[0]] for logits in last_logits]
-    seconds = [[0.0, 0.0] for _ in caches]
-
-    def next_token(i: int) -> int | None:
-        t = len(rows[i]) - 1
-        return continuations[i][t] if t < len(continuations[i]) - 1 else None
-
-    for members in _groups(caches):
-        if members[0] < 0:
-            i = -1 - members[0]
-            rows[i] = list(_alone(seconds, i, lambda: teacher_forced(
-                model, caches[i], last_logits[i].reshape(1, -1), torch.tensor([continuations[i]]), **options)[0]))
-        else:
-            _stepped(model, caches, members, next_token, lambda i, row: rows[i].append(row), seconds)
-    return [torch.stack(r) for r in rows], [tuple(s) for s in seconds]

@@ -460,6 +460,50 @@ class Evaluator:
         return self.measure(logp, torch.tensor(s.gold), full)
 
     @torch.no_grad()
+    def confirms(self, candidates: list, i: int) -> list[tuple]:
+        """`confirm` of each candidate on sample i, their greedy answers decoded as one batch a step
+        (sweep.greedy_together: the tokens each cache gives alone): per candidate (value, refusal, wall, CPU), a
+        candidate whose plan refuses the model or budget with its reason (as `_timed`). (The proxies are computed
+        one candidate at a time: a batched forward's logits differ from one cache's in the last bits, and a proxy
+        is compared across candidates and runs to those bits, where a greedy answer's tokens are not.)"""
+        from kvcompile.tools.ruler import eos_ids
+        from kvcompile.tools.sweep import greedy_together
+
+        s = self.samples[i]
+        out, caches, lasts, mine = self._prepared(candidates, i, len(s.question) + self.max_new_tokens)
+        if caches:
+            answers, seconds = greedy_together(self.model, caches, lasts, self.max_new_tokens, eos_ids(self.model),
+                                               options_of=lambda cache: self.options(cache.policy))
+            for k, tokens, (wall, cpu) in zip(mine, answers, seconds):
+                _, _, own_wall, own_cpu = out[k]
+                out[k] = (self._scored(tokens, s), None, own_wall + wall, own_cpu + cpu)
+        return out
+
+    def _prepared(self, candidates: list, i: int, headroom: int):
+        """Each candidate's cache after sample i's question: (per candidate (None, refusal, wall, CPU) so far, the
+        caches, their last logits, the candidates' places of the caches)."""
+        import time
+
+        from kvcompile.tools.sweep import feed
+
+        s = self.samples[i]
+        out, caches, lasts, mine = [], [], [], []
+        for k, candidate in enumerate(candidates):
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                cache, logits = self._cache(candidate, i, headroom)
+                if s.question:
+                    logits = feed(self.model, cache, torch.tensor([s.question]), **self.options(cache.policy))
+                caches.append(cache)
+                lasts.append(logits)
+                mine.append(k)
+                error = None
+            except (ValueError, RuntimeError) as exc:
+                error = _reason(str(exc))
+            out.append((None, error, time.perf_counter() - wall, time.process_time() - cpu))
+        return out, caches, lasts, mine
+
+    @torch.no_grad()
     def full_score(self, i: int) -> float:
         """The task's score of the full cache's greedy answer on sample i (every entry kept)."""
         s = self.samples[i]
@@ -480,6 +524,11 @@ class Evaluator:
         if s.question:
             logits = feed(self.model, cache, torch.tensor([s.question]), **options)
         tokens = greedy(self.model, cache, logits, self.max_new_tokens, eos_ids(self.model), **options)[0].tolist()
+        return self._scored(tokens, s)
+
+    def _scored(self, tokens: list[int], s: Sample) -> float:
+        from kvcompile.tools.ruler import score
+
         if self.decode is None:  # token-level: the gold tokens appear in order at the start
             return 100.0 * float(tokens[:len(s.gold)] == s.gold)
         return 100.0 * score(s.task, self.decode(tokens), s.answers)  # RULER's share of gold strings, in %
@@ -748,6 +797,52 @@ def _child(jobs, tasks, results, kept) -> None:
         results.put((-1, None, traceback.format_exc(), 0.0, 0.0, None))
 
 
+@dataclass
+class Together:
+    """Trials of one sample confirmed as one job: their greedy answers decoded as one batch (Evaluator.confirms)."""
+
+    trials: list
+
+    @property
+    def candidate(self) -> Candidate:  # the scorer of every trial of the batch (Workers: its scores first)
+        return self.trials[0].candidate
+
+
+class BatchFailure(Exception):
+    """A batched evaluation failed as a whole (not a plan's refusal of one candidate, which is that candidate's
+    result): the search stops with it."""
+
+
+TOGETHER = 32  # the most trials a batched job takes (their compressed caches are held at once)
+
+
+def _together(evaluator, i: int, jobs: list[tuple]) -> list[tuple]:
+    """`jobs` with the confirmations batched where the evaluator batches them (Evaluator.confirms): per scorer (the
+    scorer's prompt scores are computed once, by the first job), at most TOGETHER trials a job."""
+    if not isinstance(evaluator, Evaluator):  # an evaluator of its own (a test's): one job a trial
+        return jobs
+    groups: dict = {}
+    out = []
+    for job in jobs:
+        trial, kind, _ = job
+        if kind == "confirm":
+            groups.setdefault(_scorer_key(trial.candidate), []).append(trial)
+        else:
+            out.append(job)
+    for trials in groups.values():
+        for start in range(0, len(trials), TOGETHER):
+            chunk = trials[start:start + TOGETHER]
+
+            def compute(chunk=chunk):
+                try:
+                    return evaluator.confirms([t.candidate for t in chunk], i)
+                except (ValueError, RuntimeError) as exc:  # not one candidate's refusal: the batch's own failure
+                    raise BatchFailure(f"tune: a batched confirmation failed: {exc}") from exc
+
+            out.append((Together(chunk), "confirm", compute))
+    return out
+
+
 def _timed(compute):
     """(value, refusal, wall, cpu): a plan's refusal of the model or budget (ValueError, RuntimeError) is a
     result, the candidate never scored, not a failure of the search."""
@@ -828,9 +923,14 @@ def tune(evaluator: Evaluator, space: Space, seed: int = 0, eta: int = 3, confir
                     bar.update()
                 else:
                     jobs.append((trial, kind, lambda c=compute, t=trial: c(t.candidate, i)))
+        jobs = _together(evaluator, i, jobs)
 
         def done(job, value, error, wall, cpu):
             trial, kind, _ = job
+            if isinstance(trial, Together):  # one value, refusal and seconds per trial of the batch
+                for member, result in zip(trial.trials, value):
+                    done((member, kind, None), *result)
+                return
             bar.update()
             if error is not None:  # a plan that refuses this model or budget: never scored
                 if trial.error is None:
