@@ -185,3 +185,28 @@ def test_every_spec_decoded_together_gives_each_cache_its_own_answer():
         after = cache.memory_report()
         assert after["bytes_held"] == report["bytes_held"] and torch.equal(after["kept"], report["kept"]), name
         assert wall > 0 and cpu > 0
+
+
+def test_adopting_many_caches_grows_each_pool_once_to_their_pages(captured):
+    """PooledPages.adopt_all: every layer's pool grows once, to exactly the pages the caches' heads own (adopting
+    one by one grows a pool by a quarter at a time, copying it each time), and each cache's entries are the same
+    as adopted one at a time."""
+    from kvcompile.engine.batch import decode_path
+
+    model, ids, mask, states, logits = captured
+    policies = [kvcompile.load_spec(name, per_head=per_head) for name in ("snapkv", "tova") for per_head in (48, 64)]
+    caches = [replay(policy, model.config, states) for policy in policies]
+    owned = [sum(int(cache.stores[layer].owned.sum()) for cache in caches) for layer in range(len(caches[0].stores))]
+    together, alone = decode_path(caches[0].plan), decode_path(caches[0].plan)
+    copies = [replay(policy, model.config, states) for policy in policies]
+    together.adopt_all(caches)
+    for cache in copies:
+        alone.adopt(cache)
+    for layer, pages in enumerate(owned):
+        (pool,) = together.pools.by_layout[layer].values()
+        assert pool.pages == pages and pool.free_pages == 0
+        (grown,) = alone.pools.by_layout[layer].values()
+        assert grown.pages >= pages
+        for a, b in zip(caches, copies):
+            torch.testing.assert_close(a.stores[layer].kv_rows(a.stores[layer].entries()[0]),
+                                       b.stores[layer].kv_rows(b.stores[layer].entries()[0]), rtol=0, atol=0)

@@ -191,6 +191,14 @@ class PooledPages:
                     _release_new(store, own)
                 raise
 
+    def adopt_all(self, caches: list) -> None:
+        """`adopt` each of `caches`, every layer's pools grown once for all of them first (`PagePools.reserve`)."""
+        if self.pools is not None:
+            for layer in range(len(self.pools.by_layout)):
+                self.pools.reserve(layer, [cache.stores[layer] for cache in caches])
+        for cache in caches:
+            self.adopt(cache)
+
     def release(self, cache: KVCompileCache) -> None:
         """A request ended: its pages go back to the pools."""
         for store in cache.stores:

@@ -91,6 +91,13 @@ class PagePool:
             self.free_pages -= n
         return ids.to(self.k_pages.device)
 
+    def reserve(self, n: int) -> None:
+        """At least `n` pages free: the pool grows once where fewer are (many stores adopted one after another would
+        grow it by a quarter at a time, copying it each time)."""
+        with self._lock:
+            if n > self.free_pages:
+                self._grow(n - self.free_pages)
+
     def give_back(self, ids: Tensor) -> None:
         """Pages `ids` are free again, emptied (positions −1, counts 0, keys and values 0)."""
         if not ids.numel():
@@ -463,6 +470,18 @@ class PagePools:
         if pool is None:
             pool = self.by_layout[layer][key] = PagePool.like(store)
         return pool
+
+    def reserve(self, layer: int, stores: list) -> None:
+        """The layer's pools grown once to adopt every store of `stores` (each tier of a TieredStore; the pages its
+        heads own)."""
+        need: dict[int, list] = {}
+        for store in stores:
+            for tier in tiers(store):
+                if not isinstance(tier, Pooled):
+                    pool = self.pool(layer, tier)
+                    need.setdefault(id(pool), [pool, 0])[1] += int(tier.owned.sum())
+        for pool, pages in need.values():
+            pool.reserve(pages)
 
     def adopt(self, layer: int, store):
         """`store` (a layer's pages built by the engine: a LayerStore, a store of codes, or each tier of a

@@ -300,8 +300,7 @@ def _stepped(model, caches: list[KVCompileCache], members: list[int], next_token
     pages = decode_path(caches[members[0]].plan)
     before = model.config._attn_implementation
     try:
-        for i in members:
-            pages.adopt(caches[i])
+        pages.adopt_all([caches[i] for i in members])
         model.set_attn_implementation(BATCH_ATTENTION)
         while True:
             wall, cpu = time.perf_counter(), time.process_time()
