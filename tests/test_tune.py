@@ -659,3 +659,27 @@ def test_confirmations_batched_are_each_candidates_own():
             values.add(value)
         assert refused < len(found)
     assert values == {0.0, 100.0}  # answers that differ: some candidates keep the answer, others lose it
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "zsmerge", "kivi", "streamingllm"])
+@pytest.mark.parametrize("question", [True, False])
+def test_the_proxys_gold_in_one_forward_is_the_gold_token_by_token(name, question):
+    """Evaluator._along_gold feeds the question and the gold answer in one forward (sweep.fed): the op decodes it
+    token by token with every decode rule of the policy (running scores, online eviction, a quantized tier's
+    flush), so its log-probabilities are teacher_forced's, token by token, up to float summation order."""
+    from kvcompile.tools.sweep import capture, feed, replay, teacher_forced
+
+    model = tiny_model(layers=2)
+    context, q, gold = prompt(160, seed=3)[0].tolist(), prompt(5, seed=4)[0].tolist(), prompt(6, seed=5)[0].tolist()
+    s = tune.Sample(0, context, q if question else [], gold)
+    ev = tune.Evaluator(model, [s], tune.Budget(kv_fraction=0.25))
+    policy = kvcompile.load_spec(name, per_head=max(40, kvcompile.load_spec(name).ranking.window + 16))
+    states, last = capture(model, torch.tensor([context]))
+    one = replay(policy, model.config, states, headroom=20)
+    got = ev._along_gold(one, last, s, {})
+    stepwise = replay(policy, model.config, states, headroom=20)
+    logits = feed(model, stepwise, torch.tensor([q])) if question else last
+    rows = teacher_forced(model, stepwise, logits, torch.tensor([gold]))[0]
+    torch.testing.assert_close(got, torch.log_softmax(rows.float(), -1), rtol=1e-4, atol=1e-4)
+    assert got.shape == (len(gold), model.config.vocab_size)
+    assert torch.equal(one.kept(), stepwise.kept())  # the same entries evicted and merged along the way

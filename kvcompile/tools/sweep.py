@@ -227,9 +227,17 @@ def feed(model, cache: KVCompileCache, ids: Tensor, **options) -> Tensor:
     a compressed context, kvpress's query-agnostic setting): their entries are appended, not
     compressed (each attends to what the cache holds and to the new tokens up to itself), at the
     positions that follow the prompt; the logits (B, V) of the last one."""
+    return fed(model, cache, ids, **options)[:, -1]
+
+
+@torch.no_grad()
+def fed(model, cache: KVCompileCache, ids: Tensor, **options) -> Tensor:
+    """`feed`, with the logits (B, T, V) of every fed token. The op runs a multi-token decode call token by token
+    (each new token its decode step: append, attention, running scores, online eviction, pruning), so these are
+    the logits `teacher_forced` gives token by token, in one forward (up to float summation order)."""
     positions = ((cache.seq_length - cache.pad)[:, None] + torch.arange(ids.shape[1])[None]).to(ids.device)
     with compiled(model, cache.policy, **options):  # options: compile()'s (a kvzip policy's tokenizer)
-        return model(ids, position_ids=positions, **cache_arg.given(cache)).logits[:, -1]
+        return model(ids, position_ids=positions, **cache_arg.given(cache)).logits
 
 
 @torch.no_grad()

@@ -424,12 +424,17 @@ class Evaluator:
         return replay(policy, self.model.config, every, headroom=headroom), logits
 
     def _along_gold(self, cache, logits, s: Sample, options: dict) -> torch.Tensor:
-        from kvcompile.tools.sweep import feed, teacher_forced
+        """Log-probabilities (T, V) of the gold answer's tokens, teacher-forced: the question and the gold answer
+        but its last token fed in one forward (sweep.fed: the op decodes it token by token, every decode rule of
+        the policy running, as generation would)."""
+        from kvcompile.tools.sweep import fed
 
-        if s.question:
-            logits = feed(self.model, cache, torch.tensor([s.question]), **options)
-        rows = teacher_forced(self.model, cache, logits, torch.tensor([s.gold]), **options)
-        return torch.log_softmax(rows[0].float(), -1)
+        ids = s.question + s.gold[:-1]
+        if not ids:  # one gold token after the prompt: the prompt's last logits predict it
+            return torch.log_softmax(logits.reshape(1, -1).float(), -1)
+        rows = fed(self.model, cache, torch.tensor([ids]), **options)[0]
+        rows = rows[len(s.question) - 1:] if s.question else torch.cat([logits.reshape(1, -1), rows])
+        return torch.log_softmax(rows.float(), -1)
 
     def options(self, policy) -> dict:
         """compile()'s keywords for `policy`: a reconstruction scorer's repeat prompt (found once), else none."""
