@@ -183,7 +183,7 @@ def test_every_swap_and_registration_is_declared_and_nothing_patches_transformer
     declared = {kind: {s for p in PATCHES if p.kind == kind for s in p.sites} for kind in ("swap", "register")}
     assert found.swaps == declared["swap"], (found.swaps ^ declared["swap"])
     assert found.registers == declared["register"], (found.registers ^ declared["register"])
-    assert len(found.swaps) == 5 and len(found.registers) == 8
+    assert len(found.swaps) == 5 and len(found.registers) == 10  # (sweep._stepped: the tools' batched answers)
     assert found.assigned == set(), found.assigned
 
 

@@ -100,7 +100,8 @@ PATCHES = (
     Patch("transformers.generation.streamers:BaseStreamer.end", "override", "generate",
           "TokenTimer: the end of a timed generate()", {'1e9949b796424bed': ALL}),
     Patch("transformers.masking_utils:create_causal_mask", "register", "generate",
-          "the 'kvcompile' (and the compiled entry's call site, the reference's) mask function in "
+          "the 'kvcompile' (and the compiled entry's call site, the reference's, the tools' batched answers') mask "
+          "function in "
           "AttentionMaskInterface: called by this code with q_length, kv_length, ... keywords, it hands the 2-D "
           "padding mask through (engine.op.kvcompile_mask)",
           {'bd4450cc85d63644': '5.21.0 5.22.0', '341ee68974b114b3': '5.23.0', '143e39d36ae2d186': '5.24.0'},
@@ -108,10 +109,12 @@ PATCHES = (
                  "kvcompile.integrations.batching:KVCompileBatchingManager.switch_to_cb_friendly_attn "
                  "AttentionMaskInterface",
                  "kvcompile.passes.site:register AttentionMaskInterface",
-                 "kvcompile.reference:_model_attention AttentionMaskInterface")),
+                 "kvcompile.reference:_model_attention AttentionMaskInterface",
+                 "kvcompile.tools.sweep:_stepped AttentionMaskInterface")),
     Patch("transformers.integrations.sdpa_attention:sdpa_attention_forward", "register", "generate",
           "the 'kvcompile' attention function in AttentionInterface (and 'kvcompile_batching', the compiled entry's "
-          "call site, the reference's): a model's attention calls it as it calls this one, (module, q, k, v, "
+          "call site, the reference's, 'kvcompile_decode_batch' of the tools' batched answers, sweep.greedy_together, "
+          "which reads its batch from the forward's keywords): a model's attention calls it as it calls this one, (module, q, k, v, "
           "mask, scaling=, dropout=, **kwargs); each architecture's call is run by tests/test_runtime.py and "
           "test_architectures.py",
           {'b3604d235f012925': '5.21.0 5.22.0', 'e3d016070b6ac957': '5.23.0', '9be3d6b1f79abc00': '5.24.0'},
@@ -119,7 +122,8 @@ PATCHES = (
                  "kvcompile.integrations.batching:KVCompileBatchingManager.switch_to_cb_friendly_attn "
                  "AttentionInterface",
                  "kvcompile.passes.site:register AttentionInterface",
-                 "kvcompile.reference:_model_attention AttentionInterface")),
+                 "kvcompile.reference:_model_attention AttentionInterface",
+                 "kvcompile.tools.sweep:_stepped AttentionInterface")),
     Patch("transformers.generation.utils:GenerationMixin.generate", "instance", "generate",
           "compile() sets the model's generate to an Entry: a call without a cache gets a fresh KVCompileCache, "
           "passed under the installed version's name (kvcompile.cache's NAME); the model's forward likewise (each "
