@@ -187,6 +187,34 @@ def test_every_spec_decoded_together_gives_each_cache_its_own_answer():
         assert wall > 0 and cpu > 0
 
 
+def test_a_cache_whose_steps_do_not_batch_decodes_alone_among_batched_ones():
+    """greedy_together: a plan whose decode steps run per request (pruning every few tokens: batch_key None) is
+    decoded by greedy() alone, between the batched caches, and gives greedy()'s tokens like them."""
+    import copy
+
+    from kvcompile.engine.batch import batch_key
+    from kvcompile.policy import policy_to_mapping
+    from kvcompile.tools.sweep import feed, greedy_together
+
+    model = tiny_model("llama")
+    ids, question = prompt(120, seed=31), prompt(6, seed=7)
+    states, _ = capture(model, ids)
+    pruning = dict(policy_to_mapping(kvcompile.load_spec("h2o", per_head=80)),
+                   schedule={"decode": {"every": 3}})
+    policies = [kvcompile.load_spec("snapkv", per_head=48), kvcompile.load_spec(pruning),
+                kvcompile.load_spec("snapkv", per_head=64)]
+    caches, lasts, expected = [], [], []
+    for policy in policies:
+        cache = replay(policy, model.config, states, headroom=30)
+        lasts.append(feed(model, cache, question))
+        own = copy.deepcopy(cache)
+        expected.append(greedy(model, own, lasts[-1], 12)[0].tolist())
+        caches.append(cache)
+    assert [batch_key(c.plan) is None for c in caches] == [False, True, False]
+    tokens, seconds = greedy_together(model, caches, lasts, 12)
+    assert tokens == expected and all(wall > 0 and cpu > 0 for wall, cpu in seconds)
+
+
 def test_adopting_many_caches_grows_each_pool_once_to_their_pages(captured):
     """PooledPages.adopt_all: every layer's pool grows once, to exactly the pages the caches' heads own (adopting
     one by one grows a pool by a quarter at a time, copying it each time), and each cache's entries are the same

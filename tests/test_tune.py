@@ -543,6 +543,65 @@ def test_workers_on_a_model_score_as_one_process_and_send_their_scores_back():
     assert max(len(kept) for kept in ev2._scores.values()) == 3  # the first sample: every scorer's
 
 
+def test_workers_compute_a_samples_reconstruction_once_in_the_parent(tmp_path, monkeypatch):
+    """Workers(2): kvzip's reconstruction scores (a second forward over the context) are computed once per sample,
+    by the parent before its children start (Evaluator.prescore, with every thread), never by a child; the
+    values are one process's."""
+    import os
+
+    from kvcompile import kvzip
+
+    model = tiny_model(layers=2)
+    samples = [tune.Sample(i, prompt(80, seed=150 + i)[0].tolist(), prompt(4, seed=160 + i)[0].tolist(),
+                           prompt(3, seed=170 + i)[0].tolist()) for i in range(3)]
+    space = tune.load_space({"scoring": ["kvzip", "key_norm"], "layers": ["uniform", "global"],
+                             "heads": ["uniform", "pooled"], "schedule": ["prefill"],
+                             "fields": {"scoring.kvzip.chunk": [32]},
+                             "ranking": {"by_score": {"sinks": 0, "window": 4}}}, bytes_budget=False)
+    log = tmp_path / "reconstructions"
+    original = kvzip.scores_of
+
+    def counted(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kvzip, "scores_of", counted)
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for workers in (1, 2):
+            torch.set_num_threads(1)
+            log.write_text("")
+            ev = tune.Evaluator(model, samples, tune.Budget(kv_fraction=0.25), max_new_tokens=3,
+                                repeat_prompt=REPEAT)
+            runs[workers] = tune.tune(ev, space, seed=0, confirm=2, progress=False, workers=workers,
+                                      answered_only=False)
+            pids = log.read_text().split()
+            assert pids == [str(os.getpid())] * len(samples), workers  # once a sample, in this process
+    finally:
+        torch.set_num_threads(threads)
+    one, two = runs[1], runs[2]
+    assert [(t.candidate.key, t.confirmed) for t in two.trials] == [(t.candidate.key, t.confirmed) for t in one.trials]
+    for a, b in zip(one.trials, two.trials):
+        torch.testing.assert_close(torch.tensor(list(b.proxy.values())), torch.tensor(list(a.proxy.values())))
+
+
+def test_a_samples_confirmations_are_batched_per_scorer_and_queued_first():
+    """_together: a scorer's confirmations batched (at most TOGETHER a batch), the batches before the proxies, the
+    largest first; each trial confirmed once."""
+    model = tiny_model(layers=2)
+    ev = tune.Evaluator(model, [], tune.Budget(kv_fraction=0.25))
+    a = [tune.Trial(tune.Candidate(f"a{k}", {"scoring": {"key_norm": {}}})) for k in range(5)]
+    b = [tune.Trial(tune.Candidate(f"b{k}", {"scoring": {"recency": {}}})) for k in range(2)]
+    jobs = [(t, "proxy", None) for t in a[:2]] + [(t, "confirm", None) for t in b + a]
+    out = tune._together(ev, 0, jobs)
+    assert [job[0].trials for job in out[:2]] == [a, b] and [job[0] for job in out[2:]] == a[:2]
+    assert all(job[1] == "confirm" for job in out[:2]) and all(job[1] == "proxy" for job in out[2:])
+    many = [(tune.Trial(tune.Candidate(f"c{k}", {"scoring": {"key_norm": {}}})), "confirm", None) for k in range(70)]
+    assert [len(job[0].trials) for job in tune._together(ev, 0, many)] == [32, 32, 6]
+
+
 def test_a_search_calibrates_on_the_samples_the_full_cache_answers(tmp_path):
     """answered_only (the default): a sample whose gold answer the full cache does not give is left out of every
     rung (no candidate evaluated on it) and the rungs count the others; the full cache's answers are recorded."""

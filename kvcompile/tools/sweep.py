@@ -279,9 +279,9 @@ def _no_mask(*args, **kwargs):
     return None  # each packed token attends over its own cache only: the batch's step knows which
 
 
-def _groups(caches: list[KVCompileCache]) -> list[list[int]]:
-    """The caches' indices by batch (`batch_key`), in first-seen order; a cache whose plan's steps do not batch is
-    a group of its own, marked by a negative first index (-1 - i)."""
+def _groups(caches: list[KVCompileCache]) -> list[tuple[bool, list[int]]]:
+    """(batched, the caches' indices) per batch (`batch_key`), in first-seen order; a cache whose plan's steps do
+    not batch is a group of its own, not batched."""
     from kvcompile.engine.batch import batch_key
 
     groups: dict = {}
@@ -289,8 +289,8 @@ def _groups(caches: list[KVCompileCache]) -> list[list[int]]:
         if cache.seq_length is None or cache.pad.shape[0] != 1:
             raise ValueError("kvcompile: a batched decode takes caches of one sequence each")
         key = batch_key(cache.plan)
-        groups.setdefault(("alone", i) if key is None else key, []).append(i if key is not None else -1 - i)
-    return list(groups.values())
+        groups.setdefault(("alone", i) if key is None else ("batched", key), []).append(i)
+    return [(kind == "batched", members) for (kind, _), members in groups.items()]
 
 
 def _stepped(model, caches: list[KVCompileCache], members: list[int], next_token, take, seconds: list) -> None:
@@ -352,7 +352,10 @@ def greedy_together(model, caches: list[KVCompileCache], last_logits: list[Tenso
     where their plans allow (`batch_key`): the same tokens each would give alone. last_logits: each cache's
     prompt logits (1, V) or (V,); `until(i, tokens)`: cache i's answer is complete. Returns each cache's tokens
     and its (wall, CPU) seconds (a batched step's shared equally by the caches it decoded). Each cache holds its
-    own pages again after (options, or `options_of(cache)`: compile()'s keywords, for a cache decoded alone)."""
+    own pages again after (options, or `options_of(cache)`: compile()'s keywords, for a cache decoded alone).
+    (The questions are fed before, one forward each (`feed`): a question of Q tokens is one forward of Q rows,
+    the model's weights read once; fed here it would be Q batched forwards of one row per cache, the weights read
+    Q times, which measured slower for RULER's 40-token questions.)"""
     stop = set() if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
     tokens = [[int(logits.reshape(-1, logits.shape[-1])[0].argmax())] for logits in last_logits]
     seconds = [[0.0, 0.0] for _ in caches]
@@ -361,9 +364,9 @@ def greedy_together(model, caches: list[KVCompileCache], last_logits: list[Tenso
         done = len(tokens[i]) >= max_new_tokens or tokens[i][-1] in stop or bool(until and until(i, tokens[i]))
         return None if done else tokens[i][-1]
 
-    for members in _groups(caches):
-        if members[0] < 0:
-            i = -1 - members[0]
+    for batched, members in _groups(caches):
+        if not batched:
+            i, = members
             tokens[i] = _alone(seconds, i, lambda: greedy(
                 model, caches[i], last_logits[i].reshape(1, -1), max_new_tokens, eos_token_id,
                 until=None if until is None else (lambda b, ids: until(i, ids)),

@@ -446,6 +446,23 @@ class Evaluator:
             self.repeat_prompt = repeat_prompt_for(self.model, self.tokenizer)
         return {"repeat_prompt": self.repeat_prompt}
 
+    def prescore(self, candidate: Candidate, i: int) -> bool:
+        """Compute here sample i's prompt scores of `candidate`'s scorer where it reconstructs the prompt (kvzip:
+        the model run again over the context, a sample's costliest scores, kept for every candidate with that
+        scorer); True when it does. Workers call it before they fork, so this forward runs with every thread of
+        the process rather than on one child's while the other child waits for the scores it needs. False (and
+        nothing computed) for any other scorer, or a candidate the plan refuses (its own job reports why)."""
+        from kvcompile.tools.sweep import reconstruction_scores
+
+        try:
+            policy = self.budget.policy(candidate.mapping, len(self.samples[i].context), self.model)
+        except (ValueError, RuntimeError):
+            return False
+        if not getattr(policy.scoring, "reconstructs", False):
+            return False
+        reconstruction_scores(self.model, policy, self._captured(i)[0], **self.options(policy))
+        return True
+
     def _cache(self, candidate: Candidate, i: int, headroom: int):
         from kvcompile.tools.sweep import replay
 
@@ -487,25 +504,24 @@ class Evaluator:
     def _prepared(self, candidates: list, i: int, headroom: int):
         """Each candidate's cache after sample i's question: (per candidate (None, refusal, wall, CPU) so far, the
         caches, their last logits, the candidates' places of the caches)."""
-        import time
-
         from kvcompile.tools.sweep import feed
 
         s = self.samples[i]
+
+        def prepared(candidate):
+            cache, logits = self._cache(candidate, i, headroom)
+            if s.question:
+                logits = feed(self.model, cache, torch.tensor([s.question]), **self.options(cache.policy))
+            return cache, logits
+
         out, caches, lasts, mine = [], [], [], []
         for k, candidate in enumerate(candidates):
-            wall, cpu = time.perf_counter(), time.process_time()
-            try:
-                cache, logits = self._cache(candidate, i, headroom)
-                if s.question:
-                    logits = feed(self.model, cache, torch.tensor([s.question]), **self.options(cache.policy))
-                caches.append(cache)
-                lasts.append(logits)
+            value, error, wall, cpu = _timed(lambda: prepared(candidate))
+            if error is None:
+                caches.append(value[0])
+                lasts.append(value[1])
                 mine.append(k)
-                error = None
-            except (ValueError, RuntimeError) as exc:
-                error = _reason(str(exc))
-            out.append((None, error, time.perf_counter() - wall, time.process_time() - cpu))
+            out.append((None, error, wall, cpu))
         return out, caches, lasts, mine
 
     @torch.no_grad()
@@ -517,13 +533,14 @@ class Evaluator:
 
     @torch.no_grad()
     def confirm(self, candidate: Candidate, i: int) -> float:
-        """The task's score of the greedy answer (100 where the decoded text holds every gold answer)."""
+        """The task's score of the greedy answer (100 where the decoded text holds every gold answer): one cache
+        through `greedy`, the plain path `confirms` must equal (tests/test_tune.py), kept as its reference."""
         s = self.samples[i]
         cache, logits = self._cache(candidate, i, len(s.question) + self.max_new_tokens)
         return self._answer(cache, logits, s, self.options(cache.policy))
 
     def _answer(self, cache, logits, s: Sample, options: dict) -> float:
-        from kvcompile.tools.ruler import eos_ids, score
+        from kvcompile.tools.ruler import eos_ids
         from kvcompile.tools.sweep import feed, greedy
 
         if s.question:
@@ -711,7 +728,9 @@ def successive_halving(trials: list[Trial], order: list[int], evaluate, eta: int
 class Workers:
     """Evaluations spread over `count` forked processes, one torch thread each (a one-token forward gains little
     from a second thread; a second process doubles the throughput of a two-core machine). Per sample, in the
-    parent: the sample's prefill is captured (Evaluator.prepare), so every child reads it without copying; then,
+    parent: the sample's prefill is captured (Evaluator.prepare) and a scorer's that reads the prompt again
+    (kvzip's reconstruction, Evaluator.prescore) is computed with every thread of the process, not on one child
+    while the other waits for those scores, so every child reads them without copying; then,
     first, one job per scorer whose prompt scores are not kept yet (each child computes the scores it needs and
     sends them back with the value, kept for the rest of the sample: Captured.scores), then the other jobs;
     children take jobs from one queue as they finish. Values are the same wherever a job runs. `count` 1: every
@@ -730,6 +749,13 @@ class Workers:
             return
         prepare = getattr(evaluator, "prepare", None)
         kept = prepare(i) if prepare is not None else None  # the sample's captured prefill and its kept scores
+        groups: dict = {}
+        for job in jobs:
+            groups.setdefault(_scorer_key(job[0].candidate), []).append(job)
+        prescore = getattr(evaluator, "prescore", None)
+        for key, group in groups.items():  # a reconstruction's scores: here, with every thread, before the fork
+            if (i, key) not in self.scored and prescore is not None and prescore(group[0][0].candidate, i):
+                self.scored.add((i, key))
         if len(jobs) == 1:  # not worth a fork; one thread, as in a child, so a value never depends on where it ran
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
@@ -738,10 +764,9 @@ class Workers:
             finally:
                 torch.set_num_threads(threads)
             return
-        groups: dict = {}
-        for job in jobs:
-            groups.setdefault(_scorer_key(job[0].candidate), []).append(job)
-        firsts = [g[0] for key, g in groups.items() if (i, key) not in self.scored]
+        # a scorer's first job computes its scores while the others wait: its cheapest (a proxy, not a batch)
+        firsts = [min(g, key=lambda job: isinstance(job[0], Together)) for key, g in groups.items()
+                  if (i, key) not in self.scored]
         self.scored.update((i, key) for key in groups)
         rest = [job for job in jobs if all(job is not f for f in firsts)]
         for batch in (firsts, rest):
@@ -823,17 +848,21 @@ TOGETHER = 32  # the most trials a batched job takes (their compressed caches ar
 
 def _together(evaluator, i: int, jobs: list[tuple]) -> list[tuple]:
     """`jobs` with the confirmations batched where the evaluator batches them (Evaluator.confirms): per scorer (the
-    scorer's prompt scores are computed once, by the first job), at most TOGETHER trials a job."""
+    scorer's prompt scores are computed once, by the first job), at most TOGETHER trials a job. The batches come
+    first: the longest jobs, so that no worker is left with one at the end while the other waits (longest
+    processing time first). (A batch is not split over the workers: a decode step reads the model's weights once
+    for the whole batch, so halves cost about 1.5 times the CPU of the whole; measured on the default search.)"""
     if not isinstance(evaluator, Evaluator):  # an evaluator of its own (a test's): one job a trial
         return jobs
     groups: dict = {}
-    out = []
+    rest = []
     for job in jobs:
         trial, kind, _ = job
         if kind == "confirm":
             groups.setdefault(_scorer_key(trial.candidate), []).append(trial)
         else:
-            out.append(job)
+            rest.append(job)
+    out = []
     for trials in groups.values():
         for start in range(0, len(trials), TOGETHER):
             chunk = trials[start:start + TOGETHER]
@@ -845,7 +874,8 @@ def _together(evaluator, i: int, jobs: list[tuple]) -> list[tuple]:
                     raise BatchFailure(f"tune: a batched confirmation failed: {exc}") from exc
 
             out.append((Together(chunk), "confirm", compute))
-    return out
+    out.sort(key=lambda job: -len(job[0].trials))  # stable: a scorer's first batch stays its first job
+    return out + rest
 
 
 def _timed(compute):
