@@ -510,8 +510,9 @@ def test_tune_searches_kvzip_with_one_reconstruction_per_sample(tmp_path, monkey
 
 def test_workers_on_a_model_score_as_one_process_and_send_their_scores_back():
     """On a model: two worker processes give one process's proxies and confirmations (one torch thread each,
-    as one process with one thread), and the prompt scores they compute (kvzip's reconstruction scores among
-    them) come back to the parent, kept for the sample's later candidates."""
+    as one process with one thread), and the prompt scores they compute come back to the parent, kept for the
+    sample's later candidates (with kvzip's reconstruction scores, which the parent computes before the fork:
+    the next test)."""
     model = tiny_model(layers=2)
     samples = [tune.Sample(i, prompt(80, seed=50 + i)[0].tolist(), prompt(4, seed=60 + i)[0].tolist(),
                            prompt(3, seed=70 + i)[0].tolist()) for i in range(3)]
