@@ -504,15 +504,11 @@ class Evaluator:
     def _prepared(self, candidates: list, i: int, headroom: int):
         """Each candidate's cache after sample i's question: (per candidate (None, refusal, wall, CPU) so far, the
         caches, their last logits, the candidates' places of the caches)."""
-        from kvcompile.tools.sweep import feed
-
         s = self.samples[i]
 
         def prepared(candidate):
             cache, logits = self._cache(candidate, i, headroom)
-            if s.question:
-                logits = feed(self.model, cache, torch.tensor([s.question]), **self.options(cache.policy))
-            return cache, logits
+            return cache, self._asked(cache, logits, s, self.options(cache.policy))
 
         out, caches, lasts, mine = [], [], [], []
         for k, candidate in enumerate(candidates):
@@ -539,12 +535,19 @@ class Evaluator:
         cache, logits = self._cache(candidate, i, len(s.question) + self.max_new_tokens)
         return self._answer(cache, logits, s, self.options(cache.policy))
 
+    def _asked(self, cache, logits, s: Sample, options: dict):
+        """The last logits after sample s's question is fed to `cache` (the prompt's own where it has none)."""
+        from kvcompile.tools.sweep import feed
+
+        if not s.question:
+            return logits
+        return feed(self.model, cache, torch.tensor([s.question]), **options)
+
     def _answer(self, cache, logits, s: Sample, options: dict) -> float:
         from kvcompile.tools.ruler import eos_ids
-        from kvcompile.tools.sweep import feed, greedy
+        from kvcompile.tools.sweep import greedy
 
-        if s.question:
-            logits = feed(self.model, cache, torch.tensor([s.question]), **options)
+        logits = self._asked(cache, logits, s, options)
         tokens = greedy(self.model, cache, logits, self.max_new_tokens, eos_ids(self.model), **options)[0].tolist()
         return self._scored(tokens, s)
 
