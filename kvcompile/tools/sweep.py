@@ -53,14 +53,16 @@ class Captured(list):
 def capture(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Captured, Tensor]:
     """Every compressed layer's prefill state (all query rows, keys, values, padding; a hybrid model's local
     layers as the prompt left them, `Captured.windows`) and the logits of the last prompt position, from one
-    forward pass that keeps everything."""
+    forward pass that keeps everything. Only the last position's logits are computed (`logits_to_keep=1`, as
+    generate() prefills): the LM head over every prompt row would be a sixth of a 4k-token prefill of SmolLM2."""
     from kvcompile.spec import load_spec
 
     policy = load_spec(KEEP_ALL)
     positions = None if attention_mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     with compiled(model, policy):  # positions as generate() gives them to a left-padded batch
         cache = KVCompileCache.from_plan(model.kvcompile_plan, record=True)  # (the model's sinks in its plan)
-        out = model(input_ids, attention_mask=attention_mask, position_ids=positions, **cache_arg.given(cache))
+        out = model(input_ids, attention_mask=attention_mask, position_ids=positions, **cache_arg.given(cache),
+                    logits_to_keep=1)
     hybrid = cache.plan.layer_kinds is not None
     return (Captured(cache.states, list(cache.windows) if hybrid else None, model_sinks(model), input_ids),
             out.logits[:, -1])
@@ -131,10 +133,13 @@ def prefilled(model, policy: Policy, input_ids: Tensor, headroom: int = 0,
               **options) -> tuple[KVCompileCache, Tensor]:
     """The cache a compiled model's own forward over `input_ids` leaves under `policy` (what generate()'s
     prefill keeps) and the logits of the last prompt position, as `capture` + `replay` give them: for
-    the policies `replay` cannot reproduce (`not_replayable`). `options` go to compile()."""
+    the policies `replay` cannot reproduce (`not_replayable`). `options` go to compile(). The last position's
+    logits alone (`logits_to_keep=1`, as `capture` and generate()) where the prompt runs in one forward; a
+    prompt compressed in chunks runs one forward a chunk, which refuses the keyword."""
+    keep = {} if policy.schedule.prefill is not None else {"logits_to_keep": 1}
     with compiled(model, policy, **options):
         cache = KVCompileCache.from_plan(model.kvcompile_plan.with_headroom(headroom))
-        out = model(input_ids, **cache_arg.given(cache))
+        out = model(input_ids, **cache_arg.given(cache), **keep)
     return cache, out.logits[:, -1]
 
 
