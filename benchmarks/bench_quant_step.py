@@ -37,6 +37,9 @@ CASES = {  # name: (storage, fused)
     "int4, unfused": ("int4", False),
     "mixed 1/3 int4, fused (CppTieredStep)": ({"mixed": {"full": 1 / 3, "bits": 4}}, True),
     "mixed 1/3 int4, unfused": ({"mixed": {"full": 1 / 3, "bits": 4}}, False),
+    # KIVI's keys per channel, residual 32: of 128 entries a head 96 as codes; a group flushed every 32 steps
+    "kivi int4 r32, fused (CppTieredStep)": ({"kivi": {"bits": 4, "residual": 32, "tokens": 32}}, True),
+    "kivi int4 r32, unfused": ({"kivi": {"bits": 4, "residual": 32, "tokens": 32}}, False),
 }
 
 

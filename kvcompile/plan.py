@@ -440,14 +440,14 @@ def _explicit_decode(softcap: float | None, storage, tiered: bool):
 
 
 def _quant_step_runs(policy: Policy, kernels: str | None, device, dtype, head_dim: int) -> bool:
-    """A fused step of a quantized store computes this policy's decode step here: codes per token (KIVI's keys
-    per channel move a page at a time: store.tiers), no running scores, no online eviction, a merge bias of
-    the form α·log w where slots sit beside the codes (StepRule), and the quantized C++ kernel runs for its
-    groups (fp32 on a CPU, kernels None or "cpp"). One store of codes: kernels.append_step; two tiers (mixed
-    precision, or merge slots beside the codes): kernels.tiered_step."""
+    """A fused step of a quantized store computes this policy's decode step here: codes per token, or KIVI's keys
+    per channel in two tiers (its flush, a page run at a time, inside the step), no running scores, no online
+    eviction, a merge bias of the form α·log w where slots sit beside the codes (StepRule), and the quantized C++
+    kernel runs for its groups (fp32 on a CPU, kernels None or "cpp"). One store of codes: kernels.append_step;
+    two tiers (mixed precision, KIVI, or merge slots beside the codes): kernels.tiered_step."""
     storage = policy.storage
     if policy.scoring.running or (policy.schedule.decode is not None and policy.schedule.decode.online) \
-            or storage.key_axis != "token" or _step_rule(policy, False) is None:
+            or (storage.key_axis != "token" and not policy.tiered) or _step_rule(policy, False) is None:
         return False
     if kernels not in (None, "cpp") or device is None or dtype is None:
         return False
@@ -462,7 +462,7 @@ def _decode_step(policy: Policy, impl: str, rule: StepRule | None, decode_impl: 
     pages of a plain step (where the paged C++ kernel runs, decode_impl "cpp") and for one store of codes,
     store.pages.CppOnlineStep for fp32 pages whose scores run or that evict (or a plain step at a head
     dim the paged kernel does not take), kernels.tiered_step.CppTieredStep for two tiers (the appending one: the
-    codes where every token is codes)."""
+    codes where every token is codes; KIVI's flush inside it)."""
     if impl == "torch":
         from kvcompile.engine.online import TorchStep
 
@@ -478,7 +478,8 @@ def _decode_step(policy: Policy, impl: str, rule: StepRule | None, decode_impl: 
     codes = policy.storage.low()
     if not policy.tiered:
         return CppAppendStep(codes.bits, codes.group_size(head_dim))
-    return CppTieredStep(codes.bits, codes.group_size(head_dim), rule.alpha, append_low=not policy.storage.tiered)
+    return CppTieredStep(codes.bits, codes.group_size(head_dim), rule.alpha, append_low=not policy.storage.tiered,
+                         residual=policy.storage.residual if policy.storage.key_axis == "channel" else None)
 
 
 def _tiered_refusal(policy: Policy, page_size: int) -> str | None:

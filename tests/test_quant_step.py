@@ -23,6 +23,7 @@ from kvcompile import reference
 from kvcompile.cache import KVCompileCache
 from kvcompile.kernels import paged_attention_quant as pq
 from kvcompile.engine.online import TorchStep
+from kvcompile.store.codes import ChannelCodeStore
 from kvcompile.store.pages import CppQuantStep
 from kvcompile.kernels.tiered_step import CppTieredStep
 import kvcompile.kernels.tiered_step as tiered_step_module
@@ -285,7 +286,9 @@ def test_the_plan_chooses_the_fused_step_where_it_computes_the_policy():
               (kvcompile.load_spec("snapkv", storage={"mixed": {"full": 0.5, "bits": 8, "group": 16}}),
                CppTieredStep(8, 16, None, False, pq.PARALLEL_WORK)),
               (kvcompile.load_spec("lava_residual", storage="int8"),  # merge slots beside the codes
-               CppTieredStep(8, 64, kvcompile.load_spec("lava_residual").merge.bias_alpha, True, pq.PARALLEL_WORK))]
+               CppTieredStep(8, 64, kvcompile.load_spec("lava_residual").merge.bias_alpha, True, pq.PARALLEL_WORK)),
+              (kvcompile.load_spec("kivi"),  # keys per channel: the flush of a full group inside the step
+               CppTieredStep(4, 64, None, False, pq.PARALLEL_WORK, residual=128))]
     for policy, step in tiered:
         plan = build_plan(policy, CONFIG, **FP32)
         assert plan.decode_step == (step if CPP else TorchStep()), policy.name
@@ -296,7 +299,8 @@ def test_the_plan_chooses_the_fused_step_where_it_computes_the_policy():
         (kvcompile.load_spec("snapkv_int4"), dict(device="cpu", dtype=torch.float16)),  # not fp32
         (kvcompile.load_spec("snapkv", storage={"int4": {"group": 8}}), FP32),  # a group the C++ kernel lacks
         (kvcompile.load_spec("lava_mixed"), dict(kernels="torch", **FP32)),
-        (kvcompile.load_spec("kivi"), FP32),  # keys per channel: a flush moves whole pages
+        (kvcompile.load_spec("kivi", storage={"kivi": {"group": 8}}), FP32),  # a value group the C++ kernel lacks
+        (kvcompile.load_spec("kivi"), dict(kernels="torch", **FP32)),
         (kvcompile.load_spec("h2o", storage="int8"), FP32),  # running scores
     ]
     for policy, options in not_fused:
@@ -314,6 +318,9 @@ TIERED = {  # storage, spec: mixed precision (appends to the float tier), codes 
     "mixed_all_float": ({"mixed": {"full": 1.0, "bits": 8}}, "snapkv"),
     "int4_slots": ("int4", "lava_residual"),
     "int8_g16_slots": ({"int8": {"group": 16}}, "lava_residual"),
+    # KIVI: to the float tier, a full group of 16 (every page size's multiple) into the codes, keys per channel
+    "kivi_int4_r4": ({"kivi": {"bits": 4, "residual": 4, "tokens": 16}}, "snapkv"),
+    "kivi_int8_r0_g16": ({"kivi": {"bits": 8, "residual": 0, "tokens": 16, "group": 16}}, "snapkv"),
 }
 
 
@@ -327,7 +334,19 @@ def tiered_policy(key: str, per_head: int, alpha: float = 0.6):
 
 def assert_same_tiers(got, want):
     assert_same_store(got.high, want.high)
-    assert_same_store(got.low, want.low)
+    if not isinstance(got.low, ChannelCodeStore):
+        assert_same_store(got.low, want.low)
+        return
+    # KIVI's codes: the torch flush (ChannelCodeStore.flush) writes every head's next page, used or not; the fused
+    # step writes a flushing head's only. The pages heads hold bit for bit, and every counter and table.
+    for name in ("block_table", "lengths", "owned", "slots"):
+        assert torch.equal(getattr(got.low, name), getattr(want.low, name)), name
+    assert (got.low.room, got.low.next_page, got.low.flush_room) == (want.low.room, want.low.next_page,
+                                                                    want.low.flush_room)
+    used = [int(p) for row, n in zip(got.low.block_table.flatten(0, 1), got.low.lengths.flatten())
+            for p in row[:int(n) // got.low.page_size]]
+    for name in PAGE_FIELDS[:9]:
+        assert torch.equal(getattr(got.low, name)[used], getattr(want.low, name)[used]), name
 
 
 @needs_cpp
@@ -379,3 +398,35 @@ def test_tiered_step_equals_reference_token_by_token(key, b, h, g, n, steps, per
     q, k, v = rand(b, h * g, n, d), rand(b, h, n, d), rand(b, h, n, d)
     cache, _, _ = token_by_token(policy, q, k, v, None, steps, rand, page)
     assert isinstance(cache.plan.decode_step, CppTieredStep)
+
+
+@needs_cpp
+@settings(max_examples=8, deadline=None)
+@given(bits=st.sampled_from([4, 8]), page=st.sampled_from([2, 4]), groups=st.integers(1, 3),
+       residual=st.sampled_from([0, 3, 8]), b=st.integers(1, 2), h=st.integers(1, 3), g=st.integers(1, 2),
+       per_head=st.integers(6, 14), pad=st.integers(0, 3), seed=st.integers(0, 2 ** 16))
+def test_kivis_flush_inside_the_fused_step_is_the_torch_flush(bits, page, groups, residual, b, h, g, per_head, pad,
+                                                               seed):
+    """KIVI in the fused step (kernels.tiered_step, keys per channel): over steps enough for several flushes of
+    every head (a group of `page · groups` tokens each), both tiers as the torch step leaves them (the codes of a
+    flushed group bit for bit: keys per channel, values per entry; the float tier's rotated block table) and the
+    attention equal to TieredPagedAttention's."""
+    tokens, d = page * groups, 16
+    policy = kvcompile.load_spec("snapkv", per_head=per_head, **SMALL,
+                                 storage={"kivi": {"bits": bits, "residual": residual, "tokens": tokens}})
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    scale = d ** -0.5
+    with counted(tiered_step_module, "tiered_step_cpp") as calls:
+        cache, other = prefilled(policy, b, h, g, d, page, per_head + 4, pad, rand, scale)
+        step = cache.plan.decode_step
+        assert isinstance(step, CppTieredStep) and step.residual == residual and not step.append_low
+        flushed = cache.stores[0].low.lengths.clone()
+        for _ in range(3 * tokens + 1):
+            q, k, v = rand(b, h * g, 1, d), rand(b, h, 1, d), rand(b, h, 1, d)
+            got = torch.ops.kvcompile.attend(q, k, v, None, 0, cache.ref, cache.token, scale)
+            want = torch.ops.kvcompile.attend(q, k, v, None, 0, other.ref, other.token, scale)
+            assert_same_tiers(cache.stores[0], other.stores[0])
+            assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert bool((cache.stores[0].low.lengths - flushed >= 3 * tokens).all())  # every head flushed 3 times
+    assert True in calls

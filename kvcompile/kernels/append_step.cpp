@@ -5,8 +5,10 @@
 // `kvcompile_paged_attention_quant`). Built by kvcompile/kernels/append_step.py, where the contract is; the
 // loader defines KVCOMPILE_G, _D, _FLOAT, _GK, _GV, and KVCOMPILE_APPEND_ONLY 1 for the build whose entry is the
 // append alone (a batched decode step's, before its attention backend's call: kvcompile.store.pages.CppAppend).
+#ifndef KVCOMPILE_TIERED  // (tiered_step.cpp's KIVI build appends to its float tier only, and flushes whole pages)
 static_assert(!KCH, "the fused step appends entries one at a time: keys per token only (KIVI's per-channel "
                     "pages take whole pages, kvcompile.store.tiers)");
+#endif
 
 // One entry x (D floats) -> its codes (D * BITS / 8 bytes; int4: channel 2i in the low nibble of byte i),
 // and the scale and zero point of each group of GRP channels. kvcompile.kernels.quantize's fp32 operations
@@ -52,7 +54,7 @@ static void append_all(const float* k, const float* v, const int64_t* position, 
         if constexpr (BITS == 32) {  // fp32 pages: the entry as it is
             std::memcpy(kc + at * W, k + bh * D, W);
             std::memcpy(vc + at * W, v + bh * D, W);
-        } else {
+        } else if constexpr (!KCH) {
             quantize_entry<BITS, GK>(k + bh * D, kc + at * W, ks + at * NGK, kz + at * NGK);
             quantize_entry<BITS, GV>(v + bh * D, vc + at * W, vs + at * NGV, vz + at * NGV);
         }

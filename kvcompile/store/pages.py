@@ -569,10 +569,11 @@ class LayerStore:
 
 # --- the fused decode steps (Plan.decode_step, of kvcompile.kernels.online_step's family) ----------------------
 
-def _layout(pages, d: int, bits: int, group: int) -> bool:
+def _layout(pages, d: int, bits: int, group: int, key_group: int | None = None) -> bool:
     """The pages have the layout the fused steps (`append_step_cpp`, `online_step_cpp`, kernels.tiered_step) write
     into in place: fp32 (P, S, d), or codes uint8 (P, S, d · bits / 8) with scales and zero points float32
-    (P, S, d / group); the block table and counters int64, scores and counts float32, every tensor contiguous."""
+    (P, S, d / group), the keys' (P, d) where key_group is 0 (per channel over a page, KIVI); the block table and
+    counters int64, scores and counts float32, every tensor contiguous."""
     if not (pages.lengths.dtype == torch.long and pages.block_table.dtype == torch.long
             and pages.owned.dtype == torch.long and pages.pos_pages.dtype == torch.long
             and pages.score_pages.dtype == torch.float32 and pages.count_pages.dtype == torch.float32
@@ -583,17 +584,20 @@ def _layout(pages, d: int, bits: int, group: int) -> bool:
             and pages.k_pages.shape[-1] == d and pages.v_pages.shape[-1] == d
     kc, vc, ks, kz, vs, vz = pages.k_pages, pages.v_pages, pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero
     width, groups = d * bits // 8, d // group
+    keys = ks.shape == (kc.shape[0], d) if key_group == 0 else \
+        ks.dim() == 3 and ks.shape[-1] == groups and vs.shape == ks.shape
     return (kc.dtype == torch.uint8 and vc.dtype == torch.uint8 and kc.shape[-1] == width
             and vc.shape[-1] == width and ks.dtype == torch.float32 and kz.dtype == torch.float32
-            and vs.dtype == torch.float32 and vz.dtype == torch.float32 and ks.dim() == 3
-            and ks.shape[-1] == groups and kz.shape == ks.shape and vs.shape == ks.shape and vz.shape == ks.shape)
+            and vs.dtype == torch.float32 and vz.dtype == torch.float32 and keys and vs.dim() == 3
+            and vs.shape[-1] == groups and kz.shape == ks.shape and vz.shape == vs.shape)
 
 
-def check_call(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, d: int, bits: int, group: int) -> None:
+def check_call(pages, q: Tensor, k: Tensor, v: Tensor, position: Tensor, d: int, bits: int, group: int,
+               key_group: int | None = None) -> None:
     """RuntimeError where the call is not of the layout a fused step writes into in place (the plan chose the
     step for the store's layout and the model's fp32 CPU tensors: a mismatch is a bug, not a case to skip)."""
     if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32 \
-            or position.dtype != torch.long or q.device.type != "cpu" or not _layout(pages, d, bits, group):
+            or position.dtype != torch.long or q.device.type != "cpu" or not _layout(pages, d, bits, group, key_group):
         raise RuntimeError(f"kvcompile: a fused decode step (C++, fp32 CPU) got tensors of another layout: q "
                            f"{q.dtype} on {q.device}, pages {pages.k_pages.dtype} {tuple(pages.k_pages.shape)}")
 
