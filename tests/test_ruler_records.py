@@ -231,6 +231,49 @@ def test_rows_with_the_same_samples_are_resampled_with_the_same_draws():
     assert estimate(a, seed=1) != estimate(a, seed=2)
 
 
+def test_the_verdict_layout_holds_the_reports_averages_and_differences(tmp_path, capsys):
+    """`report --verdict`: a row per method, a column per (mode, budget), each cell the average the per-task
+    report gives and the paired difference against the baseline at the same budget; the entries' and the bytes'
+    budgets in tables of their own; --methods keeps the named rows (and the full cache's and the baseline's)."""
+    records = []
+    for mode in ("agnostic", "aware"):
+        for i in range(4):
+            records.append(rec("full", "t", i, 1, mode=mode))
+            for budget in (0.1, 0.25):
+                records += [rec("kvzip", "t", i, float(i < 3), budget, mode), rec("x", "t", i, float(i < 1), budget,
+                                                                                   mode)]
+            records += [{**rec(name, "t", i, float(i < k), mode=mode), "byte_fraction": 0.0625}
+                        for name, k in (("kvzip", 1), ("kvzip@int8", 3))]
+            records.append(rec("other", "t", i, 0.0, 0.25, mode))
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps({**r, "model": "m", "definition": r["spec"]}) + "\n" for r in records))
+    cli.main(["report", str(path), "--baseline", "kvzip", "--verdict", "--methods", "x,kvzip@int8"])
+    out = capsys.readouterr().out
+    entries, nbytes = out.split("| method (bytes)")
+    rows = {line.split(" | ")[0].strip("| "): line for line in entries.splitlines() if line.startswith("| ")}
+    assert "| method (entries) | agnostic 25% KV | agnostic 10% KV | aware 25% KV | aware 10% KV |" in entries
+    assert nbytes.startswith(" | agnostic 1/16 B | aware 1/16 B |") and "other" not in out
+    assert set(rows) == {"method (entries)", "full cache", "kvzip", "x"}
+    assert rows["full cache"].count("| 100.0 [100.0, 100.0] (4)") == 4
+    data = table(records)
+    for mode in ("agnostic", "aware"):
+        for budget in (0.25, 0.1):
+            x, kvzip = data[mode][("x", ("fraction", budget))], data[mode][("kvzip", ("fraction", budget))]
+            cell = f"{estimate(x)['average'].text()}; {estimate(paired(x, kvzip))['average'].text(True)} vs kvzip"
+            assert f"| {cell} " in rows["x"] and "25.0 [" in cell and "-50.0 [" in cell
+            assert f"| {estimate(kvzip)['average'].text()} " in rows["kvzip"]
+    assert "vs kvzip" not in rows["kvzip"]
+    x, kvzip = (data["aware"][(name, ("bytes", 0.0625))] for name in ("kvzip@int8", "kvzip"))
+    cell = f"{estimate(x)['average'].text()}; {estimate(paired(x, kvzip))['average'].text(True)} vs kvzip"
+    assert f"| kvzip@int8 | {cell} | {cell} |" in nbytes and "+50.0 [" in cell
+    with pytest.raises(SystemExit):
+        cli.main(["report", str(path), "--verdict"])
+    assert "--verdict compares every row with --baseline" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["report", str(path), "--methods", "nope"])
+    assert "--methods: no records of nope" in capsys.readouterr().err
+
+
 def saved(setup, tmp_path, rows=None):
     """The tiny model and tokenizer saved as a checkpoint folder, and the samples (or the first `rows`) as a
     dataset file: what the eval command reads."""

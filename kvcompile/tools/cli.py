@@ -872,7 +872,7 @@ def cmd_eval_ruler(args) -> None:
 def cmd_report(args) -> None:
     """The RULER tables of accumulated records (kvcompile.tools.ruler_report)."""
     from kvcompile.tools.ruler_records import RecordsError, read_records
-    from kvcompile.tools.ruler_report import report
+    from kvcompile.tools.ruler_report import report, verdict
 
     try:
         records = read_records(args.files)
@@ -885,9 +885,20 @@ def cmd_report(args) -> None:
         if missing:
             fail(f"--tasks: no records of {', '.join(missing)} (tasks: {', '.join(sorted({r['task'] for r in records}))})")
         records = [r for r in records if r["task"] in args.tasks]
+    if args.methods is not None:  # these rows (and the full cache's, and the baseline's) alone
+        missing = [m for m in args.methods if m not in {r["spec"] for r in records}]
+        if missing:
+            fail(f"--methods: no records of {', '.join(missing)} (methods: "
+                 f"{', '.join(sorted({r['spec'] for r in records}))})")
+        records = [r for r in records if r["spec"] in {*args.methods, "full", args.baseline}]
     if args.baseline is not None and args.baseline not in {r["spec"] for r in records}:
         fail(f"--baseline {args.baseline}: no such method in the records (methods: "
              f"{', '.join(sorted({r['spec'] for r in records}))})")
+    if args.verdict:
+        if args.baseline is None:
+            fail("--verdict compares every row with --baseline: name one (e.g. --baseline kvzip)")
+        print(verdict(records, args.baseline, args.resamples, args.seed))
+        return
     print(report(records, args.baseline, args.resamples, args.seed))
 
 
@@ -1456,6 +1467,13 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--tasks", type=names, default=None, metavar="T,T",
                      help="only these tasks' records, so that every row's average is over the same tasks (default: "
                           "every task of the records; a row's average is over the tasks it has)")
+    rep.add_argument("--methods", type=names, default=None, metavar="M,M",
+                     help="only these methods' rows (with the full cache's and --baseline's; default: every method "
+                          "of the records)")
+    rep.add_argument("--verdict", action="store_true",
+                     help="instead of the per-task tables, the averages alone: a row per method, a column per query "
+                          "mode and budget, each with its difference against --baseline (one table for the shares "
+                          "of the entries, one for the shares of the bytes)")
     rep.set_defaults(func=cmd_report)
 
     specs = sub.add_parser("specs", help="list the shipped policies",

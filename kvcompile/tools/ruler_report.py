@@ -153,6 +153,45 @@ def report(records: list[dict], baseline: str | None = None, resamples: int = RE
     return "\n".join(lines)
 
 
+def verdict(records: list[dict], baseline: str, resamples: int = RESAMPLES, seed: int = 0) -> str:
+    """The verdict's layout (`kvcompile report --verdict --baseline NAME`): one table per kind of budget (the share
+    of the entries kept, then the share of the full cache's bytes), a row per method and a column per (query mode,
+    budget), each cell the row's average [interval] (n) and its paired difference against `baseline` at the same
+    budget, mode and samples; the full cache's average in every column of its mode. The same estimates as
+    `report`'s average column and its baseline differences."""
+    data = table(records)
+    labels = press_labels(records)
+    modes = [m for m in ("agnostic", "aware") if m in data]
+    lines = [f"RULER average (%), mean [95 % paired bootstrap interval, {resamples} resamples, seed {seed}] (the "
+             f"fewest samples of any task); then the paired difference against {baseline} at the same budget"]
+    for kind, title in (("fraction", "entries"), ("bytes", "bytes")):
+        budgets = sorted({k[1] for m in modes for k in data[m] if k[1][0] == kind}, key=lambda b: -b[1])
+        columns = [(m, b) for m in modes for b in budgets if any(k[1] == b for k in data[m])]
+        if not columns:
+            continue
+        methods = sorted({k[0] for m, b in columns for k in data[m] if k[1] == b and k[0] != FULL})
+        lines += ["", f"| method ({title}) | " + " | ".join(f"{m} {budget_text(b)}" for m, b in columns) + " |",
+                  "|---|" + "---|" * len(columns)]
+        full = {m: [k for k in data[m] if k[0] == FULL] for m in modes}
+        cells = [estimate(data[m][full[m][0]], resamples, seed)["average"].text() if full[m] else ""
+                 for m, _ in columns]
+        lines.append("| full cache | " + " | ".join(cells) + " |")
+        for method in methods:
+            cells = []
+            for m, b in columns:
+                rows = data[m]
+                if (method, b) not in rows:
+                    cells.append("")
+                    continue
+                cell = estimate(rows[(method, b)], resamples, seed)["average"].text()
+                if method != baseline and (baseline, b) in rows:
+                    diff = estimate(paired(rows[(method, b)], rows[(baseline, b)]), resamples, seed)
+                    cell += f"; {diff['average'].text(signed=True)} vs {baseline}" if diff else ""
+                cells.append(cell)
+            lines.append(f"| {(labels or {}).get(method, method)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def time_table(records: list[dict]) -> list[str]:
     """Seconds per record by phase (prefill or capture, compression, the question and decode), wall and CPU,
     per row, and the answer tokens generated: what each variant of a sample costs."""
