@@ -244,7 +244,7 @@ def test_the_verdict_layout_holds_the_reports_averages_and_differences(tmp_path,
                                                                                    mode)]
             records += [{**rec(name, "t", i, float(i < k), mode=mode), "byte_fraction": 0.0625}
                         for name, k in (("kvzip", 1), ("kvzip@int8", 3))]
-            records.append(rec("other", "t", i, 0.0, 0.25, mode))
+            records += [rec("other", "t", i, 0.0, 0.25, mode), rec("kvpress snapkv", "t", i, 0.0, 0.25, mode)]
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps({**r, "model": "m", "definition": r["spec"]}) + "\n" for r in records))
     cli.main(["report", str(path), "--baseline", "kvzip", "--verdict", "--methods", "x,kvzip@int8"])
@@ -266,6 +266,9 @@ def test_the_verdict_layout_holds_the_reports_averages_and_differences(tmp_path,
     x, kvzip = (data["aware"][(name, ("bytes", 0.0625))] for name in ("kvzip@int8", "kvzip"))
     cell = f"{estimate(x)['average'].text()}; {estimate(paired(x, kvzip))['average'].text(True)} vs kvzip"
     assert f"| kvzip@int8 | {cell} | {cell} |" in nbytes and "+50.0 [" in cell
+    cli.main(["report", str(path), "--baseline", "kvpress:snapkv", "--verdict", "--methods", "kvpress:snapkv,x"])
+    out = capsys.readouterr().out  # a press named as --specs names it
+    assert "| kvpress snapkv | 0.0 [0.0, 0.0] (4) |" in out and "-25.0 [" not in out and "+25.0 [" in out
     with pytest.raises(SystemExit):
         cli.main(["report", str(path), "--verdict"])
     assert "--verdict compares every row with --baseline" in capsys.readouterr().err

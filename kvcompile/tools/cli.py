@@ -872,8 +872,13 @@ def cmd_eval_ruler(args) -> None:
 def cmd_report(args) -> None:
     """The RULER tables of accumulated records (kvcompile.tools.ruler_report)."""
     from kvcompile.tools.ruler_records import RecordsError, read_records
+    from kvcompile.tools.ruler import KVPRESS
     from kvcompile.tools.ruler_report import report, verdict
 
+    # a press as --specs names it (kvpress:snapkv) is the row its records name (kvpress snapkv)
+    named = lambda m: f"kvpress {m[len(KVPRESS):]}" if m is not None and m.startswith(KVPRESS) else m  # noqa: E731
+    args.baseline = named(args.baseline)
+    args.methods = None if args.methods is None else [named(m) for m in args.methods]
     try:
         records = read_records(args.files)
     except RecordsError as exc:
