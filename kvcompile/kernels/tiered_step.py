@@ -26,7 +26,8 @@ that does not flush, unused until it does) and `LayerStore.rotate_out`; the code
 flush is owned before the step (`ChannelCodeStore.reserve_flush`).
 
 The C++ is tiered_step.cpp, compiled after paged_attention.cpp and append_step.cpp (entries renamed), once
-per (G, d, group). Backend: `CppTieredStep(bits, group, alpha, append_low, parallel_work)` (`Plan.decode_step`).
+per (G, d, group, keys per channel or not). Backend: `CppTieredStep(bits, group, alpha, append_low, parallel_work,
+residual)` (`Plan.decode_step`).
 """
 from __future__ import annotations
 

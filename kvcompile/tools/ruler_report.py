@@ -188,7 +188,7 @@ def verdict(records: list[dict], baseline: str, resamples: int = RESAMPLES, seed
                     diff = estimate(paired(rows[(method, b)], rows[(baseline, b)]), resamples, seed)
                     cell += f"; {diff['average'].text(signed=True)} vs {baseline}" if diff else ""
                 cells.append(cell)
-            lines.append(f"| {(labels or {}).get(method, method)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {labels.get(method, method)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
