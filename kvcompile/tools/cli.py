@@ -879,29 +879,31 @@ def cmd_report(args) -> None:
     named = lambda m: f"kvpress {m[len(KVPRESS):]}" if m is not None and m.startswith(KVPRESS) else m  # noqa: E731
     args.baseline = named(args.baseline)
     args.methods = None if args.methods is None else [named(m) for m in args.methods]
+    if args.verdict and args.baseline is None:
+        fail("--verdict compares every row with --baseline: name one (e.g. --baseline kvzip)")
     try:
         records = read_records(args.files)
     except RecordsError as exc:
         fail(str(exc))
     if not records:
         fail(f"no records in {', '.join(args.files)}")
+
+    def only(option: str, field: str, wanted: list[str], kept: set) -> list[dict]:
+        """The records whose `field` is in `kept`, every one of `wanted` having some (else a clear exit)."""
+        have = {r[field] for r in records}
+        missing = [w for w in wanted if w not in have]
+        if missing:
+            fail(f"{option}: no records of {', '.join(missing)} ({field}s: {', '.join(sorted(have))})")
+        return [r for r in records if r[field] in kept]
+
     if args.tasks is not None:  # a table over these tasks alone: every row's average over the same tasks
-        missing = [t for t in args.tasks if t not in {r["task"] for r in records}]
-        if missing:
-            fail(f"--tasks: no records of {', '.join(missing)} (tasks: {', '.join(sorted({r['task'] for r in records}))})")
-        records = [r for r in records if r["task"] in args.tasks]
+        records = only("--tasks", "task", args.tasks, set(args.tasks))
     if args.methods is not None:  # these rows (and the full cache's, and the baseline's) alone
-        missing = [m for m in args.methods if m not in {r["spec"] for r in records}]
-        if missing:
-            fail(f"--methods: no records of {', '.join(missing)} (methods: "
-                 f"{', '.join(sorted({r['spec'] for r in records}))})")
-        records = [r for r in records if r["spec"] in {*args.methods, "full", args.baseline}]
+        records = only("--methods", "spec", args.methods, {*args.methods, "full", args.baseline})
     if args.baseline is not None and args.baseline not in {r["spec"] for r in records}:
         fail(f"--baseline {args.baseline}: no such method in the records (methods: "
              f"{', '.join(sorted({r['spec'] for r in records}))})")
     if args.verdict:
-        if args.baseline is None:
-            fail("--verdict compares every row with --baseline: name one (e.g. --baseline kvzip)")
         print(verdict(records, args.baseline, args.resamples, args.seed))
         return
     print(report(records, args.baseline, args.resamples, args.seed))

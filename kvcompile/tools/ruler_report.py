@@ -162,6 +162,8 @@ def verdict(records: list[dict], baseline: str, resamples: int = RESAMPLES, seed
     data = table(records)
     labels = press_labels(records)
     modes = [m for m in ("agnostic", "aware") if m in data]
+    full = {m: next((estimate(rows, resamples, seed)["average"].text() for (method, _), rows in data[m].items()
+                     if method == FULL), "") for m in modes}  # its average, in every column of its mode
     lines = [f"RULER average (%), mean [95 % paired bootstrap interval, {resamples} resamples, seed {seed}] (the "
              f"fewest samples of any task); then the paired difference against {baseline} at the same budget"]
     for kind, title in (("fraction", "entries"), ("bytes", "bytes")):
@@ -172,10 +174,7 @@ def verdict(records: list[dict], baseline: str, resamples: int = RESAMPLES, seed
         methods = sorted({k[0] for m, b in columns for k in data[m] if k[1] == b and k[0] != FULL})
         lines += ["", f"| method ({title}) | " + " | ".join(f"{m} {budget_text(b)}" for m, b in columns) + " |",
                   "|---|" + "---|" * len(columns)]
-        full = {m: [k for k in data[m] if k[0] == FULL] for m in modes}
-        cells = [estimate(data[m][full[m][0]], resamples, seed)["average"].text() if full[m] else ""
-                 for m, _ in columns]
-        lines.append("| full cache | " + " | ".join(cells) + " |")
+        lines.append("| full cache | " + " | ".join(full[m] for m, _ in columns) + " |")
         for method in methods:
             cells = []
             for m, b in columns:
