@@ -153,8 +153,9 @@ def test_policies_that_act_alike_keep_the_same_entries(captured, layers):
 
 def test_every_spec_decoded_together_gives_each_cache_its_own_answer():
     """greedy_together: the caches of every replayable spec at two budgets, after one question, decode as batches
-    of the engine's batched step (plans whose steps differ in separate batches, `batch_key`): each cache's tokens
-    are greedy()'s on a copy of it alone, and it holds the same entries and bytes after."""
+    of the engine's batched step (plans whose steps differ in separate batches, `batch_key`), every batch in one
+    forward a step: each cache's tokens are greedy()'s on a copy of it alone, and it holds the same entries and
+    bytes after."""
     import copy
 
     from kvcompile.engine.batch import batch_key
@@ -179,7 +180,13 @@ def test_every_spec_decoded_together_gives_each_cache_its_own_answer():
             lasts.append(last)
     keys = {batch_key(cache.plan) for cache in caches}
     assert len(caches) >= 30 and len(keys) >= 4 and None not in keys  # several batches, each of several caches
-    tokens, seconds = greedy_together(model, caches, lasts, 20)
+    forwards = []
+    hook = model.register_forward_hook(lambda module, args, out: forwards.append(1))
+    try:
+        tokens, seconds = greedy_together(model, caches, lasts, 20)
+    finally:
+        hook.remove()
+    assert len(forwards) <= 19  # every batch in the same forward a step (a token is the last's argmax; 20 at most)
     for (name, expected, report), got, cache, (wall, cpu) in zip(alone, tokens, caches, seconds):
         assert got == expected, name
         after = cache.memory_report()

@@ -17,6 +17,8 @@ ranking, merge and storage over them costs a replay (`replay(..., model=model, t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -265,9 +267,10 @@ def teacher_forced(model, cache: KVCompileCache, last_logits: Tensor, continuati
 # An eval decodes one answer per (policy, budget, question) of a context, each from its own compressed cache. On a
 # CPU a decode step of a small model is the read of its weights (SmolLM2-135M: about 46 of 63 ms a token in the
 # projections), so the answers of a sample decode together: one forward of R tokens a step, one token per cache,
-# each layer's attention one call of the engine's batched decode step over every cache's pages
-# (kvcompile.engine.batch: the caches' pages in one page pool, `DecodeBatch.run`). Caches whose plans' batched
-# steps differ (`batch_key`) decode in separate batches; a plan whose steps do not batch decodes alone (greedy).
+# each layer's attention one call of the engine's batched decode step per batch of caches (kvcompile.engine.batch:
+# a batch's pages in one page pool, `DecodeBatch.run`). Caches whose plans' batched steps differ (`batch_key`: a
+# storage, a decode step) are separate batches in the same forward; a plan whose steps do not batch decodes alone
+# (greedy).
 
 BATCH_ATTENTION = "kvcompile_decode_batch"
 
@@ -275,13 +278,40 @@ BATCH_ATTENTION = "kvcompile_decode_batch"
 def _batch_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvcompile_batch=None,
                      **kwargs):
     """transformers AttentionInterface entry of `greedy_together`'s forwards: the packed tokens (1, H, R, d), one
-    per cache, through the step's DecodeBatch."""
+    per cache, through the step's batches (`_StepBatches`)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return kvcompile_batch.run(module.layer_idx, query, key, value, scale).unsqueeze(0), None
 
 
 def _no_mask(*args, **kwargs):
     return None  # each packed token attends over its own cache only: the batch's step knows which
+
+
+@dataclass
+class _StepBatches:
+    """One forward's batches (`DecodeBatch`, one per `batch_key`), each over its rows of the packed tokens."""
+
+    batches: list  # DecodeBatch of each batch with a token this step
+    rows: int  # the packed forward's tokens
+
+    def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+        """Layer `layer` for every batch, its outputs (R, Hq, d) at its requests' rows."""
+        if len(self.batches) == 1 and self.batches[0].whole:
+            return self.batches[0].run(layer, query, key, value, scale)
+        out = None
+        for batch in self.batches:
+            rows = batch.run(layer, query, key, value, scale)
+            if out is None:
+                out = rows.new_empty((self.rows, *rows.shape[1:]))
+            out[batch.index] = rows
+        return out
+
+    def positions(self) -> Tensor:
+        first = self.batches[0]
+        out = first.positions.new_empty(self.rows)
+        for batch in self.batches:
+            out[batch.index] = batch.positions
+        return out
 
 
 def _groups(caches: list[KVCompileCache]) -> list[tuple[bool, list[int]]]:
@@ -298,10 +328,11 @@ def _groups(caches: list[KVCompileCache]) -> list[tuple[bool, list[int]]]:
     return [(kind == "batched", members) for (kind, _), members in groups.items()]
 
 
-def _stepped(model, caches: list[KVCompileCache], members: list[int], next_token, take, seconds: list) -> None:
-    """Steps of the caches `members` (plans of one batch_key) as one batch each: `next_token(i)` is the token cache
-    i is fed next, or None once it is done; `take(i, logits)` its logits (V,). A step's (wall, CPU) seconds are
-    shared equally by the caches it fed (`seconds[i]`). Each cache holds its own pages again after."""
+def _stepped(model, caches: list[KVCompileCache], groups: list[list[int]], next_token, take, seconds: list) -> None:
+    """Steps of the caches of `groups` (each the caches of one batch_key) as one forward each, every group one
+    batch of its own decode path in it: `next_token(i)` is the token cache i is fed next, or None once it is
+    done; `take(i, logits)` its logits (V,). A step's (wall, CPU) seconds are shared equally by the caches it fed
+    (`seconds[i]`). Each cache holds its own pages again after."""
     import time
 
     from transformers import AttentionInterface, AttentionMaskInterface
@@ -310,24 +341,37 @@ def _stepped(model, caches: list[KVCompileCache], members: list[int], next_token
 
     AttentionInterface.register(BATCH_ATTENTION, _batch_attention)
     AttentionMaskInterface.register(BATCH_ATTENTION, _no_mask)
-    pages = decode_path(caches[members[0]].plan)
+    paths = [decode_path(caches[members[0]].plan) for members in groups]
+    adopted = []
     before = model.config._attn_implementation
     try:
-        pages.adopt_all([caches[i] for i in members])
+        for path, members in zip(paths, groups):
+            adopted.append((path, members))
+            path.adopt_all([caches[i] for i in members])
         model.set_attn_implementation(BATCH_ATTENTION)
         while True:
             wall, cpu = time.perf_counter(), time.process_time()
-            fed = [(i, token) for i in members if (token := next_token(i)) is not None]
+            fed = [(i, token) for members in groups for i in members if (token := next_token(i)) is not None]
             if not fed:
                 return
-            step = pages.plan([(caches[i], 1) for i, _ in fed])
-            if step.alone or step.failed:  # every cache here decodes in the batch, or the step is refused
-                raise RuntimeError(f"kvcompile: a cache left the batched decode: {step.failed or step.alone}")
-            batch = step.batch
-            ids = torch.tensor([[token for _, token in fed]], device=batch.positions.device)
-            logits = model(ids, position_ids=batch.positions[None], use_cache=False, kvcompile_batch=batch).logits[0]
-            if batch.faults:
-                raise RuntimeError(f"kvcompile: a cache could not count its token: {batch.faults[0][1]}")
+            batches = []
+            for path, members in zip(paths, groups):
+                mine = set(members)
+                if not any(i in mine for i, _ in fed):
+                    continue
+                step = path.plan([(caches[i] if i in mine else None, 1) for i, _ in fed])
+                others = [r for r, (i, _) in enumerate(fed) if i not in mine]
+                if step.alone != others or step.failed:  # every cache here decodes in its batch, or the step fails
+                    raise RuntimeError("kvcompile: a cache left the batched decode: "
+                                       f"{step.failed or sorted(set(step.alone) - set(others))}")
+                batches.append(step.batch)
+            together = _StepBatches(batches, len(fed))
+            ids = torch.tensor([[token for _, token in fed]], device=batches[0].positions.device)
+            logits = model(ids, position_ids=together.positions()[None], use_cache=False,
+                           kvcompile_batch=together).logits[0]
+            faults = [fault for batch in batches for fault in batch.faults]
+            if faults:
+                raise RuntimeError(f"kvcompile: a cache could not count its token: {faults[0][1]}")
             for (i, _), row in zip(fed, logits):
                 take(i, row)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -336,8 +380,9 @@ def _stepped(model, caches: list[KVCompileCache], members: list[int], next_token
                 seconds[i][1] += cpu / len(fed)
     finally:
         model.set_attn_implementation(before)
-        for i in members:
-            pages.detach(caches[i])
+        for path, members in adopted:
+            for i in members:
+                path.detach(caches[i])
 
 
 def _alone(seconds: list, i: int, compute):
@@ -353,8 +398,9 @@ def _alone(seconds: list, i: int, compute):
 def greedy_together(model, caches: list[KVCompileCache], last_logits: list[Tensor], max_new_tokens: int,
                     eos_token_id=None, until=None, options_of=None,
                     **options) -> tuple[list[list[int]], list[tuple[float, float]]]:
-    """`greedy` of many one-sequence caches (each after its prompt, or its question fed), as one batch a step
-    where their plans allow (`batch_key`): the same tokens each would give alone. last_logits: each cache's
+    """`greedy` of many one-sequence caches (each after its prompt, or its question fed), one forward a step for
+    all whose plans batch (a batch per `batch_key`): the tokens each would give alone, up to the last bits of the
+    forward's matrix products (a product's row can depend on its number of rows). last_logits: each cache's
     prompt logits (1, V) or (V,); `until(i, tokens)`: cache i's answer is complete. Returns each cache's tokens
     and its (wall, CPU) seconds (a batched step's shared equally by the caches it decoded). Each cache holds its
     own pages again after (options, or `options_of(cache)`: compile()'s keywords, for a cache decoded alone).
@@ -369,13 +415,15 @@ def greedy_together(model, caches: list[KVCompileCache], last_logits: list[Tenso
         done = len(tokens[i]) >= max_new_tokens or tokens[i][-1] in stop or bool(until and until(i, tokens[i]))
         return None if done else tokens[i][-1]
 
-    for batched, members in _groups(caches):
+    groups = _groups(caches)
+    for batched, members in groups:
         if not batched:
             i, = members
             tokens[i] = _alone(seconds, i, lambda: greedy(
                 model, caches[i], last_logits[i].reshape(1, -1), max_new_tokens, eos_token_id,
                 until=None if until is None else (lambda b, ids: until(i, ids)),
                 **(options if options_of is None else options_of(caches[i])))[0].tolist())
-        else:
-            _stepped(model, caches, members, next_token, lambda i, row: tokens[i].append(int(row.argmax())), seconds)
+    batched = [members for is_batched, members in groups if is_batched]
+    if batched:  # every batch in one forward a step
+        _stepped(model, caches, batched, next_token, lambda i, row: tokens[i].append(int(row.argmax())), seconds)
     return tokens, [tuple(s) for s in seconds]

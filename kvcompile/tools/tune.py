@@ -484,10 +484,11 @@ class Evaluator:
     @torch.no_grad()
     def confirms(self, candidates: list, i: int) -> list[tuple]:
         """`confirm` of each candidate on sample i, their greedy answers decoded as one batch a step
-        (sweep.greedy_together: the tokens each cache gives alone): per candidate (value, refusal, wall, CPU), a
-        candidate whose plan refuses the model or budget with its reason (as `_timed`). (The proxies are computed
-        one candidate at a time: a batched forward's logits differ from one cache's in the last bits, and a proxy
-        is compared across candidates and runs to those bits, where a greedy answer's tokens are not.)"""
+        (sweep.greedy_together: the tokens each cache gives alone, but where two tokens nearly tie): per candidate
+        (value, refusal, wall, CPU), a candidate whose plan refuses the model or budget with its reason (as
+        `_timed`). (The proxies are computed one candidate at a time: a batched forward's logits differ from one
+        cache's in the last bits, and a proxy is compared across candidates and runs to those bits; a greedy answer
+        changes only at a near tie.)"""
         from kvcompile.tools.ruler import eos_ids
         from kvcompile.tools.sweep import greedy_together
 
