@@ -409,7 +409,7 @@ def _quantized_decode(impl: str, device, dtype, head_dim: int, storage, tiered: 
     from kvcompile.kernels import paged_attention_quant as quant
 
     group = storage.group_size(head_dim)
-    key_group = 0 if storage.key_axis == "channel" else group  # 0: keys per channel (KIVI)
+    key_group = storage.key_group(head_dim)
     if impl == "cpp" and quant.supports(device, dtype, head_dim, (group,)):
         codes = dataclasses.replace(quant.backend("cpp"), key_group=key_group, value_group=group)
     else:
@@ -479,7 +479,7 @@ def _decode_step(policy: Policy, impl: str, rule: StepRule | None, decode_impl: 
     if not policy.tiered:
         return CppAppendStep(codes.bits, codes.group_size(head_dim))
     return CppTieredStep(codes.bits, codes.group_size(head_dim), rule.alpha, append_low=not policy.storage.tiered,
-                         residual=policy.storage.residual if policy.storage.key_axis == "channel" else None)
+                         residual=policy.storage.flushes_after)
 
 
 def _tiered_refusal(policy: Policy, page_size: int) -> str | None:

@@ -60,6 +60,17 @@ class Storage(Part):
         """Channels per scale and zero point for a head dim."""
         return head_dim if not self.group else self.group
 
+    def key_group(self, head_dim: int) -> int:
+        """Channels per key scale for a head dim, as the quantized kernels take it (0: each channel its own scale
+        over a page's tokens, `key_axis` "channel")."""
+        return self.group_size(head_dim)
+
+    @property
+    def flushes_after(self) -> int | None:
+        """Entries a head's float tier holds before a decode step turns its oldest group into codes (None: a
+        generated token's tier never flushes)."""
+        return None
+
     def check_head_dim(self, head_dim: int) -> str | None:
         """Why this format cannot hold entries of `head_dim` channels (None: it can)."""
         if not self.quantizes:
@@ -186,6 +197,13 @@ class Kivi(Storage):
 
     def low(self) -> Storage:
         return self  # its codes' format is its own: keys per channel, values per token
+
+    def key_group(self, head_dim: int) -> int:
+        return 0  # keys per channel over a page's `tokens`
+
+    @property
+    def flushes_after(self) -> int:
+        return self.residual  # past residual + tokens, the oldest `tokens` become one group of codes
 
     def high_tokens(self, n):
         return n - (n - self.residual).clamp(min=0) // self.tokens * self.tokens  # n − L(n): the latest

@@ -156,7 +156,7 @@ class ChannelCodeStore(CodeStore):
         cols = g // s
         self.reserve_flush(step)
         self.flush_room -= 1
-        full = high.lengths >= part.residual + g  # (B, H)
+        full = high.lengths >= part.flushes_after + g  # (B, H)
         b, h = full.shape
         table = high.block_table  # a head that flushes owns `cols` pages at least; a narrower table holds none
         if table.shape[-1] < cols:
