@@ -329,9 +329,9 @@ def _groups(caches: list[KVCompileCache]) -> list[tuple[bool, list[int]]]:
 
 
 def _stepped(model, caches: list[KVCompileCache], groups: list[list[int]], next_token, take, seconds: list) -> None:
-    """Steps of the caches of `groups` (each the caches of one batch_key) as one forward each, every group one
-    batch of its own decode path in it: `next_token(i)` is the token cache i is fed next, or None once it is
-    done; `take(i, logits)` its logits (V,). A step's (wall, CPU) seconds are shared equally by the caches it fed
+    """Steps of the caches of `groups` (each the caches of one batch_key), one forward a step for all of them,
+    each group a batch of its own decode path in it: `next_token(i)` is the token cache i is fed next, or None
+    once it is done; `take(i, logits)` its logits (V,). A step's (wall, CPU) seconds are shared equally by the caches it fed
     (`seconds[i]`). Each cache holds its own pages again after."""
     import time
 
