@@ -146,18 +146,33 @@ def global_totals(policy, reserved: list[Tensor], pools: list[list[Pool]], lengt
     for b, n in enumerate(lengths.tolist()):
         fixed = [int(r[b]) for r in reserved]
         parts = [pools[j][b] for j in range(seen)]
-        layer = torch.cat([torch.full((len(p.key),), j, dtype=torch.long) for j, p in enumerate(parts)]).to(device)
-        key = torch.cat([p.key.to(device) for p in parts])
-        position = torch.cat([p.position.to(device) for p in parts])
-        order = torch.arange(len(key), device=device)  # layer by layer, each in its own order
-        for k in (position, key):  # stable sorts, least significant key first
-            order = order[torch.sort(k[order], descending=True, stable=True).indices]
+        sizes = [len(p.key) for p in parts]
         best = max(0, policy.budget.total(n, num_heads, num_layers) - sum(fixed))
-        counts = torch.bincount(layer[order[:best]], minlength=seen).tolist()
+        counts = sizes if best >= sum(sizes) else [0] * seen if best == 0 else _best_counts(parts, best)
         rows.append([f + c for f, c in zip(fixed, counts)])
         for j, p in enumerate(parts):
             cut[j][b] = Pool(*(x[:counts[j]] for x in p))
     return torch.tensor(rows, dtype=torch.long, device=device).view(len(rows), seen), cut
+
+
+def _best_counts(parts: list[Pool], best: int) -> list[int]:
+    """How many entries of each layer's pool (each in its keep order) are among the `best` of all of them by
+    the global order: the key descending, then the later position, the lower layer, the lower head. Without a
+    sort: the best-th largest key t (a selection, O(m)); every entry above t is in, and of the entries equal to
+    t the first by (position descending, layer, head) fill the rest. Each pool keeps a prefix: its entries
+    above t come first in its own order, then its ties by position descending and head."""
+    key = torch.cat([p.key for p in parts])
+    t = key.kthvalue(len(key) - best + 1).values
+    counts = [int((p.key > t).sum()) for p in parts]
+    need = best - sum(counts)
+    if need:
+        tied = (key == t).nonzero().view(-1)  # layer by layer: (layer, position descending, head) order already
+        layer = torch.cat([torch.full((len(p.key),), j, dtype=torch.long) for j, p in enumerate(parts)])[tied]
+        position = torch.cat([p.position for p in parts])[tied]
+        first = layer[torch.sort(position, descending=True, stable=True).indices[:need]]
+        for j, c in zip(*torch.unique(first, return_counts=True)):
+            counts[int(j)] += int(c)
+    return counts
 
 
 def head_split(policy, entries: int) -> tuple[int, int, int]:
