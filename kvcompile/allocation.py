@@ -148,27 +148,30 @@ def global_totals(policy, reserved: list[Tensor], pools: list[list[Pool]], lengt
         parts = [pools[j][b] for j in range(seen)]
         sizes = [len(p.key) for p in parts]
         best = max(0, policy.budget.total(n, num_heads, num_layers) - sum(fixed))
-        counts = sizes if best >= sum(sizes) else [0] * seen if best == 0 else _best_counts(parts, best)
+        counts = sizes if best >= sum(sizes) else [0] * seen if best == 0 else _best_counts(parts, best, device)
         rows.append([f + c for f, c in zip(fixed, counts)])
         for j, p in enumerate(parts):
             cut[j][b] = Pool(*(x[:counts[j]] for x in p))
     return torch.tensor(rows, dtype=torch.long, device=device).view(len(rows), seen), cut
 
 
-def _best_counts(parts: list[Pool], best: int) -> list[int]:
+def _best_counts(parts: list[Pool], best: int, device: torch.device) -> list[int]:
     """How many entries of each layer's pool (each in its keep order) are among the `best` of all of them by
     the global order: the key descending, then the later position, the lower layer, the lower head. Without a
     sort: the best-th largest key t (a selection, O(m)); every entry above t is in, and of the entries equal to
     t the first by (position descending, layer, head) fill the rest. Each pool keeps a prefix: its entries
-    above t come first in its own order, then its ties by position descending and head."""
-    key = torch.cat([p.key for p in parts])
+    above t come first in its own order, then its ties by position descending and head. On `device` (the layers'
+    pools may live on several)."""
+    keys = [p.key.to(device) for p in parts]
+    key = torch.cat(keys)
     t = key.kthvalue(len(key) - best + 1).values
-    counts = [int((p.key > t).sum()) for p in parts]
+    counts = [int((k > t).sum()) for k in keys]
     need = best - sum(counts)
     if need:
         tied = (key == t).nonzero().view(-1)  # layer by layer: (layer, position descending, head) order already
-        layer = torch.cat([torch.full((len(p.key),), j, dtype=torch.long) for j, p in enumerate(parts)])[tied]
-        position = torch.cat([p.position for p in parts])[tied]
+        layer = torch.cat([torch.full((len(k),), j, dtype=torch.long, device=device) for j, k in enumerate(keys)])
+        position = torch.cat([p.position.to(device) for p in parts])[tied]
+        layer = layer[tied]
         first = layer[torch.sort(position, descending=True, stable=True).indices[:need]]
         for j, c in zip(*torch.unique(first, return_counts=True)):
             counts[int(j)] += int(c)
