@@ -165,17 +165,15 @@ def _best_counts(parts: list[Pool], best: int, device: torch.device) -> list[int
     keys = [p.key.to(device) for p in parts]
     key = torch.cat(keys)
     t = key.kthvalue(len(key) - best + 1).values
-    counts = [int((k > t).sum()) for k in keys]
-    need = best - sum(counts)
+    counts = torch.stack([(k > t).sum() for k in keys])
+    need = best - int(counts.sum())
     if need:
         tied = (key == t).nonzero().view(-1)  # layer by layer: (layer, position descending, head) order already
         layer = torch.cat([torch.full((len(k),), j, dtype=torch.long, device=device) for j, k in enumerate(keys)])
         position = torch.cat([p.position.to(device) for p in parts])[tied]
-        layer = layer[tied]
-        first = layer[torch.sort(position, descending=True, stable=True).indices[:need]]
-        for j, c in zip(*torch.unique(first, return_counts=True)):
-            counts[int(j)] += int(c)
-    return counts
+        first = layer[tied][torch.sort(position, descending=True, stable=True).indices[:need]]
+        counts += torch.bincount(first, minlength=len(keys))
+    return counts.tolist()
 
 
 def head_split(policy, entries: int) -> tuple[int, int, int]:
