@@ -342,6 +342,7 @@ def _stepped(model, caches: list[KVCompileCache], groups: list[list[int]], next_
     AttentionInterface.register(BATCH_ATTENTION, _batch_attention)
     AttentionMaskInterface.register(BATCH_ATTENTION, _no_mask)
     paths = [decode_path(caches[members[0]].plan) for members in groups]
+    owned = [set(members) for members in groups]
     adopted = []
     before = model.config._attn_implementation
     try:
@@ -355,8 +356,7 @@ def _stepped(model, caches: list[KVCompileCache], groups: list[list[int]], next_
             if not fed:
                 return
             batches = []
-            for path, members in zip(paths, groups):
-                mine = set(members)
+            for path, mine in zip(paths, owned):
                 if not any(i in mine for i, _ in fed):
                     continue
                 step = path.plan([(caches[i] if i in mine else None, 1) for i, _ in fed])
